@@ -1,0 +1,41 @@
+# kiln's front door. `make test` and `make demo` work on a fresh Debian/Ubuntu machine.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+KILN_DEPS ?=
+CMAKE_FLAGS ?=
+ifneq ($(KILN_DEPS),)
+CMAKE_FLAGS += -DKILN_DEPS=$(abspath $(KILN_DEPS))
+endif
+
+.PHONY: deps build test test-gpu demo offline-deps clean format
+
+deps:
+	bash scripts/install_deps.sh
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+build: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+# CPU tests always run; gpu-labelled tests skip themselves where no GPU is present.
+test: deps
+	$(MAKE) build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# On a GPU host: only the gpu-labelled tests.
+test-gpu: build
+	cd $(BUILD) && ctest --output-on-failure -L gpu --timeout 900
+
+demo: deps
+	$(MAKE) build
+	bash scripts/demo.sh
+
+offline-deps:
+	bash scripts/offline_deps.sh
+
+format:
+	clang-format -i $$(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh')
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,126 @@
+// Backend: the one op interface every device implements (cpu/ is the fp32 reference, cuda/ the
+// fast path). The model calls only these; tests compare backends op by op.
+//
+// Conventions every implementation keeps:
+//  - Shapes: B batch, T sequence, C channels (n_embd), OC output channels, NH heads,
+//    V real vocab, Vp padded vocab. Tensors are row-major and contiguous.
+//  - Activations use the backend's activation dtype (cpu: f32; cuda: bf16). Parameters passed
+//    to ops use the working dtype (same as activations). Parameter *gradients* are always f32.
+//    LayerNorm mean/rstd, attention log-sum-exp and per-token losses are always f32.
+//  - Backward ops ACCUMULATE (+=) into parameter gradients (dweight, dbias, dwte, dwpe), so
+//    gradient accumulation over micro-batches is free, and OVERWRITE (=) activation gradients,
+//    with one exception stated on layernorm_backward (the residual stream accumulates).
+//  - An undefined Tensor (data == nullptr) means "absent" for optional arguments.
+//  - All work is issued on the backend's compute stream in call order; nothing synchronizes
+//    with the host except synchronize() and copy_to_host().
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kernels/tensor.h"
+
+namespace kiln {
+
+// Scalars that change every step live in backend memory so a captured CUDA graph sees fresh
+// values on replay. Layout of the f32[kSchedSize] tensor passed to the optimizer ops:
+enum SchedSlot : int { kSchedLr = 0, kSchedStep = 1, kSchedClipScale = 2, kSchedGradNorm = 3 };
+constexpr int kSchedSize = 4;
+
+struct AdamWHyper {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
+  virtual DType activation_dtype() const = 0;
+
+  // ---- memory and transfers -------------------------------------------------------------
+  virtual void* allocate(size_t bytes) = 0;  // zero-filled; throws std::bad_alloc with context
+  virtual void release(void* p) = 0;
+  virtual void copy_from_host(Tensor dst, const void* src) = 0;  // src holds dst.nbytes()
+  virtual void copy_to_host(void* dst, Tensor src) = 0;          // waits for src to be ready
+  // dst = src elementwise; converts between f32 and bf16 when dtypes differ.
+  virtual void copy(Tensor dst, Tensor src) = 0;
+  virtual void fill_zero(Tensor t) = 0;
+  virtual void synchronize() = 0;
+
+  // ---- GPT-2 ops ------------------------------------------------------------------------
+  // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C].
+  virtual void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
+  // dwte[Vp,C] += scatter of dout by token; dwpe[maxT,C] += sum over batch. Deterministic.
+  virtual void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) = 0;
+
+  // out[N,C] = (inp - mean) * rstd * weight + bias, eps = 1e-5; mean/rstd: f32[N].
+  // inp/out may carry any leading shape; N is the product of all but the last dim.
+  virtual void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                                 Tensor bias) = 0;
+  // residual = a + b, then out = layernorm(residual): the fused form used between blocks.
+  virtual void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
+                                          Tensor a, Tensor b, Tensor weight, Tensor bias) = 0;
+  // dinp += dLN/dinp (ACCUMULATES: dinp is the residual stream's gradient), dweight += ...,
+  // dbias += ...
+  virtual void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                  Tensor inp, Tensor weight, Tensor mean, Tensor rstd) = 0;
+
+  // out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (bias optional).
+  // With pre_gelu defined ([N,OC]): pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu)
+  // (tanh approximation): the GELU epilogue.
+  virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                              Tensor pre_gelu) = 0;
+  // dinp[N,C] = dout @ weight; dweight[OC,C] += dout^T @ inp; dbias[OC] += sum_n dout (optional).
+  // With inp_pre_gelu defined ([N,C]: `inp` was gelu(inp_pre_gelu)), dinp is returned as the
+  // gradient w.r.t. inp_pre_gelu instead: dinp = (dout @ weight) * gelu'(inp_pre_gelu).
+  // dinp may be undefined (first layer of a chain needs no input grad).
+  virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                               Tensor weight, Tensor inp_pre_gelu) = 0;
+
+  // Causal multi-head self-attention. qkv[B,T,3C] holds q|k|v, each [NH, hs] per token.
+  // out[B,T,C] (heads concatenated), lse: f32[B,NH,T] log-sum-exp of the scaled scores
+  // (scale 1/sqrt(hs)), kept for the backward pass.
+  virtual void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) = 0;
+  // dqkv[B,T,3C] = gradient w.r.t. qkv (overwritten).
+  virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                                  int n_head) = 0;
+
+  // Fused softmax + cross-entropy over logits[N,Vp], of which the first `vocab_size` columns
+  // are real. losses: f32[N], losses[n] = -log softmax(logits[n])[targets[n]]; targets: i32[N].
+  // If write_dlogits, logits is overwritten IN PLACE with dloss_scale * (softmax - onehot) on
+  // the real columns and 0 on the padded ones; full-precision logits are never kept.
+  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
+                                     int vocab_size, float dloss_scale, bool write_dlogits) = 0;
+
+  // ---- reductions and the optimizer -----------------------------------------------------
+  // out: f32[1]. out (+)= sum(x) / sum(x*x). x is f32 or the activation dtype.
+  virtual void reduce_sum(Tensor out, Tensor x, bool accumulate) = 0;
+  virtual void sum_squares(Tensor out, Tensor x, bool accumulate) = 0;
+  // From sumsq (f32[1], the global sum of squared grads): sched[kSchedGradNorm] = sqrt(sumsq),
+  // sched[kSchedClipScale] = max_norm > 0 ? min(1, max_norm / (norm + 1e-6)) : 1.
+  virtual void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) = 0;
+  // sched[kSchedLr] = lr, sched[kSchedStep] = step (1-based, for bias correction).
+  virtual void set_schedule(Tensor sched, float lr, int step) = 0;
+  // AdamW over one contiguous range of the flat parameter buffers. master/grads/m/v: f32[n].
+  // g = grads * sched[clip]; m,v updated; bias-corrected with sched[step];
+  // master -= lr * (mhat / (sqrt(vhat) + eps) + wd * master) where wd = hyper.weight_decay for
+  // elements inside a decay span and 0 elsewhere. decay_spans: i64[S,2] in backend memory,
+  // sorted [begin,end) offsets in the GLOBAL flat buffer; `offset` is the global index of
+  // master[0]. working (optional, the activation dtype): receives the updated master, cast.
+  virtual void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
+                            Tensor decay_spans, int64_t offset, Tensor sched,
+                            const AdamWHyper& hyper) = 0;
+  // x *= scale (f32 buffers; used to average all-reduced gradients).
+  virtual void scale(Tensor x, float scale) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// Throws std::runtime_error when built without CUDA or when no GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(int device_index);
+bool cuda_available();  // built with CUDA and at least one GPU visible
+
+}  // namespace kiln

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
+# Gloo, OpenMP) and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
+# nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent; runs as root or with sudo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CUDNN_FRONTEND_VERSION=1.32.0
+packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
+          libgmock-dev libgloo-dev libomp-dev unzip python3-pip)
+
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install_deps: installing ${missing[*]}"
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}"
+else
+  echo "install_deps: Debian packages present"
+fi
+
+# The cuDNN frontend is header-only C++; only the CUDA build needs it.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  dest=.deps/cudnn-frontend
+  if [ ! -f "$dest/include/cudnn_frontend.h" ]; then
+    echo "install_deps: fetching cuDNN frontend headers $CUDNN_FRONTEND_VERSION"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
+      "nvidia-cudnn-frontend==$CUDNN_FRONTEND_VERSION"
+    mkdir -p "$dest"
+    unzip -q -o "$tmp"/nvidia_cudnn_frontend-*.whl 'include/*' -d "$dest"
+    rm -rf "$tmp"
+  fi
+  echo "install_deps: cuDNN frontend headers in $dest/include"
+fi
