@@ -1,0 +1,97 @@
+// Config: the typed schema of a run. Field names are the YAML keys and the CLI override paths
+// (`--optim.lr=3e-4`), so this file is the config reference. load_config() reads YAML with
+// yaml-cpp, applies overrides, and validates: an unknown key, a wrong type or an out-of-range
+// value throws InputError naming the key, before anything touches a device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln {
+
+struct ModelSection {
+  std::string arch = "gpt2";  // gpt2 (llama, qwen3, moe later)
+  int n_layer = 12;
+  int n_head = 12;
+  int n_kv_head = 0;  // 0: same as n_head
+  int n_embd = 768;
+  int ffn_dim = 0;  // 0: 4 * n_embd
+  int vocab_size = 50257;
+  int padded_vocab_size = 0;  // 0: vocab_size rounded up to a multiple of 128
+  int seq_len = 1024;
+  bool tie_embeddings = true;
+  double rope_theta = 10000.0;
+};
+
+struct DataSection {
+  std::string train;  // glob of train shards
+  std::string val;    // glob of val shards ("" = no validation)
+  bool shuffle = true;  // permute window order per shard and epoch (seeded by train.seed)
+  bool prefetch = true; // background loader thread
+};
+
+struct TrainSection {
+  std::string device = "auto";  // auto | cpu | cuda
+  int batch_size = 8;            // micro-batch per rank
+  int grad_accum = 1;
+  int max_steps = 1000;
+  int eval_every = 100;  // 0: never
+  int eval_steps = 20;
+  int log_every = 1;
+  int64_t seed = 1337;
+  std::string out_dir = "runs/default";
+  int checkpoint_every = 0;  // 0: only at the end of the run
+  int keep_checkpoints = 2;  // newest N kept
+  std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
+  int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
+  int sample_tokens = 128;
+  bool cuda_graphs = true;
+  double peak_tflops = 0.0;  // 0: from the GPU peak table
+};
+
+struct OptimSection {
+  std::string name = "adamw";
+  double lr = 6.0e-4;
+  double min_lr = 6.0e-5;
+  int warmup_steps = 100;
+  std::string schedule = "cosine";  // cosine | linear | constant
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1.0e-8;
+  double grad_clip = 1.0;  // 0: no clipping
+};
+
+struct PrecisionSection {
+  std::string dtype = "bf16";        // bf16 | fp32 (the CPU backend always computes in fp32)
+  bool fp8 = false;
+  std::string attention = "auto";    // auto | cudnn | flash | naive
+};
+
+struct DistSection {
+  std::string strategy = "ddp";  // ddp | zero1 | fsdp
+  double bucket_mb = 25.0;       // DDP gradient bucket size
+  int timeout_s = 300;           // collectives and rendezvous
+};
+
+struct Config {
+  ModelSection model;
+  DataSection data;
+  TrainSection train;
+  OptimSection optim;
+  PrecisionSection precision;
+  DistSection dist;
+};
+
+// Reads `path` (YAML), applies `overrides` ("section.key=value", leading "--" optional) in
+// order, fills derived defaults (n_kv_head, ffn_dim, padded_vocab_size) and validates.
+// Throws InputError naming the file/key on any problem.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+// Same, from YAML text (tests).
+Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                    const std::string& source_name = "<string>");
+// The resolved config as YAML, every key present; load_config() of it gives the same Config.
+std::string config_to_yaml(const Config& config);
+
+}  // namespace kiln
