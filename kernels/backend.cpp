@@ -1,0 +1,14 @@
+#include "kernels/backend.h"
+
+#include <stdexcept>
+
+namespace kiln {
+
+#ifndef KILN_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int) {
+  throw std::runtime_error("this kiln was built without CUDA (KILN_CUDA=OFF or no nvcc)");
+}
+bool cuda_available() { return false; }
+#endif
+
+}  // namespace kiln
