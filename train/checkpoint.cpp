@@ -1,0 +1,294 @@
+#include "train/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "kernels/error.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kShardMagic[8] = {'K', 'I', 'L', 'N', 'S', 'H', 'R', 'D'};
+constexpr uint32_t kFormatVersion = 1;
+
+struct ShardHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t reserved;
+  int64_t begin;
+  int64_t end;
+};
+
+// FNV-1a over bytes: cheap, and enough to catch truncation and bit rot.
+uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+constexpr uint64_t kFnvSeed = 14695981039346656037ull;
+
+std::string step_name(int step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08d", step);
+  return buf;
+}
+
+std::string rank_file(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank_%05d.bin", rank);
+  return buf;
+}
+
+[[noreturn]] void fail_io(const std::string& what, const std::string& path) {
+  throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
+}
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) fail_io("cannot open", path);
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail_io("cannot fsync", path);
+  }
+  ::close(fd);
+}
+
+// Writes `parts` to path and fsyncs it; the caller renames into place.
+void write_file_synced(const std::string& path, const std::vector<std::pair<const void*, size_t>>& parts) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) fail_io("cannot create", path);
+  for (const auto& [data, n] : parts) {
+    if (n && std::fwrite(data, 1, n, f) != n) {
+      std::fclose(f);
+      fail_io("cannot write", path);
+    }
+  }
+  if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0) {
+    std::fclose(f);
+    fail_io("cannot flush", path);
+  }
+  std::fclose(f);
+}
+
+void write_shard(const std::string& path, const OptimizerShard& s) {
+  ShardHeader h{};
+  std::memcpy(h.magic, kShardMagic, sizeof kShardMagic);
+  h.version = kFormatVersion;
+  h.begin = s.begin;
+  h.end = s.end;
+  const size_t n = static_cast<size_t>(s.end - s.begin) * sizeof(float);
+  uint64_t sum = kFnvSeed;
+  sum = fnv1a(sum, &h, sizeof h);
+  sum = fnv1a(sum, s.master, n);
+  sum = fnv1a(sum, s.m, n);
+  sum = fnv1a(sum, s.v, n);
+  write_file_synced(path, {{&h, sizeof h}, {s.master, n}, {s.m, n}, {s.v, n}, {&sum, sizeof sum}});
+}
+
+// Reads a shard's header and trailing checksum without reading its payload.
+CheckpointFile inspect_shard(const std::string& dir, const std::string& name) {
+  const std::string path = dir + "/" + name;
+  std::ifstream in(path, std::ios::binary);
+  ShardHeader h{};
+  if (!in.read(reinterpret_cast<char*>(&h), sizeof h) ||
+      std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
+    throw InputError(path + ": not a kiln checkpoint shard");
+  CheckpointFile f{name, h.begin, h.end, 0};
+  in.seekg(-static_cast<std::streamoff>(sizeof(uint64_t)), std::ios::end);
+  in.read(reinterpret_cast<char*>(&f.checksum), sizeof f.checksum);
+  if (!in) throw InputError(path + ": truncated checkpoint shard");
+  return f;
+}
+
+std::string manifest_yaml(const CheckpointManifest& m) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "format" << YAML::Value << "kiln-checkpoint";
+  out << YAML::Key << "version" << YAML::Value << kFormatVersion;
+  out << YAML::Key << "step" << YAML::Value << m.state.step;
+  out << YAML::Key << "loader_epoch" << YAML::Value << m.state.loader_epoch;
+  out << YAML::Key << "loader_cursor" << YAML::Value << m.state.loader_cursor;
+  out << YAML::Key << "rng_state" << YAML::Value << m.state.rng_state;
+  out << YAML::Key << "world_size" << YAML::Value << m.world_size;
+  out << YAML::Key << "strategy" << YAML::Value << m.strategy;
+  out << YAML::Key << "param_count" << YAML::Value << m.param_count;
+  out << YAML::Key << "files" << YAML::Value << YAML::BeginSeq;
+  for (const auto& f : m.files) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "file" << YAML::Value << f.file
+        << YAML::Key << "begin" << YAML::Value << f.begin << YAML::Key << "end" << YAML::Value
+        << f.end << YAML::Key << "checksum" << YAML::Value << f.checksum << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
+  for (const auto& t : m.tensors) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value << t.name
+        << YAML::Key << "offset" << YAML::Value << t.offset << YAML::Key << "shape"
+        << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (int i = 0; i < t.shape.ndim; ++i) out << t.shape[i];
+    out << YAML::EndSeq << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  out << YAML::Key << "config" << YAML::Value << YAML::Literal << m.config_yaml;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+void prune_checkpoints(const std::string& root, int keep) {
+  std::vector<std::string> complete;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos) complete.push_back(name);
+  }
+  std::sort(complete.begin(), complete.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < complete.size(); ++i)
+    fs::remove_all(root + "/" + complete[i]);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
+                            const ParamLayout& layout, const std::string& config_yaml,
+                            const std::string& strategy, const OptimizerShard& shard, int rank,
+                            int world_size, int keep, const std::function<void()>& barrier) {
+  const std::string root = out_dir + "/checkpoints";
+  const std::string final_dir = root + "/" + step_name(state.step);
+  const std::string tmp_dir = final_dir + ".tmp";
+  if (rank == 0) {
+    fs::create_directories(root);
+    fs::remove_all(tmp_dir);  // left by a crash mid-write
+    fs::create_directory(tmp_dir);
+  }
+  barrier();
+  if (shard.end > shard.begin) write_shard(tmp_dir + "/" + rank_file(rank), shard);
+  barrier();
+  if (rank == 0) {
+    CheckpointManifest m;
+    m.state = state;
+    m.world_size = world_size;
+    m.strategy = strategy;
+    m.param_count = layout.total;
+    m.config_yaml = config_yaml;
+    m.tensors = layout.tensors;
+    for (int r = 0; r < world_size; ++r)
+      if (fs::exists(tmp_dir + "/" + rank_file(r))) m.files.push_back(inspect_shard(tmp_dir, rank_file(r)));
+    const std::string text = manifest_yaml(m);
+    write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
+    fsync_path(tmp_dir);
+    if (fs::exists(final_dir)) fs::remove_all(final_dir);
+    fs::rename(tmp_dir, final_dir);
+    fsync_path(root);
+    prune_checkpoints(root, keep);
+  }
+  barrier();
+  return final_dir;
+}
+
+std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {
+  const std::string root = out_dir + "/checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return std::nullopt;
+  std::string best;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) != 0 || name.find('.') != std::string::npos) continue;
+    if (!fs::exists(e.path() / "manifest.yaml")) continue;
+    if (name > best) best = name;
+  }
+  if (best.empty()) return std::nullopt;
+  return root + "/" + best;
+}
+
+CheckpointManifest read_manifest(const std::string& dir) {
+  const std::string path = dir + "/manifest.yaml";
+  if (!fs::exists(path)) throw InputError(path + ": no checkpoint manifest here");
+  CheckpointManifest m;
+  m.dir = dir;
+  try {
+    YAML::Node n = YAML::LoadFile(path);
+    if (n["format"].as<std::string>() != "kiln-checkpoint")
+      throw InputError(path + ": not a kiln checkpoint manifest");
+    if (n["version"].as<uint32_t>() != kFormatVersion)
+      throw InputError(path + ": unsupported checkpoint version " + n["version"].as<std::string>());
+    m.state.step = n["step"].as<int>();
+    m.state.loader_epoch = n["loader_epoch"].as<uint64_t>();
+    m.state.loader_cursor = n["loader_cursor"].as<uint64_t>();
+    m.state.rng_state = n["rng_state"].as<std::string>();
+    m.world_size = n["world_size"].as<int>();
+    m.strategy = n["strategy"].as<std::string>();
+    m.param_count = n["param_count"].as<int64_t>();
+    m.config_yaml = n["config"].as<std::string>();
+    for (const auto& f : n["files"])
+      m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
+                         f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});
+    for (const auto& t : n["tensors"]) {
+      ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false};
+      for (const auto& d : t["shape"]) info.shape.dims[static_cast<size_t>(info.shape.ndim++)] = d.as<int64_t>();
+      m.tensors.push_back(info);
+    }
+  } catch (const YAML::Exception& e) {
+    throw InputError(path + ": malformed checkpoint manifest: " + e.what());
+  }
+  return m;
+}
+
+void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout& layout,
+                          int64_t begin, int64_t end, float* master, float* m, float* v) {
+  const std::string where = manifest.dir + "/manifest.yaml";
+  if (manifest.param_count != layout.total || manifest.tensors.size() != layout.tensors.size())
+    throw InputError(where + ": checkpoint has " + std::to_string(manifest.param_count) +
+                     " parameters in " + std::to_string(manifest.tensors.size()) +
+                     " tensors; this model has " + std::to_string(layout.total) + " in " +
+                     std::to_string(layout.tensors.size()));
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const ParamInfo& a = manifest.tensors[i];
+    const ParamInfo& b = layout.tensors[i];
+    if (a.name != b.name || a.offset != b.offset || a.shape != b.shape)
+      throw InputError(where + ": tensor " + a.name + a.shape.str() + " does not match model's " +
+                       b.name + b.shape.str());
+  }
+  int64_t covered = 0;
+  for (const auto& f : manifest.files) {
+    const int64_t lo = std::max(begin, f.begin), hi = std::min(end, f.end);
+    if (lo >= hi) continue;
+    const std::string path = manifest.dir + "/" + f.file;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InputError(path + ": cannot open checkpoint shard");
+    // Verify the whole file's checksum, then copy the overlapping part of each array.
+    const int64_t n = f.end - f.begin;
+    ShardHeader h{};
+    std::vector<float> buf(static_cast<size_t>(n));
+    uint64_t sum = kFnvSeed, stored = 0;
+    in.read(reinterpret_cast<char*>(&h), sizeof h);
+    sum = fnv1a(sum, &h, sizeof h);
+    float* dst[3] = {master, m, v};
+    for (float* d : dst) {
+      if (!in.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(n * 4)))
+        throw InputError(path + ": truncated checkpoint shard");
+      sum = fnv1a(sum, buf.data(), static_cast<size_t>(n) * 4);
+      std::copy(buf.begin() + (lo - f.begin), buf.begin() + (hi - f.begin), d + (lo - begin));
+    }
+    in.read(reinterpret_cast<char*>(&stored), sizeof stored);
+    if (!in || stored != sum || stored != f.checksum)
+      throw InputError(path + ": checksum mismatch (corrupt or truncated checkpoint shard)");
+    covered += hi - lo;
+  }
+  if (covered != end - begin)
+    throw InputError(where + ": files cover " + std::to_string(covered) + " of the " +
+                     std::to_string(end - begin) + " parameters requested");
+}
+
+}  // namespace kiln

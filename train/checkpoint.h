@@ -1,0 +1,73 @@
+// Checkpoints: a directory per step, out_dir/checkpoints/step_NNNNNNNN/, holding one binary file
+// per rank (the [begin,end) range of the flat fp32 master weights and AdamW moments that rank
+// owns) and manifest.yaml (step, data position, RNG state, tensor table, resolved config, and
+// each file's range and checksum). Everything is written into step_NNNNNNNN.tmp/ (each file
+// fsynced), and rank 0 renames the directory into place last: a crash mid-write leaves the
+// previous checkpoint untouched and loadable. Because files carry ranges, a checkpoint can be
+// read back by any world size or sharding strategy.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/gpt2.h"
+
+namespace kiln {
+
+struct TrainingState {
+  int step = 0;  // optimizer steps completed
+  uint64_t loader_epoch = 0;
+  uint64_t loader_cursor = 0;
+  std::string rng_state;  // the trainer's sampling RNG, as text
+};
+
+struct CheckpointFile {
+  std::string file;  // relative to the checkpoint directory
+  int64_t begin = 0;
+  int64_t end = 0;
+  uint64_t checksum = 0;
+};
+
+struct CheckpointManifest {
+  std::string dir;
+  TrainingState state;
+  int world_size = 1;
+  std::string strategy;
+  int64_t param_count = 0;
+  std::string config_yaml;
+  std::vector<ParamInfo> tensors;
+  std::vector<CheckpointFile> files;
+};
+
+// Host copies of one rank's range [begin, end) of the optimizer state.
+struct OptimizerShard {
+  int64_t begin = 0;
+  int64_t end = 0;
+  const float* master = nullptr;
+  const float* m = nullptr;
+  const float* v = nullptr;
+};
+
+// Collective: every rank calls it with its shard (ranges must tile [0, param_count) across
+// ranks; under DDP only rank 0 passes a non-empty shard). `barrier` synchronizes all ranks
+// (a no-op for one process). Returns the final directory. Keeps the newest `keep` checkpoints.
+std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
+                            const ParamLayout& layout, const std::string& config_yaml,
+                            const std::string& strategy, const OptimizerShard& shard, int rank,
+                            int world_size, int keep, const std::function<void()>& barrier);
+
+// The newest complete checkpoint directory under out_dir/checkpoints, if any.
+std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);
+
+// Reads and validates dir/manifest.yaml. Throws InputError naming the file on any problem.
+CheckpointManifest read_manifest(const std::string& dir);
+
+// Fills [begin, end) of master/m/v (host, sized end-begin) from whichever files cover it,
+// verifying checksums. Checks that the manifest's tensor table matches `layout`.
+void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout& layout,
+                          int64_t begin, int64_t end, float* master, float* m, float* v);
+
+}  // namespace kiln

@@ -1,0 +1,43 @@
+// Metrics: the one place that knows peak FLOP/s and computes MFU, and the one writer of the
+// per-step log line and <out_dir>/metrics.jsonl. MFU = flops_per_token * tokens/s / (peak * GPUs).
+#pragma once
+
+#include <cstdio>
+#include <optional>
+#include <string>
+
+namespace kiln {
+
+// Dense peak FLOP/s per GPU for a device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...),
+// bf16 or fp8. 0 when unknown (the CPU backend, an unlisted GPU): MFU is then reported as 0.
+double peak_flops(const std::string& device_name, bool fp8);
+
+struct StepMetrics {
+  int step = 0;
+  int max_steps = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double ms = 0;
+  double tok_s = 0;
+  double mfu = 0;  // fraction, 0..1
+  std::optional<double> val_loss;
+};
+
+class MetricsLog {
+ public:
+  // Appends to path (created if missing). Throws InputError if it cannot be opened.
+  explicit MetricsLog(const std::string& path);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+  void write(const StepMetrics& m);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+std::string format_step_line(const StepMetrics& m, const std::string& memory);
+std::string metrics_json(const StepMetrics& m);
+
+}  // namespace kiln

@@ -1,0 +1,64 @@
+#include "train/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace kiln {
+
+namespace {
+int pick_token(std::vector<float>& logits, int vocab_size, const SamplingOptions& opts,
+               std::mt19937_64& rng) {
+  logits.resize(static_cast<size_t>(vocab_size));
+  if (opts.temperature <= 0.0f)
+    return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  std::vector<int> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  size_t keep = order.size();
+  if (opts.top_k > 0 && static_cast<size_t>(opts.top_k) < keep) {
+    keep = static_cast<size_t>(opts.top_k);
+    std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep),
+                      order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  }
+  float max_logit = -INFINITY;
+  for (size_t i = 0; i < keep; ++i) max_logit = std::max(max_logit, logits[order[i]]);
+  std::vector<double> probs(keep);
+  for (size_t i = 0; i < keep; ++i)
+    probs[i] = std::exp((logits[order[i]] - max_logit) / opts.temperature);
+  std::discrete_distribution<size_t> dist(probs.begin(), probs.end());
+  return order[dist(rng)];
+}
+}  // namespace
+
+std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Gpt2Weights& weights,
+                          std::vector<int> prompt, const SamplingOptions& opts,
+                          std::mt19937_64& rng) {
+  if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
+  const int T = cfg.seq_len, Vp = cfg.padded_vocab_size;
+  Gpt2 model(cfg, backend);
+  Arena arena(backend, "sampling");
+  model.plan_activations(arena, 1, T);
+  Tensor tokens, targets, row;
+  arena.plan(&tokens, "tokens", {1, T}, DType::i32);
+  arena.plan(&targets, "targets", {1, T}, DType::i32);
+  arena.plan(&row, "logits_row", {Vp}, DType::f32);
+  arena.allocate();
+  model.set_weights(weights);
+
+  std::vector<int32_t> window(static_cast<size_t>(T), 0);
+  std::vector<float> logits(static_cast<size_t>(Vp));
+  for (int i = 0; i < opts.max_new_tokens; ++i) {
+    // The last T tokens of the context; position t predicts t+1.
+    const size_t n = std::min(prompt.size(), static_cast<size_t>(T));
+    std::fill(window.begin(), window.end(), 0);
+    std::copy(prompt.end() - static_cast<std::ptrdiff_t>(n), prompt.end(), window.begin());
+    backend.copy_from_host(tokens, window.data());
+    model.forward(tokens, targets, 0.0f, false);
+    backend.copy(row, model.logits().slice(static_cast<int64_t>(n - 1) * Vp, {Vp}));
+    backend.copy_to_host(logits.data(), row);
+    prompt.push_back(pick_token(logits, cfg.vocab_size, opts, rng));
+  }
+  return prompt;
+}
+
+}  // namespace kiln

@@ -1,0 +1,362 @@
+#include "train/trainer.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <new>
+#include <random>
+#include <sstream>
+
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "dist/communicator.h"
+#include "kernels/arena.h"
+#include "kernels/error.h"
+#include "model/gpt2.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/sampler.h"
+#include "train/schedule.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+ModelConfig model_config(const ModelSection& m) {
+  ModelConfig c;
+  c.n_layer = m.n_layer;
+  c.n_head = m.n_head;
+  c.n_embd = m.n_embd;
+  c.ffn_dim = m.ffn_dim;
+  c.vocab_size = m.vocab_size;
+  c.padded_vocab_size = m.padded_vocab_size;
+  c.seq_len = m.seq_len;
+  c.tie_embeddings = m.tie_embeddings;
+  return c;
+}
+
+std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
+  const std::string& device = cfg.train.device;
+  if (device == "cuda" || (device == "auto" && cuda_available())) {
+    if (!cuda_available())
+      throw InputError("train.device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
+    return make_cuda_backend(rank.local_rank);
+  }
+  if (cfg.precision.dtype == "bf16")
+    spdlog::info("cpu backend: computing in fp32 (the reference); precision.dtype=bf16 applies to CUDA");
+  return make_cpu_backend();
+}
+
+class Trainer {
+ public:
+  Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm)
+      : cfg_(cfg), rank_(rank), backend_(make_backend(cfg, rank)),
+        mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
+        state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
+    if (make_comm) {
+      owned_comm_ = make_comm(*backend_);
+      comm_ = owned_comm_.get();
+    }
+  }
+
+  int run();
+
+ private:
+  bool is_main() const { return rank_.rank == 0; }
+  int B() const { return cfg_.train.batch_size; }
+  int T() const { return mcfg_.seq_len; }
+  int64_t tokens_per_step() const {
+    return static_cast<int64_t>(B()) * T() * cfg_.train.grad_accum * rank_.world_size;
+  }
+  void plan_memory();
+  void print_memory_table() const;
+  void init_parameters();
+  void resume_from(const std::string& dir);
+  double train_step(int step);
+  double evaluate();
+  void save(int step);
+  void print_sample(int step);
+  void barrier() {
+    if (comm_) comm_->barrier();
+  }
+  void all_reduce(Tensor t) {
+    if (comm_ && rank_.world_size > 1) comm_->all_reduce_sum(t);
+  }
+  float read_scalar(Tensor t, int index = 0) {
+    float host[kSchedSize];
+    backend_->copy_to_host(host, t);
+    return host[index];
+  }
+
+  const Config& cfg_;
+  RankInfo rank_;
+  std::unique_ptr<Communicator> owned_comm_;
+  Communicator* comm_ = nullptr;
+  std::unique_ptr<Backend> backend_;
+  ModelConfig mcfg_;
+  Gpt2 model_;
+  Arena state_arena_, acts_arena_;
+  // Flat buffers (DESIGN.md invariant 4): fp32 master, working copy in the activation dtype
+  // (aliases master when that is fp32), fp32 grads and AdamW moments.
+  Tensor master_, working_, grads_, m_, v_;
+  Tensor decay_spans_, sched_, sumsq_, loss_sum_, tokens_, targets_;
+  std::unique_ptr<DataLoader> train_loader_, val_loader_;
+  std::unique_ptr<MetricsLog> metrics_;
+  std::mt19937_64 rng_;
+  int start_step_ = 0;
+  double peak_ = 0;
+};
+
+void Trainer::plan_memory() {
+  const int64_t P = model_.layout().total;
+  const DType act = backend_->activation_dtype();
+  state_arena_.plan(&master_, "params.master", {P}, DType::f32);
+  if (act != DType::f32) state_arena_.plan(&working_, "params.working", {P}, act);
+  state_arena_.plan(&grads_, "grads", {P}, DType::f32);
+  state_arena_.plan(&m_, "adamw.m", {P}, DType::f32);
+  state_arena_.plan(&v_, "adamw.v", {P}, DType::f32);
+  const auto& spans = model_.layout().decay_spans;
+  state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
+  state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
+  state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
+  state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
+  state_arena_.plan(&tokens_, "tokens", {B(), T()}, DType::i32);
+  state_arena_.plan(&targets_, "targets", {B(), T()}, DType::i32);
+  model_.plan_activations(acts_arena_, B(), T());
+  print_memory_table();
+  try {
+    state_arena_.allocate();
+    acts_arena_.allocate();
+  } catch (const std::bad_alloc& e) {
+    throw InputError(std::string("the memory plan does not fit on ") + backend_->name() + " (" +
+                     format_bytes(state_arena_.bytes() + acts_arena_.bytes()) +
+                     "): lower train.batch_size (raise train.grad_accum to keep the batch) or "
+                     "model size. " + e.what());
+  }
+  if (!working_.defined()) working_ = master_;
+  std::vector<int64_t> flat;
+  for (const auto& [b, e] : spans) {
+    flat.push_back(b);
+    flat.push_back(e);
+  }
+  backend_->copy_from_host(decay_spans_, flat.data());
+  Gpt2Weights w = bind_weights(mcfg_, model_.layout(), working_);
+  model_.set_weights(w);
+  model_.set_grads(bind_weights(mcfg_, model_.layout(), grads_));
+}
+
+void Trainer::print_memory_table() const {
+  if (!is_main()) return;
+  spdlog::info("memory plan on {} ({} parameters):", backend_->name(), model_.layout().total);
+  for (const auto& e : state_arena_.entries())
+    if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0)
+      spdlog::info("  {:<24} {:>6} {:>14}  {}", e.name, dtype_name(e.dtype), e.shape.str(),
+                   format_bytes(e.bytes));
+  spdlog::info("  {:<24} B={} T={}  {} in {} buffers", "activations", B(), T(),
+               format_bytes(acts_arena_.bytes()), acts_arena_.entries().size());
+  spdlog::info("  {:<24} {}", "total", format_bytes(state_arena_.bytes() + acts_arena_.bytes()));
+}
+
+void Trainer::init_parameters() {
+  std::vector<float> host(static_cast<size_t>(model_.layout().total));
+  gpt2_init(mcfg_, model_.layout(), static_cast<uint64_t>(cfg_.train.seed), host.data());
+  backend_->copy_from_host(master_, host.data());
+  if (working_.data != master_.data) backend_->copy(working_, master_);
+}
+
+void Trainer::resume_from(const std::string& dir) {
+  CheckpointManifest manifest = read_manifest(dir);
+  const int64_t P = model_.layout().total;
+  std::vector<float> master(static_cast<size_t>(P)), m(master.size()), v(master.size());
+  load_optimizer_range(manifest, model_.layout(), 0, P, master.data(), m.data(), v.data());
+  backend_->copy_from_host(master_, master.data());
+  backend_->copy_from_host(m_, m.data());
+  backend_->copy_from_host(v_, v.data());
+  if (working_.data != master_.data) backend_->copy(working_, master_);
+  start_step_ = manifest.state.step;
+  train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
+  std::istringstream(manifest.state.rng_state) >> rng_;
+  if (is_main()) spdlog::info("resumed from {} at step {}", dir, start_step_);
+}
+
+double Trainer::train_step(int step) {
+  Backend& k = *backend_;
+  const int accum = cfg_.train.grad_accum;
+  const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
+  k.fill_zero(grads_);
+  for (int micro = 0; micro < accum; ++micro) {
+    const Batch& batch = train_loader_->next();
+    k.copy_from_host(tokens_, batch.inputs.data());
+    k.copy_from_host(targets_, batch.targets.data());
+    model_.forward(tokens_, targets_, dloss_scale, true);
+    k.reduce_sum(loss_sum_, model_.losses(), micro > 0);
+    model_.backward(tokens_);
+  }
+  // DDP: every rank holds the full gradient of its own micro-batches; average them.
+  if (comm_ && rank_.world_size > 1) {
+    all_reduce(grads_);
+    k.scale(grads_, 1.0f / static_cast<float>(rank_.world_size));
+    all_reduce(loss_sum_);
+  }
+  k.sum_squares(sumsq_, grads_, false);
+  k.grad_norm_clip(sched_, sumsq_, static_cast<float>(cfg_.optim.grad_clip));
+  const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
+  k.set_schedule(sched_, static_cast<float>(lr), step + 1);
+  AdamWHyper hyper;
+  hyper.beta1 = static_cast<float>(cfg_.optim.beta1);
+  hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
+  hyper.eps = static_cast<float>(cfg_.optim.eps);
+  hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
+  k.adamw_update(master_, grads_, m_, v_, working_.data == master_.data ? Tensor{} : working_,
+                 decay_spans_, 0, sched_, hyper);
+  return lr;
+}
+
+double Trainer::evaluate() {
+  Backend& k = *backend_;
+  val_loader_->reset();
+  for (int i = 0; i < cfg_.train.eval_steps; ++i) {
+    const Batch& batch = val_loader_->next();
+    k.copy_from_host(tokens_, batch.inputs.data());
+    k.copy_from_host(targets_, batch.targets.data());
+    model_.forward(tokens_, targets_, 0.0f, false);
+    k.reduce_sum(loss_sum_, model_.losses(), i > 0);
+  }
+  all_reduce(loss_sum_);
+  const double n = static_cast<double>(B()) * T() * cfg_.train.eval_steps * rank_.world_size;
+  return read_scalar(loss_sum_) / n;
+}
+
+void Trainer::save(int step) {
+  const int64_t P = model_.layout().total;
+  // DDP: every rank holds identical state; rank 0 writes it all.
+  OptimizerShard shard;
+  std::vector<float> master, m, v;
+  if (is_main()) {
+    master.resize(static_cast<size_t>(P));
+    m.resize(master.size());
+    v.resize(master.size());
+    backend_->copy_to_host(master.data(), master_);
+    backend_->copy_to_host(m.data(), m_);
+    backend_->copy_to_host(v.data(), v_);
+    shard = {0, P, master.data(), m.data(), v.data()};
+  }
+  const LoaderState ls = train_loader_->state();
+  std::ostringstream rng_text;
+  rng_text << rng_;
+  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str()};
+  const std::string dir =
+      save_checkpoint(cfg_.train.out_dir, state, model_.layout(), config_to_yaml(cfg_),
+                      cfg_.dist.strategy, shard, rank_.rank, rank_.world_size,
+                      cfg_.train.keep_checkpoints, [this] { barrier(); });
+  if (is_main()) spdlog::info("checkpoint: {}", dir);
+}
+
+void Trainer::print_sample(int step) {
+  if (!is_main() || mcfg_.vocab_size > 256) return;  // only the byte tokenizer decodes here
+  SamplingOptions opts;
+  opts.max_new_tokens = cfg_.train.sample_tokens;
+  opts.temperature = 0.8f;
+  opts.top_k = 40;
+  std::vector<int> out = generate(*backend_, mcfg_, bind_weights(mcfg_, model_.layout(), working_),
+                                  {'\n'}, opts, rng_);
+  spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
+}
+
+// On resume, drop metrics lines past the checkpoint's step so the log reads as one run.
+void truncate_metrics(const std::string& path, int last_step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    const auto pos = line.find("\"step\":");
+    if (pos != std::string::npos && std::atoi(line.c_str() + pos + 7) > last_step) continue;
+    kept += line + "\n";
+  }
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << kept;
+  fs::rename(tmp, path);
+}
+
+int Trainer::run() {
+  const auto& t = cfg_.train;
+  if (is_main()) {
+    fs::create_directories(t.out_dir);
+    std::ofstream(t.out_dir + "/config.yaml") << config_to_yaml(cfg_);
+  }
+  rng_.seed(static_cast<uint64_t>(t.seed) + 1);
+  train_loader_ = std::make_unique<DataLoader>(cfg_.data.train, B(), T(), rank_.rank,
+                                               rank_.world_size, mcfg_.vocab_size,
+                                               cfg_.data.shuffle, static_cast<uint64_t>(t.seed),
+                                               cfg_.data.prefetch);
+  if (!cfg_.data.val.empty() && t.eval_every > 0)
+    val_loader_ = std::make_unique<DataLoader>(cfg_.data.val, B(), T(), rank_.rank,
+                                               rank_.world_size, mcfg_.vocab_size, false, 0, false);
+  plan_memory();
+
+  std::optional<std::string> ckpt;
+  if (t.resume == "auto") ckpt = find_latest_checkpoint(t.out_dir);
+  else if (t.resume != "none") ckpt = t.resume;
+  if (ckpt) resume_from(*ckpt);
+  else init_parameters();
+
+  const std::string metrics_path = t.out_dir + "/metrics.jsonl";
+  if (is_main()) {
+    if (ckpt) truncate_metrics(metrics_path, start_step_);
+    else if (fs::exists(metrics_path)) fs::rename(metrics_path, metrics_path + ".prev");
+    metrics_ = std::make_unique<MetricsLog>(metrics_path);
+  }
+  peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), cfg_.precision.fp8);
+  const double flops_per_token = gpt2_flops_per_token(mcfg_, T());
+  if (is_main())
+    spdlog::info("training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
+                 "{:.3g} GFLOP/token, peak {}",
+                 t.max_steps - start_step_, tokens_per_step(), B(), T(), t.grad_accum,
+                 rank_.world_size, backend_->name(), flops_per_token / 1e9,
+                 peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU 0)");
+
+  for (int step = start_step_; step < t.max_steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepMetrics sm;
+    sm.lr = train_step(step);
+    const double loss_sum = read_scalar(loss_sum_);  // waits for the step's work
+    float sched[kSchedSize];
+    backend_->copy_to_host(sched, sched_);
+    const auto t1 = std::chrono::steady_clock::now();
+    sm.step = step + 1;
+    sm.max_steps = t.max_steps;
+    sm.loss = loss_sum / static_cast<double>(tokens_per_step());
+    sm.grad_norm = sched[kSchedGradNorm];
+    sm.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
+    sm.mfu = peak_ > 0 ? flops_per_token * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
+    if (!std::isfinite(sm.loss)) {
+      spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
+      return 1;
+    }
+    const bool last = sm.step == t.max_steps;
+    if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
+    if (is_main()) {
+      metrics_->write(sm);
+      if (sm.step % t.log_every == 0 || last || sm.val_loss)
+        spdlog::info("{}", format_step_line(sm, format_bytes(state_arena_.bytes() + acts_arena_.bytes())));
+    }
+    if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
+    if ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last) save(sm.step);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm) {
+  Trainer trainer(config, rank, make_comm);
+  return trainer.run();
+}
+
+}  // namespace kiln

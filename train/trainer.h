@@ -1,0 +1,30 @@
+// Trainer: the recipe. Build the backend and model, plan all memory once (printing the table),
+// initialize or resume, then loop: grad_accum micro-steps of forward+backward, gradient sync
+// (the dist strategy), global-norm clipping, AdamW; log every step, evaluate, checkpoint.
+// Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "train/config.h"
+
+namespace kiln {
+
+class Backend;
+class Communicator;
+// Builds this rank's communicator once the backend exists (NCCL needs its device and stream).
+using CommunicatorFactory = std::function<std::unique_ptr<Communicator>(Backend&)>;
+
+// Rank identity of this process; the defaults are a single-process run.
+struct RankInfo {
+  int rank = 0;
+  int local_rank = 0;
+  int world_size = 1;
+};
+
+// Runs the whole training job described by `config` on this rank. `make_comm` is empty for a
+// single process. Returns the process exit status.
+int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm);
+
+}  // namespace kiln
