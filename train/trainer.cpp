@@ -27,6 +27,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+}  // namespace
+
 ModelConfig model_config(const ModelSection& m) {
   ModelConfig c;
   c.n_layer = m.n_layer;
@@ -39,6 +41,8 @@ ModelConfig model_config(const ModelSection& m) {
   c.tie_embeddings = m.tie_embeddings;
   return c;
 }
+
+namespace {
 
 std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
   const std::string& device = cfg.train.device;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 
+#include "model/gpt2.h"
 #include "train/config.h"
 
 namespace kiln {
@@ -22,6 +23,8 @@ struct RankInfo {
   int local_rank = 0;
   int world_size = 1;
 };
+
+ModelConfig model_config(const ModelSection& model);
 
 // Runs the whole training job described by `config` on this rank. `make_comm` is empty for a
 // single process. Returns the process exit status.
