@@ -4,6 +4,7 @@
 #include "train/cli.h"
 
 #include <charconv>
+#include <limits>
 
 #include "kernels/error.h"
 
@@ -26,7 +27,7 @@ struct IntFlag {
   int LaunchOptions::*member;
   long lo, hi;
 };
-constexpr long kIntMax = 2147483647;
+constexpr long kIntMax = std::numeric_limits<int>::max();
 constexpr IntFlag kIntFlags[] = {
     {"nproc-per-node", &LaunchOptions::nproc_per_node, 1, kIntMax},
     {"nnodes", &LaunchOptions::nnodes, 1, kIntMax},

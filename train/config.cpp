@@ -7,6 +7,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <climits>
@@ -25,7 +26,7 @@ namespace {
 
 using FieldPtr = std::variant<int*, int64_t*, double*, bool*, std::string*>;
 
-// The values one field accepts on its own; rules that relate two keys live in validate().
+// The values one field accepts on its own; rules relating two keys are in validate_relations().
 struct Check {
   double lo = -HUGE_VAL, hi = HUGE_VAL;  // numbers: bounds
   bool lo_open = false, hi_open = false;
