@@ -93,5 +93,14 @@ Config parse_config(const std::string& yaml_text, const std::vector<std::string>
                     const std::string& source_name = "<string>");
 // The resolved config as YAML, every key present; load_config() of it gives the same Config.
 std::string config_to_yaml(const Config& config);
+// The key reference (one Markdown table per section) generated from the schema table that
+// parsing uses; docs/config.md embeds it and a test keeps the two in sync.
+std::string config_reference_markdown();
+
+// Field-by-field equality over every key of the schema.
+bool operator==(const Config& a, const Config& b);
+inline bool operator!=(const Config& a, const Config& b) {
+  return !(a == b);
+}
 
 }  // namespace kiln

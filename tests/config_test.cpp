@@ -1,0 +1,349 @@
+// Tests for train/config.cpp: defaults, parsing, overrides, derived fields, every error path
+// (each must throw InputError naming the key), config_to_yaml round-trip, and docs/config.md.
+#include "train/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "kernels/error.h"
+
+namespace kiln {
+namespace {
+
+const std::string kMinimal = "data:\n  train: data/x/train_*.bin\n";
+
+// The message of the InputError `f` throws ("" and a test failure if it throws none).
+std::string input_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an InputError";
+  return "";
+}
+
+std::string parse_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  return input_error([&] { parse_config(yaml, overrides, "run.yaml"); });
+}
+
+std::string override_error(const std::string& override_text) {
+  return parse_error(kMinimal, {override_text});
+}
+
+TEST(ConfigDefaults, MinimalFileGetsSchemaDefaultsAndDerivedFields) {
+  Config c = parse_config(kMinimal, {});
+  EXPECT_EQ(c.model.arch, "gpt2");
+  EXPECT_EQ(c.model.n_layer, 12);
+  EXPECT_EQ(c.model.n_kv_head, 12);             // 0 -> n_head
+  EXPECT_EQ(c.model.ffn_dim, 4 * 768);          // 0 -> 4 * n_embd
+  EXPECT_EQ(c.model.padded_vocab_size, 50304);  // 50257 up to a multiple of 128
+  EXPECT_EQ(c.data.train, "data/x/train_*.bin");
+  EXPECT_EQ(c.data.val, "");
+  EXPECT_EQ(c.train.seed, 1337);
+  EXPECT_EQ(c.train.resume, "auto");
+  EXPECT_DOUBLE_EQ(c.optim.lr, 6.0e-4);
+  EXPECT_EQ(c.precision.dtype, "bf16");
+  EXPECT_EQ(c.dist.strategy, "ddp");
+}
+
+TEST(ConfigParse, FullFileParses) {
+  Config c = parse_config(R"(
+model:     {arch: gpt2, n_layer: 4, n_head: 8, n_kv_head: 2, n_embd: 256, ffn_dim: 1000,
+            vocab_size: 256, padded_vocab_size: 512, seq_len: 128, tie_embeddings: false,
+            rope_theta: 500000}
+data:      {train: "data/x/train_*.bin", val: "data/x/val_*.bin", shuffle: false, prefetch: false}
+train:     {device: cpu, batch_size: 4, grad_accum: 2, max_steps: 50, eval_every: 10,
+            eval_steps: 2, log_every: 5, seed: -7, out_dir: runs/x, checkpoint_every: 25,
+            keep_checkpoints: 3, resume: none, sample_every: 0, sample_tokens: 16,
+            cuda_graphs: false, peak_tflops: 989.5}
+optim:     {name: adamw, lr: 6.0e-4, min_lr: 6e-5, warmup_steps: 0, schedule: linear,
+            weight_decay: 0, beta1: 0.8, beta2: 0.99, eps: 1.0e-8, grad_clip: 0.5}
+precision: {dtype: fp32, fp8: true, attention: naive}
+dist:      {strategy: zero1, bucket_mb: 50, timeout_s: 60}
+)",
+                          {});
+  EXPECT_EQ(c.model.n_layer, 4);
+  EXPECT_EQ(c.model.n_kv_head, 2);
+  EXPECT_EQ(c.model.ffn_dim, 1000);
+  EXPECT_EQ(c.model.padded_vocab_size, 512);
+  EXPECT_FALSE(c.model.tie_embeddings);
+  EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000.0);  // an int where a double is expected
+  EXPECT_EQ(c.data.val, "data/x/val_*.bin");
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.train.device, "cpu");
+  EXPECT_EQ(c.train.seed, -7);
+  EXPECT_EQ(c.train.resume, "none");
+  EXPECT_DOUBLE_EQ(c.train.peak_tflops, 989.5);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 6.0e-4);
+  EXPECT_DOUBLE_EQ(c.optim.min_lr, 6.0e-5);
+  EXPECT_DOUBLE_EQ(c.optim.weight_decay, 0.0);
+  EXPECT_EQ(c.optim.schedule, "linear");
+  EXPECT_TRUE(c.precision.fp8);
+  EXPECT_EQ(c.precision.attention, "naive");
+  EXPECT_EQ(c.dist.strategy, "zero1");
+  EXPECT_DOUBLE_EQ(c.dist.bucket_mb, 50.0);
+  EXPECT_EQ(c.dist.timeout_s, 60);
+}
+
+TEST(ConfigParse, LoadsFromFile) {
+  auto path = std::filesystem::temp_directory_path() / "kiln_config_test_load.yaml";
+  std::ofstream(path) << kMinimal << "train:\n  batch_size: 3\n";
+  Config c = load_config(path.string(), {"train.grad_accum=5"});
+  EXPECT_EQ(c.train.batch_size, 3);
+  EXPECT_EQ(c.train.grad_accum, 5);
+  std::filesystem::remove(path);
+}
+
+TEST(ConfigParse, EmptySectionKeepsDefaults) {
+  Config c = parse_config(kMinimal + "dist:\n", {});
+  EXPECT_EQ(c.dist.strategy, "ddp");
+}
+
+TEST(ConfigDerived, ExplicitValuesAreKept) {
+  Config c = parse_config(kMinimal + "model: {n_head: 12, n_kv_head: 4, ffn_dim: 2048}\n", {});
+  EXPECT_EQ(c.model.n_kv_head, 4);
+  EXPECT_EQ(c.model.ffn_dim, 2048);
+}
+
+TEST(ConfigDerived, PaddedVocabRoundsUpTo128) {
+  EXPECT_EQ(parse_config(kMinimal, {"model.vocab_size=256"}).model.padded_vocab_size, 256);
+  EXPECT_EQ(parse_config(kMinimal, {"model.vocab_size=257"}).model.padded_vocab_size, 384);
+  EXPECT_EQ(parse_config(kMinimal, {"model.vocab_size=65536"}).model.padded_vocab_size, 65536);
+}
+
+TEST(ConfigDerived, FollowOverriddenBaseFields) {
+  Config c = parse_config(kMinimal, {"model.n_head=4", "model.n_embd=128"});
+  EXPECT_EQ(c.model.n_kv_head, 4);
+  EXPECT_EQ(c.model.ffn_dim, 512);
+}
+
+TEST(ConfigOverrides, WinOverFileAndApplyInOrder) {
+  Config c = parse_config(kMinimal + "train: {batch_size: 4}\noptim: {lr: 1.0e-3}\n",
+                          {"--train.batch_size=16", "optim.lr=3e-4", "--optim.lr=2e-4",
+                           "data.val=", "train.out_dir=runs/a=b"});
+  EXPECT_EQ(c.train.batch_size, 16);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 2e-4);
+  EXPECT_EQ(c.data.val, "");
+  EXPECT_EQ(c.train.out_dir, "runs/a=b");  // only the first '=' splits
+}
+
+TEST(ConfigOverrides, StringValuesAreVerbatim) {
+  Config c = parse_config(kMinimal, {"data.train=*.bin", "train.resume=runs/x/step_100"});
+  EXPECT_EQ(c.data.train, "*.bin");  // not a YAML alias
+  EXPECT_EQ(c.train.resume, "runs/x/step_100");
+}
+
+TEST(ConfigOverrides, MalformedAreErrors) {
+  for (const char* bad : {"--train.batch_size", "train=3", "batch_size=3", "--=3"}) {
+    std::string msg = override_error(bad);
+    EXPECT_NE(msg.find(std::string("'") + bad + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("section.key=value"), std::string::npos) << msg;
+  }
+  std::string msg = override_error("--train.batchsize=3");
+  EXPECT_NE(msg.find("override '--train.batchsize=3'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did you mean 'train.batch_size'"), std::string::npos) << msg;
+  EXPECT_NE(override_error("train.batch_size.x=3").find("unknown key"), std::string::npos);
+}
+
+TEST(ConfigOverrides, TypedLikeTheFile) {
+  std::string msg = override_error("--train.batch_size=abc");
+  EXPECT_NE(msg.find("train.batch_size: expected an integer, got 'abc'"), std::string::npos) << msg;
+  EXPECT_NE(override_error("precision.fp8=1").find("precision.fp8: expected true or false"),
+            std::string::npos);
+  EXPECT_NE(override_error("train.batch_size=").find("got ''"), std::string::npos);
+}
+
+TEST(ConfigOverrides, RangeErrorNamesTheOverride) {
+  std::string msg = override_error("train.batch_size=-1");
+  EXPECT_NE(msg.find("override 'train.batch_size=-1': train.batch_size: must be > 0, got -1"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(ConfigErrors, UnknownKeySuggestsTheNearestKey) {
+  std::string msg = parse_error(kMinimal + "train:\n  batchsize: 8\n");
+  EXPECT_NE(msg.find("run.yaml:4: unknown key 'train.batchsize' (did you mean "
+                     "'train.batch_size'?)"),
+            std::string::npos)
+      << msg;
+  msg = parse_error(kMinimal + "train:\n  lr: 1\n");  // right key, wrong section
+  EXPECT_NE(msg.find("did you mean 'optim.lr'?"), std::string::npos) << msg;
+  msg = parse_error(kMinimal + "train:\n  zzzzzzzzzz: 1\n");
+  EXPECT_NE(msg.find("unknown key 'train.zzzzzzzzzz'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, UnknownSection) {
+  std::string msg = parse_error(kMinimal + "optimizer:\n  lr: 1\n");
+  EXPECT_NE(msg.find("unknown section 'optimizer' (did you mean 'optim'?)"), std::string::npos)
+      << msg;
+}
+
+TEST(ConfigErrors, WrongTypeForInt) {
+  for (const char* v : {"3.5", "abc", "true", "1e3", "0x10", "99999999999"}) {
+    std::string msg = parse_error(kMinimal + "train: {batch_size: " + v + "}\n");
+    EXPECT_NE(msg.find("train.batch_size: expected"), std::string::npos) << v << ": " << msg;
+    EXPECT_NE(msg.find(std::string("got '") + v + "'"), std::string::npos) << msg;
+  }
+}
+
+TEST(ConfigErrors, WrongTypeForDouble) {
+  for (const char* v : {"abc", "true", ".inf", "nan", "6e-4x"}) {
+    std::string msg = parse_error(kMinimal + "optim: {lr: " + v + "}\n");
+    EXPECT_NE(msg.find(std::string("optim.lr: expected a number, got '") + v + "'"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST(ConfigErrors, WrongTypeForBool) {
+  for (const char* v : {"yes", "1", "True", "on"}) {
+    std::string msg = parse_error(kMinimal + "precision: {fp8: " + v + "}\n");
+    EXPECT_NE(msg.find("precision.fp8: expected true or false"), std::string::npos) << msg;
+  }
+}
+
+TEST(ConfigErrors, NonScalarWhereScalarExpected) {
+  std::string msg = parse_error(kMinimal + "train: {batch_size: [1, 2]}\n");
+  EXPECT_NE(msg.find("train.batch_size: expected an integer, got a sequence"), std::string::npos)
+      << msg;
+  msg = parse_error("data: {train: {a: b}}\n");
+  EXPECT_NE(msg.find("data.train: expected a string, got a map"), std::string::npos) << msg;
+  msg = parse_error("train: 3\n");
+  EXPECT_NE(msg.find("train: expected a map of keys"), std::string::npos) << msg;
+  msg = parse_error("- model\n");
+  EXPECT_NE(msg.find("expected a map of sections"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, OutOfRangeValuesNameKeyAndRange) {
+  struct Case {
+    std::string yaml, expected;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"train: {batch_size: -4}", "train.batch_size: must be > 0, got -4"},
+           {"model: {n_layer: 0}", "model.n_layer: must be > 0, got 0"},
+           {"model: {n_embd: 100}", "model.n_embd: must be divisible by model.n_head (12)"},
+           {"model: {n_kv_head: 5}", "model.n_kv_head: must divide model.n_head (12), got 5"},
+           {"model: {vocab_size: 70000}", "model.vocab_size: must be in (0, 65536], got 70000"},
+           {"model: {vocab_size: 300, padded_vocab_size: 256}",
+            "model.padded_vocab_size: must be >= model.vocab_size (300), got 256"},
+           {"optim: {lr: 0}", "optim.lr: must be > 0, got 0"},
+           {"optim: {lr: 1.0e-4, min_lr: 1.0e-3}", "optim.min_lr: must be <= optim.lr"},
+           {"optim: {beta2: 1}", "optim.beta2: must be in [0, 1), got 1"},
+           {"optim: {eps: -1.0e-8}", "optim.eps: must be > 0, got -1e-08"},
+           {"optim: {warmup_steps: -1}", "optim.warmup_steps: must be >= 0, got -1"},
+           {"train: {keep_checkpoints: 0}", "train.keep_checkpoints: must be >= 1, got 0"},
+           {"dist: {timeout_s: 0}", "dist.timeout_s: must be >= 1, got 0"},
+           {"dist: {bucket_mb: 0}", "dist.bucket_mb: must be > 0, got 0"},
+       }) {
+    std::string msg = parse_error(kMinimal + c.yaml + "\n");
+    EXPECT_NE(msg.find(c.expected), std::string::npos) << c.yaml << " -> " << msg;
+    EXPECT_EQ(msg.rfind("run.yaml:", 0), 0u) << msg;  // points at the file that set it
+  }
+}
+
+TEST(ConfigErrors, BadEnumValueListsTheChoices) {
+  std::string msg = parse_error(kMinimal + "train: {device: gpu}\n");
+  EXPECT_NE(msg.find("train.device: must be one of auto, cpu, cuda, got 'gpu'"), std::string::npos)
+      << msg;
+  EXPECT_NE(parse_error(kMinimal + "model: {arch: llama}\n").find("model.arch"), std::string::npos);
+  EXPECT_NE(override_error("dist.strategy=zero3").find("dist.strategy: must be one of ddp"),
+            std::string::npos);
+}
+
+TEST(ConfigErrors, MissingTrainGlob) {
+  std::string msg = parse_error("train: {batch_size: 4}\n");
+  EXPECT_NE(msg.find("data.train: must be non-empty"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, DuplicateKey) {
+  std::string msg = parse_error(kMinimal + "train:\n  batch_size: 4\n  batch_size: 8\n");
+  EXPECT_NE(msg.find("'train.batch_size' appears twice"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, MissingFileNamesThePath) {
+  std::string msg = input_error([] { load_config("/nonexistent/kiln.yaml", {}); });
+  EXPECT_NE(msg.find("/nonexistent/kiln.yaml: cannot read config file"), std::string::npos) << msg;
+  msg = input_error([] { load_config(std::filesystem::temp_directory_path().string(), {}); });
+  EXPECT_NE(msg.find("is a directory"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, YamlSyntaxErrorNamesFileAndLine) {
+  std::string msg = parse_error(kMinimal + "train:\n  batch_size: [1, 2\n");
+  EXPECT_NE(msg.find("run.yaml:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("YAML syntax error"), std::string::npos) << msg;
+  msg = parse_error("model:\n  n_layer: 4\n   n_head: 4\n");
+  EXPECT_NE(msg.find("run.yaml:3:"), std::string::npos) << msg;
+}
+
+TEST(ConfigYaml, RoundTripsEveryKey) {
+  Config c = parse_config(kMinimal, {"optim.lr=0.1", "optim.min_lr=0.030000000000000002",
+                                     "optim.eps=1e-300", "train.peak_tflops=989.4999999999999",
+                                     "train.seed=-9223372036854775808", "precision.fp8=true"});
+  for (const char* odd : {"", "null", "~", "true", "123", "a: b", "#x", "- x", "say \"hi\"",
+                          "back\\slash", "tab\there", " spaced ", "naïve", "*.bin", "'q'"}) {
+    c.data.val = odd;
+    c.train.resume = odd;
+    std::string yaml = config_to_yaml(c);
+    Config back = parse_config(yaml, {});
+    EXPECT_EQ(back.data.val, odd) << yaml;
+    EXPECT_TRUE(back == c) << yaml;
+  }
+}
+
+TEST(ConfigYaml, ListsEverySectionInSchemaOrder) {
+  std::string yaml = config_to_yaml(parse_config(kMinimal, {}));
+  size_t last = 0;
+  for (const char* section :
+       {"\nmodel:\n", "\ndata:\n", "\ntrain:\n", "\noptim:\n", "\nprecision:\n", "\ndist:\n"}) {
+    size_t at = yaml.find(section);
+    ASSERT_NE(at, std::string::npos) << section << yaml;
+    EXPECT_GT(at, last);
+    last = at;
+  }
+  EXPECT_NE(yaml.find("  lr: 0.0006\n"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("  n_kv_head: 12\n"), std::string::npos) << yaml;
+}
+
+TEST(ConfigYaml, EqualityComparesEveryField) {
+  Config a = parse_config(kMinimal, {});
+  Config b = a;
+  EXPECT_TRUE(a == b);
+  b.dist.timeout_s += 1;
+  EXPECT_TRUE(a != b);
+}
+
+// docs/config.md embeds config_reference_markdown() between two markers. To regenerate after
+// changing the schema: KILN_UPDATE_DOCS=1 ./build/bin/kiln_tests --gtest_filter=ConfigDocs.*
+TEST(ConfigDocs, ReferenceMatchesSchema) {
+  const std::string path = std::string(KILN_SOURCE_DIR) + "/docs/config.md";
+  const std::string begin = "<!-- BEGIN config_reference_markdown() -->\n";
+  const std::string end = "<!-- END config_reference_markdown() -->\n";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string doc = text.str();
+  size_t b = doc.find(begin), e = doc.find(end);
+  ASSERT_NE(b, std::string::npos);
+  ASSERT_NE(e, std::string::npos);
+  b += begin.size();
+  std::string generated = config_reference_markdown();
+  if (std::getenv("KILN_UPDATE_DOCS")) {
+    doc.replace(b, e - b, generated);
+    std::ofstream(path) << doc;
+    return;
+  }
+  EXPECT_EQ(doc.substr(b, e - b), generated)
+      << "docs/config.md is stale: rerun this test with KILN_UPDATE_DOCS=1";
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,487 @@
+// Config loading: YAML file + "section.key=value" overrides -> a typed, validated Config.
+// The one design choice: schema() lists every field exactly once (section, key, accessor,
+// allowed values, meaning). Parsing, overrides, validation, config_to_yaml(), operator== and the
+// docs/config.md reference all walk that table, so a new key is one struct field + one table row.
+#include "train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <variant>
+
+#include "kernels/error.h"
+
+namespace kiln {
+namespace {
+
+using FieldPtr = std::variant<int*, int64_t*, double*, bool*, std::string*>;
+
+// The values one field accepts on its own; rules relating two keys are in validate_relations().
+struct Check {
+  double lo = -HUGE_VAL, hi = HUGE_VAL;  // numbers: bounds
+  bool lo_open = false, hi_open = false;
+  std::vector<std::string> choices;  // strings: allowed values (empty: any)
+  bool non_empty = false;            // strings: "" not allowed
+};
+
+Check any() {
+  return {};
+}
+Check range(double lo, bool lo_open, double hi, bool hi_open) {
+  Check c;
+  c.lo = lo, c.lo_open = lo_open, c.hi = hi, c.hi_open = hi_open;
+  return c;
+}
+Check positive() {
+  return range(0, true, HUGE_VAL, false);
+}
+Check non_negative() {
+  return range(0, false, HUGE_VAL, false);
+}
+Check at_least(double lo) {
+  return range(lo, false, HUGE_VAL, false);
+}
+Check one_of(std::vector<std::string> choices) {
+  Check c;
+  c.choices = std::move(choices);
+  return c;
+}
+Check non_empty() {
+  Check c;
+  c.non_empty = true;
+  return c;
+}
+
+struct Field {
+  const char* section;
+  const char* key;
+  FieldPtr (*member)(Config&);
+  Check check;
+  const char* doc;
+  std::string path() const { return std::string(section) + "." + key; }
+};
+
+// Stringizing the member keeps YAML key == C++ field name, as config.h promises.
+// clang-format off
+#define KILN_FIELD(sec, key) #sec, #key, [](Config& c) -> FieldPtr { return &c.sec.key; }
+// clang-format on
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      {KILN_FIELD(model, arch), one_of({"gpt2"}), "model family"},
+      {KILN_FIELD(model, n_layer), positive(), "transformer blocks"},
+      {KILN_FIELD(model, n_head), positive(), "attention (query) heads; must divide n_embd"},
+      {KILN_FIELD(model, n_kv_head), non_negative(),
+       "key/value heads (0: n_head); must divide n_head"},
+      {KILN_FIELD(model, n_embd), positive(), "residual stream width"},
+      {KILN_FIELD(model, ffn_dim), non_negative(), "MLP hidden width (0: 4 * n_embd)"},
+      {KILN_FIELD(model, vocab_size), range(0, true, 65536, false),
+       "tokenizer vocabulary (tokens are stored as uint16)"},
+      {KILN_FIELD(model, padded_vocab_size), non_negative(),
+       "embedding rows (0: vocab_size rounded up to a multiple of 128); >= vocab_size"},
+      {KILN_FIELD(model, seq_len), positive(), "context length in tokens"},
+      {KILN_FIELD(model, tie_embeddings), any(), "share token embedding and LM head"},
+      {KILN_FIELD(model, rope_theta), positive(), "RoPE base (archs with rotary embeddings)"},
+      {KILN_FIELD(data, train), non_empty(), "glob of train shards"},
+      {KILN_FIELD(data, val), any(), "glob of val shards (empty: no validation)"},
+      {KILN_FIELD(data, shuffle), any(), "permute window order per shard and epoch (train.seed)"},
+      {KILN_FIELD(data, prefetch), any(), "load batches on a background thread"},
+      {KILN_FIELD(train, device), one_of({"auto", "cpu", "cuda"}), "backend"},
+      {KILN_FIELD(train, batch_size), positive(), "micro-batch (sequences) per rank"},
+      {KILN_FIELD(train, grad_accum), positive(), "micro-batches per optimizer step"},
+      {KILN_FIELD(train, max_steps), positive(), "optimizer steps in the run"},
+      {KILN_FIELD(train, eval_every), non_negative(), "steps between evals (0: never)"},
+      {KILN_FIELD(train, eval_steps), positive(), "val batches per eval"},
+      {KILN_FIELD(train, log_every), positive(), "steps between log lines"},
+      {KILN_FIELD(train, seed), any(), "seeds init, data order and sampling"},
+      {KILN_FIELD(train, out_dir), non_empty(), "run directory (config, metrics, checkpoints)"},
+      {KILN_FIELD(train, checkpoint_every), non_negative(),
+       "steps between checkpoints (0: only at the end)"},
+      {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
+      {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
+      {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
+      {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
+      {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph"},
+      {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
+      {KILN_FIELD(optim, name), one_of({"adamw"}), "optimizer"},
+      {KILN_FIELD(optim, lr), positive(), "peak learning rate"},
+      {KILN_FIELD(optim, min_lr), non_negative(), "final learning rate; <= lr"},
+      {KILN_FIELD(optim, warmup_steps), non_negative(), "linear warmup steps"},
+      {KILN_FIELD(optim, schedule), one_of({"cosine", "linear", "constant"}),
+       "decay from lr to min_lr after warmup"},
+      {KILN_FIELD(optim, weight_decay), non_negative(), "decoupled weight decay (2-D weights)"},
+      {KILN_FIELD(optim, beta1), range(0, false, 1, true), "Adam first-moment decay"},
+      {KILN_FIELD(optim, beta2), range(0, false, 1, true), "Adam second-moment decay"},
+      {KILN_FIELD(optim, eps), positive(), "Adam denominator epsilon"},
+      {KILN_FIELD(optim, grad_clip), non_negative(), "global grad-norm clip (0: none)"},
+      {KILN_FIELD(precision, dtype), one_of({"bf16", "fp32"}),
+       "compute dtype (the CPU backend always computes in fp32)"},
+      {KILN_FIELD(precision, fp8), any(), "FP8 matmuls where supported"},
+      {KILN_FIELD(precision, attention), one_of({"auto", "cudnn", "flash", "naive"}),
+       "attention implementation"},
+      {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
+      {KILN_FIELD(dist, bucket_mb), positive(), "DDP gradient bucket size in MiB"},
+      {KILN_FIELD(dist, timeout_s), at_least(1), "collective and rendezvous timeout (seconds)"},
+  };
+  return fields;
+}
+
+#undef KILN_FIELD
+
+std::vector<std::string> section_names() {
+  std::vector<std::string> names;
+  for (const Field& f : schema())
+    if (names.empty() || names.back() != f.section) names.push_back(f.section);
+  return names;
+}
+
+const Field* find_field(const std::string& section, const std::string& key) {
+  for (const Field& f : schema())
+    if (section == f.section && key == f.key) return &f;
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean 'x'?)" for the nearest candidate, or "" when none is close.
+std::string did_you_mean(const std::string& name, const std::vector<std::string>& candidates) {
+  const std::string* best = nullptr;
+  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const std::string& c : candidates) {
+    bool prefix = std::min(name.size(), c.size()) >= 3 &&
+                  name.compare(0, c.size(), c, 0, name.size()) == 0;  // "optimizer" ~ "optim"
+    size_t d = prefix ? 1 : edit_distance(name, c);
+    if (d < best_distance) best = &c, best_distance = d;
+  }
+  return best ? " (did you mean '" + *best + "'?)" : "";
+}
+
+std::string unknown_key_message(const std::string& section, const std::string& key) {
+  std::vector<std::string> paths;
+  for (const Field& f : schema()) {
+    // The right key in the wrong section is the likeliest slip; offer it first.
+    if (key == f.key)
+      return "unknown key '" + section + "." + key + "' (did you mean '" + f.path() + "'?)";
+    paths.push_back(f.path());
+  }
+  return "unknown key '" + section + "." + key + "'" + did_you_mean(section + "." + key, paths);
+}
+
+std::string format_double(double v) {
+  char buf[64];
+  // Shortest text that reads back to the same double, %g-style (0.0006, 1e-08).
+  auto result = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general);
+  return std::string(buf, result.ptr);
+}
+
+bool parse_int64(const std::string& text, int64_t& out) {
+  size_t skip = text.size() > 1 && text[0] == '+' && text[1] != '-';
+  const char* end = text.data() + text.size();
+  auto result = std::from_chars(text.data() + skip, end, out);
+  return result.ec == std::errc() && result.ptr == end;
+}
+
+bool parse_double(const std::string& text, double& out) {
+  size_t skip = text.size() > 1 && text[0] == '+' && text[1] != '-';
+  const char* end = text.data() + text.size();
+  auto result = std::from_chars(text.data() + skip, end, out);
+  return result.ec == std::errc() && result.ptr == end && std::isfinite(out);
+}
+
+// Sets the field from scalar text; returns "" or what was expected ("an integer").
+std::string assign(const FieldPtr& ptr, const std::string& text) {
+  if (auto p = std::get_if<int*>(&ptr)) {
+    int64_t v;
+    if (!parse_int64(text, v)) return "an integer";
+    if (v < INT_MIN || v > INT_MAX) return "a 32-bit integer";
+    **p = static_cast<int>(v);
+  } else if (auto p = std::get_if<int64_t*>(&ptr)) {
+    if (!parse_int64(text, **p)) return "a 64-bit integer";
+  } else if (auto p = std::get_if<double*>(&ptr)) {
+    if (!parse_double(text, **p)) return "a number";
+  } else if (auto p = std::get_if<bool*>(&ptr)) {
+    if (text != "true" && text != "false") return "true or false";
+    **p = text == "true";
+  } else {
+    *std::get<std::string*>(ptr) = text;
+  }
+  return "";
+}
+
+std::string expected_kind(const FieldPtr& ptr) {
+  static const char* kinds[] = {"an integer", "an integer", "a number", "true or false",
+                                "a string"};
+  return kinds[ptr.index()];
+}
+
+std::string type_name(const FieldPtr& ptr) {
+  static const char* names[] = {"int", "int64", "float", "bool", "string"};
+  return names[ptr.index()];
+}
+
+// The value as YAML scalar text: plain where that reads back as the same string, else quoted.
+std::string value_to_yaml(const FieldPtr& ptr) {
+  if (auto p = std::get_if<int*>(&ptr)) return std::to_string(**p);
+  if (auto p = std::get_if<int64_t*>(&ptr)) return std::to_string(**p);
+  if (auto p = std::get_if<double*>(&ptr)) return format_double(**p);
+  if (auto p = std::get_if<bool*>(&ptr)) return **p ? "true" : "false";
+  const std::string& s = *std::get<std::string*>(ptr);
+  bool plain = !s.empty() && std::isalnum(static_cast<unsigned char>(s[0])) && s != "null" &&
+               s != "Null" && s != "NULL";
+  for (char ch : s)
+    plain = plain && (std::isalnum(static_cast<unsigned char>(ch)) || std::strchr("_./-", ch));
+  if (plain) return s;
+  YAML::Emitter out;
+  out << YAML::DoubleQuoted << s;
+  return out.c_str();
+}
+
+std::string describe(const Check& c) {
+  if (!c.choices.empty()) {
+    std::string s = "one of ";
+    for (size_t i = 0; i < c.choices.size(); ++i) s += (i ? ", " : "") + c.choices[i];
+    return s;
+  }
+  if (c.non_empty) return "non-empty";
+  bool has_lo = c.lo != -HUGE_VAL, has_hi = c.hi != HUGE_VAL;
+  if (has_lo && has_hi)
+    return std::string("in ") + (c.lo_open ? "(" : "[") + format_double(c.lo) + ", " +
+           format_double(c.hi) + (c.hi_open ? ")" : "]");
+  if (has_lo) return (c.lo_open ? "> " : ">= ") + format_double(c.lo);
+  if (has_hi) return (c.hi_open ? "< " : "<= ") + format_double(c.hi);
+  return "any";
+}
+
+bool satisfies(const Check& c, const FieldPtr& ptr) {
+  if (auto p = std::get_if<std::string*>(&ptr)) {
+    if (c.non_empty && (*p)->empty()) return false;
+    return c.choices.empty() ||
+           std::find(c.choices.begin(), c.choices.end(), **p) != c.choices.end();
+  }
+  double v;
+  if (auto p = std::get_if<int*>(&ptr))
+    v = **p;
+  else if (auto p = std::get_if<int64_t*>(&ptr))
+    v = static_cast<double>(**p);
+  else if (auto p = std::get_if<double*>(&ptr))
+    v = **p;
+  else
+    return true;  // bool
+  return (c.lo_open ? v > c.lo : v >= c.lo) && (c.hi_open ? v < c.hi : v <= c.hi);
+}
+
+// Builds a Config and remembers where each field's value came from, so a validation error can
+// point at the file line or the override that set the bad value.
+struct Resolver {
+  Config config;
+  std::vector<std::string> origin = std::vector<std::string>(schema().size());
+
+  size_t index(const Field& f) const { return &f - schema().data(); }
+  FieldPtr get(const Field& f) { return f.member(config); }
+
+  [[noreturn]] void fail(const Field& f, const std::string& what) {
+    throw InputError(origin[index(f)] + ": " + f.path() + ": " + what);
+  }
+
+  void set(const Field& f, const std::string& text, const std::string& where,
+           const std::string& shown) {
+    std::string expected = assign(get(f), text);
+    if (!expected.empty())
+      throw InputError(where + ": " + f.path() + ": expected " + expected + ", got " + shown);
+    origin[index(f)] = where;
+  }
+
+  void apply_yaml(const YAML::Node& root, const std::string& source) {
+    auto where = [&](const YAML::Node& n) {
+      return n.Mark().is_null() ? source : source + ":" + std::to_string(n.Mark().line + 1);
+    };
+    if (root.IsNull()) return;
+    if (!root.IsMap())
+      throw InputError(where(root) + ": expected a map of sections (model, data, train, ...)");
+    std::set<std::string> seen_sections;
+    for (const auto& section_entry : root) {
+      const YAML::Node& name_node = section_entry.first;
+      const YAML::Node& body = section_entry.second;
+      std::string section = name_node.IsScalar() ? name_node.Scalar() : "?";
+      std::vector<std::string> sections = section_names();
+      if (std::find(sections.begin(), sections.end(), section) == sections.end())
+        throw InputError(where(name_node) + ": unknown section '" + section + "'" +
+                         did_you_mean(section, sections));
+      if (!seen_sections.insert(section).second)
+        throw InputError(where(name_node) + ": section '" + section + "' appears twice");
+      if (body.IsNull()) continue;
+      if (!body.IsMap())
+        throw InputError(where(body) + ": " + section + ": expected a map of keys");
+      std::set<std::string> seen_keys;
+      for (const auto& entry : body) {
+        std::string key = entry.first.IsScalar() ? entry.first.Scalar() : "?";
+        const Field* f = find_field(section, key);
+        if (!f) throw InputError(where(entry.first) + ": " + unknown_key_message(section, key));
+        if (!seen_keys.insert(key).second)
+          throw InputError(where(entry.first) + ": key '" + f->path() + "' appears twice");
+        const YAML::Node& value = entry.second;
+        if (!value.IsScalar() && !value.IsNull())
+          throw InputError(where(value) + ": " + f->path() + ": expected " +
+                           expected_kind(get(*f)) + ", got a " +
+                           (value.IsMap() ? "map" : "sequence"));
+        // An empty value (`val:`) is the empty string, or a type error for other kinds.
+        std::string text = value.IsNull() ? "" : value.Scalar();
+        set(*f, text, where(value), value.IsNull() ? "nothing" : "'" + text + "'");
+      }
+    }
+  }
+
+  void apply_override(const std::string& override_text) {
+    std::string body = override_text.rfind("--", 0) == 0 ? override_text.substr(2) : override_text;
+    std::string where = "override '" + override_text + "'";
+    size_t eq = body.find('=');
+    size_t dot = body.find('.');
+    if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+      throw InputError(where + ": expected section.key=value, e.g. --optim.lr=3e-4");
+    std::string section = body.substr(0, dot), key = body.substr(dot + 1, eq - dot - 1);
+    std::string value = body.substr(eq + 1);
+    const Field* f = find_field(section, key);
+    if (!f) throw InputError(where + ": " + unknown_key_message(section, key));
+    set(*f, value, where, "'" + value + "'");  // the value is one scalar, taken verbatim
+  }
+
+  void fill_derived() {
+    ModelSection& m = config.model;
+    if (m.n_kv_head == 0) m.n_kv_head = m.n_head;
+    if (m.ffn_dim == 0) {
+      if (m.n_embd > INT_MAX / 4)
+        fail(*find_field("model", "n_embd"), "4 * n_embd overflows; set model.ffn_dim");
+      m.ffn_dim = 4 * m.n_embd;
+    }
+    if (m.padded_vocab_size == 0) m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
+  }
+
+  void validate_fields() {
+    for (const Field& f : schema()) {
+      FieldPtr p = get(f);
+      if (satisfies(f.check, p)) continue;
+      auto* text = std::get_if<std::string*>(&p);
+      fail(f, "must be " + describe(f.check) + ", got " +
+                  (text ? "'" + **text + "'" : value_to_yaml(p)));
+    }
+  }
+
+  void validate_relations() {
+    const ModelSection& m = config.model;
+    auto field = [](const char* path) -> const Field& {
+      std::string s(path);
+      return *find_field(s.substr(0, s.find('.')), s.substr(s.find('.') + 1));
+    };
+    if (m.n_embd % m.n_head != 0)
+      fail(field("model.n_embd"), "must be divisible by model.n_head (" + std::to_string(m.n_head) +
+                                      "), got " + std::to_string(m.n_embd));
+    if (m.n_head % m.n_kv_head != 0)
+      fail(field("model.n_kv_head"), "must divide model.n_head (" + std::to_string(m.n_head) +
+                                         "), got " + std::to_string(m.n_kv_head));
+    if (m.padded_vocab_size < m.vocab_size)
+      fail(field("model.padded_vocab_size"), "must be >= model.vocab_size (" +
+                                                 std::to_string(m.vocab_size) + "), got " +
+                                                 std::to_string(m.padded_vocab_size));
+    if (config.optim.min_lr > config.optim.lr)
+      fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
+                                      "), got " + format_double(config.optim.min_lr));
+  }
+};
+
+}  // namespace
+
+Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                    const std::string& source_name) {
+  Resolver r;
+  r.origin.assign(schema().size(), source_name);  // defaults: blame the file that omitted them
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    std::string at = e.mark.is_null() ? ""
+                                      : ":" + std::to_string(e.mark.line + 1) + ":" +
+                                            std::to_string(e.mark.column + 1);
+    throw InputError(source_name + at + ": YAML syntax error: " + e.msg);
+  }
+  r.apply_yaml(root, source_name);
+  for (const std::string& o : overrides) r.apply_override(o);
+  r.validate_fields();
+  r.fill_derived();
+  r.validate_relations();
+  return r.config;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw InputError(path + ": cannot read config file: is a directory");
+  std::ifstream in(path);
+  if (!in) throw InputError(path + ": cannot read config file: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw InputError(path + ": cannot read config file: " + std::strerror(errno));
+  return parse_config(text.str(), overrides, path);
+}
+
+std::string config_to_yaml(const Config& config) {
+  Config copy = config;  // the accessors hand out mutable pointers
+  std::string out = "# kiln config: every key, resolved (reference: docs/config.md)\n";
+  const char* section = "";
+  for (const Field& f : schema()) {
+    if (std::strcmp(section, f.section) != 0) out += std::string(section = f.section) + ":\n";
+    out += std::string("  ") + f.key + ": " + value_to_yaml(f.member(copy)) + "\n";
+  }
+  return out;
+}
+
+bool operator==(const Config& a, const Config& b) {
+  Config ca = a, cb = b;
+  for (const Field& f : schema()) {
+    bool equal = std::visit([&](auto* pa) { return *pa == *std::get<decltype(pa)>(f.member(cb)); },
+                            f.member(ca));
+    if (!equal) return false;
+  }
+  return true;
+}
+
+std::string config_reference_markdown() {
+  Config defaults;
+  std::string out;
+  const char* section = "";
+  for (const Field& f : schema()) {
+    if (std::strcmp(section, f.section) != 0) {
+      out += std::string(*section ? "\n" : "") + "### " + f.section + "\n\n";
+      section = f.section;
+      out += "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+    }
+    FieldPtr p = f.member(defaults);
+    out += std::string("| `") + f.key + "` | " + type_name(p) + " | `" + value_to_yaml(p) + "` | " +
+           describe(f.check) + " | " + f.doc + " |\n";
+  }
+  return out;
+}
+
+}  // namespace kiln
