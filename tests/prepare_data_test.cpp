@@ -1,0 +1,92 @@
+// prepare_data: runs the built binary; its shards decode back to the joined text, and bad
+// input exits with status 2.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+#include "data/tokenizer.h"
+
+namespace kiln {
+namespace {
+
+std::string make_temp_dir() {
+  std::string tmpl = ::testing::TempDir() + "kiln_prepare_XXXXXX";
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return tmpl;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// Exit status of prepare_data run with `args` (output discarded).
+int prepare_data(const std::string& args) {
+  const std::string cmd = std::string(KILN_BIN_DIR) + "/prepare_data " + args + " >/dev/null 2>&1";
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+std::string decode_shards(const std::string& pattern) {
+  std::string text;
+  for (const std::string& path : expand_glob(pattern)) {
+    TokenShard shard = TokenShard::open(path, kByteVocabSize);
+    EXPECT_TRUE(shard.llmc_format()) << path;
+    text += byte_decode(shard.tokens(), static_cast<size_t>(shard.size()));
+  }
+  return text;
+}
+
+TEST(PrepareDataTest, ShardsDecodeBackToText) {
+  const std::string dir = make_temp_dir();
+  const std::string a = "The quick brown fox\njumps over the lazy dog.\n";
+  const std::string b = "caf\xc3\xa9 \x01\xff bytes, all 256 of them survive";
+  write_text(dir + "/a.txt", a);
+  write_text(dir + "/b.txt", b);
+  const std::string joined = a + "\n" + b;
+  ASSERT_EQ(prepare_data("--out " + dir + "/out --val-fraction 0.25 --shard-tokens 16 " + dir +
+                         "/a.txt " + dir + "/b.txt"),
+            0);
+  const std::string val = decode_shards(dir + "/out/val_*.bin");
+  const std::string train = decode_shards(dir + "/out/train_*.bin");
+  EXPECT_EQ(val.size(), joined.size() / 4);
+  EXPECT_EQ(val + train, joined);
+  // Shards split evenly: no tail shard much shorter than the others.
+  for (const std::string& path : expand_glob(dir + "/out/train_*.bin")) {
+    const int64_t n = TokenShard::open(path, kByteVocabSize).size();
+    EXPECT_GE(n, 8) << path;
+    EXPECT_LE(n, 16) << path;
+  }
+}
+
+TEST(PrepareDataTest, ZeroValFractionWritesOnlyTrain) {
+  const std::string dir = make_temp_dir();
+  write_text(dir + "/a.txt", "hello");
+  ASSERT_EQ(prepare_data("--out=" + dir + "/out --val-fraction=0 " + dir + "/a.txt"), 0);
+  EXPECT_EQ(decode_shards(dir + "/out/train_*.bin"), "hello");
+  EXPECT_EQ(decode_shards(dir + "/out/*.bin"), "hello");
+}
+
+TEST(PrepareDataTest, BadInputExitsWithStatus2) {
+  const std::string dir = make_temp_dir();
+  write_text(dir + "/a.txt", "hello");
+  const std::string in = dir + "/a.txt";
+  const std::string out = " --out " + dir + "/out ";
+  EXPECT_EQ(prepare_data("--bogus 1" + out + in), 2);
+  EXPECT_EQ(prepare_data(out + dir + "/missing.txt"), 2);
+  EXPECT_EQ(prepare_data(out + "--val-fraction 1 " + in), 2);
+  EXPECT_EQ(prepare_data(out + "--val-fraction -0.1 " + in), 2);
+  EXPECT_EQ(prepare_data(out + "--shard-tokens 0 " + in), 2);
+  EXPECT_EQ(prepare_data(out + "--tokenizer nope " + in), 2);
+  EXPECT_EQ(prepare_data(in), 2);   // no --out
+  EXPECT_EQ(prepare_data(out), 2);  // no inputs
+  EXPECT_EQ(prepare_data("--help"), 0);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,178 @@
+// TokenShard, write_shard, expand_glob: both formats round-trip, and every corrupt input is an
+// InputError whose message names the file.
+#include "data/shard.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kernels/error.h"
+
+namespace kiln {
+namespace {
+
+std::string make_temp_dir() {
+  std::string tmpl = ::testing::TempDir() + "kiln_shard_XXXXXX";
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return tmpl;
+}
+
+void write_bytes(const std::string& path, const void* data, size_t bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+}
+
+// The InputError message `f` throws; fails the test if it throws nothing or something else.
+template <class F>
+std::string input_error(F f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an InputError";
+  return "";
+}
+
+std::vector<uint16_t> iota_tokens(size_t n, int vocab) {
+  std::vector<uint16_t> t(n);
+  for (size_t i = 0; i < n; ++i)
+    t[i] = static_cast<uint16_t>((i * 7 + 3) % static_cast<size_t>(vocab));
+  return t;
+}
+
+TEST(ShardTest, LlmcRoundTrip) {
+  const std::string path = make_temp_dir() + "/a.bin";
+  const std::vector<uint16_t> tokens = iota_tokens(5000, 50257);
+  write_shard(path, tokens);
+  TokenShard shard = TokenShard::open(path, 50257);
+  EXPECT_TRUE(shard.llmc_format());
+  EXPECT_EQ(shard.path(), path);
+  ASSERT_EQ(shard.size(), 5000);
+  EXPECT_EQ(std::vector<uint16_t>(shard.tokens(), shard.tokens() + shard.size()), tokens);
+}
+
+TEST(ShardTest, RawRoundTrip) {
+  const std::string path = make_temp_dir() + "/raw.bin";
+  const std::vector<uint16_t> tokens = iota_tokens(777, 256);
+  write_bytes(path, tokens.data(), tokens.size() * 2);
+  TokenShard shard = TokenShard::open(path, 256);
+  EXPECT_FALSE(shard.llmc_format());
+  ASSERT_EQ(shard.size(), 777);
+  EXPECT_EQ(std::vector<uint16_t>(shard.tokens(), shard.tokens() + shard.size()), tokens);
+}
+
+TEST(ShardTest, MovedShardKeepsItsMapping) {
+  const std::string path = make_temp_dir() + "/a.bin";
+  write_shard(path, iota_tokens(100, 256));
+  std::vector<TokenShard> shards;
+  shards.push_back(TokenShard::open(path, 256));
+  shards.push_back(TokenShard::open(path, 256));
+  EXPECT_EQ(shards[0].tokens()[99], iota_tokens(100, 256)[99]);
+}
+
+TEST(ShardTest, ForeignMagicIsReadAsRaw) {
+  // A raw file whose first int32 looks like a header of another format is just tokens.
+  const std::string path = make_temp_dir() + "/raw.bin";
+  std::vector<int32_t> words(512, 0);
+  words[0] = 20240801;
+  words[1] = 1;
+  write_bytes(path, words.data(), words.size() * 4);
+  TokenShard shard = TokenShard::open(path, 65536);
+  EXPECT_FALSE(shard.llmc_format());
+  EXPECT_EQ(shard.size(), 1024);
+}
+
+TEST(ShardTest, ShortFileWithMagicIsRaw) {
+  const std::string path = make_temp_dir() + "/raw.bin";
+  const int32_t words[4] = {kShardMagic, 1, 2, 0};
+  write_bytes(path, words, sizeof(words));
+  TokenShard shard = TokenShard::open(path, 65536);
+  EXPECT_FALSE(shard.llmc_format());
+  EXPECT_EQ(shard.size(), 8);
+}
+
+TEST(ShardTest, TruncatedLlmcShardIsInputError) {
+  const std::string path = make_temp_dir() + "/trunc.bin";
+  write_shard(path, iota_tokens(100, 256));
+  ASSERT_EQ(::truncate(path.c_str(), 1024 + 150), 0);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("header declares 100 tokens (1224 bytes) but file has 1174 bytes"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(ShardTest, WrongVersionIsInputError) {
+  const std::string path = make_temp_dir() + "/v2.bin";
+  std::vector<int32_t> words(256 + 8, 0);
+  words[0] = kShardMagic;
+  words[1] = 2;
+  words[2] = 16;
+  write_bytes(path, words.data(), words.size() * 4);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("version 2"), std::string::npos) << msg;
+}
+
+TEST(ShardTest, OddSizeRawFileIsInputError) {
+  const std::string path = make_temp_dir() + "/odd.bin";
+  write_bytes(path, "abc", 3);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("odd size"), std::string::npos) << msg;
+}
+
+TEST(ShardTest, EmptyFileIsInputError) {
+  const std::string path = make_temp_dir() + "/empty.bin";
+  write_bytes(path, "", 0);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("empty"), std::string::npos) << msg;
+}
+
+TEST(ShardTest, MissingFileIsInputError) {
+  const std::string path = make_temp_dir() + "/nope.bin";
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+TEST(ShardTest, TokenOutOfVocabIsInputError) {
+  const std::string path = make_temp_dir() + "/big.bin";
+  std::vector<uint16_t> tokens(3000, 5);
+  tokens[2345] = 300;
+  tokens[2900] = 400;
+  write_shard(path, tokens);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("token id 300 at index 2345"), std::string::npos) << msg;
+  EXPECT_NO_THROW(TokenShard::open(path, 401));
+}
+
+TEST(ShardTest, WriteShardIntoMissingDirIsInputError) {
+  const std::string path = make_temp_dir() + "/no/such/dir/a.bin";
+  const std::string msg = input_error([&] { write_shard(path, {1, 2, 3}); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+TEST(ShardTest, GlobIsSorted) {
+  const std::string dir = make_temp_dir();
+  for (const char* name : {"c.bin", "a.bin", "b.bin", "other.txt"})
+    write_shard(dir + "/" + name, {1});
+  EXPECT_EQ(expand_glob(dir + "/*.bin"),
+            (std::vector<std::string>{dir + "/a.bin", dir + "/b.bin", dir + "/c.bin"}));
+}
+
+TEST(ShardTest, GlobMatchingNothingIsInputError) {
+  const std::string pattern = make_temp_dir() + "/*.bin";
+  const std::string msg = input_error([&] { expand_glob(pattern); });
+  EXPECT_EQ(msg, "no files match '" + pattern + "'");
+}
+
+}  // namespace
+}  // namespace kiln
