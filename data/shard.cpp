@@ -94,6 +94,13 @@ TokenShard TokenShard::open(const std::string& path, int vocab_size) {
     shard.size_ = count;
     shard.tokens_ = reinterpret_cast<const uint16_t*>(header + kShardHeaderInts);
   } else {
+    // A header that is llm.c's in every field but the magic (version 1, a token count that
+    // matches the file size) is a damaged llm.c shard, not raw tokens that happen to fit.
+    if (file_bytes >= kShardHeaderBytes && header[1] == kShardVersion && header[2] > 0 &&
+        static_cast<int64_t>(header[2]) * 2 + kShardHeaderBytes == file_bytes) {
+      throw InputError(fmt::format("{}: bad magic {} in an llm.c shard header (expected {})", path,
+                                   header[0], kShardMagic));
+    }
     if (file_bytes % 2 != 0) {
       throw InputError(
           fmt::format("{}: raw token file has an odd size ({} bytes); expected whole uint16 tokens",

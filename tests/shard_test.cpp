@@ -88,6 +88,19 @@ TEST(ShardTest, ForeignMagicIsReadAsRaw) {
   EXPECT_EQ(shard.size(), 1024);
 }
 
+TEST(ShardTest, WrongMagicInAConsistentHeaderIsInputError) {
+  const std::string path = make_temp_dir() + "/magic.bin";
+  write_shard(path, iota_tokens(100, 256));
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    const int32_t magic = kShardMagic + 1;
+    f.write(reinterpret_cast<const char*>(&magic), 4);
+  }
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("magic"), std::string::npos) << msg;
+}
+
 TEST(ShardTest, ShortFileWithMagicIsRaw) {
   const std::string path = make_temp_dir() + "/raw.bin";
   const int32_t words[4] = {kShardMagic, 1, 2, 0};

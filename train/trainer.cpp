@@ -194,7 +194,7 @@ double Trainer::train_step(int step) {
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
   k.fill_zero(grads_);
   for (int micro = 0; micro < accum; ++micro) {
-    const Batch& batch = train_loader_->next();
+    const DataLoader::Batch& batch = train_loader_->next();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
     model_.forward(tokens_, targets_, dloss_scale, true);
@@ -225,7 +225,7 @@ double Trainer::evaluate() {
   Backend& k = *backend_;
   val_loader_->reset();
   for (int i = 0; i < cfg_.train.eval_steps; ++i) {
-    const Batch& batch = val_loader_->next();
+    const DataLoader::Batch& batch = val_loader_->next();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
     model_.forward(tokens_, targets_, 0.0f, false);
