@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -30,8 +31,8 @@ AttnDims check_qkv(const OpCheck& c, Tensor qkv, int n_head) {
   if (C3 % 3 != 0) c.fail("qkv", "last dim must be 3*C, got " + qkv.str());
   const int64_t C = C3 / 3;
   if (n_head <= 0 || C % n_head != 0)
-    c.fail("qkv", "C=" + std::to_string(C) + " is not divisible by n_head=" +
-                      std::to_string(n_head));
+    c.fail("qkv",
+           "C=" + std::to_string(C) + " is not divisible by n_head=" + std::to_string(n_head));
   return {B, T, C, n_head, C / n_head};
 }
 
@@ -55,7 +56,7 @@ void CpuBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_hea
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float* qkv_p = qkv.ptr<float>();
   float *out_p = out.ptr<float>(), *lse_p = lse.ptr<float>();
-#pragma omp parallel
+#pragma omp parallel if (cpu::worth_parallel(d.B * NH * T * T * hs / 2))
   {
     std::vector<float> p(static_cast<size_t>(T));
 #pragma omp for schedule(static)
@@ -106,7 +107,7 @@ void CpuBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor
   const float *qkv_p = qkv.ptr<float>(), *dout_p = dout.ptr<float>(), *out_p = out.ptr<float>();
   const float* lse_p = lse.ptr<float>();
   float* dqkv_p = dqkv.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(d.B * NH * T * T * hs))
   for (int64_t bh = 0; bh < d.B * NH; ++bh) {
     const int64_t b = bh / NH, h = bh % NH;
     const float* base = qkv_p + b * T * C3 + h * hs;

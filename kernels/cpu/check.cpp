@@ -30,14 +30,13 @@ void OpCheck::shape(const char* name, const Tensor& t, const Shape& s) const {
 }
 
 void OpCheck::numel(const char* name, const Tensor& t, int64_t n) const {
-  if (t.numel() != n)
-    fail(name, "expected " + std::to_string(n) + " elements, got " + t.str());
+  if (t.numel() != n) fail(name, "expected " + std::to_string(n) + " elements, got " + t.str());
 }
 
 void OpCheck::dim(const char* name, const Tensor& t, int i, int64_t n) const {
   if (t.ndim() == 0 || t.dim(i) != n)
-    fail(name, "expected dim " + std::to_string(i) + " = " + std::to_string(n) + ", got " +
-                   t.str());
+    fail(name,
+         "expected dim " + std::to_string(i) + " = " + std::to_string(n) + ", got " + t.str());
 }
 
 void OpCheck::indices(const char* name, const Tensor& t, int64_t limit) const {

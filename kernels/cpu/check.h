@@ -15,8 +15,8 @@ struct OpCheck {
   const char* op;
 
   [[noreturn]] void fail(const char* name, const std::string& why) const;
-  void defined(const char* name, const Tensor& t) const;               // non-null, on the cpu
-  void dtype(const char* name, const Tensor& t, DType d) const;        // + defined
+  void defined(const char* name, const Tensor& t) const;         // non-null, on the cpu
+  void dtype(const char* name, const Tensor& t, DType d) const;  // + defined
   void f32(const char* name, const Tensor& t) const { dtype(name, t, DType::f32); }
   void ndim(const char* name, const Tensor& t, int n) const;
   void shape(const char* name, const Tensor& t, const Shape& s) const;
@@ -27,6 +27,8 @@ struct OpCheck {
 };
 
 // Rows of a tensor read as a matrix [N, last dim] (any leading shape).
-inline int64_t rows(const Tensor& t) { return t.ndim() == 0 ? 0 : t.numel() / t.dim(-1); }
+inline int64_t rows(const Tensor& t) {
+  return t.ndim() == 0 ? 0 : t.numel() / t.dim(-1);
+}
 
 }  // namespace kiln::cpu

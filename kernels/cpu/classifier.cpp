@@ -9,13 +9,14 @@
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
 using cpu::OpCheck;
 
-void CpuBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                                       int vocab_size, float dloss_scale, bool write_dlogits) {
+void CpuBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
+                                       float dloss_scale, bool write_dlogits) {
   OpCheck c{"softmax_cross_entropy"};
   c.f32("logits", logits);
   if (logits.ndim() == 0) c.fail("logits", "needs at least one dim");
@@ -32,7 +33,7 @@ void CpuBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targ
   float* x = logits.ptr<float>();
   float* loss = losses.ptr<float>();
   const int32_t* tgt = targets.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * Vp))
   for (int64_t n = 0; n < N; ++n) {
     float* row = x + n * Vp;
     float max_l = row[0];

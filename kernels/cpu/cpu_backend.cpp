@@ -11,6 +11,7 @@
 
 #include "kernels/bf16.h"
 #include "kernels/cpu/check.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -38,7 +39,9 @@ void* CpuBackend::allocate(size_t bytes) {
   return p;
 }
 
-void CpuBackend::release(void* p) { std::free(p); }
+void CpuBackend::release(void* p) {
+  std::free(p);
+}
 
 void CpuBackend::copy_from_host(Tensor dst, const void* src) {
   cpu::OpCheck{"copy_from_host"}.defined("dst", dst);
@@ -61,12 +64,12 @@ void CpuBackend::copy(Tensor dst, Tensor src) {
   } else if (dst.dtype == DType::bf16 && src.dtype == DType::f32) {
     uint16_t* d = dst.ptr<uint16_t>();
     const float* s = src.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
     for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
   } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
     float* d = dst.ptr<float>();
     const uint16_t* s = src.ptr<uint16_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
   } else {
     c.fail("dst", std::string("cannot convert ") + src.str() + " to " + dst.str() +
@@ -79,6 +82,8 @@ void CpuBackend::fill_zero(Tensor t) {
   std::memset(t.data, 0, t.nbytes());
 }
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend() {
+  return std::make_unique<CpuBackend>();
+}
 
 }  // namespace kiln

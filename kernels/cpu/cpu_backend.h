@@ -36,8 +36,7 @@ class CpuBackend final : public Backend {
   void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                           Tensor weight, Tensor mean, Tensor rstd) override;
 
-  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                      Tensor pre_gelu) override;
+  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, Tensor inp_pre_gelu) override;
 

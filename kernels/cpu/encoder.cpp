@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -23,8 +24,8 @@ void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor w
   c.ndim("wpe", wpe, 2);
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), Vp = wte.dim(0);
   c.dim("wpe", wpe, 1, C);
-  if (wpe.dim(0) < T) c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" +
-                                        std::to_string(T));
+  if (wpe.dim(0) < T)
+    c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" + std::to_string(T));
   c.f32("out", out);
   c.shape("out", out, {B, T, C});
   c.indices("tokens", tokens, Vp);
@@ -33,7 +34,7 @@ void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor w
   const float* wte_p = wte.ptr<float>();
   const float* wpe_p = wpe.ptr<float>();
   float* out_p = out.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(B * T * C))
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const float* te = wte_p + tok[bt] * C;
     const float* pe = wpe_p + (bt % T) * C;
@@ -52,8 +53,8 @@ void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor 
   c.ndim("dwpe", dwpe, 2);
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), Vp = dwte.dim(0);
   c.dim("dwpe", dwpe, 1, C);
-  if (dwpe.dim(0) < T) c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" +
-                                          std::to_string(T));
+  if (dwpe.dim(0) < T)
+    c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" + std::to_string(T));
   c.f32("dout", dout);
   c.shape("dout", dout, {B, T, C});
   c.indices("tokens", tokens, Vp);
@@ -75,7 +76,7 @@ void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor 
 
   float* dwte_p = dwte.ptr<float>();
   const int64_t n_used = static_cast<int64_t>(used.size());
-#pragma omp parallel
+#pragma omp parallel if (cpu::worth_parallel(N * C))
   {
     std::vector<double> acc(static_cast<size_t>(C));
 #pragma omp for schedule(static)
@@ -92,7 +93,7 @@ void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor 
   }
 
   float* dwpe_p = dwpe.ptr<float>();
-#pragma omp parallel
+#pragma omp parallel if (cpu::worth_parallel(N * C))
   {
     std::vector<double> acc(static_cast<size_t>(C));
 #pragma omp for schedule(static)

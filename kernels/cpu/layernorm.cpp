@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -53,14 +54,14 @@ void layernorm_row(float* out, float* mean, float* rstd, const float* x, const f
 
 }  // namespace
 
-void CpuBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
-                                   Tensor weight, Tensor bias) {
+void CpuBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                                   Tensor bias) {
   OpCheck c{"layernorm_forward"};
   check_forward(c, out, mean, rstd, inp, weight, bias);
   const int64_t N = cpu::rows(inp), C = inp.dim(-1);
   const float *x = inp.ptr<float>(), *w = weight.ptr<float>(), *b = bias.ptr<float>();
   float *o = out.ptr<float>(), *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) layernorm_row(o + n * C, mu + n, rs + n, x + n * C, w, b, C);
 }
 
@@ -78,7 +79,7 @@ void CpuBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor 
   const float *w = weight.ptr<float>(), *bi = bias.ptr<float>();
   float *res = residual.ptr<float>(), *o = out.ptr<float>();
   float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     float* r = res + n * C;
     for (int64_t i = 0; i < C; ++i) r[i] = ap[n * C + i] + bp[n * C + i];
@@ -110,7 +111,7 @@ void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, T
   const float *x = inp.ptr<float>(), *dy = dout.ptr<float>(), *w = weight.ptr<float>();
   const float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
   float* dx = dinp.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * C;
     const float* dyr = dy + n * C;
@@ -131,7 +132,7 @@ void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, T
 
   float *dw = dweight.ptr<float>(), *db = dbias.ptr<float>();
   const int64_t n_blocks = (C + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
   for (int64_t blk = 0; blk < n_blocks; ++blk) {
     const int64_t c0 = blk * kColBlock, c1 = std::min(C, c0 + kColBlock);
     double acc_w[kColBlock] = {}, acc_b[kColBlock] = {};

@@ -13,6 +13,7 @@
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -22,7 +23,7 @@ namespace {
 
 constexpr int kLanes = 8;
 constexpr int kRows = 4;
-constexpr int64_t kColBlock = 64;      // columns per thread task in the dbias sum
+constexpr int64_t kColBlock = 64;                  // columns per thread task in the dbias sum
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
@@ -95,7 +96,7 @@ void CpuBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bi
   const float* b = bias.defined() ? bias.ptr<float>() : nullptr;
   float* y = out.ptr<float>();
   float* pre = pre_gelu.defined() ? pre_gelu.ptr<float>() : nullptr;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * OC * C))
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * C;
     float* yr = y + n * OC;
@@ -112,8 +113,8 @@ void CpuBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bi
   }
 }
 
-void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                 Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                 Tensor weight, Tensor inp_pre_gelu) {
   OpCheck c{"matmul_backward"};
   c.f32("weight", weight);
   c.ndim("weight", weight, 2);
@@ -146,7 +147,7 @@ void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tens
     float* dx = dinp.ptr<float>();
     const float* pre = inp_pre_gelu.defined() ? inp_pre_gelu.ptr<float>() : nullptr;
     const int64_t n_blocks = (N + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * OC * C))
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       const int64_t n0 = blk * kRows, rows = std::min<int64_t>(kRows, N - n0);
       float* d = dx + n0 * C;
@@ -165,7 +166,7 @@ void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tens
   // dweight[o,:] += sum_n dout[n,o] * inp[n,:], kRows weight rows per pass over inp.
   float* dw = dweight.ptr<float>();
   const int64_t o_blocks = (OC + kRows - 1) / kRows;
-#pragma omp parallel
+#pragma omp parallel if (cpu::worth_parallel(N * OC * C))
   {
     std::vector<float> acc(static_cast<size_t>(kRows * C));
 #pragma omp for schedule(static)
@@ -186,7 +187,7 @@ void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tens
   if (dbias.defined()) {
     float* db = dbias.ptr<float>();
     const int64_t c_blocks = (OC + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * OC))
     for (int64_t blk = 0; blk < c_blocks; ++blk) {
       const int64_t c0 = blk * kColBlock, c1 = std::min(OC, c0 + kColBlock);
       double acc[kColBlock] = {};

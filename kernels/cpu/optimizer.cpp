@@ -11,6 +11,7 @@
 #include "kernels/bf16.h"
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
@@ -24,7 +25,7 @@ template <class Term>
 double chunked_sum(const float* x, int64_t n, Term term) {
   const int64_t n_chunks = (n + kSumChunk - 1) / kSumChunk;
   std::vector<double> partial(static_cast<size_t>(n_chunks));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
   for (int64_t k = 0; k < n_chunks; ++k) {
     double s = 0.0;
     for (int64_t i = k * kSumChunk; i < std::min(n, (k + 1) * kSumChunk); ++i) s += term(x[i]);
@@ -83,8 +84,7 @@ std::vector<DecayRun> decay_runs(const OpCheck& c, Tensor spans, int64_t offset,
 void CpuBackend::reduce_sum(Tensor out, Tensor x, bool accumulate) {
   OpCheck c{"reduce_sum"};
   check_reduction(c, out, x);
-  store(out, chunked_sum(x.ptr<float>(), x.numel(), [](float v) { return double{v}; }),
-        accumulate);
+  store(out, chunked_sum(x.ptr<float>(), x.numel(), [](float v) { return double{v}; }), accumulate);
 }
 
 void CpuBackend::sum_squares(Tensor out, Tensor x, bool accumulate) {
@@ -110,8 +110,8 @@ void CpuBackend::set_schedule(Tensor sched, float lr, int step) {
   OpCheck c{"set_schedule"};
   c.f32("sched", sched);
   c.numel("sched", sched, kSchedSize);
-  if (step < 1) c.fail("step", "must be >= 1 (1-based for bias correction), got " +
-                                   std::to_string(step));
+  if (step < 1)
+    c.fail("step", "must be >= 1 (1-based for bias correction), got " + std::to_string(step));
   sched.ptr<float>()[kSchedLr] = lr;
   sched.ptr<float>()[kSchedStep] = static_cast<float>(step);
 }
@@ -145,12 +145,12 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
   const float b1_corr = 1.0f - std::pow(b1, step), b2_corr = 1.0f - std::pow(b2, step);
   float *p = master.ptr<float>(), *mp = m.ptr<float>(), *vp = v.ptr<float>();
   const float* g = grads.ptr<float>();
-  uint16_t* w16 = working.defined() && working.dtype == DType::bf16 ? working.ptr<uint16_t>()
-                                                                     : nullptr;
+  uint16_t* w16 =
+      working.defined() && working.dtype == DType::bf16 ? working.ptr<uint16_t>() : nullptr;
   float* w32 = working.defined() && working.dtype == DType::f32 ? working.ptr<float>() : nullptr;
   for (const DecayRun& run : runs) {
     const float wd = run.decay ? hyper.weight_decay : 0.0f;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(run.end - run.begin))
     for (int64_t i = run.begin; i < run.end; ++i) {
       const float gi = g[i] * clip;
       const float mi = b1 * mp[i] + (1.0f - b1) * gi;
@@ -171,7 +171,7 @@ void CpuBackend::scale(Tensor x, float scale) {
   c.f32("x", x);
   float* p = x.ptr<float>();
   const int64_t n = x.numel();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) p[i] *= scale;
 }
 
