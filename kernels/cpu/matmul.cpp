@@ -57,15 +57,14 @@ inline void dot_rows(const float* x, const float* w, int64_t C, float* out) {
 // dst row r += sum over k of coef[k*k_stride + r*r_stride] * src row k, for R rows of length C:
 // each an in-order axpy over the K source rows, which are loaded once for all R.
 template <int R>
-inline void axpy_rows(float* dst, const float* coef, int64_t k_stride, int64_t r_stride,
-                      const float* src, int64_t K, int64_t C) {
+inline void axpy_rows(float* __restrict dst, const float* __restrict coef, int64_t k_stride,
+                      int64_t r_stride, const float* __restrict src, int64_t K, int64_t C) {
   for (int64_t k = 0; k < K; ++k) {
-    const float* s = src + k * C;
-    for (int r = 0; r < R; ++r) {
-      const float a = coef[k * k_stride + r * r_stride];
-      float* d = dst + r * C;
-      for (int64_t i = 0; i < C; ++i) d[i] += a * s[i];
-    }
+    const float* __restrict s = src + k * C;
+    float a[R];
+    for (int r = 0; r < R; ++r) a[r] = coef[k * k_stride + r * r_stride];
+    for (int64_t i = 0; i < C; ++i)
+      for (int r = 0; r < R; ++r) dst[r * C + i] += a[r] * s[i];
   }
 }
 
