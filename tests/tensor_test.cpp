@@ -107,6 +107,17 @@ TEST(Arena, RejectsPlanAfterAllocateSecondAllocateAndEmptyShapes) {
   EXPECT_THROW(arena.allocate(), std::logic_error);
 }
 
+TEST(Arena, EmptyArenaIsAllocatedToo) {
+  auto backend = make_cpu_backend();
+  Arena arena(*backend, "empty");
+  arena.allocate();
+  EXPECT_TRUE(arena.allocated());
+  EXPECT_EQ(arena.bytes(), 0u);
+  Tensor late;
+  EXPECT_THROW(arena.plan(&late, "late", {4}, DType::f32), std::logic_error);
+  EXPECT_THROW(arena.allocate(), std::logic_error);
+}
+
 TEST(Arena, FormatBytes) {
   EXPECT_EQ(format_bytes(12 * 1024), "12.0 KiB");
   EXPECT_EQ(format_bytes(456 * 1024 * 1024), "456.0 MiB");
