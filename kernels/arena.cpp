@@ -17,7 +17,8 @@ Arena::~Arena() {
 }
 
 void Arena::plan(Tensor* slot, const std::string& name, Shape shape, DType dtype) {
-  if (base_) throw std::logic_error("Arena " + name_ + ": plan(" + name + ") after allocate()");
+  if (allocated_)
+    throw std::logic_error("Arena " + name_ + ": plan(" + name + ") after allocate()");
   for (int i = 0; i < shape.ndim; ++i)
     if (shape[i] <= 0)
       throw std::invalid_argument("Arena " + name_ + ": buffer " + name + " has shape " +
@@ -31,9 +32,9 @@ void Arena::plan(Tensor* slot, const std::string& name, Shape shape, DType dtype
 }
 
 void Arena::allocate() {
-  if (base_) throw std::logic_error("Arena " + name_ + ": allocate() twice");
-  if (total_ == 0) return;
-  base_ = backend_.allocate(total_);
+  if (allocated_) throw std::logic_error("Arena " + name_ + ": allocate() twice");
+  if (total_ > 0) base_ = backend_.allocate(total_);  // may throw: then nothing changed
+  allocated_ = true;
   for (size_t i = 0; i < entries_.size(); ++i)
     slots_[i]->data = static_cast<char*>(base_) + entries_[i].offset;
 }

@@ -31,7 +31,7 @@ class Arena {
   void plan(Tensor* slot, const std::string& name, Shape shape, DType dtype);
   void allocate();
 
-  bool allocated() const { return base_ != nullptr; }
+  bool allocated() const { return allocated_; }
   size_t bytes() const { return total_; }
   const std::string& name() const { return name_; }
   const std::vector<Entry>& entries() const { return entries_; }
@@ -43,6 +43,7 @@ class Arena {
   std::vector<Tensor*> slots_;
   size_t total_ = 0;
   void* base_ = nullptr;
+  bool allocated_ = false;  // also true for an empty arena, which never gets a base_
 };
 
 // "1.23 GiB", "456.0 MiB", "12.0 KiB"
