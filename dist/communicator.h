@@ -1,0 +1,59 @@
+// Communicator: the one interface for collectives over tensors in a backend's memory. NCCL
+// implements it for CUDA tensors (async, on the comm stream it was given), Gloo for CPU tensors
+// (blocking), so DDP / ZeRO-1 / FSDP are written once and CI runs them multi-process without a
+// GPU. Sums are over f32 (NCCL also bf16); gathers and broadcasts move any dtype's bytes.
+//
+// Every rank must call the same collectives in the same order with the same shapes. Shapes are
+// checked locally (numel and dtype); a mismatch is a bug and throws std::invalid_argument.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "kernels/tensor.h"
+
+namespace kiln {
+
+class StoreClient;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // buf = sum over ranks of buf, in place.
+  virtual void all_reduce_sum(Tensor buf) = 0;
+  // in_full.numel() == world_size * out_shard.numel(); rank r receives the sum over ranks of
+  // chunk r of in_full. in_full is left unchanged.
+  virtual void reduce_scatter_sum(Tensor out_shard, Tensor in_full) = 0;
+  // out_full.numel() == world_size * in_shard.numel(); chunk r of out_full is rank r's shard.
+  virtual void all_gather(Tensor out_full, Tensor in_shard) = 0;
+  // buf on every rank = buf on `root`.
+  virtual void broadcast(Tensor buf, int root) = 0;
+  // Returns once every rank has entered (NCCL: also waits for the comm stream's work).
+  virtual void barrier() = 0;
+  virtual std::string name() const = 0;  // "gloo rank 1/4", "nccl rank 3/8 (cuda:3)"
+};
+
+// Gloo over TCP. Each rank opens a transport device on the address of its interface that routes
+// to the store's host, and meets its peers through `store` under keys prefixed "<prefix>/";
+// use a fresh prefix for each communicator made on one store. `timeout` bounds the
+// rendezvous and every collective.
+std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int rank, int world_size,
+                                                     std::chrono::seconds timeout,
+                                                     const std::string& prefix = "gloo");
+
+// NCCL on device `local_rank`. Rank 0 creates the unique id and shares it through `store`
+// (key "<prefix>/unique_id"); collectives are enqueued on `cuda_stream` (a cudaStream_t) and
+// never synchronize with the host. Built without CUDA, throws InputError.
+std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank,
+                                                     int world_size, int local_rank,
+                                                     void* cuda_stream,
+                                                     const std::string& prefix = "nccl");
+
+// Shared argument checks; `who` is the communicator's name(). Throw std::invalid_argument.
+void check_collective(const std::string& who, const char* op, const Tensor& out,
+                      const Tensor& in, int64_t in_chunks, int64_t out_chunks);
+
+}  // namespace kiln

@@ -1,0 +1,189 @@
+// Tests for dist/store: the rendezvous store's ops across threads, and that strangers, garbage,
+// oversized and silent connections are dropped while a good client keeps working.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "dist/store.h"
+#include "dist/store_wire.h"
+#include "kernels/error.h"
+
+namespace kiln {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A raw TCP connection to the server, for speaking the protocol badly on purpose.
+int raw_connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// True when the server closed the connection (recv sees EOF or a reset) within 5 s.
+bool closed_by_server(int fd) {
+  char buf[64];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+  }
+}
+
+std::string hello(const std::string& token) {
+  std::string body;
+  store_wire::put_u8(body, store_wire::kHello);
+  store_wire::put_str(body, token);
+  return store_wire::frame(body);
+}
+
+TEST(DistStore, SetGetAddBarrierAcrossThreads) {
+  StoreServer server("tok", 0, "127.0.0.1");
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::vector<std::string> got(kThreads);
+  std::atomic<int> after_barrier{0};
+  for (int r = 0; r < kThreads; ++r) {
+    threads.emplace_back([&, r] {
+      StoreClient c("127.0.0.1", server.port(), "tok", 5s, 10s);
+      c.add("counter", 1);
+      c.set("rank/" + std::to_string(r), "value-" + std::to_string(r));
+      // Blocks until the next rank has set its key.
+      got[static_cast<size_t>(r)] = c.get("rank/" + std::to_string((r + 1) % kThreads));
+      c.barrier("b0", kThreads);
+      after_barrier++;
+      EXPECT_EQ(c.get("counter"), std::to_string(kThreads));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kThreads; ++r)
+    EXPECT_EQ(got[static_cast<size_t>(r)], "value-" + std::to_string((r + 1) % kThreads));
+  EXPECT_EQ(after_barrier.load(), kThreads);
+
+  StoreClient c("127.0.0.1", server.port(), "tok", 5s, 10s);
+  EXPECT_EQ(c.add("counter", -10), kThreads - 10);
+  EXPECT_TRUE(c.check({"rank/0", "rank/3"}));
+  EXPECT_FALSE(c.check({"rank/0", "nope"}));
+  std::string binary("\0\x01\xff", 3);
+  c.set("bin", binary);
+  EXPECT_EQ(c.get("bin"), binary);
+  c.wait({"rank/1", "bin"}, 1s);
+  EXPECT_EQ(server.dropped_connections(), 0);
+}
+
+TEST(DistStore, GetTimeoutNamesKeyAndAddress) {
+  StoreServer server("tok", 0, "127.0.0.1");
+  StoreClient c("127.0.0.1", server.port(), "tok", 5s, 10s);
+  try {
+    c.get("never/set", 200ms);
+    FAIL() << "get did not time out";
+  } catch (const InputError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("never/set"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("127.0.0.1:" + std::to_string(server.port())), std::string::npos) << msg;
+  }
+  // The connection survives a timeout.
+  c.set("k", "v");
+  EXPECT_EQ(c.get("k"), "v");
+  c.set("text", "abc");
+  EXPECT_THROW(c.add("text", 1), InputError);
+  EXPECT_EQ(c.add("n", 5), 5);
+}
+
+TEST(DistStore, ConnectTimeoutNamesAddress) {
+  int port;
+  {
+    StoreServer probe("tok", 0, "127.0.0.1");
+    port = probe.port();
+  }  // now nobody listens there
+  try {
+    StoreClient c("127.0.0.1", port, "tok", 300ms, 1s);
+    FAIL() << "connected to a closed port";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(port)), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(DistStore, WrongTokenIsRefused) {
+  StoreServer server("right", 0, "127.0.0.1");
+  EXPECT_THROW(StoreClient("127.0.0.1", server.port(), "wrong", 2s, 2s), InputError);
+  StoreClient good("127.0.0.1", server.port(), "right", 2s, 2s);
+  good.set("k", "v");
+  EXPECT_EQ(good.get("k"), "v");
+  EXPECT_EQ(server.dropped_connections(), 1);
+}
+
+TEST(DistStore, GarbageOversizedAndSilentClientsAreDropped) {
+  StoreLimits limits;
+  limits.handshake_timeout = 300ms;
+  limits.max_value_bytes = 1024;
+  StoreServer server("tok", 0, "127.0.0.1", limits);
+  StoreClient good("127.0.0.1", server.port(), "tok", 2s, 5s);
+  good.set("before", "1");
+
+  // Garbage instead of a hello.
+  int garbage = raw_connect(server.port());
+  std::string junk = store_wire::frame("\x42 not a message");
+  ASSERT_EQ(send(garbage, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
+  EXPECT_TRUE(closed_by_server(garbage));
+  close(garbage);
+
+  // A frame header announcing 3 GiB, after a valid hello.
+  int big = raw_connect(server.port());
+  std::string h = hello("tok");
+  ASSERT_EQ(send(big, h.data(), h.size(), 0), static_cast<ssize_t>(h.size()));
+  std::string header;
+  store_wire::put_u32(header, 3u << 30);
+  ASSERT_EQ(send(big, header.data(), header.size(), 0), 4);
+  EXPECT_TRUE(closed_by_server(big));
+  close(big);
+
+  // A value over the server's limit, from an authenticated client.
+  StoreClient greedy("127.0.0.1", server.port(), "tok", 2s, 5s);
+  EXPECT_THROW(greedy.set("huge", std::string(4096, 'x')), InputError);
+
+  // A client that connects and says nothing.
+  int silent = raw_connect(server.port());
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(closed_by_server(silent));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  close(silent);
+
+  // Truncated field inside an otherwise well-framed message.
+  int truncated = raw_connect(server.port());
+  ASSERT_EQ(send(truncated, h.data(), h.size(), 0), static_cast<ssize_t>(h.size()));
+  std::string bad;
+  store_wire::put_u8(bad, store_wire::kSet);
+  store_wire::put_u32(bad, 100);  // key length 100, but no key bytes follow
+  bad = store_wire::frame(bad);
+  ASSERT_EQ(send(truncated, bad.data(), bad.size(), 0), static_cast<ssize_t>(bad.size()));
+  EXPECT_TRUE(closed_by_server(truncated));
+  close(truncated);
+
+  EXPECT_EQ(server.dropped_connections(), 5);
+  good.set("after", "2");
+  EXPECT_EQ(good.get("before"), "1");
+  EXPECT_EQ(good.get("after"), "2");
+}
+
+TEST(DistStore, RunTokenIs128BitHex) {
+  std::string a = make_run_token(), b = make_run_token();
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+  EXPECT_NE(a, b);
+}
+
+}  // namespace
+}  // namespace kiln
