@@ -40,6 +40,9 @@ class Backend {
   virtual Device device() const = 0;
   virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
   virtual DType activation_dtype() const = 0;
+  // The compute stream (a cudaStream_t on CUDA) for libraries that enqueue on it (NCCL); null
+  // on the CPU.
+  virtual void* native_stream() { return nullptr; }
 
   // ---- memory and transfers -------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled; throws std::bad_alloc with context

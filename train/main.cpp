@@ -4,6 +4,7 @@
 // mpirun) finds its rank in the environment, joins the rendezvous and trains its shard.
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cstdio>
 
 #include "dist/communicator.h"
@@ -20,11 +21,27 @@ namespace {
 int run_worker(const Config& config, const WorkerInfo& worker) {
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
+  const auto timeout = std::chrono::seconds(config.dist.timeout_s);
+  Rendezvous rendezvous(worker, timeout);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
-  CommunicatorFactory make_comm = [&](Backend& backend) {
-    return make_communicator(backend, worker, std::chrono::seconds(config.dist.timeout_s));
+  CommunicatorFactory make_comm = [&](Backend& backend) -> std::unique_ptr<Communicator> {
+    if (backend.device() == Device::cuda)
+      return make_nccl_communicator(rendezvous.store(), worker.rank, worker.world_size,
+                                    worker.local_rank, backend.native_stream());
+    return make_gloo_communicator(rendezvous.store(), worker.rank, worker.world_size, timeout);
   };
   return run_training(config, rank, make_comm);
+}
+
+int launch(const LaunchOptions& opts, const Config& config, int argc, char** argv) {
+  LaunchConfig launch;
+  launch.nproc_per_node = opts.nproc_per_node;
+  launch.nnodes = opts.nnodes;
+  launch.node_rank = opts.node_rank;
+  launch.master_addr = opts.master_addr;
+  launch.master_port = opts.master_port;
+  launch.rendezvous_timeout = std::chrono::seconds(config.dist.timeout_s);
+  return launch_workers(launch, argc, argv);
 }
 
 }  // namespace
@@ -41,7 +58,7 @@ int main(int argc, char** argv) {
     Config config = load_config(cli.config_path, cli.overrides);
     if (auto worker = worker_from_environment()) return run_worker(config, *worker);
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
-      return launch_workers(cli.launch, argc, argv);
+      return launch(cli.launch, config, argc, argv);
     return run_training(config, RankInfo{}, nullptr);
   } catch (const InputError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
