@@ -159,7 +159,9 @@ class Buffers {
       return;
     }
 #ifdef KILN_WITH_CUDA
-    check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreate(&stream), "cudaStreamCreate");
+    stream_ = stream;
     check(cudaMalloc(&a_, size_t(max_elems) * 4), "cudaMalloc");
     check(cudaMalloc(&b_, size_t(max_elems) * 4), "cudaMalloc");
     check(cudaEventCreate(&start_), "cudaEventCreate");
@@ -173,7 +175,7 @@ class Buffers {
       cudaFree(b_);
       cudaEventDestroy(start_);
       cudaEventDestroy(stop_);
-      cudaStreamDestroy(stream_);
+      cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
     }
 #endif
   }
