@@ -31,7 +31,9 @@ class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int rank, int world, int device)
       : comm_(comm), stream_(stream), rank_(rank), world_(world), device_(device) {
-    check_cuda(cudaMalloc(&barrier_buf_, sizeof(float)), name(), "cudaMalloc(barrier)");
+    cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
+    if (err != cudaSuccess) ncclCommDestroy(comm_);  // the destructor will not run
+    check_cuda(err, name(), "cudaMalloc(barrier)");
   }
   ~NcclCommunicator() override {
     cudaFree(barrier_buf_);

@@ -2,12 +2,14 @@
 // an srun step (SLURM_*) or Open MPI (OMPI_COMM_WORLD_*), in that order, and Rendezvous
 // connects it to the store, hosting the store on global rank 0 when no kiln launcher does.
 // Every value is validated: a malformed variable is an InputError naming it, not a hang later.
+#include <arpa/inet.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdlib>
 #include <vector>
 
 #include "dist/launcher.h"
+#include "dist/net.h"
 #include "kernels/error.h"
 
 namespace kiln {
@@ -224,9 +226,13 @@ std::optional<WorkerInfo> worker_from_environment() {
 
 Rendezvous::Rendezvous(const WorkerInfo& worker, std::chrono::seconds timeout)
     : worker_(worker), timeout_(timeout) {
-  if (worker.source != "kiln" && worker.rank == 0)
+  if (worker.source != "kiln" && worker.rank == 0) {
+    // Loopback only when everyone is on this node and reaches us there.
+    bool loopback = worker.nnodes == 1 &&
+                    (ntohl(resolve_ipv4(worker.master_addr, 0).sin_addr.s_addr) >> 24) == 127;
     server_ = std::make_unique<StoreServer>(worker.run_token, worker.master_port,
-                                            worker.nnodes > 1 ? "0.0.0.0" : "127.0.0.1");
+                                            loopback ? "127.0.0.1" : "0.0.0.0");
+  }
   client_ = std::make_unique<StoreClient>(worker.master_addr, worker.master_port, worker.run_token,
                                           timeout, timeout);
 }

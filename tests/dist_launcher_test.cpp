@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dist/launcher.h"
@@ -193,6 +194,34 @@ TEST(DistWorkerEnv, FirstHostOfNodelist) {
   EXPECT_THROW(first_host_of_nodelist("x[1-2]y[3-4]"), InputError);
   EXPECT_THROW(first_host_of_nodelist(""), InputError);
   EXPECT_THROW(first_host_of_nodelist("bad host"), InputError);
+}
+
+TEST(DistWorkerEnv, RendezvousHostsTheStoreOnRankZeroForSchedulers) {
+  int port;
+  {
+    StoreServer probe("probe", 0, "127.0.0.1");
+    port = probe.port();
+  }  // free again for rank 0's store
+  std::vector<std::thread> ranks;
+  std::vector<std::string> seen(3);
+  auto run = [&](int r) {
+    WorkerInfo w;
+    w.source = "slurm";
+    w.rank = r;
+    w.world_size = 3;
+    w.local_rank = r;
+    w.local_world_size = 3;
+    w.master_port = port;
+    w.run_token = "job-token";
+    Rendezvous rdv(w, 10s);
+    rdv.store().set("hello/" + std::to_string(r), "from " + std::to_string(r));
+    seen[size_t(r)] = rdv.store().get("hello/" + std::to_string((r + 1) % 3));
+  };  // rank 0's destructor serves until ranks 1 and 2 have left
+  for (int r = 2; r >= 0; --r) ranks.emplace_back(run, r);  // clients first: they retry
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(seen[0], "from 1");
+  EXPECT_EQ(seen[1], "from 2");
+  EXPECT_EQ(seen[2], "from 0");
 }
 
 // ---- real processes -------------------------------------------------------------------------

@@ -150,7 +150,7 @@ Options parse_args(int argc, char** argv) {
 // Buffers and timing in the backend's memory: host vectors for Gloo, cudaMalloc for NCCL.
 class Buffers {
  public:
-  Buffers(bool cuda, int64_t max_elems) : cuda_(cuda) {
+  Buffers(bool cuda, int device, int64_t max_elems) : cuda_(cuda) {
     if (!cuda_) {
       host_a_.resize(size_t(max_elems));
       host_b_.resize(size_t(max_elems));
@@ -159,6 +159,7 @@ class Buffers {
       return;
     }
 #ifdef KILN_WITH_CUDA
+    check(cudaSetDevice(device), "cudaSetDevice");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
     stream_ = stream;
@@ -292,7 +293,7 @@ int run_worker(const WorkerInfo& w, const Options& o) {
   const bool cuda = o.backend == "nccl";
   const int n = w.world_size;
   const int64_t max_elems = std::max<int64_t>(o.max_bytes / 4 / n, 1) * n;
-  Buffers buf(cuda, max_elems);
+  Buffers buf(cuda, w.local_rank, max_elems);
   std::unique_ptr<Communicator> comm =
       cuda ? make_nccl_communicator(rendezvous.store(), w.rank, n, w.local_rank, buf.stream())
            : make_gloo_communicator(rendezvous.store(), w.rank, n, timeout);
