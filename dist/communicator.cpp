@@ -8,8 +8,8 @@
 
 namespace kiln {
 
-void check_collective(const std::string& who, const char* op, const Tensor& out,
-                      const Tensor& in, int64_t in_chunks, int64_t out_chunks) {
+void check_collective(const std::string& who, const char* op, const Tensor& out, const Tensor& in,
+                      int64_t in_chunks, int64_t out_chunks) {
   auto fail = [&](const std::string& why) {
     throw std::invalid_argument(who + " " + op + "(out " + out.str() + ", in " + in.str() +
                                 "): " + why);

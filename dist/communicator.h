@@ -47,13 +47,12 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
 // NCCL on device `local_rank`. Rank 0 creates the unique id and shares it through `store`
 // (key "<prefix>/unique_id"); collectives are enqueued on `cuda_stream` (a cudaStream_t) and
 // never synchronize with the host. Built without CUDA, throws InputError.
-std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank,
-                                                     int world_size, int local_rank,
-                                                     void* cuda_stream,
+std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
+                                                     int local_rank, void* cuda_stream,
                                                      const std::string& prefix = "nccl");
 
 // Shared argument checks; `who` is the communicator's name(). Throw std::invalid_argument.
-void check_collective(const std::string& who, const char* op, const Tensor& out,
-                      const Tensor& in, int64_t in_chunks, int64_t out_chunks);
+void check_collective(const std::string& who, const char* op, const Tensor& out, const Tensor& in,
+                      int64_t in_chunks, int64_t out_chunks);
 
 }  // namespace kiln

@@ -15,6 +15,7 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <csignal>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -89,8 +90,7 @@ class GlooCommunicator : public Communicator {
       opts.setReduceFunction(sum_f32());
       configure(opts);
       gloo::allreduce(opts);
-      std::memcpy(out_shard.data, scratch_.data() + rank() * out_shard.numel(),
-                  out_shard.nbytes());
+      std::memcpy(out_shard.data, scratch_.data() + rank() * out_shard.numel(), out_shard.nbytes());
     });
   }
 
@@ -150,8 +150,7 @@ class GlooCommunicator : public Communicator {
   void expect_sum_dtype(const char* op, const Tensor& t) const {
     expect_cpu(op, t);
     if (t.dtype != DType::f32)
-      throw std::invalid_argument(name() + " " + op + ": " + t.str() +
-                                  ": Gloo sums f32 only");
+      throw std::invalid_argument(name() + " " + op + ": " + t.str() + ": Gloo sums f32 only");
   }
 
   template <class F>
@@ -180,6 +179,9 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("make_gloo_communicator: rank " + std::to_string(rank) +
                                 " of world " + std::to_string(world_size));
+  // Gloo's sockets write without MSG_NOSIGNAL: a peer that dies would kill us with SIGPIPE
+  // instead of surfacing as an error naming the collective.
+  signal(SIGPIPE, SIG_IGN);
   gloo::transport::tcp::attr attr;
   const char* host = std::getenv("KILN_GLOO_HOST");
   attr.hostname = host && *host ? host : local_address_toward(store.host());

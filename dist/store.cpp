@@ -2,6 +2,8 @@
 // every read and write is bounded by poll(2) deadlines; blocking ops send their timeout to the
 // server and add a grace period locally, so a dead server is noticed too. All failures are
 // InputError: they mean a peer, the network or the user's addresses are wrong, never a bug.
+#include "dist/store.h"
+
 #include <fcntl.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -13,7 +15,6 @@
 #include <thread>
 
 #include "dist/net.h"
-#include "dist/store.h"
 #include "dist/store_wire.h"
 #include "kernels/error.h"
 
@@ -95,7 +96,9 @@ std::string make_run_token() {
 StoreClient::StoreClient(std::string host, int port, std::string run_token,
                          std::chrono::milliseconds connect_timeout,
                          std::chrono::milliseconds op_timeout)
-    : host_(std::move(host)), port_(port), op_timeout_(op_timeout),
+    : host_(std::move(host)),
+      port_(port),
+      op_timeout_(op_timeout),
       mu_(std::make_unique<std::mutex>()) {
   sockaddr_in addr = resolve_ipv4(host_, port_);
   auto deadline = Clock::now() + connect_timeout;
@@ -121,7 +124,10 @@ StoreClient::~StoreClient() {
 }
 
 StoreClient::StoreClient(StoreClient&& o) noexcept
-    : host_(std::move(o.host_)), port_(o.port_), fd_(o.fd_), op_timeout_(o.op_timeout_),
+    : host_(std::move(o.host_)),
+      port_(o.port_),
+      fd_(o.fd_),
+      op_timeout_(o.op_timeout_),
       mu_(std::move(o.mu_)) {
   o.fd_ = -1;
 }
@@ -196,7 +202,9 @@ void StoreClient::set(const std::string& key, const std::string& value) {
   request(frame(body), key, std::chrono::milliseconds(0));
 }
 
-std::string StoreClient::get(const std::string& key) { return get(key, op_timeout_); }
+std::string StoreClient::get(const std::string& key) {
+  return get(key, op_timeout_);
+}
 
 std::string StoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::string body;
@@ -226,7 +234,9 @@ static std::string key_list(const std::vector<std::string>& keys) {
   return s;
 }
 
-void StoreClient::wait(const std::vector<std::string>& keys) { wait(keys, op_timeout_); }
+void StoreClient::wait(const std::vector<std::string>& keys) {
+  wait(keys, op_timeout_);
+}
 
 void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   std::string body;

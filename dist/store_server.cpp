@@ -309,8 +309,8 @@ struct StoreServer::Impl {
     std::vector<std::pair<int, std::string>> doomed;
     for (auto& [fd, c] : conns) {
       if (!c.authed && now - c.opened > limits.handshake_timeout)
-        doomed.emplace_back(fd, "no run token within " +
-                                    std::to_string(limits.handshake_timeout.count()) + " ms");
+        doomed.emplace_back(
+            fd, "no run token within " + std::to_string(limits.handshake_timeout.count()) + " ms");
       else if (c.in_frame && now - c.frame_started > limits.frame_timeout)
         doomed.emplace_back(fd, "message not completed within " +
                                     std::to_string(limits.frame_timeout.count()) + " ms");
@@ -400,7 +400,11 @@ StoreServer::~StoreServer() {
   close(impl_->wake_pipe[1]);
 }
 
-int StoreServer::port() const { return impl_->port; }
-int64_t StoreServer::dropped_connections() const { return impl_->dropped.load(); }
+int StoreServer::port() const {
+  return impl_->port;
+}
+int64_t StoreServer::dropped_connections() const {
+  return impl_->dropped.load();
+}
 
 }  // namespace kiln

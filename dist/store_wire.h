@@ -25,7 +25,9 @@ struct ProtocolError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-inline void put_u8(std::string& s, uint8_t v) { s.push_back(static_cast<char>(v)); }
+inline void put_u8(std::string& s, uint8_t v) {
+  s.push_back(static_cast<char>(v));
+}
 inline void put_u32(std::string& s, uint32_t v) {
   for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }

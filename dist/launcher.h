@@ -1,0 +1,87 @@
+// Launcher: how one `train` binary becomes a distributed job with no torchrun or mpirun.
+// `train --nproc-per-node N [--nnodes M --node-rank K --master-addr H --master-port P]` runs
+// launch_workers(), which hosts the rendezvous store (node 0), then fork+execs itself N times
+// with KILN_* variables set; each child's worker_from_environment() sees them and runs as a
+// worker. Under Slurm (srun) or Open MPI (mpirun) the processes already exist:
+// worker_from_environment() reads the scheduler's variables and global rank 0 hosts the store.
+//
+// The design choice that matters: the launcher supervises, and a failure anywhere ends the
+// job. A worker that exits non-zero or dies by a signal makes its launcher terminate its
+// siblings (SIGTERM, SIGKILL after a grace period) and set the store's "failed" key, which every
+// other node's launcher polls once a second. Workers die with their launcher (PDEATHSIG).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "dist/store.h"
+
+namespace kiln {
+
+constexpr int kDefaultMasterPort = 29500;
+
+struct WorkerInfo {
+  int rank = 0, local_rank = 0, world_size = 1, local_world_size = 1, node_rank = 0, nnodes = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = kDefaultMasterPort;
+  std::string run_token;
+  // Who started this process: "kiln" (launch_workers hosts the store), "slurm" or "openmpi"
+  // (global rank 0 hosts it; see Rendezvous).
+  std::string source = "kiln";
+};
+
+// This process's identity if it is a worker: from KILN_RANK & co (set by launch_workers), else
+// from an srun step (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_NODEID, ...;
+// master from MASTER_ADDR or the first host of SLURM_JOB_NODELIST, port from MASTER_PORT or
+// 29500 + SLURM_JOB_ID % 1000), else from Open MPI (OMPI_COMM_WORLD_*; MASTER_ADDR needed
+// across nodes). nullopt when none is set. Throws InputError on malformed or inconsistent
+// values, or when a multi-node job has no KILN_RUN_TOKEN.
+// Callers (train, comm_bench) should honour a Slurm/MPI identity only when the user gave no
+// --nproc-per-node/--nnodes of their own, so `srun -n1 train --nproc-per-node 8` still launches.
+std::optional<WorkerInfo> worker_from_environment();
+
+// The first host of a Slurm node list: "gpu[03-05,9],cpu1" -> "gpu03". Throws InputError for
+// a form it cannot read (set MASTER_ADDR then).
+std::string first_host_of_nodelist(const std::string& nodelist);
+
+struct LaunchConfig {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  // 0: an ephemeral port on a single node (no collisions between runs), 29500 across nodes.
+  int master_port = 0;
+  // Bounds the meeting of the node launchers and the workers' store ops.
+  std::chrono::seconds rendezvous_timeout{300};
+  // Between SIGTERM and SIGKILL when tearing workers down.
+  std::chrono::seconds grace{5};
+};
+
+// Runs the job's processes on this node and supervises them; returns the exit status for the
+// launcher: 0 when every worker on every node succeeded, else the first failing worker's exit
+// status (128 + signal for a signal), 1 when another node failed. argv is re-executed as is
+// (from /proc/self/exe). Throws InputError for a bad config or a missing KILN_RUN_TOKEN when
+// nnodes > 1 (single-node runs make a fresh token).
+int launch_workers(const LaunchConfig& cfg, int argc, char** argv);
+
+// A worker's connection to the store. For Slurm/Open MPI workers, global rank 0 also hosts
+// the StoreServer in a thread, and its destructor keeps serving until every rank's Rendezvous
+// has been destroyed (bounded by the timeout), so early finishers do not strand the others.
+class Rendezvous {
+ public:
+  Rendezvous(const WorkerInfo& worker, std::chrono::seconds timeout);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+  StoreClient& store() { return *client_; }
+
+ private:
+  WorkerInfo worker_;
+  std::chrono::seconds timeout_;
+  std::unique_ptr<StoreServer> server_;
+  std::unique_ptr<StoreClient> client_;
+};
+
+}  // namespace kiln

@@ -1,0 +1,146 @@
+// NCCL communicator: collectives on CUDA tensors, enqueued on the comm stream the caller gives
+// and never synchronized with the host (only barrier() waits), so DDP can overlap them with
+// backward. Rank 0 makes the ncclUniqueId and shares it through the rendezvous store.
+// Sums take f32 or bf16; gathers and broadcasts move bytes (ncclInt8), so any dtype works.
+// Compiled only with CUDA; communicator.cpp has the CPU-only stand-in.
+#ifdef KILN_WITH_CUDA
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "dist/communicator.h"
+#include "dist/store.h"
+#include "kernels/error.h"
+
+namespace kiln {
+namespace {
+
+std::string rank_str(int rank, int world) {
+  return "nccl rank " + std::to_string(rank) + "/" + std::to_string(world);
+}
+
+void check_cuda(cudaError_t err, const std::string& who, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(who + ": " + what + ": " + cudaGetErrorString(err));
+}
+
+class NcclCommunicator : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int rank, int world, int device)
+      : comm_(comm), stream_(stream), rank_(rank), world_(world), device_(device) {
+    cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
+    if (err != cudaSuccess) ncclCommDestroy(comm_);  // the destructor will not run
+    check_cuda(err, name(), "cudaMalloc(barrier)");
+  }
+  ~NcclCommunicator() override {
+    cudaFree(barrier_buf_);
+    ncclCommDestroy(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string name() const override {
+    return rank_str(rank_, world_) + " (cuda:" + std::to_string(device_) + ")";
+  }
+
+  void all_reduce_sum(Tensor buf) override {
+    check_collective(name(), "all_reduce_sum", buf, buf, 1, 1);
+    check("all_reduce_sum",
+          ncclAllReduce(buf.data, buf.data, count(buf), sum_type(buf), ncclSum, comm_, stream_));
+  }
+
+  void reduce_scatter_sum(Tensor out_shard, Tensor in_full) override {
+    check_collective(name(), "reduce_scatter_sum", out_shard, in_full, 1, world_);
+    check("reduce_scatter_sum", ncclReduceScatter(in_full.data, out_shard.data, count(out_shard),
+                                                  sum_type(in_full), ncclSum, comm_, stream_));
+  }
+
+  void all_gather(Tensor out_full, Tensor in_shard) override {
+    check_collective(name(), "all_gather", out_full, in_shard, world_, 1);
+    expect_cuda("all_gather", in_shard);
+    check("all_gather",
+          ncclAllGather(in_shard.data, out_full.data, in_shard.nbytes(), ncclInt8, comm_, stream_));
+  }
+
+  void broadcast(Tensor buf, int root) override {
+    check_collective(name(), "broadcast", buf, buf, 1, 1);
+    expect_cuda("broadcast", buf);
+    if (root < 0 || root >= world_)
+      throw std::invalid_argument(name() + " broadcast: root " + std::to_string(root) +
+                                  " out of range");
+    check("broadcast",
+          ncclBroadcast(buf.data, buf.data, buf.nbytes(), ncclInt8, root, comm_, stream_));
+  }
+
+  void barrier() override {
+    check("barrier",
+          ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat32, ncclSum, comm_, stream_));
+    check_cuda(cudaStreamSynchronize(stream_), name(), "barrier: cudaStreamSynchronize");
+    ncclResult_t async_err = ncclSuccess;
+    check("barrier", ncclCommGetAsyncError(comm_, &async_err));
+    check("barrier (async error)", async_err);
+  }
+
+ private:
+  void expect_cuda(const char* op, const Tensor& t) const {
+    if (t.device != Device::cuda)
+      throw std::invalid_argument(name() + " " + op + ": " + t.str() + " is not in GPU memory");
+  }
+  ncclDataType_t sum_type(const Tensor& t) const {
+    expect_cuda("sum", t);
+    if (t.dtype == DType::f32) return ncclFloat32;
+    if (t.dtype == DType::bf16) return ncclBfloat16;
+    throw std::invalid_argument(name() + ": " + t.str() + ": NCCL sums take f32 or bf16");
+  }
+  static size_t count(const Tensor& t) { return static_cast<size_t>(t.numel()); }
+  void check(const char* op, ncclResult_t r) const {
+    if (r != ncclSuccess)
+      throw std::runtime_error(name() + " " + op + ": " + ncclGetErrorString(r) + " (" +
+                               ncclGetLastError(comm_) + ")");
+  }
+
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int rank_, world_, device_;
+  float* barrier_buf_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
+                                                     int local_rank, void* cuda_stream,
+                                                     const std::string& prefix) {
+  const std::string who = rank_str(rank, world_size);
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw std::invalid_argument("make_nccl_communicator: bad rank for " + who);
+  check_cuda(cudaSetDevice(local_rank), who,
+             ("cudaSetDevice(" + std::to_string(local_rank) + ")").c_str());
+  const std::string key = prefix + "/unique_id";
+  ncclUniqueId id;
+  if (rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess)
+      throw std::runtime_error(who + ": ncclGetUniqueId: " + ncclGetErrorString(r));
+    store.set(key, std::string(id.internal, sizeof(id.internal)));
+  } else {
+    std::string v = store.get(key);
+    if (v.size() != sizeof(id.internal))
+      throw InputError(who + ": store key '" + key + "' holds " + std::to_string(v.size()) +
+                       " bytes, not an ncclUniqueId");
+    std::memcpy(id.internal, v.data(), sizeof(id.internal));
+  }
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRank(&comm, world_size, id, rank);
+  if (r != ncclSuccess)
+    throw std::runtime_error(who + ": ncclCommInitRank: " + ncclGetErrorString(r) + " (" +
+                             ncclGetLastError(comm) + ")");
+  return std::make_unique<NcclCommunicator>(comm, static_cast<cudaStream_t>(cuda_stream), rank,
+                                            world_size, local_rank);
+}
+
+}  // namespace kiln
+
+#endif  // KILN_WITH_CUDA
