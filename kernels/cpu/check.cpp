@@ -1,0 +1,50 @@
+// Argument checks for the cpu ops (see check.h): messages name the op, the tensor and its shape.
+#include "kernels/cpu/check.h"
+
+#include <stdexcept>
+
+namespace kiln::cpu {
+
+void OpCheck::fail(const char* name, const std::string& why) const {
+  throw std::invalid_argument(std::string("cpu ") + op + ": " + name + ": " + why);
+}
+
+void OpCheck::defined(const char* name, const Tensor& t) const {
+  if (!t.defined()) fail(name, "is required but undefined");
+  if (t.device != Device::cpu) fail(name, "must be on the cpu, got " + t.str());
+}
+
+void OpCheck::dtype(const char* name, const Tensor& t, DType d) const {
+  defined(name, t);
+  if (t.dtype != d)
+    fail(name, std::string("expected dtype ") + dtype_name(d) +
+                   (d == DType::f32 ? " (the cpu activation dtype)" : "") + ", got " + t.str());
+}
+
+void OpCheck::ndim(const char* name, const Tensor& t, int n) const {
+  if (t.ndim() != n) fail(name, "expected " + std::to_string(n) + " dims, got " + t.str());
+}
+
+void OpCheck::shape(const char* name, const Tensor& t, const Shape& s) const {
+  if (t.shape != s) fail(name, "expected shape " + s.str() + ", got " + t.str());
+}
+
+void OpCheck::numel(const char* name, const Tensor& t, int64_t n) const {
+  if (t.numel() != n) fail(name, "expected " + std::to_string(n) + " elements, got " + t.str());
+}
+
+void OpCheck::dim(const char* name, const Tensor& t, int i, int64_t n) const {
+  if (t.ndim() == 0 || t.dim(i) != n)
+    fail(name,
+         "expected dim " + std::to_string(i) + " = " + std::to_string(n) + ", got " + t.str());
+}
+
+void OpCheck::indices(const char* name, const Tensor& t, int64_t limit) const {
+  const int32_t* p = t.ptr<int32_t>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (p[i] < 0 || p[i] >= limit)
+      fail(name, "value " + std::to_string(p[i]) + " at flat index " + std::to_string(i) +
+                     " is outside [0, " + std::to_string(limit) + ")");
+}
+
+}  // namespace kiln::cpu

@@ -1,0 +1,34 @@
+// Argument checks shared by the cpu ops. Every op validates all of its arguments before its first
+// OpenMP region (an exception must never escape one) and every message names the op and the
+// tensor: "cpu matmul_forward: weight: expected dtype f32 (the cpu activation dtype), got
+// bf16[64,32]@cpu".
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/tensor.h"
+
+namespace kiln::cpu {
+
+struct OpCheck {
+  const char* op;
+
+  [[noreturn]] void fail(const char* name, const std::string& why) const;
+  void defined(const char* name, const Tensor& t) const;         // non-null, on the cpu
+  void dtype(const char* name, const Tensor& t, DType d) const;  // + defined
+  void f32(const char* name, const Tensor& t) const { dtype(name, t, DType::f32); }
+  void ndim(const char* name, const Tensor& t, int n) const;
+  void shape(const char* name, const Tensor& t, const Shape& s) const;
+  void numel(const char* name, const Tensor& t, int64_t n) const;
+  void dim(const char* name, const Tensor& t, int i, int64_t n) const;  // t.dim(i) == n
+  // Every value of the i32 tensor t lies in [0, limit).
+  void indices(const char* name, const Tensor& t, int64_t limit) const;
+};
+
+// Rows of a tensor read as a matrix [N, last dim] (any leading shape).
+inline int64_t rows(const Tensor& t) {
+  return t.ndim() == 0 ? 0 : t.numel() / t.dim(-1);
+}
+
+}  // namespace kiln::cpu

@@ -1,0 +1,60 @@
+// CpuBackend: the fp32 reference implementation of the Backend op set, the ground truth every
+// CUDA kernel is checked against. Activations, parameters and gradients are all f32. The ops are
+// defined one family per file (encoder.cpp, layernorm.cpp, matmul.cpp, attention.cpp,
+// classifier.cpp, optimizer.cpp); this class only gathers them.
+//
+// Determinism is part of the contract: OpenMP splits work only over independent output rows or
+// elements (static schedule), and every sum runs in a fixed order that does not depend on the
+// thread count, so results are bit-identical run to run and for any OMP_NUM_THREADS.
+#pragma once
+
+#include "kernels/backend.h"
+
+namespace kiln {
+
+class CpuBackend final : public Backend {
+ public:
+  Device device() const override { return Device::cpu; }
+  std::string name() const override { return "cpu"; }
+  DType activation_dtype() const override { return DType::f32; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void copy_from_host(Tensor dst, const void* src) override;
+  void copy_to_host(void* dst, Tensor src) override;
+  void copy(Tensor dst, Tensor src) override;
+  void fill_zero(Tensor t) override;
+  void synchronize() override {}
+
+  void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
+  void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
+
+  void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                         Tensor bias) override;
+  void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd, Tensor a,
+                                  Tensor b, Tensor weight, Tensor bias) override;
+  void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                          Tensor weight, Tensor mean, Tensor rstd) override;
+
+  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) override;
+  void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                       Tensor weight, Tensor inp_pre_gelu) override;
+
+  void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) override;
+  void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                          int n_head) override;
+
+  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
+                             float dloss_scale, bool write_dlogits) override;
+
+  void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
+  void sum_squares(Tensor out, Tensor x, bool accumulate) override;
+  void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) override;
+  void set_schedule(Tensor sched, float lr, int step) override;
+  void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
+                    Tensor decay_spans, int64_t offset, Tensor sched,
+                    const AdamWHyper& hyper) override;
+  void scale(Tensor x, float scale) override;
+};
+
+}  // namespace kiln

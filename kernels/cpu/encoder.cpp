@@ -1,0 +1,112 @@
+// Token + position embedding. Forward is a gather, backward a scatter-add. The scatter is made
+// deterministic without atomics: positions are bucketed by token id (a counting sort), then each
+// vocab row sums its positions in increasing (b,t) order and is added to dwte once. Threads split
+// over vocab rows (and over t for dwpe), never over the tokens that share a row.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/check.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
+
+namespace kiln {
+
+using cpu::OpCheck;
+
+void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
+  OpCheck c{"encoder_forward"};
+  c.dtype("tokens", tokens, DType::i32);
+  c.ndim("tokens", tokens, 2);
+  c.f32("wte", wte);
+  c.ndim("wte", wte, 2);
+  c.f32("wpe", wpe);
+  c.ndim("wpe", wpe, 2);
+  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), Vp = wte.dim(0);
+  c.dim("wpe", wpe, 1, C);
+  if (wpe.dim(0) < T)
+    c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" + std::to_string(T));
+  c.f32("out", out);
+  c.shape("out", out, {B, T, C});
+  c.indices("tokens", tokens, Vp);
+
+  const int32_t* tok = tokens.ptr<int32_t>();
+  const float* wte_p = wte.ptr<float>();
+  const float* wpe_p = wpe.ptr<float>();
+  float* out_p = out.ptr<float>();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(B * T * C))
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const float* te = wte_p + tok[bt] * C;
+    const float* pe = wpe_p + (bt % T) * C;
+    float* o = out_p + bt * C;
+    for (int64_t i = 0; i < C; ++i) o[i] = te[i] + pe[i];
+  }
+}
+
+void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
+  OpCheck c{"encoder_backward"};
+  c.dtype("tokens", tokens, DType::i32);
+  c.ndim("tokens", tokens, 2);
+  c.f32("dwte", dwte);
+  c.ndim("dwte", dwte, 2);
+  c.f32("dwpe", dwpe);
+  c.ndim("dwpe", dwpe, 2);
+  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), Vp = dwte.dim(0);
+  c.dim("dwpe", dwpe, 1, C);
+  if (dwpe.dim(0) < T)
+    c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" + std::to_string(T));
+  c.f32("dout", dout);
+  c.shape("dout", dout, {B, T, C});
+  c.indices("tokens", tokens, Vp);
+
+  const int32_t* tok = tokens.ptr<int32_t>();
+  const float* g = dout.ptr<float>();
+
+  // Counting sort of positions by token id; within a bucket positions stay in (b,t) order.
+  const int64_t N = B * T;
+  std::vector<int64_t> start(static_cast<size_t>(Vp + 1), 0);
+  for (int64_t i = 0; i < N; ++i) ++start[static_cast<size_t>(tok[i]) + 1];
+  for (int64_t v = 0; v < Vp; ++v) start[v + 1] += start[v];
+  std::vector<int64_t> order(static_cast<size_t>(N));
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < N; ++i) order[fill[tok[i]]++] = i;
+  std::vector<int32_t> used;  // distinct token ids, ascending
+  for (int64_t v = 0; v < Vp; ++v)
+    if (start[v + 1] > start[v]) used.push_back(static_cast<int32_t>(v));
+
+  float* dwte_p = dwte.ptr<float>();
+  const int64_t n_used = static_cast<int64_t>(used.size());
+#pragma omp parallel if (cpu::worth_parallel(N * C))
+  {
+    std::vector<double> acc(static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n_used; ++u) {
+      const int32_t v = used[u];
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t k = start[v]; k < start[v + 1]; ++k) {
+        const float* row = g + order[k] * C;
+        for (int64_t i = 0; i < C; ++i) acc[i] += row[i];
+      }
+      float* d = dwte_p + v * C;
+      for (int64_t i = 0; i < C; ++i) d[i] += static_cast<float>(acc[i]);
+    }
+  }
+
+  float* dwpe_p = dwpe.ptr<float>();
+#pragma omp parallel if (cpu::worth_parallel(N * C))
+  {
+    std::vector<double> acc(static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = g + (b * T + t) * C;
+        for (int64_t i = 0; i < C; ++i) acc[i] += row[i];
+      }
+      float* d = dwpe_p + t * C;
+      for (int64_t i = 0; i < C; ++i) d[i] += static_cast<float>(acc[i]);
+    }
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,152 @@
+// LayerNorm over the last dim (eps 1e-5, biased variance), forward and backward. Row statistics
+// are summed in double and mean/rstd are saved as f32; backward normalizes with exactly those
+// saved values, so forward and backward agree bit for bit on x_hat. Backward (llm.c's formula)
+//   dx = rstd * (dy*w - mean(dy*w) - x_hat * mean(dy*w*x_hat))
+// ACCUMULATES into dinp, the residual stream's gradient. dweight/dbias are column sums over all
+// rows: threads split over column blocks, each summing rows in order (deterministic).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/check.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
+
+namespace kiln {
+
+using cpu::OpCheck;
+
+namespace {
+
+constexpr double kEps = 1e-5;
+constexpr int64_t kColBlock = 64;  // columns per thread task in the dweight/dbias sums
+
+void check_forward(const OpCheck& c, Tensor out, Tensor mean, Tensor rstd, Tensor inp,
+                   Tensor weight, Tensor bias) {
+  c.f32("inp", inp);
+  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
+  const int64_t C = inp.dim(-1);
+  c.f32("out", out);
+  c.shape("out", out, inp.shape);
+  c.f32("weight", weight);
+  c.shape("weight", weight, {C});
+  c.f32("bias", bias);
+  c.shape("bias", bias, {C});
+  c.f32("mean", mean);
+  c.numel("mean", mean, cpu::rows(inp));
+  c.f32("rstd", rstd);
+  c.numel("rstd", rstd, cpu::rows(inp));
+}
+
+void layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
+                   const float* b, int64_t C) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < C; ++i) sum += x[i];
+  const double mu = sum / static_cast<double>(C);
+  double ss = 0.0;
+  for (int64_t i = 0; i < C; ++i) ss += (x[i] - mu) * (x[i] - mu);
+  const float m = static_cast<float>(mu);
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + kEps));
+  for (int64_t i = 0; i < C; ++i) out[i] = (x[i] - m) * r * w[i] + b[i];
+  *mean = m;
+  *rstd = r;
+}
+
+}  // namespace
+
+void CpuBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                                   Tensor bias) {
+  OpCheck c{"layernorm_forward"};
+  check_forward(c, out, mean, rstd, inp, weight, bias);
+  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
+  const float *x = inp.ptr<float>(), *w = weight.ptr<float>(), *b = bias.ptr<float>();
+  float *o = out.ptr<float>(), *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
+  for (int64_t n = 0; n < N; ++n) layernorm_row(o + n * C, mu + n, rs + n, x + n * C, w, b, C);
+}
+
+void CpuBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
+                                            Tensor a, Tensor b, Tensor weight, Tensor bias) {
+  OpCheck c{"residual_layernorm_forward"};
+  c.f32("a", a);
+  c.f32("b", b);
+  c.shape("b", b, a.shape);
+  c.f32("residual", residual);
+  c.shape("residual", residual, a.shape);
+  check_forward(c, out, mean, rstd, residual, weight, bias);
+  const int64_t N = cpu::rows(a), C = a.dim(-1);
+  const float *ap = a.ptr<float>(), *bp = b.ptr<float>();
+  const float *w = weight.ptr<float>(), *bi = bias.ptr<float>();
+  float *res = residual.ptr<float>(), *o = out.ptr<float>();
+  float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
+  for (int64_t n = 0; n < N; ++n) {
+    float* r = res + n * C;
+    for (int64_t i = 0; i < C; ++i) r[i] = ap[n * C + i] + bp[n * C + i];
+    layernorm_row(o + n * C, mu + n, rs + n, r, w, bi, C);
+  }
+}
+
+void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                    Tensor inp, Tensor weight, Tensor mean, Tensor rstd) {
+  OpCheck c{"layernorm_backward"};
+  c.f32("inp", inp);
+  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
+  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
+  c.f32("dinp", dinp);
+  c.shape("dinp", dinp, inp.shape);
+  c.f32("dout", dout);
+  c.shape("dout", dout, inp.shape);
+  c.f32("weight", weight);
+  c.shape("weight", weight, {C});
+  c.f32("dweight", dweight);
+  c.shape("dweight", dweight, {C});
+  c.f32("dbias", dbias);
+  c.shape("dbias", dbias, {C});
+  c.f32("mean", mean);
+  c.numel("mean", mean, N);
+  c.f32("rstd", rstd);
+  c.numel("rstd", rstd, N);
+
+  const float *x = inp.ptr<float>(), *dy = dout.ptr<float>(), *w = weight.ptr<float>();
+  const float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
+  float* dx = dinp.ptr<float>();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * C;
+    const float* dyr = dy + n * C;
+    double sum_dyw = 0.0, sum_dyw_xhat = 0.0;
+    for (int64_t i = 0; i < C; ++i) {
+      const float xhat = (xr[i] - mu[n]) * rs[n];
+      sum_dyw += dyr[i] * w[i];
+      sum_dyw_xhat += dyr[i] * w[i] * xhat;
+    }
+    const float mean_dyw = static_cast<float>(sum_dyw / static_cast<double>(C));
+    const float mean_dyw_xhat = static_cast<float>(sum_dyw_xhat / static_cast<double>(C));
+    float* dxr = dx + n * C;
+    for (int64_t i = 0; i < C; ++i) {
+      const float xhat = (xr[i] - mu[n]) * rs[n];
+      dxr[i] += rs[n] * (dyr[i] * w[i] - mean_dyw - xhat * mean_dyw_xhat);
+    }
+  }
+
+  float *dw = dweight.ptr<float>(), *db = dbias.ptr<float>();
+  const int64_t n_blocks = (C + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
+  for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    const int64_t c0 = blk * kColBlock, c1 = std::min(C, c0 + kColBlock);
+    double acc_w[kColBlock] = {}, acc_b[kColBlock] = {};
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = c0; i < c1; ++i) {
+        const float xhat = (x[n * C + i] - mu[n]) * rs[n];
+        acc_w[i - c0] += dy[n * C + i] * xhat;
+        acc_b[i - c0] += dy[n * C + i];
+      }
+    for (int64_t i = c0; i < c1; ++i) {
+      dw[i] += static_cast<float>(acc_w[i - c0]);
+      db[i] += static_cast<float>(acc_b[i - c0]);
+    }
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,631 @@
+// The cpu reference backend against first principles: every op's backward against central
+// finite differences of its own f32 forward (tests/gradcheck.h), forwards against naive direct
+// computations in double, the += / = contract of backward ops, AdamW against hand-computed
+// steps, and determinism (bit-identical across runs and OpenMP thread counts).
+//
+// Gradient-check tolerance: |analytic - numeric| <= 2e-4 + 2e-3 |numeric| with h = 1e-2 and
+// gradients of O(1). The forward is f32, so each loss evaluation carries ~1e-7 relative rounding,
+// ~1e-5 absolute noise once divided by 2h; the central difference's truncation error is
+// O(h^2 * third derivative), ~1e-4 at most (the GELU chain). Measured worst errors are 7e-5
+// absolute (GELU chain) and 1e-3 relative on elements above the absolute floor, so the bound
+// holds with margin, while a 1% error in any gradient element of size >= 0.1 (a wrong scale, a
+// missing term) fails.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/bf16.h"
+#include "tests/gradcheck.h"
+
+namespace kiln {
+namespace {
+
+using test::expect_grad_near;
+using test::f32;
+using test::i32;
+using test::numeric_grad;
+using test::random_floats;
+using test::weighted_sum;
+
+constexpr float kStep = 1e-2f;
+
+Backend& cpu() {
+  static std::unique_ptr<Backend> backend = make_cpu_backend();
+  return *backend;
+}
+
+std::vector<float> zeros(size_t n) {
+  return std::vector<float>(n, 0.0f);
+}
+
+// Runs fn with OpenMP limited to `threads`, restoring the previous limit.
+void with_threads(int threads, const std::function<void()>& fn) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  fn();
+  omp_set_num_threads(saved);
+}
+
+bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---- encoder ---------------------------------------------------------------------------------
+
+TEST(CpuEncoder, ForwardAndGradCheck) {
+  const int64_t B = 2, T = 5, C = 8, Vp = 6, maxT = 7;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 5, 1, 1, 4, 3, 0};  // repeats; token 2 unused
+  auto wte = random_floats(Vp * C, 1), wpe = random_floats(maxT * C, 2);
+  auto R = random_floats(B * T * C, 3), out = zeros(B * T * C);
+  auto forward = [&] {
+    cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}),
+                          f32(wpe, {maxT, C}));
+    return weighted_sum(out, R);
+  };
+  forward();
+  for (int64_t bt = 0; bt < B * T; ++bt)
+    for (int64_t i = 0; i < C; ++i)
+      ASSERT_EQ(out[bt * C + i], wte[tokens[bt] * C + i] + wpe[(bt % T) * C + i]);
+
+  auto dwte = zeros(Vp * C), dwpe = zeros(maxT * C);
+  cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {maxT, C}), f32(R, {B, T, C}),
+                         i32(tokens, {B, T}));
+  expect_grad_near(dwte, numeric_grad(wte, kStep, forward), "dwte");
+  expect_grad_near(dwpe, numeric_grad(wpe, kStep, forward), "dwpe");
+}
+
+TEST(CpuEncoder, BackwardAccumulates) {
+  const int64_t B = 2, T = 5, C = 8, Vp = 6;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 5, 1, 1, 4, 3, 0};
+  auto dout = random_floats(B * T * C, 4);
+  auto dwte = zeros(Vp * C), dwpe = zeros(T * C);
+  auto run = [&] {
+    cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {T, C}), f32(dout, {B, T, C}),
+                           i32(tokens, {B, T}));
+  };
+  run();
+  auto once_te = dwte, once_pe = dwpe;
+  run();
+  for (size_t i = 0; i < dwte.size(); ++i) ASSERT_EQ(dwte[i], 2 * once_te[i]) << i;
+  for (size_t i = 0; i < dwpe.size(); ++i) ASSERT_EQ(dwpe[i], 2 * once_pe[i]) << i;
+}
+
+TEST(CpuEncoder, TokenOutOfRangeThrows) {
+  std::vector<int32_t> tokens = {0, 6};
+  auto wte = zeros(6 * 4), wpe = zeros(2 * 4), out = zeros(2 * 4);
+  try {
+    cpu().encoder_forward(f32(out, {1, 2, 4}), i32(tokens, {1, 2}), f32(wte, {6, 4}),
+                          f32(wpe, {2, 4}));
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tokens"), std::string::npos) << e.what();
+  }
+}
+
+// ---- layernorm -------------------------------------------------------------------------------
+
+struct LayerNormCase {
+  int64_t B = 2, T = 5, C = 8;
+  std::vector<float> inp = random_floats(B * T * C, 10, -2.0f, 2.0f);
+  std::vector<float> weight = random_floats(C, 11, 0.5f, 1.5f);
+  std::vector<float> bias = random_floats(C, 12);
+  std::vector<float> R = random_floats(B * T * C, 13);
+  std::vector<float> out = zeros(B * T * C), mean = zeros(B * T), rstd = zeros(B * T);
+
+  double forward() {
+    cpu().layernorm_forward(f32(out, {B, T, C}), f32(mean, {B, T}), f32(rstd, {B, T}),
+                            f32(inp, {B, T, C}), f32(weight, {C}), f32(bias, {C}));
+    return weighted_sum(out, R);
+  }
+  // dinp starts as given (it accumulates); dweight/dbias start at zero.
+  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db) {
+    cpu().layernorm_backward(f32(dinp, {B, T, C}), f32(dw, {C}), f32(db, {C}), f32(R, {B, T, C}),
+                             f32(inp, {B, T, C}), f32(weight, {C}), f32(mean, {B, T}),
+                             f32(rstd, {B, T}));
+  }
+};
+
+TEST(CpuLayerNorm, ForwardMatchesDirect) {
+  LayerNormCase k;
+  k.forward();
+  for (int64_t n = 0; n < k.B * k.T; ++n) {
+    double mu = 0.0, var = 0.0;
+    for (int64_t i = 0; i < k.C; ++i) mu += k.inp[n * k.C + i];
+    mu /= k.C;
+    for (int64_t i = 0; i < k.C; ++i) var += std::pow(k.inp[n * k.C + i] - mu, 2);
+    var /= k.C;  // biased
+    const double rs = 1.0 / std::sqrt(var + 1e-5);
+    EXPECT_NEAR(k.mean[n], mu, 1e-6);
+    EXPECT_NEAR(k.rstd[n], rs, 1e-6 * rs);
+    for (int64_t i = 0; i < k.C; ++i)
+      EXPECT_NEAR(k.out[n * k.C + i], (k.inp[n * k.C + i] - mu) * rs * k.weight[i] + k.bias[i],
+                  1e-5);
+  }
+}
+
+TEST(CpuLayerNorm, GradCheck) {
+  LayerNormCase k;
+  k.forward();
+  auto dinp = zeros(k.inp.size()), dw = zeros(k.C), db = zeros(k.C);
+  k.backward(dinp, dw, db);
+  auto loss = [&] { return k.forward(); };
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, loss), "layernorm dinp");
+  expect_grad_near(dw, numeric_grad(k.weight, kStep, loss), "layernorm dweight");
+  expect_grad_near(db, numeric_grad(k.bias, kStep, loss), "layernorm dbias");
+}
+
+TEST(CpuLayerNorm, BackwardAccumulatesIntoDinpAndParams) {
+  LayerNormCase k;
+  k.forward();
+  auto dinp = zeros(k.inp.size()), dw = zeros(k.C), db = zeros(k.C);
+  k.backward(dinp, dw, db);
+  const auto g_inp = dinp, g_w = dw, g_b = db;
+  auto residual = random_floats(k.inp.size(), 14);
+  auto dinp2 = residual;
+  k.backward(dinp2, dw, db);  // second call: params double, dinp adds onto the residual grad
+  for (size_t i = 0; i < dinp2.size(); ++i) ASSERT_EQ(dinp2[i], residual[i] + g_inp[i]) << i;
+  for (int64_t i = 0; i < k.C; ++i) {
+    ASSERT_EQ(dw[i], 2 * g_w[i]);
+    ASSERT_EQ(db[i], 2 * g_b[i]);
+  }
+}
+
+TEST(CpuLayerNorm, ResidualFormMatchesAddThenLayerNorm) {
+  LayerNormCase k;
+  auto a = random_floats(k.inp.size(), 15), b = random_floats(k.inp.size(), 16);
+  for (size_t i = 0; i < a.size(); ++i) k.inp[i] = a[i] + b[i];
+  k.forward();
+  auto residual = zeros(a.size()), out = zeros(a.size()), mean = zeros(k.B * k.T),
+       rstd = zeros(k.B * k.T);
+  const int64_t B = k.B, T = k.T, C = k.C;
+  cpu().residual_layernorm_forward(f32(residual, {B, T, C}), f32(out, {B, T, C}), f32(mean, {B, T}),
+                                   f32(rstd, {B, T}), f32(a, {B, T, C}), f32(b, {B, T, C}),
+                                   f32(k.weight, {C}), f32(k.bias, {C}));
+  EXPECT_TRUE(bit_identical(residual, k.inp));
+  EXPECT_TRUE(bit_identical(out, k.out));
+  EXPECT_TRUE(bit_identical(mean, k.mean));
+  EXPECT_TRUE(bit_identical(rstd, k.rstd));
+}
+
+// ---- matmul ----------------------------------------------------------------------------------
+
+// C = 19 and OC = 7 exercise both the 8-lane body and the scalar tail, and both the 4-row weight
+// blocks and the leftover rows.
+struct MatmulCase {
+  int64_t B = 2, T = 5, C = 19, OC = 7;
+  std::vector<float> inp = random_floats(B * T * C, 20);
+  std::vector<float> weight = random_floats(OC * C, 21);
+  std::vector<float> bias = random_floats(OC, 22);
+  std::vector<float> R = random_floats(B * T * OC, 23);
+  std::vector<float> out = zeros(B * T * OC);
+
+  double forward(bool with_bias = true) {
+    cpu().matmul_forward(f32(out, {B, T, OC}), f32(inp, {B, T, C}), f32(weight, {OC, C}),
+                         with_bias ? f32(bias, {OC}) : Tensor{}, Tensor{});
+    return weighted_sum(out, R);
+  }
+  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db) {
+    cpu().matmul_backward(dinp.empty() ? Tensor{} : f32(dinp, {B, T, C}), f32(dw, {OC, C}),
+                          db.empty() ? Tensor{} : f32(db, {OC}), f32(R, {B, T, OC}),
+                          f32(inp, {B, T, C}), f32(weight, {OC, C}), Tensor{});
+  }
+};
+
+TEST(CpuMatmul, ForwardMatchesNaive) {
+  for (bool with_bias : {true, false}) {
+    MatmulCase k;
+    k.forward(with_bias);
+    for (int64_t n = 0; n < k.B * k.T; ++n)
+      for (int64_t o = 0; o < k.OC; ++o) {
+        double s = with_bias ? k.bias[o] : 0.0;
+        for (int64_t i = 0; i < k.C; ++i)
+          s += static_cast<double>(k.inp[n * k.C + i]) * k.weight[o * k.C + i];
+        EXPECT_NEAR(k.out[n * k.OC + o], s, 1e-5) << "n=" << n << " o=" << o;
+      }
+  }
+}
+
+TEST(CpuMatmul, GradCheck) {
+  MatmulCase k;
+  auto dinp = random_floats(k.inp.size(), 24);  // garbage: dinp is overwritten, not accumulated
+  auto dw = zeros(k.weight.size()), db = zeros(k.OC);
+  k.backward(dinp, dw, db);
+  auto loss = [&] { return k.forward(); };
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, loss), "matmul dinp");
+  expect_grad_near(dw, numeric_grad(k.weight, kStep, loss), "matmul dweight");
+  expect_grad_near(db, numeric_grad(k.bias, kStep, loss), "matmul dbias");
+}
+
+TEST(CpuMatmul, BackwardTwiceDoublesParamGradsAndOptionalsMayBeAbsent) {
+  MatmulCase k;
+  auto dinp = zeros(k.inp.size()), dw = zeros(k.weight.size()), db = zeros(k.OC);
+  k.backward(dinp, dw, db);
+  const auto dinp1 = dinp, dw1 = dw, db1 = db;
+  k.backward(dinp, dw, db);
+  EXPECT_TRUE(bit_identical(dinp, dinp1)) << "dinp must be overwritten";
+  for (size_t i = 0; i < dw.size(); ++i) ASSERT_EQ(dw[i], 2 * dw1[i]) << i;
+  for (size_t i = 0; i < db.size(); ++i) ASSERT_EQ(db[i], 2 * db1[i]) << i;
+
+  std::vector<float> none;
+  auto dw_only = zeros(k.weight.size());
+  k.backward(none, dw_only, none);  // no dinp, no dbias
+  EXPECT_TRUE(bit_identical(dw_only, dw1));
+}
+
+// Two layers with the GELU epilogue between them: out = gelu(x W1^T + b1) W2^T + b2. Checks the
+// forward's pre_gelu/out pair and the backward's gelu' on inp_pre_gelu, end to end.
+TEST(CpuMatmul, GeluEpilogueGradCheck) {
+  const int64_t N = 10, C = 8, H = 12, OC = 6;
+  auto x = random_floats(N * C, 30), w1 = random_floats(H * C, 31), b1 = random_floats(H, 32);
+  auto w2 = random_floats(OC * H, 33), b2 = random_floats(OC, 34), R = random_floats(N * OC, 35);
+  auto pre = zeros(N * H), h = zeros(N * H), out = zeros(N * OC);
+  auto forward = [&] {
+    cpu().matmul_forward(f32(h, {N, H}), f32(x, {N, C}), f32(w1, {H, C}), f32(b1, {H}),
+                         f32(pre, {N, H}));
+    cpu().matmul_forward(f32(out, {N, OC}), f32(h, {N, H}), f32(w2, {OC, H}), f32(b2, {OC}),
+                         Tensor{});
+    return weighted_sum(out, R);
+  };
+  forward();
+  for (size_t i = 0; i < pre.size(); ++i) {
+    const double p = pre[i];
+    const double gelu = 0.5 * p * (1 + std::tanh(std::sqrt(2 / M_PI) * (p + 0.044715 * p * p * p)));
+    ASSERT_NEAR(h[i], gelu, 1e-6) << i;
+  }
+  auto dpre = zeros(N * H), dw2 = zeros(OC * H), db2 = zeros(OC);
+  auto dx = zeros(N * C), dw1 = zeros(H * C), db1 = zeros(H);
+  cpu().matmul_backward(f32(dpre, {N, H}), f32(dw2, {OC, H}), f32(db2, {OC}), f32(R, {N, OC}),
+                        f32(h, {N, H}), f32(w2, {OC, H}), f32(pre, {N, H}));
+  cpu().matmul_backward(f32(dx, {N, C}), f32(dw1, {H, C}), f32(db1, {H}), f32(dpre, {N, H}),
+                        f32(x, {N, C}), f32(w1, {H, C}), Tensor{});
+  expect_grad_near(dx, numeric_grad(x, kStep, forward), "gelu chain dx");
+  expect_grad_near(dw1, numeric_grad(w1, kStep, forward), "gelu chain dw1");
+  expect_grad_near(db1, numeric_grad(b1, kStep, forward), "gelu chain db1");
+  expect_grad_near(dw2, numeric_grad(w2, kStep, forward), "gelu chain dw2");
+}
+
+TEST(CpuMatmul, RejectsNonF32ActivationsNamingOpAndTensor) {
+  MatmulCase k;
+  Tensor inp = f32(k.inp, {k.B, k.T, k.C});
+  inp.dtype = DType::bf16;
+  try {
+    cpu().matmul_forward(f32(k.out, {k.B, k.T, k.OC}), inp, f32(k.weight, {k.OC, k.C}), Tensor{},
+                         Tensor{});
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("matmul_forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("inp"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("bf16"), std::string::npos) << msg;
+  }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+struct AttentionCase {
+  int64_t B = 2, T = 5, C = 8, NH = 2;
+  std::vector<float> qkv, R, out, lse;
+  explicit AttentionCase(int64_t b = 2, int64_t t = 5, int64_t c = 8, int64_t nh = 2)
+      : B(b), T(t), C(c), NH(nh) {
+    qkv = random_floats(B * T * 3 * C, 40);
+    R = random_floats(B * T * C, 41);
+    out = zeros(B * T * C);
+    lse = zeros(B * NH * T);
+  }
+  double forward() {
+    cpu().attention_forward(f32(out, {B, T, C}), f32(lse, {B, NH, T}), f32(qkv, {B, T, 3 * C}),
+                            static_cast<int>(NH));
+    return weighted_sum(out, R);
+  }
+  void backward(std::vector<float>& dqkv) {
+    cpu().attention_backward(f32(dqkv, {B, T, 3 * C}), f32(R, {B, T, C}), f32(qkv, {B, T, 3 * C}),
+                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), static_cast<int>(NH));
+  }
+};
+
+TEST(CpuAttention, ForwardMatchesNaiveFullSoftmax) {
+  AttentionCase k;
+  k.forward();
+  const int64_t hs = k.C / k.NH, C3 = 3 * k.C;
+  for (int64_t b = 0; b < k.B; ++b)
+    for (int64_t h = 0; h < k.NH; ++h) {
+      // The whole [T,T] causal score matrix, in double.
+      std::vector<double> S(k.T * k.T, -INFINITY);
+      for (int64_t t = 0; t < k.T; ++t)
+        for (int64_t j = 0; j <= t; ++j) {
+          double s = 0.0;
+          for (int64_t i = 0; i < hs; ++i)
+            s += static_cast<double>(k.qkv[(b * k.T + t) * C3 + h * hs + i]) *
+                 k.qkv[(b * k.T + j) * C3 + k.C + h * hs + i];
+          S[t * k.T + j] = s / std::sqrt(static_cast<double>(hs));
+        }
+      for (int64_t t = 0; t < k.T; ++t) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < k.T; ++j) sum += std::exp(S[t * k.T + j]);  // exp(-inf) = 0
+        EXPECT_NEAR(k.lse[(b * k.NH + h) * k.T + t], std::log(sum), 1e-6);
+        for (int64_t i = 0; i < hs; ++i) {
+          double o = 0.0;
+          for (int64_t j = 0; j < k.T; ++j)
+            o += std::exp(S[t * k.T + j]) / sum * k.qkv[(b * k.T + j) * C3 + 2 * k.C + h * hs + i];
+          EXPECT_NEAR(k.out[(b * k.T + t) * k.C + h * hs + i], o, 1e-6);
+        }
+      }
+    }
+}
+
+TEST(CpuAttention, GradCheck) {
+  AttentionCase k;
+  k.forward();
+  auto dqkv = random_floats(k.qkv.size(), 42);  // garbage: dqkv is overwritten
+  k.backward(dqkv);
+  expect_grad_near(dqkv, numeric_grad(k.qkv, kStep, [&] { return k.forward(); }), "dqkv");
+}
+
+// ---- softmax cross-entropy -------------------------------------------------------------------
+
+struct CrossEntropyCase {
+  int64_t N = 10, V = 9, Vp = 12;
+  std::vector<float> logits = random_floats(N * Vp, 50, -3.0f, 3.0f);
+  std::vector<int32_t> targets = {0, 8, 3, 3, 7, 1, 2, 5, 4, 6};
+  std::vector<float> losses = zeros(N);
+  CrossEntropyCase() {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = V; i < Vp; ++i) logits[n * Vp + i] = 100.0f;  // padding must not count
+  }
+  void run(std::vector<float>& x, float scale, bool write_dlogits) {
+    cpu().softmax_cross_entropy(f32(losses, {N}), f32(x, {N, Vp}), i32(targets, {N}),
+                                static_cast<int>(V), scale, write_dlogits);
+  }
+};
+
+TEST(CpuSoftmaxCrossEntropy, LossesMatchDirectAndLogitsKeptWithoutDlogits) {
+  CrossEntropyCase k;
+  auto x = k.logits;
+  k.run(x, 1.0f, false);
+  EXPECT_TRUE(bit_identical(x, k.logits));
+  for (int64_t n = 0; n < k.N; ++n) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < k.V; ++i) sum += std::exp(static_cast<double>(k.logits[n * k.Vp + i]));
+    EXPECT_NEAR(k.losses[n], std::log(sum) - k.logits[n * k.Vp + k.targets[n]], 1e-6);
+  }
+}
+
+TEST(CpuSoftmaxCrossEntropy, DlogitsInPlaceMatchFiniteDifferencesOfMeanLoss) {
+  CrossEntropyCase k;
+  auto mean_loss = [&] {
+    auto x = k.logits;
+    k.run(x, 1.0f, false);
+    double s = 0.0;
+    for (float l : k.losses) s += l;
+    return s / static_cast<double>(k.N);
+  };
+  const double expected_mean = mean_loss();
+  const auto expected_losses = k.losses;
+  auto dlogits = k.logits;
+  k.run(dlogits, 1.0f / static_cast<float>(k.N), true);
+  EXPECT_TRUE(bit_identical(k.losses, expected_losses)) << "losses must not depend on dlogits";
+  for (int64_t n = 0; n < k.N; ++n)
+    for (int64_t i = k.V; i < k.Vp; ++i) ASSERT_EQ(dlogits[n * k.Vp + i], 0.0f) << n << "," << i;
+  auto numeric = numeric_grad(k.logits, kStep, mean_loss);
+  for (int64_t n = 0; n < k.N; ++n)
+    for (int64_t i = k.V; i < k.Vp; ++i) ASSERT_EQ(numeric[n * k.Vp + i], 0.0);
+  expect_grad_near(dlogits, numeric, "dlogits");
+  EXPECT_GT(expected_mean, 0.0);
+}
+
+// ---- reductions and the optimizer ------------------------------------------------------------
+
+TEST(CpuReductions, SumAndSumSquaresInDoubleWithAccumulate) {
+  const int64_t n = 200003;  // several 64K chunks and a ragged tail
+  auto x = random_floats(n, 60);
+  double sum = 0.0, sq = 0.0;
+  for (float v : x) {
+    sum += v;
+    sq += static_cast<double>(v) * v;
+  }
+  std::vector<float> out = {123.0f};
+  cpu().reduce_sum(f32(out, {1}), f32(x, {n}), false);
+  EXPECT_EQ(out[0], static_cast<float>(sum));
+  cpu().sum_squares(f32(out, {1}), f32(x, {n}), false);
+  EXPECT_NEAR(out[0], sq, 1e-6 * sq);
+  const float first = out[0];
+  cpu().sum_squares(f32(out, {1}), f32(x, {n}), true);
+  EXPECT_EQ(out[0], static_cast<float>(static_cast<double>(first) + sq));
+}
+
+TEST(CpuOptimizer, GradNormClipAndSchedule) {
+  std::vector<float> sched = zeros(kSchedSize), sumsq = {16.0f};
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 1.0f);
+  EXPECT_EQ(sched[kSchedGradNorm], 4.0f);
+  EXPECT_FLOAT_EQ(sched[kSchedClipScale], 1.0f / (4.0f + 1e-6f));
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 10.0f);
+  EXPECT_EQ(sched[kSchedClipScale], 1.0f);
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 0.0f);  // clipping off
+  EXPECT_EQ(sched[kSchedClipScale], 1.0f);
+
+  cpu().set_schedule(f32(sched, {kSchedSize}), 3e-4f, 7);
+  EXPECT_EQ(sched[kSchedLr], 3e-4f);
+  EXPECT_EQ(sched[kSchedStep], 7.0f);
+  EXPECT_THROW(cpu().set_schedule(f32(sched, {kSchedSize}), 3e-4f, 0), std::invalid_argument);
+}
+
+// AdamW reference, in double, straight from the formula in backend.h.
+struct AdamWRef {
+  double p, m = 0, v = 0;
+  void step(double g, double lr, int t, double clip, double wd, const AdamWHyper& h) {
+    g *= clip;
+    m = h.beta1 * m + (1 - h.beta1) * g;
+    v = h.beta2 * v + (1 - h.beta2) * g * g;
+    const double mhat = m / (1 - std::pow(h.beta1, t)), vhat = v / (1 - std::pow(h.beta2, t));
+    p -= lr * (mhat / (std::sqrt(vhat) + h.eps) + wd * p);
+  }
+};
+
+void check_adamw(bool with_spans) {
+  const int64_t n = 6, offset = 100;
+  // Global spans [90,102) and [104,110): local elements 0,1 and 4,5 decay; 2,3 do not.
+  std::vector<int64_t> spans = {90, 102, 104, 110};
+  const bool decays[n] = {true, true, false, false, true, true};
+  AdamWHyper hyper;
+  hyper.weight_decay = 0.1f;
+  auto master = random_floats(n, 70), m = zeros(n), v = zeros(n), sched = zeros(kSchedSize);
+  std::vector<float> working32 = zeros(n);
+  std::vector<uint16_t> working16(n);
+  std::vector<AdamWRef> ref;
+  for (float p : master) ref.push_back({p});
+  const float lrs[3] = {1e-2f, 5e-3f, 2e-3f}, clips[3] = {0.5f, 1.0f, 0.25f};
+  for (int t = 1; t <= 3; ++t) {
+    auto grads = random_floats(n, 70 + t);
+    cpu().set_schedule(f32(sched, {kSchedSize}), lrs[t - 1], t);
+    sched[kSchedClipScale] = clips[t - 1];
+    Tensor span_t = with_spans ? Tensor{spans.data(), {2, 2}, DType::i64, Device::cpu} : Tensor{};
+    Tensor working =
+        t == 2 ? Tensor{working16.data(), {n}, DType::bf16, Device::cpu} : f32(working32, {n});
+    cpu().adamw_update(f32(master, {n}), f32(grads, {n}), f32(m, {n}), f32(v, {n}), working, span_t,
+                       offset, f32(sched, {kSchedSize}), hyper);
+    for (int64_t i = 0; i < n; ++i) {
+      const double wd = with_spans && decays[i] ? hyper.weight_decay : 0.0;
+      ref[i].step(grads[i], lrs[t - 1], t, clips[t - 1], wd, hyper);
+      EXPECT_NEAR(master[i], ref[i].p, 1e-6 * std::fabs(ref[i].p) + 1e-7)
+          << "t=" << t << " i=" << i;
+      EXPECT_NEAR(m[i], ref[i].m, 1e-6 * std::fabs(ref[i].m) + 1e-9);
+      EXPECT_NEAR(v[i], ref[i].v, 1e-5 * std::fabs(ref[i].v) + 1e-12);
+      if (t == 2)
+        EXPECT_EQ(working16[i], f32_to_bf16(master[i])) << "bf16 working copy, i=" << i;
+      else
+        EXPECT_EQ(working32[i], master[i]) << "f32 working copy, i=" << i;
+    }
+  }
+}
+
+TEST(CpuOptimizer, AdamWMatchesHandComputedWithDecaySpansAndClip) {
+  check_adamw(true);
+}
+TEST(CpuOptimizer, AdamWMatchesHandComputedWithoutDecay) {
+  check_adamw(false);
+}
+
+TEST(CpuOptimizer, ScaleMultipliesInPlace) {
+  std::vector<float> x = {1.0f, -2.0f, 0.5f};
+  cpu().scale(f32(x, {3}), 0.25f);
+  EXPECT_EQ(x, (std::vector<float>{0.25f, -0.5f, 0.125f}));
+}
+
+// ---- memory and conversions ------------------------------------------------------------------
+
+TEST(CpuBackend, AllocateIsZeroFilledAndAligned) {
+  void* p = cpu().allocate(1000);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  const auto* bytes = static_cast<const unsigned char*>(p);
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(bytes[i], 0) << i;
+  cpu().release(p);
+}
+
+TEST(CpuBackend, CopyConvertsBf16RoundToNearestEven) {
+  const float one_plus_half_ulp = 1.0f + std::ldexp(1.0f, -8);  // tie: rounds to even 1.0
+  const float tie_to_odd_up = 1.0f + 3 * std::ldexp(1.0f, -8);  // tie: rounds up to even
+  std::vector<float> src = {1.0f, one_plus_half_ulp, tie_to_odd_up, -2.5f, 3.4e38f, NAN};
+  std::vector<uint16_t> half(src.size());
+  Tensor h{half.data(), {6}, DType::bf16, Device::cpu};
+  cpu().copy(h, f32(src, {6}));
+  EXPECT_EQ(half[0], 0x3f80);
+  EXPECT_EQ(half[1], 0x3f80);
+  EXPECT_EQ(half[2], 0x3f82);
+  EXPECT_EQ(half[3], 0xc020);
+  EXPECT_EQ(half[4], 0x7f80);  // rounds past the largest bf16 to +inf
+  EXPECT_TRUE(std::isnan(bf16_to_f32(half[5])));
+  std::vector<float> back = zeros(6);
+  cpu().copy(f32(back, {6}), h);
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[2], 1.0f + std::ldexp(1.0f, -6));
+  EXPECT_EQ(back[3], -2.5f);
+  std::vector<float> same = zeros(6);
+  cpu().copy(f32(same, {6}), f32(back, {6}));
+  EXPECT_TRUE(bit_identical(same, back));
+  cpu().fill_zero(f32(same, {6}));
+  EXPECT_EQ(same, zeros(6));
+}
+
+// ---- determinism -----------------------------------------------------------------------------
+
+// Results of `run` (which must fill its outputs from scratch) under 1, 2 and 3 threads and twice
+// under 2 are all bit-identical.
+void expect_deterministic(const std::function<std::vector<float>()>& run, const char* what) {
+  std::vector<float> ref;
+  with_threads(1, [&] { ref = run(); });
+  for (int threads : {2, 2, 3}) {
+    std::vector<float> got;
+    with_threads(threads, [&] { got = run(); });
+    EXPECT_TRUE(bit_identical(ref, got)) << what << " differs with " << threads << " threads";
+  }
+}
+
+TEST(CpuDeterminism, MatmulBackwardBitIdenticalAcrossRunsAndThreads) {
+  const int64_t N = 67, C = 45, OC = 38;
+  auto x = random_floats(N * C, 80), w = random_floats(OC * C, 81), g = random_floats(N * OC, 82);
+  auto pre = random_floats(N * C, 83);
+  expect_deterministic(
+      [&] {
+        auto dinp = zeros(N * C), dw = zeros(OC * C), db = zeros(OC), out = zeros(N * OC);
+        cpu().matmul_forward(f32(out, {N, OC}), f32(x, {N, C}), f32(w, {OC, C}), f32(db, {OC}),
+                             Tensor{});
+        cpu().matmul_backward(f32(dinp, {N, C}), f32(dw, {OC, C}), f32(db, {OC}), f32(g, {N, OC}),
+                              f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}));
+        std::vector<float> all = out;
+        for (auto* v : {&dinp, &dw, &db}) all.insert(all.end(), v->begin(), v->end());
+        return all;
+      },
+      "matmul");
+}
+
+TEST(CpuDeterminism, AttentionBitIdenticalAcrossRunsAndThreads) {
+  AttentionCase k(3, 33, 32, 4);
+  expect_deterministic(
+      [&] {
+        auto dqkv = zeros(k.qkv.size());
+        k.forward();
+        k.backward(dqkv);
+        std::vector<float> all = k.out;
+        all.insert(all.end(), k.lse.begin(), k.lse.end());
+        all.insert(all.end(), dqkv.begin(), dqkv.end());
+        return all;
+      },
+      "attention");
+}
+
+TEST(CpuDeterminism, EncoderLayerNormAndSumsBitIdenticalAcrossThreads) {
+  const int64_t B = 8, T = 40, C = 130, Vp = 9;
+  std::vector<int32_t> tokens(B * T);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7) % Vp);
+  auto dout = random_floats(B * T * C, 90), x = random_floats(B * T * C, 91);
+  auto w = random_floats(C, 92), b = random_floats(C, 93);
+  auto big = random_floats(200003, 94);  // several of sum_squares' chunks
+  expect_deterministic(
+      [&] {
+        auto dwte = zeros(Vp * C), dwpe = zeros(T * C), out = zeros(B * T * C);
+        auto mean = zeros(B * T), rstd = zeros(B * T), dx = zeros(B * T * C), dw = zeros(C),
+             db = zeros(C), s = zeros(1);
+        cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {T, C}), f32(dout, {B, T, C}),
+                               i32(tokens, {B, T}));
+        cpu().layernorm_forward(f32(out, {B, T, C}), f32(mean, {B, T}), f32(rstd, {B, T}),
+                                f32(x, {B, T, C}), f32(w, {C}), f32(b, {C}));
+        cpu().layernorm_backward(f32(dx, {B, T, C}), f32(dw, {C}), f32(db, {C}),
+                                 f32(dout, {B, T, C}), f32(x, {B, T, C}), f32(w, {C}),
+                                 f32(mean, {B, T}), f32(rstd, {B, T}));
+        cpu().sum_squares(f32(s, {1}), f32(big, {200003}), false);
+        std::vector<float> all;
+        for (auto* v : {&dwte, &dwpe, &out, &mean, &rstd, &dx, &dw, &db, &s})
+          all.insert(all.end(), v->begin(), v->end());
+        return all;
+      },
+      "encoder/layernorm/sum_squares");
+}
+
+}  // namespace
+}  // namespace kiln
