@@ -3,6 +3,8 @@
 //   ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudaPerf.*'
 // Each op: 3 warm-ups, then the median of 20 runs timed with CUDA events on the backend's
 // stream. Inputs are random (never zeros), uploaded from a host pattern.
+#ifdef KILN_WITH_CUDA
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -152,3 +154,5 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
 
 }  // namespace
 }  // namespace kiln
+
+#endif  // KILN_WITH_CUDA
