@@ -1,0 +1,205 @@
+// Causal attention through cuDNN's fused SDPA (flash-attention kernels), via the cuDNN frontend
+// graph API. Design choices:
+//  - No permute copies: Q, K and V are strided views into qkv [B,T,3,NH,hs] (dims [B,NH,T,hs],
+//    strides [3C*T, hs, 3C, 1], K and V at +C and +2C); O is written straight into
+//    [B,T,NH,hs] and dQ/dK/dV into dqkv with qkv's strides.
+//  - cuDNN's training "Stats" output IS kiln's lse: natural log-sum-exp of the scaled scores per
+//    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
+//  - Graphs are built once per (B, NH, T, hs) and direction and cached; the workspace comes from
+//    the backend's scratch. The backward uses cuDNN's default (fastest, not bit-reproducible)
+//    algorithm.
+#include <spdlog/spdlog.h>
+
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_backend.h"
+
+#ifdef KILN_WITH_CUDNN
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+#endif
+
+namespace kiln {
+
+using namespace cuda;
+
+#ifdef KILN_WITH_CUDNN
+
+namespace fe = cudnn_frontend;
+
+namespace {
+
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
+
+#define KILN_CUDNN_CHECK(call)                                                              \
+  do {                                                                                      \
+    cudnnStatus_t kiln_st_ = (call);                                                        \
+    if (kiln_st_ != CUDNN_STATUS_SUCCESS)                                                   \
+      ::kiln::cuda::throw_cuda_error(cudnnGetErrorString(kiln_st_), #call, __FILE__, __LINE__); \
+  } while (0)
+
+#define KILN_CUDNN_FE_CHECK(call)                                                           \
+  do {                                                                                      \
+    auto kiln_fe_ = (call);                                                                 \
+    if (!kiln_fe_.is_good())                                                                \
+      ::kiln::cuda::throw_cuda_error(kiln_fe_.get_message().c_str(), #call, __FILE__,       \
+                                     __LINE__);                                             \
+  } while (0)
+
+using GraphKey = std::tuple<int, int, int, int, bool>;  // B, NH, T, hs, backward
+
+}  // namespace
+
+struct CudnnAttention {
+  cudnnHandle_t handle = nullptr;
+  std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  ~CudnnAttention() {
+    graphs.clear();
+    if (handle) cudnnDestroy(handle);
+  }
+};
+
+void CudnnAttentionDeleter::operator()(CudnnAttention* p) const { delete p; }
+
+bool CudaBackend::cudnn_built() { return cudnnGetVersion() >= 90000; }
+
+namespace {
+
+std::shared_ptr<fe::graph::Tensor_attributes> qkv_tensor(fe::graph::Graph& g, const char* name,
+                                                         int64_t uid, const AttentionDims& d) {
+  const int64_t B = d.B, NH = d.NH, T = d.T, hs = d.hs, C = d.C;
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({B, NH, T, hs})
+                      .set_stride({T * 3 * C, hs, 3 * C, 1}));
+}
+
+std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const AttentionDims& d,
+                                              bool backward) {
+  const int64_t B = d.B, NH = d.NH, T = d.T, hs = d.hs, C = d.C;
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto Q = qkv_tensor(*graph, "Q", kQ, d);
+  auto K = qkv_tensor(*graph, "K", kK, d);
+  auto V = qkv_tensor(*graph, "V", kV, d);
+  const std::vector<int64_t> o_dim = {B, NH, T, hs}, o_stride = {T * C, hs, C, 1};
+  const std::vector<int64_t> stats_dim = {B, NH, T, 1}, stats_stride = {NH * T, T, 1, 1};
+  if (!backward) {
+    auto opts = fe::graph::SDPA_attributes()
+                    .set_name("sdpa_forward")
+                    .set_generate_stats(true)
+                    .set_attn_scale(d.scale)
+                    .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                    .set_diagonal_band_right_bound(0);
+    auto [O, stats] = graph->sdpa(Q, K, V, opts);
+    O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
+    stats->set_output(true)
+        .set_uid(kStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim(stats_dim)
+        .set_stride(stats_stride);
+  } else {
+    auto O = graph->tensor(
+        fe::graph::Tensor_attributes().set_name("O").set_uid(kO).set_dim(o_dim).set_stride(o_stride));
+    auto dO = graph->tensor(fe::graph::Tensor_attributes()
+                                .set_name("dO")
+                                .set_uid(kdO)
+                                .set_dim(o_dim)
+                                .set_stride(o_stride));
+    auto stats = graph->tensor(fe::graph::Tensor_attributes()
+                                   .set_name("stats")
+                                   .set_uid(kStats)
+                                   .set_dim(stats_dim)
+                                   .set_stride(stats_stride)
+                                   .set_data_type(fe::DataType_t::FLOAT));
+    auto opts = fe::graph::SDPA_backward_attributes()
+                    .set_name("sdpa_backward")
+                    .set_attn_scale(d.scale)
+                    .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                    .set_diagonal_band_right_bound(0);
+    auto [dQ, dK, dV] = graph->sdpa_backward(Q, K, V, O, dO, stats, opts);
+    const std::vector<int64_t> qkv_dim = {B, NH, T, hs}, qkv_stride = {T * 3 * C, hs, 3 * C, 1};
+    dQ->set_output(true).set_uid(kdQ).set_dim(qkv_dim).set_stride(qkv_stride);
+    dK->set_output(true).set_uid(kdK).set_dim(qkv_dim).set_stride(qkv_stride);
+    dV->set_output(true).set_uid(kdV).set_dim(qkv_dim).set_stride(qkv_stride);
+  }
+  KILN_CUDNN_FE_CHECK(graph->validate());
+  KILN_CUDNN_FE_CHECK(graph->build_operation_graph(handle));
+  KILN_CUDNN_FE_CHECK(graph->create_execution_plans({fe::HeurMode_t::A}));
+  KILN_CUDNN_FE_CHECK(graph->check_support(handle));
+  KILN_CUDNN_FE_CHECK(graph->build_plans(handle));
+  spdlog::info("attention (cudnn): built {} graph for B={} NH={} T={} hs={}",
+               backward ? "backward" : "forward", d.B, d.NH, d.T, d.hs);
+  return graph;
+}
+
+fe::graph::Graph& get_graph(CudnnAttention& state, const AttentionDims& d, bool backward) {
+  GraphKey key{d.B, d.NH, d.T, d.hs, backward};
+  auto it = state.graphs.find(key);
+  if (it != state.graphs.end()) return *it->second;
+  return *state.graphs.emplace(key, build_graph(state.handle, d, backward)).first->second;
+}
+
+}  // namespace
+
+void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, int n_head) {
+  AttentionDims d = attention_dims(qkv, n_head, "attention_forward");
+  if (!cudnn_) {
+    cudnn_.reset(new CudnnAttention);
+    KILN_CUDNN_CHECK(cudnnCreate(&cudnn_->handle));
+  }
+  KILN_CUDNN_CHECK(cudnnSetStream(cudnn_->handle, stream_));
+  fe::graph::Graph& graph = get_graph(*cudnn_, d, false);
+  char* base = qkv.ptr<char>();
+  const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
+  std::unordered_map<int64_t, void*> pack = {{kQ, base},
+                                             {kK, base + C_bytes},
+                                             {kV, base + 2 * C_bytes},
+                                             {kO, out.data},
+                                             {kStats, lse.data}};
+  void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
+  KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
+}
+
+void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                           Tensor lse, int n_head) {
+  AttentionDims d = attention_dims(qkv, n_head, "attention_backward");
+  if (!cudnn_) {
+    cudnn_.reset(new CudnnAttention);
+    KILN_CUDNN_CHECK(cudnnCreate(&cudnn_->handle));
+  }
+  KILN_CUDNN_CHECK(cudnnSetStream(cudnn_->handle, stream_));
+  fe::graph::Graph& graph = get_graph(*cudnn_, d, true);
+  char* base = qkv.ptr<char>();
+  char* dbase = dqkv.ptr<char>();
+  const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, base},         {kK, base + C_bytes},         {kV, base + 2 * C_bytes},
+      {kO, out.data},     {kdO, dout.data},             {kStats, lse.data},
+      {kdQ, dbase},       {kdK, dbase + C_bytes},       {kdV, dbase + 2 * C_bytes}};
+  void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
+  KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
+}
+
+#else  // built without the cuDNN frontend
+
+struct CudnnAttention {};
+void CudnnAttentionDeleter::operator()(CudnnAttention* p) const { delete p; }
+bool CudaBackend::cudnn_built() { return false; }
+
+void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, int) {
+  throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
+}
+void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor, int) {
+  throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
+}
+
+#endif
+
+}  // namespace kiln

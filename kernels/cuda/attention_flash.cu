@@ -1,0 +1,264 @@
+// Hand-written causal flash attention: the fallback when cuDNN is absent.
+// Design choice: tiles of 32 queries x 32 keys in shared memory (f32), FOUR threads per query
+// (or key) row, each owning hs/4 channels in registers; dot products are finished with two
+// shuffles. Forward keeps the online softmax (running max m, running sum l) so memory is O(T),
+// and writes lse = m + log(l). Backward is deterministic: one kernel walks key tiles per query
+// tile for dq, another walks query tiles per key tile for dk/dv; no atomics.
+// This version uses CUDA cores (FFMA), not tensor cores: correct and O(T) in memory, several
+// times slower than cuDNN's SDPA. A wgmma version is future work (see docs/cuda.md).
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kTile = 32;     // queries per block (forward, dq) / keys per block (dk, dv)
+constexpr int kGroup = 4;     // threads per row
+constexpr int kThreads = kTile * kGroup;
+
+__device__ inline float group_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// Loads rows [r0, r0+kTile) of one head's slice (at `col` within rows of `stride` elements) as
+// f32 into tile[kTile][HS]; rows past T read as 0.
+template <int HS>
+__device__ inline void load_tile(float (*tile)[HS], const bf16* base, int64_t stride, int col,
+                                 int r0, int T) {
+  for (int i = threadIdx.x; i < kTile * HS; i += blockDim.x) {
+    const int r = i / HS, d = i % HS;
+    tile[r][d] = (r0 + r < T) ? to_float(base[static_cast<int64_t>(r0 + r) * stride + col + d]) : 0.0f;
+  }
+}
+
+template <int HS>
+__global__ void __launch_bounds__(kThreads) flash_forward_kernel(bf16* out, float* lse,
+                                                                 const bf16* qkv, int T, int NH,
+                                                                 float scale) {
+  constexpr int P = HS / kGroup;
+  __shared__ float ks[kTile][HS];
+  __shared__ float vs[kTile][HS];
+  const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int C = NH * HS;
+  const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
+  const int t = qt * kTile + row;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
+  float q[P], o[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * 3 * C + h * HS + part * P + i]) * scale
+                 : 0.0f;
+    o[i] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int kt = 0; kt <= qt; ++kt) {
+    __syncthreads();
+    load_tile<HS>(ks, base, 3 * C, C + h * HS, kt * kTile, T);
+    load_tile<HS>(vs, base, 3 * C, 2 * C + h * HS, kt * kTile, T);
+    __syncthreads();
+    float s[kTile];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kTile; ++j) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc += q[i] * ks[j][part * P + i];
+      acc = group_sum(acc);
+      const int key = kt * kTile + j;
+      s[j] = (key <= t && key < T) ? acc : -INFINITY;
+      tile_max = fmaxf(tile_max, s[j]);
+    }
+    const float m_new = fmaxf(m, tile_max);
+    if (m_new == -INFINITY) continue;  // only rows past T see no key at all
+    const float corr = expf(m - m_new);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < P; ++i) o[i] *= corr;
+#pragma unroll
+    for (int j = 0; j < kTile; ++j) {
+      const float p = expf(s[j] - m_new);
+      l += p;
+#pragma unroll
+      for (int i = 0; i < P; ++i) o[i] += p * vs[j][part * P + i];
+    }
+    m = m_new;
+  }
+  if (t >= T) return;
+  const float inv = 1.0f / l;
+  bf16* dst = out + (static_cast<int64_t>(b) * T + t) * C + h * HS + part * P;
+#pragma unroll
+  for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(o[i] * inv);
+  if (part == 0) lse[(static_cast<int64_t>(b) * NH + h) * T + t] = m + logf(l);
+}
+
+template <int HS>
+__global__ void __launch_bounds__(kThreads) flash_dq_kernel(bf16* dqkv, const bf16* dout,
+                                                            const bf16* qkv, const float* lse,
+                                                            const float* delta, int T, int NH,
+                                                            float scale) {
+  constexpr int P = HS / kGroup;
+  __shared__ float ks[kTile][HS];
+  __shared__ float vs[kTile][HS];
+  const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int C = NH * HS;
+  const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
+  const int t = qt * kTile + row;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
+  float q[P], g[P], dq[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * 3 * C + h * HS + part * P + i]) : 0.0f;
+    g[i] = t < T ? to_float(dout[(static_cast<int64_t>(b) * T + t) * C + h * HS + part * P + i])
+                 : 0.0f;
+    dq[i] = 0.0f;
+  }
+  const int64_t stat = (static_cast<int64_t>(b) * NH + h) * T + t;
+  const float row_lse = t < T ? lse[stat] : 0.0f;
+  const float row_delta = t < T ? delta[stat] : 0.0f;
+  for (int kt = 0; kt <= qt; ++kt) {
+    __syncthreads();
+    load_tile<HS>(ks, base, 3 * C, C + h * HS, kt * kTile, T);
+    load_tile<HS>(vs, base, 3 * C, 2 * C + h * HS, kt * kTile, T);
+    __syncthreads();
+#pragma unroll 4
+    for (int j = 0; j < kTile; ++j) {
+      float s = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        s += q[i] * ks[j][part * P + i];
+        dp += g[i] * vs[j][part * P + i];
+      }
+      s = group_sum(s);
+      dp = group_sum(dp);
+      const int key = kt * kTile + j;
+      const float p = (key <= t && t < T) ? expf(s * scale - row_lse) : 0.0f;
+      const float ds = p * (dp - row_delta);
+#pragma unroll
+      for (int i = 0; i < P; ++i) dq[i] += ds * ks[j][part * P + i];
+    }
+  }
+  if (t >= T) return;
+  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + t) * 3 * C + h * HS + part * P;
+#pragma unroll
+  for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(dq[i] * scale);
+}
+
+template <int HS>
+__global__ void __launch_bounds__(kThreads) flash_dkv_kernel(bf16* dqkv, const bf16* dout,
+                                                             const bf16* qkv, const float* lse,
+                                                             const float* delta, int T, int NH,
+                                                             float scale) {
+  constexpr int P = HS / kGroup;
+  __shared__ float qs[kTile][HS];
+  __shared__ float gs[kTile][HS];
+  __shared__ float lse_s[kTile];
+  __shared__ float delta_s[kTile];
+  const int st = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int C = NH * HS;
+  const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
+  const int s_idx = st * kTile + row;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
+  const bf16* dout0 = dout + static_cast<int64_t>(b) * T * C;
+  float k[P], v[P], dk[P], dv[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t off = static_cast<int64_t>(s_idx) * 3 * C + h * HS + part * P + i;
+    k[i] = s_idx < T ? to_float(base[off + C]) : 0.0f;
+    v[i] = s_idx < T ? to_float(base[off + 2 * C]) : 0.0f;
+    dk[i] = 0.0f;
+    dv[i] = 0.0f;
+  }
+  const int qtiles = (T + kTile - 1) / kTile;
+  for (int qt = st; qt < qtiles; ++qt) {
+    __syncthreads();
+    load_tile<HS>(qs, base, 3 * C, h * HS, qt * kTile, T);
+    load_tile<HS>(gs, dout0, C, h * HS, qt * kTile, T);
+    if (threadIdx.x < kTile) {
+      const int t = qt * kTile + threadIdx.x;
+      const int64_t stat = (static_cast<int64_t>(b) * NH + h) * T + t;
+      lse_s[threadIdx.x] = t < T ? lse[stat] : 0.0f;
+      delta_s[threadIdx.x] = t < T ? delta[stat] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int j = 0; j < kTile; ++j) {
+      float s = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        s += qs[j][part * P + i] * k[i];
+        dp += gs[j][part * P + i] * v[i];
+      }
+      s = group_sum(s);
+      dp = group_sum(dp);
+      const int t = qt * kTile + j;
+      const float p = (t >= s_idx && t < T && s_idx < T) ? expf(s * scale - lse_s[j]) : 0.0f;
+      const float ds = p * (dp - delta_s[j]);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        dv[i] += p * gs[j][part * P + i];
+        dk[i] += ds * qs[j][part * P + i];
+      }
+    }
+  }
+  if (s_idx >= T) return;
+  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + s_idx) * 3 * C + h * HS + part * P;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    dst[C + i] = __float2bfloat16_rn(dk[i] * scale);
+    dst[2 * C + i] = __float2bfloat16_rn(dv[i]);
+  }
+}
+
+[[noreturn]] void unsupported_head_size(int hs) {
+  throw std::invalid_argument("cuda attention (flash): head size " + std::to_string(hs) +
+                              " not supported (32, 64, 128); use cudnn or naive");
+}
+
+}  // namespace
+
+void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, int n_head) {
+  AttentionDims d = attention_dims(qkv, n_head, "attention_forward");
+  dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
+#define KILN_FLASH_FWD(HS)                                                                  \
+  flash_forward_kernel<HS><<<grid, kThreads, 0, stream_>>>(out.ptr<bf16>(), lse.ptr<float>(), \
+                                                           qkv.ptr<bf16>(), d.T, d.NH, d.scale)
+  switch (d.hs) {
+    case 32: KILN_FLASH_FWD(32); break;
+    case 64: KILN_FLASH_FWD(64); break;
+    case 128: KILN_FLASH_FWD(128); break;
+    default: unsupported_head_size(d.hs);
+  }
+#undef KILN_FLASH_FWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                           Tensor lse, int n_head) {
+  AttentionDims d = attention_dims(qkv, n_head, "attention_backward");
+  if (d.hs != 32 && d.hs != 64 && d.hs != 128) unsupported_head_size(d.hs);
+  const float* delta = attention_delta(*this, d, dout, out);
+  dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
+#define KILN_FLASH_BWD(HS)                                                                    \
+  flash_dq_kernel<HS><<<grid, kThreads, 0, stream_>>>(dqkv.ptr<bf16>(), dout.ptr<bf16>(),       \
+                                                      qkv.ptr<bf16>(), lse.ptr<float>(), delta, \
+                                                      d.T, d.NH, d.scale);                      \
+  KILN_CUDA_LAUNCH_CHECK();                                                                   \
+  flash_dkv_kernel<HS><<<grid, kThreads, 0, stream_>>>(dqkv.ptr<bf16>(), dout.ptr<bf16>(),      \
+                                                       qkv.ptr<bf16>(), lse.ptr<float>(),       \
+                                                       delta, d.T, d.NH, d.scale)
+  switch (d.hs) {
+    case 32: KILN_FLASH_BWD(32); break;
+    case 64: KILN_FLASH_BWD(64); break;
+    default: KILN_FLASH_BWD(128); break;
+  }
+#undef KILN_FLASH_BWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

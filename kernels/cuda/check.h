@@ -1,0 +1,51 @@
+// Host-side checks shared by every file of the CUDA backend (.cu and .cpp): the check macros
+// (every CUDA / cuBLASLt call is checked; a failure throws std::runtime_error naming file:line
+// and the failing call) and the argument checks the ops run before launching anything.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/tensor.h"
+
+namespace kiln {
+namespace cuda {
+
+[[noreturn]] void throw_cuda_error(const char* what, const char* call, const char* file, int line);
+
+#define KILN_CUDA_CHECK(call)                                                               \
+  do {                                                                                      \
+    cudaError_t kiln_err_ = (call);                                                         \
+    if (kiln_err_ != cudaSuccess)                                                           \
+      ::kiln::cuda::throw_cuda_error(cudaGetErrorString(kiln_err_), #call, __FILE__, __LINE__); \
+  } while (0)
+
+#define KILN_CUBLAS_CHECK(call)                                                             \
+  do {                                                                                      \
+    cublasStatus_t kiln_st_ = (call);                                                       \
+    if (kiln_st_ != CUBLAS_STATUS_SUCCESS)                                                  \
+      ::kiln::cuda::throw_cuda_error(cublasLtGetStatusString(kiln_st_), #call, __FILE__, __LINE__); \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations at the call site.
+#define KILN_CUDA_LAUNCH_CHECK() KILN_CUDA_CHECK(cudaGetLastError())
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Every tensor an op touches lives on the GPU; activations must be bf16 (the backend's
+// activation dtype), with a message that says so when f32 comes in.
+void expect_device(const Tensor& t, const char* op, const char* what);
+void expect_activation(const Tensor& t, const char* op, const char* what);
+void expect_f32(const Tensor& t, const char* op, const char* what);
+void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what);
+// True when p is aligned to `bytes` (16 for the packed loads).
+inline bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+}  // namespace cuda
+}  // namespace kiln

@@ -1,0 +1,81 @@
+// Device-side pieces shared by the CUDA kernels: bf16 conversion, 16-byte packed loads, and
+// warp/block reductions. The reductions combine in a fixed tree order, which is what makes every
+// deterministic op here bit-reproducible run to run. nvcc only; .cpp files include check.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/check.h"
+
+namespace kiln {
+namespace cuda {
+
+using bf16 = __nv_bfloat16;
+
+// 16 bytes of T, loaded and stored with one instruction when the address is 16-byte aligned.
+template <class T>
+struct alignas(16) Packed128 {
+  static constexpr int size = 16 / sizeof(T);
+  T v[size];
+  __device__ T& operator[](int i) { return v[i]; }
+  __device__ const T& operator[](int i) const { return v[i]; }
+};
+
+template <class T>
+__device__ inline Packed128<T> load128(const T* p) {
+  return *reinterpret_cast<const Packed128<T>*>(p);
+}
+// Streaming load: data read once, don't keep it in L1/L2 longer than needed.
+template <class T>
+__device__ inline Packed128<T> load128cs(const T* p) {
+  Packed128<T> r;
+  *reinterpret_cast<int4*>(&r) = __ldcs(reinterpret_cast<const int4*>(p));
+  return r;
+}
+template <class T>
+__device__ inline void store128(T* p, const Packed128<T>& v) {
+  *reinterpret_cast<Packed128<T>*>(p) = v;
+}
+
+__device__ inline float to_float(float x) { return x; }
+__device__ inline float to_float(bf16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ inline T from_float(float x);
+template <>
+__device__ inline float from_float<float>(float x) { return x; }
+template <>
+__device__ inline bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ inline float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ inline float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `shared` holds 32 floats. Fixed order: warp trees, then a tree over the warps.
+__device__ inline float block_sum(float x, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  x = warp_sum(x);
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < nwarps ? shared[lane] : 0.0f;
+  return warp_sum(x);
+}
+__device__ inline float block_max(float x, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  x = warp_max(x);
+  __syncthreads();
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < nwarps ? shared[lane] : -INFINITY;
+  return warp_max(x);
+}
+
+}  // namespace cuda
+}  // namespace kiln

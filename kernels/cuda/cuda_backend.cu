@@ -1,0 +1,209 @@
+// CudaBackend core: device setup, memory, host<->device copies and dtype conversion.
+// Allocations are cudaMalloc'd and zero-filled on the compute stream; copies are async on the
+// stream except copy_to_host, which waits for the stream (the only host sync besides
+// synchronize()). f32->bf16 conversion rounds to nearest even (__float2bfloat16_rn), the same
+// rule as the CPU helper, so a bf16 copy made here and one made on the host are bit-identical.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <spdlog/spdlog.h>
+
+#include <new>
+#include <sstream>
+
+#include "kernels/cuda/common.cuh"
+
+namespace kiln {
+namespace cuda {
+
+void throw_cuda_error(const char* what, const char* call, const char* file, int line) {
+  std::ostringstream s;
+  s << file << ":" << line << ": " << call << " failed: " << what;
+  throw std::runtime_error(s.str());
+}
+
+void expect_device(const Tensor& t, const char* op, const char* what) {
+  if (!t.defined())
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " is undefined");
+  if (t.device != Device::cuda)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " is not in GPU memory");
+}
+void expect_activation(const Tensor& t, const char* op, const char* what) {
+  expect_device(t, op, what);
+  if (t.dtype != DType::bf16)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must be bf16 (the CUDA backend's activation dtype; f32 "
+                                "activations are the CPU backend's)");
+}
+void expect_f32(const Tensor& t, const char* op, const char* what) {
+  expect_device(t, op, what);
+  if (t.dtype != DType::f32)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must be f32");
+}
+void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what) {
+  if (t.numel() != n)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must have " + std::to_string(n) + " elements");
+}
+
+}  // namespace cuda
+
+using namespace cuda;
+
+namespace {
+
+constexpr size_t kCublasLtWorkspaceBytes = 32u << 20;
+constexpr size_t kInitialScratchBytes = 16u << 20;
+
+struct OutOfDeviceMemory : std::bad_alloc {
+  std::string message;
+  explicit OutOfDeviceMemory(std::string m) : message(std::move(m)) {}
+  const char* what() const noexcept override { return message.c_str(); }
+};
+
+template <class Dst, class Src>
+__global__ void convert_kernel(Dst* dst, const Src* src, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = from_float<Dst>(to_float(src[i]));
+}
+
+}  // namespace
+
+const char* attention_kind_name(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::naive: return "naive";
+    case AttentionKind::flash: return "flash";
+    case AttentionKind::cudnn: return "cudnn";
+  }
+  return "?";
+}
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  int count = 0;
+  KILN_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (device_index < 0 || device_index >= count)
+    throw std::runtime_error("cuda: device " + std::to_string(device_index) + " requested, " +
+                             std::to_string(count) + " visible");
+  KILN_CUDA_CHECK(cudaSetDevice(device_));
+  cudaDeviceProp prop{};
+  KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  sm_count_ = prop.multiProcessorCount;
+  name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  KILN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
+  cublaslt_workspace_bytes_ = kCublasLtWorkspaceBytes;
+  KILN_CUDA_CHECK(cudaMalloc(&cublaslt_workspace_, cublaslt_workspace_bytes_));
+  scratch_bytes_ = kInitialScratchBytes;
+  KILN_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
+  spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
+               prop.minor);
+  set_attention("auto");
+}
+
+CudaBackend::~CudaBackend() {
+  // Destructors must not throw: errors here are logged, not raised.
+  if (stream_) cudaStreamSynchronize(stream_);
+  cudnn_.reset();
+  matmul_plans_.reset();
+  if (scratch_) cudaFree(scratch_);
+  if (cublaslt_workspace_) cudaFree(cublaslt_workspace_);
+  if (cublaslt_) cublasLtDestroy(cublaslt_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* CudaBackend::scratch(size_t bytes) {
+  if (bytes <= scratch_bytes_) return scratch_;
+  size_t grown = std::max(bytes, scratch_bytes_ * 2);
+  spdlog::info("cuda backend: scratch grows from {} to {} bytes", scratch_bytes_, grown);
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KILN_CUDA_CHECK(cudaFree(scratch_));
+  scratch_ = nullptr;
+  scratch_bytes_ = 0;
+  KILN_CUDA_CHECK(cudaMalloc(&scratch_, grown));
+  scratch_bytes_ = grown;
+  return scratch_;
+}
+
+void* CudaBackend::allocate(size_t bytes) {
+  KILN_CUDA_CHECK(cudaSetDevice(device_));
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls see success
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw OutOfDeviceMemory("cuda allocate: " + std::to_string(bytes) + " bytes on " + name_ +
+                            " failed (" + cudaGetErrorString(err) + "); free " +
+                            std::to_string(free_b) + " of " + std::to_string(total_b));
+  }
+  KILN_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+  return p;
+}
+
+void CudaBackend::release(void* p) {
+  if (!p) return;
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KILN_CUDA_CHECK(cudaFree(p));
+}
+
+void CudaBackend::copy_from_host(Tensor dst, const void* src) {
+  expect_device(dst, "copy_from_host", "dst");
+  KILN_CUDA_CHECK(
+      cudaMemcpyAsync(dst.data, src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaBackend::copy_to_host(void* dst, Tensor src) {
+  expect_device(src, "copy_to_host", "src");
+  KILN_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::copy(Tensor dst, Tensor src) {
+  expect_device(dst, "copy", "dst");
+  expect_device(src, "copy", "src");
+  expect_numel(dst, src.numel(), "copy", "dst");
+  const int64_t n = src.numel();
+  if (dst.dtype == src.dtype) {
+    KILN_CUDA_CHECK(
+        cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  if (n == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
+  if (dst.dtype == DType::bf16 && src.dtype == DType::f32) {
+    convert_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<bf16>(), src.ptr<float>(), n);
+  } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
+    convert_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<float>(), src.ptr<bf16>(), n);
+  } else {
+    throw std::invalid_argument(std::string("cuda copy: no conversion from ") +
+                                dtype_name(src.dtype) + " to " + dtype_name(dst.dtype));
+  }
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::fill_zero(Tensor t) {
+  expect_device(t, "fill_zero", "t");
+  KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream_));
+}
+
+void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+  if (!cuda_available()) throw std::runtime_error("cuda: no GPU visible (or no CUDA driver)");
+  return std::make_unique<CudaBackend>(device_index);
+}
+
+bool cuda_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+}  // namespace kiln

@@ -1,0 +1,124 @@
+// CudaBackend: the bf16 mixed-precision implementation of the Backend op interface.
+// One device, one compute stream owned by the backend, one cuBLASLt handle and a workspace
+// allocated once. Every op is issued on stream() in call order and none synchronizes with the
+// host (copy_to_host and synchronize excepted), so a whole step can be captured in a CUDA graph.
+// The ops are member functions defined next to their kernels, one file per op family
+// (encoder.cu, layernorm.cu, matmul.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
+// adamw.cu); this header is the only one other layers (trainer, NCCL) need.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "kernels/backend.h"
+
+namespace kiln {
+
+enum class AttentionKind { naive, flash, cudnn };
+const char* attention_kind_name(AttentionKind kind);
+
+struct MatmulPlans;      // matmul.cu: cuBLASLt descriptors and algorithms cached per shape
+struct CudnnAttention;   // attention_cudnn.cpp: cuDNN handle and SDPA graphs cached per shape
+struct MatmulPlansDeleter {
+  void operator()(MatmulPlans* p) const;
+};
+struct CudnnAttentionDeleter {
+  void operator()(CudnnAttention* p) const;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  // ---- CUDA-only surface ----------------------------------------------------------------
+  cudaStream_t stream() const { return stream_; }
+  int device_index() const { return device_; }
+  int sm_count() const { return sm_count_; }
+  // "auto" | "cudnn" | "flash" | "naive". auto = cudnn when built with it and it runs here,
+  // else flash; the choice and the reason are logged. Throws std::invalid_argument otherwise.
+  void set_attention(const std::string& kind);
+  AttentionKind attention() const { return attention_; }
+  static bool cudnn_built();  // compiled with the cuDNN frontend
+  // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
+  // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
+  // when an op needs more: the trainer's warm-up step sizes it before any graph capture.
+  void* scratch(size_t bytes);
+
+  // ---- Backend --------------------------------------------------------------------------
+  Device device() const override { return Device::cuda; }
+  std::string name() const override { return name_; }
+  DType activation_dtype() const override { return DType::bf16; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void copy_from_host(Tensor dst, const void* src) override;
+  void copy_to_host(void* dst, Tensor src) override;
+  void copy(Tensor dst, Tensor src) override;
+  void fill_zero(Tensor t) override;
+  void synchronize() override;
+
+  void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
+  void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
+  void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                         Tensor bias) override;
+  void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
+                                  Tensor a, Tensor b, Tensor weight, Tensor bias) override;
+  void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                          Tensor weight, Tensor mean, Tensor rstd) override;
+  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                      Tensor pre_gelu) override;
+  void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                       Tensor weight, Tensor inp_pre_gelu) override;
+  void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) override;
+  void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                          int n_head) override;
+  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
+                             float dloss_scale, bool write_dlogits) override;
+
+  void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
+  void sum_squares(Tensor out, Tensor x, bool accumulate) override;
+  void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) override;
+  void set_schedule(Tensor sched, float lr, int step) override;
+  void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
+                    Tensor decay_spans, int64_t offset, Tensor sched,
+                    const AdamWHyper& hyper) override;
+  void scale(Tensor x, float scale) override;
+
+  // Deterministic column sums of a bf16 [N,C] matrix added into f32 out[C] (bias gradients).
+  void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
+
+ private:
+  void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, int n_head);
+  void attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                                int n_head);
+  void attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, int n_head);
+  void attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                                int n_head);
+  void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, int n_head);
+  void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                                int n_head);
+  // Sum (or sum of squares) of x into out[0], deterministic two-pass.
+  void reduce(Tensor out, Tensor x, bool squares, bool accumulate, const char* what);
+
+  int device_ = 0;
+  int sm_count_ = 0;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t cublaslt_ = nullptr;
+  void* cublaslt_workspace_ = nullptr;
+  size_t cublaslt_workspace_bytes_ = 0;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  AttentionKind attention_ = AttentionKind::flash;
+  bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
+  std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;
+  std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_;
+};
+
+}  // namespace kiln

@@ -1,0 +1,296 @@
+// LayerNorm forward (plain and fused with the residual add) and backward.
+// Forward: one warp per row, f32 math, 16-byte loads when C % 8 == 0; mean and variance in two
+// passes over the row (it stays in L1), so no catastrophic cancellation.
+// Backward design choice: deterministic without float atomics. dinp is per row (one warp per
+// row, accumulated into the residual-stream gradient). dweight/dbias are column sums over all
+// rows: each block writes per-row-chunk partials to scratch, a second kernel adds the partials
+// in fixed order into the f32 grads. Same input -> bit-identical grads, every run.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+constexpr int kWarpsPerBlock = 4;
+
+// Loads kVec consecutive bf16 values at p as floats.
+template <int kVec>
+__device__ inline void load_vec(float (&dst)[kVec], const bf16* p) {
+  if constexpr (kVec == 8) {
+    Packed128<bf16> v = load128(p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dst[k] = to_float(v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dst[k] = to_float(p[k]);
+  }
+}
+template <int kVec>
+__device__ inline void store_vec(bf16* p, const float (&src)[kVec]) {
+  if constexpr (kVec == 8) {
+    Packed128<bf16> v;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __float2bfloat16_rn(src[k]);
+    store128(p, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) p[k] = __float2bfloat16_rn(src[k]);
+  }
+}
+
+// With kResidual: residual = a + b (rounded to bf16) is written and normalized; else a is.
+template <int kVec, bool kResidual>
+__global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd_out,
+                                         bf16* residual, const bf16* a, const bf16* b,
+                                         const bf16* weight, const bf16* bias, int64_t N, int C) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  const bf16* x = kResidual ? residual + row * C : a + row * C;
+  if constexpr (kResidual) {
+    const bf16* ra = a + row * C;
+    const bf16* rb = b + row * C;
+    bf16* rr = residual + row * C;
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float va[kVec], vb[kVec];
+      load_vec<kVec>(va, ra + c);
+      load_vec<kVec>(vb, rb + c);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) va[k] += vb[k];
+      store_vec<kVec>(rr + c, va);
+    }
+    __syncwarp();  // each lane re-reads only what it wrote, but keep the warp in step
+  }
+  float sum = 0.0f;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float v[kVec];
+    load_vec<kVec>(v, x + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sum += v[k];
+  }
+  const float mean = warp_sum(sum) / C;
+  float var = 0.0f;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float v[kVec];
+    load_vec<kVec>(v, x + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) var += (v[k] - mean) * (v[k] - mean);
+  }
+  const float rstd = rsqrtf(warp_sum(var) / C + kLayerNormEps);
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float v[kVec], w[kVec], bb[kVec];
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+    load_vec<kVec>(bb, bias + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = (v[k] - mean) * rstd * w[k] + bb[k];
+    store_vec<kVec>(out + row * C + c, v);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// dinp[row] += (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight.
+template <int kVec>
+__global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp,
+                                      const bf16* weight, const float* mean, const float* rstd,
+                                      int64_t N, int C) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  const float mu = mean[row], rs = rstd[row];
+  const bf16* dy = dout + row * C;
+  const bf16* x = inp + row * C;
+  float sum_dnorm = 0.0f, sum_dnorm_xhat = 0.0f;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float g[kVec], v[kVec], w[kVec];
+    load_vec<kVec>(g, dy + c);
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float dnorm = g[k] * w[k];
+      sum_dnorm += dnorm;
+      sum_dnorm_xhat += dnorm * (v[k] - mu) * rs;
+    }
+  }
+  const float mean_dnorm = warp_sum(sum_dnorm) / C;
+  const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float g[kVec], v[kVec], w[kVec], d[kVec];
+    load_vec<kVec>(g, dy + c);
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+    load_vec<kVec>(d, dinp + row * C + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float xhat = (v[k] - mu) * rs;
+      d[k] += (g[k] * w[k] - mean_dnorm - xhat * mean_dnorm_xhat) * rs;
+    }
+    store_vec<kVec>(dinp + row * C + c, d);
+  }
+}
+
+// partials[chunk][0][c] = sum dout*xhat, partials[chunk][1][c] = sum dout over the chunk's rows.
+__global__ void layernorm_dparams_partials_kernel(float* partials, const bf16* dout,
+                                                  const bf16* inp, const float* mean,
+                                                  const float* rstd, int64_t N, int C,
+                                                  int64_t rows_per_chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(N, r0 + rows_per_chunk);
+  float dw = 0.0f, db = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float g = to_float(dout[r * C + c]);
+    dw += g * (to_float(inp[r * C + c]) - mean[r]) * rstd[r];
+    db += g;
+  }
+  partials[(blockIdx.y * 2) * static_cast<int64_t>(C) + c] = dw;
+  partials[(blockIdx.y * 2 + 1) * static_cast<int64_t>(C) + c] = db;
+}
+
+__global__ void layernorm_dparams_final_kernel(float* dweight, float* dbias,
+                                               const float* partials, int chunks, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float dw = 0.0f, db = 0.0f;
+  for (int k = 0; k < chunks; ++k) {
+    dw += partials[(2 * k) * static_cast<int64_t>(C) + c];
+    db += partials[(2 * k + 1) * static_cast<int64_t>(C) + c];
+  }
+  dweight[c] += dw;
+  dbias[c] += db;
+}
+
+bool vec8_ok(int C, std::initializer_list<const void*> ptrs) {
+  if (C % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned(p, 16)) return false;
+  return true;
+}
+
+void check_rows(const Tensor& t, const Tensor& ref, const char* op, const char* what) {
+  if (t.shape != ref.shape)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must have the shape of " + ref.str());
+}
+
+}  // namespace
+
+void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
+                                    Tensor weight, Tensor bias) {
+  const char* op = "layernorm_forward";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  expect_activation(bias, op, "bias");
+  check_rows(out, inp, op, "out");
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  expect_f32(mean, op, "mean");
+  expect_f32(rstd, op, "rstd");
+  expect_numel(mean, N, op, "mean");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  expect_numel(bias, C, op, "bias");
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  if (vec8_ok(C, {out.data, inp.data, weight.data, bias.data}))
+    layernorm_forward_kernel<8, false><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
+        nullptr, weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  else
+    layernorm_forward_kernel<1, false><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
+        nullptr, weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
+                                             Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                             Tensor bias) {
+  const char* op = "residual_layernorm_forward";
+  expect_activation(residual, op, "residual");
+  expect_activation(out, op, "out");
+  expect_activation(a, op, "a");
+  expect_activation(b, op, "b");
+  expect_activation(weight, op, "weight");
+  expect_activation(bias, op, "bias");
+  check_rows(out, a, op, "out");
+  check_rows(b, a, op, "b");
+  check_rows(residual, a, op, "residual");
+  const int C = static_cast<int>(a.dim(-1));
+  const int64_t N = a.numel() / C;
+  expect_f32(mean, op, "mean");
+  expect_f32(rstd, op, "rstd");
+  expect_numel(mean, N, op, "mean");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  expect_numel(bias, C, op, "bias");
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  if (vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data, bias.data}))
+    layernorm_forward_kernel<8, true><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), residual.ptr<bf16>(),
+        a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  else
+    layernorm_forward_kernel<1, true><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), residual.ptr<bf16>(),
+        a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                     Tensor inp, Tensor weight, Tensor mean, Tensor rstd) {
+  const char* op = "layernorm_backward";
+  expect_activation(dinp, op, "dinp");
+  expect_activation(dout, op, "dout");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  expect_f32(dweight, op, "dweight");
+  expect_f32(dbias, op, "dbias");
+  check_rows(dinp, inp, op, "dinp");
+  check_rows(dout, inp, op, "dout");
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  expect_f32(mean, op, "mean");
+  expect_f32(rstd, op, "rstd");
+  expect_numel(mean, N, op, "mean");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  expect_numel(dweight, C, op, "dweight");
+  expect_numel(dbias, C, op, "dbias");
+
+  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int used_chunks = ceil_div(N, rows_per_chunk);
+  float* partials =
+      static_cast<float*>(scratch(static_cast<size_t>(used_chunks) * 2 * C * sizeof(float)));
+  const int threads = 128;
+  layernorm_dparams_partials_kernel<<<dim3(ceil_div(C, threads), used_chunks), threads, 0,
+                                      stream_>>>(partials, dout.ptr<bf16>(), inp.ptr<bf16>(),
+                                                 mean.ptr<float>(), rstd.ptr<float>(), N, C,
+                                                 rows_per_chunk);
+  KILN_CUDA_LAUNCH_CHECK();
+  layernorm_dparams_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(
+      dweight.ptr<float>(), dbias.ptr<float>(), partials, used_chunks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  if (vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
+    layernorm_dinp_kernel<8><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
+        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  else
+    layernorm_dinp_kernel<1><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
+        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

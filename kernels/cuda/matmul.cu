@@ -1,0 +1,263 @@
+// Linear layers through cuBLASLt: bf16 operands, f32 accumulation, fused epilogues.
+// Design choices:
+//  - Row-major kiln tensors are read as column-major transposes, so out[N,OC] = inp @ W^T is
+//    the column-major GEMM out^T[OC,N] = W^T^T[OC,C] . inp^T[C,N] with no copies.
+//  - Forward fuses the bias (BIAS) or bias + GELU (GELU_AUX_BIAS: out = gelu(x), pre_gelu = x
+//    written as the aux output). Backward fuses gelu' into the dinp GEMM (DGELU, aux =
+//    inp_pre_gelu). dweight is a bf16 x bf16 -> f32 GEMM with beta = 1, accumulating straight
+//    into the f32 gradient. dbias is NOT cuBLASLt's BGRADB epilogue: that overwrites, and the
+//    interface accumulates, so a deterministic column-sum kernel adds into the f32 bias grad.
+//  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
+//    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
+#include <spdlog/spdlog.h>
+
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+struct GemmKey {
+  int64_t m, n, k;
+  bool transa, transb;
+  int epilogue;
+  int c_type;
+  uint32_t align_a, align_b, align_c;
+  bool operator<(const GemmKey& o) const {
+    return std::tie(m, n, k, transa, transb, epilogue, c_type, align_a, align_b, align_c) <
+           std::tie(o.m, o.n, o.k, o.transa, o.transb, o.epilogue, o.c_type, o.align_a,
+                    o.align_b, o.align_c);
+  }
+};
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+uint32_t alignment_of(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+// Column-major GEMM D[m,n] = alpha * op(A) op(B) + beta * D, A/B bf16, D bf16 or f32.
+struct GemmArgs {
+  int64_t m, n, k;
+  bool transa, transb;
+  const void* A;
+  const void* B;
+  void* D;
+  cudaDataType_t d_type;
+  float beta;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;  // bf16[m]
+  void* aux = nullptr;         // bf16 [m, n], ld m
+};
+
+}  // namespace
+
+struct MatmulPlans {
+  std::map<GemmKey, GemmPlan> plans;
+  ~MatmulPlans() {
+    for (auto& kv : plans) {
+      cublasLtMatrixLayoutDestroy(kv.second.a);
+      cublasLtMatrixLayoutDestroy(kv.second.b);
+      cublasLtMatrixLayoutDestroy(kv.second.c);
+      cublasLtMatmulDescDestroy(kv.second.desc);
+    }
+  }
+};
+
+void MatmulPlansDeleter::operator()(MatmulPlans* p) const { delete p; }
+
+namespace {
+
+const char* epilogue_name(cublasLtEpilogue_t e) {
+  switch (e) {
+    case CUBLASLT_EPILOGUE_DEFAULT: return "none";
+    case CUBLASLT_EPILOGUE_BIAS: return "bias";
+    case CUBLASLT_EPILOGUE_GELU_AUX: return "gelu_aux";
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return "gelu_aux_bias";
+    case CUBLASLT_EPILOGUE_DGELU: return "dgelu";
+    default: return "other";
+  }
+}
+
+const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
+                         size_t workspace_bytes) {
+  GemmKey key{g.m,
+              g.n,
+              g.k,
+              g.transa,
+              g.transb,
+              static_cast<int>(g.epilogue),
+              static_cast<int>(g.d_type),
+              alignment_of(g.A),
+              alignment_of(g.B),
+              alignment_of(g.D)};
+  auto it = cache.plans.find(key);
+  if (it != cache.plans.end()) return it->second;
+
+  GemmPlan plan;
+  KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = g.transa ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = g.transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  KILN_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  KILN_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                   &g.epilogue, sizeof g.epilogue));
+  if (g.bias) {
+    cudaDataType_t bias_type = CUDA_R_16BF;
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+  }
+  if (g.aux) {
+    int64_t ld = g.m;
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                     &ld, sizeof ld));
+  }
+  // Stored shapes (column-major): op(A) is [m,k], op(B) is [k,n].
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, g.transa ? g.k : g.m,
+                                               g.transa ? g.m : g.k, g.transa ? g.k : g.m));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, g.transb ? g.n : g.k,
+                                               g.transb ? g.k : g.n, g.transb ? g.n : g.k));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, g.d_type, g.m, g.n, g.m));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes));
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof key.align_a));
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof key.align_b));
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
+  KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.c,
+                                                     plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    cublasLtMatrixLayoutDestroy(plan.a);
+    cublasLtMatrixLayoutDestroy(plan.b);
+    cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.desc);
+    throw std::runtime_error(
+        "cuda matmul: cuBLASLt has no algorithm for m=" + std::to_string(g.m) +
+        " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + " transa=" +
+        std::to_string(g.transa) + " transb=" + std::to_string(g.transb) + " epilogue=" +
+        epilogue_name(g.epilogue) + " alignment A/B/D=" + std::to_string(key.align_a) + "/" +
+        std::to_string(key.align_b) + "/" + std::to_string(key.align_c) + " (" +
+        cublasLtGetStatusString(st) + ")");
+  }
+  plan.algo = result.algo;
+  spdlog::debug("cuda matmul: plan m={} n={} k={} epilogue={}", g.m, g.n, g.k,
+                epilogue_name(g.epilogue));
+  return cache.plans.emplace(key, plan).first->second;
+}
+
+void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t workspace_bytes,
+          cudaStream_t stream, const GemmArgs& g) {
+  const GemmPlan& plan = get_plan(cache, handle, g, workspace_bytes);
+  if (g.bias)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias));
+  if (g.aux)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux));
+  const float alpha = 1.0f;
+  KILN_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta,
+                                   g.D, plan.c, g.D, plan.c, &plan.algo, workspace,
+                                   workspace_bytes, stream));
+}
+
+void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const char* what) {
+  if (t.numel() != rows * cols || t.dim(-1) != cols)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must be [" + std::to_string(rows) + "," + std::to_string(cols) +
+                                "] (leading dims flattened)");
+}
+
+}  // namespace
+
+void CudaBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                 Tensor pre_gelu) {
+  const char* op = "matmul_forward";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  const int64_t C = inp.dim(-1);
+  const int64_t N = inp.numel() / C;
+  const int64_t OC = weight.dim(0);
+  check_2d(weight, OC, C, op, "weight");
+  check_2d(out, N, OC, op, "out");
+  if (bias.defined()) {
+    expect_activation(bias, op, "bias");
+    expect_numel(bias, OC, op, "bias");
+  }
+  if (pre_gelu.defined()) {
+    expect_activation(pre_gelu, op, "pre_gelu");
+    check_2d(pre_gelu, N, OC, op, "pre_gelu");
+  }
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  GemmArgs g{OC, N, C, true, false, weight.data, inp.data, out.data, CUDA_R_16BF, 0.0f};
+  if (pre_gelu.defined()) {
+    g.epilogue = bias.defined() ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    g.aux = pre_gelu.data;
+  } else if (bias.defined()) {
+    g.epilogue = CUBLASLT_EPILOGUE_BIAS;
+  }
+  g.bias = bias.defined() ? bias.data : nullptr;
+  gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+}
+
+void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                  Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+  const char* op = "matmul_backward";
+  expect_activation(dout, op, "dout");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  expect_f32(dweight, op, "dweight");
+  const int64_t C = inp.dim(-1);
+  const int64_t N = inp.numel() / C;
+  const int64_t OC = weight.dim(0);
+  check_2d(weight, OC, C, op, "weight");
+  check_2d(dweight, OC, C, op, "dweight");
+  check_2d(dout, N, OC, op, "dout");
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+
+  if (dinp.defined()) {
+    expect_activation(dinp, op, "dinp");
+    check_2d(dinp, N, C, op, "dinp");
+    GemmArgs g{C, N, OC, false, false, weight.data, dout.data, dinp.data, CUDA_R_16BF, 0.0f};
+    if (inp_pre_gelu.defined()) {
+      expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
+      check_2d(inp_pre_gelu, N, C, op, "inp_pre_gelu");
+      g.epilogue = CUBLASLT_EPILOGUE_DGELU;
+      g.aux = inp_pre_gelu.data;
+    }
+    gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+  }
+  GemmArgs gw{C, OC, N, false, true, inp.data, dout.data, dweight.data, CUDA_R_32F, 1.0f};
+  gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
+  if (dbias.defined()) {
+    expect_f32(dbias, op, "dbias");
+    expect_numel(dbias, OC, op, "dbias");
+    column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,162 @@
+// Reductions and the small optimizer-side ops: reduce_sum / sum_squares, column sums for bias
+// gradients, grad_norm_clip, set_schedule, scale.
+// Design choice: no float atomics anywhere. Sums run in two passes with a FIXED grid (partials
+// per block, then one block combines them in tree order), so a result depends only on the
+// input, never on scheduling: bit-reproducible run to run.
+#include <spdlog/spdlog.h>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kReduceBlocks = 512;  // fixed: the partials and their order never change
+constexpr int kReduceThreads = 512;
+
+template <class T, bool kSquares>
+__global__ void reduce_partials_kernel(float* partials, const T* x, int64_t n) {
+  __shared__ float shared[32];
+  float acc = 0.0f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = to_float(x[i]);
+    acc += kSquares ? v * v : v;
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void reduce_final_kernel(float* out, const float* partials, int n, bool accumulate) {
+  __shared__ float shared[32];
+  float acc = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) out[0] = accumulate ? out[0] + acc : acc;
+}
+
+// partials[chunk][c] = sum over the chunk's rows of x[r][c]; one thread per column, coalesced.
+__global__ void column_partials_kernel(float* partials, const bf16* x, int64_t N, int64_t C,
+                                       int64_t rows_per_chunk) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(N, r0 + rows_per_chunk);
+  float acc = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) acc += __bfloat162float(x[r * C + c]);
+  partials[blockIdx.y * C + c] = acc;
+}
+
+__global__ void column_final_kernel(float* out, const float* partials, int chunks, int64_t C) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  float acc = 0.0f;
+  for (int k = 0; k < chunks; ++k) acc += partials[k * C + c];
+  out[c] += acc;
+}
+
+__global__ void grad_norm_clip_kernel(float* sched, const float* sumsq, float max_norm) {
+  const float norm = sqrtf(sumsq[0]);
+  sched[kSchedGradNorm] = norm;
+  sched[kSchedClipScale] = max_norm > 0.0f ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+}
+
+// The values travel as kernel arguments, so the host calls this every step. Under CUDA-graph
+// replay the arguments would be frozen: the trainer then writes lr/step into a pinned host
+// buffer that a captured copy moves into `sched` instead.
+__global__ void set_schedule_kernel(float* sched, float lr, float step) {
+  sched[kSchedLr] = lr;
+  sched[kSchedStep] = step;
+}
+
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] *= s;
+}
+
+}  // namespace
+
+void CudaBackend::reduce(Tensor out, Tensor x, bool squares, bool accumulate, const char* what) {
+  expect_f32(out, what, "out");
+  expect_numel(out, 1, what, "out");
+  expect_device(x, what, "x");
+  float* partials = static_cast<float*>(scratch(kReduceBlocks * sizeof(float)));
+  const int64_t n = x.numel();
+  if (x.dtype == DType::f32) {
+    if (squares)
+      reduce_partials_kernel<float, true>
+          <<<kReduceBlocks, kReduceThreads, 0, stream_>>>(partials, x.ptr<float>(), n);
+    else
+      reduce_partials_kernel<float, false>
+          <<<kReduceBlocks, kReduceThreads, 0, stream_>>>(partials, x.ptr<float>(), n);
+  } else if (x.dtype == DType::bf16) {
+    if (squares)
+      reduce_partials_kernel<bf16, true>
+          <<<kReduceBlocks, kReduceThreads, 0, stream_>>>(partials, x.ptr<bf16>(), n);
+    else
+      reduce_partials_kernel<bf16, false>
+          <<<kReduceBlocks, kReduceThreads, 0, stream_>>>(partials, x.ptr<bf16>(), n);
+  } else {
+    throw std::invalid_argument(std::string("cuda ") + what + ": x " + x.str() +
+                                " must be f32 or bf16");
+  }
+  KILN_CUDA_LAUNCH_CHECK();
+  reduce_final_kernel<<<1, kReduceThreads, 0, stream_>>>(out.ptr<float>(), partials,
+                                                         kReduceBlocks, accumulate);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::reduce_sum(Tensor out, Tensor x, bool accumulate) {
+  reduce(out, x, false, accumulate, "reduce_sum");
+}
+
+void CudaBackend::sum_squares(Tensor out, Tensor x, bool accumulate) {
+  reduce(out, x, true, accumulate, "sum_squares");
+}
+
+void CudaBackend::column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int used_chunks = ceil_div(N, rows_per_chunk);
+  float* partials = static_cast<float*>(scratch(static_cast<size_t>(used_chunks * C) * 4));
+  const int threads = 128;
+  dim3 grid(ceil_div(C, threads), used_chunks);
+  column_partials_kernel<<<grid, threads, 0, stream_>>>(
+      partials, static_cast<const bf16*>(x_bf16), N, C, rows_per_chunk);
+  KILN_CUDA_LAUNCH_CHECK();
+  column_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(out, partials, used_chunks,
+                                                                     C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) {
+  expect_f32(sched, "grad_norm_clip", "sched");
+  expect_numel(sched, kSchedSize, "grad_norm_clip", "sched");
+  expect_f32(sumsq, "grad_norm_clip", "sumsq");
+  grad_norm_clip_kernel<<<1, 1, 0, stream_>>>(sched.ptr<float>(), sumsq.ptr<float>(), max_norm);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::set_schedule(Tensor sched, float lr, int step) {
+  expect_f32(sched, "set_schedule", "sched");
+  expect_numel(sched, kSchedSize, "set_schedule", "sched");
+  set_schedule_kernel<<<1, 1, 0, stream_>>>(sched.ptr<float>(), lr, static_cast<float>(step));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::scale(Tensor x, float s) {
+  expect_f32(x, "scale", "x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
+  scale_kernel<<<blocks, threads, 0, stream_>>>(x.ptr<float>(), s, n);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

@@ -1,0 +1,158 @@
+// Timings of the CUDA ops at GPT-2 124M shapes (B=16, T=1024, C=768, NH=12, Vp=50304): not a
+// test (DISABLED_, so ctest skips it), a measurement for docs/PERF.md. Run on a GPU host with
+//   ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudaPerf.*'
+// Each op: 3 warm-ups, then the median of 20 runs timed with CUDA events on the backend's
+// stream. Inputs are random (never zeros), uploaded from a host pattern.
+#ifdef KILN_WITH_CUDA
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/bf16.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+namespace {
+
+struct DevTensor {
+  CudaBackend* gpu;
+  Tensor t;
+  DevTensor(CudaBackend& g, Shape s, DType d, std::mt19937& rng, float scale = 1.0f,
+            bool positive = false)
+      : gpu(&g) {
+    t = Tensor{g.allocate(static_cast<size_t>(s.numel()) * dtype_size(d)), s, d, Device::cuda};
+    // A 1M-element random pattern, repeated: cheap to make, never zeros.
+    const int64_t chunk = std::min<int64_t>(s.numel(), 1 << 20);
+    std::uniform_real_distribution<float> u(positive ? 0.0f : -scale, scale);
+    std::vector<float> f(static_cast<size_t>(chunk));
+    for (auto& x : f) x = u(rng);
+    std::vector<uint16_t> h(f.size());
+    for (size_t i = 0; i < f.size(); ++i) h[i] = f32_to_bf16(f[i]);
+    for (int64_t off = 0; off < s.numel(); off += chunk) {
+      const int64_t n = std::min(chunk, s.numel() - off);
+      Tensor part = t.slice(off, Shape{n});
+      g.copy_from_host(part, d == DType::bf16 ? static_cast<const void*>(h.data()) : f.data());
+    }
+  }
+  ~DevTensor() { gpu->release(t.data); }
+  operator Tensor() const { return t; }
+};
+
+double median_ms(CudaBackend& g, const std::function<void()>& op) {
+  for (int i = 0; i < 3; ++i) op();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    cudaEventRecord(a, g.stream());
+    op();
+    cudaEventRecord(b, g.stream());
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void row(const char* name, double ms, double flops, double bytes) {
+  std::printf("| %-44s | %8.3f | %8.1f | %8.0f |\n", name, ms, flops / ms / 1e9, bytes / ms / 1e6);
+}
+
+TEST(CudaPerf, DISABLED_Gpt2Shapes) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  CudaBackend gpu(0);
+  std::mt19937 rng(1234);
+  const int B = 16, T = 1024, C = 768, NH = 12, OC = 4 * C, Vp = 50304, V = 50257;
+  const int64_t N = static_cast<int64_t>(B) * T;
+  std::printf("\n%s, B=%d T=%d C=%d NH=%d Vp=%d\n", gpu.name().c_str(), B, T, C, NH, Vp);
+  std::printf("| %-44s | %8s | %8s | %8s |\n", "op", "ms", "TFLOP/s", "GB/s");
+  std::printf("|---|---|---|---|\n");
+
+  DevTensor x(gpu, {B, T, C}, DType::bf16, rng), w(gpu, {OC, C}, DType::bf16, rng, 0.05f),
+      bias(gpu, {OC}, DType::bf16, rng), out(gpu, {B, T, OC}, DType::bf16, rng),
+      pre(gpu, {B, T, OC}, DType::bf16, rng), dout(gpu, {B, T, OC}, DType::bf16, rng),
+      dx(gpu, {B, T, C}, DType::bf16, rng), dw(gpu, {OC, C}, DType::f32, rng),
+      db(gpu, {OC}, DType::f32, rng);
+  const double mm_flops = 2.0 * N * C * OC;
+  row("matmul_forward fc (bias+GELU epilogue)",
+      median_ms(gpu, [&] { gpu.matmul_forward(out, x, w, bias, pre); }), mm_flops, 0);
+  row("matmul_forward fc (bias)", median_ms(gpu, [&] { gpu.matmul_forward(out, x, w, bias, Tensor{}); }),
+      mm_flops, 0);
+  row("matmul_backward fc (dinp+dweight+dbias)",
+      median_ms(gpu, [&] { gpu.matmul_backward(dx, dw, db, dout, x, w, Tensor{}); }), 2 * mm_flops, 0);
+
+  DevTensor qkv(gpu, {B, T, 3 * C}, DType::bf16, rng), att(gpu, {B, T, C}, DType::bf16, rng),
+      lse(gpu, {B, NH, T}, DType::f32, rng), datt(gpu, {B, T, C}, DType::bf16, rng),
+      dqkv(gpu, {B, T, 3 * C}, DType::bf16, rng);
+  // Causal: half of the 4*B*NH*T*T*hs forward FLOPs; backward 2.5x forward.
+  const double attn_flops = 2.0 * B * NH * static_cast<double>(T) * T * (C / NH);
+  std::vector<std::string> kinds = {"flash"};
+  if (CudaBackend::cudnn_built()) kinds.push_back("cudnn");
+  for (const std::string& k : kinds) {
+    gpu.set_attention(k);
+    row(("attention_forward " + k).c_str(),
+        median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, NH); }), attn_flops, 0);
+    row(("attention_backward " + k).c_str(),
+        median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, NH); }),
+        2.5 * attn_flops, 0);
+  }
+
+  DevTensor lnw(gpu, {C}, DType::bf16, rng), lnb(gpu, {C}, DType::bf16, rng),
+      mean(gpu, {N}, DType::f32, rng), rstd(gpu, {N}, DType::f32, rng),
+      lnout(gpu, {B, T, C}, DType::bf16, rng), resid(gpu, {B, T, C}, DType::bf16, rng),
+      dlnw(gpu, {C}, DType::f32, rng), dlnb(gpu, {C}, DType::f32, rng);
+  const double act_bytes = static_cast<double>(N) * C * 2;
+  row("layernorm_forward", median_ms(gpu, [&] { gpu.layernorm_forward(lnout, mean, rstd, x, lnw, lnb); }),
+      0, 2 * act_bytes);
+  row("residual_layernorm_forward",
+      median_ms(gpu, [&] { gpu.residual_layernorm_forward(resid, lnout, mean, rstd, x, att, lnw, lnb); }),
+      0, 4 * act_bytes);
+  row("layernorm_backward",
+      median_ms(gpu, [&] { gpu.layernorm_backward(dx, dlnw, dlnb, att, x, lnw, mean, rstd); }), 0,
+      4 * act_bytes);
+
+  DevTensor logits(gpu, {B, T, Vp}, DType::bf16, rng, 4.0f), losses(gpu, {N}, DType::f32, rng);
+  std::vector<int32_t> tgt(static_cast<size_t>(N));
+  for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
+  Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
+  gpu.copy_from_host(targets, tgt.data());
+  row("softmax_cross_entropy (in-place dlogits)",
+      median_ms(gpu, [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
+      0, 3.0 * N * Vp * 2);
+  gpu.release(targets.data);
+
+  const int64_t P = 124475904;  // GPT-2 124M with Vp=50304
+  DevTensor master(gpu, {P}, DType::f32, rng), grads(gpu, {P}, DType::f32, rng),
+      m(gpu, {P}, DType::f32, rng), v(gpu, {P}, DType::f32, rng, 0.01f, true),
+      working(gpu, {P}, DType::bf16, rng), sched(gpu, {kSchedSize}, DType::f32, rng),
+      sumsq(gpu, {1}, DType::f32, rng);
+  gpu.set_schedule(sched, 1e-4f, 10);
+  AdamWHyper hyper;
+  hyper.weight_decay = 0.1f;
+  std::vector<int64_t> spans = {0, P / 2};
+  Tensor sp{gpu.allocate(16), Shape{1, 2}, DType::i64, Device::cuda};
+  gpu.copy_from_host(sp, spans.data());
+  row("sum_squares (124M f32 grads)", median_ms(gpu, [&] { gpu.sum_squares(sumsq, grads, false); }), 0,
+      4.0 * P);
+  row("adamw_update (124M params, bf16 copy)",
+      median_ms(gpu, [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
+      0, P * (4.0 * 7 + 2));
+  gpu.release(sp.data);
+  gpu.synchronize();
+}
+
+}  // namespace
+}  // namespace kiln
+
+#endif  // KILN_WITH_CUDA
