@@ -38,6 +38,7 @@ class CudaBackend final : public Backend {
 
   // ---- CUDA-only surface ----------------------------------------------------------------
   cudaStream_t stream() const { return stream_; }
+  void* native_stream() override { return stream_; }
   int device_index() const { return device_; }
   int sm_count() const { return sm_count_; }
   // "auto" | "cudnn" | "flash" | "naive". auto = cudnn when built with it and it runs here,
