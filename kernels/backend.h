@@ -43,6 +43,10 @@ class Backend {
   // The compute stream (a cudaStream_t on CUDA) for libraries that enqueue on it (NCCL); null
   // on the CPU.
   virtual void* native_stream() { return nullptr; }
+  // precision.attention: "auto" | "cudnn" | "flash" | "naive". The choice and why is logged;
+  // std::invalid_argument for a kind this backend cannot run. The CPU has one implementation.
+  virtual void set_attention(const std::string& kind) {}
+  virtual std::string attention_name() const { return "reference"; }
 
   // ---- memory and transfers -------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled; throws std::bad_alloc with context

@@ -49,7 +49,13 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
   if (device == "cuda" || (device == "auto" && cuda_available())) {
     if (!cuda_available())
       throw InputError("train.device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
-    return make_cuda_backend(rank.local_rank);
+    std::unique_ptr<Backend> backend = make_cuda_backend(rank.local_rank);
+    try {
+      backend->set_attention(cfg.precision.attention);
+    } catch (const std::invalid_argument& e) {
+      throw InputError(std::string("precision.attention: ") + e.what());
+    }
+    return backend;
   }
   if (cfg.precision.dtype == "bf16")
     spdlog::info("cpu backend: computing in fp32 (the reference); precision.dtype=bf16 applies to CUDA");
@@ -85,6 +91,7 @@ class Trainer {
   double evaluate();
   void save(int step);
   void print_sample(int step);
+  void write_summary() const;
   void barrier() {
     if (comm_) comm_->barrier();
   }
@@ -272,6 +279,17 @@ void Trainer::print_sample(int step) {
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
+// out_dir/summary.json: what ran where, for tools (bench) that read a finished run.
+void Trainer::write_summary() const {
+  std::ofstream out(cfg_.train.out_dir + "/summary.json");
+  out << "{\"backend\":\"" << backend_->name() << "\",\"attention\":\""
+      << backend_->attention_name() << "\",\"params\":" << model_.layout().total
+      << ",\"memory_bytes\":" << state_arena_.bytes() + acts_arena_.bytes()
+      << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
+      << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"commit\":\"" << KILN_COMMIT
+      << "\"}\n";
+}
+
 // On resume, drop metrics lines past the checkpoint's step so the log reads as one run.
 void truncate_metrics(const std::string& path, int last_step) {
   std::ifstream in(path);
@@ -353,6 +371,7 @@ int Trainer::run() {
     if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
     if ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last) save(sm.step);
   }
+  if (is_main()) write_summary();
   return 0;
 }
 

@@ -203,6 +203,8 @@ size_t naive_shared_bytes(const AttentionDims& d, bool dkv) {
 
 }  // namespace
 
+std::string CudaBackend::attention_name() const { return attention_kind_name(attention_); }
+
 void CudaBackend::set_attention(const std::string& kind) {
   attention_auto_ = kind == "auto";
   if (kind == "naive") {

@@ -43,7 +43,8 @@ class CudaBackend final : public Backend {
   int sm_count() const { return sm_count_; }
   // "auto" | "cudnn" | "flash" | "naive". auto = cudnn when built with it and it runs here,
   // else flash; the choice and the reason are logged. Throws std::invalid_argument otherwise.
-  void set_attention(const std::string& kind);
+  void set_attention(const std::string& kind) override;
+  std::string attention_name() const override;
   AttentionKind attention() const { return attention_; }
   static bool cudnn_built();  // compiled with the cuDNN frontend
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
