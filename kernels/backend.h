@@ -123,6 +123,8 @@ class Backend {
                             const AdamWHyper& hyper) = 0;
   // x *= scale (f32 buffers; used to average all-reduced gradients).
   virtual void scale(Tensor x, float scale) = 0;
+  // dst += src elementwise (f32, same numel; used to accumulate sharded gradients).
+  virtual void add(Tensor dst, Tensor src) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -97,35 +97,30 @@ void gpt2_init(const ModelConfig& cfg, const ParamLayout& layout, uint64_t seed,
   }
 }
 
-Gpt2Weights bind_weights(const ModelConfig& cfg, const ParamLayout& layout, Tensor flat) {
-  auto view = [&](const std::string& name) {
-    const ParamInfo& info = layout.find(name);
-    return flat.slice(info.offset, info.shape);
-  };
+Gpt2Weights bind_weights(const ModelConfig& cfg, const ParamLayout& layout,
+                         const std::function<Tensor(const ParamInfo&)>& locate) {
+  // gpt2_layout's order: wte, wpe, 12 tensors per block, lnf weight and bias, [lm_head].
+  size_t i = 0;
+  auto next = [&]() { return locate(layout.tensors.at(i++)); };
   Gpt2Weights w;
-  w.wte = view("wte");
-  w.wpe = view("wpe");
+  w.wte = next();
+  w.wpe = next();
   for (int l = 0; l < cfg.n_layer; ++l) {
-    const std::string p = "h." + std::to_string(l) + ".";
     BlockWeights b;
-    b.ln1_w = view(p + "ln1.weight");
-    b.ln1_b = view(p + "ln1.bias");
-    b.qkv_w = view(p + "attn.qkv.weight");
-    b.qkv_b = view(p + "attn.qkv.bias");
-    b.proj_w = view(p + "attn.proj.weight");
-    b.proj_b = view(p + "attn.proj.bias");
-    b.ln2_w = view(p + "ln2.weight");
-    b.ln2_b = view(p + "ln2.bias");
-    b.fc_w = view(p + "mlp.fc.weight");
-    b.fc_b = view(p + "mlp.fc.bias");
-    b.fcproj_w = view(p + "mlp.proj.weight");
-    b.fcproj_b = view(p + "mlp.proj.bias");
+    for (Tensor* t : {&b.ln1_w, &b.ln1_b, &b.qkv_w, &b.qkv_b, &b.proj_w, &b.proj_b, &b.ln2_w,
+                      &b.ln2_b, &b.fc_w, &b.fc_b, &b.fcproj_w, &b.fcproj_b})
+      *t = next();
     w.blocks.push_back(b);
   }
-  w.lnf_w = view("lnf.weight");
-  w.lnf_b = view("lnf.bias");
-  w.lm_head = cfg.tie_embeddings ? w.wte : view("lm_head");
+  w.lnf_w = next();
+  w.lnf_b = next();
+  w.lm_head = cfg.tie_embeddings ? w.wte : next();
   return w;
+}
+
+Gpt2Weights bind_weights(const ModelConfig& cfg, const ParamLayout& layout, Tensor flat) {
+  return bind_weights(cfg, layout,
+                      [&](const ParamInfo& info) { return flat.slice(info.offset, info.shape); });
 }
 
 Gpt2::Gpt2(const ModelConfig& cfg, Backend& backend)

@@ -66,6 +66,9 @@ struct Gpt2Weights {
 };
 // Views into `flat` (any dtype) laid out as `layout`.
 Gpt2Weights bind_weights(const ModelConfig& cfg, const ParamLayout& layout, Tensor flat);
+// Views placed one by one by `locate` (FSDP: each unit lives in its own gather buffer).
+Gpt2Weights bind_weights(const ModelConfig& cfg, const ParamLayout& layout,
+                         const std::function<Tensor(const ParamInfo&)>& locate);
 
 // Called at unit boundaries so a sharding strategy (FSDP) can gather a unit's parameters before
 // it is used and reduce its gradients after. Units are numbered as in ParamInfo::unit; each hook

@@ -517,6 +517,14 @@ TEST(CpuOptimizer, ScaleMultipliesInPlace) {
   EXPECT_EQ(x, (std::vector<float>{0.25f, -0.5f, 0.125f}));
 }
 
+TEST(CpuOptimizer, AddAccumulatesInPlace) {
+  std::vector<float> x = {1.0f, -2.0f, 0.5f}, y = {0.5f, 0.25f, -0.5f};
+  cpu().add(f32(x, {3}), f32(y, {3}));
+  EXPECT_EQ(x, (std::vector<float>{1.5f, -1.75f, 0.0f}));
+  std::vector<float> z(2);
+  EXPECT_THROW(cpu().add(f32(x, {3}), f32(z, {2})), std::invalid_argument);
+}
+
 // ---- memory and conversions ------------------------------------------------------------------
 
 TEST(CpuBackend, AllocateIsZeroFilledAndAligned) {

@@ -55,6 +55,7 @@ class CpuBackend final : public Backend {
                     Tensor decay_spans, int64_t offset, Tensor sched,
                     const AdamWHyper& hyper) override;
   void scale(Tensor x, float scale) override;
+  void add(Tensor dst, Tensor src) override;
 };
 
 }  // namespace kiln

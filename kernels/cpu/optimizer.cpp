@@ -4,6 +4,7 @@
 // header's formula; the decay spans are walked once to split [offset, offset+n) into runs with
 // and without weight decay. Per-step scalars (lr, step, clip scale) are read from `sched`.
 #include <algorithm>
+#include <stdexcept>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -173,6 +174,19 @@ void CpuBackend::scale(Tensor x, float scale) {
   const int64_t n = x.numel();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) p[i] *= scale;
+}
+
+void CpuBackend::add(Tensor dst, Tensor src) {
+  OpCheck c{"add"};
+  c.f32("dst", dst);
+  c.f32("src", src);
+  if (dst.numel() != src.numel())
+    throw std::invalid_argument("add: dst " + dst.str() + " and src " + src.str() + " differ in size");
+  float* d = dst.ptr<float>();
+  const float* s = src.ptr<float>();
+  const int64_t n = dst.numel();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
+  for (int64_t i = 0; i < n; ++i) d[i] += s[i];
 }
 
 }  // namespace kiln

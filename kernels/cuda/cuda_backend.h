@@ -91,6 +91,7 @@ class CudaBackend final : public Backend {
                     Tensor decay_spans, int64_t offset, Tensor sched,
                     const AdamWHyper& hyper) override;
   void scale(Tensor x, float scale) override;
+  void add(Tensor dst, Tensor src) override;
 
   // Deterministic column sums of a bf16 [N,C] matrix added into f32 out[C] (bias gradients).
   void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);

@@ -3,6 +3,7 @@
 // Design choice: no float atomics anywhere. Sums run in two passes with a FIXED grid (partials
 // per block, then one block combines them in tree order), so a result depends only on the
 // input, never on scheduling: bit-reproducible run to run.
+#include <stdexcept>
 #include <spdlog/spdlog.h>
 
 #include "kernels/cuda/common.cuh"
@@ -76,6 +77,12 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     x[i] *= s;
+}
+
+__global__ void add_kernel(float* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] += src[i];
 }
 
 }  // namespace
@@ -156,6 +163,19 @@ void CudaBackend::scale(Tensor x, float s) {
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
   scale_kernel<<<blocks, threads, 0, stream_>>>(x.ptr<float>(), s, n);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::add(Tensor dst, Tensor src) {
+  expect_f32(dst, "add", "dst");
+  expect_f32(src, "add", "src");
+  if (dst.numel() != src.numel())
+    throw std::invalid_argument("add: dst " + dst.str() + " and src " + src.str() + " differ in size");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
+  add_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<float>(), src.ptr<float>(), n);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -478,6 +478,11 @@ TEST_F(CudaOps, ScheduleClipScale) {
   cpu_->scale(cx, 0.125f);
   gpu_->scale(gx, 0.125f);
   EXPECT_EQ(host(gx), host(cx));
+  std::vector<float> y = rand(5000);
+  Buf cy = cpu({5000}, y), gy = gpu({5000}, DType::f32, y);
+  cpu_->add(cx, cy);
+  gpu_->add(gx, gy);
+  EXPECT_EQ(host(gx), host(cx));
 }
 
 TEST_F(CudaOps, AdamW) {
