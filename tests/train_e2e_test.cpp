@@ -123,7 +123,7 @@ TEST_F(TrainE2E, ResumeReproducesTheUninterruptedRunBitForBit) {
 TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   const std::string out = (dir_ / "run_corrupt").string();
   ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);
-  const std::string shard = out + "/checkpoints/step_00000004/rank_00000.bin";
+  const std::string shard = out + "/checkpoints/step_00000004/rank_00000_000.bin";
   ASSERT_TRUE(fs::exists(shard));
   {
     std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);

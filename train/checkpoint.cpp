@@ -47,9 +47,9 @@ std::string step_name(int step) {
   return buf;
 }
 
-std::string rank_file(int rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "rank_%05d.bin", rank);
+std::string shard_file(int rank, size_t part) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank_%05d_%03zu.bin", rank, part);
   return buf;
 }
 
@@ -162,7 +162,7 @@ void prune_checkpoints(const std::string& root, int keep) {
 
 std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
                             const ParamLayout& layout, const std::string& config_yaml,
-                            const std::string& strategy, const OptimizerShard& shard, int rank,
+                            const std::string& strategy, const std::vector<OptimizerShard>& shards, int rank,
                             int world_size, int keep, const std::function<void()>& barrier) {
   const std::string root = out_dir + "/checkpoints";
   const std::string final_dir = root + "/" + step_name(state.step);
@@ -173,7 +173,8 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
     fs::create_directory(tmp_dir);
   }
   barrier();
-  if (shard.end > shard.begin) write_shard(tmp_dir + "/" + rank_file(rank), shard);
+  for (size_t i = 0; i < shards.size(); ++i)
+    if (shards[i].end > shards[i].begin) write_shard(tmp_dir + "/" + shard_file(rank, i), shards[i]);
   barrier();
   if (rank == 0) {
     CheckpointManifest m;
@@ -183,8 +184,13 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
     m.param_count = layout.total;
     m.config_yaml = config_yaml;
     m.tensors = layout.tensors;
-    for (int r = 0; r < world_size; ++r)
-      if (fs::exists(tmp_dir + "/" + rank_file(r))) m.files.push_back(inspect_shard(tmp_dir, rank_file(r)));
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(tmp_dir)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("rank_", 0) == 0) names.push_back(name);
+    }
+    std::sort(names.begin(), names.end());
+    for (const auto& name : names) m.files.push_back(inspect_shard(tmp_dir, name));
     const std::string text = manifest_yaml(m);
     write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
     fsync_path(tmp_dir);

@@ -1,5 +1,5 @@
 // Checkpoints: a directory per step, out_dir/checkpoints/step_NNNNNNNN/, holding one binary file
-// per rank (the [begin,end) range of the flat fp32 master weights and AdamW moments that rank
+// per owned range of each rank (the [begin,end) range of the flat fp32 master weights and AdamW moments that rank
 // owns) and manifest.yaml (step, data position, RNG state, tensor table, resolved config, and
 // each file's range and checksum). Everything is written into step_NNNNNNNN.tmp/ (each file
 // fsynced), and rank 0 renames the directory into place last: a crash mid-write leaves the
@@ -51,12 +51,12 @@ struct OptimizerShard {
   const float* v = nullptr;
 };
 
-// Collective: every rank calls it with its shard (ranges must tile [0, param_count) across
-// ranks; under DDP only rank 0 passes a non-empty shard). `barrier` synchronizes all ranks
+// Collective: every rank calls it with the ranges it owns (together they must tile
+// [0, param_count) across ranks; under DDP only rank 0 passes any). `barrier` synchronizes all ranks
 // (a no-op for one process). Returns the final directory. Keeps the newest `keep` checkpoints.
 std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
                             const ParamLayout& layout, const std::string& config_yaml,
-                            const std::string& strategy, const OptimizerShard& shard, int rank,
+                            const std::string& strategy, const std::vector<OptimizerShard>& shards, int rank,
                             int world_size, int keep, const std::function<void()>& barrier);
 
 // The newest complete checkpoint directory under out_dir/checkpoints, if any.

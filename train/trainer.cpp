@@ -17,6 +17,7 @@
 #include "kernels/error.h"
 #include "model/gpt2.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel.h"
 #include "train/metrics.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
@@ -72,6 +73,8 @@ class Trainer {
       owned_comm_ = make_comm(*backend_);
       comm_ = owned_comm_.get();
     }
+    dp_ = std::make_unique<DataParallel>(cfg.dist.strategy, cfg.dist.bucket_mb, *backend_, model_,
+                                         comm_, rank.rank, rank.world_size);
   }
 
   int run();
@@ -112,9 +115,8 @@ class Trainer {
   ModelConfig mcfg_;
   Gpt2 model_;
   Arena state_arena_, acts_arena_;
-  // Flat buffers (DESIGN.md invariant 4): fp32 master, working copy in the activation dtype
-  // (aliases master when that is fp32), fp32 grads and AdamW moments.
-  Tensor master_, working_, grads_, m_, v_;
+  // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
+  std::unique_ptr<DataParallel> dp_;
   Tensor decay_spans_, sched_, sumsq_, loss_sum_, tokens_, targets_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
@@ -124,13 +126,7 @@ class Trainer {
 };
 
 void Trainer::plan_memory() {
-  const int64_t P = model_.layout().total;
-  const DType act = backend_->activation_dtype();
-  state_arena_.plan(&master_, "params.master", {P}, DType::f32);
-  if (act != DType::f32) state_arena_.plan(&working_, "params.working", {P}, act);
-  state_arena_.plan(&grads_, "grads", {P}, DType::f32);
-  state_arena_.plan(&m_, "adamw.m", {P}, DType::f32);
-  state_arena_.plan(&v_, "adamw.v", {P}, DType::f32);
+  dp_->plan_memory(state_arena_);
   const auto& spans = model_.layout().decay_spans;
   state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
@@ -146,26 +142,25 @@ void Trainer::plan_memory() {
   } catch (const std::bad_alloc& e) {
     throw InputError(std::string("the memory plan does not fit on ") + backend_->name() + " (" +
                      format_bytes(state_arena_.bytes() + acts_arena_.bytes()) +
-                     "): lower train.batch_size (raise train.grad_accum to keep the batch) or "
-                     "model size. " + e.what());
+                     "): lower train.batch_size (raise train.grad_accum to keep the batch), "
+                     "shard with dist.strategy=zero1|fsdp, or shrink the model. " + e.what());
   }
-  if (!working_.defined()) working_ = master_;
   std::vector<int64_t> flat;
   for (const auto& [b, e] : spans) {
     flat.push_back(b);
     flat.push_back(e);
   }
   backend_->copy_from_host(decay_spans_, flat.data());
-  Gpt2Weights w = bind_weights(mcfg_, model_.layout(), working_);
-  model_.set_weights(w);
-  model_.set_grads(bind_weights(mcfg_, model_.layout(), grads_));
+  dp_->bind();
 }
 
 void Trainer::print_memory_table() const {
   if (!is_main()) return;
-  spdlog::info("memory plan on {} ({} parameters):", backend_->name(), model_.layout().total);
+  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks):",
+               backend_->name(), model_.layout().total, cfg_.dist.strategy, rank_.world_size);
   for (const auto& e : state_arena_.entries())
-    if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0)
+    if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
+        e.name.rfind("adamw", 0) == 0)
       spdlog::info("  {:<24} {:>6} {:>14}  {}", e.name, dtype_name(e.dtype), e.shape.str(),
                    format_bytes(e.bytes));
   spdlog::info("  {:<24} B={} T={}  {} in {} buffers", "activations", B(), T(),
@@ -176,55 +171,43 @@ void Trainer::print_memory_table() const {
 void Trainer::init_parameters() {
   std::vector<float> host(static_cast<size_t>(model_.layout().total));
   gpt2_init(mcfg_, model_.layout(), static_cast<uint64_t>(cfg_.train.seed), host.data());
-  backend_->copy_from_host(master_, host.data());
-  if (working_.data != master_.data) backend_->copy(working_, master_);
+  dp_->load_parameters(host);
 }
 
 void Trainer::resume_from(const std::string& dir) {
   CheckpointManifest manifest = read_manifest(dir);
-  const int64_t P = model_.layout().total;
-  std::vector<float> master(static_cast<size_t>(P)), m(master.size()), v(master.size());
-  load_optimizer_range(manifest, model_.layout(), 0, P, master.data(), m.data(), v.data());
-  backend_->copy_from_host(master_, master.data());
-  backend_->copy_from_host(m_, m.data());
-  backend_->copy_from_host(v_, v.data());
-  if (working_.data != master_.data) backend_->copy(working_, master_);
+  dp_->load_checkpoint(manifest);
   start_step_ = manifest.state.step;
   train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
   std::istringstream(manifest.state.rng_state) >> rng_;
-  if (is_main()) spdlog::info("resumed from {} at step {}", dir, start_step_);
+  if (is_main())
+    spdlog::info("resumed from {} at step {} (written by {} ranks with {})", dir, start_step_,
+                 manifest.world_size, manifest.strategy);
 }
 
 double Trainer::train_step(int step) {
   Backend& k = *backend_;
   const int accum = cfg_.train.grad_accum;
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
-  k.fill_zero(grads_);
+  dp_->zero_grads();
   for (int micro = 0; micro < accum; ++micro) {
     const DataLoader::Batch& batch = train_loader_->next();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
+    dp_->set_micro_batch(micro, accum);
     model_.forward(tokens_, targets_, dloss_scale, true);
     k.reduce_sum(loss_sum_, model_.losses(), micro > 0);
     model_.backward(tokens_);
   }
-  // DDP: every rank holds the full gradient of its own micro-batches; average them.
-  if (comm_ && rank_.world_size > 1) {
-    all_reduce(grads_);
-    k.scale(grads_, 1.0f / static_cast<float>(rank_.world_size));
-    all_reduce(loss_sum_);
-  }
-  k.sum_squares(sumsq_, grads_, false);
-  k.grad_norm_clip(sched_, sumsq_, static_cast<float>(cfg_.optim.grad_clip));
+  all_reduce(loss_sum_);
   const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
-  k.set_schedule(sched_, static_cast<float>(lr), step + 1);
   AdamWHyper hyper;
   hyper.beta1 = static_cast<float>(cfg_.optim.beta1);
   hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
   hyper.eps = static_cast<float>(cfg_.optim.eps);
   hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
-  k.adamw_update(master_, grads_, m_, v_, working_.data == master_.data ? Tensor{} : working_,
-                 decay_spans_, 0, sched_, hyper);
+  dp_->optimizer_step(sched_, sumsq_, decay_spans_, static_cast<float>(lr), step + 1,
+                      static_cast<float>(cfg_.optim.grad_clip), hyper);
   return lr;
 }
 
@@ -244,37 +227,26 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save(int step) {
-  const int64_t P = model_.layout().total;
-  // DDP: every rank holds identical state; rank 0 writes it all.
-  OptimizerShard shard;
-  std::vector<float> master, m, v;
-  if (is_main()) {
-    master.resize(static_cast<size_t>(P));
-    m.resize(master.size());
-    v.resize(master.size());
-    backend_->copy_to_host(master.data(), master_);
-    backend_->copy_to_host(m.data(), m_);
-    backend_->copy_to_host(v.data(), v_);
-    shard = {0, P, master.data(), m.data(), v.data()};
-  }
+  DataParallel::HostShards host = dp_->checkpoint_shards();
   const LoaderState ls = train_loader_->state();
   std::ostringstream rng_text;
   rng_text << rng_;
   TrainingState state{step, ls.epoch, ls.cursor, rng_text.str()};
   const std::string dir =
       save_checkpoint(cfg_.train.out_dir, state, model_.layout(), config_to_yaml(cfg_),
-                      cfg_.dist.strategy, shard, rank_.rank, rank_.world_size,
+                      cfg_.dist.strategy, host.shards, rank_.rank, rank_.world_size,
                       cfg_.train.keep_checkpoints, [this] { barrier(); });
   if (is_main()) spdlog::info("checkpoint: {}", dir);
 }
 
 void Trainer::print_sample(int step) {
-  if (!is_main() || mcfg_.vocab_size > 256) return;  // only the byte tokenizer decodes here
+  // Only the byte tokenizer decodes here; fsdp never holds the whole model on one rank.
+  if (!is_main() || mcfg_.vocab_size > 256 || !dp_->full_working().defined()) return;
   SamplingOptions opts;
   opts.max_new_tokens = cfg_.train.sample_tokens;
   opts.temperature = 0.8f;
   opts.top_k = 40;
-  std::vector<int> out = generate(*backend_, mcfg_, bind_weights(mcfg_, model_.layout(), working_),
+  std::vector<int> out = generate(*backend_, mcfg_, bind_weights(mcfg_, model_.layout(), dp_->full_working()),
                                   {'\n'}, opts, rng_);
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }

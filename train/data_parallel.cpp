@@ -1,0 +1,216 @@
+#include "train/data_parallel.h"
+
+#include <algorithm>
+
+namespace kiln {
+
+DataParallel::DataParallel(const std::string& strategy, double bucket_mb, Backend& backend,
+                           Gpt2& model, Communicator* comm, int rank, int world)
+    : strategy_(strategy), bucket_mb_(bucket_mb), backend_(backend), model_(model), comm_(comm),
+      plan_(make_shard_plan(strategy, model.layout().total, model.layout().units, rank, world)),
+      unit_slot_(model.layout().units.size(), -1) {}
+
+void DataParallel::plan_memory(Arena& arena) {
+  const int64_t P = model_.layout().total, S = plan_.shard_size;
+  const DType act = backend_.activation_dtype(), f32 = DType::f32;
+  if (!sharded()) {
+    arena.plan(&master_, "params.master", {P}, f32);
+    if (act != f32) arena.plan(&working_, "params.working", {P}, act);
+    arena.plan(&grads_, "grads", {P}, f32);
+  } else {
+    arena.plan(&master_, "params.master (shard)", {S}, f32);
+    arena.plan(&grad_shard_, "grads (shard)", {S}, f32);
+    if (act != f32) arena.plan(&working_shard_, "params.working (shard)", {S}, act);
+  }
+  arena.plan(&m_, sharded() ? "adamw.m (shard)" : "adamw.m", {S}, f32);
+  arena.plan(&v_, sharded() ? "adamw.v (shard)" : "adamw.v", {S}, f32);
+  if (plan_.strategy == "zero1") {
+    const int64_t padded = plan_.chunks[0].chunk * plan_.world;
+    arena.plan(&working_, "params.working (full)", {padded}, act);
+    arena.plan(&grads_, "grads (full)", {padded}, f32);
+  } else if (fsdp()) {
+    int64_t widest = 1, widest_chunk = 1;
+    for (size_t u = 1; u < plan_.chunks.size(); ++u)
+      widest = std::max(widest, plan_.chunks[u].chunk * plan_.world);
+    for (const auto& c : plan_.chunks) widest_chunk = std::max(widest_chunk, c.chunk);
+    const int64_t unit0 = plan_.chunks[0].chunk * plan_.world;
+    const char* names[3] = {"fsdp.unit0", "fsdp.gather.a", "fsdp.gather.b"};
+    for (int s = 0; s < 3; ++s) {
+      const int64_t n = s == 0 ? unit0 : widest;
+      arena.plan(&unit_params_[s], std::string(names[s]) + ".params", {n}, act);
+      arena.plan(&unit_grads_[s], std::string(names[s]) + ".grads", {n}, f32);
+    }
+    arena.plan(&scatter_tmp_, "fsdp.scatter_tmp", {widest_chunk}, f32);
+  }
+}
+
+void DataParallel::bind() {
+  const ModelConfig& cfg = model_.config();
+  const ParamLayout& layout = model_.layout();
+  if (!sharded()) {
+    if (!working_.defined()) working_ = master_;
+    grad_shard_ = grads_;
+  }
+  gather_src_ = working_shard_.defined() ? working_shard_ : master_;
+  if (fsdp()) {
+    hooks_.before_forward = [this](int unit) { gather_unit(unit); };
+    hooks_.before_backward = [this](int unit) {
+      gather_unit(unit);
+      const int last = static_cast<int>(plan_.chunks.size()) - 1;
+      // Unit 0's grads also collect the tied head's, which runs first in backward.
+      if (unit == last) backend_.fill_zero(unit_grads_[0]);
+      if (unit != 0) backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
+    };
+    hooks_.after_backward = [this](int unit) { scatter_unit_grads(unit); };
+    model_.set_hooks(&hooks_);
+    return;
+  }
+  model_.set_weights(bind_weights(cfg, layout, working_));
+  model_.set_grads(bind_weights(cfg, layout, grads_));
+  if (!sharded()) {
+    hooks_.after_backward = [this](int unit) { after_backward_ddp(unit); };
+    model_.set_hooks(&hooks_);
+  }
+}
+
+void DataParallel::all_reduce(Tensor t) {
+  if (comm_ && plan_.world > 1) comm_->all_reduce_sum(t);
+}
+
+void DataParallel::all_gather(Tensor out, Tensor in) {
+  if (comm_ && plan_.world > 1) comm_->all_gather(out, in);
+  else backend_.copy(out, in);
+}
+
+void DataParallel::reduce_scatter(Tensor out, Tensor in) {
+  if (comm_ && plan_.world > 1) comm_->reduce_scatter_sum(out, in);
+  else backend_.copy(out, in);
+}
+
+void DataParallel::gather_working() { all_gather(working_, gather_src_); }
+
+void DataParallel::bind_units() {
+  const ParamLayout& layout = model_.layout();
+  auto place = [&](const Tensor* slots) {
+    return [&, slots](const ParamInfo& info) {
+      const int slot = unit_slot_[static_cast<size_t>(info.unit)];
+      if (slot < 0) return Tensor{};
+      const int64_t unit_begin = layout.units[static_cast<size_t>(info.unit)].first;
+      return slots[slot].slice(info.offset - unit_begin, info.shape);
+    };
+  };
+  model_.set_weights(bind_weights(model_.config(), layout, place(unit_params_)));
+  model_.set_grads(bind_weights(model_.config(), layout, place(unit_grads_)));
+}
+
+void DataParallel::gather_unit(int unit) {
+  const int slot = unit == 0 ? 0 : 1 + unit % 2;
+  if (held_[slot] == unit) return;
+  const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
+  all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}),
+             gather_src_.slice(c.local, {c.chunk}));
+  if (held_[slot] >= 0) unit_slot_[static_cast<size_t>(held_[slot])] = -1;
+  held_[slot] = unit;
+  unit_slot_[static_cast<size_t>(unit)] = slot;
+  bind_units();
+}
+
+void DataParallel::scatter_unit_grads(int unit) {
+  const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
+  const Tensor full = unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
+  const Tensor out = grad_shard_.slice(c.local, {c.chunk});
+  if (micro_ == 0) {
+    reduce_scatter(out, full);
+  } else {
+    const Tensor tmp = scatter_tmp_.slice(0, {c.chunk});
+    reduce_scatter(tmp, full);
+    backend_.add(out, tmp);
+  }
+}
+
+void DataParallel::after_backward_ddp(int unit) {
+  if (!last_micro_ || plan_.world == 1) return;
+  const int64_t begin = model_.layout().units[static_cast<size_t>(unit)].first;
+  const double pending_mb = static_cast<double>(ddp_pending_end_ - begin) * 4.0 / (1 << 20);
+  if (pending_mb >= bucket_mb_ || unit == 0) {
+    all_reduce(grads_.slice(begin, {ddp_pending_end_ - begin}));
+    ddp_pending_end_ = begin;
+  }
+}
+
+void DataParallel::zero_grads() {
+  backend_.fill_zero(grads_.defined() ? grads_ : grad_shard_);
+  ddp_pending_end_ = model_.layout().total;
+}
+
+void DataParallel::load_parameters(const std::vector<float>& host_params) {
+  std::vector<float> shard(static_cast<size_t>(plan_.shard_size), 0.0f);
+  for (const auto& o : plan_.owned)
+    std::copy(host_params.begin() + o.begin, host_params.begin() + o.end, shard.begin() + o.local);
+  backend_.copy_from_host(master_, shard.data());
+  backend_.fill_zero(m_);
+  backend_.fill_zero(v_);
+  if (working_shard_.defined()) backend_.copy(working_shard_, master_);
+  if (!sharded() && working_.data != master_.data) backend_.copy(working_, master_);
+  if (plan_.strategy == "zero1") gather_working();
+  std::fill(std::begin(held_), std::end(held_), -1);
+}
+
+void DataParallel::load_checkpoint(const CheckpointManifest& manifest) {
+  for (const auto& o : plan_.owned) {
+    const int64_t n = o.end - o.begin;
+    std::vector<float> master(static_cast<size_t>(n)), m(master.size()), v(master.size());
+    load_optimizer_range(manifest, model_.layout(), o.begin, o.end, master.data(), m.data(), v.data());
+    backend_.copy_from_host(master_.slice(o.local, {n}), master.data());
+    backend_.copy_from_host(m_.slice(o.local, {n}), m.data());
+    backend_.copy_from_host(v_.slice(o.local, {n}), v.data());
+  }
+  if (working_shard_.defined()) backend_.copy(working_shard_, master_);
+  if (!sharded() && working_.data != master_.data) backend_.copy(working_, master_);
+  if (plan_.strategy == "zero1") gather_working();
+  std::fill(std::begin(held_), std::end(held_), -1);
+}
+
+DataParallel::HostShards DataParallel::checkpoint_shards() {
+  HostShards h;
+  if (!sharded() && plan_.rank != 0) return h;  // replicated: rank 0 writes it all
+  for (const auto& o : plan_.owned) {
+    const int64_t n = o.end - o.begin;
+    h.master.emplace_back(static_cast<size_t>(n));
+    h.m.emplace_back(static_cast<size_t>(n));
+    h.v.emplace_back(static_cast<size_t>(n));
+    backend_.copy_to_host(h.master.back().data(), master_.slice(o.local, {n}));
+    backend_.copy_to_host(h.m.back().data(), m_.slice(o.local, {n}));
+    backend_.copy_to_host(h.v.back().data(), v_.slice(o.local, {n}));
+  }
+  for (size_t i = 0; i < plan_.owned.size(); ++i)
+    h.shards.push_back({plan_.owned[i].begin, plan_.owned[i].end, h.master[i].data(),
+                        h.m[i].data(), h.v[i].data()});
+  return h;
+}
+
+void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, float lr,
+                                  int step, float grad_clip, const AdamWHyper& hyper) {
+  Backend& k = backend_;
+  const float inv_world = 1.0f / static_cast<float>(plan_.world);
+  if (plan_.strategy == "zero1") reduce_scatter(grad_shard_, grads_);
+  // Each rank's loss is the mean over its own tokens: average the summed gradients.
+  if (plan_.world > 1) k.scale(grad_shard_, inv_world);
+  k.sum_squares(sumsq, grad_shard_, false);
+  if (sharded()) all_reduce(sumsq);
+  k.grad_norm_clip(sched, sumsq, grad_clip);
+  k.set_schedule(sched, lr, step);
+  for (const auto& o : plan_.owned) {
+    const Shape n{o.end - o.begin};
+    const Tensor working = working_shard_.defined() ? working_shard_.slice(o.local, n)
+                           : (!sharded() && working_.data != master_.data)
+                               ? working_.slice(o.local, n)
+                               : Tensor{};
+    k.adamw_update(master_.slice(o.local, n), grad_shard_.slice(o.local, n), m_.slice(o.local, n),
+                   v_.slice(o.local, n), working, decay_spans, o.begin, sched, hyper);
+  }
+  if (plan_.strategy == "zero1") gather_working();
+  std::fill(std::begin(held_), std::end(held_), -1);
+}
+
+}  // namespace kiln

@@ -1,0 +1,91 @@
+// DataParallel: where parameters, gradients and AdamW state live under dist.strategy, and how
+// they are synchronized across ranks. The trainer asks it to zero grads, runs micro-batches
+// (the model calls its unit hooks), then calls optimizer_step(); it never touches a collective
+// itself.
+//  - ddp:   replicated state; gradients all-reduced in buckets of dist.bucket_mb as units finish
+//           their backward on the last micro-batch (so communication can overlap backward).
+//  - zero1: full working params and grads; gradients reduce-scattered, each rank updates its
+//           chunk of master weights and moments, updated params all-gathered.
+//  - fsdp:  only shards persist. Each unit's params are all-gathered into a gather buffer just
+//           before its forward/backward (two rotating buffers for the blocks, one kept for the
+//           embeddings, which the tied head reuses), and its grads reduce-scattered into the
+//           shard right after its backward, every micro-batch.
+#pragma once
+
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/sharding.h"
+#include "kernels/arena.h"
+#include "model/gpt2.h"
+#include "train/checkpoint.h"
+
+namespace kiln {
+
+class DataParallel {
+ public:
+  DataParallel(const std::string& strategy, double bucket_mb, Backend& backend, Gpt2& model,
+               Communicator* comm, int rank, int world);
+
+  const ShardPlan& plan() const { return plan_; }
+  // Plans every parameter/gradient/optimizer buffer into `arena`; call bind() after allocate.
+  void plan_memory(Arena& arena);
+  void bind();
+
+  // Full fp32 parameters (host, layout.total) -> this rank's state; moments left at zero.
+  void load_parameters(const std::vector<float>& host_params);
+  // This rank's owned ranges from a checkpoint.
+  void load_checkpoint(const CheckpointManifest& manifest);
+  // Host copies of this rank's owned ranges (ddp: rank 0 only), for save_checkpoint.
+  struct HostShards {
+    std::vector<std::vector<float>> master, m, v;
+    std::vector<OptimizerShard> shards;
+  };
+  HostShards checkpoint_shards();
+
+  // Before the first micro-batch of a step.
+  void zero_grads();
+  // Before each micro-batch: the last one triggers DDP's bucketed all-reduce.
+  void set_micro_batch(int micro, int grad_accum) {
+    micro_ = micro;
+    last_micro_ = micro + 1 == grad_accum;
+  }
+  // After all micro-batches: finish gradient sync, global-norm clip, AdamW, refresh params.
+  void optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, float lr, int step,
+                      float grad_clip, const AdamWHyper& hyper);
+  // Weights in the working dtype for sampling; undefined under fsdp (never held whole).
+  Tensor full_working() const { return plan_.strategy == "fsdp" ? Tensor{} : working_; }
+
+ private:
+  bool fsdp() const { return plan_.strategy == "fsdp"; }
+  bool sharded() const { return plan_.strategy != "ddp"; }
+  void all_reduce(Tensor t);
+  void all_gather(Tensor out, Tensor in);
+  void reduce_scatter(Tensor out, Tensor in);
+  void gather_working();          // zero1: every chunk -> full working params
+  void gather_unit(int unit);     // fsdp
+  void scatter_unit_grads(int unit);
+  void bind_units();              // fsdp: point the model at the current gather buffers
+  void after_backward_ddp(int unit);
+
+  std::string strategy_;
+  double bucket_mb_;
+  Backend& backend_;
+  Gpt2& model_;
+  Communicator* comm_;
+  ShardPlan plan_;
+  UnitHooks hooks_;
+  int micro_ = 0;
+  bool last_micro_ = true;
+  int64_t ddp_pending_end_ = 0;
+
+  Tensor master_, m_, v_, grad_shard_, working_shard_;  // shard buffers (ddp: everything)
+  Tensor working_, grads_;                              // full buffers (ddp, zero1)
+  Tensor gather_src_;                                   // what all-gathers read: master or working shard
+  // fsdp: slot 0 holds unit 0 (embeddings) for the whole step, slots 1-2 rotate the rest.
+  Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
+  int held_[3] = {-1, -1, -1};
+  std::vector<int> unit_slot_;
+};
+
+}  // namespace kiln
