@@ -35,7 +35,7 @@ TEST(CliParse, ConfigPathAndDefaults) {
   EXPECT_EQ(cl.launch.nnodes, 1);
   EXPECT_EQ(cl.launch.node_rank, 0);
   EXPECT_EQ(cl.launch.master_addr, "127.0.0.1");
-  EXPECT_EQ(cl.launch.master_port, 29500);
+  EXPECT_EQ(cl.launch.master_port, 0);
 }
 
 TEST(CliParse, OverridesKeepOrderAnywhereOnTheLine) {

@@ -111,7 +111,7 @@ launcher flags (one process per GPU; under Slurm or mpirun these come from the e
   --nnodes N           nodes in the job                        (default 1)
   --node-rank R        this node's index, 0 <= R < nnodes      (default 0)
   --master-addr HOST   address of node 0's rendezvous          (default 127.0.0.1)
-  --master-port P      port of the rendezvous, 1..65535        (default 29500)
+  --master-port P      port of the rendezvous, 1..65535 (default: ephemeral on one node, 29500 across nodes)
   -h, --help           print this text
 
 A bad config or flag prints one line naming the key and exits with status 2.

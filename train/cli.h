@@ -16,7 +16,7 @@ struct LaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int master_port = 0;  // 0: an ephemeral port on one node, 29500 across nodes
 };
 
 struct CommandLine {

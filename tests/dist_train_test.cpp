@@ -1,0 +1,193 @@
+// Distributed training on the CPU backend through the real launcher and Gloo: N ranks at global
+// batch G follow the single-process loss curve at global batch G for every strategy; each
+// strategy resumes bit for bit from its own checkpoints (and from another strategy's); a worker
+// that dies takes the whole run down, non-zero, within 30 s.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+int run(const std::string& cmd, std::string* output = nullptr) {
+  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return -1;
+  char buf[4096];
+  size_t n;
+  std::string out;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  if (output) *output = out;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+std::vector<std::pair<int, std::string>> losses(const std::string& out_dir) {
+  std::vector<std::pair<int, std::string>> v;
+  std::ifstream in(out_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto s = line.find("\"step\":"), l = line.find("\"loss\":");
+    v.emplace_back(std::atoi(line.c_str() + s + 7),
+                   line.substr(l + 7, line.find(',', l) - l - 7));
+  }
+  return v;
+}
+
+class DistTrain : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::path(::testing::TempDir()) / ("kiln_dist_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+    std::string corpus = "/usr/share/common-licenses/GPL-3";
+    if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
+    ASSERT_EQ(run(kBin + "/prepare_data --out " + (dir_ / "data").string() + " " + corpus), 0);
+  }
+  // Global batch 8 x 64 tokens a step, whatever the world size.
+  static std::string train(const std::string& name, int nproc, const std::string& strategy,
+                           const std::string& extra = "") {
+    const std::string out = (dir_ / name).string();
+    const int micro = 8 / nproc;
+    std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
+                      " --data.train='" + (dir_ / "data").string() + "/train_*.bin'" +
+                      " --data.val='" + (dir_ / "data").string() + "/val_*.bin'" +
+                      " --model.n_layer=2 --model.n_embd=64 --model.n_head=4 --model.seq_len=64" +
+                      " --train.batch_size=" + std::to_string(micro) +
+                      " --train.eval_every=10 --train.eval_steps=2 --optim.warmup_steps=5" +
+                      " --dist.strategy=" + strategy + " --train.out_dir=" + out + " " + extra;
+    if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
+    std::string output;
+    const int status = run(cmd, &output);
+    EXPECT_EQ(status, 0) << cmd << "\n" << output;
+    return out;
+  }
+  static void expect_same_curve(const std::string& a, const std::string& b, double rel) {
+    const auto la = losses(a), lb = losses(b);
+    ASSERT_EQ(la.size(), lb.size()) << a << " vs " << b;
+    for (size_t i = 0; i < la.size(); ++i) {
+      const double x = std::stod(la[i].second), y = std::stod(lb[i].second);
+      EXPECT_LE(std::fabs(x - y), rel * std::fabs(x)) << b << " step " << la[i].first;
+    }
+  }
+  static fs::path dir_;
+};
+fs::path DistTrain::dir_;
+
+TEST_F(DistTrain, EveryStrategyFollowsTheSingleProcessCurve) {
+  const std::string single = train("single", 1, "ddp", "--train.max_steps=20");
+  ASSERT_EQ(losses(single).size(), 20u);
+  for (const char* strategy : {"ddp", "zero1", "fsdp"})
+    for (int nproc : {2, 4}) {
+      const std::string name = std::string(strategy) + "_" + std::to_string(nproc);
+      expect_same_curve(single, train(name, nproc, strategy, "--train.max_steps=20"), 1e-5);
+    }
+}
+
+TEST_F(DistTrain, GradientAccumulationMatchesTheLargerBatch) {
+  // 2 ranks x micro-batch 2 x 2 accumulation steps == 1 rank x 8.
+  const std::string single = train("accum_single", 1, "ddp", "--train.max_steps=10");
+  for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
+    const std::string out = train(std::string("accum_") + strategy, 2, strategy,
+                                  "--train.max_steps=10 --train.batch_size=2 --train.grad_accum=2");
+    expect_same_curve(single, out, 1e-5);
+  }
+}
+
+TEST_F(DistTrain, EachStrategyResumesBitForBit) {
+  for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
+    const std::string s = strategy;
+    const std::string full = train("resume_full_" + s, 2, s,
+                                   "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
+    const std::string resumed = (dir_ / ("resume_part_" + s)).string();
+    fs::create_directories(resumed + "/checkpoints");
+    fs::copy(full + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
+             fs::copy_options::recursive);
+    train("resume_part_" + s, 2, s, "--train.max_steps=12 --train.checkpoint_every=6");
+    const auto a = losses(full), b = losses(resumed);
+    ASSERT_EQ(b.size(), 6u) << s;
+    for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[6 + i]) << s;
+  }
+}
+
+TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
+  const std::string fsdp = train("cross_fsdp", 4, "fsdp",
+                                 "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
+  const std::string ddp = (dir_ / "cross_ddp").string();
+  fs::create_directories(ddp + "/checkpoints");
+  fs::copy(fsdp + "/checkpoints/step_00000006", ddp + "/checkpoints/step_00000006",
+           fs::copy_options::recursive);
+  train("cross_ddp", 1, "ddp", "--train.max_steps=12");
+  const auto a = losses(fsdp), b = losses(ddp);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < b.size(); ++i)
+    EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second), 1e-5 * std::stod(a[6 + i].second));
+}
+
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string text;
+    std::getline(stat, text);
+    const auto close = text.rfind(')');
+    if (close == std::string::npos) continue;
+    char state;
+    int ppid = 0;
+    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
+      out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+TEST_F(DistTrain, AKilledWorkerEndsTheRunWithinThirtySeconds) {
+  const std::string out = (dir_ / "killed").string();
+  const std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
+                          " --data.train=" + (dir_ / "data").string() + "/train_000000.bin" +
+                          " --data.val= --model.n_layer=2 --model.n_embd=64 --model.n_head=4" +
+                          " --model.seq_len=64 --train.batch_size=4 --train.max_steps=100000" +
+                          " --train.out_dir=" + out + " --nproc-per-node=2";
+  const pid_t launcher = ::fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    ::setpgid(0, 0);
+    ::execl("/bin/sh", "sh", "-c", ("exec " + cmd + " >/dev/null 2>&1").c_str(), nullptr);
+    ::_exit(127);
+  }
+  // Wait until training is under way, then kill one worker outright.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (losses(out).size() < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::vector<pid_t> workers = children_of(launcher);
+  ASSERT_EQ(workers.size(), 2u);
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
+  int status = 0;
+  pid_t done = 0;
+  while ((done = ::waitpid(launcher, &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - killed_at < std::chrono::seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (done == 0) {
+    ::kill(-launcher, SIGKILL);
+    ::waitpid(launcher, &status, 0);
+    FAIL() << "the run was still going 30 s after a worker was killed";
+  }
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (pid_t w : workers) EXPECT_NE(::kill(w, 0), 0) << "worker " << w << " survived";
+}
+
+}  // namespace
