@@ -108,6 +108,7 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, checkpoint_every), non_negative(),
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
+      {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},

@@ -43,6 +43,7 @@ struct TrainSection {
   std::string out_dir = "runs/default";
   int checkpoint_every = 0;  // 0: only at the end of the run
   int keep_checkpoints = 2;  // newest N kept
+  bool save_checkpoints = true;  // false: write none (benchmarks)
   std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;

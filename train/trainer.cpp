@@ -341,7 +341,8 @@ int Trainer::run() {
         spdlog::info("{}", format_step_line(sm, format_bytes(state_arena_.bytes() + acts_arena_.bytes())));
     }
     if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-    if ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last) save(sm.step);
+    if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
+      save(sm.step);
   }
   if (is_main()) write_summary();
   return 0;
