@@ -9,6 +9,7 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
   throw std::runtime_error("this kiln was built without CUDA (KILN_CUDA=OFF or no nvcc)");
 }
 bool cuda_available() { return false; }
+int cuda_device_count() { return 0; }
 #endif
 
 }  // namespace kiln

@@ -131,5 +131,6 @@ std::unique_ptr<Backend> make_cpu_backend();
 // Throws std::runtime_error when built without CUDA or when no GPU is present.
 std::unique_ptr<Backend> make_cuda_backend(int device_index);
 bool cuda_available();  // built with CUDA and at least one GPU visible
+int cuda_device_count();  // GPUs visible (0 without CUDA)
 
 }  // namespace kiln

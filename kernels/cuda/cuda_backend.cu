@@ -197,13 +197,15 @@ std::unique_ptr<Backend> make_cuda_backend(int device_index) {
   return std::make_unique<CudaBackend>(device_index);
 }
 
-bool cuda_available() {
+int cuda_device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
-  return count > 0;
+  return count;
 }
+
+bool cuda_available() { return cuda_device_count() > 0; }
 
 }  // namespace kiln
