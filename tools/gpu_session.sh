@@ -13,7 +13,7 @@
 # Uses the offline dependency bundle in .deps/offline/root when present (docs/cuda.md), and the
 # PyTorch reference at shared/bench/torch_reference.py (or ../shared/bench/...).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-session-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
