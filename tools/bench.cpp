@@ -16,9 +16,9 @@
 //
 // The run directory (train.out_dir) is a temp dir removed at exit; the trainer still writes its
 // final checkpoint there (params + AdamW state, ~12 bytes per parameter).
-#include <spdlog/spdlog.h>
 #include <fmt/format.h>
 #include <glob.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
@@ -135,8 +135,8 @@ bool glob_matches(const std::string& pattern) {
 
 // One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats.
 std::string write_random_shard(const Config& cfg, const fs::path& dir) {
-  const int64_t windows = int64_t{cfg.train.batch_size} * cfg.train.grad_accum *
-                          (cfg.train.max_steps + 1);
+  const int64_t windows =
+      int64_t{cfg.train.batch_size} * cfg.train.grad_accum * (cfg.train.max_steps + 1);
   const int64_t n = windows * cfg.model.seq_len + 1;
   std::vector<uint16_t> tokens(static_cast<size_t>(n));
   std::mt19937_64 rng(static_cast<uint64_t>(cfg.train.seed));
@@ -163,8 +163,8 @@ std::vector<StepRecord> read_metrics(const std::string& path) {
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const YAML::Node j = YAML::Load(line);  // JSON is YAML
-    out.push_back({j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(),
-                   j["mfu"].as<double>()});
+    out.push_back(
+        {j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(), j["mfu"].as<double>()});
   }
   return out;
 }
@@ -278,8 +278,8 @@ std::string profile_ops(const Config& cfg, int steps) {
     const OpTimer::Row& r = rep.rows[i];
     const double ms = r.ms / steps, pct = 100.0 * r.ms / rep.ops_ms;
     std::printf("%-44s %9.1f %10.3f %6.1f%%\n", r.op.c_str(), double(r.calls) / steps, ms, pct);
-    json += fmt::format("{}{{\"op\":{},\"calls\":{},\"ms\":{:.4f},\"pct\":{:.2f}}}",
-                        i ? "," : "", json_string(r.op), double(r.calls) / steps, ms, pct);
+    json += fmt::format("{}{{\"op\":{},\"calls\":{},\"ms\":{:.4f},\"pct\":{:.2f}}}", i ? "," : "",
+                        json_string(r.op), double(r.calls) / steps, ms, pct);
   }
   json += "]";
   const double ops = rep.ops_ms / steps, span = rep.span_ms / steps;
@@ -305,9 +305,10 @@ int run(const Options& opt) {
 
   std::vector<std::string> overrides = opt.overrides;
   for (const std::string& o :
-       {fmt::format("train.max_steps={}", opt.warmup + opt.steps), std::string("train.eval_every=0"),
-        std::string("train.checkpoint_every=0"), std::string("train.sample_every=0"),
-        std::string("train.resume=none"), "train.out_dir=" + (tmp / "run").string()})
+       {fmt::format("train.max_steps={}", opt.warmup + opt.steps),
+        std::string("train.eval_every=0"), std::string("train.checkpoint_every=0"),
+        std::string("train.sample_every=0"), std::string("train.resume=none"),
+        "train.out_dir=" + (tmp / "run").string()})
     overrides.push_back(o);
   Config cfg = load_config(opt.config_path, overrides);
   if (opt.profile_ops && (cfg.train.device == "cpu" || !cuda_available()))
@@ -356,9 +357,9 @@ int run(const Options& opt) {
               opt.config_path.c_str(), device.c_str(), cfg.train.batch_size, cfg.model.seq_len,
               cfg.train.grad_accum, summary["params"].as<std::string>().c_str(),
               summary["attention"].as<std::string>().c_str());
-  std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n",
-              med_ms, *std::min_element(ms.begin(), ms.end()),
-              *std::max_element(ms.begin(), ms.end()), opt.steps, opt.warmup);
+  std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n", med_ms,
+              *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
+              opt.steps, opt.warmup);
   std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", tok_s, mfu_pct,
               format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
   std::printf("%s\n", json.c_str());

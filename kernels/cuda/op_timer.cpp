@@ -68,7 +68,9 @@ OpTimer::Report OpTimer::report() {
 namespace {
 
 // "768->3072": the GEMM's reduction and output widths name the layer (qkv, fc, lm_head...).
-std::string gemm_tag(int64_t in, int64_t out) { return fmt::format("{}->{}", in, out); }
+std::string gemm_tag(int64_t in, int64_t out) {
+  return fmt::format("{}->{}", in, out);
+}
 
 }  // namespace
 
@@ -95,18 +97,15 @@ void OpTimer::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp
 }
 void OpTimer::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
                                          Tensor a, Tensor b, Tensor weight, Tensor bias) {
-  timed("residual_layernorm_forward", [&] {
-    inner_.residual_layernorm_forward(residual, out, mean, rstd, a, b, weight, bias);
-  });
+  timed("residual_layernorm_forward",
+        [&] { inner_.residual_layernorm_forward(residual, out, mean, rstd, a, b, weight, bias); });
 }
-void OpTimer::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                 Tensor inp, Tensor weight, Tensor mean, Tensor rstd) {
-  timed("layernorm_backward", [&] {
-    inner_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd);
-  });
+void OpTimer::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                 Tensor weight, Tensor mean, Tensor rstd) {
+  timed("layernorm_backward",
+        [&] { inner_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd); });
 }
-void OpTimer::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                             Tensor pre_gelu) {
+void OpTimer::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) {
   std::string key = "matmul_forward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (bias.defined()) key += " +bias";
   if (pre_gelu.defined()) key += " +gelu";

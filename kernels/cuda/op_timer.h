@@ -61,12 +61,11 @@ class OpTimer final : public Backend {
   void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
   void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
                          Tensor bias) override;
-  void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
-                                  Tensor a, Tensor b, Tensor weight, Tensor bias) override;
+  void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd, Tensor a,
+                                  Tensor b, Tensor weight, Tensor bias) override;
   void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                           Tensor weight, Tensor mean, Tensor rstd) override;
-  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                      Tensor pre_gelu) override;
+  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, Tensor inp_pre_gelu) override;
   void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) override;

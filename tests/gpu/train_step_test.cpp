@@ -144,8 +144,8 @@ struct StepRun {
     k->set_schedule(sched, lr, 1);
     AdamWHyper hyper;
     hyper.weight_decay = 0.1f;
-    k->adamw_update(master, grads, m, v, working.data == master.data ? Tensor{} : working, spans,
-                    0, sched, hyper);
+    k->adamw_update(master, grads, m, v, working.data == master.data ? Tensor{} : working, spans, 0,
+                    sched, hyper);
     return read(sched, kSchedGradNorm);
   }
 };
@@ -233,7 +233,10 @@ TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
   if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
   std::string log;
   ASSERT_EQ(run_command(kBin + "/prepare_data --out " + (dir / "data").string() +
-                            " --val-fraction 0.1 " + corpus, &log), 0) << log;
+                            " --val-fraction 0.1 " + corpus,
+                        &log),
+            0)
+      << log;
 
   constexpr int kSteps = 200;
   auto train = [&](const std::string& device) {
