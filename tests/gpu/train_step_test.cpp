@@ -1,0 +1,286 @@
+// A whole training step on CUDA against the CPU step (DESIGN.md invariant 1), and a 200-step
+// run of the real `train` binary on both devices.
+//
+// (a) Model level: one GPT-2 (2 layers, C=128, 2 heads of 64, T=64, B=4, vocab 500 padded to
+//     512) built on each backend with the same bf16-exact parameters (gpt2_init, rounded to bf16
+//     so both see identical weights; CUDA's working copy is bf16) and the same random tokens.
+//     Tolerances (CUDA keeps activations in bf16, so errors compound over the ~25 ops of a step):
+//       loss                              relative 1e-2
+//       every parameter gradient tensor   relative L2 2e-2 (printed per tensor)
+//       global gradient norm              relative 1e-2
+//       AdamW step, then a second forward: the loss drop matches within 10% (+0.02)
+// (b) End to end: `train` on a small byte-level GPT-2 (2 layers, C=128, 2 heads, T=64, B=8) on
+//     real text (the GPL, else README.md) for 200 steps on --train.device=cpu and =cuda, same
+//     seed and data order. The CUDA loss curve must track the CPU one: mean |loss_cuda -
+//     loss_cpu| over the last 50 steps < 0.05, and final losses within 4%. Measured on an H200
+//     (2026-11-21): 0.036 and 2.7%. The bf16 run sits systematically ABOVE the fp32 one here
+//     (+0.03..0.06 from step ~50 on, this small model at lr 3e-3), so the final-loss bound is
+//     not 2%: kiln keeps the residual stream and LayerNorm weights in bf16 (as llm.c does),
+//     where PyTorch autocast keeps both in f32.
+// Both skip when no GPU is visible.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "kernels/bf16.h"
+#include "model/gpt2.h"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr double kLossTol = 1e-2;
+constexpr double kGradTol = 2e-2;
+constexpr double kNormTol = 1e-2;
+
+double rel_l2(const float* got, const float* ref, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+double rel(double got, double ref) {
+  return std::isfinite(got) ? std::abs(got - ref) / std::abs(ref) : 1e30;
+}
+
+// ---- (a) one step at the model level ------------------------------------------------------
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 128;
+  c.ffn_dim = 512;
+  c.vocab_size = 500;
+  c.padded_vocab_size = 512;
+  c.seq_len = 64;
+  return c;
+}
+
+// One model on one backend: flat params (working dtype), f32 master/grads/AdamW state.
+struct StepRun {
+  static constexpr int B = 4, T = 64;
+  ModelConfig cfg = small_config();
+  std::unique_ptr<Backend> k;
+  std::unique_ptr<Gpt2> model;
+  std::unique_ptr<Arena> arena;
+  Tensor master, working, grads, m, v, spans, sched, sumsq, loss, tokens, targets;
+
+  StepRun(std::unique_ptr<Backend> backend, const std::vector<float>& params,
+          const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt)
+      : k(std::move(backend)) {
+    model = std::make_unique<Gpt2>(cfg, *k);
+    arena = std::make_unique<Arena>(*k, "train_step_test");
+    const int64_t P = model->layout().total;
+    const DType act = k->activation_dtype();
+    const auto& decay = model->layout().decay_spans;
+    arena->plan(&master, "master", {P}, DType::f32);
+    if (act != DType::f32) arena->plan(&working, "working", {P}, act);
+    arena->plan(&grads, "grads", {P}, DType::f32);
+    arena->plan(&m, "m", {P}, DType::f32);
+    arena->plan(&v, "v", {P}, DType::f32);
+    arena->plan(&spans, "spans", {static_cast<int64_t>(decay.size()), 2}, DType::i64);
+    arena->plan(&sched, "sched", {kSchedSize}, DType::f32);
+    arena->plan(&sumsq, "sumsq", {1}, DType::f32);
+    arena->plan(&loss, "loss", {1}, DType::f32);
+    arena->plan(&tokens, "tokens", {B, T}, DType::i32);
+    arena->plan(&targets, "targets", {B, T}, DType::i32);
+    model->plan_activations(*arena, B, T);
+    arena->allocate();
+    if (!working.defined()) working = master;
+    k->copy_from_host(master, params.data());
+    if (working.data != master.data) k->copy(working, master);
+    std::vector<int64_t> flat;
+    for (const auto& [b, e] : decay) flat.insert(flat.end(), {b, e});
+    k->copy_from_host(spans, flat.data());
+    k->copy_from_host(tokens, tok.data());
+    k->copy_from_host(targets, tgt.data());
+    model->set_weights(bind_weights(cfg, model->layout(), working));
+    model->set_grads(bind_weights(cfg, model->layout(), grads));
+  }
+
+  float read(Tensor t, int i = 0) {
+    std::vector<float> h(static_cast<size_t>(t.numel()));
+    k->copy_to_host(h.data(), t);
+    return h[static_cast<size_t>(i)];
+  }
+  // Forward (+ backward) of the batch; returns the mean loss.
+  float forward_backward(bool backward) {
+    const float scale = 1.0f / (B * T);
+    if (backward) k->fill_zero(grads);
+    model->forward(tokens, targets, scale, backward);
+    k->reduce_sum(loss, model->losses(), false);
+    if (backward) model->backward(tokens);
+    return read(loss) / (B * T);
+  }
+  std::vector<float> grads_host() {
+    std::vector<float> h(static_cast<size_t>(grads.numel()));
+    k->copy_to_host(h.data(), grads);
+    return h;
+  }
+  // The trainer's optimizer tail: global norm, clip at 1, AdamW step 1 at lr.
+  float optimizer_step(float lr) {
+    k->sum_squares(sumsq, grads, false);
+    k->grad_norm_clip(sched, sumsq, 1.0f);
+    k->set_schedule(sched, lr, 1);
+    AdamWHyper hyper;
+    hyper.weight_decay = 0.1f;
+    k->adamw_update(master, grads, m, v, working.data == master.data ? Tensor{} : working, spans, 0,
+                    sched, hyper);
+    return read(sched, kSchedGradNorm);
+  }
+};
+
+TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  const ModelConfig cfg = small_config();
+  const ParamLayout layout = gpt2_layout(cfg);
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  gpt2_init(cfg, layout, 1337, params.data());
+  for (auto& p : params) p = bf16_to_f32(f32_to_bf16(p));
+  const unsigned seed = std::random_device{}();
+  std::cout << "  seed " << seed << "\n";
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> tok_dist(0, cfg.vocab_size - 1);
+  std::vector<int32_t> tok(StepRun::B * StepRun::T), tgt(tok.size());
+  for (auto& t : tok) t = tok_dist(rng);
+  for (auto& t : tgt) t = tok_dist(rng);
+
+  StepRun cpu(make_cpu_backend(), params, tok, tgt);
+  StepRun gpu(make_cuda_backend(0), params, tok, tgt);
+  std::cout << "  cuda: " << gpu.k->name() << ", attention " << gpu.k->attention_name() << "\n";
+
+  const float loss_cpu = cpu.forward_backward(true);
+  const float loss_gpu = gpu.forward_backward(true);
+  std::cout << "  loss cpu " << loss_cpu << " cuda " << loss_gpu << " (rel "
+            << rel(loss_gpu, loss_cpu) << ", tol " << kLossTol << ")\n";
+  EXPECT_LT(rel(loss_gpu, loss_cpu), kLossTol);
+
+  const std::vector<float> gc = cpu.grads_host(), gg = gpu.grads_host();
+  double worst = 0;
+  for (const ParamInfo& p : layout.tensors) {
+    const double err = rel_l2(gg.data() + p.offset, gc.data() + p.offset, p.numel());
+    worst = std::max(worst, err);
+    std::cout << "  grad " << p.name << " " << p.shape.str() << ": rel L2 " << err << "\n";
+    EXPECT_LT(err, kGradTol) << "gradient of " << p.name;
+  }
+  std::cout << "  worst gradient rel L2 " << worst << " (tol " << kGradTol << ")\n";
+
+  const float norm_cpu = cpu.optimizer_step(1e-3f);
+  const float norm_gpu = gpu.optimizer_step(1e-3f);
+  std::cout << "  grad norm cpu " << norm_cpu << " cuda " << norm_gpu << "\n";
+  EXPECT_LT(rel(norm_gpu, norm_cpu), kNormTol);
+
+  const float drop_cpu = loss_cpu - cpu.forward_backward(false);
+  const float drop_gpu = loss_gpu - gpu.forward_backward(false);
+  std::cout << "  loss drop after one AdamW step: cpu " << drop_cpu << " cuda " << drop_gpu << "\n";
+  EXPECT_GT(drop_cpu, 0.0f);
+  EXPECT_LT(std::abs(drop_gpu - drop_cpu), 0.1 * std::abs(drop_cpu) + 0.02);
+}
+
+// ---- (b) 200 steps of `train` on both devices ------------------------------------------
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+int run_command(const std::string& cmd, std::string* output) {
+  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) output->append(buf, n);
+  const int st = ::pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+std::vector<double> read_losses(const std::string& path) {
+  std::vector<double> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto l = line.find("\"loss\":");
+    if (l != std::string::npos) out.push_back(std::atof(line.c_str() + l + 7));
+  }
+  return out;
+}
+
+TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("kiln_gpu_run_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::string corpus = "/usr/share/common-licenses/GPL-3";
+  if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
+  std::string log;
+  ASSERT_EQ(run_command(kBin + "/prepare_data --out " + (dir / "data").string() +
+                            " --val-fraction 0.1 " + corpus,
+                        &log),
+            0)
+      << log;
+
+  constexpr int kSteps = 200;
+  auto train = [&](const std::string& device) {
+    const std::string out = (dir / device).string();
+    std::string output;
+    const int rc = run_command(
+        kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=" + device +
+            " --data.train='" + (dir / "data").string() + "/train_*.bin'" +
+            " --model.n_layer=2 --model.n_embd=128 --model.n_head=2 --model.seq_len=64" +
+            " --train.batch_size=8 --train.eval_every=0 --train.log_every=50" +
+            " --train.checkpoint_every=0 --train.resume=none --optim.warmup_steps=20" +
+            " --train.max_steps=" + std::to_string(kSteps) + " --train.out_dir=" + out,
+        &output);
+    EXPECT_EQ(rc, 0) << output;
+    return out;
+  };
+  const std::string cpu_dir = train("cpu"), gpu_dir = train("cuda");
+  const std::vector<double> cpu = read_losses(cpu_dir + "/metrics.jsonl");
+  const std::vector<double> gpu = read_losses(gpu_dir + "/metrics.jsonl");
+  ASSERT_EQ(cpu.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(gpu.size(), static_cast<size_t>(kSteps));
+  std::ifstream summary(gpu_dir + "/summary.json");
+  const std::string s((std::istreambuf_iterator<char>(summary)), {});
+  EXPECT_NE(s.find("\"backend\":\"cuda"), std::string::npos) << s;
+
+  for (int i = 0; i < kSteps; i += 25)
+    std::cout << "  step " << i + 1 << ": cpu " << cpu[i] << " cuda " << gpu[i] << "\n";
+  double tail = 0, tail_signed = 0;
+  for (int i = kSteps - 50; i < kSteps; ++i) {
+    ASSERT_TRUE(std::isfinite(gpu[i])) << "step " << i + 1;
+    tail += std::abs(gpu[i] - cpu[i]);
+    tail_signed += gpu[i] - cpu[i];
+  }
+  tail /= 50;
+  tail_signed /= 50;
+  const double final_rel = rel(gpu.back(), cpu.back());
+  std::cout << "  step " << kSteps << ": cpu " << cpu.back() << " cuda " << gpu.back()
+            << "; over the last 50 steps mean |dloss| " << tail << " (tol 0.05), mean dloss "
+            << tail_signed << "; final rel " << final_rel << " (tol 0.04)\n";
+  EXPECT_LT(cpu.back(), cpu.front() - 1.0) << "the CPU run did not learn";
+  EXPECT_LT(tail, 0.05);
+  EXPECT_LT(final_rel, 0.04);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,387 @@
+// bench: training throughput of one config on this machine, as the trainer itself measures it.
+// The design choice: bench does not time its own copy of the step. It runs the real trainer
+// in-process (run_training, exactly what `train` runs) for warmup + steps steps with evaluation,
+// sampling and resuming off, then reads the run's metrics.jsonl and summary.json: the figures
+// are the trainer's per-step wall clock (host time from issuing the step to its loss arriving),
+// median over the timed steps. If the config's data.train matches no file, it trains on a shard
+// of uniformly random tokens written to a temp dir (as the PyTorch reference does).
+//
+//   bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]
+//         [--profile-ops [--profile-steps N]]
+//
+// --profile-ops (CUDA): afterwards, builds the same model on an OpTimer (kernels/cuda/op_timer.h)
+// and times every op of N steps with CUDA events: a per-op table of GPU time per step. This
+// replays Trainer::train_step's op sequence (see profile_ops below), because the trainer builds
+// its own backend; keep the two in step.
+//
+// The run directory (train.out_dir) is a temp dir removed at exit; the trainer still writes its
+// final checkpoint there (params + AdamW state, ~12 bytes per parameter).
+#include <fmt/format.h>
+#include <glob.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "kernels/error.h"
+#include "model/gpt2.h"
+#include "train/config.h"
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+#ifdef KILN_WITH_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/op_timer.h"
+#endif
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kUsage =
+    "usage: bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
+    "             [--profile-ops [--profile-steps N]]\n"
+    "  Trains CONFIG for warmup+steps steps (eval, sampling, resume off) and reports the median\n"
+    "  step time, tokens/s and MFU over the last `steps` steps. Random tokens when data.train\n"
+    "  matches no file. --profile-ops (CUDA): per-op GPU time of N (default 3) more steps.\n";
+
+struct Options {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  int warmup = 5;
+  int steps = 20;
+  std::string json_path;
+  bool profile_ops = false;
+  int profile_steps = 3;
+};
+
+int parse_count(const std::string& flag, const std::string& value, int min) {
+  try {
+    size_t used = 0;
+    const int n = std::stoi(value, &used);
+    if (used == value.size() && n >= min) return n;
+  } catch (const std::exception&) {
+  }
+  throw InputError(fmt::format("{}: expected an integer >= {}, got '{}'", flag, min, value));
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    const auto eq = arg.find('=');
+    const std::string name = arg.substr(0, eq);
+    if (arg.rfind("--", 0) == 0 && name.find('.') != std::string::npos) {
+      o.overrides.push_back(arg.substr(2));  // --section.key=value: load_config validates it
+      continue;
+    }
+    std::string value;
+    bool has_value = false;
+    if (eq != std::string::npos && arg.rfind("--", 0) == 0) {
+      value = arg.substr(eq + 1);
+      arg = name;
+      has_value = true;
+    }
+    auto take = [&]() -> std::string {
+      if (has_value) return value;
+      if (i + 1 >= argc) throw InputError(arg + ": missing value");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    } else if (arg == "--warmup") {
+      o.warmup = parse_count(arg, take(), 1);
+    } else if (arg == "--steps") {
+      o.steps = parse_count(arg, take(), 1);
+    } else if (arg == "--json") {
+      o.json_path = take();
+    } else if (arg == "--profile-ops") {
+      o.profile_ops = true;
+    } else if (arg == "--profile-steps") {
+      o.profile_steps = parse_count(arg, take(), 1);
+    } else if (arg.rfind("-", 0) == 0) {
+      throw InputError("unknown flag '" + arg + "' (see bench --help)");
+    } else if (o.config_path.empty()) {
+      o.config_path = arg;
+    } else {
+      throw InputError("a second config path '" + arg + "' (one config per bench)");
+    }
+  }
+  if (o.config_path.empty()) throw InputError(std::string("no config given\n") + kUsage);
+  return o;
+}
+
+bool glob_matches(const std::string& pattern) {
+  glob_t g{};
+  const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
+  const bool any = rc == 0 && g.gl_pathc > 0;
+  ::globfree(&g);
+  return any;
+}
+
+// One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats.
+std::string write_random_shard(const Config& cfg, const fs::path& dir) {
+  const int64_t windows =
+      int64_t{cfg.train.batch_size} * cfg.train.grad_accum * (cfg.train.max_steps + 1);
+  const int64_t n = windows * cfg.model.seq_len + 1;
+  std::vector<uint16_t> tokens(static_cast<size_t>(n));
+  std::mt19937_64 rng(static_cast<uint64_t>(cfg.train.seed));
+  std::uniform_int_distribution<int> dist(0, cfg.model.vocab_size - 1);
+  for (auto& t : tokens) t = static_cast<uint16_t>(dist(rng));
+  fs::create_directories(dir);
+  const std::string path = (dir / "random_000000.bin").string();
+  write_shard(path, tokens);
+  spdlog::info("bench: data.train '{}' matches no file; training on {} random tokens in {}",
+               cfg.data.train, n, path);
+  return path;
+}
+
+struct StepRecord {
+  int step;
+  double loss, ms, mfu;
+};
+
+std::vector<StepRecord> read_metrics(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("bench: the run wrote no " + path);
+  std::vector<StepRecord> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const YAML::Node j = YAML::Load(line);  // JSON is YAML
+    out.push_back(
+        {j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(), j["mfu"].as<double>()});
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+#ifdef KILN_WITH_CUDA
+// GPU time per op over `steps` steps of Trainer::train_step's sequence (grad_accum micro-steps
+// of forward + backward, sum of squares, clip, schedule, AdamW), after 2 untimed warm-up steps.
+// Returns the "ops" JSON array and prints the table.
+std::string profile_ops(const Config& cfg, int steps) {
+  CudaBackend cuda(0);
+  cuda.set_attention(cfg.precision.attention);
+  OpTimer k(cuda);
+  const ModelConfig mcfg = model_config(cfg.model);
+  const int B = cfg.train.batch_size, T = mcfg.seq_len, accum = cfg.train.grad_accum;
+  Gpt2 model(mcfg, k);
+  const int64_t P = model.layout().total;
+  Arena state(k, "state"), acts(k, "activations");
+  Tensor master, working, grads, m, v, spans, sched, sumsq, loss_sum, tokens, targets;
+  const auto& decay = model.layout().decay_spans;
+  state.plan(&master, "master", {P}, DType::f32);
+  state.plan(&working, "working", {P}, DType::bf16);
+  state.plan(&grads, "grads", {P}, DType::f32);
+  state.plan(&m, "m", {P}, DType::f32);
+  state.plan(&v, "v", {P}, DType::f32);
+  state.plan(&spans, "decay_spans", {static_cast<int64_t>(decay.size()), 2}, DType::i64);
+  state.plan(&sched, "sched", {kSchedSize}, DType::f32);
+  state.plan(&sumsq, "sumsq", {1}, DType::f32);
+  state.plan(&loss_sum, "loss_sum", {1}, DType::f32);
+  state.plan(&tokens, "tokens", {B, T}, DType::i32);
+  state.plan(&targets, "targets", {B, T}, DType::i32);
+  model.plan_activations(acts, B, T);
+  state.allocate();
+  acts.allocate();
+
+  std::vector<float> host(static_cast<size_t>(P));
+  gpt2_init(mcfg, model.layout(), static_cast<uint64_t>(cfg.train.seed), host.data());
+  k.copy_from_host(master, host.data());
+  k.copy(working, master);
+  std::vector<int64_t> flat;
+  for (const auto& [b, e] : decay) flat.insert(flat.end(), {b, e});
+  k.copy_from_host(spans, flat.data());
+  model.set_weights(bind_weights(mcfg, model.layout(), working));
+  model.set_grads(bind_weights(mcfg, model.layout(), grads));
+  std::vector<int32_t> tok(static_cast<size_t>(B) * T), tgt(tok.size());
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int> dist(0, mcfg.vocab_size - 1);
+  for (auto& t : tok) t = dist(rng);
+  for (auto& t : tgt) t = dist(rng);
+
+  AdamWHyper hyper;
+  hyper.beta1 = static_cast<float>(cfg.optim.beta1);
+  hyper.beta2 = static_cast<float>(cfg.optim.beta2);
+  hyper.eps = static_cast<float>(cfg.optim.eps);
+  hyper.weight_decay = static_cast<float>(cfg.optim.weight_decay);
+  const float dloss_scale = 1.0f / static_cast<float>(int64_t{B} * T * accum);
+  auto step = [&](int s) {
+    k.fill_zero(grads);
+    for (int micro = 0; micro < accum; ++micro) {
+      k.copy_from_host(tokens, tok.data());
+      k.copy_from_host(targets, tgt.data());
+      model.forward(tokens, targets, dloss_scale, true);
+      k.reduce_sum(loss_sum, model.losses(), micro > 0);
+      model.backward(tokens);
+    }
+    k.sum_squares(sumsq, grads, false);
+    k.grad_norm_clip(sched, sumsq, static_cast<float>(cfg.optim.grad_clip));
+    k.set_schedule(sched, static_cast<float>(learning_rate(cfg.optim, s, 1000)), s + 1);
+    k.adamw_update(master, grads, m, v, working, spans, 0, sched, hyper);
+    float host_sched[kSchedSize];
+    k.copy_to_host(host_sched, sched);  // the trainer reads loss and sched every step
+  };
+  for (int s = 0; s < 2; ++s) step(s);
+  k.synchronize();
+  k.start();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int s = 2; s < 2 + steps; ++s) step(s);
+  k.synchronize();
+  const double host_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+      steps;
+  k.stop();
+  const OpTimer::Report rep = k.report();
+
+  std::printf("\nper-op GPU time, %s, B=%d T=%d, mean of %d steps (CUDA events around each op)\n",
+              cuda.name().c_str(), B, T, steps);
+  std::printf("%-44s %9s %10s %7s\n", "op", "calls", "ms/step", "%");
+  std::string json = "[";
+  for (size_t i = 0; i < rep.rows.size(); ++i) {
+    const OpTimer::Row& r = rep.rows[i];
+    const double ms = r.ms / steps, pct = 100.0 * r.ms / rep.ops_ms;
+    std::printf("%-44s %9.1f %10.3f %6.1f%%\n", r.op.c_str(), double(r.calls) / steps, ms, pct);
+    json += fmt::format("{}{{\"op\":{},\"calls\":{},\"ms\":{:.4f},\"pct\":{:.2f}}}", i ? "," : "",
+                        json_string(r.op), double(r.calls) / steps, ms, pct);
+  }
+  json += "]";
+  const double ops = rep.ops_ms / steps, span = rep.span_ms / steps;
+  std::printf("%-44s %9s %10.3f\n", "sum of ops (GPU busy)", "", ops);
+  std::printf("%-44s %9s %10.3f\n", "first op start -> last op end", "", span);
+  std::printf("%-44s %9s %10.3f\n", "gaps between ops (GPU idle)", "", span - ops);
+  std::printf("%-44s %9s %10.3f\n", "host wall clock per step", "", host_ms);
+  return fmt::format(
+      "{{\"steps\":{},\"ops_ms\":{:.3f},\"span_ms\":{:.3f},\"host_ms\":{:.3f},\"ops\":{}}}", steps,
+      ops, span, host_ms, json);
+}
+#endif
+
+int run(const Options& opt) {
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("kiln_bench_{}", ::getpid());
+  struct RemoveAtExit {
+    fs::path dir;
+    ~RemoveAtExit() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{tmp};
+
+  std::vector<std::string> overrides = opt.overrides;
+  for (const std::string& o :
+       {fmt::format("train.max_steps={}", opt.warmup + opt.steps),
+        std::string("train.eval_every=0"), std::string("train.checkpoint_every=0"),
+        std::string("train.sample_every=0"), std::string("train.resume=none"),
+        "train.out_dir=" + (tmp / "run").string()})
+    overrides.push_back(o);
+  Config cfg = load_config(opt.config_path, overrides);
+  if (opt.profile_ops && (cfg.train.device == "cpu" || !cuda_available()))
+    throw InputError("--profile-ops times CUDA ops: it needs a GPU and train.device auto or cuda");
+  if (!glob_matches(cfg.data.train)) cfg.data.train = write_random_shard(cfg, tmp / "data");
+
+  const int rc = run_training(cfg, RankInfo{}, nullptr);
+  if (rc != 0) throw std::runtime_error(fmt::format("bench: training exited with status {}", rc));
+
+  const std::vector<StepRecord> steps = read_metrics(cfg.train.out_dir + "/metrics.jsonl");
+  if (steps.size() != static_cast<size_t>(opt.warmup + opt.steps))
+    throw std::runtime_error(fmt::format("bench: expected {} steps in metrics.jsonl, found {}",
+                                         opt.warmup + opt.steps, steps.size()));
+  std::vector<double> ms, mfu;
+  for (size_t i = static_cast<size_t>(opt.warmup); i < steps.size(); ++i) {
+    ms.push_back(steps[i].ms);
+    mfu.push_back(steps[i].mfu);
+  }
+  const YAML::Node summary = YAML::LoadFile(cfg.train.out_dir + "/summary.json");
+  const auto tokens_per_step = summary["tokens_per_step"].as<int64_t>();
+  const double med_ms = median(ms);
+  const double tok_s = static_cast<double>(tokens_per_step) / (med_ms / 1000.0);
+  const double mfu_pct = 100.0 * median(mfu);
+  const std::string device = summary["backend"].as<std::string>();
+
+  std::string profile = "null";
+#ifdef KILN_WITH_CUDA
+  if (opt.profile_ops) profile = profile_ops(cfg, opt.profile_steps);
+#endif
+
+  const std::string json = fmt::format(
+      "{{\"tool\":\"kiln bench\",\"device\":{},\"config\":{},\"arch\":{},\"n_layer\":{},"
+      "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
+      "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
+      "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
+      "\"loss_last\":{:.4f},\"commit\":{},\"date\":{},\"profile\":{}}}",
+      json_string(device), json_string(opt.config_path), json_string(cfg.model.arch),
+      cfg.model.n_layer, cfg.model.n_embd, summary["params"].as<int64_t>(), cfg.train.batch_size,
+      cfg.model.seq_len, cfg.train.grad_accum, tokens_per_step, opt.warmup, opt.steps, med_ms,
+      *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()), tok_s,
+      mfu_pct, summary["memory_bytes"].as<int64_t>(),
+      json_string(summary["attention"].as<std::string>()), steps.back().loss,
+      json_string(summary["commit"].as<std::string>()), json_string(utc_now()), profile);
+
+  std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s\n",
+              opt.config_path.c_str(), device.c_str(), cfg.train.batch_size, cfg.model.seq_len,
+              cfg.train.grad_accum, summary["params"].as<std::string>().c_str(),
+              summary["attention"].as<std::string>().c_str());
+  std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n", med_ms,
+              *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
+              opt.steps, opt.warmup);
+  std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", tok_s, mfu_pct,
+              format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
+  std::printf("%s\n", json.c_str());
+  if (!opt.json_path.empty()) {
+    std::ofstream out(opt.json_path);
+    if (!(out << json << "\n")) throw InputError("--json: cannot write " + opt.json_path);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kiln
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  try {
+    return kiln::run(kiln::parse_options(argc, argv));
+  } catch (const kiln::InputError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return kiln::kExitInputError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fatal: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# One GPU-host session: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32), the
+# PyTorch reference on the same GPU, and a final kiln-vs-PyTorch table. Logs and JSON land in
+# $OUT (default ./gpu-session-out): session.log (everything), build.log, gpu_tests.log,
+# bench_{124m,350m}.json, torch_{124m,350m}.json, torch_warm.log.
+#
+#   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+#
+# Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
+# (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
+# while kiln builds (that only fills Inductor's on-disk caches); the timed PyTorch runs come
+# last, alone on the machine, and hit those caches.
+# Uses the offline dependency bundle in .deps/offline/root when present (docs/cuda.md), and the
+# PyTorch reference at shared/bench/torch_reference.py (or ../shared/bench/...).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/gpu-session-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.log") 2>&1
+export PYTHONUNBUFFERED=1
+STEPS=${BENCH_STEPS:-20}
+WARMUP=${BENCH_WARMUP:-5}
+t_start=$(date +%s)
+stage() { echo; echo "=== $* ($(($(date +%s) - t_start)) s)"; }
+
+stage "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+nvcc --version | tail -1
+python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+echo "commit $(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+TORCH_REF=""
+for f in shared/bench/torch_reference.py ../shared/bench/torch_reference.py; do
+  [ -f "$f" ] && TORCH_REF=$f && break
+done
+[ -n "$TORCH_REF" ] || echo "WARNING: torch_reference.py not found; PyTorch figures skipped"
+# The reference flattens its targets with tgt.view(-1), but they are the strided slice
+# idx[:, 1:], which cannot be viewed flat: it raises, eager or compiled (seen with torch 2.11).
+# Run a copy that uses tgt.reshape(-1) (a 0.5 MB int64 copy per step); nothing else changes.
+if [ -n "$TORCH_REF" ] && grep -q 'tgt\.view(-1)' "$TORCH_REF"; then
+  sed 's/tgt\.view(-1)/tgt.reshape(-1)/' "$TORCH_REF" > /tmp/torch_reference.py
+  TORCH_REF=/tmp/torch_reference.py
+  echo "NOTE: running torch_reference.py with tgt.view(-1) -> tgt.reshape(-1) (see the comment)"
+fi
+TORCH_124M=(--arch gpt2 --layers 12 --dim 768 --heads 12 --batch 64 --seq 1024)
+TORCH_350M=(--arch gpt2 --layers 24 --dim 1024 --heads 16 --batch 32 --seq 1024)
+
+stage "PyTorch compile warm-up (background, untimed) + kiln build"
+warm_pid=""
+if [ -n "$TORCH_REF" ]; then
+  (python3 "$TORCH_REF" "${TORCH_124M[@]}" --steps 1 --warmup 2 &&
+   python3 "$TORCH_REF" "${TORCH_350M[@]}" --steps 1 --warmup 2) > "$OUT/torch_warm.log" 2>&1 &
+  warm_pid=$!
+fi
+deps=()
+[ -d .deps/offline/root ] && deps=(-DKILN_DEPS=.deps/offline/root)
+build_ok=1
+{ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA_ARCH=90a "${deps[@]}" &&
+  cmake --build build -j "$(nproc)" --target train prepare_data bench kiln_gpu_tests; } \
+  > "$OUT/build.log" 2>&1 || build_ok=0
+tail -3 "$OUT/build.log"
+grep -E "warning|error" "$OUT/build.log" | head -20
+if [ -n "$warm_pid" ]; then
+  stage "waiting for the PyTorch warm-up"
+  wait "$warm_pid" || echo "PyTorch warm-up failed (see torch_warm.log)"
+  tail -2 "$OUT/torch_warm.log"
+fi
+if [ "$build_ok" != 1 ]; then
+  echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1
+fi
+
+stage "GPU tests"
+timeout 300 ./build/bin/kiln_gpu_tests > "$OUT/gpu_tests.log" 2>&1
+echo "kiln_gpu_tests exit status $?"
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran" "$OUT/gpu_tests.log" | head -40
+grep -A40 "CudaTrainStep\.\|CudaTrainRun\." "$OUT/gpu_tests.log" | grep -E "^\s+(loss|grad norm|worst|step|cuda:|seed)" | head -30
+
+# Checkpoints the trainer writes at the end of each bench run go to a temp dir: RAM if it has room.
+if [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 20000000 ] 2>/dev/null; then
+  export TMPDIR=/dev/shm
+fi
+stage "kiln bench GPT-2 124M (B=64) with per-op profile"
+timeout 240 ./build/bin/bench configs/gpt2-124m.yaml --train.grad_accum=1 --train.log_every=5 \
+  --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_124m.json" --profile-ops
+stage "kiln bench GPT-2 350M (B=32) with per-op profile"
+timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
+  --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m.json" --profile-ops
+
+if [ -n "$TORCH_REF" ]; then
+  stage "PyTorch reference 124M (timed)"
+  timeout 300 python3 "$TORCH_REF" "${TORCH_124M[@]}" --steps "$STEPS" --warmup 8 |
+    tee /dev/stderr | tail -1 > "$OUT/torch_124m.json"
+  stage "PyTorch reference 350M (timed)"
+  timeout 300 python3 "$TORCH_REF" "${TORCH_350M[@]}" --steps "$STEPS" --warmup 8 |
+    tee /dev/stderr | tail -1 > "$OUT/torch_350m.json"
+fi
+
+stage "summary"
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f: return json.loads(f.read().strip().splitlines()[-1])
+    except Exception as e:
+        return None
+print(f"{'model':<6} {'system':<8} {'tok/s':>9} {'ms/step':>8} {'MFU %':>6}  notes")
+for m in ("124m", "350m"):
+    k, t = load(f"bench_{m}.json"), load(f"torch_{m}.json")
+    if k: print(f"{m:<6} {'kiln':<8} {k['tok_s']:>9.0f} {k['ms']:>8.2f} {k['mfu']:>6.1f}  B={k['batch_size']} attn={k['attention']} commit={k['commit']} {k['device']}")
+    if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu']:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
+    if k and t: print(f"{m:<6} {'ratio':<8} {k['tok_s'] / t['tok_s']:>9.3f}  (kiln / PyTorch tokens/s; goal >= 1.15)")
+k = load("bench_124m.json")
+if k and k.get("profile"):
+    p = k["profile"]
+    print(f"\n124M per-op GPU time (top 12 of {len(p['ops'])}; ops {p['ops_ms']:.2f} ms, span {p['span_ms']:.2f} ms, host {p['host_ms']:.2f} ms per step)")
+    for r in p["ops"][:12]:
+        print(f"  {r['op']:<44} {r['calls']:>6.1f} {r['ms']:>9.3f} ms {r['pct']:>5.1f}%")
+EOF
+stage "done"
