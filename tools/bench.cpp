@@ -14,8 +14,7 @@
 // replays Trainer::train_step's op sequence (see profile_ops below), because the trainer builds
 // its own backend; keep the two in step.
 //
-// The run directory (train.out_dir) is a temp dir removed at exit; the trainer still writes its
-// final checkpoint there (params + AdamW state, ~12 bytes per parameter).
+// The run directory (train.out_dir) is a temp dir removed at exit; no checkpoint is written.
 #include <fmt/format.h>
 #include <glob.h>
 #include <spdlog/spdlog.h>
@@ -306,7 +305,7 @@ int run(const Options& opt) {
   std::vector<std::string> overrides = opt.overrides;
   for (const std::string& o :
        {fmt::format("train.max_steps={}", opt.warmup + opt.steps),
-        std::string("train.eval_every=0"), std::string("train.checkpoint_every=0"),
+        std::string("train.eval_every=0"), std::string("train.save_checkpoints=false"),
         std::string("train.sample_every=0"), std::string("train.resume=none"),
         "train.out_dir=" + (tmp / "run").string()})
     overrides.push_back(o);

@@ -157,4 +157,8 @@ void OpTimer::scale(Tensor x, float s) {
   timed("scale", [&] { inner_.scale(x, s); });
 }
 
+void OpTimer::add(Tensor dst, Tensor src) {
+  timed("add", [&] { inner_.add(dst, src); });
+}
+
 }  // namespace kiln

@@ -81,6 +81,7 @@ class OpTimer final : public Backend {
                     Tensor decay_spans, int64_t offset, Tensor sched,
                     const AdamWHyper& hyper) override;
   void scale(Tensor x, float scale) override;
+  void add(Tensor dst, Tensor src) override;
 
  private:
   struct Record {
