@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/kiln_dist_out}
 mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 STEPS=${STEPS:-15}
-echo "== $(date -u +%FT%TZ) commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "== $(date -u +%FT%TZ) commit $(cat .commit 2>/dev/null) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
 cmake -S . -B build -DKILN_DEPS=.deps/offline/root -DKILN_CUDA_ARCH=90a >"$OUT/cmake.log" 2>&1 ||
   { tail -30 "$OUT/cmake.log"; exit 1; }

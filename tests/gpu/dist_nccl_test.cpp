@@ -2,7 +2,9 @@
 // strategy at 2 (and 4, where present) GPUs follows the 1-GPU loss curve at the same global
 // batch, and two "nodes" of one GPU each on this host, with NCCL forced onto its socket
 // transport, follow one 2-GPU node. Tolerance: bf16 activations and a different GEMM M per rank
-// change rounding, so curves agree to ~1e-3 relative, not bit for bit as on the CPU.
+// change rounding, so curves agree to ~1e-3 relative, not bit for bit as on the CPU. The learning
+// rate is kept moderate: at the tiny config's 3e-3 a loss spike around step 12 amplified those
+// rounding differences to 5-8% at that one step (seen on 4 x H200, 2026-11-21).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -58,7 +60,7 @@ class DistNccl : public ::testing::Test {
            " --data.train='" + (dir_ / "data").string() + "/train_*.bin' --data.val=" +
            " --model.n_layer=2 --model.n_embd=128 --model.n_head=4 --model.seq_len=128" +
            " --train.batch_size=" + std::to_string(micro) + " --train.max_steps=20" +
-           " --optim.warmup_steps=5 --train.save_checkpoints=false --train.resume=none" +
+           " --optim.lr=1e-3 --optim.warmup_steps=5 --train.save_checkpoints=false --train.resume=none" +
            " --train.out_dir=" + (dir_ / name).string();
   }
   std::string train(const std::string& name, int nproc, const std::string& strategy) {
