@@ -1,10 +1,11 @@
 // Distributed training over NCCL through the real launcher (label gpu; needs 2+ GPUs): every
 // strategy at 2 (and 4, where present) GPUs follows the 1-GPU loss curve at the same global
 // batch, and two "nodes" of one GPU each on this host, with NCCL forced onto its socket
-// transport, follow one 2-GPU node. Tolerance: bf16 activations and a different GEMM M per rank
-// change rounding, so curves agree to ~1e-3 relative, not bit for bit as on the CPU. The learning
-// rate is kept moderate: at the tiny config's 3e-3 a loss spike around step 12 amplified those
-// rounding differences to 5-8% at that one step (seen on 4 x H200, 2026-11-21).
+// transport, follow one 2-GPU node. Tolerance 1e-2 relative: bf16 activations and a different
+// GEMM M per rank change rounding, and training amplifies it step by step (runs are deterministic;
+// on 2 x H200, 2026-11-21, the largest gap over 20 steps was 0.50%, zero1 at step 18; at a
+// 3e-3 learning rate a loss spike made it 5-8% at one step, hence the moderate rate). The CPU
+// tests (tests/dist_train_test.cpp) hold the same strategies to 1e-5 in fp32.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,7 +25,7 @@ namespace fs = std::filesystem;
 
 const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
-constexpr double kRelTol = 5e-3;
+constexpr double kRelTol = 1e-2;
 
 int run(const std::string& cmd, std::string* output) {
   std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
