@@ -32,6 +32,11 @@ class Communicator {
   // buf on every rank = buf on `root`.
   virtual void broadcast(Tensor buf, int root) = 0;
   // Returns once every rank has entered (NCCL: also waits for the comm stream's work).
+  // Collectives may run asynchronously to the caller's compute stream (NCCL: on a stream of
+  // their own, after the work enqueued so far). Results may be used, and their buffers written,
+  // only after wait(): it orders the compute stream after every collective issued so far.
+  // A no-op where collectives are synchronous (Gloo).
+  virtual void wait() {}
   virtual void barrier() = 0;
   virtual std::string name() const = 0;  // "gloo rank 1/4", "nccl rank 3/8 (cuda:3)"
 };
@@ -45,8 +50,10 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
                                                      const std::string& prefix = "gloo");
 
 // NCCL on device `local_rank`. Rank 0 creates the unique id and shares it through `store`
-// (key "<prefix>/unique_id"); collectives are enqueued on `cuda_stream` (a cudaStream_t) and
-// never synchronize with the host. Built without CUDA, throws InputError.
+// (key "<prefix>/unique_id"); collectives run on a communication stream of the communicator's
+// own, after the work already enqueued on `cuda_stream` (the caller's compute stream, a
+// cudaStream_t); wait() orders `cuda_stream` after them. They never synchronize with the host.
+// Built without CUDA, throws InputError.
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
                                                      const std::string& prefix = "nccl");

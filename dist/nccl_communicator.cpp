@@ -1,6 +1,7 @@
-// NCCL communicator: collectives on CUDA tensors, enqueued on the comm stream the caller gives
-// and never synchronized with the host (only barrier() waits), so DDP can overlap them with
-// backward. Rank 0 makes the ncclUniqueId and shares it through the rendezvous store.
+// NCCL communicator: collectives on CUDA tensors, run on a communication stream of its own
+// that first waits (by event) for everything already enqueued on the caller's compute stream, and
+// never synchronized with the host (only barrier() waits). wait() makes the compute stream wait
+// for them in turn: until then they overlap whatever compute comes next (DDP's backward). Rank 0 makes the ncclUniqueId and shares it through the rendezvous store.
 // Sums take f32 or bf16; gathers and broadcasts move bytes (ncclInt8), so any dtype works.
 // Compiled only with CUDA; communicator.cpp has the CPU-only stand-in.
 #ifdef KILN_WITH_CUDA
@@ -29,15 +30,19 @@ void check_cuda(cudaError_t err, const std::string& who, const char* what) {
 
 class NcclCommunicator : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int rank, int world, int device)
-      : comm_(comm), stream_(stream), rank_(rank), world_(world), device_(device) {
+  NcclCommunicator(ncclComm_t comm, cudaStream_t compute, int rank, int world, int device)
+      : comm_(comm), compute_(compute), rank_(rank), world_(world), device_(device) {
     cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
-    if (err != cudaSuccess) ncclCommDestroy(comm_);  // the destructor will not run
-    check_cuda(err, name(), "cudaMalloc(barrier)");
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+    if (err != cudaSuccess) release();  // the destructor will not run
+    check_cuda(err, name(), "communication stream setup");
   }
-  ~NcclCommunicator() override {
-    cudaFree(barrier_buf_);
-    ncclCommDestroy(comm_);
+  ~NcclCommunicator() override { release(); }
+
+  void wait() override {
+    check_cuda(cudaStreamWaitEvent(compute_, done_, 0), name(), "cudaStreamWaitEvent(compute)");
   }
 
   int rank() const override { return rank_; }
@@ -48,21 +53,27 @@ class NcclCommunicator : public Communicator {
 
   void all_reduce_sum(Tensor buf) override {
     check_collective(name(), "all_reduce_sum", buf, buf, 1, 1);
+    begin();
     check("all_reduce_sum",
           ncclAllReduce(buf.data, buf.data, count(buf), sum_type(buf), ncclSum, comm_, stream_));
+    end();
   }
 
   void reduce_scatter_sum(Tensor out_shard, Tensor in_full) override {
     check_collective(name(), "reduce_scatter_sum", out_shard, in_full, 1, world_);
+    begin();
     check("reduce_scatter_sum", ncclReduceScatter(in_full.data, out_shard.data, count(out_shard),
                                                   sum_type(in_full), ncclSum, comm_, stream_));
+    end();
   }
 
   void all_gather(Tensor out_full, Tensor in_shard) override {
     check_collective(name(), "all_gather", out_full, in_shard, world_, 1);
     expect_cuda("all_gather", in_shard);
+    begin();
     check("all_gather",
           ncclAllGather(in_shard.data, out_full.data, in_shard.nbytes(), ncclInt8, comm_, stream_));
+    end();
   }
 
   void broadcast(Tensor buf, int root) override {
@@ -71,11 +82,14 @@ class NcclCommunicator : public Communicator {
     if (root < 0 || root >= world_)
       throw std::invalid_argument(name() + " broadcast: root " + std::to_string(root) +
                                   " out of range");
+    begin();
     check("broadcast",
           ncclBroadcast(buf.data, buf.data, buf.nbytes(), ncclInt8, root, comm_, stream_));
+    end();
   }
 
   void barrier() override {
+    begin();
     check("barrier",
           ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat32, ncclSum, comm_, stream_));
     check_cuda(cudaStreamSynchronize(stream_), name(), "barrier: cudaStreamSynchronize");
@@ -85,6 +99,19 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  // A collective's inputs are whatever the compute stream has enqueued so far.
+  void begin() {
+    check_cuda(cudaEventRecord(inputs_ready_, compute_), name(), "cudaEventRecord(compute)");
+    check_cuda(cudaStreamWaitEvent(stream_, inputs_ready_, 0), name(), "cudaStreamWaitEvent(comm)");
+  }
+  void end() { check_cuda(cudaEventRecord(done_, stream_), name(), "cudaEventRecord(comm)"); }
+  void release() {
+    if (done_) cudaEventDestroy(done_);
+    if (inputs_ready_) cudaEventDestroy(inputs_ready_);
+    if (stream_) cudaStreamDestroy(stream_);
+    if (barrier_buf_) cudaFree(barrier_buf_);
+    ncclCommDestroy(comm_);
+  }
   void expect_cuda(const char* op, const Tensor& t) const {
     if (t.device != Device::cuda)
       throw std::invalid_argument(name() + " " + op + ": " + t.str() + " is not in GPU memory");
@@ -103,7 +130,9 @@ class NcclCommunicator : public Communicator {
   }
 
   ncclComm_t comm_;
-  cudaStream_t stream_;
+  cudaStream_t compute_;
+  cudaStream_t stream_ = nullptr;  // communication
+  cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
   int rank_, world_, device_;
   float* barrier_buf_ = nullptr;
 };

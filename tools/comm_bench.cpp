@@ -228,9 +228,12 @@ class Buffers {
   void copy(void* dst, const void* src, size_t bytes, bool to_device) {
 #ifdef KILN_WITH_CUDA
     if (cuda_) {
-      check(
-          cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
-          "cudaMemcpy");
+      // The buffers' stream (the communicator's "compute" stream) orders every copy.
+      const auto s = static_cast<cudaStream_t>(stream_);
+      check(cudaMemcpyAsync(dst, src, bytes,
+                            to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s),
+            "cudaMemcpyAsync");
+      check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
       return;
     }
 #endif
@@ -263,16 +266,19 @@ void check_results(Communicator& comm, Buffers& buf) {
   for (int64_t i = 0; i < full; ++i) v[size_t(i)] = float(r + 1) * float(i);
   buf.upload(buf.a(full), v);
   comm.all_reduce_sum(buf.a(full));
+  comm.wait();
   auto out = buf.download(buf.a(full));
   for (int64_t i = 0; i < full; ++i)
     if (out[size_t(i)] != float(n * (n + 1) / 2) * float(i)) fail("all_reduce");
   buf.upload(buf.a(full), v);
   comm.reduce_scatter_sum(buf.b(chunk), buf.a(full));
+  comm.wait();
   out = buf.download(buf.b(chunk));
   for (int64_t j = 0; j < chunk; ++j)
     if (out[size_t(j)] != float(n * (n + 1) / 2) * float(r * chunk + j)) fail("reduce_scatter");
   buf.upload(buf.a(chunk), std::vector<float>(size_t(chunk), float(r)));
   comm.all_gather(buf.b(full), buf.a(chunk));
+  comm.wait();
   out = buf.download(buf.b(full));
   for (int64_t i = 0; i < full; ++i)
     if (out[size_t(i)] != float(i / chunk)) fail("all_gather");
@@ -324,7 +330,11 @@ int run_worker(const WorkerInfo& w, const Options& o) {
       const int64_t elems = std::max<int64_t>(bytes / 4 / n, 1) * n;
       for (int i = 0; i < o.warmup; ++i) c.run(elems);
       comm->barrier();
-      double seconds = buf.time(o.iters, [&] { c.run(elems); });
+      // wait(): the timing events are on the buffers' stream, which must follow the collective.
+      double seconds = buf.time(o.iters, [&] {
+        c.run(elems);
+        comm->wait();
+      });
       comm->barrier();
       if (w.rank == 0) {
         double size = double(elems) * 4;

@@ -73,18 +73,24 @@ void DataParallel::bind() {
   }
 }
 
-void DataParallel::all_reduce(Tensor t) {
-  if (comm_ && plan_.world > 1) comm_->all_reduce_sum(t);
+// Collectives whose results the next op consumes wait for them right away; DDP's bucket
+// all-reduces do not, so they overlap the rest of backward until optimizer_step().
+void DataParallel::all_reduce(Tensor t, bool overlap) {
+  if (!comm_ || plan_.world == 1) return;
+  comm_->all_reduce_sum(t);
+  if (!overlap) comm_->wait();
 }
 
 void DataParallel::all_gather(Tensor out, Tensor in) {
-  if (comm_ && plan_.world > 1) comm_->all_gather(out, in);
-  else backend_.copy(out, in);
+  if (!comm_ || plan_.world == 1) return backend_.copy(out, in);
+  comm_->all_gather(out, in);
+  comm_->wait();
 }
 
 void DataParallel::reduce_scatter(Tensor out, Tensor in) {
-  if (comm_ && plan_.world > 1) comm_->reduce_scatter_sum(out, in);
-  else backend_.copy(out, in);
+  if (!comm_ || plan_.world == 1) return backend_.copy(out, in);
+  comm_->reduce_scatter_sum(out, in);
+  comm_->wait();
 }
 
 void DataParallel::gather_working() { all_gather(working_, gather_src_); }
@@ -133,7 +139,7 @@ void DataParallel::after_backward_ddp(int unit) {
   const int64_t begin = model_.layout().units[static_cast<size_t>(unit)].first;
   const double pending_mb = static_cast<double>(ddp_pending_end_ - begin) * 4.0 / (1 << 20);
   if (pending_mb >= bucket_mb_ || unit == 0) {
-    all_reduce(grads_.slice(begin, {ddp_pending_end_ - begin}));
+    all_reduce(grads_.slice(begin, {ddp_pending_end_ - begin}), /*overlap=*/true);
     ddp_pending_end_ = begin;
   }
 }
@@ -193,6 +199,7 @@ void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans
                                   int step, float grad_clip, const AdamWHyper& hyper) {
   Backend& k = backend_;
   const float inv_world = 1.0f / static_cast<float>(plan_.world);
+  if (comm_) comm_->wait();  // DDP's bucket all-reduces
   if (plan_.strategy == "zero1") reduce_scatter(grad_shard_, grads_);
   // Each rank's loss is the mean over its own tokens: average the summed gradients.
   if (plan_.world > 1) k.scale(grad_shard_, inv_world);

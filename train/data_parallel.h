@@ -3,7 +3,8 @@
 // (the model calls its unit hooks), then calls optimizer_step(); it never touches a collective
 // itself.
 //  - ddp:   replicated state; gradients all-reduced in buckets of dist.bucket_mb as units finish
-//           their backward on the last micro-batch (so communication can overlap backward).
+//           their backward on the last micro-batch, overlapping the rest of backward (NCCL runs
+//           them on its own stream; optimizer_step() waits for them).
 //  - zero1: full working params and grads; gradients reduce-scattered, each rank updates its
 //           chunk of master weights and moments, updated params all-gathered.
 //  - fsdp:  only shards persist. Each unit's params are all-gathered into a gather buffer just
@@ -59,7 +60,7 @@ class DataParallel {
  private:
   bool fsdp() const { return plan_.strategy == "fsdp"; }
   bool sharded() const { return plan_.strategy != "ddp"; }
-  void all_reduce(Tensor t);
+  void all_reduce(Tensor t, bool overlap = false);
   void all_gather(Tensor out, Tensor in);
   void reduce_scatter(Tensor out, Tensor in);
   void gather_working();          // zero1: every chunk -> full working params

@@ -99,7 +99,9 @@ class Trainer {
     if (comm_) comm_->barrier();
   }
   void all_reduce(Tensor t) {
-    if (comm_ && rank_.world_size > 1) comm_->all_reduce_sum(t);
+    if (!comm_ || rank_.world_size == 1) return;
+    comm_->all_reduce_sum(t);
+    comm_->wait();
   }
   float read_scalar(Tensor t, int index = 0) {
     float host[kSchedSize];
