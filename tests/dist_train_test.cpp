@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/test_process.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -23,27 +25,10 @@ namespace fs = std::filesystem;
 const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
 
-int run(const std::string& cmd, std::string* output = nullptr) {
-  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return -1;
-  char buf[4096];
-  size_t n;
-  std::string out;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = ::pclose(p);
-  if (output) *output = out;
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
+// Per-step losses as written, to compare bit for bit.
 std::vector<std::pair<int, std::string>> losses(const std::string& out_dir) {
   std::vector<std::pair<int, std::string>> v;
-  std::ifstream in(out_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto s = line.find("\"step\":"), l = line.find("\"loss\":");
-    v.emplace_back(std::atoi(line.c_str() + s + 7),
-                   line.substr(l + 7, line.find(',', l) - l - 7));
-  }
+  for (const auto& l : kiln::testing::read_losses(out_dir)) v.emplace_back(l.step, l.text);
   return v;
 }
 
@@ -52,9 +37,8 @@ class DistTrain : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = fs::path(::testing::TempDir()) / ("kiln_dist_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    std::string corpus = "/usr/share/common-licenses/GPL-3";
-    if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
-    ASSERT_EQ(run(kBin + "/prepare_data --out " + (dir_ / "data").string() + " " + corpus), 0);
+    const auto r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
+    ASSERT_EQ(r.status, 0) << r.output;
   }
   // Global batch 8 x 64 tokens a step, whatever the world size.
   static std::string train(const std::string& name, int nproc, const std::string& strategy,
@@ -69,9 +53,8 @@ class DistTrain : public ::testing::Test {
                       " --train.eval_every=10 --train.eval_steps=2 --optim.warmup_steps=5" +
                       " --dist.strategy=" + strategy + " --train.out_dir=" + out + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
-    std::string output;
-    const int status = run(cmd, &output);
-    EXPECT_EQ(status, 0) << cmd << "\n" << output;
+    const auto r = kiln::testing::run_command(cmd);
+    EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
     return out;
   }
   static void expect_same_curve(const std::string& a, const std::string& b, double rel) {

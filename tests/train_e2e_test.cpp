@@ -2,7 +2,6 @@
 // with loss clearly falling, resuming from a checkpoint reproduces the uninterrupted run's
 // losses bit for bit, and every kind of bad input exits with status 2 and a one-line error.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_process.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -19,53 +20,16 @@ namespace fs = std::filesystem;
 const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
 
-struct Result {
-  int status;
-  std::string output;  // stdout + stderr
-};
+using kiln::testing::read_losses;
+using Result = kiln::testing::CommandResult;
+Result run(const std::string& cmd) { return kiln::testing::run_command(cmd); }
 
-Result run(const std::string& cmd) {
-  Result r{-1, {}};
-  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
-
-struct MetricsLine {
-  int step;
-  std::string loss;  // as written, to compare bit for bit
-  double loss_value;
-};
-
-std::vector<MetricsLine> read_metrics(const std::string& path) {
-  std::vector<MetricsLine> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto s = line.find("\"step\":"), l = line.find("\"loss\":");
-    if (s == std::string::npos || l == std::string::npos) continue;
-    const auto end = line.find(',', l);
-    const std::string loss = line.substr(l + 7, end - l - 7);
-    out.push_back({std::atoi(line.c_str() + s + 7), loss, std::atof(loss.c_str())});
-  }
-  return out;
-}
-
-// A small corpus of real English: the GPL text every Debian system ships, else this repo's README.
 class TrainE2E : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = fs::path(::testing::TempDir()) / ("kiln_e2e_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    std::string corpus = "/usr/share/common-licenses/GPL-3";
-    if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
-    const Result r = run(kBin + "/prepare_data --out " + (dir_ / "data").string() +
-                         " --val-fraction 0.1 " + corpus);
+    const Result r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
     ASSERT_EQ(r.status, 0) << r.output;
   }
   static std::string train_cmd(const std::string& out_dir, const std::string& extra) {
@@ -84,12 +48,12 @@ TEST_F(TrainE2E, LossFallsAndMetricsAreWritten) {
   const std::string out = (dir_ / "run_falls").string();
   const Result r = run(train_cmd(out, "--train.max_steps=60"));
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto m = read_metrics(out + "/metrics.jsonl");
+  const auto m = read_losses(out);
   ASSERT_EQ(m.size(), 60u);
   EXPECT_EQ(m.front().step, 1);
   EXPECT_EQ(m.back().step, 60);
-  EXPECT_GT(m.front().loss_value, 5.0);  // ~ln(256) at init
-  EXPECT_LT(m.back().loss_value, m.front().loss_value - 2.0) << "loss did not fall";
+  EXPECT_GT(m.front().value, 5.0);  // ~ln(256) at init
+  EXPECT_LT(m.back().value, m.front().value - 2.0) << "loss did not fall";
   EXPECT_TRUE(fs::exists(out + "/config.yaml"));
   std::ifstream in(out + "/metrics.jsonl");
   std::string all((std::istreambuf_iterator<char>(in)), {});
@@ -110,13 +74,13 @@ TEST_F(TrainE2E, ResumeReproducesTheUninterruptedRunBitForBit) {
   r = run(train_cmd(resumed, "--train.max_steps=20 --train.checkpoint_every=10"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-  const auto a = read_metrics(full + "/metrics.jsonl");
-  const auto b = read_metrics(resumed + "/metrics.jsonl");
+  const auto a = read_losses(full);
+  const auto b = read_losses(resumed);
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 10u);
   for (size_t i = 0; i < 10; ++i) {
     EXPECT_EQ(b[i].step, a[10 + i].step);
-    EXPECT_EQ(b[i].loss, a[10 + i].loss) << "step " << b[i].step;
+    EXPECT_EQ(b[i].text, a[10 + i].text) << "step " << b[i].step;
   }
 }
 

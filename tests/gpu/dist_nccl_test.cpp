@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "tests/test_process.h"
 
 namespace {
 
@@ -27,21 +28,9 @@ const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
 constexpr double kRelTol = 1e-2;
 
-int run(const std::string& cmd, std::string* output) {
-  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) output->append(buf, n);
-  const int st = ::pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
 std::vector<double> losses(const std::string& out_dir) {
   std::vector<double> v;
-  std::ifstream in(out_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) v.push_back(std::atof(line.c_str() + line.find("\"loss\":") + 7));
+  for (const auto& l : kiln::testing::read_losses(out_dir)) v.push_back(l.value);
   return v;
 }
 
@@ -51,10 +40,8 @@ class DistNccl : public ::testing::Test {
     if (kiln::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
     dir_ = fs::path(::testing::TempDir()) / ("kiln_nccl_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
-    std::string corpus = "/usr/share/common-licenses/GPL-3";
-    if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
-    std::string out;
-    ASSERT_EQ(run(kBin + "/prepare_data --out " + (dir_ / "data").string() + " " + corpus, &out), 0) << out;
+    const auto r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
+    ASSERT_EQ(r.status, 0) << r.output;
   }
   std::string base(const std::string& name, int micro) const {
     return kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cuda" +
@@ -67,8 +54,8 @@ class DistNccl : public ::testing::Test {
   std::string train(const std::string& name, int nproc, const std::string& strategy) {
     std::string cmd = "NCCL_NVLS_ENABLE=0 " + base(name, 16 / nproc) + " --dist.strategy=" + strategy;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
-    std::string out;
-    EXPECT_EQ(run(cmd, &out), 0) << cmd << "\n" << out;
+    const auto r = kiln::testing::run_command(cmd);
+    EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
     return (dir_ / name).string();
   }
   void expect_close(const std::string& a, const std::string& b) {
@@ -100,8 +87,8 @@ TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
   const std::string cmd = "(CUDA_VISIBLE_DEVICES=1 " + env + common + " --node-rank=1 >" + two +
                           ".node1.log 2>&1 &) ; CUDA_VISIBLE_DEVICES=0 " + env + common +
                           " --node-rank=0";
-  std::string out;
-  ASSERT_EQ(run(cmd, &out), 0) << out;
+  const auto r = kiln::testing::run_command(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
   expect_close(one, two);
 }
 

@@ -37,6 +37,7 @@
 #include "kernels/backend.h"
 #include "kernels/bf16.h"
 #include "model/gpt2.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
@@ -202,25 +203,10 @@ TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
 const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
 
-int run_command(const std::string& cmd, std::string* output) {
-  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) output->append(buf, n);
-  const int st = ::pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-std::vector<double> read_losses(const std::string& path) {
-  std::vector<double> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto l = line.find("\"loss\":");
-    if (l != std::string::npos) out.push_back(std::atof(line.c_str() + l + 7));
-  }
-  return out;
+std::vector<double> read_loss_values(const std::string& out_dir) {
+  std::vector<double> v;
+  for (const auto& l : kiln::testing::read_losses(out_dir)) v.push_back(l.value);
+  return v;
 }
 
 TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
@@ -229,33 +215,25 @@ TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
       fs::path(::testing::TempDir()) / ("kiln_gpu_run_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  std::string corpus = "/usr/share/common-licenses/GPL-3";
-  if (!fs::exists(corpus)) corpus = kSrc + "/README.md";
-  std::string log;
-  ASSERT_EQ(run_command(kBin + "/prepare_data --out " + (dir / "data").string() +
-                            " --val-fraction 0.1 " + corpus,
-                        &log),
-            0)
-      << log;
+  const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
+  ASSERT_EQ(prepared.status, 0) << prepared.output;
 
   constexpr int kSteps = 200;
   auto train = [&](const std::string& device) {
     const std::string out = (dir / device).string();
-    std::string output;
-    const int rc = run_command(
+    const auto r = kiln::testing::run_command(
         kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=" + device +
             " --data.train='" + (dir / "data").string() + "/train_*.bin'" +
             " --model.n_layer=2 --model.n_embd=128 --model.n_head=2 --model.seq_len=64" +
             " --train.batch_size=8 --train.eval_every=0 --train.log_every=50" +
-            " --train.checkpoint_every=0 --train.resume=none --optim.warmup_steps=20" +
-            " --train.max_steps=" + std::to_string(kSteps) + " --train.out_dir=" + out,
-        &output);
-    EXPECT_EQ(rc, 0) << output;
+            " --train.save_checkpoints=false --train.resume=none --optim.warmup_steps=20" +
+            " --train.max_steps=" + std::to_string(kSteps) + " --train.out_dir=" + out);
+    EXPECT_EQ(r.status, 0) << r.output;
     return out;
   };
   const std::string cpu_dir = train("cpu"), gpu_dir = train("cuda");
-  const std::vector<double> cpu = read_losses(cpu_dir + "/metrics.jsonl");
-  const std::vector<double> gpu = read_losses(gpu_dir + "/metrics.jsonl");
+  const std::vector<double> cpu = read_loss_values(cpu_dir);
+  const std::vector<double> gpu = read_loss_values(gpu_dir);
   ASSERT_EQ(cpu.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(gpu.size(), static_cast<size_t>(kSteps));
   std::ifstream summary(gpu_dir + "/summary.json");

@@ -1,0 +1,61 @@
+// Helpers for tests that drive kiln's real binaries: run a command and collect its output and
+// exit status, read the losses a run wrote to metrics.jsonl, and shard a small English corpus.
+#pragma once
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace kiln::testing {
+
+struct CommandResult {
+  int status;          // exit status, or 128 + signal
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult run_command(const std::string& cmd) {
+  CommandResult r{-1, {}};
+  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+struct StepLoss {
+  int step;
+  std::string text;  // as written, to compare bit for bit
+  double value;
+};
+
+// The per-step losses in out_dir/metrics.jsonl, in file order.
+inline std::vector<StepLoss> read_losses(const std::string& out_dir) {
+  std::vector<StepLoss> out;
+  std::ifstream in(out_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto s = line.find("\"step\":"), l = line.find("\"loss\":");
+    if (s == std::string::npos || l == std::string::npos) continue;
+    const std::string text = line.substr(l + 7, line.find(',', l) - l - 7);
+    out.push_back({std::atoi(line.c_str() + s + 7), text, std::atof(text.c_str())});
+  }
+  return out;
+}
+
+// prepare_data on the GPL text every Debian system ships (else this repo's README) into `dir`.
+inline CommandResult prepare_corpus(const std::string& bin_dir, const std::string& source_dir,
+                                    const std::string& dir) {
+  std::string corpus = "/usr/share/common-licenses/GPL-3";
+  if (!std::filesystem::exists(corpus)) corpus = source_dir + "/README.md";
+  return run_command(bin_dir + "/prepare_data --out " + dir + " --val-fraction 0.1 " + corpus);
+}
+
+}  // namespace kiln::testing
