@@ -2,13 +2,7 @@
 // Design choice: one block per row; each thread keeps an ONLINE (max, sum-of-exp) pair over its
 // columns of the bf16 logits, the block combines them, and a second pass overwrites the logits
 // IN PLACE with dloss_scale * (softmax - onehot) in bf16 (padded columns written as exact 0).
-// Full-precision logits or probabilities never exist in memory.
-// Single pass (the common case, Vp % 8 == 0 and a row of at most kMaxSharedRowBytes): the block
-// copies its bf16 row into shared memory while it reduces, then writes dlogits from there, so
-// the logits are read from device memory once: 1 read + 1 write of N x Vp bf16. A 50304-wide row
-// is 98 KiB, two blocks per SM. The two-pass kernel (2 reads + 1 write; the second read hits L2
-// only while the rows in flight fit in it, which at N = 65536 they did not: 2.1 TB/s) is the
-// fallback for other shapes.
+// Full-precision logits or probabilities never exist in memory: 2 reads + 1 write of N x Vp bf16.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -19,64 +13,6 @@ using namespace cuda;
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kMaxSharedRowBytes = 112 * 1024;  // two blocks per SM in 228 KiB
-constexpr int kLoadBatch = 4;                    // 16-byte loads in flight per thread
-
-__device__ inline void online_update(float& m, float& s, float v) {
-  if (v > m) {
-    s = s * expf(m - v) + 1.0f;
-    m = v;
-  } else {
-    s += expf(v - m);
-  }
-}
-
-__global__ void __launch_bounds__(kThreads, 2)
-    softmax_cross_entropy_onepass_kernel(float* losses, bf16* logits, const int* targets, int Vp,
-                                         int V, float dloss_scale) {
-  extern __shared__ Packed128<bf16> row_smem[];
-  __shared__ float shared[32];
-  const int64_t row = blockIdx.x;
-  bf16* x = logits + row * Vp;
-  const int target = targets[row];
-  const int chunks = Vp / 8;
-  float m = -INFINITY, s = 0.0f;
-  for (int c0 = threadIdx.x; c0 < chunks; c0 += kThreads * kLoadBatch) {
-    Packed128<bf16> p[kLoadBatch];
-#pragma unroll
-    for (int b = 0; b < kLoadBatch; ++b) {
-      const int c = c0 + b * kThreads;
-      if (c < chunks) p[b] = load128cs(x + 8 * c);
-    }
-#pragma unroll
-    for (int b = 0; b < kLoadBatch; ++b) {
-      const int c = c0 + b * kThreads;
-      if (c >= chunks) break;
-      row_smem[c] = p[b];
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (8 * c + k < V) online_update(m, s, to_float(p[b][k]));
-    }
-  }
-  const float row_max = block_max(m, shared);  // its barriers also publish row_smem
-  s = (m == -INFINITY) ? 0.0f : s * expf(m - row_max);
-  const float lse = row_max + logf(block_sum(s, shared));
-  if (threadIdx.x == 0) {
-    const bf16* srow = reinterpret_cast<const bf16*>(row_smem);
-    losses[row] = lse - to_float(srow[target]);
-  }
-  for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    Packed128<bf16> p = row_smem[c];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int col = 8 * c + k;
-      float d = 0.0f;
-      if (col < V) d = dloss_scale * (expf(to_float(p[k]) - lse) - (col == target ? 1.0f : 0.0f));
-      p[k] = __float2bfloat16_rn(d);
-    }
-    store128(x + 8 * c, p);
-  }
-}
 
 template <int kVec>
 __global__ void softmax_cross_entropy_kernel(float* losses, bf16* logits, const int* targets,
@@ -151,17 +87,7 @@ void CudaBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor tar
                                 std::to_string(vocab_size) + " outside (0, " +
                                 std::to_string(Vp) + "]");
   if (N == 0) return;
-  const size_t row_bytes = static_cast<size_t>(Vp) * sizeof(bf16);
-  if (write_dlogits && Vp % 8 == 0 && aligned(logits.data, 16) &&
-      row_bytes <= static_cast<size_t>(kMaxSharedRowBytes)) {
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(softmax_cross_entropy_onepass_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kMaxSharedRowBytes));
-    softmax_cross_entropy_onepass_kernel<<<static_cast<unsigned>(N), kThreads, row_bytes,
-                                           stream_>>>(losses.ptr<float>(), logits.ptr<bf16>(),
-                                                      targets.ptr<int>(), Vp, vocab_size,
-                                                      dloss_scale);
-  } else if (Vp % 8 == 0 && aligned(logits.data, 16))
+  if (Vp % 8 == 0 && aligned(logits.data, 16))
     softmax_cross_entropy_kernel<8><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
         losses.ptr<float>(), logits.ptr<bf16>(), targets.ptr<int>(), Vp, vocab_size,
         dloss_scale, write_dlogits);
