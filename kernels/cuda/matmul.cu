@@ -7,26 +7,12 @@
 //    inp_pre_gelu). dweight is a bf16 x bf16 -> f32 GEMM with beta = 1, accumulating straight
 //    into the f32 gradient. dbias is NOT cuBLASLt's BGRADB epilogue: that overwrites, and the
 //    interface accumulates, so a deterministic column-sum kernel adds into the f32 bias grad.
-//  - Descriptors, layouts and the algorithm are built once per (shape, transposes, epilogue,
-//    dtypes, pointer alignment) and cached; per call only the pointers are set.
-//  - The algorithm is chosen by TIMING, not by taking the heuristic's first answer: the first
-//    call of a shape asks the heuristic for up to kTunedCandidates algorithms, runs each on the
-//    call's real operands (beta = 0 outputs in place, since the real call overwrites them; the
-//    beta = 1 dweight GEMM into a temporary buffer, so the gradient is not touched) and keeps
-//    the fastest. The heuristic's first answer is kept unless another is >2% faster. On
-//    H200 the first answer was 10-30% slow for the DGELU/GELU epilogues and the small-output
-//    dweight GEMMs (docs/PERF.md). Each algorithm is deterministic; which one wins can differ
-//    between processes (timing noise), so bit-identical results across runs need
-//    KILN_GEMM_AUTOTUNE=0 (heuristic first answer, as before). Tuning is skipped (with the
-//    first answer) while the stream is being captured into a CUDA graph.
+//  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
+//    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <tuple>
-#include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -105,86 +91,8 @@ const char* epilogue_name(cublasLtEpilogue_t e) {
   }
 }
 
-constexpr int kTunedCandidates = 16;
-
-bool autotune_enabled() {
-  const char* v = std::getenv("KILN_GEMM_AUTOTUNE");
-  return !(v && std::strcmp(v, "0") == 0);
-}
-
-void set_pointers(const GemmPlan& plan, const GemmArgs& g) {
-  if (g.bias)
-    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
-        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias));
-  if (g.aux)
-    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
-        plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux));
-}
-
-// Times each heuristic candidate (1 warm-up + kTimedRuns runs, median) and stores the fastest in
-// plan.algo. Leaves plan.algo (the heuristic's first answer) when anything stands in the way:
-// the stream is capturing, the temporary output cannot be allocated, a candidate fails.
-void tune_algorithm(GemmPlan& plan, cublasLtHandle_t handle, const GemmArgs& g,
-                    const cublasLtMatmulHeuristicResult_t* results, int found, void* workspace,
-                    size_t workspace_bytes, cudaStream_t stream) {
-  constexpr int kTimedRuns = 5;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  KILN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;
-  // beta != 0 accumulates into D: time into a temporary copy-sized buffer instead.
-  void* d = g.D;
-  void* temp = nullptr;
-  if (g.beta != 0.0f) {
-    const size_t bytes = static_cast<size_t>(g.m) * g.n * (g.d_type == CUDA_R_32F ? 4 : 2);
-    if (cudaMalloc(&temp, bytes) != cudaSuccess) {
-      cudaGetLastError();
-      spdlog::info("cuda matmul: no memory to tune m={} n={} k={}; heuristic algorithm kept",
-                   g.m, g.n, g.k);
-      return;
-    }
-    d = temp;
-  }
-  set_pointers(plan, g);
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  const float alpha = 1.0f;
-  std::vector<float> best_ms(found, -1.0f);
-  for (int i = 0; i < found; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    bool ok = true;
-    float times[kTimedRuns];
-    for (int r = -1; r < kTimedRuns && ok; ++r) {
-      KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-      ok = cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta, d,
-                          plan.c, d, plan.c, &results[i].algo, workspace, workspace_bytes,
-                          stream) == CUBLAS_STATUS_SUCCESS;
-      KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-      KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-      if (ok && r >= 0) KILN_CUDA_CHECK(cudaEventElapsedTime(&times[r], start, stop));
-    }
-    if (!ok) continue;
-    std::sort(times, times + kTimedRuns);
-    best_ms[i] = times[kTimedRuns / 2];
-  }
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  if (temp) KILN_CUDA_CHECK(cudaFree(temp));
-  int best = 0;
-  for (int i = 1; i < found; ++i)
-    if (best_ms[i] > 0.0f && (best_ms[0] <= 0.0f || best_ms[i] < 0.98f * best_ms[0]) &&
-        (best == 0 || best_ms[i] < best_ms[best]))
-      best = i;
-  if (best_ms[best] <= 0.0f) return;  // not even the first answer ran: keep it, the call throws
-  plan.algo = results[best].algo;
-  spdlog::info("cuda matmul: m={} n={} k={} epilogue={}: algorithm {} of {} ({:.3f} ms; "
-               "heuristic's first {:.3f} ms)",
-               g.m, g.n, g.k, epilogue_name(g.epilogue), best + 1, found, best_ms[best],
-               best_ms[0]);
-}
-
 const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
-                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                         size_t workspace_bytes) {
   GemmKey key{g.m,
               g.n,
               g.k,
@@ -237,11 +145,10 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
   KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t results[kTunedCandidates];
+  cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.c,
-                                                     plan.c, pref, kTunedCandidates, results,
-                                                     &found);
+                                                     plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatrixLayoutDestroy(plan.a);
@@ -256,9 +163,7 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
         std::to_string(key.align_b) + "/" + std::to_string(key.align_c) + " (" +
         cublasLtGetStatusString(st) + ")");
   }
-  plan.algo = results[0].algo;
-  if (found > 1 && autotune_enabled()) tune_algorithm(plan, handle, g, results, found,
-                                                      workspace, workspace_bytes, stream);
+  plan.algo = result.algo;
   spdlog::debug("cuda matmul: plan m={} n={} k={} epilogue={}", g.m, g.n, g.k,
                 epilogue_name(g.epilogue));
   return cache.plans.emplace(key, plan).first->second;
@@ -266,8 +171,13 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
 
 void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t workspace_bytes,
           cudaStream_t stream, const GemmArgs& g) {
-  const GemmPlan& plan = get_plan(cache, handle, g, workspace, workspace_bytes, stream);
-  set_pointers(plan, g);
+  const GemmPlan& plan = get_plan(cache, handle, g, workspace_bytes);
+  if (g.bias)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias));
+  if (g.aux)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux));
   const float alpha = 1.0f;
   KILN_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta,
                                    g.D, plan.c, g.D, plan.c, &plan.algo, workspace,
