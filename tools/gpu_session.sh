@@ -6,8 +6,7 @@
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
 # Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests), SKIP_TORCH=1 (no PyTorch reference),
-# KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a kiln/PyTorch/kiln order),
-# GEMM_AB=1 (also profile 124M with KILN_GEMM_AUTOTUNE=0: cuBLASLt's first heuristic answer).
+# KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a kiln/PyTorch/kiln order).
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
 # (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
@@ -91,12 +90,6 @@ stage "kiln bench GPT-2 350M (B=32) with per-op profile"
 timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
   --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m.json" --profile-ops
 
-if [ "${GEMM_AB:-0}" = 1 ]; then
-  stage "kiln bench GPT-2 124M with KILN_GEMM_AUTOTUNE=0 (heuristic's first algorithm)"
-  KILN_GEMM_AUTOTUNE=0 timeout 240 ./build/bin/bench configs/gpt2-124m.yaml --train.grad_accum=1 \
-    --train.log_every=5 --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_124m_noat.json" \
-    --profile-ops
-fi
 [ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""
 if [ -n "$TORCH_REF" ]; then
   stage "PyTorch reference 124M (timed)"
@@ -139,12 +132,6 @@ if k and k.get("profile"):
     p = k["profile"]
     print(f"\n124M per-op GPU time (top 12 of {len(p['ops'])}; ops {p['ops_ms']:.2f} ms, span {p['span_ms']:.2f} ms, host {p['host_ms']:.2f} ms per step)")
     for r in p["ops"][:12]:
-        print(f"  {r['op']:<44} {r['calls']:>6.1f} {r['ms']:>9.3f} ms {r['pct']:>5.1f}%")
-k = load("bench_124m_noat.json")
-if k and k.get("profile"):
-    p = k["profile"]
-    print(f"\n124M with KILN_GEMM_AUTOTUNE=0: {k['tok_s']:.0f} tok/s {k['ms']:.2f} ms; ops {p['ops_ms']:.2f} ms")
-    for r in p["ops"][:10]:
         print(f"  {r['op']:<44} {r['calls']:>6.1f} {r['ms']:>9.3f} ms {r['pct']:>5.1f}%")
 EOF
 stage "done"
