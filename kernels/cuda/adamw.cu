@@ -164,8 +164,7 @@ void CudaBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, 
                     aligned(v.data, 16) && (!working.defined() || aligned(working.data, 8));
   if (vec4 && n >= 4) {
     const int64_t n4 = n / 4;
-    const int blocks4 =
-        static_cast<int>(std::min<int64_t>(ceil_div(n4, threads), sm_count_ * 8));
+    const int blocks4 = static_cast<int>(std::min<int64_t>(ceil_div(n4, threads), sm_count_ * 8));
     if (working.defined())
       adamw_vec4_kernel<true><<<blocks4, threads, 0, stream_>>>(
           master.ptr<float>(), grads.ptr<float>(), m.ptr<float>(), v.ptr<float>(),
@@ -173,8 +172,8 @@ void CudaBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, 
           hyper.beta2, hyper.eps, hyper.weight_decay);
     else
       adamw_vec4_kernel<false><<<blocks4, threads, 0, stream_>>>(
-          master.ptr<float>(), grads.ptr<float>(), m.ptr<float>(), v.ptr<float>(), nullptr,
-          spans, nspans, offset, n4, sched.ptr<float>(), hyper.beta1, hyper.beta2, hyper.eps,
+          master.ptr<float>(), grads.ptr<float>(), m.ptr<float>(), v.ptr<float>(), nullptr, spans,
+          nspans, offset, n4, sched.ptr<float>(), hyper.beta1, hyper.beta2, hyper.eps,
           hyper.weight_decay);
     KILN_CUDA_LAUNCH_CHECK();
     const int64_t done = 4 * n4;

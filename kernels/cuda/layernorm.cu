@@ -181,9 +181,9 @@ constexpr int kFusedBackwardWarps = 8;
 // sums (kept there, not in registers, so two blocks fit per SM).
 template <int kIters>
 __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
-    layernorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout,
-                                    const bf16* inp, const bf16* weight, const float* mean,
-                                    const float* rstd, int64_t N, int64_t rows_per_block) {
+    layernorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
+                                    const bf16* weight, const float* mean, const float* rstd,
+                                    int64_t N, int64_t rows_per_block) {
   constexpr int C = kIters * 256;
   extern __shared__ float4 fused_smem[];
   float* sums = reinterpret_cast<float*>(fused_smem);
@@ -359,10 +359,18 @@ void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
 
   if (C % 256 == 0 && C <= 1024 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data})) {
     switch (C / 256) {
-      case 1: layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N); return;
-      case 2: layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N); return;
-      case 3: layernorm_backward_fused<3>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N); return;
-      case 4: layernorm_backward_fused<4>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N); return;
+      case 1:
+        layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 2:
+        layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 3:
+        layernorm_backward_fused<3>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 4:
+        layernorm_backward_fused<4>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
     }
   }
 

@@ -441,8 +441,7 @@ TEST_P(CudaSoftmaxCE, LossAndGradInPlace) {
 
 INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCE,
                          ::testing::Values(std::make_pair(1000, 1024), std::make_pair(333, 333),
-                                           std::make_pair(250, 259),
-                                           std::make_pair(50257, 50304)));
+                                           std::make_pair(250, 259), std::make_pair(50257, 50304)));
 
 // ---- reductions and optimizer -------------------------------------------------------------
 
