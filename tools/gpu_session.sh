@@ -5,6 +5,8 @@
 # bench_{124m,350m}.json, torch_{124m,350m}.json, torch_warm.log.
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests), SKIP_TORCH=1 (no PyTorch reference),
+# KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a kiln/PyTorch/kiln order).
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
 # (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
@@ -69,11 +71,13 @@ if [ "$build_ok" != 1 ]; then
   echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1
 fi
 
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
 stage "GPU tests"
 timeout 300 ./build/bin/kiln_gpu_tests > "$OUT/gpu_tests.log" 2>&1
 echo "kiln_gpu_tests exit status $?"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran" "$OUT/gpu_tests.log" | head -40
 grep -A40 "CudaTrainStep\.\|CudaTrainRun\." "$OUT/gpu_tests.log" | grep -E "^\s+(loss|grad norm|worst|step|cuda:|seed)" | head -30
+fi
 
 # Checkpoints the trainer writes at the end of each bench run go to a temp dir: RAM if it has room.
 if [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 20000000 ] 2>/dev/null; then
@@ -86,6 +90,7 @@ stage "kiln bench GPT-2 350M (B=32) with per-op profile"
 timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
   --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m.json" --profile-ops
 
+[ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""
 if [ -n "$TORCH_REF" ]; then
   stage "PyTorch reference 124M (timed)"
   timeout 300 python3 "$TORCH_REF" "${TORCH_124M[@]}" --steps "$STEPS" --warmup 8 |
@@ -93,6 +98,15 @@ if [ -n "$TORCH_REF" ]; then
   stage "PyTorch reference 350M (timed)"
   timeout 300 python3 "$TORCH_REF" "${TORCH_350M[@]}" --steps "$STEPS" --warmup 8 |
     tee /dev/stderr | tail -1 > "$OUT/torch_350m.json"
+fi
+
+if [ "${KILN_AGAIN:-0}" = 1 ]; then
+  stage "kiln bench GPT-2 124M again (after PyTorch)"
+  timeout 240 ./build/bin/bench configs/gpt2-124m.yaml --train.grad_accum=1 --train.log_every=5 \
+    --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_124m_again.json"
+  stage "kiln bench GPT-2 350M again (after PyTorch)"
+  timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
+    --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m_again.json"
 fi
 
 stage "summary"
@@ -107,6 +121,9 @@ def load(name):
 print(f"{'model':<6} {'system':<8} {'tok/s':>9} {'ms/step':>8} {'MFU %':>6}  notes")
 for m in ("124m", "350m"):
     k, t = load(f"bench_{m}.json"), load(f"torch_{m}.json")
+    k2 = load(f"bench_{m}_again.json")
+    if k2: print(f"{m:<6} {'kiln2':<8} {k2['tok_s']:>9.0f} {k2['ms']:>8.2f} {k2['mfu']:>6.1f}  (after PyTorch)")
+    if k2 and t: print(f"{m:<6} {'ratio2':<8} {k2['tok_s'] / t['tok_s']:>9.3f}")
     if k: print(f"{m:<6} {'kiln':<8} {k['tok_s']:>9.0f} {k['ms']:>8.2f} {k['mfu']:>6.1f}  B={k['batch_size']} attn={k['attention']} commit={k['commit']} {k['device']}")
     if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu']:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
     if k and t: print(f"{m:<6} {'ratio':<8} {k['tok_s'] / t['tok_s']:>9.3f}  (kiln / PyTorch tokens/s; goal >= 1.15)")

@@ -106,6 +106,10 @@ class CudaBackend final : public Backend {
   void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, int n_head);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 int n_head);
+  // layernorm_backward in one pass for C == kIters * 256 (layernorm.cu).
+  template <int kIters>
+  void layernorm_backward_fused(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                Tensor weight, Tensor mean, Tensor rstd, int64_t N);
   // Sum (or sum of squares) of x into out[0], deterministic two-pass.
   void reduce(Tensor out, Tensor x, bool squares, bool accumulate, const char* what);
 

@@ -5,6 +5,11 @@
 // row, accumulated into the residual-stream gradient). dweight/dbias are column sums over all
 // rows: each block writes per-row-chunk partials to scratch, a second kernel adds the partials
 // in fixed order into the f32 grads. Same input -> bit-identical grads, every run.
+// For C = 256, 512, 768, 1024 (16-byte aligned) backward is ONE pass over dout/inp/dinp: a
+// persistent grid, one warp per row, each warp keeping its running dweight/dbias column sums in
+// shared memory across its rows; a block adds its warps' sums in warp order, writes one partial,
+// and the final kernel adds the partials in block order. The two-pass path below (dinp kernel,
+// then a partials kernel re-reading dout and inp) remains for other widths.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -169,6 +174,91 @@ __global__ void layernorm_dparams_final_kernel(float* dweight, float* dbias,
   dbias[c] += db;
 }
 
+constexpr int kFusedBackwardWarps = 8;
+
+// C == kIters * 256: lane `l` of a warp owns columns (i * 32 + l) * 8 + [0, 8) for i < kIters.
+// Dynamic shared memory: f32 [kFusedBackwardWarps][2][C], each warp's running dweight/dbias
+// sums (kept there, not in registers, so two blocks fit per SM).
+template <int kIters>
+__global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
+    layernorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
+                                    const bf16* weight, const float* mean, const float* rstd,
+                                    int64_t N, int64_t rows_per_block) {
+  constexpr int C = kIters * 256;
+  extern __shared__ float4 fused_smem[];
+  float* sums = reinterpret_cast<float*>(fused_smem);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float* my_dw = sums + warp * 2 * C;
+  float* my_db = my_dw + C;
+  for (int c = lane * 4; c < 2 * C; c += 32 * 4)
+    *reinterpret_cast<float4*>(my_dw + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  __syncwarp();
+  const int64_t r0 = blockIdx.x * rows_per_block;
+  const int64_t r1 = min(N, r0 + rows_per_block);
+  for (int64_t row = r0 + warp; row < r1; row += kFusedBackwardWarps) {
+    const bf16* dy = dout + row * C;
+    const bf16* x = inp + row * C;
+    bf16* dx = dinp + row * C;
+    Packed128<bf16> g[kIters], v[kIters], d[kIters];
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = (i * 32 + lane) * 8;
+      g[i] = load128cs(dy + c);
+      v[i] = load128cs(x + c);
+      d[i] = load128(dx + c);
+    }
+    const float mu = mean[row], rs = rstd[row];
+    float sum_dnorm = 0.0f, sum_dnorm_xhat = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = (i * 32 + lane) * 8;
+      const Packed128<bf16> w = load128(weight + c);
+      float dw[8], db[8];
+      *reinterpret_cast<float4*>(dw) = *reinterpret_cast<float4*>(my_dw + c);
+      *reinterpret_cast<float4*>(dw + 4) = *reinterpret_cast<float4*>(my_dw + c + 4);
+      *reinterpret_cast<float4*>(db) = *reinterpret_cast<float4*>(my_db + c);
+      *reinterpret_cast<float4*>(db + 4) = *reinterpret_cast<float4*>(my_db + c + 4);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float gk = to_float(g[i][k]);
+        const float xhat = (to_float(v[i][k]) - mu) * rs;
+        const float dnorm = gk * to_float(w[k]);
+        sum_dnorm += dnorm;
+        sum_dnorm_xhat += dnorm * xhat;
+        dw[k] += gk * xhat;
+        db[k] += gk;
+      }
+      *reinterpret_cast<float4*>(my_dw + c) = *reinterpret_cast<float4*>(dw);
+      *reinterpret_cast<float4*>(my_dw + c + 4) = *reinterpret_cast<float4*>(dw + 4);
+      *reinterpret_cast<float4*>(my_db + c) = *reinterpret_cast<float4*>(db);
+      *reinterpret_cast<float4*>(my_db + c + 4) = *reinterpret_cast<float4*>(db + 4);
+    }
+    const float mean_dnorm = warp_sum(sum_dnorm) / C;
+    const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const Packed128<bf16> w = load128(weight + (i * 32 + lane) * 8);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float xhat = (to_float(v[i][k]) - mu) * rs;
+        const float dnorm = to_float(g[i][k]) * to_float(w[k]);
+        d[i][k] = __float2bfloat16_rn(to_float(d[i][k]) +
+                                      (dnorm - mean_dnorm - xhat * mean_dnorm_xhat) * rs);
+      }
+      store128(dx + (i * 32 + lane) * 8, d[i]);
+    }
+  }
+  __syncthreads();
+  // The block's partial: the warps' sums added in warp order.
+  float* out = partials + blockIdx.x * static_cast<int64_t>(2 * C);
+  for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+    float t = sums[c];
+#pragma unroll
+    for (int w = 1; w < kFusedBackwardWarps; ++w) t += sums[w * 2 * C + c];
+    out[c] = t;
+  }
+}
+
 bool vec8_ok(int C, std::initializer_list<const void*> ptrs) {
   if (C % 8 != 0) return false;
   for (const void* p : ptrs)
@@ -265,6 +355,24 @@ void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   expect_numel(weight, C, op, "weight");
   expect_numel(dweight, C, op, "dweight");
   expect_numel(dbias, C, op, "dbias");
+  if (N == 0) return;
+
+  if (C % 256 == 0 && C <= 1024 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data})) {
+    switch (C / 256) {
+      case 1:
+        layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 2:
+        layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 3:
+        layernorm_backward_fused<3>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+      case 4:
+        layernorm_backward_fused<4>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
+        return;
+    }
+  }
 
   const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
   const int64_t rows_per_chunk = ceil_div(N, chunks);
@@ -290,6 +398,34 @@ void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
     layernorm_dinp_kernel<1><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
         dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
         mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <int kIters>
+void CudaBackend::layernorm_backward_fused(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                           Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                           int64_t N) {
+  constexpr int C = kIters * 256;
+  const int threads = 32 * kFusedBackwardWarps;
+  const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * 2 * C * sizeof(float);
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_fused_kernel<kIters>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  int per_sm = 0;
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, layernorm_backward_fused_kernel<kIters>, threads, smem));
+  // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
+  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count_;
+  const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
+  const int blocks = static_cast<int>(ceil_div(N, rows_per_block));
+  float* partials =
+      static_cast<float*>(scratch(static_cast<size_t>(blocks) * 2 * C * sizeof(float)));
+  layernorm_backward_fused_kernel<kIters><<<blocks, threads, smem, stream_>>>(
+      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
+      mean.ptr<float>(), rstd.ptr<float>(), N, rows_per_block);
+  KILN_CUDA_LAUNCH_CHECK();
+  layernorm_dparams_final_kernel<<<ceil_div(C, 128), 128, 0, stream_>>>(
+      dweight.ptr<float>(), dbias.ptr<float>(), partials, blocks, C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -239,7 +239,8 @@ TEST_F(CudaOps, Encoder) {
 class CudaLayerNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
 
 TEST_P(CudaLayerNorm, ForwardBackward) {
-  const int N = 96, C = GetParam();  // 768: 16-byte path; 100: scalar path
+  // 768, 1024: one-pass backward (several rows per warp at N = 2500); 100: scalar path
+  const int N = 2500, C = GetParam();
   std::vector<float> x = rand(N * C, 2.0f), w = rand(C), b = rand(C);
   for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));  // a nonzero mean, still bf16-exact
   Buf cx = cpu({N, C}, x), cw = cpu({C}, w), cb = cpu({C}, b);
@@ -295,7 +296,7 @@ TEST_P(CudaLayerNorm, ResidualForward) {
   EXPECT_CLOSE(host(gr), host(cr), kBf16Tol, "residual layernorm rstd");
 }
 
-INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 100));
+INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 1024, 100));
 
 // ---- matmul -------------------------------------------------------------------------------
 
@@ -440,7 +441,7 @@ TEST_P(CudaSoftmaxCE, LossAndGradInPlace) {
 
 INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCE,
                          ::testing::Values(std::make_pair(1000, 1024), std::make_pair(333, 333),
-                                           std::make_pair(250, 259)));
+                                           std::make_pair(250, 259), std::make_pair(50257, 50304)));
 
 // ---- reductions and optimizer -------------------------------------------------------------
 
@@ -486,7 +487,7 @@ TEST_F(CudaOps, ScheduleClipScale) {
 }
 
 TEST_F(CudaOps, AdamW) {
-  const int64_t n = 20000, offset = 1000;
+  const int64_t n = 20003, offset = 1000;  // 16-byte path and a 3-element tail
   std::vector<int64_t> spans = {0, 1500, 3000, 5000, 9000, 9001, 15000, 40000};
   std::vector<float> master = rand(n), grads = rand(n, 0.1f), m = rand(n, 0.01f), v = rand(n, 0.001f);
   for (auto& x : v) x = std::abs(x);
