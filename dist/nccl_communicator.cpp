@@ -33,7 +33,12 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(ncclComm_t comm, cudaStream_t compute, int rank, int world, int device)
       : comm_(comm), compute_(compute), rank_(rank), world_(world), device_(device) {
     cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
-    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    // Highest priority: NCCL's blocks get SMs as soon as compute blocks retire, so collectives
+    // overlapped with backward are not starved by it.
+    int lowest = 0, highest = 0;
+    if (err == cudaSuccess) err = cudaDeviceGetStreamPriorityRange(&lowest, &highest);
+    if (err == cudaSuccess)
+      err = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
     if (err != cudaSuccess) release();  // the destructor will not run

@@ -19,7 +19,7 @@ cmake --build build -j "$(nproc)" >"$OUT/build.log" 2>&1 ||
 echo "== NCCL tests: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/nccl_tests.log" | tr '\n' ' ')"
 grep -E "Failure|FAILED|error" "$OUT/nccl_tests.log" | head -20
 
-for n in 2 "$NGPU"; do
+[ -n "${SKIP_COMM_BENCH:-}" ] || for n in 2 "$NGPU"; do
   ./build/bin/comm_bench --backend nccl --nproc-per-node "$n" --min-bytes 1M --max-bytes 1G \
     >"$OUT/comm_bench_$n.log" 2>&1
   echo "== comm_bench nccl, $n GPUs"; grep -vE "^\[" "$OUT/comm_bench_$n.log" | tail -14
@@ -46,7 +46,7 @@ run_scaling() {  # strategy ngpu
     { echo "scale $s x$n failed:"; tail -5 "$OUT/scale_${s}_${n}.log"; }
 }
 run_scaling ddp 1
-for s in ddp zero1 fsdp; do
+for s in ${STRATEGIES:-ddp zero1 fsdp}; do
   for n in 2 4 8; do [ "$n" -le "$NGPU" ] && run_scaling "$s" "$n"; done
 done
 python3 - "$STEPS" <<'PY' | tee "$OUT/scaling.md"
