@@ -3,6 +3,7 @@
 // losses bit for bit, and every kind of bad input exits with status 2 and a one-line error.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -99,6 +100,24 @@ TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("checksum"), std::string::npos) << r.output;
   EXPECT_EQ(fs::file_size(out + "/metrics.jsonl"), size_before);
+}
+
+TEST_F(TrainE2E, AFreshRunSetsTheEarlierRunAsideInsteadOfMixingWithIt) {
+  const std::string out = (dir_ / "run_reused").string();
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=8 --train.checkpoint_every=4 --train.keep_checkpoints=5")).status, 0);
+  // A model of another shape found by resume=auto: a clear error that says how to start afresh.
+  Result r = run(train_cmd(out, "--train.max_steps=8 --model.n_embd=32"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--train.resume=none"), std::string::npos) << r.output;
+  // Starting afresh keeps the earlier run's files, moved aside, and its checkpoints out of ours.
+  r = run(train_cmd(out, "--train.max_steps=2 --train.resume=none --train.keep_checkpoints=1"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(out + "/checkpoints.prev/step_00000008/manifest.yaml"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoints.prev/step_00000004/manifest.yaml"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoints/step_00000002/manifest.yaml"));
+  std::ifstream prev(out + "/metrics.jsonl.prev");
+  EXPECT_EQ(std::count(std::istreambuf_iterator<char>(prev), {}, '\n'), 8);
+  EXPECT_EQ(read_losses(out).size(), 2u);
 }
 
 // Each bad input: exit status 2, and an error line that names the cause.

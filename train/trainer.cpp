@@ -264,6 +264,15 @@ void Trainer::write_summary() const {
       << "\"}\n";
 }
 
+// Renames `path` to the first free `path.prev`, `path.prev2`, ... if it exists.
+void set_aside(const std::string& path) {
+  if (!fs::exists(path)) return;
+  std::string dest = path + ".prev";
+  for (int i = 2; fs::exists(dest); ++i) dest = path + ".prev" + std::to_string(i);
+  fs::rename(path, dest);
+  spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
+}
+
 // On resume, drop metrics lines past the checkpoint's step so the log reads as one run.
 void truncate_metrics(const std::string& path, int last_step) {
   std::ifstream in(path);
@@ -298,13 +307,28 @@ int Trainer::run() {
   std::optional<std::string> ckpt;
   if (t.resume == "auto") ckpt = find_latest_checkpoint(t.out_dir);
   else if (t.resume != "none") ckpt = t.resume;
-  if (ckpt) resume_from(*ckpt);
-  else init_parameters();
+  if (ckpt) {
+    try {
+      resume_from(*ckpt);
+    } catch (const InputError& e) {
+      if (t.resume != "auto") throw;
+      throw InputError(std::string(e.what()) + " (found by train.resume=auto in " + t.out_dir +
+                       "; pass --train.resume=none to start afresh, or another train.out_dir)");
+    }
+  } else {
+    init_parameters();
+  }
 
   const std::string metrics_path = t.out_dir + "/metrics.jsonl";
   if (is_main()) {
-    if (ckpt) truncate_metrics(metrics_path, start_step_);
-    else if (fs::exists(metrics_path)) fs::rename(metrics_path, metrics_path + ".prev");
+    if (ckpt) {
+      truncate_metrics(metrics_path, start_step_);
+    } else {
+      // A fresh run in a used out_dir: keep what an earlier run wrote, out of this run's way
+      // (its checkpoints would otherwise look newer than ours to pruning and to resume).
+      set_aside(metrics_path);
+      set_aside(t.out_dir + "/checkpoints");
+    }
     metrics_ = std::make_unique<MetricsLog>(metrics_path);
   }
   // Invariant 6: an optimization that cannot run says so and falls back.
