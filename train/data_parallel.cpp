@@ -149,6 +149,14 @@ void DataParallel::zero_grads() {
   ddp_pending_end_ = model_.layout().total;
 }
 
+// After the master weights change outside an optimizer step: the working copies follow.
+void DataParallel::refresh_working() {
+  if (working_shard_.defined()) backend_.copy(working_shard_, master_);
+  if (!sharded() && working_.data != master_.data) backend_.copy(working_, master_);
+  if (plan_.strategy == "zero1") gather_working();
+  std::fill(std::begin(held_), std::end(held_), -1);
+}
+
 void DataParallel::load_parameters(const std::vector<float>& host_params) {
   std::vector<float> shard(static_cast<size_t>(plan_.shard_size), 0.0f);
   for (const auto& o : plan_.owned)
@@ -156,10 +164,7 @@ void DataParallel::load_parameters(const std::vector<float>& host_params) {
   backend_.copy_from_host(master_, shard.data());
   backend_.fill_zero(m_);
   backend_.fill_zero(v_);
-  if (working_shard_.defined()) backend_.copy(working_shard_, master_);
-  if (!sharded() && working_.data != master_.data) backend_.copy(working_, master_);
-  if (plan_.strategy == "zero1") gather_working();
-  std::fill(std::begin(held_), std::end(held_), -1);
+  refresh_working();
 }
 
 void DataParallel::load_checkpoint(const CheckpointManifest& manifest) {
@@ -171,10 +176,7 @@ void DataParallel::load_checkpoint(const CheckpointManifest& manifest) {
     backend_.copy_from_host(m_.slice(o.local, {n}), m.data());
     backend_.copy_from_host(v_.slice(o.local, {n}), v.data());
   }
-  if (working_shard_.defined()) backend_.copy(working_shard_, master_);
-  if (!sharded() && working_.data != master_.data) backend_.copy(working_, master_);
-  if (plan_.strategy == "zero1") gather_working();
-  std::fill(std::begin(held_), std::end(held_), -1);
+  refresh_working();
 }
 
 DataParallel::HostShards DataParallel::checkpoint_shards() {

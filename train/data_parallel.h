@@ -64,6 +64,7 @@ class DataParallel {
   void all_gather(Tensor out, Tensor in);
   void reduce_scatter(Tensor out, Tensor in);
   void gather_working();          // zero1: every chunk -> full working params
+  void refresh_working();         // working copies from the master weights
   void gather_unit(int unit);     // fsdp
   void scatter_unit_grads(int unit);
   void bind_units();              // fsdp: point the model at the current gather buffers

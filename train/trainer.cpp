@@ -66,8 +66,7 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
 class Trainer {
  public:
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm)
-      : cfg_(cfg), rank_(rank), backend_(make_backend(cfg, rank)),
-        mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
+      : cfg_(cfg), rank_(rank), backend_(make_backend(cfg, rank)), mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
@@ -111,9 +110,10 @@ class Trainer {
 
   const Config& cfg_;
   RankInfo rank_;
+  std::unique_ptr<Backend> backend_;
+  // Declared after the backend so it is destroyed first (NCCL works on the backend's device).
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
-  std::unique_ptr<Backend> backend_;
   ModelConfig mcfg_;
   Gpt2 model_;
   Arena state_arena_, acts_arena_;
