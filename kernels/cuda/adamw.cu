@@ -15,19 +15,6 @@ using namespace cuda;
 
 namespace {
 
-__device__ inline bool in_decay_span(const int64_t* spans, int64_t nspans, int64_t g) {
-  // Largest span with begin <= g, then check g < end.
-  int64_t lo = 0, hi = nspans;  // first span with begin > g is in [lo, hi]
-  while (lo < hi) {
-    int64_t mid = (lo + hi) / 2;
-    if (spans[2 * mid] <= g)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo > 0 && g < spans[2 * (lo - 1) + 1];
-}
-
 // Decay status of global index g, and the first index after g where it may change.
 __device__ inline bool decay_run(const int64_t* spans, int64_t nspans, int64_t g, int64_t* end) {
   int64_t lo = 0, hi = nspans;
@@ -113,17 +100,14 @@ __global__ void adamw_kernel(float* master, const float* grads, float* m, float*
   const float bc2 = 1.0f - powf(beta2, step);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = grads[i] * clip;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    int64_t run_end = 0;
+    const float wd = decay_run(spans, nspans, offset + i, &run_end) ? weight_decay : 0.0f;
+    float p = master[i], mi = m[i], vi = v[i];
+    const float updated =
+        adamw_element(p, mi, vi, grads[i] * clip, beta1, beta2, bc1, bc2, lr, eps, wd);
+    master[i] = updated;
     m[i] = mi;
     v[i] = vi;
-    const float mhat = mi / bc1;
-    const float vhat = vi / bc2;
-    const float wd = in_decay_span(spans, nspans, offset + i) ? weight_decay : 0.0f;
-    const float p = master[i];
-    const float updated = p - lr * (mhat / (sqrtf(vhat) + eps) + wd * p);
-    master[i] = updated;
     if (kWorking) working[i] = __float2bfloat16_rn(updated);
   }
 }
