@@ -9,10 +9,9 @@
 //   bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]
 //         [--profile-ops [--profile-steps N]]
 //
-// --profile-ops (CUDA): afterwards, builds the same model on an OpTimer (kernels/cuda/op_timer.h)
-// and times every op of N steps with CUDA events: a per-op table of GPU time per step. This
-// replays Trainer::train_step's op sequence (see profile_ops below), because the trainer builds
-// its own backend; keep the two in step.
+// --profile-ops (CUDA): afterwards, trains N more steps with the trainer's backend wrapped in an
+// OpTimer (kernels/cuda/op_timer.h, through TrainObserver) and times every op with CUDA events:
+// a per-op table of GPU time per step of the real training step.
 //
 // The run directory (train.out_dir) is a temp dir removed at exit; no checkpoint is written.
 #include <fmt/format.h>
@@ -32,12 +31,10 @@
 #include <vector>
 
 #include "data/shard.h"
-#include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "kernels/error.h"
 #include "model/gpt2.h"
 #include "train/config.h"
-#include "train/schedule.h"
 #include "train/trainer.h"
 
 #ifdef KILN_WITH_CUDA
@@ -191,86 +188,45 @@ std::string json_string(const std::string& s) {
 }
 
 #ifdef KILN_WITH_CUDA
-// GPU time per op over `steps` steps of Trainer::train_step's sequence (grad_accum micro-steps
-// of forward + backward, sum of squares, clip, schedule, AdamW), after 2 untimed warm-up steps.
-// Returns the "ops" JSON array and prints the table.
-std::string profile_ops(const Config& cfg, int steps) {
-  CudaBackend cuda(0);
-  cuda.set_attention(cfg.precision.attention);
-  OpTimer k(cuda);
-  const ModelConfig mcfg = model_config(cfg.model);
-  const int B = cfg.train.batch_size, T = mcfg.seq_len, accum = cfg.train.grad_accum;
-  Gpt2 model(mcfg, k);
-  const int64_t P = model.layout().total;
-  Arena state(k, "state"), acts(k, "activations");
-  Tensor master, working, grads, m, v, spans, sched, sumsq, loss_sum, tokens, targets;
-  const auto& decay = model.layout().decay_spans;
-  state.plan(&master, "master", {P}, DType::f32);
-  state.plan(&working, "working", {P}, DType::bf16);
-  state.plan(&grads, "grads", {P}, DType::f32);
-  state.plan(&m, "m", {P}, DType::f32);
-  state.plan(&v, "v", {P}, DType::f32);
-  state.plan(&spans, "decay_spans", {static_cast<int64_t>(decay.size()), 2}, DType::i64);
-  state.plan(&sched, "sched", {kSchedSize}, DType::f32);
-  state.plan(&sumsq, "sumsq", {1}, DType::f32);
-  state.plan(&loss_sum, "loss_sum", {1}, DType::f32);
-  state.plan(&tokens, "tokens", {B, T}, DType::i32);
-  state.plan(&targets, "targets", {B, T}, DType::i32);
-  model.plan_activations(acts, B, T);
-  state.allocate();
-  acts.allocate();
-
-  std::vector<float> host(static_cast<size_t>(P));
-  gpt2_init(mcfg, model.layout(), static_cast<uint64_t>(cfg.train.seed), host.data());
-  k.copy_from_host(master, host.data());
-  k.copy(working, master);
-  std::vector<int64_t> flat;
-  for (const auto& [b, e] : decay) flat.insert(flat.end(), {b, e});
-  k.copy_from_host(spans, flat.data());
-  model.set_weights(bind_weights(mcfg, model.layout(), working));
-  model.set_grads(bind_weights(mcfg, model.layout(), grads));
-  std::vector<int32_t> tok(static_cast<size_t>(B) * T), tgt(tok.size());
-  std::mt19937 rng(1);
-  std::uniform_int_distribution<int> dist(0, mcfg.vocab_size - 1);
-  for (auto& t : tok) t = dist(rng);
-  for (auto& t : tgt) t = dist(rng);
-
-  AdamWHyper hyper;
-  hyper.beta1 = static_cast<float>(cfg.optim.beta1);
-  hyper.beta2 = static_cast<float>(cfg.optim.beta2);
-  hyper.eps = static_cast<float>(cfg.optim.eps);
-  hyper.weight_decay = static_cast<float>(cfg.optim.weight_decay);
-  const float dloss_scale = 1.0f / static_cast<float>(int64_t{B} * T * accum);
-  auto step = [&](int s) {
-    k.fill_zero(grads);
-    for (int micro = 0; micro < accum; ++micro) {
-      k.copy_from_host(tokens, tok.data());
-      k.copy_from_host(targets, tgt.data());
-      model.forward(tokens, targets, dloss_scale, true);
-      k.reduce_sum(loss_sum, model.losses(), micro > 0);
-      model.backward(tokens);
-    }
-    k.sum_squares(sumsq, grads, false);
-    k.grad_norm_clip(sched, sumsq, static_cast<float>(cfg.optim.grad_clip));
-    k.set_schedule(sched, static_cast<float>(learning_rate(cfg.optim, s, 1000)), s + 1);
-    k.adamw_update(master, grads, m, v, working, spans, 0, sched, hyper);
-    float host_sched[kSchedSize];
-    k.copy_to_host(host_sched, sched);  // the trainer reads loss and sched every step
+// GPU time per op over `steps` training steps, after 2 untimed warm-up steps: the trainer itself
+// runs (same step, same code path), on an OpTimer wrapped around the CUDA backend it builds.
+// Returns the profile as JSON and prints the table.
+std::string profile_ops(Config cfg, int steps, const fs::path& out_dir) {
+  constexpr int kWarmup = 2;
+  cfg.train.max_steps = kWarmup + steps;
+  cfg.train.out_dir = out_dir.string();
+  const int B = cfg.train.batch_size, T = cfg.model.seq_len;
+  std::unique_ptr<OpTimer> timer;
+  std::string device;
+  OpTimer::Report rep;
+  double host_ms = 0;
+  std::chrono::steady_clock::time_point t0;
+  TrainObserver observer;
+  observer.wrap_backend = [&](Backend& built) -> Backend& {
+    auto* cuda = dynamic_cast<CudaBackend*>(&built);
+    if (!cuda) throw InputError("--profile-ops times CUDA ops: the run is not on the CUDA backend");
+    device = cuda->name();
+    timer = std::make_unique<OpTimer>(*cuda);
+    return *timer;
   };
-  for (int s = 0; s < 2; ++s) step(s);
-  k.synchronize();
-  k.start();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int s = 2; s < 2 + steps; ++s) step(s);
-  k.synchronize();
-  const double host_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-      steps;
-  k.stop();
-  const OpTimer::Report rep = k.report();
+  observer.on_step = [&](int done) {
+    timer->synchronize();
+    if (done == kWarmup) {
+      timer->start();
+      t0 = std::chrono::steady_clock::now();
+    } else if (done == kWarmup + steps) {
+      host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                    .count() / steps;
+      timer->stop();
+      rep = timer->report();
+    }
+  };
+  if (run_training(cfg, RankInfo{}, nullptr, &observer) != 0)
+    throw std::runtime_error("bench: the profiled run failed");
 
   std::printf("\nper-op GPU time, %s, B=%d T=%d, mean of %d steps (CUDA events around each op)\n",
-              cuda.name().c_str(), B, T, steps);
+              device.c_str(), B, T, steps);
+
   std::printf("%-44s %9s %10s %7s\n", "op", "calls", "ms/step", "%");
   std::string json = "[";
   for (size_t i = 0; i < rep.rows.size(); ++i) {
@@ -335,7 +291,7 @@ int run(const Options& opt) {
 
   std::string profile = "null";
 #ifdef KILN_WITH_CUDA
-  if (opt.profile_ops) profile = profile_ops(cfg, opt.profile_steps);
+  if (opt.profile_ops) profile = profile_ops(cfg, opt.profile_steps, tmp / "profile");
 #endif
 
   const std::string json = fmt::format(
@@ -374,13 +330,5 @@ int run(const Options& opt) {
 
 int main(int argc, char** argv) {
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
-  try {
-    return kiln::run(kiln::parse_options(argc, argv));
-  } catch (const kiln::InputError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return kiln::kExitInputError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fatal: %s\n", e.what());
-    return 1;
-  }
+  return kiln::run_tool("bench", [&] { return kiln::run(kiln::parse_options(argc, argv)); });
 }

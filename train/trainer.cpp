@@ -65,8 +65,12 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
 
 class Trainer {
  public:
-  Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm)
-      : cfg_(cfg), rank_(rank), backend_(make_backend(cfg, rank)), mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
+  Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
+          const TrainObserver* observer)
+      : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
+        backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
+                                                    : built_backend_.get()),
+        mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
@@ -110,7 +114,9 @@ class Trainer {
 
   const Config& cfg_;
   RankInfo rank_;
-  std::unique_ptr<Backend> backend_;
+  const TrainObserver* observer_;
+  std::unique_ptr<Backend> built_backend_;
+  Backend* backend_;  // the built one, or an observer's wrapper of it
   // Declared after the backend so it is destroyed first (NCCL works on the backend's device).
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
@@ -373,6 +379,7 @@ int Trainer::run() {
     if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
     if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
       save(sm.step);
+    if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   }
   if (is_main()) write_summary();
   return 0;
@@ -380,8 +387,9 @@ int Trainer::run() {
 
 }  // namespace
 
-int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm) {
-  Trainer trainer(config, rank, make_comm);
+int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
+                 const TrainObserver* observer) {
+  Trainer trainer(config, rank, make_comm, observer);
   return trainer.run();
 }
 

@@ -26,8 +26,17 @@ struct RankInfo {
 
 ModelConfig model_config(const ModelSection& model);
 
+// Instrumentation for tools (bench --profile-ops): wrap_backend returns the backend the trainer
+// runs on in place of the one it built (which outlives every use of the wrapper); on_step is
+// called after each optimizer step, once the step's work is done, with the number of steps done.
+struct TrainObserver {
+  std::function<Backend&(Backend& built)> wrap_backend;
+  std::function<void(int steps_done)> on_step;
+};
+
 // Runs the whole training job described by `config` on this rank. `make_comm` is empty for a
 // single process. Returns the process exit status.
-int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm);
+int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
+                 const TrainObserver* observer = nullptr);
 
 }  // namespace kiln
