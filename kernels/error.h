@@ -3,6 +3,8 @@
 // that escapes is a bug (status 1). Messages name the thing at fault: the file, the key, the rank.
 #pragma once
 
+#include <cstdio>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -13,5 +15,19 @@ struct InputError : std::runtime_error {
 };
 
 constexpr int kExitInputError = 2;
+
+// The one way a kiln binary ends on an exception: bad input prints "TOOL: message" and exits 2;
+// anything else is a bug, printed as "TOOL: fatal: message", exit 1.
+inline int run_tool(const char* tool, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const InputError& e) {
+    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    return kExitInputError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: fatal: %s\n", tool, e.what());
+    return 1;
+  }
+}
 
 }  // namespace kiln

@@ -166,7 +166,7 @@ void run(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return kiln::run_tool("prepare_data", [&] {
     const Options opt = parse_args(argc, argv);
     if (opt.help) {
       std::fputs(kUsage, stdout);
@@ -174,11 +174,5 @@ int main(int argc, char** argv) {
     }
     run(opt);
     return 0;
-  } catch (const InputError& e) {
-    std::fprintf(stderr, "prepare_data: %s\n", e.what());
-    return kiln::kExitInputError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "prepare_data: internal error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -114,13 +114,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const InputError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return kExitInputError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fatal: %s\n", e.what());
-    return 1;
-  }
+  return run_tool("sample", [&] { return run(argc, argv); });
 }

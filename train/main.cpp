@@ -48,7 +48,7 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
 
 int main(int argc, char** argv) {
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
-  try {
+  return run_tool("train", [&] {
     CommandLine cli = parse_command_line(argc, argv);
     if (cli.help) {
       std::printf("%s", usage_text().c_str());
@@ -60,11 +60,5 @@ int main(int argc, char** argv) {
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
       return launch(cli.launch, config, argc, argv);
     return run_training(config, RankInfo{}, nullptr);
-  } catch (const InputError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return kExitInputError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fatal: %s\n", e.what());
-    return 1;
-  }
+  });
 }
