@@ -12,10 +12,12 @@
 //    with one exception stated on layernorm_backward (the residual stream accumulates).
 //  - An undefined Tensor (data == nullptr) means "absent" for optional arguments.
 //  - All work is issued on the backend's compute stream in call order; nothing synchronizes
-//    with the host except synchronize() and copy_to_host().
+//    with the host except synchronize(), copy_to_host() and read_wait().
 #pragma once
 
+#include <initializer_list>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/tensor.h"
@@ -57,6 +59,24 @@ class Backend {
   virtual void copy(Tensor dst, Tensor src) = 0;
   virtual void fill_zero(Tensor t) = 0;
   virtual void synchronize() = 0;
+  // Scalar reads that do not stall the stream, so the trainer logs step N's loss while step
+  // N+1 runs. read_async(slot, srcs) enqueues a copy of the f32 tensors `srcs` (in all at most
+  // kReadbackFloats values) into staging slot `slot` and returns at once; read_wait(slot) waits
+  // for that slot's copies alone and returns their values in order, valid until the slot is
+  // reused. This default copies at once (the CPU has no stream); CUDA stages in pinned memory.
+  static constexpr int kReadbackSlots = 2, kReadbackFloats = 8;
+  virtual void read_async(int slot, std::initializer_list<Tensor> srcs) {
+    check_readback(slot, srcs);
+    float* dst = readback_[slot];
+    for (const Tensor& t : srcs) {
+      copy_to_host(dst, t);
+      dst += t.numel();
+    }
+  }
+  virtual const float* read_wait(int slot) {
+    check_readback(slot, {});
+    return readback_[slot];
+  }
 
   // ---- GPT-2 ops ------------------------------------------------------------------------
   // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C].
@@ -125,6 +145,26 @@ class Backend {
   virtual void scale(Tensor x, float scale) = 0;
   // dst += src elementwise (f32, same numel; used to accumulate sharded gradients).
   virtual void add(Tensor dst, Tensor src) = 0;
+
+ protected:
+  // Throws std::invalid_argument unless slot < kReadbackSlots and `srcs` are f32 tensors of
+  // kReadbackFloats values at most in all.
+  static void check_readback(int slot, std::initializer_list<Tensor> srcs) {
+    if (slot < 0 || slot >= kReadbackSlots)
+      throw std::invalid_argument("read_async: slot " + std::to_string(slot) + " out of range");
+    int64_t n = 0;
+    for (const Tensor& t : srcs) {
+      if (t.dtype != DType::f32)
+        throw std::invalid_argument("read_async: " + t.str() + " is not f32");
+      n += t.numel();
+    }
+    if (n > kReadbackFloats)
+      throw std::invalid_argument("read_async: " + std::to_string(n) + " values, at most " +
+                                  std::to_string(kReadbackFloats));
+  }
+
+ private:
+  float readback_[kReadbackSlots][kReadbackFloats] = {};
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

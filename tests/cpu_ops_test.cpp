@@ -535,6 +535,24 @@ TEST(CpuBackend, AllocateIsZeroFilledAndAligned) {
   cpu().release(p);
 }
 
+TEST(CpuBackend, ReadAsyncStagesValuesPerSlotAndChecksItsArguments) {
+  std::vector<float> x = {1.5f, -2.0f, 7.0f}, y = {4.0f, 5.0f};
+  Tensor tx = f32(x, {3}), ty = f32(y, {2});
+  cpu().read_async(0, {tx, ty.slice(1, {1})});
+  x[0] = 9.0f;  // later writes do not reach the staged values
+  cpu().read_async(1, {tx});
+  const float* v = cpu().read_wait(0);
+  EXPECT_EQ(std::vector<float>(v, v + 4), (std::vector<float>{1.5f, -2.0f, 7.0f, 5.0f}));
+  EXPECT_EQ(cpu().read_wait(1)[0], 9.0f);
+  EXPECT_THROW(cpu().read_async(Backend::kReadbackSlots, {tx}), std::invalid_argument);
+  EXPECT_THROW(cpu().read_wait(-1), std::invalid_argument);
+  std::vector<float> big(Backend::kReadbackFloats + 1);
+  EXPECT_THROW(cpu().read_async(0, {f32(big, {Backend::kReadbackFloats + 1})}),
+               std::invalid_argument);
+  std::vector<int32_t> ints = {1};
+  EXPECT_THROW(cpu().read_async(0, {test::i32(ints, {1})}), std::invalid_argument);
+}
+
 TEST(CpuBackend, CopyConvertsBf16RoundToNearestEven) {
   const float one_plus_half_ulp = 1.0f + std::ldexp(1.0f, -8);  // tie: rounds to even 1.0
   const float tie_to_odd_up = 1.0f + 3 * std::ldexp(1.0f, -8);  // tie: rounds up to even

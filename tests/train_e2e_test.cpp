@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -118,6 +119,28 @@ TEST_F(TrainE2E, AFreshRunSetsTheEarlierRunAsideInsteadOfMixingWithIt) {
   std::ifstream prev(out + "/metrics.jsonl.prev");
   EXPECT_EQ(std::count(std::istreambuf_iterator<char>(prev), {}, '\n'), 8);
   EXPECT_EQ(read_losses(out).size(), 2u);
+}
+
+// The loss is read one step late (no host sync inside a step), so a divergence is seen while
+// the next step runs: the run must still stop at once, non-zero, before it checkpoints or
+// logs anything from the diverged state.
+TEST_F(TrainE2E, DivergenceStopsTheRunBeforeItCheckpointsTheBadState) {
+  const std::string out = (dir_ / "run_diverges").string();
+  // lr=1e30 overflows on step 2, which is seen while step 3 (a checkpoint step) runs.
+  const Result r = run(train_cmd(out, "--train.max_steps=12 --train.checkpoint_every=3 "
+                                      "--train.keep_checkpoints=10 --optim.lr=1e30 "
+                                      "--optim.grad_clip=0 --optim.warmup_steps=0"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  const auto pos = r.output.find(": loss is ");
+  ASSERT_NE(pos, std::string::npos) << r.output;
+  const int bad_step = std::atoi(r.output.c_str() + r.output.rfind("step ", pos) + 5);
+  ASSERT_GT(bad_step, 0) << r.output;
+  const auto m = read_losses(out);
+  ASSERT_EQ(m.size(), static_cast<size_t>(bad_step - 1)) << r.output;
+  for (const auto& s : m) EXPECT_TRUE(std::isfinite(s.value)) << "step " << s.step;
+  if (fs::exists(out + "/checkpoints"))
+    for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+      EXPECT_LT(std::atoi(e.path().filename().string().c_str() + 5), bad_step) << e.path();
 }
 
 // Each bad input: exit status 2, and an error line that names the cause.

@@ -25,10 +25,7 @@
 namespace kiln {
 
 namespace fs = std::filesystem;
-
-namespace {
-
-}  // namespace
+using Clock = std::chrono::steady_clock;
 
 ModelConfig model_config(const ModelSection& m) {
   ModelConfig c;
@@ -94,6 +91,18 @@ class Trainer {
   void init_parameters();
   void resume_from(const std::string& dir);
   double train_step(int step);
+  // A step whose work is enqueued and whose loss and grad norm are being read asynchronously.
+  struct PendingStep {
+    int step;
+    double lr;
+    Clock::time_point enqueued;  // when the host began enqueueing it
+  };
+  // Does everything that needs the step's values on the host: log, evaluate, sample, save.
+  // Returns false when training must stop (non-finite loss).
+  bool finish_step(const PendingStep& p);
+  // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
+  // the last step, an observer), rather than one step late.
+  bool host_step(int step) const;
   double evaluate();
   void save(int step);
   void print_sample(int step);
@@ -131,6 +140,8 @@ class Trainer {
   std::mt19937_64 rng_;
   int start_step_ = 0;
   double peak_ = 0;
+  double flops_per_token_ = 0;
+  std::optional<Clock::time_point> last_done_;  // when the previous step's values arrived
 };
 
 void Trainer::plan_memory() {
@@ -294,6 +305,51 @@ void truncate_metrics(const std::string& path, int last_step) {
   fs::rename(tmp, path);
 }
 
+bool Trainer::host_step(int step) const {
+  const auto& t = cfg_.train;
+  return step == t.max_steps || (val_loader_ && step % t.eval_every == 0) ||
+         (t.sample_every > 0 && step % t.sample_every == 0) ||
+         (t.save_checkpoints && t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
+         (observer_ && observer_->on_step);
+}
+
+bool Trainer::finish_step(const PendingStep& p) {
+  const auto& t = cfg_.train;
+  const float* values = backend_->read_wait(p.step % Backend::kReadbackSlots);
+  const Clock::time_point done = Clock::now();
+  // The step ran on the device from when it was enqueued or the previous one finished,
+  // whichever was later, until its values arrived.
+  const Clock::time_point began = last_done_ ? std::max(*last_done_, p.enqueued) : p.enqueued;
+  last_done_ = done;
+  StepMetrics sm;
+  sm.step = p.step + 1;
+  sm.max_steps = t.max_steps;
+  sm.lr = p.lr;
+  sm.loss = values[0] / static_cast<double>(tokens_per_step());
+  sm.grad_norm = values[1];
+  sm.ms = std::chrono::duration<double, std::milli>(done - began).count();
+  sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
+  sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
+  if (!std::isfinite(sm.loss)) {
+    spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
+    return false;
+  }
+  const bool last = sm.step == t.max_steps;
+  if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
+  if (is_main()) {
+    metrics_->write(sm);
+    if (sm.step % t.log_every == 0 || last || sm.val_loss)
+      spdlog::info("{}", format_step_line(sm, format_bytes(state_arena_.bytes() + acts_arena_.bytes())));
+  }
+  if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
+  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
+    save(sm.step);
+  if (observer_ && observer_->on_step) observer_->on_step(sm.step);
+  // Host work (eval, checkpoint) is not the next step's device time.
+  if (host_step(sm.step)) last_done_.reset();
+  return true;
+}
+
 int Trainer::run() {
   const auto& t = cfg_.train;
   if (is_main()) {
@@ -342,44 +398,29 @@ int Trainer::run() {
     spdlog::warn("train.cuda_graphs: step capture is not implemented yet; running eagerly "
                  "(GPU idle time between kernels measured at 0.3% of a GPT-2 124M step)");
   peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), cfg_.precision.fp8);
-  const double flops_per_token = gpt2_flops_per_token(mcfg_, T());
+  flops_per_token_ = gpt2_flops_per_token(mcfg_, T());
   if (is_main())
     spdlog::info("training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
                  "{:.3g} GFLOP/token, peak {}",
                  t.max_steps - start_step_, tokens_per_step(), B(), T(), t.grad_accum,
-                 rank_.world_size, backend_->name(), flops_per_token / 1e9,
+                 rank_.world_size, backend_->name(), flops_per_token_ / 1e9,
                  peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU 0)");
 
+  // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
+  // read while step N+1 runs (the GPU never waits for the host's logging), except at host
+  // steps, which are finished before anything else is enqueued.
+  std::optional<PendingStep> pending;
   for (int step = start_step_; step < t.max_steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    StepMetrics sm;
-    sm.lr = train_step(step);
-    const double loss_sum = read_scalar(loss_sum_);  // waits for the step's work
-    float sched[kSchedSize];
-    backend_->copy_to_host(sched, sched_);
-    const auto t1 = std::chrono::steady_clock::now();
-    sm.step = step + 1;
-    sm.max_steps = t.max_steps;
-    sm.loss = loss_sum / static_cast<double>(tokens_per_step());
-    sm.grad_norm = sched[kSchedGradNorm];
-    sm.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-    sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
-    sm.mfu = peak_ > 0 ? flops_per_token * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
-    if (!std::isfinite(sm.loss)) {
-      spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
-      return 1;
+    const Clock::time_point enqueued = Clock::now();
+    const double lr = train_step(step);
+    backend_->read_async(step % Backend::kReadbackSlots,
+                         {loss_sum_, sched_.slice(kSchedGradNorm, {1})});
+    if (pending && !finish_step(*pending)) return 1;
+    pending = PendingStep{step, lr, enqueued};
+    if (host_step(step + 1)) {
+      if (!finish_step(*pending)) return 1;
+      pending.reset();
     }
-    const bool last = sm.step == t.max_steps;
-    if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
-    if (is_main()) {
-      metrics_->write(sm);
-      if (sm.step % t.log_every == 0 || last || sm.val_loss)
-        spdlog::info("{}", format_step_line(sm, format_bytes(state_arena_.bytes() + acts_arena_.bytes())));
-    }
-    if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-    if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
-      save(sm.step);
-    if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   }
   if (is_main()) write_summary();
   return 0;

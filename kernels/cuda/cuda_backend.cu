@@ -1,7 +1,7 @@
 // CudaBackend core: device setup, memory, host<->device copies and dtype conversion.
 // Allocations are cudaMalloc'd and zero-filled on the compute stream; copies are async on the
-// stream except copy_to_host, which waits for the stream (the only host sync besides
-// synchronize()). f32->bf16 conversion rounds to nearest even (__float2bfloat16_rn), the same
+// stream except copy_to_host, which waits for the stream, and read_wait, which waits for one
+// read_async (the only host syncs besides synchronize()). f32->bf16 conversion rounds to nearest even (__float2bfloat16_rn), the same
 // rule as the CPU helper, so a bf16 copy made here and one made on the host are bit-identical.
 #include "kernels/cuda/cuda_backend.h"
 
@@ -97,6 +97,10 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   KILN_CUDA_CHECK(cudaMalloc(&cublaslt_workspace_, cublaslt_workspace_bytes_));
   scratch_bytes_ = kInitialScratchBytes;
   KILN_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
+  KILN_CUDA_CHECK(cudaMallocHost(&readback_pinned_,
+                                 sizeof(float) * kReadbackSlots * kReadbackFloats));
+  for (cudaEvent_t& e : readback_done_)
+    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
                prop.minor);
   set_attention("auto");
@@ -108,6 +112,9 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();
   matmul_plans_.reset();
   if (scratch_) cudaFree(scratch_);
+  for (cudaEvent_t e : readback_done_)
+    if (e) cudaEventDestroy(e);
+  if (readback_pinned_) cudaFreeHost(readback_pinned_);
   if (cublaslt_workspace_) cudaFree(cublaslt_workspace_);
   if (cublaslt_) cublasLtDestroy(cublaslt_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -159,6 +166,26 @@ void CudaBackend::copy_to_host(void* dst, Tensor src) {
   KILN_CUDA_CHECK(
       cudaMemcpyAsync(dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_));
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// Pinned staging, so the copies are true DMA that return at once; one event per slot, so
+// waiting for step N's values does not wait for step N+1's work enqueued after them.
+void CudaBackend::read_async(int slot, std::initializer_list<Tensor> srcs) {
+  check_readback(slot, srcs);
+  float* dst = readback_pinned_ + slot * kReadbackFloats;
+  for (const Tensor& t : srcs) {
+    expect_device(t, "read_async", "src");
+    KILN_CUDA_CHECK(
+        cudaMemcpyAsync(dst, t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+    dst += t.numel();
+  }
+  KILN_CUDA_CHECK(cudaEventRecord(readback_done_[slot], stream_));
+}
+
+const float* CudaBackend::read_wait(int slot) {
+  check_readback(slot, {});
+  KILN_CUDA_CHECK(cudaEventSynchronize(readback_done_[slot]));
+  return readback_pinned_ + slot * kReadbackFloats;
 }
 
 void CudaBackend::copy(Tensor dst, Tensor src) {

@@ -1,7 +1,8 @@
 // CudaBackend: the bf16 mixed-precision implementation of the Backend op interface.
 // One device, one compute stream owned by the backend, one cuBLASLt handle and a workspace
 // allocated once. Every op is issued on stream() in call order and none synchronizes with the
-// host (copy_to_host and synchronize excepted), so a whole step can be captured in a CUDA graph.
+// host (copy_to_host, read_wait and synchronize excepted), so a whole step can be captured in a
+// CUDA graph.
 // The ops are member functions defined next to their kernels, one file per op family
 // (encoder.cu, layernorm.cu, matmul.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
 // adamw.cu); this header is the only one other layers (trainer, NCCL) need.
@@ -64,6 +65,8 @@ class CudaBackend final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override;
+  void read_async(int slot, std::initializer_list<Tensor> srcs) override;
+  const float* read_wait(int slot) override;
 
   void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
   void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
@@ -122,6 +125,8 @@ class CudaBackend final : public Backend {
   size_t cublaslt_workspace_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  float* readback_pinned_ = nullptr;  // [kReadbackSlots][kReadbackFloats], cudaMallocHost
+  cudaEvent_t readback_done_[kReadbackSlots] = {};
   AttentionKind attention_ = AttentionKind::flash;
   bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;

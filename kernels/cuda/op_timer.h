@@ -56,6 +56,10 @@ class OpTimer final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override { inner_.synchronize(); }
+  void read_async(int slot, std::initializer_list<Tensor> srcs) override {
+    inner_.read_async(slot, srcs);
+  }
+  const float* read_wait(int slot) override { return inner_.read_wait(slot); }
 
   void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
   void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
