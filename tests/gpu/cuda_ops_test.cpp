@@ -192,6 +192,32 @@ TEST_F(CudaOps, CopyConvertsLikeHostHelper) {
   gpu_->release(p);
 }
 
+// The trainer reads each step's loss while the next step runs: read_async must return while
+// the stream is still busy, and read_wait must return exactly the values at that point in the
+// stream, per slot.
+TEST_F(CudaOps, ReadAsyncDoesNotWaitForTheStream) {
+  const int64_t n = 4096;  // 20 GEMMs of 2n^3 = 137 GFLOP each: tens of ms of queued work
+  Buf a = act({1, n, n}, std::vector<float>(static_cast<size_t>(n * n), 0.01f));
+  Buf w = act({n, n}, std::vector<float>(static_cast<size_t>(n * n), 0.01f));
+  Buf out = poisoned({1, n, n}, DType::bf16);
+  Buf x = gpu({3}, DType::f32, {1.5f, -2.0f, 7.0f});
+  Buf y = gpu({2}, DType::f32, {4.0f, 5.0f});
+  gpu_->synchronize();
+  for (int i = 0; i < 20; ++i) gpu_->matmul_forward(out, a, w, Tensor{}, Tensor{});
+  gpu_->read_async(0, {x, y.t.slice(1, {1})});
+  EXPECT_EQ(cudaStreamQuery(gpu_->stream()), cudaErrorNotReady) << "read_async waited";
+  gpu_->fill_zero(x);  // after the read in stream order: must not show in slot 0
+  gpu_->read_async(1, {x});
+  const float* v = gpu_->read_wait(0);
+  EXPECT_EQ(v[0], 1.5f);
+  EXPECT_EQ(v[1], -2.0f);
+  EXPECT_EQ(v[2], 7.0f);
+  EXPECT_EQ(v[3], 5.0f);
+  EXPECT_EQ(gpu_->read_wait(1)[0], 0.0f);
+  EXPECT_THROW(gpu_->read_async(2, {x}), std::invalid_argument);
+  EXPECT_THROW(gpu_->read_async(0, {out}), std::invalid_argument);  // not f32
+}
+
 TEST_F(CudaOps, RejectsF32Activations) {
   Buf x = gpu({4, 64}, DType::f32, rand(256));
   Buf w = gpu({64}, DType::f32, rand(64));
