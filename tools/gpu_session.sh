@@ -5,7 +5,7 @@
 # bench_{124m,350m}.json, torch_{124m,350m}.json, torch_warm.log.
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
-# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests), SKIP_TORCH=1 (no PyTorch reference),
+# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_TORCH=1 (no PyTorch reference),
 # KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a kiln/PyTorch/kiln order).
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
@@ -77,6 +77,13 @@ timeout 300 ./build/bin/kiln_gpu_tests > "$OUT/gpu_tests.log" 2>&1
 echo "kiln_gpu_tests exit status $?"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran" "$OUT/gpu_tests.log" | head -40
 grep -A40 "CudaTrainStep\.\|CudaTrainRun\." "$OUT/gpu_tests.log" | grep -E "^\s+(loss|grad norm|worst|step|cuda:|seed)" | head -30
+fi
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+stage "op timings at GPT-2 124M shapes (CudaPerf, B=16)"
+timeout 180 ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests \
+  --gtest_filter='CudaPerf.*' > "$OUT/op_timings.log" 2>&1
+grep -E "^\||attention \(cudnn\)" "$OUT/op_timings.log"
 fi
 
 # Checkpoints the trainer writes at the end of each bench run go to a temp dir: RAM if it has room.

@@ -5,12 +5,16 @@
 //    [B,T,NH,hs] and dQ/dK/dV into dqkv with qkv's strides.
 //  - cuDNN's training "Stats" output IS kiln's lse: natural log-sum-exp of the scaled scores per
 //    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
-//  - Graphs are built once per (B, NH, T, hs) and direction and cached; the workspace comes from
-//    the backend's scratch. The backward uses cuDNN's default (fastest, not bit-reproducible)
-//    algorithm.
+//  - Graphs are built once per (B, NH, T, hs) and direction and cached, with every execution
+//    plan cuDNN's heuristics offer; where there are several, the first call times each (on the
+//    real tensors, once) and keeps the fastest, logging the times. The workspace comes from the
+//    backend's scratch. The backward is cuDNN's default (fastest, not bit-reproducible) one.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "kernels/cuda/attention.cuh"
@@ -56,6 +60,7 @@ using GraphKey = std::tuple<int, int, int, int, bool>;  // B, NH, T, hs, backwar
 struct CudnnAttention {
   cudnnHandle_t handle = nullptr;
   std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  std::set<GraphKey> tuned;  // plans already timed and the fastest chosen
   ~CudnnAttention() {
     graphs.clear();
     if (handle) cudnnDestroy(handle);
@@ -133,10 +138,50 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
   KILN_CUDNN_FE_CHECK(graph->build_operation_graph(handle));
   KILN_CUDNN_FE_CHECK(graph->create_execution_plans({fe::HeurMode_t::A}));
   KILN_CUDNN_FE_CHECK(graph->check_support(handle));
-  KILN_CUDNN_FE_CHECK(graph->build_plans(handle));
-  spdlog::info("attention (cudnn): built {} graph for B={} NH={} T={} hs={}",
-               backward ? "backward" : "forward", d.B, d.NH, d.T, d.hs);
+  const auto t0 = std::chrono::steady_clock::now();
+  KILN_CUDNN_FE_CHECK(graph->build_plans(fe::BuildPlanPolicy_t::ALL));
+  spdlog::info("attention (cudnn): built {} graph for B={} NH={} T={} hs={}: {} plan(s) in {:.1f} s",
+               backward ? "backward" : "forward", d.B, d.NH, d.T, d.hs,
+               graph->get_execution_plan_count(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return graph;
+}
+
+// Times each of the graph's plans on the real tensors (median of 5 after a warm-up), logs the
+// times, and makes the fastest the one execute() runs. Once per graph, before its first use.
+void choose_plan(CudnnAttention& state, fe::graph::Graph& graph, const GraphKey& key,
+                 std::unordered_map<int64_t, void*>& pack, CudaBackend& backend) {
+  if (!state.tuned.insert(key).second || graph.get_execution_plan_count() < 2) return;
+  void* workspace =
+      backend.scratch(static_cast<size_t>(std::max<int64_t>(graph.get_autotune_workspace_size(), 1)));
+  cudaEvent_t a, b;
+  KILN_CUDA_CHECK(cudaEventCreate(&a));
+  KILN_CUDA_CHECK(cudaEventCreate(&b));
+  std::string report;
+  for (int64_t i = 0; i < graph.get_execution_plan_count(); ++i) {
+    std::string name;
+    if (graph.get_plan_name_at_index(i, name).is_bad()) name = "plan" + std::to_string(i);
+    std::vector<float> ms;
+    for (int r = 0; r < 6; ++r) {
+      KILN_CUDA_CHECK(cudaEventRecord(a, backend.stream()));
+      if (graph.execute_plan_at_index(state.handle, pack, workspace, i).is_bad()) break;
+      KILN_CUDA_CHECK(cudaEventRecord(b, backend.stream()));
+      KILN_CUDA_CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      KILN_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      if (r > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    report += fmt::format(" {}={}", name, ms.empty() ? std::string("failed")
+                                                     : fmt::format("{:.3f}ms", ms[ms.size() / 2]));
+  }
+  KILN_CUDA_CHECK(cudaEventDestroy(a));
+  KILN_CUDA_CHECK(cudaEventDestroy(b));
+  KILN_CUDNN_FE_CHECK(graph.autotune(state.handle, pack, workspace));
+  std::string chosen;
+  if (graph.get_plan_name(chosen).is_bad()) chosen = "?";
+  spdlog::info("attention (cudnn): {} plans timed:{}; chose {}",
+               std::get<4>(key) ? "backward" : "forward", report, chosen);
 }
 
 fe::graph::Graph& get_graph(CudnnAttention& state, const AttentionDims& d, bool backward) {
@@ -163,6 +208,7 @@ void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, in
                                              {kV, base + 2 * C_bytes},
                                              {kO, out.data},
                                              {kStats, lse.data}};
+  choose_plan(*cudnn_, graph, GraphKey{d.B, d.NH, d.T, d.hs, false}, pack, *this);
   void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
   KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
 }
@@ -183,6 +229,7 @@ void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv,
       {kQ, base},         {kK, base + C_bytes},         {kV, base + 2 * C_bytes},
       {kO, out.data},     {kdO, dout.data},             {kStats, lse.data},
       {kdQ, dbase},       {kdK, dbase + C_bytes},       {kdV, dbase + 2 * C_bytes}};
+  choose_plan(*cudnn_, graph, GraphKey{d.B, d.NH, d.T, d.hs, true}, pack, *this);
   void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
   KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
 }

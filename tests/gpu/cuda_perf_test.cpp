@@ -91,6 +91,18 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
       mm_flops, 0);
   row("matmul_backward fc (dinp+dweight+dbias)",
       median_ms(gpu, [&] { gpu.matmul_backward(dx, dw, db, dout, x, w, Tensor{}); }), 2 * mm_flops, 0);
+  row("matmul_backward fc dweight only", median_ms(gpu, [&] {
+        gpu.matmul_backward(Tensor{}, dw, Tensor{}, dout, x, w, Tensor{});
+      }), mm_flops, 0);
+  // mlp.proj: inp = gelu output [N,OC], dinp through the DGELU epilogue (aux = pre-GELU).
+  DevTensor w2(gpu, {C, OC}, DType::bf16, rng, 0.05f), dw2(gpu, {C, OC}, DType::f32, rng),
+      db2(gpu, {C}, DType::f32, rng), dinp2(gpu, {B, T, OC}, DType::bf16, rng);
+  row("matmul_backward proj (dinp DGELU+dweight+dbias)", median_ms(gpu, [&] {
+        gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, pre);
+      }), 2 * mm_flops, 0);
+  row("matmul_backward proj (dinp+dweight+dbias)", median_ms(gpu, [&] {
+        gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, Tensor{});
+      }), 2 * mm_flops, 0);
 
   DevTensor qkv(gpu, {B, T, 3 * C}, DType::bf16, rng), att(gpu, {B, T, C}, DType::bf16, rng),
       lse(gpu, {B, NH, T}, DType::f32, rng), datt(gpu, {B, T, C}, DType::bf16, rng),
@@ -127,9 +139,11 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
   for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
   Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
   gpu.copy_from_host(targets, tgt.data());
+  // GB/s counts the minimal bytes: the logits read once, the gradient written once (the
+  // two-pass kernel reads them twice).
   row("softmax_cross_entropy (in-place dlogits)",
       median_ms(gpu, [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
-      0, 3.0 * N * Vp * 2);
+      0, 2.0 * N * Vp * 2);
   gpu.release(targets.data);
 
   const int64_t P = 124475904;  // GPT-2 124M with Vp=50304
