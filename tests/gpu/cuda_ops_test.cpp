@@ -440,6 +440,23 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(i.param.hs);
     });
 
+// Bias gradients: column sums of bf16 [N,C] added into f32, against sums in double. C=768 and
+// 3072 take the vectorised kernel (N not a multiple of its row unroll), C=100 the one-column one.
+TEST_F(CudaOps, ColumnSumAccumulate) {
+  for (const auto& [N, C] : {std::pair<int64_t, int64_t>{1000, 768}, {4099, 3072}, {77, 100}}) {
+    const std::vector<float> x = rand(N * C), base = rand(C);
+    Buf gx = act({N, C}, x), out = gpu({C}, DType::f32, base);
+    gpu_->column_sum_accumulate(out.t.ptr<float>(), gx.t.data, N, C);
+    const std::vector<float> got = host(out);
+    for (int64_t c = 0; c < C; ++c) {
+      double want = base[static_cast<size_t>(c)];
+      for (int64_t r = 0; r < N; ++r) want += x[static_cast<size_t>(r * C + c)];
+      ASSERT_NEAR(got[static_cast<size_t>(c)], want, 1e-4 * std::sqrt(double(N)) + 1e-5)
+          << "N=" << N << " C=" << C << " column " << c;
+    }
+  }
+}
+
 // ---- softmax cross-entropy ----------------------------------------------------------------
 
 class CudaSoftmaxCE : public CudaOps, public ::testing::WithParamInterface<std::pair<int, int>> {};

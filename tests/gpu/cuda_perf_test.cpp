@@ -94,6 +94,12 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
   row("matmul_backward fc dweight only", median_ms(gpu, [&] {
         gpu.matmul_backward(Tensor{}, dw, Tensor{}, dout, x, w, Tensor{});
       }), mm_flops, 0);
+  row("matmul_backward fc dweight+dbias", median_ms(gpu, [&] {
+        gpu.matmul_backward(Tensor{}, dw, db, dout, x, w, Tensor{});
+      }), mm_flops, 0);
+  row("column_sum_accumulate fc dbias (dout read once)", median_ms(gpu, [&] {
+        gpu.column_sum_accumulate(static_cast<float*>(db.t.data), dout.t.data, N, OC);
+      }), 0, 2.0 * N * OC);
   // mlp.proj: inp = gelu output [N,OC], dinp through the DGELU epilogue (aux = pre-GELU).
   DevTensor w2(gpu, {C, OC}, DType::bf16, rng, 0.05f), dw2(gpu, {C, OC}, DType::f32, rng),
       db2(gpu, {C}, DType::f32, rng), dinp2(gpu, {B, T, OC}, DType::bf16, rng);
