@@ -52,9 +52,6 @@ class CudaBackend final : public Backend {
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
   // when an op needs more: the trainer's warm-up step sizes it before any graph capture.
   void* scratch(size_t bytes);
-  // Blocks of softmax_cross_entropy resident per SM (0: as many as fit); see its file. A knob
-  // for the op timings, which compare the caps.
-  void set_cross_entropy_blocks_per_sm(int blocks) { ce_blocks_per_sm_ = blocks; }
 
   // ---- Backend --------------------------------------------------------------------------
   Device device() const override { return Device::cuda; }
@@ -132,7 +129,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t readback_done_[kReadbackSlots] = {};
   AttentionKind attention_ = AttentionKind::flash;
   bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
-  int ce_blocks_per_sm_ = 2;
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;
   std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_;
 };

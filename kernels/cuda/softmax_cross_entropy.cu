@@ -3,11 +3,6 @@
 // columns of the bf16 logits, the block combines them, and a second pass overwrites the logits
 // IN PLACE with dloss_scale * (softmax - onehot) in bf16 (padded columns written as exact 0).
 // Full-precision logits or probabilities never exist in memory: 2 reads + 1 write of N x Vp bf16.
-// The second read can come from L2 rather than HBM when few rows are in flight: the rows a
-// kernel holds at once (blocks per SM x SMs x Vp x 2 bytes; 26 MB at 2 blocks of a 50304-wide
-// row on 132 SMs) must fit in L2 beside everything else, so the launch caps the blocks per SM
-// with a dynamic shared-memory reservation it never uses, and each thread keeps 4 loads in
-// flight to make up for the lower occupancy.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -30,7 +25,6 @@ __global__ void softmax_cross_entropy_kernel(float* losses, bf16* logits, const 
   // Read before any thread can overwrite it (the reductions below hold barriers).
   const float target_logit = to_float(x[target]);
   float m = -INFINITY, s = 0.0f;
-#pragma unroll 4
   for (int c0 = threadIdx.x * kVec; c0 < V; c0 += blockDim.x * kVec) {
     float v[kVec];
     if constexpr (kVec == 8) {
@@ -56,7 +50,6 @@ __global__ void softmax_cross_entropy_kernel(float* losses, bf16* logits, const 
   const float lse = row_max + logf(block_sum(s, shared));
   if (threadIdx.x == 0) losses[row] = lse - target_logit;
   if (!write_dlogits) return;
-#pragma unroll 4
   for (int c0 = threadIdx.x * kVec; c0 < Vp; c0 += blockDim.x * kVec) {
     if constexpr (kVec == 8) {
       Packed128<bf16> p = load128(x + c0);
@@ -94,22 +87,14 @@ void CudaBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor tar
                                 std::to_string(vocab_size) + " outside (0, " +
                                 std::to_string(Vp) + "]");
   if (N == 0) return;
-  auto kernel = Vp % 8 == 0 && aligned(logits.data, 16) ? softmax_cross_entropy_kernel<8>
-                                                         : softmax_cross_entropy_kernel<1>;
-  // Shared memory left to the SM after ce_blocks_per_sm_ blocks' reservations is too little for
-  // one more block, which caps the resident rows (0: no cap).
-  size_t reserve = 0;
-  if (ce_blocks_per_sm_ > 0) {
-    int smem_per_sm = 0;
-    KILN_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_sm,
-                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_));
-    reserve = static_cast<size_t>(smem_per_sm) / (ce_blocks_per_sm_ + 1) + 1;
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(reserve)));
-  }
-  kernel<<<static_cast<unsigned>(N), kThreads, reserve, stream_>>>(
-      losses.ptr<float>(), logits.ptr<bf16>(), targets.ptr<int>(), Vp, vocab_size, dloss_scale,
-      write_dlogits);
+  if (Vp % 8 == 0 && aligned(logits.data, 16))
+    softmax_cross_entropy_kernel<8><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+        losses.ptr<float>(), logits.ptr<bf16>(), targets.ptr<int>(), Vp, vocab_size,
+        dloss_scale, write_dlogits);
+  else
+    softmax_cross_entropy_kernel<1><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+        losses.ptr<float>(), logits.ptr<bf16>(), targets.ptr<int>(), Vp, vocab_size,
+        dloss_scale, write_dlogits);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -147,15 +147,9 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
   gpu.copy_from_host(targets, tgt.data());
   // GB/s counts the minimal bytes: the logits read once, the gradient written once (the
   // two-pass kernel reads them twice).
-  for (int blocks : {2, 3, 0}) {
-    gpu.set_cross_entropy_blocks_per_sm(blocks);
-    const std::string name = "softmax_cross_entropy, " +
-                             (blocks ? std::to_string(blocks) + " blocks/SM" : std::string("no cap"));
-    row(name.c_str(), median_ms(gpu, [&] {
-          gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true);
-        }), 0, 2.0 * N * Vp * 2);
-  }
-  gpu.set_cross_entropy_blocks_per_sm(2);
+  row("softmax_cross_entropy (in-place dlogits)",
+      median_ms(gpu, [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
+      0, 2.0 * N * Vp * 2);
   gpu.release(targets.data);
 
   const int64_t P = 124475904;  // GPT-2 124M with Vp=50304
