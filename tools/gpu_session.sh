@@ -5,8 +5,9 @@
 # bench_{124m,350m}.json, torch_{124m,350m}.json, torch_warm.log.
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
-# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_TORCH=1 (no PyTorch reference),
-# KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a kiln/PyTorch/kiln order).
+# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_TORCH=1 (no
+# PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
+# kiln/PyTorch/kiln order).
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
 # (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
