@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
-#include <set>
 #include <tuple>
 
 #include "kernels/cuda/attention.cuh"
@@ -58,9 +57,12 @@ using GraphKey = std::tuple<int, int, int, int, bool>;  // B, NH, T, hs, backwar
 }  // namespace
 
 struct CudnnAttention {
+  struct Entry {
+    std::shared_ptr<fe::graph::Graph> graph;
+    int64_t plan = -1;  // the plan it runs: the fastest measured; -1 until its first call
+  };
   cudnnHandle_t handle = nullptr;
-  std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
-  std::set<GraphKey> tuned;  // plans already timed and the fastest chosen
+  std::map<GraphKey, Entry> graphs;
   ~CudnnAttention() {
     graphs.clear();
     if (handle) cudnnDestroy(handle);
@@ -148,59 +150,72 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
 }
 
 // Times each of the graph's plans on the real tensors (median of 5 after a warm-up), logs the
-// times, and makes the fastest the one execute() runs. Once per graph, before its first use.
-void choose_plan(CudnnAttention& state, fe::graph::Graph& graph, const GraphKey& key,
-                 std::unordered_map<int64_t, void*>& pack, CudaBackend& backend) {
-  if (!state.tuned.insert(key).second || graph.get_execution_plan_count() < 2) return;
-  void* workspace =
-      backend.scratch(static_cast<size_t>(std::max<int64_t>(graph.get_autotune_workspace_size(), 1)));
+// times, and returns the fastest one's index. Once per graph, at its first call.
+int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward,
+                    std::unordered_map<int64_t, void*>& pack, void* workspace, cudaStream_t stream) {
+  const int64_t count = graph.get_execution_plan_count();
+  if (count < 2) return 0;
   cudaEvent_t a, b;
   KILN_CUDA_CHECK(cudaEventCreate(&a));
   KILN_CUDA_CHECK(cudaEventCreate(&b));
   std::string report;
-  for (int64_t i = 0; i < graph.get_execution_plan_count(); ++i) {
+  int64_t best = -1;
+  float best_ms = 0;
+  for (int64_t i = 0; i < count; ++i) {
     std::string name;
     if (graph.get_plan_name_at_index(i, name).is_bad()) name = "plan" + std::to_string(i);
     std::vector<float> ms;
     for (int r = 0; r < 6; ++r) {
-      KILN_CUDA_CHECK(cudaEventRecord(a, backend.stream()));
-      if (graph.execute_plan_at_index(state.handle, pack, workspace, i).is_bad()) break;
-      KILN_CUDA_CHECK(cudaEventRecord(b, backend.stream()));
+      KILN_CUDA_CHECK(cudaEventRecord(a, stream));
+      if (graph.execute_plan_at_index(handle, pack, workspace, i).is_bad()) break;
+      KILN_CUDA_CHECK(cudaEventRecord(b, stream));
       KILN_CUDA_CHECK(cudaEventSynchronize(b));
       float t = 0;
       KILN_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
       if (r > 0) ms.push_back(t);
     }
+    if (ms.empty()) {
+      report += " " + name + "=failed";
+      continue;
+    }
     std::sort(ms.begin(), ms.end());
-    report += fmt::format(" {}={}", name, ms.empty() ? std::string("failed")
-                                                     : fmt::format("{:.3f}ms", ms[ms.size() / 2]));
+    const float median = ms[ms.size() / 2];
+    report += fmt::format(" {}={:.3f}ms", name, median);
+    if (best < 0 || median < best_ms) {
+      best = i;
+      best_ms = median;
+    }
   }
   KILN_CUDA_CHECK(cudaEventDestroy(a));
   KILN_CUDA_CHECK(cudaEventDestroy(b));
-  KILN_CUDNN_FE_CHECK(graph.autotune(state.handle, pack, workspace));
-  std::string chosen;
-  if (graph.get_plan_name(chosen).is_bad()) chosen = "?";
-  spdlog::info("attention (cudnn): {} plans timed:{}; chose {}",
-               std::get<4>(key) ? "backward" : "forward", report, chosen);
+  if (best < 0) throw std::runtime_error("attention (cudnn): no plan ran:" + report);
+  spdlog::info("attention (cudnn): {} plans timed:{}; chose #{}", backward ? "backward" : "forward",
+               report, best);
+  return best;
 }
 
-fe::graph::Graph& get_graph(CudnnAttention& state, const AttentionDims& d, bool backward) {
-  GraphKey key{d.B, d.NH, d.T, d.hs, backward};
-  auto it = state.graphs.find(key);
-  if (it != state.graphs.end()) return *it->second;
-  return *state.graphs.emplace(key, build_graph(state.handle, d, backward)).first->second;
+// Runs the cached graph for (d, backward) on `pack`: built, and its plan chosen, on first use.
+void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, CudaBackend& backend,
+              const AttentionDims& d, bool backward, std::unordered_map<int64_t, void*>& pack) {
+  if (!state) {
+    state.reset(new CudnnAttention);
+    KILN_CUDNN_CHECK(cudnnCreate(&state->handle));
+  }
+  KILN_CUDNN_CHECK(cudnnSetStream(state->handle, backend.stream()));
+  CudnnAttention::Entry& e = state->graphs[GraphKey{d.B, d.NH, d.T, d.hs, backward}];
+  if (!e.graph) e.graph = build_graph(state->handle, d, backward);
+  // Sized for the largest plan, so any chosen plan fits.
+  void* workspace = backend.scratch(
+      static_cast<size_t>(std::max<int64_t>(e.graph->get_autotune_workspace_size(), 1)));
+  if (e.plan < 0)
+    e.plan = choose_plan(state->handle, *e.graph, backward, pack, workspace, backend.stream());
+  KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state->handle, pack, workspace, e.plan));
 }
 
 }  // namespace
 
 void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, int n_head) {
   AttentionDims d = attention_dims(qkv, n_head, "attention_forward");
-  if (!cudnn_) {
-    cudnn_.reset(new CudnnAttention);
-    KILN_CUDNN_CHECK(cudnnCreate(&cudnn_->handle));
-  }
-  KILN_CUDNN_CHECK(cudnnSetStream(cudnn_->handle, stream_));
-  fe::graph::Graph& graph = get_graph(*cudnn_, d, false);
   char* base = qkv.ptr<char>();
   const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
   std::unordered_map<int64_t, void*> pack = {{kQ, base},
@@ -208,20 +223,12 @@ void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, in
                                              {kV, base + 2 * C_bytes},
                                              {kO, out.data},
                                              {kStats, lse.data}};
-  choose_plan(*cudnn_, graph, GraphKey{d.B, d.NH, d.T, d.hs, false}, pack, *this);
-  void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
-  KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
+  run_sdpa(cudnn_, *this, d, false, pack);
 }
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                            Tensor lse, int n_head) {
   AttentionDims d = attention_dims(qkv, n_head, "attention_backward");
-  if (!cudnn_) {
-    cudnn_.reset(new CudnnAttention);
-    KILN_CUDNN_CHECK(cudnnCreate(&cudnn_->handle));
-  }
-  KILN_CUDNN_CHECK(cudnnSetStream(cudnn_->handle, stream_));
-  fe::graph::Graph& graph = get_graph(*cudnn_, d, true);
   char* base = qkv.ptr<char>();
   char* dbase = dqkv.ptr<char>();
   const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
@@ -229,9 +236,7 @@ void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv,
       {kQ, base},         {kK, base + C_bytes},         {kV, base + 2 * C_bytes},
       {kO, out.data},     {kdO, dout.data},             {kStats, lse.data},
       {kdQ, dbase},       {kdK, dbase + C_bytes},       {kdV, dbase + 2 * C_bytes}};
-  choose_plan(*cudnn_, graph, GraphKey{d.B, d.NH, d.T, d.hs, true}, pack, *this);
-  void* workspace = scratch(static_cast<size_t>(std::max<int64_t>(graph.get_workspace_size(), 1)));
-  KILN_CUDNN_FE_CHECK(graph.execute(cudnn_->handle, pack, workspace));
+  run_sdpa(cudnn_, *this, d, true, pack);
 }
 
 #else  // built without the cuDNN frontend
