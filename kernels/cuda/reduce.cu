@@ -172,30 +172,24 @@ void CudaBackend::sum_squares(Tensor out, Tensor x, bool accumulate) {
 
 void CudaBackend::column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
+  const bf16* x = static_cast<const bf16*>(x_bf16);
   const int threads = 128;
-  if (C % kColVec == 0 && aligned(x_bf16, 16)) {
-    const int64_t col_blocks = ceil_div(C, static_cast<int64_t>(kColLanes) * kColVec);
-    const int64_t chunks = std::max<int64_t>(
-        1, std::min(ceil_div(kColumnBlocks, col_blocks), ceil_div(N, kColRows * kColUnroll)));
-    const int64_t rows_per_chunk = ceil_div(N, chunks);
-    const int used_chunks = static_cast<int>(ceil_div(N, rows_per_chunk));
-    float* partials = static_cast<float*>(scratch(static_cast<size_t>(used_chunks * C) * 4));
-    column_partials_vec_kernel<<<dim3(col_blocks, used_chunks), dim3(kColLanes, kColRows), 0,
-                                 stream_>>>(partials, static_cast<const bf16*>(x_bf16), N, C,
-                                            rows_per_chunk);
-    KILN_CUDA_LAUNCH_CHECK();
-    column_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(out, partials,
-                                                                       used_chunks, C);
-    KILN_CUDA_LAUNCH_CHECK();
-    return;
-  }
-  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const bool vectorized = C % kColVec == 0 && aligned(x_bf16, 16);
+  const int64_t col_blocks =
+      vectorized ? ceil_div(C, static_cast<int64_t>(kColLanes) * kColVec) : ceil_div(C, threads);
+  const int64_t chunks =
+      vectorized ? std::max<int64_t>(1, std::min(ceil_div(kColumnBlocks, col_blocks),
+                                                 ceil_div(N, kColRows * kColUnroll)))
+                 : std::min<int64_t>(ceil_div(N, 32), 256);
   const int64_t rows_per_chunk = ceil_div(N, chunks);
   const int used_chunks = ceil_div(N, rows_per_chunk);
   float* partials = static_cast<float*>(scratch(static_cast<size_t>(used_chunks * C) * 4));
-  dim3 grid(ceil_div(C, threads), used_chunks);
-  column_partials_kernel<<<grid, threads, 0, stream_>>>(
-      partials, static_cast<const bf16*>(x_bf16), N, C, rows_per_chunk);
+  if (vectorized)
+    column_partials_vec_kernel<<<dim3(col_blocks, used_chunks), dim3(kColLanes, kColRows), 0,
+                                 stream_>>>(partials, x, N, C, rows_per_chunk);
+  else
+    column_partials_kernel<<<dim3(col_blocks, used_chunks), threads, 0, stream_>>>(
+        partials, x, N, C, rows_per_chunk);
   KILN_CUDA_LAUNCH_CHECK();
   column_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(out, partials, used_chunks,
                                                                      C);
