@@ -18,15 +18,8 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kiln_ddp_diag}
 STEPS=${STEPS:-30}
-mkdir -p "$OUT" data/random
-[ -f data/random/train_000000.bin ] || python3 - <<'PY'
-import numpy as np
-n = 24_000_000
-header = np.zeros(256, dtype=np.int32); header[:3] = [20240520, 1, n]
-tokens = np.random.default_rng(0).integers(0, 50257, n, dtype=np.uint16)
-with open("data/random/train_000000.bin", "wb") as f:
-    f.write(header.tobytes()); f.write(tokens.tobytes())
-PY
+mkdir -p "$OUT"
+python3 tools/random_shard.py data/random/train_000000.bin
 args() {  # run name
   echo configs/gpt2-350m.yaml --data.train='data/random/train_*.bin' --data.val= \
     --train.batch_size=32 --train.grad_accum=1 --train.max_steps="$STEPS" --train.eval_every=0 \

@@ -26,16 +26,7 @@ grep -E "Failure|FAILED|error" "$OUT/nccl_tests.log" | head -20
   [ "$n" = "$NGPU" ] && break
 done
 
-# Random GPT-2-vocabulary tokens in llm.c's format (the PyTorch reference also trains on random tokens).
-python3 - <<'PY'
-import numpy as np, os
-os.makedirs("data/random", exist_ok=True)
-n = 24_000_000
-header = np.zeros(256, dtype=np.int32); header[:3] = [20240520, 1, n]
-tokens = np.random.default_rng(0).integers(0, 50257, n, dtype=np.uint16)
-with open("data/random/train_000000.bin", "wb") as f:
-    f.write(header.tobytes()); f.write(tokens.tobytes())
-PY
+python3 tools/random_shard.py data/random/train_000000.bin
 
 run_scaling() {  # strategy ngpu
   local s=$1 n=$2 dir="runs/scale_${1}_${2}"
