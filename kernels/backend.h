@@ -26,7 +26,7 @@ namespace kiln {
 
 // Scalars that change every step live in backend memory so a captured CUDA graph sees fresh
 // values on replay. Layout of the f32[kSchedSize] tensor passed to the optimizer ops:
-enum SchedSlot : int { kSchedLr = 0, kSchedStep = 1, kSchedClipScale = 2, kSchedGradNorm = 3 };
+enum SchedSlot : int { kSchedLr = 0, kSchedStep = 1, kSchedGradScale = 2, kSchedGradNorm = 3 };
 constexpr int kSchedSize = 4;
 
 struct AdamWHyper {
@@ -127,13 +127,16 @@ class Backend {
   // out: f32[1]. out (+)= sum(x) / sum(x*x). x is f32 or the activation dtype.
   virtual void reduce_sum(Tensor out, Tensor x, bool accumulate) = 0;
   virtual void sum_squares(Tensor out, Tensor x, bool accumulate) = 0;
-  // From sumsq (f32[1], the global sum of squared grads): sched[kSchedGradNorm] = sqrt(sumsq),
-  // sched[kSchedClipScale] = max_norm > 0 ? min(1, max_norm / (norm + 1e-6)) : 1.
-  virtual void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) = 0;
+  // sumsq: f32[1], the global sum of squares of g, the gradient buffer as it stands; the
+  // gradient is grad_scale * g (grad_scale = 1/world turns a sum over ranks into the mean, so
+  // no pass over g is needed). sched[kSchedGradNorm] = norm = grad_scale * sqrt(sumsq);
+  // sched[kSchedGradScale] = grad_scale * (max_norm > 0 ? min(1, max_norm / (norm + 1e-6)) : 1),
+  // the factor AdamW multiplies g by.
+  virtual void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) = 0;
   // sched[kSchedLr] = lr, sched[kSchedStep] = step (1-based, for bias correction).
   virtual void set_schedule(Tensor sched, float lr, int step) = 0;
   // AdamW over one contiguous range of the flat parameter buffers. master/grads/m/v: f32[n].
-  // g = grads * sched[clip]; m,v updated; bias-corrected with sched[step];
+  // g = grads * sched[kSchedGradScale]; m,v updated; bias-corrected with sched[step];
   // master -= lr * (mhat / (sqrt(vhat) + eps) + wd * master) where wd = hyper.weight_decay for
   // elements inside a decay span and 0 elsewhere. decay_spans: i64[S,2] in backend memory,
   // sorted [begin,end) offsets in the GLOBAL flat buffer; `offset` is the global index of
@@ -141,8 +144,6 @@ class Backend {
   virtual void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
                             Tensor decay_spans, int64_t offset, Tensor sched,
                             const AdamWHyper& hyper) = 0;
-  // x *= scale (f32 buffers; used to average all-reduced gradients).
-  virtual void scale(Tensor x, float scale) = 0;
   // dst += src elementwise (f32, same numel; used to accumulate sharded gradients).
   virtual void add(Tensor dst, Tensor src) = 0;
 

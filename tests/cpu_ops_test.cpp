@@ -441,13 +441,19 @@ TEST(CpuReductions, SumAndSumSquaresInDoubleWithAccumulate) {
 
 TEST(CpuOptimizer, GradNormClipAndSchedule) {
   std::vector<float> sched = zeros(kSchedSize), sumsq = {16.0f};
-  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 1.0f);
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 1.0f, 1.0f);
   EXPECT_EQ(sched[kSchedGradNorm], 4.0f);
-  EXPECT_FLOAT_EQ(sched[kSchedClipScale], 1.0f / (4.0f + 1e-6f));
-  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 10.0f);
-  EXPECT_EQ(sched[kSchedClipScale], 1.0f);
-  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 0.0f);  // clipping off
-  EXPECT_EQ(sched[kSchedClipScale], 1.0f);
+  EXPECT_FLOAT_EQ(sched[kSchedGradScale], 1.0f / (4.0f + 1e-6f));
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 10.0f, 1.0f);
+  EXPECT_EQ(sched[kSchedGradScale], 1.0f);
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 0.0f, 1.0f);  // clipping off
+  EXPECT_EQ(sched[kSchedGradScale], 1.0f);
+  // A sum over 4 ranks: the gradient is a quarter of g, norm 1; clipped to 0.5 it is g / 8.
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 0.5f, 0.25f);
+  EXPECT_EQ(sched[kSchedGradNorm], 1.0f);
+  EXPECT_FLOAT_EQ(sched[kSchedGradScale], 0.25f * 0.5f / (1.0f + 1e-6f));
+  cpu().grad_norm_clip(f32(sched, {kSchedSize}), f32(sumsq, {1}), 0.0f, 0.25f);
+  EXPECT_EQ(sched[kSchedGradScale], 0.25f);
 
   cpu().set_schedule(f32(sched, {kSchedSize}), 3e-4f, 7);
   EXPECT_EQ(sched[kSchedLr], 3e-4f);
@@ -483,7 +489,7 @@ void check_adamw(bool with_spans) {
   for (int t = 1; t <= 3; ++t) {
     auto grads = random_floats(n, 70 + t);
     cpu().set_schedule(f32(sched, {kSchedSize}), lrs[t - 1], t);
-    sched[kSchedClipScale] = clips[t - 1];
+    sched[kSchedGradScale] = clips[t - 1];
     Tensor span_t = with_spans ? Tensor{spans.data(), {2, 2}, DType::i64, Device::cpu} : Tensor{};
     Tensor working =
         t == 2 ? Tensor{working16.data(), {n}, DType::bf16, Device::cpu} : f32(working32, {n});
@@ -509,12 +515,6 @@ TEST(CpuOptimizer, AdamWMatchesHandComputedWithDecaySpansAndClip) {
 }
 TEST(CpuOptimizer, AdamWMatchesHandComputedWithoutDecay) {
   check_adamw(false);
-}
-
-TEST(CpuOptimizer, ScaleMultipliesInPlace) {
-  std::vector<float> x = {1.0f, -2.0f, 0.5f};
-  cpu().scale(f32(x, {3}), 0.25f);
-  EXPECT_EQ(x, (std::vector<float>{0.25f, -0.5f, 0.125f}));
 }
 
 TEST(CpuOptimizer, AddAccumulatesInPlace) {

@@ -200,14 +200,13 @@ DataParallel::HostShards DataParallel::checkpoint_shards() {
 void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, float lr,
                                   int step, float grad_clip, const AdamWHyper& hyper) {
   Backend& k = backend_;
-  const float inv_world = 1.0f / static_cast<float>(plan_.world);
   if (comm_) comm_->wait();  // DDP's bucket all-reduces
   if (plan_.strategy == "zero1") reduce_scatter(grad_shard_, grads_);
-  // Each rank's loss is the mean over its own tokens: average the summed gradients.
-  if (plan_.world > 1) k.scale(grad_shard_, inv_world);
   k.sum_squares(sumsq, grad_shard_, false);
   if (sharded()) all_reduce(sumsq);
-  k.grad_norm_clip(sched, sumsq, grad_clip);
+  // Each rank's loss is the mean over its own tokens, so the gradient is the mean of the
+  // summed ones: AdamW applies the 1/world with the clip factor instead of a pass over them.
+  k.grad_norm_clip(sched, sumsq, grad_clip, 1.0f / static_cast<float>(plan_.world));
   k.set_schedule(sched, lr, step);
   for (const auto& o : plan_.owned) {
     const Shape n{o.end - o.begin};

@@ -95,16 +95,17 @@ void CpuBackend::sum_squares(Tensor out, Tensor x, bool accumulate) {
         accumulate);
 }
 
-void CpuBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) {
+void CpuBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
   OpCheck c{"grad_norm_clip"};
   c.f32("sched", sched);
   c.numel("sched", sched, kSchedSize);
   c.f32("sumsq", sumsq);
   c.numel("sumsq", sumsq, 1);
   float* s = sched.ptr<float>();
-  const float norm = std::sqrt(sumsq.ptr<float>()[0]);
+  const float norm = grad_scale * std::sqrt(sumsq.ptr<float>()[0]);
   s[kSchedGradNorm] = norm;
-  s[kSchedClipScale] = max_norm > 0.0f ? std::min(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+  s[kSchedGradScale] =
+      grad_scale * (max_norm > 0.0f ? std::min(1.0f, max_norm / (norm + 1e-6f)) : 1.0f);
 }
 
 void CpuBackend::set_schedule(Tensor sched, float lr, int step) {
@@ -139,7 +140,7 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
   }
   const std::vector<DecayRun> runs = decay_runs(c, decay_spans, offset, n);
   const float* s = sched.ptr<float>();
-  const float lr = s[kSchedLr], step = s[kSchedStep], clip = s[kSchedClipScale];
+  const float lr = s[kSchedLr], step = s[kSchedStep], clip = s[kSchedGradScale];
   if (!(step >= 1.0f)) c.fail("sched", "step must be >= 1; call set_schedule first");
 
   const float b1 = hyper.beta1, b2 = hyper.beta2, eps = hyper.eps;
@@ -165,15 +166,6 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
       if (w16) w16[i] = f32_to_bf16(pi);
     }
   }
-}
-
-void CpuBackend::scale(Tensor x, float scale) {
-  OpCheck c{"scale"};
-  c.f32("x", x);
-  float* p = x.ptr<float>();
-  const int64_t n = x.numel();
-#pragma omp parallel for schedule(static) if (cpu::worth_parallel(n))
-  for (int64_t i = 0; i < n; ++i) p[i] *= scale;
 }
 
 void CpuBackend::add(Tensor dst, Tensor src) {

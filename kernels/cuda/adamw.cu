@@ -52,7 +52,7 @@ __global__ void adamw_vec4_kernel(float* master, const float* grads, float* m, f
                                   float beta2, float eps, float weight_decay) {
   const float lr = sched[kSchedLr];
   const float step = sched[kSchedStep];
-  const float clip = sched[kSchedClipScale];
+  const float clip = sched[kSchedGradScale];
   const float bc1 = 1.0f - powf(beta1, step);
   const float bc2 = 1.0f - powf(beta2, step);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
@@ -95,7 +95,7 @@ __global__ void adamw_kernel(float* master, const float* grads, float* m, float*
                              float beta2, float eps, float weight_decay) {
   const float lr = sched[kSchedLr];
   const float step = sched[kSchedStep];
-  const float clip = sched[kSchedClipScale];
+  const float clip = sched[kSchedGradScale];
   const float bc1 = 1.0f - powf(beta1, step);
   const float bc2 = 1.0f - powf(beta2, step);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

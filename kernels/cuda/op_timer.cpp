@@ -140,8 +140,8 @@ void OpTimer::reduce_sum(Tensor out, Tensor x, bool accumulate) {
 void OpTimer::sum_squares(Tensor out, Tensor x, bool accumulate) {
   timed("sum_squares", [&] { inner_.sum_squares(out, x, accumulate); });
 }
-void OpTimer::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) {
-  timed("grad_norm_clip", [&] { inner_.grad_norm_clip(sched, sumsq, max_norm); });
+void OpTimer::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
+  timed("grad_norm_clip", [&] { inner_.grad_norm_clip(sched, sumsq, max_norm, grad_scale); });
 }
 void OpTimer::set_schedule(Tensor sched, float lr, int step) {
   timed("set_schedule", [&] { inner_.set_schedule(sched, lr, step); });
@@ -153,10 +153,6 @@ void OpTimer::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tens
     inner_.adamw_update(master, grads, m, v, working, decay_spans, offset, sched, hyper);
   });
 }
-void OpTimer::scale(Tensor x, float s) {
-  timed("scale", [&] { inner_.scale(x, s); });
-}
-
 void OpTimer::add(Tensor dst, Tensor src) {
   timed("add", [&] { inner_.add(dst, src); });
 }

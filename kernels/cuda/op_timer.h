@@ -79,12 +79,11 @@ class OpTimer final : public Backend {
                              float dloss_scale, bool write_dlogits) override;
   void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
   void sum_squares(Tensor out, Tensor x, bool accumulate) override;
-  void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) override;
+  void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) override;
   void set_schedule(Tensor sched, float lr, int step) override;
   void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
                     Tensor decay_spans, int64_t offset, Tensor sched,
                     const AdamWHyper& hyper) override;
-  void scale(Tensor x, float scale) override;
   void add(Tensor dst, Tensor src) override;
 
  private:

@@ -1,5 +1,5 @@
 // Reductions and the small optimizer-side ops: reduce_sum / sum_squares, column sums for bias
-// gradients, grad_norm_clip, set_schedule, scale.
+// gradients, grad_norm_clip, set_schedule, add.
 // Design choice: no float atomics anywhere. Sums run in two passes with a FIXED grid (partials
 // per block, then one block combines them in tree order), so a result depends only on the
 // input, never on scheduling: bit-reproducible run to run.
@@ -104,10 +104,12 @@ __global__ void column_final_kernel(float* out, const float* partials, int chunk
   out[c] += acc;
 }
 
-__global__ void grad_norm_clip_kernel(float* sched, const float* sumsq, float max_norm) {
-  const float norm = sqrtf(sumsq[0]);
+__global__ void grad_norm_clip_kernel(float* sched, const float* sumsq, float max_norm,
+                                      float grad_scale) {
+  const float norm = grad_scale * sqrtf(sumsq[0]);
   sched[kSchedGradNorm] = norm;
-  sched[kSchedClipScale] = max_norm > 0.0f ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+  sched[kSchedGradScale] =
+      grad_scale * (max_norm > 0.0f ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f);
 }
 
 // The values travel as kernel arguments, so the host calls this every step. Under CUDA-graph
@@ -116,12 +118,6 @@ __global__ void grad_norm_clip_kernel(float* sched, const float* sumsq, float ma
 __global__ void set_schedule_kernel(float* sched, float lr, float step) {
   sched[kSchedLr] = lr;
   sched[kSchedStep] = step;
-}
-
-__global__ void scale_kernel(float* x, float s, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[i] *= s;
 }
 
 __global__ void add_kernel(float* __restrict__ dst, const float* __restrict__ src, int64_t n) {
@@ -196,11 +192,12 @@ void CudaBackend::column_sum_accumulate(float* out, const void* x_bf16, int64_t 
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm) {
+void CudaBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
   expect_f32(sched, "grad_norm_clip", "sched");
   expect_numel(sched, kSchedSize, "grad_norm_clip", "sched");
   expect_f32(sumsq, "grad_norm_clip", "sumsq");
-  grad_norm_clip_kernel<<<1, 1, 0, stream_>>>(sched.ptr<float>(), sumsq.ptr<float>(), max_norm);
+  grad_norm_clip_kernel<<<1, 1, 0, stream_>>>(sched.ptr<float>(), sumsq.ptr<float>(), max_norm,
+                                              grad_scale);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -208,16 +205,6 @@ void CudaBackend::set_schedule(Tensor sched, float lr, int step) {
   expect_f32(sched, "set_schedule", "sched");
   expect_numel(sched, kSchedSize, "set_schedule", "sched");
   set_schedule_kernel<<<1, 1, 0, stream_>>>(sched.ptr<float>(), lr, static_cast<float>(step));
-  KILN_CUDA_LAUNCH_CHECK();
-}
-
-void CudaBackend::scale(Tensor x, float s) {
-  expect_f32(x, "scale", "x");
-  const int64_t n = x.numel();
-  if (n == 0) return;
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
-  scale_kernel<<<blocks, threads, 0, stream_>>>(x.ptr<float>(), s, n);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -141,7 +141,7 @@ struct StepRun {
   // The trainer's optimizer tail: global norm, clip at 1, AdamW step 1 at lr.
   float optimizer_step(float lr) {
     k->sum_squares(sumsq, grads, false);
-    k->grad_norm_clip(sched, sumsq, 1.0f);
+    k->grad_norm_clip(sched, sumsq, 1.0f, 1.0f);
     k->set_schedule(sched, lr, 1);
     AdamWHyper hyper;
     hyper.weight_decay = 0.1f;
