@@ -10,10 +10,17 @@
 #   nodes     2 single-GPU "nodes" over loopback, NCCL on sockets (simulated inter-node);
 #   nodes_p2p the same 2 "nodes" with NCCL free to use NVLink;
 #   ddp_ctasN, zero1_ctasN, fsdp_ctasN   as ddp / zero1 / fsdp with NCCL_MAX_CTAS=N: how much
-#             the collectives' SM use slows the compute they overlap.
-# Run after a build (build/bin/train); logs and a table go to $OUT. STEPS (30) per run; the
-# figure is the median of the trainer's per-step ms over steps 6..STEPS. RUNS picks the runs
-# (default: all but the _ctas ones), e.g. RUNS="solo ddp ddp_ctas4 ddp_ctas8".
+#             the collectives' SM use slows the compute they overlap;
+#   ddp_bN    ddp with --dist.bucket_mb=N.
+# A run named KIND.N (solo.2, ddp.2) is KIND again: GPUs clock down as they warm up, so put solo
+# runs between the others ("vs solo" is against the median of all solo runs) after a warm-up.
+# TRACE=1 also records every kernel of every run (build/lib/libkiln_trace.so, a CUPTI injection
+# library) and prints tools/trace_summary.py for one rank of each run against solo: busy,
+# overlap, exposed communication, idle gaps, and which kernels got slower.
+# Run after a build (build/bin/train, and build/lib/libkiln_trace.so for TRACE); logs and a
+# table go to $OUT. STEPS (30) per run; the figure is the median of the trainer's per-step ms
+# over steps 6..STEPS. RUNS picks the runs (default: all but the _ctas and _b ones), e.g.
+# RUNS="ddp solo ddp_tail solo.2 ddp.2 solo.3".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kiln_ddp_diag}
@@ -27,6 +34,11 @@ args() {  # run name
     --train.out_dir="runs/diag_$1"
 }
 train=./build/bin/train
+traced() {  # name: the environment that traces run `name`, if TRACE=1
+  [ -n "${TRACE:-}" ] || return 0
+  mkdir -p "$OUT/trace_$1"
+  echo CUDA_INJECTION64_PATH=$PWD/build/lib/libkiln_trace.so KILN_TRACE_DIR=$OUT/trace_$1
+}
 nodes() {  # name port env...
   local name=$1 port=$2; shift 2
   local common=(--nnodes=2 --nproc-per-node=1 --master-addr=127.0.0.1 --master-port="$port")
@@ -36,42 +48,60 @@ nodes() {  # name port env...
     --node-rank=0 > "$OUT/$name.log" 2>&1
   wait
 }
-run() {  # name
-  case $1 in
-    solo) $train $(args solo) ;;
+run() {  # name: a kind below, optionally with ".N" to run it again (solo.2: between other runs)
+  local kind=${1%.*} trace_env; trace_env=$(traced "$1")
+  [ -z "$trace_env" ] || export $trace_env
+  case $kind in
+    solo) $train $(args "$1") ;;
     pair)
       CUDA_VISIBLE_DEVICES=0 $train $(args pair0) > "$OUT/pair0.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=1 $train $(args pair1) > "$OUT/pair1.log" 2>&1
       wait ;;
-    ddp) $train $(args ddp) --nproc-per-node=2 ;;
-    ddp_tail) $train $(args ddp_tail) --nproc-per-node=2 --dist.bucket_mb=100000 ;;
-    zero1|fsdp) $train $(args "$1") --nproc-per-node=2 --dist.strategy="$1" ;;
+    ddp) $train $(args "$1") --nproc-per-node=2 ;;
+    ddp_tail) $train $(args "$1") --nproc-per-node=2 --dist.bucket_mb=100000 ;;
+    zero1|fsdp) $train $(args "$1") --nproc-per-node=2 --dist.strategy="$kind" ;;
     nodes) nodes nodes 29741 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
              NCCL_SOCKET_IFNAME=lo ;;
     nodes_p2p) nodes nodes_p2p 29751 ;;
-    *_ctas*) NCCL_MAX_CTAS=${1##*_ctas} $train $(args "$1") --nproc-per-node=2 \
-               --dist.strategy="${1%%_ctas*}" ;;
+    *_ctas*) NCCL_MAX_CTAS=${kind##*_ctas} $train $(args "$1") --nproc-per-node=2 \
+               --dist.strategy="${kind%%_ctas*}" ;;
+    ddp_b*) $train $(args "$1") --nproc-per-node=2 --dist.bucket_mb="${kind#ddp_b}" ;;
+    *) echo "ddp_diag.sh: unknown run '$1'" >&2 ;;
   esac > "$OUT/$1.log" 2>&1
+  unset CUDA_INJECTION64_PATH KILN_TRACE_DIR
 }
 RUNS=${RUNS:-solo pair ddp ddp_tail zero1 fsdp nodes nodes_p2p}
 for r in $RUNS; do run "$r"; done
 python3 - "$STEPS" "$RUNS" <<'PY' | tee "$OUT/diag.md"
 import json, statistics, sys, os
+# "vs solo": against the median of every solo run (solo, solo.2, ...), so that runs placed
+# between them share the GPUs' warm state.
 print("| run | GPUs | median ms/step | tok/s per GPU | vs solo |")
 print("|---|---|---|---|---|")
-base = None
-names = []
+names, ms = [], {}
 for r in sys.argv[2].split():
     names += ["pair0", "pair1"] if r == "pair" else [r]
 for name in names:
     path = f"runs/diag_{name}/metrics.jsonl"
-    if not os.path.exists(path):
+    if os.path.exists(path):
+        ms[name] = statistics.median(json.loads(l)["ms"] for l in list(open(path))[5:])
+solos = [v for k, v in ms.items() if k.split(".")[0] == "solo"]
+base = statistics.median(solos) if solos else None
+for name in names:
+    if name not in ms:
         print(f"| {name} | | failed | | |"); continue
-    m = [json.loads(l) for l in open(path)][5:]
-    ms = statistics.median(x["ms"] for x in m)
-    n = 1 if name in ("solo", "pair0", "pair1") else 2
-    tok = 32 * 1024 / (ms / 1000)
-    if name == "solo": base = ms
-    rel = f"{100 * base / ms:.1f}%" if base else ""
-    print(f"| {name} | {n} | {ms:.1f} | {tok:,.0f} | {rel} |")
+    n = 1 if name.split(".")[0] in ("solo", "pair0", "pair1") else 2
+    rel = f"{100 * base / ms[name]:.1f}%" if base else ""
+    print(f"| {name} | {n} | {ms[name]:.1f} | {32 * 1024 / (ms[name] / 1000):,.0f} | {rel} |")
 PY
+if [ -n "${TRACE:-}" ]; then
+  rank0() {  # one rank's trace: the largest file (the launcher's own trace holds no kernels)
+    wc -l "$OUT"/trace_"$1"/kernels.*.csv 2>/dev/null | grep -v total | sort -n | tail -1 | awk '{print $2}'
+  }
+  base=$(rank0 solo)
+  for r in $RUNS; do
+    t=$(rank0 "$r"); [ -n "$t" ] || continue
+    echo "== trace: $r${base:+ vs solo}"
+    python3 tools/trace_summary.py "$t" ${base:+--vs "$base"}
+  done | tee "$OUT/trace.md"
+fi
