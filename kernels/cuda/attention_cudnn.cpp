@@ -149,45 +149,31 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
   return graph;
 }
 
-// Times each of the graph's plans on the real tensors (median of 5 after a warm-up), logs the
+// Times each of the graph's plans on the real tensors (cuda::median_ms), logs the
 // times, and returns the fastest one's index. Once per graph, at its first call.
 int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward,
                     std::unordered_map<int64_t, void*>& pack, void* workspace, cudaStream_t stream) {
   const int64_t count = graph.get_execution_plan_count();
   if (count < 2) return 0;
-  cudaEvent_t a, b;
-  KILN_CUDA_CHECK(cudaEventCreate(&a));
-  KILN_CUDA_CHECK(cudaEventCreate(&b));
   std::string report;
   int64_t best = -1;
   float best_ms = 0;
   for (int64_t i = 0; i < count; ++i) {
     std::string name;
     if (graph.get_plan_name_at_index(i, name).is_bad()) name = "plan" + std::to_string(i);
-    std::vector<float> ms;
-    for (int r = 0; r < 6; ++r) {
-      KILN_CUDA_CHECK(cudaEventRecord(a, stream));
-      if (graph.execute_plan_at_index(handle, pack, workspace, i).is_bad()) break;
-      KILN_CUDA_CHECK(cudaEventRecord(b, stream));
-      KILN_CUDA_CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      KILN_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-      if (r > 0) ms.push_back(t);
-    }
-    if (ms.empty()) {
+    const float median = cuda::median_ms(stream, [&] {
+      return graph.execute_plan_at_index(handle, pack, workspace, i).is_good();
+    });
+    if (median < 0) {
       report += " " + name + "=failed";
       continue;
     }
-    std::sort(ms.begin(), ms.end());
-    const float median = ms[ms.size() / 2];
     report += fmt::format(" {}={:.3f}ms", name, median);
     if (best < 0 || median < best_ms) {
       best = i;
       best_ms = median;
     }
   }
-  KILN_CUDA_CHECK(cudaEventDestroy(a));
-  KILN_CUDA_CHECK(cudaEventDestroy(b));
   if (best < 0) throw std::runtime_error("attention (cudnn): no plan ran:" + report);
   spdlog::info("attention (cudnn): {} plans timed:{}; chose #{}", backward ? "backward" : "forward",
                report, best);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -35,6 +36,10 @@ namespace cuda {
 #define KILN_CUDA_LAUNCH_CHECK() KILN_CUDA_CHECK(cudaGetLastError())
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Median time in ms of 5 runs of `run` on `stream`, after one untimed run; -1 if `run` returns
+// false (a variant that cannot run). Waits for the GPU: for one-off choices at first use.
+float median_ms(cudaStream_t stream, const std::function<bool()>& run);
 
 // Every tensor an op touches lives on the GPU; activations must be bf16 (the backend's
 // activation dtype), with a message that says so when f32 comes in.

@@ -7,8 +7,10 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <new>
 #include <sstream>
+#include <vector>
 
 #include "kernels/cuda/common.cuh"
 
@@ -19,6 +21,27 @@ void throw_cuda_error(const char* what, const char* call, const char* file, int 
   std::ostringstream s;
   s << file << ":" << line << ": " << call << " failed: " << what;
   throw std::runtime_error(s.str());
+}
+
+float median_ms(cudaStream_t stream, const std::function<bool()>& run) {
+  cudaEvent_t a, b;
+  KILN_CUDA_CHECK(cudaEventCreate(&a));
+  KILN_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < 6; ++r) {
+    KILN_CUDA_CHECK(cudaEventRecord(a, stream));
+    if (!run()) break;
+    KILN_CUDA_CHECK(cudaEventRecord(b, stream));
+    KILN_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    KILN_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    if (r > 0) ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  if (ms.size() < 5) return -1.0f;
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 void expect_device(const Tensor& t, const char* op, const char* what) {

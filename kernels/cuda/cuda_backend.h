@@ -47,6 +47,11 @@ class CudaBackend final : public Backend {
   void set_attention(const std::string& kind) override;
   std::string attention_name() const override;
   AttentionKind attention() const { return attention_; }
+  // Backward through GELU (matmul_backward with inp_pre_gelu): cuBLASLt's DGELU epilogue, or a
+  // plain GEMM and a gelu' kernel. Auto (the default) times both per shape at first use; tests
+  // force each to check both against the CPU.
+  enum class GeluBackward { automatic, epilogue, kernel };
+  void set_gelu_backward(GeluBackward g) { gelu_backward_ = g; }
   static bool cudnn_built();  // compiled with the cuDNN frontend
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
@@ -117,6 +122,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int sm_count_ = 0;
+  GeluBackward gelu_backward_ = GeluBackward::automatic;
   std::string name_;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;

@@ -3,9 +3,10 @@
 //  - Row-major kiln tensors are read as column-major transposes, so out[N,OC] = inp @ W^T is
 //    the column-major GEMM out^T[OC,N] = W^T^T[OC,C] . inp^T[C,N] with no copies.
 //  - Forward fuses the bias (BIAS) or bias + GELU (GELU_AUX_BIAS: out = gelu(x), pre_gelu = x
-//    written as the aux output). Backward fuses gelu' into the dinp GEMM (DGELU, aux =
-//    inp_pre_gelu). dweight is a bf16 x bf16 -> f32 GEMM with beta = 1, accumulating straight
-//    into the f32 gradient. dbias is NOT cuBLASLt's BGRADB epilogue: that overwrites, and the
+//    written as the aux output). Backward applies gelu' to the dinp GEMM either as cuBLASLt's
+//    DGELU epilogue (aux = inp_pre_gelu) or as a kernel of its own after a plain GEMM,
+//    whichever timed faster for the shape at its first call. dweight is a bf16 x bf16 -> f32
+//    GEMM with beta = 1, accumulating straight into the f32 gradient. dbias is NOT cuBLASLt's BGRADB epilogue: that overwrites, and the
 //    interface accumulates, so a deterministic column-sum kernel adds into the f32 bias grad.
 //  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
 //    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
@@ -66,6 +67,9 @@ struct GemmArgs {
 
 struct MatmulPlans {
   std::map<GemmKey, GemmPlan> plans;
+  // Per backward-through-GELU shape (N, C, OC): gelu' as a kernel of its own after a plain GEMM
+  // (true) or as cuBLASLt's DGELU epilogue (false). Chosen by timing, at first use.
+  std::map<std::tuple<int64_t, int64_t, int64_t>, bool> separate_dgelu;
   ~MatmulPlans() {
     for (auto& kv : plans) {
       cublasLtMatrixLayoutDestroy(kv.second.a);
@@ -191,6 +195,37 @@ void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const
                                 "] (leading dims flattened)");
 }
 
+// GELU (tanh form) and its derivative, as kernels/cpu/matmul.cpp defines them.
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+__device__ inline float gelu_grad(float x) {
+  const float t = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
+  return 0.5f * (1.0f + t) +
+         0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+}
+
+// d[i] *= gelu'(pre[i]), in place; 8 bf16 per thread and 16-byte accesses when `packed` (both
+// pointers 16-byte aligned), then the < 8 left over one by one.
+__global__ void gelu_backward_kernel(bf16* d, const bf16* pre, int64_t n, bool packed) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  int64_t done = 0;
+  if (packed) {
+    using P = Packed128<bf16>;
+    const int64_t packs = n / P::size;
+    for (int64_t p = i; p < packs; p += stride) {
+      P dv = load128(d + p * P::size);
+      const P pv = load128cs(pre + p * P::size);
+      for (int k = 0; k < P::size; ++k)
+        dv[k] = from_float<bf16>(to_float(dv[k]) * gelu_grad(to_float(pv[k])));
+      store128(d + p * P::size, dv);
+    }
+    done = packs * P::size;
+  }
+  for (int64_t j = done + i; j < n; j += stride)
+    d[j] = from_float<bf16>(to_float(d[j]) * gelu_grad(to_float(pre[j])));
+}
+
 }  // namespace
 
 void CudaBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
@@ -242,14 +277,53 @@ void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Ten
   if (dinp.defined()) {
     expect_activation(dinp, op, "dinp");
     check_2d(dinp, N, C, op, "dinp");
-    GemmArgs g{C, N, OC, false, false, weight.data, dout.data, dinp.data, CUDA_R_16BF, 0.0f};
-    if (inp_pre_gelu.defined()) {
+    const GemmArgs g{C, N, OC, false, false, weight.data, dout.data, dinp.data, CUDA_R_16BF, 0.0f};
+    auto plain = [&] {
+      gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+      return true;
+    };
+    if (!inp_pre_gelu.defined()) {
+      plain();
+    } else {
       expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
       check_2d(inp_pre_gelu, N, C, op, "inp_pre_gelu");
-      g.epilogue = CUBLASLT_EPILOGUE_DGELU;
-      g.aux = inp_pre_gelu.data;
+      auto fused = [&] {
+        GemmArgs gd = g;
+        gd.epilogue = CUBLASLT_EPILOGUE_DGELU;
+        gd.aux = inp_pre_gelu.data;
+        gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gd);
+        return true;
+      };
+      auto separate = [&] {
+        plain();
+        const int64_t n = N * C;
+        const int threads = 256;
+        const int blocks = static_cast<int>(
+            std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count_ * 8));
+        gelu_backward_kernel<<<blocks, threads, 0, stream_>>>(
+            static_cast<bf16*>(dinp.data), static_cast<const bf16*>(inp_pre_gelu.data), n,
+            aligned(dinp.data, 16) && aligned(inp_pre_gelu.data, 16));
+        KILN_CUDA_LAUNCH_CHECK();
+        return true;
+      };
+      // Which is faster depends on the shape (H200: the epilogue at GPT-2 124M's 768 -> 3072,
+      // the plain GEMM at 350M's 1024 -> 4096, each by ~15%). The separate kernel must win by
+      // 5% so that timing noise cannot flip the choice, and with it the rounding, run to run.
+      bool sep = gelu_backward_ == GeluBackward::kernel;
+      if (gelu_backward_ == GeluBackward::automatic) {
+        const auto key = std::make_tuple(N, C, OC);
+        auto it = matmul_plans_->separate_dgelu.find(key);
+        if (it == matmul_plans_->separate_dgelu.end()) {
+          const float t_fused = median_ms(stream_, fused), t_sep = median_ms(stream_, separate);
+          spdlog::info("matmul_backward {}x{} <- {} through GELU: DGELU epilogue {:.3f} ms, "
+                       "plain GEMM + gelu' kernel {:.3f} ms; chose the {}", N, C, OC, t_fused,
+                       t_sep, t_sep < 0.95f * t_fused ? "gelu' kernel" : "epilogue");
+          it = matmul_plans_->separate_dgelu.emplace(key, t_sep < 0.95f * t_fused).first;
+        }
+        sep = it->second;
+      }
+      sep ? separate() : fused();
     }
-    gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
   }
   GemmArgs gw{C, OC, N, false, true, inp.data, dout.data, dweight.data, CUDA_R_32F, 1.0f};
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);

@@ -328,13 +328,15 @@ INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 1024, 100
 
 struct MatmulCase {
   bool bias, gelu;
+  int T = 64, C = 256;  // C = 50, T = 61: N * C is no multiple of 8 (the gelu' kernel's tail)
 };
+using GeluBackward = CudaBackend::GeluBackward;
 
 class CudaMatmul : public CudaOps, public ::testing::WithParamInterface<MatmulCase> {};
 
 TEST_P(CudaMatmul, ForwardBackward) {
   const MatmulCase mc = GetParam();
-  const int B = 2, T = 64, C = 256, OC = 384, N = B * T;
+  const int B = 2, T = mc.T, C = mc.C, OC = 384, N = B * T;
   std::vector<float> x = rand(N * C), w = rand(OC * C, 0.1f), bias = rand(OC);
   Buf cx = cpu({B, T, C}, x), cw = cpu({OC, C}, w), cbias = cpu({OC}, bias);
   Buf gx = act({B, T, C}, x), gw = act({OC, C}, w), gbias = act({OC}, bias);
@@ -357,7 +359,17 @@ TEST_P(CudaMatmul, ForwardBackward) {
                         mc.gelu ? Tensor(cpreIn) : Tensor{});
   gpu_->matmul_backward(gdi, gdw, mc.bias ? Tensor(gdb) : Tensor{}, gdo, gx, gw,
                         mc.gelu ? Tensor(gpreIn) : Tensor{});
-  EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, mc.gelu ? "matmul dinp (DGELU epilogue)" : "matmul dinp");
+  EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, mc.gelu ? "matmul dinp (times gelu', auto)" : "matmul dinp");
+  if (mc.gelu) {  // each way of applying gelu', forced (dweight is not compared: it accumulates)
+    for (GeluBackward g : {GeluBackward::epilogue, GeluBackward::kernel}) {
+      gpu_->set_gelu_backward(g);
+      Buf gdi2 = poisoned({B, T, C}, DType::bf16), gdw2 = gpu({OC, C}, DType::f32, dw0);
+      gpu_->matmul_backward(gdi2, gdw2, Tensor{}, gdo, gx, gw, gpreIn);
+      gpu_->set_gelu_backward(GeluBackward::automatic);
+      EXPECT_CLOSE(host(gdi2), host(cdi), kBf16Tol,
+                   g == GeluBackward::kernel ? "matmul dinp (gelu' kernel)" : "matmul dinp (DGELU epilogue)");
+    }
+  }
   EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, "matmul dweight (+=)");
   if (mc.bias) EXPECT_CLOSE(host(gdb), host(cdb), kF32Tol, "matmul dbias (+=)");
   else EXPECT_EQ(host(gdb), db0) << "dbias touched although absent";
@@ -370,10 +382,12 @@ TEST_P(CudaMatmul, ForwardBackward) {
 
 INSTANTIATE_TEST_SUITE_P(Epilogues, CudaMatmul,
                          ::testing::Values(MatmulCase{false, false}, MatmulCase{true, false},
-                                           MatmulCase{true, true}, MatmulCase{false, true}),
+                                           MatmulCase{true, true}, MatmulCase{false, true},
+                                           MatmulCase{true, true, 61, 50}),
                          [](const ::testing::TestParamInfo<MatmulCase>& i) {
                            return std::string(i.param.bias ? "Bias" : "NoBias") +
-                                  (i.param.gelu ? "Gelu" : "");
+                                  (i.param.gelu ? "Gelu" : "") +
+                                  (i.param.C != 256 ? "C" + std::to_string(i.param.C) : "");
                          });
 
 // ---- attention ----------------------------------------------------------------------------
