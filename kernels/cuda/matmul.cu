@@ -6,8 +6,9 @@
 //    written as the aux output). Backward applies gelu' to the dinp GEMM either as cuBLASLt's
 //    DGELU epilogue (aux = inp_pre_gelu) or as a kernel of its own after a plain GEMM,
 //    whichever timed faster for the shape at its first call. dweight is a bf16 x bf16 -> f32
-//    GEMM with beta = 1, accumulating straight into the f32 gradient. dbias is NOT cuBLASLt's BGRADB epilogue: that overwrites, and the
-//    interface accumulates, so a deterministic column-sum kernel adds into the f32 bias grad.
+//    GEMM with beta = 1, accumulating straight into the f32 gradient. dbias is NOT cuBLASLt's
+//    BGRADB epilogue: that overwrites, and the interface accumulates, so a deterministic
+//    column-sum kernel adds into the f32 bias grad.
 //  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
 //    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
 #include <spdlog/spdlog.h>
