@@ -2,7 +2,7 @@
 // Sums run in double over fixed 64K-element chunks whose partials are added in chunk order, so
 // the f32 result is the same for any thread count. AdamW is elementwise in f32, exactly the
 // header's formula; the decay spans are walked once to split [offset, offset+n) into runs with
-// and without weight decay. Per-step scalars (lr, step, clip scale) are read from `sched`.
+// and without weight decay. Per-step scalars (lr, step, gradient scale) are read from `sched`.
 #include <algorithm>
 #include <stdexcept>
 #include <cmath>
@@ -140,7 +140,7 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
   }
   const std::vector<DecayRun> runs = decay_runs(c, decay_spans, offset, n);
   const float* s = sched.ptr<float>();
-  const float lr = s[kSchedLr], step = s[kSchedStep], clip = s[kSchedGradScale];
+  const float lr = s[kSchedLr], step = s[kSchedStep], grad_scale = s[kSchedGradScale];
   if (!(step >= 1.0f)) c.fail("sched", "step must be >= 1; call set_schedule first");
 
   const float b1 = hyper.beta1, b2 = hyper.beta2, eps = hyper.eps;
@@ -154,7 +154,7 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
     const float wd = run.decay ? hyper.weight_decay : 0.0f;
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(run.end - run.begin))
     for (int64_t i = run.begin; i < run.end; ++i) {
-      const float gi = g[i] * clip;
+      const float gi = g[i] * grad_scale;
       const float mi = b1 * mp[i] + (1.0f - b1) * gi;
       const float vi = b2 * vp[i] + (1.0f - b2) * gi * gi;
       const float mhat = mi / b1_corr, vhat = vi / b2_corr;

@@ -1,6 +1,6 @@
 // Fused AdamW over one contiguous range of the flat parameter buffers: one launch reads
 // master/grad/m/v once, writes master/m/v and the bf16 working copy.
-// Design choice: lr, step and the clip scale are read from `sched` in device memory (never
+// Design choice: lr, step and the gradient scale are read from `sched` in device memory (never
 // kernel arguments), so a captured CUDA graph sees fresh values on replay; whether an element
 // decays is a binary search of its GLOBAL index in the sorted decay-span table, also in device
 // memory, so ZeRO-1 shards and DDP buckets (any sub-range) need no extra tables.
@@ -33,6 +33,17 @@ __device__ inline bool decay_run(const int64_t* spans, int64_t nspans, int64_t g
   return false;
 }
 
+// The step's scalars, read from `sched`: learning rate, the factor the gradients are multiplied
+// by (clip and 1/world), and the bias corrections.
+struct StepScalars {
+  float lr, grad_scale, bc1, bc2;
+};
+__device__ inline StepScalars step_scalars(const float* sched, float beta1, float beta2) {
+  const float step = sched[kSchedStep];
+  return {sched[kSchedLr], sched[kSchedGradScale], 1.0f - powf(beta1, step),
+          1.0f - powf(beta2, step)};
+}
+
 __device__ inline float adamw_element(float& p, float& mi, float& vi, float g, float beta1,
                                       float beta2, float bc1, float bc2, float lr, float eps,
                                       float wd) {
@@ -50,11 +61,7 @@ __global__ void adamw_vec4_kernel(float* master, const float* grads, float* m, f
                                   bf16* working, const int64_t* spans, int64_t nspans,
                                   int64_t offset, int64_t n4, const float* sched, float beta1,
                                   float beta2, float eps, float weight_decay) {
-  const float lr = sched[kSchedLr];
-  const float step = sched[kSchedStep];
-  const float clip = sched[kSchedGradScale];
-  const float bc1 = 1.0f - powf(beta1, step);
-  const float bc2 = 1.0f - powf(beta2, step);
+  const auto [lr, grad_scale, bc1, bc2] = step_scalars(sched, beta1, beta2);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float4 p = __ldcs(reinterpret_cast<const float4*>(master) + i);
@@ -70,10 +77,10 @@ __global__ void adamw_vec4_kernel(float* master, const float* grads, float* m, f
       if (g0 + k >= run_end) decays = decay_run(spans, nspans, g0 + k, &run_end);
       wd[k] = decays ? weight_decay : 0.0f;
     }
-    adamw_element(p.x, mi.x, vi.x, g.x * clip, beta1, beta2, bc1, bc2, lr, eps, wd[0]);
-    adamw_element(p.y, mi.y, vi.y, g.y * clip, beta1, beta2, bc1, bc2, lr, eps, wd[1]);
-    adamw_element(p.z, mi.z, vi.z, g.z * clip, beta1, beta2, bc1, bc2, lr, eps, wd[2]);
-    adamw_element(p.w, mi.w, vi.w, g.w * clip, beta1, beta2, bc1, bc2, lr, eps, wd[3]);
+    adamw_element(p.x, mi.x, vi.x, g.x * grad_scale, beta1, beta2, bc1, bc2, lr, eps, wd[0]);
+    adamw_element(p.y, mi.y, vi.y, g.y * grad_scale, beta1, beta2, bc1, bc2, lr, eps, wd[1]);
+    adamw_element(p.z, mi.z, vi.z, g.z * grad_scale, beta1, beta2, bc1, bc2, lr, eps, wd[2]);
+    adamw_element(p.w, mi.w, vi.w, g.w * grad_scale, beta1, beta2, bc1, bc2, lr, eps, wd[3]);
     __stcs(reinterpret_cast<float4*>(master) + i, p);
     __stcs(reinterpret_cast<float4*>(m) + i, mi);
     __stcs(reinterpret_cast<float4*>(v) + i, vi);
@@ -93,18 +100,14 @@ __global__ void adamw_kernel(float* master, const float* grads, float* m, float*
                              bf16* working, const int64_t* spans, int64_t nspans,
                              int64_t offset, int64_t n, const float* sched, float beta1,
                              float beta2, float eps, float weight_decay) {
-  const float lr = sched[kSchedLr];
-  const float step = sched[kSchedStep];
-  const float clip = sched[kSchedGradScale];
-  const float bc1 = 1.0f - powf(beta1, step);
-  const float bc2 = 1.0f - powf(beta2, step);
+  const auto [lr, grad_scale, bc1, bc2] = step_scalars(sched, beta1, beta2);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t run_end = 0;
     const float wd = decay_run(spans, nspans, offset + i, &run_end) ? weight_decay : 0.0f;
     float p = master[i], mi = m[i], vi = v[i];
     const float updated =
-        adamw_element(p, mi, vi, grads[i] * clip, beta1, beta2, bc1, bc2, lr, eps, wd);
+        adamw_element(p, mi, vi, grads[i] * grad_scale, beta1, beta2, bc1, bc2, lr, eps, wd);
     master[i] = updated;
     m[i] = mi;
     v[i] = vi;
