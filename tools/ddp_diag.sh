@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Where DDP's multi-GPU step time goes (docs/PERF.md, "DDP overhead"): on a 2-GPU host, gpt2-350m
-# (B=32 per GPU, random tokens) run as
+# Where data-parallel step time goes (docs/PERF.md, "DDP overhead"): on a host of NPROC GPUs
+# (default 2), gpt2-350m (B=32 per GPU, random tokens) run as
 #   solo      one GPU alone;
-#   pair      two independent one-GPU runs at once, one per GPU (no communication: what sharing
-#             the host costs);
-#   ddp       2 GPUs, default buckets (all-reduces overlap backward on the comm stream);
-#   ddp_tail  2 GPUs, one bucket for everything (one all-reduce after backward: no overlap);
-#   zero1, fsdp  2 GPUs;
+#   indep     NPROC independent one-GPU runs at once, one per GPU (no communication: what sharing
+#             the host costs, and how fast each GPU is under a full host's power and heat);
+#   ddp       NPROC GPUs, default buckets (all-reduces overlap backward on the comm stream);
+#   ddp_tail  NPROC GPUs, one bucket for everything (one all-reduce after backward: no overlap);
+#   zero1, fsdp  NPROC GPUs;
 #   nodes     2 single-GPU "nodes" over loopback, NCCL on sockets (simulated inter-node);
 #   nodes_p2p the same 2 "nodes" with NCCL free to use NVLink;
 #   ddp_ctasN, zero1_ctasN, fsdp_ctasN   as ddp / zero1 / fsdp with NCCL_MAX_CTAS=N: how much
 #             the collectives' SM use slows the compute they overlap;
 #   ddp_bN    ddp with --dist.bucket_mb=N.
-# A run named KIND.N (solo.2, ddp.2) is KIND again: GPUs clock down as they warm up, so put solo
-# runs between the others ("vs solo" is against the median of all solo runs) after a warm-up.
+# A run is named KIND[.TAG[.N]]: if ENV_TAG is set (ENV_c8="NCCL_MAX_CTAS=8"), the run gets
+# that environment, and extra train flags from FLAGS_TAG; otherwise the tag only makes the name
+# unique, e.g. solo.2 to run solo again. GPUs clock down as they warm up, so put solo runs
+# between the others ("vs solo" is against the median of the runs solo, solo.2, ...) after a
+# warm-up.
 # TRACE=1 also records every kernel of every run (build/lib/libkiln_trace.so, a CUPTI injection
 # library) and prints tools/trace_summary.py for one rank of each run against solo: busy,
 # overlap, exposed communication, idle gaps, and which kernels got slower.
@@ -25,13 +28,14 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kiln_ddp_diag}
 STEPS=${STEPS:-30}
+NPROC=${NPROC:-2}
 mkdir -p "$OUT"
 python3 tools/random_shard.py data/random/train_000000.bin
 args() {  # run name
   echo configs/gpt2-350m.yaml --data.train='data/random/train_*.bin' --data.val= \
     --train.batch_size=32 --train.grad_accum=1 --train.max_steps="$STEPS" --train.eval_every=0 \
     --train.log_every=10 --train.save_checkpoints=false --train.resume=none \
-    --train.out_dir="runs/diag_$1"
+    --train.out_dir="$OUT/runs/$1"
 }
 train=./build/bin/train
 traced() {  # name: the environment that traces run `name`, if TRACE=1
@@ -48,51 +52,69 @@ nodes() {  # name port env...
     --node-rank=0 > "$OUT/$name.log" 2>&1
   wait
 }
-run() {  # name: a kind below, optionally with ".N" to run it again (solo.2: between other runs)
-  local kind=${1%.*} trace_env; trace_env=$(traced "$1")
-  [ -z "$trace_env" ] || export $trace_env
+run() {  # name: KIND[.TAG[.N]], see above
+  local kind=${1%%.*} tag trace_env env_var flags_var
+  tag=${1#"$kind"}; tag=${tag#.}; tag=${tag%%.*}
+  env_var=ENV_$tag flags_var=FLAGS_$tag
+  trace_env=$(traced "$1")
+  local env=(${trace_env} ${tag:+${!env_var:-}})
+  local train="env ${env[*]} ./build/bin/train" N="--nproc-per-node=$NPROC"
+  local extra=${tag:+${!flags_var:-}}
   case $kind in
-    solo) $train $(args "$1") ;;
-    pair)
-      CUDA_VISIBLE_DEVICES=0 $train $(args pair0) > "$OUT/pair0.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 $train $(args pair1) > "$OUT/pair1.log" 2>&1
+    solo) $train $(args "$1") $extra ;;
+    indep)
+      for ((g = 0; g < NPROC; ++g)); do
+        CUDA_VISIBLE_DEVICES=$g $train $(args "$1_gpu$g") $extra > "$OUT/$1_gpu$g.log" 2>&1 &
+      done
       wait ;;
-    ddp) $train $(args "$1") --nproc-per-node=2 ;;
-    ddp_tail) $train $(args "$1") --nproc-per-node=2 --dist.bucket_mb=100000 ;;
-    zero1|fsdp) $train $(args "$1") --nproc-per-node=2 --dist.strategy="$kind" ;;
+    ddp) $train $(args "$1") $N $extra ;;
+    ddp_tail) $train $(args "$1") $N --dist.bucket_mb=100000 $extra ;;
+    zero1|fsdp) $train $(args "$1") $N --dist.strategy="$kind" $extra ;;
     nodes) nodes nodes 29741 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
              NCCL_SOCKET_IFNAME=lo ;;
     nodes_p2p) nodes nodes_p2p 29751 ;;
-    *_ctas*) NCCL_MAX_CTAS=${kind##*_ctas} $train $(args "$1") --nproc-per-node=2 \
-               --dist.strategy="${kind%%_ctas*}" ;;
-    ddp_b*) $train $(args "$1") --nproc-per-node=2 --dist.bucket_mb="${kind#ddp_b}" ;;
+    *_ctas*) NCCL_MAX_CTAS=${kind##*_ctas} $train $(args "$1") $N \
+               --dist.strategy="${kind%%_ctas*}" $extra ;;
+    ddp_b*) $train $(args "$1") $N --dist.bucket_mb="${kind#ddp_b}" $extra ;;
     *) echo "ddp_diag.sh: unknown run '$1'" >&2 ;;
   esac > "$OUT/$1.log" 2>&1
-  unset CUDA_INJECTION64_PATH KILN_TRACE_DIR
 }
-RUNS=${RUNS:-solo pair ddp ddp_tail zero1 fsdp nodes nodes_p2p}
+RUNS=${RUNS:-solo indep ddp ddp_tail zero1 fsdp nodes nodes_p2p}
 for r in $RUNS; do run "$r"; done
-python3 - "$STEPS" "$RUNS" <<'PY' | tee "$OUT/diag.md"
+python3 - "$STEPS" "$RUNS" "$NPROC" "$OUT/runs" <<'PY' | tee "$OUT/diag.md"
 import json, statistics, sys, os
 # "vs solo": against the median of every solo run (solo, solo.2, ...), so that runs placed
 # between them share the GPUs' warm state.
-print("| run | GPUs | median ms/step | tok/s per GPU | vs solo |")
-print("|---|---|---|---|---|")
 names, ms = [], {}
 for r in sys.argv[2].split():
-    names += ["pair0", "pair1"] if r == "pair" else [r]
+    k = r.split(".")[0]
+    names += [f"{r}_gpu{g}" for g in range(int(sys.argv[3]))] if k == "indep" else [r]
 for name in names:
-    path = f"runs/diag_{name}/metrics.jsonl"
-    if os.path.exists(path):
-        ms[name] = statistics.median(json.loads(l)["ms"] for l in list(open(path))[5:])
-solos = [v for k, v in ms.items() if k.split(".")[0] == "solo"]
+    path = f"{sys.argv[4]}/{name}/metrics.jsonl"
+    steps = [json.loads(l)["ms"] for l in open(path)][5:] if os.path.exists(path) else []
+    if steps:
+        ms[name] = statistics.median(steps)
+def baseline(k):  # solo, solo.2, ...; not solo.TAG, which runs with an environment of its own
+    parts = k.split(".")
+    return parts[0] == "solo" and (len(parts) == 1 or parts[-1].isdigit())
+solos = [v for k, v in ms.items() if baseline(k)]
 base = statistics.median(solos) if solos else None
+# "vs slowest": against the slowest GPU of the indep runs (each GPU alone, the host fully
+# loaded), the pace a synchronous N-GPU run cannot beat: what is left is communication's cost.
+indep = [v for k, v in ms.items() if k.startswith("indep")]
+slowest = max(indep) if indep else None
+print("| run | GPUs | median ms/step | tok/s per GPU | vs solo | vs slowest |")
+print("|---|---|---|---|---|---|")
 for name in names:
     if name not in ms:
-        print(f"| {name} | | failed | | |"); continue
-    n = 1 if name.split(".")[0] in ("solo", "pair0", "pair1") else 2
+        print(f"| {name} | | failed | | | |"); continue
+    k = name.split(".")[0]
+    n = (1 if k == "solo" or k.startswith("indep") else
+         2 if k.startswith("nodes") else int(sys.argv[3]))
     rel = f"{100 * base / ms[name]:.1f}%" if base else ""
-    print(f"| {name} | {n} | {ms[name]:.1f} | {32 * 1024 / (ms[name] / 1000):,.0f} | {rel} |")
+    rel_slow = f"{100 * slowest / ms[name]:.1f}%" if slowest and n > 1 else ""
+    print(f"| {name} | {n} | {ms[name]:.1f} | {32 * 1024 / (ms[name] / 1000):,.0f} | {rel} "
+          f"| {rel_slow} |")
 PY
 if [ -n "${TRACE:-}" ]; then
   rank0() {  # one rank's trace: the largest file (the launcher's own trace holds no kernels)
