@@ -1,7 +1,8 @@
 // Communicator: the one interface for collectives over tensors in a backend's memory. NCCL
 // implements it for CUDA tensors (async, on the comm stream it was given), Gloo for CPU tensors
 // (blocking), so DDP / ZeRO-1 / FSDP are written once and CI runs them multi-process without a
-// GPU. Sums are over f32 (NCCL also bf16); gathers and broadcasts move any dtype's bytes.
+// GPU. Sums take f32 or bf16 (bf16: added in f32, each partial sum rounded back to bf16);
+// gathers and broadcasts move any dtype's bytes.
 //
 // Every rank must call the same collectives in the same order with the same shapes. Shapes are
 // checked locally (numel and dtype); a mismatch is a bug and throws std::invalid_argument.

@@ -23,6 +23,7 @@
 #include "dist/communicator.h"
 #include "dist/net.h"
 #include "dist/store.h"
+#include "kernels/bf16.h"
 #include "kernels/error.h"
 
 namespace kiln {
@@ -71,8 +72,7 @@ class GlooCommunicator : public Communicator {
     if (buf.numel() == 0) return;
     run("all_reduce_sum", buf, [&] {
       gloo::AllreduceOptions opts(ctx_);
-      opts.setOutput(buf.ptr<float>(), static_cast<size_t>(buf.numel()));
-      opts.setReduceFunction(sum_f32());
+      set_sum(opts, buf.data, buf.data, buf);
       configure(opts);
       gloo::allreduce(opts);
     });
@@ -83,14 +83,13 @@ class GlooCommunicator : public Communicator {
     expect_sum_dtype("reduce_scatter_sum", in_full);
     if (in_full.numel() == 0) return;
     run("reduce_scatter_sum", in_full, [&] {
-      scratch_.resize(static_cast<size_t>(in_full.numel()));
+      scratch_.resize(in_full.nbytes());
       gloo::AllreduceOptions opts(ctx_);
-      opts.setInput(in_full.ptr<float>(), scratch_.size());
-      opts.setOutput(scratch_.data(), scratch_.size());
-      opts.setReduceFunction(sum_f32());
+      set_sum(opts, in_full.data, scratch_.data(), in_full);
       configure(opts);
       gloo::allreduce(opts);
-      std::memcpy(out_shard.data, scratch_.data() + rank() * out_shard.numel(), out_shard.nbytes());
+      const size_t chunk = out_shard.nbytes();
+      std::memcpy(out_shard.data, scratch_.data() + static_cast<size_t>(rank()) * chunk, chunk);
     });
   }
 
@@ -132,8 +131,27 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  using ReduceFn = void (*)(void*, const void*, const void*, size_t);
-  static ReduceFn sum_f32() { return static_cast<ReduceFn>(&gloo::sum<float>); }
+  // A sum of `like`'s dtype from `in` into `out` (the same buffer for an in-place all-reduce).
+  // bf16 adds in f32 and rounds each partial sum back to bf16, as NCCL's bf16 sum does.
+  static void sum_bf16(void* c, const void* a, const void* b, size_t n) {
+    auto* out = static_cast<uint16_t*>(c);
+    const auto* x = static_cast<const uint16_t*>(a);
+    const auto* y = static_cast<const uint16_t*>(b);
+    for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+  }
+  static void set_sum(gloo::AllreduceOptions& opts, void* in, void* out, const Tensor& like) {
+    using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+    const size_t n = static_cast<size_t>(like.numel());
+    if (like.dtype == DType::bf16) {
+      if (in != out) opts.setInput(static_cast<uint16_t*>(in), n);
+      opts.setOutput(static_cast<uint16_t*>(out), n);
+      opts.setReduceFunction(static_cast<ReduceFn>(&sum_bf16));
+    } else {
+      if (in != out) opts.setInput(static_cast<float*>(in), n);
+      opts.setOutput(static_cast<float*>(out), n);
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
+    }
+  }
 
   // A fresh tag per collective: every rank issues them in the same order, so tags match, and
   // a fast rank's next collective can never be confused with a slow rank's current one.
@@ -149,8 +167,8 @@ class GlooCommunicator : public Communicator {
   }
   void expect_sum_dtype(const char* op, const Tensor& t) const {
     expect_cpu(op, t);
-    if (t.dtype != DType::f32)
-      throw std::invalid_argument(name() + " " + op + ": " + t.str() + ": Gloo sums f32 only");
+    if (t.dtype != DType::f32 && t.dtype != DType::bf16)
+      throw std::invalid_argument(name() + " " + op + ": " + t.str() + ": sums take f32 or bf16");
   }
 
   template <class F>
@@ -168,7 +186,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   uint32_t next_tag_ = 0;
-  std::vector<float> scratch_;
+  std::vector<uint8_t> scratch_;
 };
 
 }  // namespace

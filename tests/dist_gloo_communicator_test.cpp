@@ -10,6 +10,7 @@
 
 #include "dist/communicator.h"
 #include "dist/store.h"
+#include "kernels/bf16.h"
 
 namespace kiln {
 namespace {
@@ -84,6 +85,21 @@ TEST_P(DistGloo, CollectivesAreExact) {
     comm.all_gather(t_out, t_in);
     for (int k = 0; k < n; ++k) ASSERT_EQ(h_out[size_t(k * 7)], k + 1);
 
+    // bf16 sums (dist.reduce_dtype=bf16): small integers are exact in bf16, in-place
+    // all-reduce and reduce-scatter alike.
+    std::vector<uint16_t> h_sum(2 * n * 5);
+    for (size_t i = 0; i < h_sum.size(); ++i)
+      h_sum[i] = f32_to_bf16(static_cast<float>((r + 1) * int(i % 7)));
+    Tensor t_sum{h_sum.data(), Shape{int64_t(h_sum.size())}, DType::bf16};
+    std::vector<uint16_t> h_shard(10);
+    Tensor t_shard{h_shard.data(), Shape{10}, DType::bf16};
+    comm.reduce_scatter_sum(t_shard, t_sum);
+    for (int j = 0; j < 10; ++j)
+      ASSERT_EQ(bf16_to_f32(h_shard[size_t(j)]), static_cast<float>(weight * ((r * 10 + j) % 7)));
+    comm.all_reduce_sum(t_sum);
+    for (size_t i = 0; i < h_sum.size(); ++i)
+      ASSERT_EQ(bf16_to_f32(h_sum[i]), static_cast<float>(weight * int(i % 7))) << i;
+
     // broadcast from the last rank.
     std::vector<float> b(513);
     for (size_t i = 0; i < b.size(); ++i) b[i] = r == n - 1 ? static_cast<float>(i) + 0.5f : -1;
@@ -95,7 +111,9 @@ TEST_P(DistGloo, CollectivesAreExact) {
     // Misuse is caught locally, before anything is sent.
     std::vector<float> wrong(5);
     EXPECT_THROW(comm.reduce_scatter_sum(cpu_f32(wrong), cpu_f32(full)), std::invalid_argument);
-    EXPECT_THROW(comm.all_reduce_sum(t_in), std::invalid_argument);
+    std::vector<int32_t> ints(3);
+    EXPECT_THROW(comm.all_reduce_sum(Tensor{ints.data(), Shape{3}, DType::i32}),
+                 std::invalid_argument);
     comm.barrier();
   });
 }
