@@ -79,6 +79,16 @@ TEST_F(DistTrain, EveryStrategyFollowsTheSingleProcessCurve) {
     }
 }
 
+// The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its
+// own as its backward ends, in f32 and in bf16.
+TEST_F(DistTrain, DdpWithABucketPerUnitFollowsTheCurve) {
+  const std::string single = train("buckets_single", 1, "ddp", "--train.max_steps=20");
+  const std::string steps = "--train.max_steps=20 --dist.bucket_mb=0.01";
+  expect_same_curve(single, train("buckets_f32", 2, "ddp", steps), 1e-5);
+  expect_same_curve(single, train("buckets_bf16", 2, "ddp", steps + " --dist.reduce_dtype=bf16"),
+                    5e-4);
+}
+
 TEST_F(DistTrain, GradientAccumulationMatchesTheLargerBatch) {
   // 2 ranks x micro-batch 2 x 2 accumulation steps == 1 rank x 8.
   const std::string single = train("accum_single", 1, "ddp", "--train.max_steps=10");
@@ -87,6 +97,25 @@ TEST_F(DistTrain, GradientAccumulationMatchesTheLargerBatch) {
                                   "--train.max_steps=10 --train.batch_size=2 --train.grad_accum=2");
     expect_same_curve(single, out, 1e-5);
   }
+}
+
+// dist.reduce_dtype=bf16 rounds each rank's gradients to bf16 before the sum: the curve moves
+// (so the bf16 path ran) but stays on the f32 one. With grad_accum 2, fsdp also takes the path
+// that adds each micro-batch's reduced shard into the f32 one.
+TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
+  // A vocabulary large enough that the embedding unit is fsdp's widest.
+  const std::string vocab = " --model.vocab_size=2048";
+  const std::string single = train("bf16_single", 1, "ddp", "--train.max_steps=20" + vocab);
+  for (const char* strategy : {"ddp", "zero1", "fsdp"})
+    for (const std::string accum : {"1", "2"}) {
+      const std::string name = std::string("bf16_") + strategy + "_accum" + accum;
+      const std::string out =
+          train(name, 2, strategy,
+                "--train.max_steps=20 --dist.reduce_dtype=bf16 --train.batch_size=" +
+                    std::to_string(4 / std::stoi(accum)) + " --train.grad_accum=" + accum + vocab);
+      expect_same_curve(single, out, 5e-4);  // measured: 2.8e-5 at most
+      EXPECT_NE(losses(single), losses(out)) << name << ": bf16 sums changed nothing";
+    }
 }
 
 TEST_F(DistTrain, EachStrategyResumesBitForBit) {

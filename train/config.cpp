@@ -132,6 +132,8 @@ const std::vector<Field>& schema() {
        "attention implementation"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
       {KILN_FIELD(dist, bucket_mb), positive(), "DDP gradient bucket size in MiB"},
+      {KILN_FIELD(dist, reduce_dtype), one_of({"fp32", "bf16"}),
+       "dtype of the cross-rank gradient sum (bf16: half the bytes, rounded)"},
       {KILN_FIELD(dist, timeout_s), at_least(1), "collective and rendezvous timeout (seconds)"},
   };
   return fields;

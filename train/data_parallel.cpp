@@ -4,9 +4,10 @@
 
 namespace kiln {
 
-DataParallel::DataParallel(const std::string& strategy, double bucket_mb, Backend& backend,
-                           Gpt2& model, Communicator* comm, int rank, int world)
-    : strategy_(strategy), bucket_mb_(bucket_mb), backend_(backend), model_(model), comm_(comm),
+DataParallel::DataParallel(const std::string& strategy, double bucket_mb, DType reduce_dtype,
+                           Backend& backend, Gpt2& model, Communicator* comm, int rank, int world)
+    : strategy_(strategy), bucket_mb_(bucket_mb), reduce_dtype_(reduce_dtype), backend_(backend),
+      model_(model), comm_(comm),
       plan_(make_shard_plan(strategy, model.layout().total, model.layout().units, rank, world)),
       unit_slot_(model.layout().units.size(), -1) {}
 
@@ -28,6 +29,10 @@ void DataParallel::plan_memory(Arena& arena) {
     const int64_t padded = plan_.chunks[0].chunk * plan_.world;
     arena.plan(&working_, "params.working (full)", {padded}, act);
     arena.plan(&grads_, "grads (full)", {padded}, f32);
+    if (reduce_bf16()) {
+      arena.plan(&reduce_full_, "grads.bf16 (full, for the reduce)", {padded}, DType::bf16);
+      arena.plan(&reduce_shard_, "grads.bf16 (shard, reduced)", {S}, DType::bf16);
+    }
   } else if (fsdp()) {
     int64_t widest = 1, widest_chunk = 1;
     for (size_t u = 1; u < plan_.chunks.size(); ++u)
@@ -41,6 +46,13 @@ void DataParallel::plan_memory(Arena& arena) {
       arena.plan(&unit_grads_[s], std::string(names[s]) + ".grads", {n}, f32);
     }
     arena.plan(&scatter_tmp_, "fsdp.scatter_tmp", {widest_chunk}, f32);
+    if (reduce_bf16()) {  // every unit's grads pass through it, the embeddings' too
+      arena.plan(&reduce_full_, "fsdp.grads.bf16 (for the reduce)", {std::max(widest, unit0)},
+                 DType::bf16);
+      arena.plan(&reduce_shard_, "fsdp.scatter_tmp.bf16", {widest_chunk}, DType::bf16);
+    }
+  } else if (reduce_bf16()) {
+    arena.plan(&reduce_full_, "grads.bf16 (for the all-reduce)", {P}, DType::bf16);
   }
 }
 
@@ -93,6 +105,24 @@ void DataParallel::reduce_scatter(Tensor out, Tensor in) {
   comm_->wait();
 }
 
+void DataParallel::reduce_scatter_grads(Tensor out, Tensor in, bool accumulate) {
+  const int64_t n = out.numel();
+  if (reduce_bf16()) {
+    const Tensor low_in = reduce_full_.slice(0, {in.numel()});
+    const Tensor low_out = reduce_shard_.slice(0, {n});
+    backend_.copy(low_in, in);
+    reduce_scatter(low_out, low_in);
+    if (!accumulate) return backend_.copy(out, low_out);
+    const Tensor tmp = scatter_tmp_.slice(0, {n});
+    backend_.copy(tmp, low_out);
+    return backend_.add(out, tmp);
+  }
+  if (!accumulate) return reduce_scatter(out, in);
+  const Tensor tmp = scatter_tmp_.slice(0, {n});
+  reduce_scatter(tmp, in);
+  backend_.add(out, tmp);
+}
+
 void DataParallel::gather_working() { all_gather(working_, gather_src_); }
 
 void DataParallel::bind_units() {
@@ -124,14 +154,7 @@ void DataParallel::gather_unit(int unit) {
 void DataParallel::scatter_unit_grads(int unit) {
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   const Tensor full = unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
-  const Tensor out = grad_shard_.slice(c.local, {c.chunk});
-  if (micro_ == 0) {
-    reduce_scatter(out, full);
-  } else {
-    const Tensor tmp = scatter_tmp_.slice(0, {c.chunk});
-    reduce_scatter(tmp, full);
-    backend_.add(out, tmp);
-  }
+  reduce_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0);
 }
 
 void DataParallel::after_backward_ddp(int unit) {
@@ -139,7 +162,14 @@ void DataParallel::after_backward_ddp(int unit) {
   const int64_t begin = model_.layout().units[static_cast<size_t>(unit)].first;
   const double pending_mb = static_cast<double>(ddp_pending_end_ - begin) * 4.0 / (1 << 20);
   if (pending_mb >= bucket_mb_ || unit == 0) {
-    all_reduce(grads_.slice(begin, {ddp_pending_end_ - begin}), /*overlap=*/true);
+    const Shape n{ddp_pending_end_ - begin};
+    if (reduce_bf16()) {
+      // Rounded on the compute stream, where the bucket's gradients were just finished.
+      backend_.copy(reduce_full_.slice(begin, n), grads_.slice(begin, n));
+      all_reduce(reduce_full_.slice(begin, n), /*overlap=*/true);
+    } else {
+      all_reduce(grads_.slice(begin, n), /*overlap=*/true);
+    }
     ddp_pending_end_ = begin;
   }
 }
@@ -201,7 +231,8 @@ void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans
                                   int step, float grad_clip, const AdamWHyper& hyper) {
   Backend& k = backend_;
   if (comm_) comm_->wait();  // DDP's bucket all-reduces
-  if (plan_.strategy == "zero1") reduce_scatter(grad_shard_, grads_);
+  if (!sharded() && reduce_bf16()) k.copy(grads_, reduce_full_);
+  if (plan_.strategy == "zero1") reduce_scatter_grads(grad_shard_, grads_, /*accumulate=*/false);
   k.sum_squares(sumsq, grad_shard_, false);
   if (sharded()) all_reduce(sumsq);
   // Each rank's loss is the mean over its own tokens, so the gradient is the mean of the

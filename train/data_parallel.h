@@ -11,6 +11,10 @@
 //           before its forward/backward (two rotating buffers for the blocks, one kept for the
 //           embeddings, which the tied head reuses), and its grads reduce-scattered into the
 //           shard right after its backward, every micro-batch.
+// dist.reduce_dtype=bf16 sums gradients across ranks in bf16: each rank rounds its f32
+// gradients to bf16 (a cast into a buffer of their own) just before the collective, and the
+// summed result is widened back to f32 for the norm and AdamW. Half the bytes on the wire and in
+// the collective's memory traffic; accumulation over micro-batches stays f32.
 #pragma once
 
 #include <vector>
@@ -25,8 +29,9 @@ namespace kiln {
 
 class DataParallel {
  public:
-  DataParallel(const std::string& strategy, double bucket_mb, Backend& backend, Gpt2& model,
-               Communicator* comm, int rank, int world);
+  // strategy: ddp | zero1 | fsdp; reduce_dtype: f32 or bf16 (see above).
+  DataParallel(const std::string& strategy, double bucket_mb, DType reduce_dtype,
+               Backend& backend, Gpt2& model, Communicator* comm, int rank, int world);
 
   const ShardPlan& plan() const { return plan_; }
   // Plans every parameter/gradient/optimizer buffer into `arena`; call bind() after allocate.
@@ -60,9 +65,14 @@ class DataParallel {
  private:
   bool fsdp() const { return plan_.strategy == "fsdp"; }
   bool sharded() const { return plan_.strategy != "ddp"; }
+  // Gradients go through a bf16 copy for the collectives (never with one rank: nothing to sum).
+  bool reduce_bf16() const { return reduce_dtype_ == DType::bf16 && plan_.world > 1; }
   void all_reduce(Tensor t, bool overlap = false);
   void all_gather(Tensor out, Tensor in);
   void reduce_scatter(Tensor out, Tensor in);
+  // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;
+  // `accumulate`: out += instead.
+  void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate);
   void gather_working();          // zero1: every chunk -> full working params
   void refresh_working();         // working copies from the master weights
   void gather_unit(int unit);     // fsdp
@@ -72,6 +82,7 @@ class DataParallel {
 
   std::string strategy_;
   double bucket_mb_;
+  DType reduce_dtype_;
   Backend& backend_;
   Gpt2& model_;
   Communicator* comm_;
@@ -84,6 +95,8 @@ class DataParallel {
   Tensor master_, m_, v_, grad_shard_, working_shard_;  // shard buffers (ddp: everything)
   Tensor working_, grads_;                              // full buffers (ddp, zero1)
   Tensor gather_src_;                                   // what all-gathers read: master or working shard
+  // reduce_dtype bf16: ddp's whole gradient (zero1: padded) or fsdp's widest unit, and a shard.
+  Tensor reduce_full_, reduce_shard_;
   // fsdp: slot 0 holds unit 0 (embeddings) for the whole step, slots 1-2 rotate the rest.
   Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
   int held_[3] = {-1, -1, -1};

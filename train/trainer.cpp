@@ -73,8 +73,10 @@ class Trainer {
       owned_comm_ = make_comm(*backend_);
       comm_ = owned_comm_.get();
     }
-    dp_ = std::make_unique<DataParallel>(cfg.dist.strategy, cfg.dist.bucket_mb, *backend_, model_,
-                                         comm_, rank.rank, rank.world_size);
+    dp_ = std::make_unique<DataParallel>(
+        cfg.dist.strategy, cfg.dist.bucket_mb,
+        cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32, *backend_, model_, comm_,
+        rank.rank, rank.world_size);
   }
 
   int run();
@@ -175,8 +177,10 @@ void Trainer::plan_memory() {
 
 void Trainer::print_memory_table() const {
   if (!is_main()) return;
-  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks):",
-               backend_->name(), model_.layout().total, cfg_.dist.strategy, rank_.world_size);
+  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks, gradients "
+               "summed in {}):",
+               backend_->name(), model_.layout().total, cfg_.dist.strategy, rank_.world_size,
+               cfg_.dist.reduce_dtype);
   for (const auto& e : state_arena_.entries())
     if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
         e.name.rfind("adamw", 0) == 0)
@@ -277,7 +281,8 @@ void Trainer::write_summary() const {
       << backend_->attention_name() << "\",\"params\":" << model_.layout().total
       << ",\"memory_bytes\":" << state_arena_.bytes() + acts_arena_.bytes()
       << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
-      << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"commit\":\"" << KILN_COMMIT
+      << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"reduce_dtype\":\""
+      << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT
       << "\"}\n";
 }
 

@@ -1,11 +1,12 @@
 // Distributed training over NCCL through the real launcher (label gpu; needs 2+ GPUs): every
 // strategy at 2 (and 4, where present) GPUs follows the 1-GPU loss curve at the same global
-// batch, and two "nodes" of one GPU each on this host, with NCCL forced onto its socket
-// transport, follow one 2-GPU node. Tolerance 1e-2 relative: bf16 activations and a different
-// GEMM M per rank change rounding, and training amplifies it step by step (runs are deterministic;
-// on 2 x H200, 2026-11-21, the largest gap over 20 steps was 0.50%, zero1 at step 18; at a
-// 3e-3 learning rate a loss spike made it 5-8% at one step, hence the moderate rate). The CPU
-// tests (tests/dist_train_test.cpp) hold the same strategies to 1e-5 in fp32.
+// batch, with gradients summed in f32 and in bf16, and two "nodes" of one GPU each on this host,
+// with NCCL forced onto its socket transport, follow one 2-GPU node. Tolerance 1e-2 relative:
+// bf16 activations and a different GEMM M per rank change rounding, and training amplifies it
+// step by step (runs are deterministic; on 2 x H200, 2026-11-21, the largest gap over 20 steps
+// was 0.50%, zero1 at step 18; at a 3e-3 learning rate a loss spike made it 5-8% at one step,
+// hence the moderate rate). The CPU tests (tests/dist_train_test.cpp) hold the same strategies
+// to 1e-5 in fp32.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -51,8 +52,10 @@ class DistNccl : public ::testing::Test {
            " --optim.lr=1e-3 --optim.warmup_steps=5 --train.save_checkpoints=false --train.resume=none" +
            " --train.out_dir=" + (dir_ / name).string();
   }
-  std::string train(const std::string& name, int nproc, const std::string& strategy) {
-    std::string cmd = "NCCL_NVLS_ENABLE=0 " + base(name, 16 / nproc) + " --dist.strategy=" + strategy;
+  std::string train(const std::string& name, int nproc, const std::string& strategy,
+                    const std::string& extra = "") {
+    std::string cmd = "NCCL_NVLS_ENABLE=0 " + base(name, 16 / nproc) + " --dist.strategy=" +
+                      strategy + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
     const auto r = kiln::testing::run_command(cmd);
     EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
@@ -74,6 +77,23 @@ TEST_F(DistNccl, EveryStrategyFollowsTheSingleGpuCurve) {
   if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
     for (int n : worlds) expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
+}
+
+// Gradients summed in bf16 (dist.reduce_dtype=bf16) stay on the same curve.
+TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
+  const std::string single = train("single", 1, "ddp");
+  for (const char* strategy : {"ddp", "zero1", "fsdp"})
+    expect_close(single, train(std::string("bf16_") + strategy, 2, strategy,
+                               "--dist.reduce_dtype=bf16"));
+}
+
+// 50 KiB buckets: ddp all-reduces each unit on the communication stream while the rest of
+// backward runs (the model fits one default bucket otherwise).
+TEST_F(DistNccl, DdpWithABucketPerUnitFollowsTheSingleGpuCurve) {
+  const std::string single = train("single", 1, "ddp");
+  expect_close(single, train("buckets_f32", 2, "ddp", "--dist.bucket_mb=0.05"));
+  expect_close(single,
+               train("buckets_bf16", 2, "ddp", "--dist.bucket_mb=0.05 --dist.reduce_dtype=bf16"));
 }
 
 TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
