@@ -98,6 +98,7 @@ class Trainer {
     int step;
     double lr;
     Clock::time_point enqueued;  // when the host began enqueueing it
+    Clock::time_point enqueue_end;  // when it was enqueued: a backend without a stream is done
   };
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
@@ -177,10 +178,9 @@ void Trainer::plan_memory() {
 
 void Trainer::print_memory_table() const {
   if (!is_main()) return;
-  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks, gradients "
-               "summed in {}):",
+  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
                backend_->name(), model_.layout().total, cfg_.dist.strategy, rank_.world_size,
-               cfg_.dist.reduce_dtype);
+               rank_.world_size > 1 ? ", gradients summed in " + cfg_.dist.reduce_dtype : "");
   for (const auto& e : state_arena_.entries())
     if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
         e.name.rfind("adamw", 0) == 0)
@@ -321,9 +321,10 @@ bool Trainer::host_step(int step) const {
 bool Trainer::finish_step(const PendingStep& p) {
   const auto& t = cfg_.train;
   const float* values = backend_->read_wait(p.step % Backend::kReadbackSlots);
-  const Clock::time_point done = Clock::now();
   // The step ran on the device from when it was enqueued or the previous one finished,
-  // whichever was later, until its values arrived.
+  // whichever was later, until its values arrived; on a backend without a stream (the CPU)
+  // enqueueing it did the work, and its values wait while the next step runs.
+  const Clock::time_point done = backend_->native_stream() ? Clock::now() : p.enqueue_end;
   const Clock::time_point began = last_done_ ? std::max(*last_done_, p.enqueued) : p.enqueued;
   last_done_ = done;
   StepMetrics sm;
@@ -420,8 +421,9 @@ int Trainer::run() {
     const double lr = train_step(step);
     backend_->read_async(step % Backend::kReadbackSlots,
                          {loss_sum_, sched_.slice(kSchedGradNorm, {1})});
+    const Clock::time_point enqueue_end = Clock::now();
     if (pending && !finish_step(*pending)) return 1;
-    pending = PendingStep{step, lr, enqueued};
+    pending = PendingStep{step, lr, enqueued, enqueue_end};
     if (host_step(step + 1)) {
       if (!finish_step(*pending)) return 1;
       pending.reset();
