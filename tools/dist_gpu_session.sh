@@ -2,7 +2,9 @@
 # One call on a multi-GPU host (see docs/distributed.md): build with the offline dependency
 # bundle, run the NCCL tests (TESTS, a gtest filter: DistNccl*), comm_bench at 2 and N GPUs
 # (unless SKIP_COMM_BENCH=1), and gpt2-350m (B=32 per GPU, random tokens, STEPS steps: 25) on
-# 1, 2, ..., N GPUs with each strategy (STRATEGIES). Logs and a summary table go to $OUT.
+# 1, 2, ..., N GPUs with each strategy (STRATEGIES), with the train flags in EXTRA added to every
+# run (EXTRA="--dist.bucket_mb=100000 --dist.reduce_dtype=bf16"). Logs and a summary table go
+# to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kiln_dist_out}
@@ -42,7 +44,7 @@ run_scaling() {  # strategy ngpu [tag]
   ./build/bin/train configs/gpt2-350m.yaml --data.train='data/random/train_*.bin' --data.val= \
     --train.batch_size=32 --train.grad_accum=1 --train.max_steps="$STEPS" --train.eval_every=0 \
     --train.log_every=5 --train.save_checkpoints=false --train.resume=none --train.out_dir="$dir" \
-    --dist.strategy="$s" --nproc-per-node="$n" >"$OUT/scale_${s}_${n}${3:-}.log" 2>&1 ||
+    --dist.strategy="$s" --nproc-per-node="$n" ${EXTRA:-} >"$OUT/scale_${s}_${n}${3:-}.log" 2>&1 ||
     { echo "scale $s x$n failed:"; tail -5 "$OUT/scale_${s}_${n}${3:-}.log"; }
   echo "$dir $(date +%s.%N)" >>"$OUT/run_times.txt"
 }
