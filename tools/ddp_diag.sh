@@ -43,13 +43,15 @@ traced() {  # name: the environment that traces run `name`, if TRACE=1
   mkdir -p "$OUT/trace_$1"
   echo CUDA_INJECTION64_PATH=$PWD/build/lib/libkiln_trace.so KILN_TRACE_DIR=$OUT/trace_$1
 }
-nodes() {  # name port env...
-  local name=$1 port=$2; shift 2
+port=29740
+nodes() {  # name env...: a fresh port per run, so no run waits for the last one's to close
+  local name=$1; shift
+  port=$((port + 1))
   local common=(--nnodes=2 --nproc-per-node=1 --master-addr=127.0.0.1 --master-port="$port")
-  env CUDA_VISIBLE_DEVICES=1 KILN_RUN_TOKEN=diag "$@" $train $(args "$name") "${common[@]}" \
-    --node-rank=1 > "$OUT/${name}_1.log" 2>&1 &
-  env CUDA_VISIBLE_DEVICES=0 KILN_RUN_TOKEN=diag "$@" $train $(args "$name") "${common[@]}" \
-    --node-rank=0 > "$OUT/$name.log" 2>&1
+  env CUDA_VISIBLE_DEVICES=1 KILN_RUN_TOKEN=diag "$@" $train $(args "$name") $extra \
+    "${common[@]}" --node-rank=1 > "$OUT/${name}_1.log" 2>&1 &
+  env CUDA_VISIBLE_DEVICES=0 KILN_RUN_TOKEN=diag "$@" $train $(args "$name") $extra \
+    "${common[@]}" --node-rank=0 > "$OUT/$name.log" 2>&1
   wait
 }
 run() {  # name: KIND[.TAG[.N]], see above
@@ -70,9 +72,9 @@ run() {  # name: KIND[.TAG[.N]], see above
     ddp) $train $(args "$1") $N $extra ;;
     ddp_tail) $train $(args "$1") $N --dist.bucket_mb=100000 $extra ;;
     zero1|fsdp) $train $(args "$1") $N --dist.strategy="$kind" $extra ;;
-    nodes) nodes nodes 29741 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
+    nodes) nodes "$1" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
              NCCL_SOCKET_IFNAME=lo ;;
-    nodes_p2p) nodes nodes_p2p 29751 ;;
+    nodes_p2p) nodes "$1" ;;
     *_ctas*) NCCL_MAX_CTAS=${kind##*_ctas} $train $(args "$1") $N \
                --dist.strategy="${kind%%_ctas*}" $extra ;;
     ddp_b*) $train $(args "$1") $N --dist.bucket_mb="${kind#ddp_b}" $extra ;;
