@@ -107,20 +107,17 @@ void DataParallel::reduce_scatter(Tensor out, Tensor in) {
 
 void DataParallel::reduce_scatter_grads(Tensor out, Tensor in, bool accumulate) {
   const int64_t n = out.numel();
+  const Tensor sum = accumulate ? scatter_tmp_.slice(0, {n}) : out;  // f32
   if (reduce_bf16()) {
     const Tensor low_in = reduce_full_.slice(0, {in.numel()});
     const Tensor low_out = reduce_shard_.slice(0, {n});
     backend_.copy(low_in, in);
     reduce_scatter(low_out, low_in);
-    if (!accumulate) return backend_.copy(out, low_out);
-    const Tensor tmp = scatter_tmp_.slice(0, {n});
-    backend_.copy(tmp, low_out);
-    return backend_.add(out, tmp);
+    backend_.copy(sum, low_out);
+  } else {
+    reduce_scatter(sum, in);
   }
-  if (!accumulate) return reduce_scatter(out, in);
-  const Tensor tmp = scatter_tmp_.slice(0, {n});
-  reduce_scatter(tmp, in);
-  backend_.add(out, tmp);
+  if (accumulate) backend_.add(out, sum);
 }
 
 void DataParallel::gather_working() { all_gather(working_, gather_src_); }
