@@ -37,14 +37,15 @@ args() {  # run name
     --train.log_every=10 --train.save_checkpoints=false --train.resume=none \
     --train.out_dir="$OUT/runs/$1"
 }
-train=./build/bin/train
 traced() {  # name: the environment that traces run `name`, if TRACE=1
   [ -n "${TRACE:-}" ] || return 0
   mkdir -p "$OUT/trace_$1"
   echo CUDA_INJECTION64_PATH=$PWD/build/lib/libkiln_trace.so KILN_TRACE_DIR=$OUT/trace_$1
 }
 port=29740
-nodes() {  # name env...: a fresh port per run, so no run waits for the last one's to close
+# name env...: run()'s $train and $extra on two one-GPU "nodes"; a fresh port per run, so no
+# run waits for the last one's to close.
+nodes() {
   local name=$1; shift
   port=$((port + 1))
   local common=(--nnodes=2 --nproc-per-node=1 --master-addr=127.0.0.1 --master-port="$port")
