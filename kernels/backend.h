@@ -150,9 +150,10 @@ class Backend {
  protected:
   // Throws std::invalid_argument unless slot < kReadbackSlots and `srcs` are f32 tensors of
   // kReadbackFloats values at most in all.
+  // The slot test stays small enough to inline, so the compiler sees that a bad constant slot
+  // throws before readback_ is indexed (g++ -Warray-bounds otherwise).
   static void check_readback(int slot, std::initializer_list<Tensor> srcs) {
-    if (slot < 0 || slot >= kReadbackSlots)
-      throw std::invalid_argument("read_async: slot " + std::to_string(slot) + " out of range");
+    if (slot < 0 || slot >= kReadbackSlots) throw_bad_slot(slot);
     int64_t n = 0;
     for (const Tensor& t : srcs) {
       if (t.dtype != DType::f32)
@@ -165,6 +166,9 @@ class Backend {
   }
 
  private:
+  [[noreturn]] static void throw_bad_slot(int slot) {
+    throw std::invalid_argument("read_async: slot " + std::to_string(slot) + " out of range");
+  }
   float readback_[kReadbackSlots][kReadbackFloats] = {};
 };
 

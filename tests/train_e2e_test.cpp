@@ -148,9 +148,10 @@ TEST_F(TrainE2E, DivergenceStopsTheRunBeforeItCheckpointsTheBadState) {
   const auto m = read_losses(out);
   ASSERT_EQ(m.size(), static_cast<size_t>(bad_step - 1)) << r.output;
   for (const auto& s : m) EXPECT_TRUE(std::isfinite(s.value)) << "step " << s.step;
-  if (fs::exists(out + "/checkpoints"))
+  if (fs::exists(out + "/checkpoints")) {
     for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
       EXPECT_LT(std::atoi(e.path().filename().string().c_str() + 5), bad_step) << e.path();
+  }
 }
 
 // Each bad input: exit status 2, and an error line that names the cause.
