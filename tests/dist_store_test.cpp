@@ -1,8 +1,6 @@
 // Tests for dist/store: the rendezvous store's ops across threads, and that strangers, garbage,
 // oversized and silent connections are dropped while a good client keeps working.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,40 +10,21 @@
 #include "dist/store.h"
 #include "dist/store_wire.h"
 #include "kernels/error.h"
+#include "tests/store_peer.h"
 
 namespace kiln {
 namespace {
 
 using namespace std::chrono_literals;
 
+using testing::closed_by_server;
+using testing::hello;
+
 // A raw TCP connection to the server, for speaking the protocol badly on purpose.
 int raw_connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const int fd = testing::try_connect(port);
+  EXPECT_GE(fd, 0) << "nothing listens on 127.0.0.1:" << port;
   return fd;
-}
-
-// True when the server closed the connection (recv sees EOF or a reset) within 5 s.
-bool closed_by_server(int fd) {
-  char buf[64];
-  for (;;) {
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n == 0) return true;
-    if (n < 0) return errno == ECONNRESET;
-  }
-}
-
-std::string hello(const std::string& token) {
-  std::string body;
-  store_wire::put_u8(body, store_wire::kHello);
-  store_wire::put_str(body, token);
-  return store_wire::frame(body);
 }
 
 TEST(DistStore, SetGetAddBarrierAcrossThreads) {

@@ -1,7 +1,8 @@
 // Distributed training on the CPU backend through the real launcher and Gloo: N ranks at global
 // batch G follow the single-process loss curve at global batch G for every strategy; each
-// strategy resumes bit for bit from its own checkpoints (and from another strategy's); a worker
-// that dies takes the whole run down, non-zero, within 30 s.
+// strategy resumes bit for bit from its own checkpoints (and from another strategy's); strangers
+// at the run's rendezvous store are refused while the run goes on; a worker that dies takes the
+// whole run down, non-zero, within 30 s.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -16,6 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "dist/store.h"
+#include "kernels/error.h"
+#include "tests/store_peer.h"
 #include "tests/test_process.h"
 
 namespace {
@@ -41,8 +45,9 @@ class DistTrain : public ::testing::Test {
     ASSERT_EQ(r.status, 0) << r.output;
   }
   // Global batch 8 x 64 tokens a step, whatever the world size.
+  // `output`, if given, receives everything the run printed.
   static std::string train(const std::string& name, int nproc, const std::string& strategy,
-                           const std::string& extra = "") {
+                           const std::string& extra = "", std::string* output = nullptr) {
     const std::string out = (dir_ / name).string();
     const int micro = 8 / nproc;
     std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
@@ -55,6 +60,7 @@ class DistTrain : public ::testing::Test {
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
     const auto r = kiln::testing::run_command(cmd);
     EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
+    if (output) *output = r.output;
     return out;
   }
   static void expect_same_curve(const std::string& a, const std::string& b, double rel) {
@@ -164,6 +170,43 @@ std::vector<pid_t> children_of(pid_t parent) {
       out.push_back(std::stoi(name));
   }
   return out;
+}
+
+// Strangers at a live run's rendezvous store, while its workers meet there: a client with the
+// wrong token, garbage for a first frame, and a frame header announcing 3 GiB. Each is dropped
+// (and logged), and the run goes on to the same losses, bit for bit, as an undisturbed one.
+TEST_F(DistTrain, StrangersAtTheStoreAreRefusedAndTheRunGoesOn) {
+  const std::string steps = "--train.max_steps=10";
+  const std::string clean = train("strangers_clean", 2, "ddp", steps);
+  const int port = kiln::testing::free_port();
+  ASSERT_GT(port, 0);
+  std::string output;
+  std::thread run([&] {
+    train("strangers", 2, "ddp", steps + " --master-port=" + std::to_string(port), &output);
+  });
+  // The launcher opens the store before it starts the workers.
+  const int garbage = kiln::testing::connect_when_listening(port, std::chrono::seconds(60));
+  ASSERT_GE(garbage, 0) << "the run's store never listened on port " << port;
+  EXPECT_TRUE(kiln::testing::send_all(garbage, kiln::store_wire::frame("\x42 not a hello")));
+  EXPECT_TRUE(kiln::testing::closed_by_server(garbage));
+  ::close(garbage);
+  const int big = kiln::testing::try_connect(port);
+  std::string header;
+  kiln::store_wire::put_u32(header, 3u << 30);
+  EXPECT_TRUE(kiln::testing::send_all(big, header));
+  EXPECT_TRUE(kiln::testing::closed_by_server(big));
+  ::close(big);
+  EXPECT_THROW(kiln::StoreClient("127.0.0.1", port, "not-the-run-token", std::chrono::seconds(5),
+                                 std::chrono::seconds(5)),
+               kiln::InputError);
+  run.join();
+  EXPECT_EQ(losses(clean), losses((dir_ / "strangers").string()));
+  EXPECT_NE(output.find("wrong run token"), std::string::npos) << output;
+  size_t dropped = 0;
+  for (size_t at = output.find("dropped connection"); at != std::string::npos;
+       at = output.find("dropped connection", at + 1))
+    ++dropped;
+  EXPECT_EQ(dropped, 3u) << output;
 }
 
 TEST_F(DistTrain, AKilledWorkerEndsTheRunWithinThirtySeconds) {
