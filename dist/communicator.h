@@ -1,8 +1,8 @@
 // Communicator: the one interface for collectives over tensors in a backend's memory. NCCL
-// implements it for CUDA tensors (async, on the comm stream it was given), Gloo for CPU tensors
-// (blocking), so DDP / ZeRO-1 / FSDP are written once and CI runs them multi-process without a
-// GPU. Sums take f32 or bf16 (bf16: added in f32, each partial sum rounded back to bf16);
-// gathers and broadcasts move any dtype's bytes.
+// implements it for CUDA tensors (async, on a comm stream of its own), Gloo for CPU tensors
+// (deferred to wait(), see below), so DDP / ZeRO-1 / FSDP are written once and CI runs them
+// multi-process without a GPU. Sums take f32 or bf16 (bf16: added in f32, each partial sum rounded
+// back to bf16); gathers and broadcasts move any dtype's bytes.
 //
 // Every rank must call the same collectives in the same order with the same shapes. Shapes are
 // checked locally (numel and dtype); a mismatch is a bug and throws std::invalid_argument.
@@ -32,12 +32,13 @@ class Communicator {
   virtual void all_gather(Tensor out_full, Tensor in_shard) = 0;
   // buf on every rank = buf on `root`.
   virtual void broadcast(Tensor buf, int root) = 0;
-  // Returns once every rank has entered (NCCL: also waits for the comm stream's work).
-  // Collectives may run asynchronously to the caller's compute stream (NCCL: on a stream of
-  // their own, after the work enqueued so far). Results may be used, and their buffers written,
-  // only after wait(): it orders the compute stream after every collective issued so far.
-  // A no-op where collectives are synchronous (Gloo).
-  virtual void wait() {}
+  // Collectives run asynchronously to the caller: NCCL on a stream of its own, after the compute
+  // work enqueued so far; Gloo not until wait(), so that the CPU tests hold every caller to this
+  // contract. Results may be used, and inputs and outputs written, only after wait(): it orders
+  // the compute stream after (NCCL), or runs (Gloo), every collective issued so far.
+  virtual void wait() = 0;
+  // Runs what was issued before it, then returns once every rank has entered (NCCL: also waits
+  // for the comm stream's work).
   virtual void barrier() = 0;
   virtual std::string name() const = 0;  // "gloo rank 1/4", "nccl rank 3/8 (cuda:3)"
 };

@@ -2,10 +2,15 @@
 // DDP / ZeRO-1 / FSDP code runs multi-process in CI without a GPU. Peers meet through kiln's
 // own StoreClient (an adapter implements gloo::rendezvous::Store with prefixed keys).
 //
-// The choice that matters: correctness over speed. reduce_scatter is an all-reduce into a
-// scratch buffer plus a copy of this rank's chunk: it moves ~2x the bytes of a true
-// reduce-scatter (Gloo's halving-doubling one is in-place on the input and awkward to drive),
-// which is fine for CPU tests and small runs, and not what you benchmark.
+// The choices that matter: correctness over speed, and NCCL's contract enforced. A collective
+// is checked when issued but runs only at the next wait() or barrier(), in issue order, so
+// inputs are read and outputs written as late as NCCL may (Communicator: results may be used,
+// and inputs rewritten, only after wait()). Code that breaks that contract, which on a GPU is a
+// race between the compute and communication streams, gives wrong numbers here, every time, and
+// the CPU equivalence tests see it. reduce_scatter is an all-reduce into a scratch buffer plus a
+// copy of this rank's chunk: it moves ~2x the bytes of a true reduce-scatter (Gloo's
+// halving-doubling one is in-place on the input and awkward to drive), which is fine for CPU
+// tests and small runs, and not what you benchmark.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -17,6 +22,7 @@
 
 #include <csignal>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <vector>
 
@@ -70,7 +76,7 @@ class GlooCommunicator : public Communicator {
     check_collective(name(), "all_reduce_sum", buf, buf, 1, 1);
     expect_sum_dtype("all_reduce_sum", buf);
     if (buf.numel() == 0) return;
-    run("all_reduce_sum", buf, [&] {
+    enqueue("all_reduce_sum", buf, [this, buf] {
       gloo::AllreduceOptions opts(ctx_);
       set_sum(opts, buf.data, buf.data, buf);
       configure(opts);
@@ -82,7 +88,7 @@ class GlooCommunicator : public Communicator {
     check_collective(name(), "reduce_scatter_sum", out_shard, in_full, 1, world_size());
     expect_sum_dtype("reduce_scatter_sum", in_full);
     if (in_full.numel() == 0) return;
-    run("reduce_scatter_sum", in_full, [&] {
+    enqueue("reduce_scatter_sum", in_full, [this, out_shard, in_full] {
       scratch_.resize(in_full.nbytes());
       gloo::AllreduceOptions opts(ctx_);
       set_sum(opts, in_full.data, scratch_.data(), in_full);
@@ -97,7 +103,7 @@ class GlooCommunicator : public Communicator {
     check_collective(name(), "all_gather", out_full, in_shard, world_size(), 1);
     expect_cpu("all_gather", in_shard);
     if (in_shard.numel() == 0) return;
-    run("all_gather", out_full, [&] {
+    enqueue("all_gather", out_full, [this, out_full, in_shard] {
       gloo::AllgatherOptions opts(ctx_);
       opts.setInput(in_shard.ptr<uint8_t>(), in_shard.nbytes());
       opts.setOutput(out_full.ptr<uint8_t>(), out_full.nbytes());
@@ -113,7 +119,7 @@ class GlooCommunicator : public Communicator {
       throw std::invalid_argument(name() + " broadcast: root " + std::to_string(root) +
                                   " out of range");
     if (buf.numel() == 0) return;
-    run("broadcast", buf, [&] {
+    enqueue("broadcast", buf, [this, buf, root] {
       gloo::BroadcastOptions opts(ctx_);
       opts.setOutput(buf.ptr<uint8_t>(), buf.nbytes());
       opts.setRoot(root);
@@ -122,12 +128,30 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  // Runs the collectives issued since the last wait(), in order.
+  void wait() override {
+    std::vector<Pending> run_now;
+    run_now.swap(pending_);  // a failed collective leaves nothing behind to run again
+    for (Pending& p : run_now) {
+      try {
+        p.run();
+      } catch (const std::invalid_argument&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw std::runtime_error(name() + " " + p.op +
+                                 (p.tensor.defined() ? " " + p.tensor.str() : "") + ": " +
+                                 e.what());
+      }
+    }
+  }
+
   void barrier() override {
-    run("barrier", Tensor{}, [&] {
+    enqueue("barrier", Tensor{}, [this] {
       gloo::BarrierOptions opts(ctx_);
       configure(opts);
       gloo::barrier(opts);
     });
+    wait();
   }
 
  private:
@@ -171,22 +195,20 @@ class GlooCommunicator : public Communicator {
       throw std::invalid_argument(name() + " " + op + ": " + t.str() + ": sums take f32 or bf16");
   }
 
-  template <class F>
-  void run(const char* op, const Tensor& t, F&& f) {
-    try {
-      f();
-    } catch (const std::invalid_argument&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw std::runtime_error(name() + " " + op + (t.defined() ? " " + t.str() : "") + ": " +
-                               e.what());
-    }
+  struct Pending {
+    const char* op;
+    Tensor tensor;  // named in errors
+    std::function<void()> run;
+  };
+  void enqueue(const char* op, const Tensor& t, std::function<void()> run) {
+    pending_.push_back({op, t, std::move(run)});
   }
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   uint32_t next_tag_ = 0;
   std::vector<uint8_t> scratch_;
+  std::vector<Pending> pending_;  // issued, run at the next wait()
 };
 
 }  // namespace

@@ -120,8 +120,8 @@ class Backend {
   // are real. losses: f32[N], losses[n] = -log softmax(logits[n])[targets[n]]; targets: i32[N].
   // If write_dlogits, logits is overwritten IN PLACE with dloss_scale * (softmax - onehot) on
   // the real columns and 0 on the padded ones; full-precision logits are never kept.
-  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                                     int vocab_size, float dloss_scale, bool write_dlogits) = 0;
+  virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
+                                     float dloss_scale, bool write_dlogits) = 0;
 
   // ---- reductions and the optimizer -----------------------------------------------------
   // out: f32[1]. out (+)= sum(x) / sum(x*x). x is f32 or the activation dtype.
@@ -175,7 +175,7 @@ class Backend {
 std::unique_ptr<Backend> make_cpu_backend();
 // Throws std::runtime_error when built without CUDA or when no GPU is present.
 std::unique_ptr<Backend> make_cuda_backend(int device_index);
-bool cuda_available();  // built with CUDA and at least one GPU visible
+bool cuda_available();    // built with CUDA and at least one GPU visible
 int cuda_device_count();  // GPUs visible (0 without CUDA)
 
 }  // namespace kiln

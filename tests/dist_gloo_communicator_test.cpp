@@ -57,6 +57,7 @@ TEST_P(DistGloo, CollectivesAreExact) {
     std::vector<float> buf(300001);
     for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(r * 100 + int(i % 1000));
     comm.all_reduce_sum(cpu_f32(buf));
+    comm.wait();
     for (size_t i = 0; i < buf.size(); ++i)
       ASSERT_EQ(buf[i], 100 * rank_sum + static_cast<float>(n * int(i % 1000))) << i;
 
@@ -66,6 +67,7 @@ TEST_P(DistGloo, CollectivesAreExact) {
     for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>((r + 1) * int(i % 512));
     std::vector<float> full_before = full;
     comm.reduce_scatter_sum(cpu_f32(shard), cpu_f32(full));
+    comm.wait();
     const int weight = n * (n + 1) / 2;
     for (int j = 0; j < chunk; ++j)
       ASSERT_EQ(shard[size_t(j)], static_cast<float>(weight * ((r * chunk + j) % 512))) << j;
@@ -75,6 +77,7 @@ TEST_P(DistGloo, CollectivesAreExact) {
     std::vector<float> mine(chunk), gathered(static_cast<size_t>(n * chunk));
     for (int j = 0; j < chunk; ++j) mine[size_t(j)] = static_cast<float>(r * 10000 + j);
     comm.all_gather(cpu_f32(gathered), cpu_f32(mine));
+    comm.wait();
     for (int k = 0; k < n; ++k)
       for (int j = 0; j < chunk; ++j)
         ASSERT_EQ(gathered[size_t(k * chunk + j)], static_cast<float>(k * 10000 + j));
@@ -83,6 +86,7 @@ TEST_P(DistGloo, CollectivesAreExact) {
     std::vector<uint16_t> h_in(7, static_cast<uint16_t>(r + 1)), h_out(size_t(7 * n));
     Tensor t_in{h_in.data(), Shape{7}, DType::bf16}, t_out{h_out.data(), Shape{7 * n}, DType::bf16};
     comm.all_gather(t_out, t_in);
+    comm.wait();
     for (int k = 0; k < n; ++k) ASSERT_EQ(h_out[size_t(k * 7)], k + 1);
 
     // bf16 sums (dist.reduce_dtype=bf16): small integers are exact in bf16, in-place
@@ -94,9 +98,11 @@ TEST_P(DistGloo, CollectivesAreExact) {
     std::vector<uint16_t> h_shard(10);
     Tensor t_shard{h_shard.data(), Shape{10}, DType::bf16};
     comm.reduce_scatter_sum(t_shard, t_sum);
+    comm.wait();
     for (int j = 0; j < 10; ++j)
       ASSERT_EQ(bf16_to_f32(h_shard[size_t(j)]), static_cast<float>(weight * ((r * 10 + j) % 7)));
     comm.all_reduce_sum(t_sum);
+    comm.wait();
     for (size_t i = 0; i < h_sum.size(); ++i)
       ASSERT_EQ(bf16_to_f32(h_sum[i]), static_cast<float>(weight * int(i % 7))) << i;
 
@@ -104,6 +110,7 @@ TEST_P(DistGloo, CollectivesAreExact) {
     std::vector<float> b(513);
     for (size_t i = 0; i < b.size(); ++i) b[i] = r == n - 1 ? static_cast<float>(i) + 0.5f : -1;
     comm.broadcast(cpu_f32(b), n - 1);
+    comm.wait();
     for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b[i], static_cast<float>(i) + 0.5f);
 
     comm.barrier();
@@ -115,6 +122,26 @@ TEST_P(DistGloo, CollectivesAreExact) {
     EXPECT_THROW(comm.all_reduce_sum(Tensor{ints.data(), Shape{3}, DType::i32}),
                  std::invalid_argument);
     comm.barrier();
+  });
+}
+
+// NCCL's contract, enforced: a collective runs at wait() (or barrier()), not when issued, so its
+// inputs are read and its outputs written as late as NCCL may. A caller that reads a result or
+// rewrites an input before wait() sees it here on every run, not now and then on a GPU.
+TEST_P(DistGloo, CollectivesRunAtWaitInIssueOrder) {
+  const int n = GetParam();
+  run_world(n, [n](Communicator& comm) {
+    std::vector<float> x(4, 1.0f), y(4 * static_cast<size_t>(n));
+    comm.all_reduce_sum(cpu_f32(x));
+    EXPECT_EQ(x[0], 1.0f) << "ran before wait()";
+    x.assign(4, 2.0f);                        // rewritten before wait(): the sum reads this
+    comm.all_gather(cpu_f32(y), cpu_f32(x));  // issued after the sum, so it gathers the sum
+    comm.wait();
+    EXPECT_EQ(x[0], 2.0f * static_cast<float>(n));
+    for (float v : y) EXPECT_EQ(v, 2.0f * static_cast<float>(n));
+    comm.all_reduce_sum(cpu_f32(x));
+    comm.barrier();  // a barrier runs what was issued before it
+    EXPECT_EQ(x[0], 2.0f * static_cast<float>(n * n));
   });
 }
 
@@ -132,7 +159,9 @@ TEST(DistGlooSetup, TwoCommunicatorsOnOneStoreUseDistinctPrefixes) {
       auto b = make_gloo_communicator(store, r, 2, 20s, "b");
       std::vector<float> x{float(r + 1)};
       a->all_reduce_sum(cpu_f32(x));
+      a->wait();
       b->all_reduce_sum(cpu_f32(x));
+      b->wait();
       results[size_t(r)] = x[0];
       EXPECT_EQ(a->name(), "gloo rank " + std::to_string(r) + "/2");
     });

@@ -127,8 +127,9 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
 TEST_F(DistTrain, EachStrategyResumesBitForBit) {
   for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
     const std::string s = strategy;
-    const std::string full = train("resume_full_" + s, 2, s,
-                                   "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
+    const std::string full =
+        train("resume_full_" + s, 2, s,
+              "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
     const std::string resumed = (dir_ / ("resume_part_" + s)).string();
     fs::create_directories(resumed + "/checkpoints");
     fs::copy(full + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
@@ -141,8 +142,9 @@ TEST_F(DistTrain, EachStrategyResumesBitForBit) {
 }
 
 TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
-  const std::string fsdp = train("cross_fsdp", 4, "fsdp",
-                                 "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
+  const std::string fsdp =
+      train("cross_fsdp", 4, "fsdp",
+            "--train.max_steps=12 --train.checkpoint_every=6 --train.keep_checkpoints=3");
   const std::string ddp = (dir_ / "cross_ddp").string();
   fs::create_directories(ddp + "/checkpoints");
   fs::copy(fsdp + "/checkpoints/step_00000006", ddp + "/checkpoints/step_00000006",
@@ -151,7 +153,8 @@ TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
   const auto a = losses(fsdp), b = losses(ddp);
   ASSERT_EQ(b.size(), 6u);
   for (size_t i = 0; i < b.size(); ++i)
-    EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second), 1e-5 * std::stod(a[6 + i].second));
+    EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
+                1e-5 * std::stod(a[6 + i].second));
 }
 
 std::vector<pid_t> children_of(pid_t parent) {
