@@ -2,15 +2,17 @@
 // DDP / ZeRO-1 / FSDP code runs multi-process in CI without a GPU. Peers meet through kiln's
 // own StoreClient (an adapter implements gloo::rendezvous::Store with prefixed keys).
 //
-// The choices that matter: correctness over speed, and NCCL's contract enforced. A collective
-// is checked when issued but runs only at the next wait() or barrier(), in issue order, so
-// inputs are read and outputs written as late as NCCL may (Communicator: results may be used,
-// and inputs rewritten, only after wait()). Code that breaks that contract, which on a GPU is a
-// race between the compute and communication streams, gives wrong numbers here, every time, and
-// the CPU equivalence tests see it. reduce_scatter is an all-reduce into a scratch buffer plus a
-// copy of this rank's chunk: it moves ~2x the bytes of a true reduce-scatter (Gloo's
-// halving-doubling one is in-place on the input and awkward to drive), which is fine for CPU
-// tests and small runs, and not what you benchmark.
+// The choices that matter: correctness over speed, and NCCL's contract enforced. NCCL may run a
+// collective anywhere between its issue (after the compute enqueued before it) and wait(). Here
+// it is checked when issued but runs only at the next wait() or barrier(), in issue order: the
+// late end of that window, where a result read or an input rewritten before wait() goes wrong.
+// KILN_GLOO_EAGER=1 runs each one when issued instead: the early end, where a buffer that
+// compute issued after the collective still reads goes wrong. Code that breaks the contract,
+// which on a GPU is a race between the compute and communication streams, gives wrong numbers
+// here every time in one mode or the other, and the CPU equivalence tests (run in both) see it.
+// reduce_scatter is an all-reduce into a scratch buffer plus a copy of this rank's chunk: it moves
+// ~2x the bytes of a true reduce-scatter (Gloo's halving-doubling one is in-place on the input and
+// awkward to drive), which is fine for CPU tests and small runs, and not what you benchmark.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -21,9 +23,11 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -63,8 +67,9 @@ class StoreAdapter : public gloo::rendezvous::Store {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout)
-      : ctx_(std::move(ctx)), timeout_(timeout) {}
+  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout,
+                   bool eager)
+      : ctx_(std::move(ctx)), timeout_(timeout), eager_(eager) {}
 
   int rank() const override { return ctx_->rank; }
   int world_size() const override { return ctx_->size; }
@@ -202,10 +207,12 @@ class GlooCommunicator : public Communicator {
   };
   void enqueue(const char* op, const Tensor& t, std::function<void()> run) {
     pending_.push_back({op, t, std::move(run)});
+    if (eager_) wait();
   }
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
+  bool eager_;  // run each collective when issued (KILN_GLOO_EAGER), not at wait()
   uint32_t next_tag_ = 0;
   std::vector<uint8_t> scratch_;
   std::vector<Pending> pending_;  // issued, run at the next wait()
@@ -238,7 +245,9 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
     throw InputError("gloo rank " + std::to_string(rank) + "/" + std::to_string(world_size) +
                      ": cannot connect to its peers from " + attr.hostname + ": " + e.what());
   }
-  return std::make_unique<GlooCommunicator>(std::move(ctx), timeout);
+  const char* eager = std::getenv("KILN_GLOO_EAGER");
+  return std::make_unique<GlooCommunicator>(std::move(ctx), timeout,
+                                            eager && *eager && std::string(eager) != "0");
 }
 
 }  // namespace kiln

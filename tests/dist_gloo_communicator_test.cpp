@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -125,24 +126,36 @@ TEST_P(DistGloo, CollectivesAreExact) {
   });
 }
 
-// NCCL's contract, enforced: a collective runs at wait() (or barrier()), not when issued, so its
-// inputs are read and its outputs written as late as NCCL may. A caller that reads a result or
-// rewrites an input before wait() sees it here on every run, not now and then on a GPU.
-TEST_P(DistGloo, CollectivesRunAtWaitInIssueOrder) {
+// NCCL may run a collective anywhere between its issue and wait(); Gloo runs it at one end of
+// that window or the other, so that a caller who reads or writes a buffer on the wrong side of
+// wait() gets wrong numbers on every CPU run, not now and then on a GPU. By default it runs at
+// wait() (or barrier()), in issue order; with KILN_GLOO_EAGER=1, when issued.
+TEST_P(DistGloo, CollectivesRunAtWaitInIssueOrderOrWhenIssuedIfEager) {
   const int n = GetParam();
-  run_world(n, [n](Communicator& comm) {
-    std::vector<float> x(4, 1.0f), y(4 * static_cast<size_t>(n));
+  const float fn = static_cast<float>(n);
+  ::unsetenv("KILN_GLOO_EAGER");
+  run_world(n, [fn](Communicator& comm) {
+    std::vector<float> x(4, 1.0f), y(4 * static_cast<size_t>(fn));
     comm.all_reduce_sum(cpu_f32(x));
     EXPECT_EQ(x[0], 1.0f) << "ran before wait()";
     x.assign(4, 2.0f);                        // rewritten before wait(): the sum reads this
     comm.all_gather(cpu_f32(y), cpu_f32(x));  // issued after the sum, so it gathers the sum
     comm.wait();
-    EXPECT_EQ(x[0], 2.0f * static_cast<float>(n));
-    for (float v : y) EXPECT_EQ(v, 2.0f * static_cast<float>(n));
+    EXPECT_EQ(x[0], 2.0f * fn);
+    for (float v : y) EXPECT_EQ(v, 2.0f * fn);
     comm.all_reduce_sum(cpu_f32(x));
     comm.barrier();  // a barrier runs what was issued before it
-    EXPECT_EQ(x[0], 2.0f * static_cast<float>(n * n));
+    EXPECT_EQ(x[0], 2.0f * fn * fn);
   });
+  ::setenv("KILN_GLOO_EAGER", "1", 1);
+  run_world(n, [fn](Communicator& comm) {
+    std::vector<float> x(4, 1.0f);
+    comm.all_reduce_sum(cpu_f32(x));
+    EXPECT_EQ(x[0], fn) << "did not run when issued";
+    comm.wait();
+    EXPECT_EQ(x[0], fn);
+  });
+  ::unsetenv("KILN_GLOO_EAGER");
 }
 
 INSTANTIATE_TEST_SUITE_P(DistRanks, DistGloo, ::testing::Values(2, 4),
