@@ -65,10 +65,12 @@ void DataParallel::bind() {
   }
   gather_src_ = working_shard_.defined() ? working_shard_ : master_;
   if (fsdp()) {
-    hooks_.before_forward = [this](int unit) { gather_unit(unit); };
-    hooks_.before_backward = [this](int unit) {
-      gather_unit(unit);
-      const int last = static_cast<int>(plan_.chunks.size()) - 1;
+    // Forward runs units 0, 1, ..., last and backward last, ..., 1, 0: each hook prefetches the
+    // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
+    const int last = static_cast<int>(plan_.chunks.size()) - 1;
+    hooks_.before_forward = [this, last](int unit) { use_unit(unit, unit < last ? unit + 1 : -1); };
+    hooks_.before_backward = [this, last](int unit) {
+      use_unit(unit, unit > 1 ? unit - 1 : -1);  // unit 0 stays in its slot from the forward
       // Unit 0's grads also collect the tied head's, which runs first in backward.
       if (unit == last) backend_.fill_zero(unit_grads_[0]);
       if (unit != 0) backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
@@ -93,10 +95,10 @@ void DataParallel::all_reduce(Tensor t, bool overlap) {
   if (!overlap) comm_->wait();
 }
 
-void DataParallel::all_gather(Tensor out, Tensor in) {
+void DataParallel::all_gather(Tensor out, Tensor in, bool overlap) {
   if (!comm_ || plan_.world == 1) return backend_.copy(out, in);
   comm_->all_gather(out, in);
-  comm_->wait();
+  if (!overlap) comm_->wait();
 }
 
 void DataParallel::reduce_scatter(Tensor out, Tensor in) {
@@ -136,15 +138,23 @@ void DataParallel::bind_units() {
   model_.set_grads(bind_weights(model_.config(), layout, place(unit_grads_)));
 }
 
+// Issues the all-gather of `unit` into its slot unless the slot holds it already. The unit that
+// held the slot is done with: its ops are enqueued, and the gather runs after them.
 void DataParallel::gather_unit(int unit) {
   const int slot = unit == 0 ? 0 : 1 + unit % 2;
   if (held_[slot] == unit) return;
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}),
-             gather_src_.slice(c.local, {c.chunk}));
+             gather_src_.slice(c.local, {c.chunk}), /*overlap=*/true);
   if (held_[slot] >= 0) unit_slot_[static_cast<size_t>(held_[slot])] = -1;
   held_[slot] = unit;
   unit_slot_[static_cast<size_t>(unit)] = slot;
+}
+
+void DataParallel::use_unit(int unit, int prefetch) {
+  gather_unit(unit);
+  if (comm_) comm_->wait();  // before the prefetch, which runs on beside this unit's compute
+  if (prefetch >= 0) gather_unit(prefetch);
   bind_units();
 }
 

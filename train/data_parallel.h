@@ -7,10 +7,10 @@
 //           them on its own stream; optimizer_step() waits for them).
 //  - zero1: full working params and grads; gradients reduce-scattered, each rank updates its
 //           chunk of master weights and moments, updated params all-gathered.
-//  - fsdp:  only shards persist. Each unit's params are all-gathered into a gather buffer just
-//           before its forward/backward (two rotating buffers for the blocks, one kept for the
-//           embeddings, which the tied head reuses), and its grads reduce-scattered into the
-//           shard right after its backward, every micro-batch.
+//  - fsdp:  only shards persist. Each unit's params are all-gathered into a gather buffer (two
+//           rotating buffers for the blocks, one kept for the embeddings, which the tied head
+//           reuses) one unit ahead, while the unit before it computes, and its grads
+//           reduce-scattered into the shard right after its backward, every micro-batch.
 // dist.reduce_dtype=bf16 sums gradients across ranks in bf16: each rank rounds its f32
 // gradients to bf16 (a cast into a buffer of their own) just before the collective, and the
 // summed result is widened back to f32 for the norm and AdamW. Half the bytes on the wire and in
@@ -68,14 +68,16 @@ class DataParallel {
   // Gradients go through a bf16 copy for the collectives (never with one rank: nothing to sum).
   bool reduce_bf16() const { return reduce_dtype_ == DType::bf16 && plan_.world > 1; }
   void all_reduce(Tensor t, bool overlap = false);
-  void all_gather(Tensor out, Tensor in);
+  void all_gather(Tensor out, Tensor in, bool overlap = false);
   void reduce_scatter(Tensor out, Tensor in);
   // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;
   // `accumulate`: out += instead.
   void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate);
   void gather_working();          // zero1: every chunk -> full working params
   void refresh_working();         // working copies from the master weights
-  void gather_unit(int unit);     // fsdp
+  void gather_unit(int unit);     // fsdp: issue a unit's all-gather (not waited for)
+  // fsdp: `unit`'s params gathered and bound, and the all-gather of `prefetch` (>= 0) issued.
+  void use_unit(int unit, int prefetch);
   void scatter_unit_grads(int unit);
   void bind_units();              // fsdp: point the model at the current gather buffers
   void after_backward_ddp(int unit);
