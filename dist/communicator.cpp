@@ -22,7 +22,7 @@ void check_collective(const std::string& who, const char* op, const Tensor& out,
 }
 
 #ifndef KILN_WITH_CUDA
-std::unique_ptr<Communicator> make_nccl_communicator(StoreClient&, int, int, int, void*,
+std::unique_ptr<Communicator> make_nccl_communicator(StoreClient&, int, int, int, void*, int,
                                                      const std::string&) {
   throw InputError("NCCL needs a CUDA build of kiln; this one is CPU-only (use gloo)");
 }

@@ -25,6 +25,11 @@ class Communicator {
   virtual int world_size() const = 0;
   // buf = sum over ranks of buf, in place.
   virtual void all_reduce_sum(Tensor buf) = 0;
+  // The same, for a sum that runs beside compute (ddp's buckets during backward): NCCL made with
+  // overlap_ctas > 0 runs it on a second communicator that takes at most that many SMs, so the
+  // kernels it runs beside keep the rest (docs/PERF.md: what held SMs cost). Same stream, same
+  // order as every other collective.
+  virtual void all_reduce_sum_overlapped(Tensor buf) { all_reduce_sum(buf); }
   // in_full.numel() == world_size * out_shard.numel(); rank r receives the sum over ranks of
   // chunk r of in_full. in_full is left unchanged.
   virtual void reduce_scatter_sum(Tensor out_shard, Tensor in_full) = 0;
@@ -55,9 +60,11 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
 // (key "<prefix>/unique_id"); collectives run on a communication stream of the communicator's
 // own, after the work already enqueued on `cuda_stream` (the caller's compute stream, a
 // cudaStream_t); wait() orders `cuda_stream` after them. They never synchronize with the host.
-// Built without CUDA, throws InputError.
+// overlap_ctas > 0: all_reduce_sum_overlapped() runs on a communicator split from the first with
+// at most that many CTAs. Built without CUDA, throws InputError.
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
+                                                     int overlap_ctas = 0,
                                                      const std::string& prefix = "nccl");
 
 // Shared argument checks; `who` is the communicator's name(). Throw std::invalid_argument.

@@ -1,13 +1,18 @@
 // NCCL communicator: collectives on CUDA tensors, run on a communication stream of its own
 // that first waits (by event) for everything already enqueued on the caller's compute stream, and
 // never synchronized with the host (only barrier() waits). wait() makes the compute stream wait
-// for them in turn: until then they overlap whatever compute comes next (DDP's backward). Rank 0 makes the ncclUniqueId and shares it through the rendezvous store.
+// for them in turn: until then they overlap whatever compute comes next (DDP's backward). Rank 0
+// makes the ncclUniqueId and shares it through the rendezvous store. With overlap_ctas > 0 the
+// sums that run beside backward go through a second communicator, split from the first with
+// maxCTAs = overlap_ctas, on the same stream: a rank that waits in them for a slower peer holds
+// that many SMs instead of NCCL's ~24, and the GEMMs beside them keep their single wave.
 // Sums take f32 or bf16; gathers and broadcasts move bytes (ncclInt8), so any dtype works.
 // Compiled only with CUDA; communicator.cpp has the CPU-only stand-in.
 #ifdef KILN_WITH_CUDA
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <spdlog/spdlog.h>
 
 #include <cstring>
 #include <stdexcept>
@@ -30,8 +35,14 @@ void check_cuda(cudaError_t err, const std::string& who, const char* what) {
 
 class NcclCommunicator : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, cudaStream_t compute, int rank, int world, int device)
-      : comm_(comm), compute_(compute), rank_(rank), world_(world), device_(device) {
+  NcclCommunicator(ncclComm_t comm, ncclComm_t overlap_comm, cudaStream_t compute, int rank,
+                   int world, int device)
+      : comm_(comm),
+        overlap_comm_(overlap_comm),
+        compute_(compute),
+        rank_(rank),
+        world_(world),
+        device_(device) {
     cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
     // Highest priority: NCCL's blocks get SMs as soon as compute blocks retire, so collectives
     // overlapped with backward are not starved by it.
@@ -56,12 +67,9 @@ class NcclCommunicator : public Communicator {
     return rank_str(rank_, world_) + " (cuda:" + std::to_string(device_) + ")";
   }
 
-  void all_reduce_sum(Tensor buf) override {
-    check_collective(name(), "all_reduce_sum", buf, buf, 1, 1);
-    begin();
-    check("all_reduce_sum",
-          ncclAllReduce(buf.data, buf.data, count(buf), sum_type(buf), ncclSum, comm_, stream_));
-    end();
+  void all_reduce_sum(Tensor buf) override { all_reduce("all_reduce_sum", buf, comm_); }
+  void all_reduce_sum_overlapped(Tensor buf) override {
+    all_reduce("all_reduce_sum_overlapped", buf, overlap_comm_ ? overlap_comm_ : comm_);
   }
 
   void reduce_scatter_sum(Tensor out_shard, Tensor in_full) override {
@@ -104,6 +112,12 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  void all_reduce(const char* op, Tensor buf, ncclComm_t comm) {
+    check_collective(name(), op, buf, buf, 1, 1);
+    begin();
+    check(op, ncclAllReduce(buf.data, buf.data, count(buf), sum_type(buf), ncclSum, comm, stream_));
+    end();
+  }
   // A collective's inputs are whatever the compute stream has enqueued so far.
   void begin() {
     check_cuda(cudaEventRecord(inputs_ready_, compute_), name(), "cudaEventRecord(compute)");
@@ -115,6 +129,7 @@ class NcclCommunicator : public Communicator {
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
     if (stream_) cudaStreamDestroy(stream_);
     if (barrier_buf_) cudaFree(barrier_buf_);
+    if (overlap_comm_) ncclCommDestroy(overlap_comm_);
     ncclCommDestroy(comm_);
   }
   void expect_cuda(const char* op, const Tensor& t) const {
@@ -135,6 +150,7 @@ class NcclCommunicator : public Communicator {
   }
 
   ncclComm_t comm_;
+  ncclComm_t overlap_comm_;  // null: overlapped sums use comm_
   cudaStream_t compute_;
   cudaStream_t stream_ = nullptr;  // communication
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
@@ -146,7 +162,7 @@ class NcclCommunicator : public Communicator {
 
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
-                                                     const std::string& prefix) {
+                                                     int overlap_ctas, const std::string& prefix) {
   const std::string who = rank_str(rank, world_size);
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("make_nccl_communicator: bad rank for " + who);
@@ -171,7 +187,27 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
   if (r != ncclSuccess)
     throw std::runtime_error(who + ": ncclCommInitRank: " + ncclGetErrorString(r) + " (" +
                              ncclGetLastError(comm) + ")");
-  return std::make_unique<NcclCommunicator>(comm, static_cast<cudaStream_t>(cuda_stream), rank,
+  ncclComm_t overlap_comm = nullptr;
+  if (overlap_ctas > 0 && world_size > 1) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.minCTAs = 1;
+    config.maxCTAs = overlap_ctas;
+    r = ncclCommSplit(comm, 0, rank, &overlap_comm, &config);
+    if (r != ncclSuccess) {
+      const std::string why = ncclGetLastError(comm);
+      ncclCommDestroy(comm);
+      throw std::runtime_error(who + ": ncclCommSplit for dist.overlap_ctas=" +
+                               std::to_string(overlap_ctas) + ": " + ncclGetErrorString(r) +
+                               " (" + why + ")");
+    }
+    if (rank == 0)
+      spdlog::info("nccl: ddp's bucket all-reduces during backward on a second communicator of "
+                   "at most {} CTAs (dist.overlap_ctas); the last bucket and every other "
+                   "collective on the first",
+                   overlap_ctas);
+  }
+  return std::make_unique<NcclCommunicator>(comm, overlap_comm,
+                                            static_cast<cudaStream_t>(cuda_stream), rank,
                                             world_size, local_rank);
 }
 

@@ -243,6 +243,8 @@ TEST(ConfigErrors, OutOfRangeValuesNameKeyAndRange) {
            {"dist: {timeout_s: 0}", "dist.timeout_s: must be >= 1, got 0"},
            {"dist: {bucket_mb: 0}", "dist.bucket_mb: must be > 0, got 0"},
            {"dist: {reduce_dtype: fp16}", "dist.reduce_dtype: must be one of fp32, bf16, got 'fp16'"},
+           {"dist: {overlap_ctas: 65}", "dist.overlap_ctas: must be in [0, 64], got 65"},
+           {"dist: {overlap_ctas: 2.5}", "dist.overlap_ctas"},
        }) {
     std::string msg = parse_error(kMinimal + c.yaml + "\n");
     EXPECT_NE(msg.find(c.expected), std::string::npos) << c.yaml << " -> " << msg;

@@ -134,6 +134,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, bucket_mb), positive(), "DDP gradient bucket size in MiB"},
       {KILN_FIELD(dist, reduce_dtype), one_of({"fp32", "bf16"}),
        "dtype of the cross-rank gradient sum (bf16: half the bytes, rounded)"},
+      {KILN_FIELD(dist, overlap_ctas), range(0, false, 64, false),
+       "NCCL: most SMs (CTAs) ddp's bucket all-reduces take while backward runs, on a second "
+       "communicator (0: NCCL's choice, one communicator)"},
       {KILN_FIELD(dist, timeout_s), at_least(1), "collective and rendezvous timeout (seconds)"},
   };
   return fields;

@@ -88,11 +88,12 @@ void DataParallel::bind() {
 }
 
 // Collectives whose results the next op consumes wait for them right away; DDP's bucket
-// all-reduces do not, so they overlap the rest of backward until optimizer_step().
-void DataParallel::all_reduce(Tensor t, bool overlap) {
+// all-reduces (after_backward_ddp) do not, so they overlap the rest of backward until
+// optimizer_step().
+void DataParallel::all_reduce(Tensor t) {
   if (!comm_ || plan_.world == 1) return;
   comm_->all_reduce_sum(t);
-  if (!overlap) comm_->wait();
+  comm_->wait();
 }
 
 void DataParallel::all_gather(Tensor out, Tensor in, bool overlap) {
@@ -165,18 +166,21 @@ void DataParallel::scatter_unit_grads(int unit) {
 }
 
 void DataParallel::after_backward_ddp(int unit) {
-  if (!last_micro_ || plan_.world == 1) return;
+  if (!last_micro_ || !comm_ || plan_.world == 1) return;
   const int64_t begin = model_.layout().units[static_cast<size_t>(unit)].first;
   const double pending_mb = static_cast<double>(ddp_pending_end_ - begin) * 4.0 / (1 << 20);
   if (pending_mb >= bucket_mb_ || unit == 0) {
     const Shape n{ddp_pending_end_ - begin};
+    Tensor bucket = grads_.slice(begin, n);
     if (reduce_bf16()) {
       // Rounded on the compute stream, where the bucket's gradients were just finished.
-      backend_.copy(reduce_full_.slice(begin, n), grads_.slice(begin, n));
-      all_reduce(reduce_full_.slice(begin, n), /*overlap=*/true);
-    } else {
-      all_reduce(grads_.slice(begin, n), /*overlap=*/true);
+      backend_.copy(reduce_full_.slice(begin, n), bucket);
+      bucket = reduce_full_.slice(begin, n);
     }
+    // Not waited for here: optimizer_step() does. The last bucket (unit 0's) starts after
+    // backward, with no compute beside it, so it may take all of NCCL's SMs.
+    if (unit == 0) comm_->all_reduce_sum(bucket);
+    else comm_->all_reduce_sum_overlapped(bucket);
     ddp_pending_end_ = begin;
   }
 }

@@ -67,7 +67,7 @@ class DataParallel {
   bool sharded() const { return plan_.strategy != "ddp"; }
   // Gradients go through a bf16 copy for the collectives (never with one rank: nothing to sum).
   bool reduce_bf16() const { return reduce_dtype_ == DType::bf16 && plan_.world > 1; }
-  void all_reduce(Tensor t, bool overlap = false);
+  void all_reduce(Tensor t);
   void all_gather(Tensor out, Tensor in, bool overlap = false);
   void reduce_scatter(Tensor out, Tensor in);
   // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;

@@ -27,7 +27,11 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
   CommunicatorFactory make_comm = [&](Backend& backend) -> std::unique_ptr<Communicator> {
     if (backend.device() == Device::cuda)
       return make_nccl_communicator(rendezvous.store(), worker.rank, worker.world_size,
-                                    worker.local_rank, backend.native_stream());
+                                    worker.local_rank, backend.native_stream(),
+                                    config.dist.overlap_ctas);
+    if (config.dist.overlap_ctas > 0 && worker.rank == 0)
+      spdlog::warn("dist.overlap_ctas={} applies to NCCL; over gloo it changes nothing",
+                   config.dist.overlap_ctas);
     return make_gloo_communicator(rendezvous.store(), worker.rank, worker.world_size, timeout);
   };
   return run_training(config, rank, make_comm);

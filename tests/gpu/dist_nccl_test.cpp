@@ -88,12 +88,15 @@ TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
 }
 
 // 50 KiB buckets: ddp all-reduces each unit on the communication stream while the rest of
-// backward runs (the model fits one default bucket otherwise).
+// backward runs (the model fits one default bucket otherwise); with dist.overlap_ctas those
+// buckets go through a second communicator of at most 4 CTAs, the last one through the first.
 TEST_F(DistNccl, DdpWithABucketPerUnitFollowsTheSingleGpuCurve) {
   const std::string single = train("single", 1, "ddp");
   expect_close(single, train("buckets_f32", 2, "ddp", "--dist.bucket_mb=0.05"));
   expect_close(single,
                train("buckets_bf16", 2, "ddp", "--dist.bucket_mb=0.05 --dist.reduce_dtype=bf16"));
+  expect_close(single,
+               train("buckets_ctas4", 2, "ddp", "--dist.bucket_mb=0.05 --dist.overlap_ctas=4"));
 }
 
 TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
