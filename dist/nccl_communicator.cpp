@@ -196,19 +196,19 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
     if (r != ncclSuccess) {
       const std::string why = ncclGetLastError(comm);
       ncclCommDestroy(comm);
-      throw std::runtime_error(who + ": ncclCommSplit for dist.overlap_ctas=" +
-                               std::to_string(overlap_ctas) + ": " + ncclGetErrorString(r) +
-                               " (" + why + ")");
+      throw std::runtime_error(
+          who + ": ncclCommSplit for dist.overlap_ctas=" + std::to_string(overlap_ctas) + ": " +
+          ncclGetErrorString(r) + " (" + why + ")");
     }
     if (rank == 0)
-      spdlog::info("nccl: ddp's bucket all-reduces during backward on a second communicator of "
-                   "at most {} CTAs (dist.overlap_ctas); the last bucket and every other "
-                   "collective on the first",
-                   overlap_ctas);
+      spdlog::info(
+          "nccl: ddp's bucket all-reduces during backward on a second communicator of "
+          "at most {} CTAs (dist.overlap_ctas); the last bucket and every other "
+          "collective on the first",
+          overlap_ctas);
   }
-  return std::make_unique<NcclCommunicator>(comm, overlap_comm,
-                                            static_cast<cudaStream_t>(cuda_stream), rank,
-                                            world_size, local_rank);
+  return std::make_unique<NcclCommunicator>(
+      comm, overlap_comm, static_cast<cudaStream_t>(cuda_stream), rank, world_size, local_rank);
 }
 
 }  // namespace kiln

@@ -179,8 +179,10 @@ void DataParallel::after_backward_ddp(int unit) {
     }
     // Not waited for here: optimizer_step() does. The last bucket (unit 0's) starts after
     // backward, with no compute beside it, so it may take all of NCCL's SMs.
-    if (unit == 0) comm_->all_reduce_sum(bucket);
-    else comm_->all_reduce_sum_overlapped(bucket);
+    if (unit == 0)
+      comm_->all_reduce_sum(bucket);
+    else
+      comm_->all_reduce_sum_overlapped(bucket);
     ddp_pending_end_ = begin;
   }
 }
