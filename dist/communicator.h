@@ -46,6 +46,9 @@ class Communicator {
   // for the comm stream's work).
   virtual void barrier() = 0;
   virtual std::string name() const = 0;  // "gloo rank 1/4", "nccl rank 3/8 (cuda:3)"
+  // Whether every rank is on one host and NVLink joins every pair of their GPUs (what ddp's
+  // default bucket size rests on); the same answer on every rank, and *why what was found.
+  virtual bool nvlink_joined(std::string* why) const = 0;
 };
 
 // Gloo over TCP. Each rank opens a transport device on the address of its interface that routes
@@ -61,7 +64,9 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
 // own, after the work already enqueued on `cuda_stream` (the caller's compute stream, a
 // cudaStream_t); wait() orders `cuda_stream` after them. They never synchronize with the host.
 // overlap_ctas > 0: all_reduce_sum_overlapped() runs on a communicator split from the first with
-// at most that many CTAs. Built without CUDA, throws InputError.
+// at most that many CTAs. Each rank also publishes its GPU's site (host, PCI bus id) under
+// "<prefix>/site/<rank>"; rank 0 decides nvlink_joined() for all (NVML; false where
+// NCCL_P2P_DISABLE is set) under "<prefix>/nvlink". Built without CUDA, throws InputError.
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
                                                      int overlap_ctas = 0,

@@ -76,6 +76,10 @@ class GlooCommunicator : public Communicator {
   std::string name() const override {
     return "gloo rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
   }
+  bool nvlink_joined(std::string* why) const override {
+    *why = "gloo: CPU processes";
+    return false;
+  }
 
   void all_reduce_sum(Tensor buf) override {
     check_collective(name(), "all_reduce_sum", buf, buf, 1, 1);

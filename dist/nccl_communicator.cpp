@@ -7,6 +7,8 @@
 // maxCTAs = overlap_ctas, on the same stream: a rank that waits in them for a slower peer holds
 // that many SMs instead of NCCL's ~24, and the GEMMs beside them keep their single wave.
 // Sums take f32 or bf16; gathers and broadcasts move bytes (ncclInt8), so any dtype works.
+// At creation the ranks also settle, through the store, whether NVLink joins all their GPUs
+// (dist/topology.h), which ddp's default bucket size asks.
 // Compiled only with CUDA; communicator.cpp has the CPU-only stand-in.
 #ifdef KILN_WITH_CUDA
 
@@ -14,11 +16,16 @@
 #include <nccl.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "dist/communicator.h"
 #include "dist/store.h"
+#include "dist/topology.h"
 #include "kernels/error.h"
 
 namespace kiln {
@@ -36,13 +43,15 @@ void check_cuda(cudaError_t err, const std::string& who, const char* what) {
 class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, ncclComm_t overlap_comm, cudaStream_t compute, int rank,
-                   int world, int device)
+                   int world, int device, bool nvlink_joined, std::string nvlink_why)
       : comm_(comm),
         overlap_comm_(overlap_comm),
         compute_(compute),
         rank_(rank),
         world_(world),
-        device_(device) {
+        device_(device),
+        nvlink_joined_(nvlink_joined),
+        nvlink_why_(std::move(nvlink_why)) {
     cudaError_t err = cudaMalloc(&barrier_buf_, sizeof(float));
     // Highest priority: NCCL's blocks get SMs as soon as compute blocks retire, so collectives
     // overlapped with backward are not starved by it.
@@ -65,6 +74,10 @@ class NcclCommunicator : public Communicator {
   int world_size() const override { return world_; }
   std::string name() const override {
     return rank_str(rank_, world_) + " (cuda:" + std::to_string(device_) + ")";
+  }
+  bool nvlink_joined(std::string* why) const override {
+    *why = nvlink_why_;
+    return nvlink_joined_;
   }
 
   void all_reduce_sum(Tensor buf) override { all_reduce("all_reduce_sum", buf, comm_); }
@@ -155,8 +168,51 @@ class NcclCommunicator : public Communicator {
   cudaStream_t stream_ = nullptr;  // communication
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
   int rank_, world_, device_;
+  bool nvlink_joined_;
+  std::string nvlink_why_;
   float* barrier_buf_ = nullptr;
 };
+
+// Rank 0 reads every rank's GPU site and decides whether NVLink joins them all; every rank reads
+// that one verdict, so all agree. NCCL told not to use peer-to-peer does not use NVLink either.
+std::pair<bool, std::string> decide_nvlink(StoreClient& store, int rank, int world, int device,
+                                           const std::string& prefix, const std::string& who) {
+  char bus[32] = {};
+  check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device), who, "cudaDeviceGetPCIBusId");
+  store.set(prefix + "/site/" + std::to_string(rank), encode_site({host_identity(), bus}));
+  const std::string verdict_key = prefix + "/nvlink";
+  if (rank == 0) {
+    std::vector<GpuSite> sites;
+    for (int r = 0; r < world; ++r) {
+      const std::string key = prefix + "/site/" + std::to_string(r);
+      try {
+        sites.push_back(decode_site(store.get(key)));
+      } catch (const std::invalid_argument& e) {
+        throw std::runtime_error(who + ": store key '" + key + "': " + e.what());
+      }
+    }
+    std::string why;
+    bool joined = false;
+    const char* p2p_off = std::getenv("NCCL_P2P_DISABLE");
+    if (p2p_off && *p2p_off && std::string(p2p_off) != "0") {
+      why = std::string("NCCL_P2P_DISABLE=") + p2p_off;
+    } else {
+      std::unique_ptr<NvmlLinks> nvml;  // opened only when there is a pair to ask about
+      joined = all_joined_by_nvlink(
+          sites,
+          [&](const std::string& a, const std::string& b, std::string* reason) {
+            if (!nvml) nvml = std::make_unique<NvmlLinks>();
+            return nvml->linked(a, b, reason);
+          },
+          &why);
+    }
+    store.set(verdict_key, (joined ? "1" : "0") + why);
+  }
+  const std::string verdict = store.get(verdict_key);
+  if (verdict.empty() || (verdict[0] != '0' && verdict[0] != '1'))
+    throw std::runtime_error(who + ": store key '" + verdict_key + "' holds no verdict");
+  return {verdict[0] == '1', verdict.substr(1)};
+}
 
 }  // namespace
 
@@ -188,7 +244,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
     throw std::runtime_error(who + ": ncclCommInitRank: " + ncclGetErrorString(r) + " (" +
                              ncclGetLastError(comm) + ")");
   ncclComm_t overlap_comm = nullptr;
-  if (overlap_ctas > 0 && world_size > 1) {
+  // Split at any world size, so that one GPU tests it too.
+  if (overlap_ctas > 0) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.minCTAs = 1;
     config.maxCTAs = overlap_ctas;
@@ -207,8 +264,17 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
           "collective on the first",
           overlap_ctas);
   }
-  return std::make_unique<NcclCommunicator>(
-      comm, overlap_comm, static_cast<cudaStream_t>(cuda_stream), rank, world_size, local_rank);
+  std::pair<bool, std::string> nvlink;
+  try {
+    nvlink = decide_nvlink(store, rank, world_size, local_rank, prefix, who);
+  } catch (...) {
+    if (overlap_comm) ncclCommDestroy(overlap_comm);
+    ncclCommDestroy(comm);
+    throw;
+  }
+  return std::make_unique<NcclCommunicator>(comm, overlap_comm,
+                                            static_cast<cudaStream_t>(cuda_stream), rank,
+                                            world_size, local_rank, nvlink.first, nvlink.second);
 }
 
 }  // namespace kiln

@@ -51,6 +51,7 @@ TEST(ConfigDefaults, MinimalFileGetsSchemaDefaultsAndDerivedFields) {
   EXPECT_DOUBLE_EQ(c.optim.lr, 6.0e-4);
   EXPECT_EQ(c.precision.dtype, "bf16");
   EXPECT_EQ(c.dist.strategy, "ddp");
+  EXPECT_DOUBLE_EQ(c.dist.bucket_mb, 0.0);  // chosen by the link between the ranks
 }
 
 TEST(ConfigParse, FullFileParses) {
@@ -241,7 +242,7 @@ TEST(ConfigErrors, OutOfRangeValuesNameKeyAndRange) {
            {"optim: {warmup_steps: -1}", "optim.warmup_steps: must be >= 0, got -1"},
            {"train: {keep_checkpoints: 0}", "train.keep_checkpoints: must be >= 1, got 0"},
            {"dist: {timeout_s: 0}", "dist.timeout_s: must be >= 1, got 0"},
-           {"dist: {bucket_mb: 0}", "dist.bucket_mb: must be > 0, got 0"},
+           {"dist: {bucket_mb: -1}", "dist.bucket_mb: must be >= 0, got -1"},
            {"dist: {reduce_dtype: fp16}", "dist.reduce_dtype: must be one of fp32, bf16, got 'fp16'"},
            {"dist: {overlap_ctas: 65}", "dist.overlap_ctas: must be in [0, 64], got 65"},
            {"dist: {overlap_ctas: 2.5}", "dist.overlap_ctas"},

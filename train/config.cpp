@@ -131,7 +131,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(precision, attention), one_of({"auto", "cudnn", "flash", "naive"}),
        "attention implementation"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
-      {KILN_FIELD(dist, bucket_mb), positive(), "DDP gradient bucket size in MiB"},
+      {KILN_FIELD(dist, bucket_mb), non_negative(),
+       "DDP gradient bucket size in MiB (0: one bucket where NVLink joins every rank on one "
+       "host, else 25)"},
       {KILN_FIELD(dist, reduce_dtype), one_of({"fp32", "bf16"}),
        "dtype of the cross-rank gradient sum (bf16: half the bytes, rounded)"},
       {KILN_FIELD(dist, overlap_ctas), range(0, false, 64, false),

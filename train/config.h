@@ -72,7 +72,7 @@ struct PrecisionSection {
 
 struct DistSection {
   std::string strategy = "ddp";  // ddp | zero1 | fsdp
-  double bucket_mb = 25.0;       // DDP gradient bucket size
+  double bucket_mb = 0;          // DDP gradient bucket size (0: by the link between the ranks)
   std::string reduce_dtype = "fp32";  // fp32 | bf16: the dtype gradients are summed across ranks in
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
   int timeout_s = 300;           // collectives and rendezvous

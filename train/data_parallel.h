@@ -4,7 +4,8 @@
 // itself.
 //  - ddp:   replicated state; gradients all-reduced in buckets of dist.bucket_mb as units finish
 //           their backward on the last micro-batch, overlapping the rest of backward (NCCL runs
-//           them on its own stream; optimizer_step() waits for them).
+//           them on its own stream; optimizer_step() waits for them). dist.bucket_mb=0: one
+//           bucket where NVLink joins every rank on one host, 25 MiB elsewhere.
 //  - zero1: full working params and grads; gradients reduce-scattered, each rank updates its
 //           chunk of master weights and moments, updated params all-gathered.
 //  - fsdp:  only shards persist. Each unit's params are all-gathered into a gather buffer (two
@@ -81,6 +82,7 @@ class DataParallel {
   void scatter_unit_grads(int unit);
   void bind_units();              // fsdp: point the model at the current gather buffers
   void after_backward_ddp(int unit);
+  void choose_buckets();          // ddp: resolves dist.bucket_mb=0 and says what it runs
 
   std::string strategy_;
   double bucket_mb_;

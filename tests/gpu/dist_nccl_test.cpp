@@ -7,6 +7,9 @@
 // was 0.50%, zero1 at step 18; at a 3e-3 learning rate a loss spike made it 5-8% at one step,
 // hence the moderate rate). The CPU tests (tests/dist_train_test.cpp) hold the same strategies
 // to 1e-5 in fp32.
+#ifdef KILN_WITH_CUDA
+
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/topology.h"
 #include "kernels/backend.h"
 #include "tests/test_process.h"
 
@@ -52,13 +56,15 @@ class DistNccl : public ::testing::Test {
            " --optim.lr=1e-3 --optim.warmup_steps=5 --train.save_checkpoints=false --train.resume=none" +
            " --train.out_dir=" + (dir_ / name).string();
   }
+  // `output`, if given, receives everything the run printed.
   std::string train(const std::string& name, int nproc, const std::string& strategy,
-                    const std::string& extra = "") {
+                    const std::string& extra = "", std::string* output = nullptr) {
     std::string cmd = "NCCL_NVLS_ENABLE=0 " + base(name, 16 / nproc) + " --dist.strategy=" +
                       strategy + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
     const auto r = kiln::testing::run_command(cmd);
     EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
+    if (output) *output = r.output;
     return (dir_ / name).string();
   }
   void expect_close(const std::string& a, const std::string& b) {
@@ -76,15 +82,16 @@ TEST_F(DistNccl, EveryStrategyFollowsTheSingleGpuCurve) {
   std::vector<int> worlds = {2};
   if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
-    for (int n : worlds) expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
+    for (int n : worlds)
+      expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
 }
 
 // Gradients summed in bf16 (dist.reduce_dtype=bf16) stay on the same curve.
 TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
   const std::string single = train("single", 1, "ddp");
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
-    expect_close(single, train(std::string("bf16_") + strategy, 2, strategy,
-                               "--dist.reduce_dtype=bf16"));
+    expect_close(single,
+                 train(std::string("bf16_") + strategy, 2, strategy, "--dist.reduce_dtype=bf16"));
 }
 
 // 50 KiB buckets: ddp all-reduces each unit on the communication stream while the rest of
@@ -99,12 +106,28 @@ TEST_F(DistNccl, DdpWithABucketPerUnitFollowsTheSingleGpuCurve) {
                train("buckets_ctas4", 2, "ddp", "--dist.bucket_mb=0.05 --dist.overlap_ctas=4"));
 }
 
+// ddp's default bucket size follows the link: one bucket where NVML reports NVLink between the
+// two GPUs, 25 MiB buckets otherwise, and always when NCCL may not use peer-to-peer (below).
 TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
-  const std::string one = train("one_node", 2, "ddp");
+  std::string output;
+  const std::string one = train("one_node", 2, "ddp", "", &output);
+  char bus[2][32] = {};
+  ASSERT_EQ(cudaDeviceGetPCIBusId(bus[0], 32, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetPCIBusId(bus[1], 32, 1), cudaSuccess);
+  std::string why;
+  const bool nvlink = kiln::NvmlLinks().linked(bus[0], bus[1], &why);
+  EXPECT_NE(output.find(nvlink ? "ddp: gradients all-reduced in one bucket after backward "
+                                 "(dist.bucket_mb=0: 2 GPUs on one host, every pair joined by "
+                                 "NVLink)"
+                               : "ddp: gradients all-reduced in 25 MiB buckets while backward "
+                                 "runs (dist.bucket_mb=0: no NVLink between"),
+            std::string::npos)
+      << output;
   // Two launchers, one GPU each, meeting over loopback; NCCL may use only its socket transport.
   const std::string two = (dir_ / "two_nodes").string();
-  const std::string env = "NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
-                          "NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo KILN_RUN_TOKEN=nccl-test-token ";
+  const std::string env =
+      "NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+      "NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo KILN_RUN_TOKEN=nccl-test-token ";
   const std::string common = base("two_nodes", 8) + " --nnodes=2 --nproc-per-node=1" +
                              " --master-addr=127.0.0.1 --master-port=29731";
   const std::string cmd = "(CUDA_VISIBLE_DEVICES=1 " + env + common + " --node-rank=1 >" + two +
@@ -112,7 +135,13 @@ TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
                           " --node-rank=0";
   const auto r = kiln::testing::run_command(cmd);
   ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("ddp: gradients all-reduced in 25 MiB buckets while backward runs "
+                          "(dist.bucket_mb=0: NCCL_P2P_DISABLE=1)"),
+            std::string::npos)
+      << r.output;
   expect_close(one, two);
 }
 
 }  // namespace
+
+#endif  // KILN_WITH_CUDA

@@ -1,0 +1,158 @@
+#include "dist/topology.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <set>
+#include <stdexcept>
+
+namespace kiln {
+
+std::string host_identity() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  return std::string(name) + "/" + boot_id;
+}
+
+std::string encode_site(const GpuSite& site) {
+  return site.host + "|" + site.pci_bus_id;
+}
+
+GpuSite decode_site(const std::string& text) {
+  const size_t bar = text.rfind('|');
+  if (bar == std::string::npos || bar == 0 || bar + 1 == text.size())
+    throw std::invalid_argument("not a GPU site (host|pci bus id): '" + text + "'");
+  return {text.substr(0, bar), text.substr(bar + 1)};
+}
+
+bool all_joined_by_nvlink(const std::vector<GpuSite>& sites, const NvlinkTest& nvlink,
+                          std::string* why) {
+  std::set<std::string> hosts;
+  for (const GpuSite& s : sites) hosts.insert(s.host);
+  if (hosts.size() > 1) {
+    *why = "ranks on " + std::to_string(hosts.size()) + " hosts";
+    return false;
+  }
+  std::set<std::string> gpus;
+  for (const GpuSite& s : sites) gpus.insert(s.pci_bus_id);
+  if (gpus.size() < sites.size()) {
+    *why = "ranks share a GPU";
+    return false;
+  }
+  for (auto a = gpus.begin(); a != gpus.end(); ++a)
+    for (auto b = std::next(a); b != gpus.end(); ++b) {
+      std::string reason;
+      if (!nvlink(*a, *b, &reason)) {
+        *why = "no NVLink between " + *a + " and " + *b + ": " + reason;
+        return false;
+      }
+    }
+  *why = sites.size() == 1
+             ? "one GPU"
+             : std::to_string(sites.size()) + " GPUs on one host, every pair joined by NVLink";
+  return true;
+}
+
+// The few NVML entry points used, declared here so that building needs no nvml.h (the CUDA
+// toolkit's packages do not all ship it). Values as in nvml.h: NVML_SUCCESS 0,
+// NVML_P2P_CAPS_INDEX_NVLINK 2, NVML_P2P_STATUS_OK 0.
+struct NvmlLinks::Api {
+  using Device = struct nvmlDevice_st*;
+  int (*init)();
+  int (*shutdown)();
+  const char* (*error_string)(int);
+  int (*handle_by_bus_id)(const char*, Device*);
+  int (*p2p_status)(Device, Device, int, int*);
+  std::string error(int r) const { return error_string ? error_string(r) : std::to_string(r); }
+};
+
+namespace {
+constexpr int kNvmlSuccess = 0;
+constexpr int kP2pCapsNvlink = 2;
+
+const char* p2p_status_name(int s) {
+  static const char* names[] = {"ok",
+                                "chipset not supported",
+                                "GPU not supported",
+                                "IOH topology not supported",
+                                "disabled by regkey",
+                                "not supported"};
+  return s >= 0 && s < 6 ? names[s] : "unknown";
+}
+}  // namespace
+
+NvmlLinks::NvmlLinks() {
+  void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* e = dlerror();
+    open_error_ = std::string("NVML not loaded (") + (e ? e : "libnvidia-ml.so.1") + ")";
+    return;
+  }
+  auto api = std::make_unique<Api>();
+  auto sym = [&](const char* name) { return dlsym(lib, name); };
+  api->init = reinterpret_cast<int (*)()>(sym("nvmlInit_v2"));
+  api->shutdown = reinterpret_cast<int (*)()>(sym("nvmlShutdown"));
+  api->error_string = reinterpret_cast<const char* (*)(int)>(sym("nvmlErrorString"));
+  api->handle_by_bus_id =
+      reinterpret_cast<int (*)(const char*, Api::Device*)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
+  api->p2p_status =
+      reinterpret_cast<int (*)(Api::Device, Api::Device, int, int*)>(sym("nvmlDeviceGetP2PStatus"));
+  if (!api->init || !api->shutdown || !api->handle_by_bus_id || !api->p2p_status) {
+    open_error_ = "NVML lacks the functions kiln asks of it";
+    dlclose(lib);
+    return;
+  }
+  const int r = api->init();
+  if (r != kNvmlSuccess) {
+    open_error_ = "nvmlInit: " + api->error(r);
+    dlclose(lib);
+    return;
+  }
+  lib_ = lib;
+  api_ = api.release();
+}
+
+NvmlLinks::~NvmlLinks() {
+  if (!lib_) return;
+  api_->shutdown();
+  delete api_;
+  dlclose(lib_);
+}
+
+void* NvmlLinks::device(const std::string& pci_bus_id, std::string* why) const {
+  if (!lib_) {
+    *why = open_error_;
+    return nullptr;
+  }
+  Api::Device d = nullptr;
+  const int r = api_->handle_by_bus_id(pci_bus_id.c_str(), &d);
+  if (r == kNvmlSuccess) return d;
+  *why = "NVML does not know GPU " + pci_bus_id + ": " + api_->error(r);
+  return nullptr;
+}
+
+bool NvmlLinks::knows(const std::string& pci_bus_id, std::string* why) const {
+  return device(pci_bus_id, why) != nullptr;
+}
+
+bool NvmlLinks::linked(const std::string& a, const std::string& b, std::string* why) const {
+  auto* da = static_cast<Api::Device>(device(a, why));
+  auto* db = da ? static_cast<Api::Device>(device(b, why)) : nullptr;
+  if (!db) return false;
+  int status = -1;
+  const int r = api_->p2p_status(da, db, kP2pCapsNvlink, &status);
+  if (r != kNvmlSuccess) {
+    *why = "nvmlDeviceGetP2PStatus: " + api_->error(r);
+    return false;
+  }
+  if (status != 0)
+    *why = std::string("NVML's NVLink peer-to-peer status: ") + p2p_status_name(status);
+  return status == 0;
+}
+
+}  // namespace kiln
