@@ -4,14 +4,15 @@
 #   solo      one GPU alone;
 #   indep     NPROC independent one-GPU runs at once, one per GPU (no communication: what sharing
 #             the host costs, and how fast each GPU is under a full host's power and heat);
-#   ddp       NPROC GPUs, default buckets (all-reduces overlap backward on the comm stream);
+#   ddp       NPROC GPUs, the default buckets (dist.bucket_mb=0: one bucket on a host whose GPUs
+#             NVLink joins, else 25 MiB buckets whose all-reduces overlap backward);
 #   ddp_tail  NPROC GPUs, one bucket for everything (one all-reduce after backward: no overlap);
 #   zero1, fsdp  NPROC GPUs;
 #   nodes     2 single-GPU "nodes" over loopback, NCCL on sockets (simulated inter-node);
 #   nodes_p2p the same 2 "nodes" with NCCL free to use NVLink;
 #   ddp_ctasN, zero1_ctasN, fsdp_ctasN   as ddp / zero1 / fsdp with NCCL_MAX_CTAS=N: how much
 #             the collectives' SM use slows the compute they overlap;
-#   ddp_bN    ddp with --dist.bucket_mb=N.
+#   ddp_bN    ddp with --dist.bucket_mb=N (ddp_b25: the overlapped buckets on any host).
 # A run is named KIND[.TAG[.N]]: if ENV_TAG is set (ENV_c8="NCCL_MAX_CTAS=8"), the run gets
 # that environment, and extra train flags from FLAGS_TAG; otherwise the tag only makes the name
 # unique, e.g. solo.2 to run solo again. GPUs clock down as they warm up, so put solo runs
@@ -22,7 +23,8 @@
 # overlap, exposed communication, idle gaps, and which kernels got slower.
 # Run after a build (build/bin/train, and build/lib/libkiln_trace.so for TRACE); logs and a
 # table go to $OUT. STEPS (30) per run; the figure is the median of the trainer's per-step ms
-# over steps 6..STEPS. RUNS picks the runs (default: all but the _ctas and _b ones), e.g.
+# over steps 6..STEPS. RUNS picks the runs (default: all but ddp_tail, the _ctas and the other _b
+# ones), e.g.
 # RUNS="ddp solo ddp_tail solo.2 ddp.2 solo.3".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -82,7 +84,7 @@ run() {  # name: KIND[.TAG[.N]], see above
     *) echo "ddp_diag.sh: unknown run '$1'" >&2 ;;
   esac > "$OUT/$1.log" 2>&1
 }
-RUNS=${RUNS:-solo indep ddp ddp_tail zero1 fsdp nodes nodes_p2p}
+RUNS=${RUNS:-solo indep ddp ddp_b25 zero1 fsdp nodes nodes_p2p}
 for r in $RUNS; do run "$r"; done
 python3 - "$STEPS" "$RUNS" "$NPROC" "$OUT/runs" <<'PY' | tee "$OUT/diag.md"
 import json, statistics, sys, os
