@@ -12,11 +12,12 @@
 namespace kiln {
 
 std::string host_identity() {
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
   std::string boot_id;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  return std::string(name) + "/" + boot_id;
+  if (!boot_id.empty()) return "boot " + boot_id;
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  return std::string("host ") + name;
 }
 
 std::string encode_site(const GpuSite& site) {

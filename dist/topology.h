@@ -17,8 +17,9 @@ struct GpuSite {
   std::string pci_bus_id;
 };
 
-// This machine: its hostname and the kernel's boot id, so that two machines (or containers of
-// two machines) that share a hostname still differ, and containers of one machine agree.
+// This machine: the running kernel's boot id (a random UUID per boot), which every container
+// on one machine shares and no two machines do, whatever their hostnames; the hostname where
+// there is no boot id to read.
 std::string host_identity();
 
 // "host|bus id" and back (the form ranks exchange through the rendezvous store). Throws
