@@ -82,16 +82,15 @@ TEST_F(DistNccl, EveryStrategyFollowsTheSingleGpuCurve) {
   std::vector<int> worlds = {2};
   if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
-    for (int n : worlds)
-      expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
+    for (int n : worlds) expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
 }
 
 // Gradients summed in bf16 (dist.reduce_dtype=bf16) stay on the same curve.
 TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
   const std::string single = train("single", 1, "ddp");
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
-    expect_close(single,
-                 train(std::string("bf16_") + strategy, 2, strategy, "--dist.reduce_dtype=bf16"));
+    expect_close(single, train(std::string("bf16_") + strategy, 2, strategy,
+                               "--dist.reduce_dtype=bf16"));
 }
 
 // 50 KiB buckets: ddp all-reduces each unit on the communication stream while the rest of
@@ -125,9 +124,8 @@ TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
       << output;
   // Two launchers, one GPU each, meeting over loopback; NCCL may use only its socket transport.
   const std::string two = (dir_ / "two_nodes").string();
-  const std::string env =
-      "NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
-      "NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo KILN_RUN_TOKEN=nccl-test-token ";
+  const std::string env = "NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+                          "NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo KILN_RUN_TOKEN=nccl-test-token ";
   const std::string common = base("two_nodes", 8) + " --nnodes=2 --nproc-per-node=1" +
                              " --master-addr=127.0.0.1 --master-port=29731";
   const std::string cmd = "(CUDA_VISIBLE_DEVICES=1 " + env + common + " --node-rank=1 >" + two +
