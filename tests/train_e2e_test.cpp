@@ -63,15 +63,20 @@ TEST_F(TrainE2E, LossFallsAndMetricsAreWritten) {
   for (const char* key : {"\"lr\":", "\"grad_norm\":", "\"ms\":", "\"tok_s\":", "\"mfu\":"})
     EXPECT_NE(all.find(key), std::string::npos) << key;
   // Each step is timed as its own work, the last one too (the CPU does a step's work while it
-  // is enqueued; timing it until its values are read charged it the next step's work).
+  // is enqueued; timing it until its values are read charged it the next step's work, and the
+  // steps that finish on the host, evaluation every 10 and the last, read ~0.1 ms). The yardstick
+  // is the fastest ordinary step, this machine's speed with nothing beside it: tests running
+  // alongside slow steps down by up to 40x (OpenMP threads spinning on shared cores) and never
+  // speed one up, so a median can sit far above a step's own work.
   std::vector<double> ms;
   for (size_t at = all.find("\"ms\":"); at != std::string::npos; at = all.find("\"ms\":", at + 1))
     ms.push_back(std::stod(all.substr(at + 5)));
   ASSERT_EQ(ms.size(), 60u);
-  std::vector<double> sorted = ms;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
-  for (size_t i = 0; i < ms.size(); ++i) EXPECT_GT(ms[i], median / 10) << "step " << i + 1;
+  double fastest_ordinary = ms[1];
+  for (size_t i = 1; i < ms.size(); ++i)
+    if ((i + 1) % 10 != 0) fastest_ordinary = std::min(fastest_ordinary, ms[i]);
+  for (size_t i = 0; i < ms.size(); ++i)
+    EXPECT_GT(ms[i], fastest_ordinary / 10) << "step " << i + 1;
 }
 
 TEST_F(TrainE2E, ResumeReproducesTheUninterruptedRunBitForBit) {
