@@ -177,14 +177,15 @@ class NcclCommunicator : public Communicator {
 // that one verdict, so all agree. NCCL told not to use peer-to-peer does not use NVLink either.
 std::pair<bool, std::string> decide_nvlink(StoreClient& store, int rank, int world, int device,
                                            const std::string& prefix, const std::string& who) {
+  auto site_key = [&](int r) { return prefix + "/site/" + std::to_string(r); };
   char bus[32] = {};
   check_cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device), who, "cudaDeviceGetPCIBusId");
-  store.set(prefix + "/site/" + std::to_string(rank), encode_site({host_identity(), bus}));
+  store.set(site_key(rank), encode_site({host_identity(), bus}));
   const std::string verdict_key = prefix + "/nvlink";
   if (rank == 0) {
     std::vector<GpuSite> sites;
     for (int r = 0; r < world; ++r) {
-      const std::string key = prefix + "/site/" + std::to_string(r);
+      const std::string key = site_key(r);
       try {
         sites.push_back(decode_site(store.get(key)));
       } catch (const std::invalid_argument& e) {
