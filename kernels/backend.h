@@ -36,6 +36,17 @@ struct AdamWHyper {
   float weight_decay = 0.0f;
 };
 
+// The head layout of one attention layer: NH query heads and KV key/value heads (KV divides
+// NH), each head_dim wide. head_dim is independent of n_embd (Qwen3: 16 x 128 on 1024).
+struct AttentionDims {
+  int n_head = 0;
+  int n_kv_head = 0;
+  int head_dim = 0;
+  int64_t q_dim() const { return static_cast<int64_t>(n_head) * head_dim; }
+  int64_t kv_dim() const { return static_cast<int64_t>(n_kv_head) * head_dim; }
+  int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -79,9 +90,11 @@ class Backend {
   }
 
   // ---- GPT-2 ops ------------------------------------------------------------------------
-  // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C].
+  // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or
+  // undefined for a model without learned positions (RoPE): out = wte[tokens[b,t]].
   virtual void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
-  // dwte[Vp,C] += scatter of dout by token; dwpe[maxT,C] += sum over batch. Deterministic.
+  // dwte[Vp,C] += scatter of dout by token; dwpe[maxT,C] += sum over batch (skipped when dwpe is
+  // undefined). Deterministic.
   virtual void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) = 0;
 
   // out[N,C] = (inp - mean) * rstd * weight + bias, eps = 1e-5; mean/rstd: f32[N].
@@ -108,13 +121,49 @@ class Backend {
   virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                                Tensor weight, Tensor inp_pre_gelu) = 0;
 
-  // Causal multi-head self-attention. qkv[B,T,3C] holds q|k|v, each [NH, hs] per token.
-  // out[B,T,C] (heads concatenated), lse: f32[B,NH,T] log-sum-exp of the scaled scores
-  // (scale 1/sqrt(hs)), kept for the backward pass.
-  virtual void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) = 0;
-  // dqkv[B,T,3C] = gradient w.r.t. qkv (overwritten).
+  // Causal self-attention with grouped-query heads (GQA/MQA; n_kv_head == n_head is plain MHA).
+  // qkv[B,T,(NH+2*KV)*hs] holds per token the NH query heads, then the KV key heads, then the KV
+  // value heads, each hs wide (a.qkv_dim()). Query head h reads kv head h / (NH/KV), as Hugging
+  // Face's repeat_kv does. out[B,T,NH*hs] (heads concatenated), lse: f32[B,NH,T] log-sum-exp of
+  // the scaled scores (scale 1/sqrt(hs)), kept for the backward pass.
+  virtual void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) = 0;
+  // dqkv = gradient w.r.t. qkv (overwritten); dk/dv sum over the query heads of their group.
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                  int n_head) = 0;
+                                  const AttentionDims& a) = 0;
+
+  // ---- LLaMA / Qwen3 ops ----------------------------------------------------------------
+  // out[N,C] = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps) (f32[N]), no mean, no bias.
+  virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) = 0;
+  // residual = a + b, then out = rmsnorm(residual): the fused form used between blocks.
+  virtual void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
+                                        Tensor b, Tensor weight, float eps) = 0;
+  // dinp += d/dinp (ACCUMULATES, as layernorm_backward: dinp is the residual stream's gradient),
+  // dweight += column sums of dout * inp * rstd.
+  virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                Tensor weight, Tensor rstd) = 0;
+  // Qwen3's QK-norm: RMSNorm over each head (hs wide) of the query heads (weight q_weight[hs])
+  // and of the key heads (k_weight[hs]) of a packed qkv[B,T,qkv_dim]; value heads are copied.
+  // rstd: f32[B*T*(NH+KV)], per token the NH query heads' then the KV key heads'. out != inp.
+  virtual void qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
+                               Tensor k_weight, const AttentionDims& a, float eps) = 0;
+  // dinp = gradient w.r.t. inp (OVERWRITTEN, value part copied from dout); dq_weight and
+  // dk_weight += their column sums. dinp != dout.
+  virtual void qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
+                                Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                                const AttentionDims& a) = 0;
+  // Rotary position embedding on the query and key heads of a packed qkv[B,T,qkv_dim], in
+  // Hugging Face's LLaMA/Qwen3 convention (rotate_half: element i pairs with i + hs/2):
+  //   inv_freq[i] = theta^(-2i/hs) (f32), angle = t * inv_freq[i] (f32, t = 0..T-1 per sequence)
+  //   out[i] = x[i]*cos - x[i+hs/2]*sin;  out[i+hs/2] = x[i+hs/2]*cos + x[i]*sin.
+  // Value heads are copied. out may be inp (in place).
+  virtual void rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) = 0;
+  // The inverse rotation (the transpose): dinp from dout; value heads copied; may be in place.
+  virtual void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) = 0;
+  // SwiGLU: inp[N,2F] holds per row the gate (first F) then the up projection (last F);
+  // out[N,F] = silu(gate) * up, silu(x) = x * sigmoid(x).
+  virtual void swiglu_forward(Tensor out, Tensor inp) = 0;
+  // dinp[N,2F] = gradient w.r.t. inp (overwritten).
+  virtual void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) = 0;
 
   // Fused softmax + cross-entropy over logits[N,Vp], of which the first `vocab_size` columns
   // are real. losses: f32[N], losses[n] = -log softmax(logits[n])[targets[n]]; targets: i32[N].

@@ -189,7 +189,7 @@ void Gpt2::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_b
     // Block l's ln1 was fused into the previous block's residual add (except for block 0).
     if (l == 0) k.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, acts_.encoded, w.ln1_w, w.ln1_b);
     k.matmul_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, none);
-    k.attention_forward(a.atty, a.att_lse, a.qkv, NH);
+    k.attention_forward(a.atty, a.att_lse, a.qkv, {NH, NH, cfg_.n_embd / NH});
     k.matmul_forward(a.attproj, a.atty, w.proj_w, w.proj_b, none);
     k.residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, block_input(l),
                                  a.attproj, w.ln2_w, w.ln2_b);
@@ -241,7 +241,8 @@ void Gpt2::backward(Tensor tokens) {
     k.layernorm_backward(acts_.dresidual, g.ln2_w, g.ln2_b, acts_.dln, a.residual2, w.ln2_w,
                          a.ln2_mean, a.ln2_rstd);
     k.matmul_backward(acts_.datty, g.proj_w, g.proj_b, acts_.dresidual, a.atty, w.proj_w, none);
-    k.attention_backward(acts_.dqkv, acts_.datty, a.qkv, a.atty, a.att_lse, NH);
+    k.attention_backward(acts_.dqkv, acts_.datty, a.qkv, a.atty, a.att_lse,
+                         {NH, NH, cfg_.n_embd / NH});
     k.matmul_backward(acts_.dln, g.qkv_w, g.qkv_b, acts_.dqkv, a.ln1, w.qkv_w, none);
     k.layernorm_backward(acts_.dresidual, g.ln1_w, g.ln1_b, acts_.dln, block_input(l), w.ln1_w,
                          a.ln1_mean, a.ln1_rstd);

@@ -40,9 +40,24 @@ class CpuBackend final : public Backend {
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, Tensor inp_pre_gelu) override;
 
-  void attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) override;
+  void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) override;
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                          int n_head) override;
+                          const AttentionDims& a) override;
+
+  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
+  void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a, Tensor b,
+                                Tensor weight, float eps) override;
+  void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                        Tensor rstd) override;
+  void qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight, Tensor k_weight,
+                       const AttentionDims& a, float eps) override;
+  void qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout, Tensor inp,
+                        Tensor q_weight, Tensor k_weight, Tensor rstd,
+                        const AttentionDims& a) override;
+  void rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) override;
+  void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) override;
+  void swiglu_forward(Tensor out, Tensor inp) override;
+  void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
 
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;
