@@ -33,7 +33,7 @@
 #include "data/shard.h"
 #include "kernels/backend.h"
 #include "kernels/error.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

@@ -86,11 +86,11 @@ int run(int argc, char** argv) {
   const CheckpointManifest manifest = read_manifest(dir);
   Config config = parse_config(manifest.config_yaml, {}, dir + "/manifest.yaml");
   const ModelConfig mc = model_config(config.model);
-  const ParamLayout layout = gpt2_layout(mc);
 
   std::unique_ptr<Backend> backend =
       (device == "cuda" || (device == "auto" && cuda_available())) ? make_cuda_backend(0)
                                                                    : make_cpu_backend();
+  const ParamLayout layout = make_model(mc, *backend)->layout();
   std::vector<float> master(static_cast<size_t>(layout.total)), m(master.size()), v(master.size());
   load_optimizer_range(manifest, layout, 0, layout.total, master.data(), m.data(), v.data());
   Arena arena(*backend, "weights");
@@ -106,7 +106,7 @@ int run(int argc, char** argv) {
   if (mc.vocab_size > 256) throw InputError("sample: only byte-level (vocab 256) models decode here");
   for (uint16_t t : byte_encode(prompt)) tokens.push_back(t);
   std::mt19937_64 rng(seed);
-  const std::vector<int> out = generate(*backend, mc, bind_weights(mc, layout, weights), tokens, opts, rng);
+  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng);
   std::printf("%s\n", byte_decode(out).c_str());
   return 0;
 }

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "model/gpt2.h"
+#include "model/param_layout.h"
 
 namespace kiln {
 

@@ -20,6 +20,7 @@
 #include <variant>
 
 #include "kernels/error.h"
+#include "model/arch.h"
 
 namespace kiln {
 namespace {
@@ -78,20 +79,36 @@ struct Field {
 
 const std::vector<Field>& schema() {
   static const std::vector<Field> fields = {
-      {KILN_FIELD(model, arch), one_of({"gpt2"}), "model family"},
+      {KILN_FIELD(model, arch), one_of(arch_names()),
+       "model family: sets the defaults of norm, norm_eps, positions, rope_theta, mlp, bias, "
+       "qkv_bias, qk_norm and tie_embeddings (gpt2's are shown)"},
       {KILN_FIELD(model, n_layer), positive(), "transformer blocks"},
-      {KILN_FIELD(model, n_head), positive(), "attention (query) heads; must divide n_embd"},
+      {KILN_FIELD(model, n_head), positive(),
+       "attention (query) heads; must divide n_embd unless head_dim is set"},
       {KILN_FIELD(model, n_kv_head), non_negative(),
-       "key/value heads (0: n_head); must divide n_head"},
+       "key/value heads (0: n_head); must divide n_head (GQA; 1: MQA)"},
+      {KILN_FIELD(model, head_dim), non_negative(),
+       "width of one attention head (0: n_embd / n_head)"},
       {KILN_FIELD(model, n_embd), positive(), "residual stream width"},
-      {KILN_FIELD(model, ffn_dim), non_negative(), "MLP hidden width (0: 4 * n_embd)"},
+      {KILN_FIELD(model, ffn_dim), non_negative(),
+       "MLP hidden width (0: 4 * n_embd for gelu, 8/3 * n_embd rounded up to 256 for swiglu)"},
       {KILN_FIELD(model, vocab_size), range(0, true, 65536, false),
        "tokenizer vocabulary (tokens are stored as uint16)"},
       {KILN_FIELD(model, padded_vocab_size), non_negative(),
        "embedding rows (0: vocab_size rounded up to a multiple of 128); >= vocab_size"},
       {KILN_FIELD(model, seq_len), positive(), "context length in tokens"},
       {KILN_FIELD(model, tie_embeddings), any(), "share token embedding and LM head"},
-      {KILN_FIELD(model, rope_theta), positive(), "RoPE base (archs with rotary embeddings)"},
+      {KILN_FIELD(model, norm), one_of({"layernorm", "rmsnorm"}), "the blocks' and final norm"},
+      {KILN_FIELD(model, norm_eps), positive(),
+       "norm epsilon (layernorm: 1e-5 only); also QK-norm's"},
+      {KILN_FIELD(model, positions), one_of({"learned", "rope"}),
+       "learned position embeddings (wpe) or rotary embeddings on q and k"},
+      {KILN_FIELD(model, rope_theta), positive(), "RoPE base (positions: rope)"},
+      {KILN_FIELD(model, mlp), one_of({"gelu", "swiglu"}),
+       "feed-forward: gelu (2 matrices) or swiglu (3 matrices)"},
+      {KILN_FIELD(model, bias), any(), "biases on every linear layer"},
+      {KILN_FIELD(model, qkv_bias), any(), "a bias on the qkv projection (true when bias is)"},
+      {KILN_FIELD(model, qk_norm), any(), "RMSNorm of each query and key head (Qwen3)"},
       {KILN_FIELD(data, train), non_empty(), "glob of train shards"},
       {KILN_FIELD(data, val), any(), "glob of val shards (empty: no validation)"},
       {KILN_FIELD(data, shuffle), any(), "permute window order per shard and epoch (train.seed)"},
@@ -362,6 +379,32 @@ struct Resolver {
     }
   }
 
+  // model.arch's row sets the layer-choice keys before the file's and the overrides' own keys
+  // are applied, so an arch's default never overrides a key that was given. An unknown arch is
+  // left for validate_fields() to name.
+  void apply_arch_defaults(const YAML::Node& root, const std::vector<std::string>& overrides) {
+    std::string arch = config.model.arch;
+    if (root.IsMap() && root["model"] && root["model"].IsMap() && root["model"]["arch"] &&
+        root["model"]["arch"].IsScalar())
+      arch = root["model"]["arch"].Scalar();
+    for (const std::string& o : overrides) {
+      const std::string body = o.rfind("--", 0) == 0 ? o.substr(2) : o;
+      if (body.rfind("model.arch=", 0) == 0) arch = body.substr(11);
+    }
+    const ArchDefaults* a = find_arch(arch);
+    if (!a) return;
+    ModelSection& m = config.model;
+    m.norm = norm_name(a->norm);
+    m.norm_eps = a->norm_eps;
+    m.positions = position_name(a->positions);
+    m.rope_theta = a->rope_theta;
+    m.mlp = mlp_name(a->mlp);
+    m.bias = a->bias;
+    m.qkv_bias = a->qkv_bias;
+    m.qk_norm = a->qk_norm;
+    m.tie_embeddings = a->tie_embeddings;
+  }
+
   void apply_override(const std::string& override_text) {
     std::string body = override_text.rfind("--", 0) == 0 ? override_text.substr(2) : override_text;
     std::string where = "override '" + override_text + "'";
@@ -382,7 +425,8 @@ struct Resolver {
     if (m.ffn_dim == 0) {
       if (m.n_embd > INT_MAX / 4)
         fail(*find_field("model", "n_embd"), "4 * n_embd overflows; set model.ffn_dim");
-      m.ffn_dim = 4 * m.n_embd;
+      // LLaMA's rule keeps SwiGLU's three matrices at the parameters of GELU's two.
+      m.ffn_dim = m.mlp == "swiglu" ? static_cast<int>((int64_t{8} * m.n_embd / 3 + 255) / 256 * 256) : 4 * m.n_embd;
     }
     if (m.padded_vocab_size == 0) m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
   }
@@ -403,9 +447,20 @@ struct Resolver {
       std::string s(path);
       return *find_field(s.substr(0, s.find('.')), s.substr(s.find('.') + 1));
     };
-    if (m.n_embd % m.n_head != 0)
+    if (m.head_dim == 0 && m.n_embd % m.n_head != 0)
       fail(field("model.n_embd"), "must be divisible by model.n_head (" + std::to_string(m.n_head) +
-                                      "), got " + std::to_string(m.n_embd));
+                                      ") unless model.head_dim is set, got " +
+                                      std::to_string(m.n_embd));
+    const int head_dim = m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head;
+    if (m.positions == "rope" && head_dim % 2 != 0)
+      fail(field(m.head_dim > 0 ? "model.head_dim" : "model.n_embd"),
+           "RoPE rotates pairs: the head width must be even, got " + std::to_string(head_dim));
+    if (m.norm == "layernorm" && m.norm_eps != 1e-5)
+      fail(field("model.norm_eps"), "layernorm's epsilon is fixed at 1e-5, got " +
+                                        format_double(m.norm_eps) + " (rmsnorm takes any)");
+    if (m.bias && !m.qkv_bias)
+      fail(field("model.qkv_bias"),
+           "false contradicts model.bias: true (bias puts one on every linear layer)");
     if (m.n_head % m.n_kv_head != 0)
       fail(field("model.n_kv_head"), "must divide model.n_head (" + std::to_string(m.n_head) +
                                          "), got " + std::to_string(m.n_kv_head));
@@ -434,6 +489,7 @@ Config parse_config(const std::string& yaml_text, const std::vector<std::string>
                                             std::to_string(e.mark.column + 1);
     throw InputError(source_name + at + ": YAML syntax error: " + e.msg);
   }
+  r.apply_arch_defaults(root, overrides);
   r.apply_yaml(root, source_name);
   for (const std::string& o : overrides) r.apply_override(o);
   r.validate_fields();

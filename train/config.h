@@ -10,18 +10,29 @@
 
 namespace kiln {
 
+// model.arch (gpt2 | llama | qwen3) sets the defaults of the layer-choice keys from its row in
+// model/arch.cpp; keys given in the file or on the command line override them. The defaults
+// below are gpt2's.
 struct ModelSection {
-  std::string arch = "gpt2";  // gpt2 (llama, qwen3, moe later)
+  std::string arch = "gpt2";
   int n_layer = 12;
   int n_head = 12;
   int n_kv_head = 0;  // 0: same as n_head
+  int head_dim = 0;   // 0: n_embd / n_head
   int n_embd = 768;
-  int ffn_dim = 0;  // 0: 4 * n_embd
+  int ffn_dim = 0;  // 0: 4 * n_embd (gelu), 8/3 * n_embd rounded up to 256 (swiglu)
   int vocab_size = 50257;
   int padded_vocab_size = 0;  // 0: vocab_size rounded up to a multiple of 128
   int seq_len = 1024;
   bool tie_embeddings = true;
+  std::string norm = "layernorm";  // layernorm | rmsnorm
+  double norm_eps = 1e-5;
+  std::string positions = "learned";  // learned | rope
   double rope_theta = 10000.0;
+  std::string mlp = "gelu";  // gelu | swiglu
+  bool bias = true;          // biases on the linear layers
+  bool qkv_bias = true;      // a bias on the qkv projection (set when bias is)
+  bool qk_norm = false;      // RMSNorm of each query and key head (Qwen3)
 };
 
 struct DataSection {

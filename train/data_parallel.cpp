@@ -8,7 +8,7 @@
 namespace kiln {
 
 DataParallel::DataParallel(const std::string& strategy, double bucket_mb, DType reduce_dtype,
-                           Backend& backend, Gpt2& model, Communicator* comm, int rank, int world)
+                           Backend& backend, Model& model, Communicator* comm, int rank, int world)
     : strategy_(strategy), bucket_mb_(bucket_mb), reduce_dtype_(reduce_dtype), backend_(backend),
       model_(model), comm_(comm),
       plan_(make_shard_plan(strategy, model.layout().total, model.layout().units, rank, world)),
@@ -84,8 +84,6 @@ void DataParallel::plan_memory(Arena& arena) {
 }
 
 void DataParallel::bind() {
-  const ModelConfig& cfg = model_.config();
-  const ParamLayout& layout = model_.layout();
   if (!sharded()) {
     if (!working_.defined()) working_ = master_;
     grad_shard_ = grads_;
@@ -106,8 +104,8 @@ void DataParallel::bind() {
     model_.set_hooks(&hooks_);
     return;
   }
-  model_.set_weights(bind_weights(cfg, layout, working_));
-  model_.set_grads(bind_weights(cfg, layout, grads_));
+  model_.bind_weights(flat_params(working_));
+  model_.bind_grads(flat_params(grads_));
   if (!sharded()) {
     hooks_.after_backward = [this](int unit) { after_backward_ddp(unit); };
     model_.set_hooks(&hooks_);
@@ -162,8 +160,8 @@ void DataParallel::bind_units() {
       return slots[slot].slice(info.offset - unit_begin, info.shape);
     };
   };
-  model_.set_weights(bind_weights(model_.config(), layout, place(unit_params_)));
-  model_.set_grads(bind_weights(model_.config(), layout, place(unit_grads_)));
+  model_.bind_weights(place(unit_params_));
+  model_.bind_grads(place(unit_grads_));
 }
 
 // Issues the all-gather of `unit` into its slot unless the slot holds it already. The unit that

@@ -23,7 +23,7 @@
 #include "dist/communicator.h"
 #include "dist/sharding.h"
 #include "kernels/arena.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "train/checkpoint.h"
 
 namespace kiln {
@@ -32,7 +32,7 @@ class DataParallel {
  public:
   // strategy: ddp | zero1 | fsdp; reduce_dtype: f32 or bf16 (see above).
   DataParallel(const std::string& strategy, double bucket_mb, DType reduce_dtype,
-               Backend& backend, Gpt2& model, Communicator* comm, int rank, int world);
+               Backend& backend, Model& model, Communicator* comm, int rank, int world);
 
   const ShardPlan& plan() const { return plan_; }
   // Plans every parameter/gradient/optimizer buffer into `arena`; call bind() after allocate.
@@ -88,7 +88,7 @@ class DataParallel {
   double bucket_mb_;
   DType reduce_dtype_;
   Backend& backend_;
-  Gpt2& model_;
+  Model& model_;
   Communicator* comm_;
   ShardPlan plan_;
   UnitHooks hooks_;

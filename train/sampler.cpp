@@ -30,20 +30,20 @@ int pick_token(std::vector<float>& logits, int vocab_size, const SamplingOptions
 }
 }  // namespace
 
-std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Gpt2Weights& weights,
+std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng) {
   if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
   const int T = cfg.seq_len, Vp = cfg.padded_vocab_size;
-  Gpt2 model(cfg, backend);
+  const std::unique_ptr<Model> model = make_model(cfg, backend);
   Arena arena(backend, "sampling");
-  model.plan_activations(arena, 1, T);
+  model->plan_activations(arena, 1, T);
   Tensor tokens, targets, row;
   arena.plan(&tokens, "tokens", {1, T}, DType::i32);
   arena.plan(&targets, "targets", {1, T}, DType::i32);
   arena.plan(&row, "logits_row", {Vp}, DType::f32);
   arena.allocate();
-  model.set_weights(weights);
+  model->bind_weights(flat_params(weights));
 
   std::vector<int32_t> window(static_cast<size_t>(T), 0);
   std::vector<float> logits(static_cast<size_t>(Vp));
@@ -53,8 +53,8 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Gpt2We
     std::fill(window.begin(), window.end(), 0);
     std::copy(prompt.end() - static_cast<std::ptrdiff_t>(n), prompt.end(), window.begin());
     backend.copy_from_host(tokens, window.data());
-    model.forward(tokens, targets, 0.0f, false);
-    backend.copy(row, model.logits().slice(static_cast<int64_t>(n - 1) * Vp, {Vp}));
+    model->forward(tokens, targets, 0.0f, false);
+    backend.copy(row, model->logits().slice(static_cast<int64_t>(n - 1) * Vp, {Vp}));
     backend.copy_to_host(logits.data(), row);
     prompt.push_back(pick_token(logits, cfg.vocab_size, opts, rng));
   }

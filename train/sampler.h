@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "model/gpt2.h"
+#include "model/model.h"
 
 namespace kiln {
 
@@ -17,8 +17,9 @@ struct SamplingOptions {
   int top_k = 0;             // 0: whole vocabulary
 };
 
-// `weights` are in the backend's working dtype. Returns prompt + generated tokens.
-std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Gpt2Weights& weights,
+// `weights`: the flat parameter buffer in the backend's working dtype. Returns prompt +
+// generated tokens.
+std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng);
 

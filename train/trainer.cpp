@@ -15,7 +15,7 @@
 #include "dist/communicator.h"
 #include "kernels/arena.h"
 #include "kernels/error.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/metrics.h"
@@ -29,24 +29,41 @@ using Clock = std::chrono::steady_clock;
 
 ModelConfig model_config(const ModelSection& m) {
   ModelConfig c;
+  c.arch = m.arch;
   c.n_layer = m.n_layer;
   c.n_head = m.n_head;
+  c.n_kv_head = m.n_kv_head;
+  c.head_dim = m.head_dim;
   c.n_embd = m.n_embd;
   c.ffn_dim = m.ffn_dim;
   c.vocab_size = m.vocab_size;
   c.padded_vocab_size = m.padded_vocab_size;
   c.seq_len = m.seq_len;
   c.tie_embeddings = m.tie_embeddings;
+  c.norm = m.norm == "rmsnorm" ? NormKind::rmsnorm : NormKind::layernorm;
+  c.norm_eps = static_cast<float>(m.norm_eps);
+  c.positions = m.positions == "rope" ? PositionKind::rope : PositionKind::learned;
+  c.rope_theta = static_cast<float>(m.rope_theta);
+  c.mlp = m.mlp == "swiglu" ? MlpKind::swiglu : MlpKind::gelu;
+  c.bias = m.bias;
+  c.qkv_bias = m.qkv_bias;
+  c.qk_norm = m.qk_norm;
   return c;
 }
 
 namespace {
 
 std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
+  if (cfg.precision.fp8)
+    throw InputError("precision.fp8=true: FP8 training is not implemented yet; "
+                     "remove the key (training would run in bf16)");
   const std::string& device = cfg.train.device;
   if (device == "cuda" || (device == "auto" && cuda_available())) {
     if (!cuda_available())
       throw InputError("train.device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
+    if (cfg.precision.dtype == "fp32")
+      throw InputError("precision.dtype=fp32: the CUDA backend computes in bf16 only; "
+                       "train.device=cpu computes in fp32");
     std::unique_ptr<Backend> backend = make_cuda_backend(rank.local_rank);
     try {
       backend->set_attention(cfg.precision.attention);
@@ -67,7 +84,7 @@ class Trainer {
       : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
-        mcfg_(model_config(cfg.model)), model_(mcfg_, *backend_),
+        mcfg_(model_config(cfg.model)), model_(make_model(mcfg_, *backend_)),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
@@ -75,7 +92,7 @@ class Trainer {
     }
     dp_ = std::make_unique<DataParallel>(
         cfg.dist.strategy, cfg.dist.bucket_mb,
-        cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32, *backend_, model_, comm_,
+        cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32, *backend_, *model_, comm_,
         rank.rank, rank.world_size);
   }
 
@@ -133,7 +150,7 @@ class Trainer {
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
   ModelConfig mcfg_;
-  Gpt2 model_;
+  std::unique_ptr<Model> model_;
   Arena state_arena_, acts_arena_;
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
   std::unique_ptr<DataParallel> dp_;
@@ -149,14 +166,14 @@ class Trainer {
 
 void Trainer::plan_memory() {
   dp_->plan_memory(state_arena_);
-  const auto& spans = model_.layout().decay_spans;
+  const auto& spans = model_->layout().decay_spans;
   state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   state_arena_.plan(&tokens_, "tokens", {B(), T()}, DType::i32);
   state_arena_.plan(&targets_, "targets", {B(), T()}, DType::i32);
-  model_.plan_activations(acts_arena_, B(), T());
+  model_->plan_activations(acts_arena_, B(), T());
   print_memory_table();
   try {
     state_arena_.allocate();
@@ -179,7 +196,7 @@ void Trainer::plan_memory() {
 void Trainer::print_memory_table() const {
   if (!is_main()) return;
   spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
-               backend_->name(), model_.layout().total, cfg_.dist.strategy, rank_.world_size,
+               backend_->name(), model_->layout().total, cfg_.dist.strategy, rank_.world_size,
                rank_.world_size > 1 ? ", gradients summed in " + cfg_.dist.reduce_dtype : "");
   for (const auto& e : state_arena_.entries())
     if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
@@ -192,8 +209,8 @@ void Trainer::print_memory_table() const {
 }
 
 void Trainer::init_parameters() {
-  std::vector<float> host(static_cast<size_t>(model_.layout().total));
-  gpt2_init(mcfg_, model_.layout(), static_cast<uint64_t>(cfg_.train.seed), host.data());
+  std::vector<float> host(static_cast<size_t>(model_->layout().total));
+  model_->init(static_cast<uint64_t>(cfg_.train.seed), host.data());
   dp_->load_parameters(host);
 }
 
@@ -218,9 +235,9 @@ double Trainer::train_step(int step) {
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
     dp_->set_micro_batch(micro, accum);
-    model_.forward(tokens_, targets_, dloss_scale, true);
-    k.reduce_sum(loss_sum_, model_.losses(), micro > 0);
-    model_.backward(tokens_);
+    model_->forward(tokens_, targets_, dloss_scale, true);
+    k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
+    model_->backward(tokens_);
   }
   all_reduce(loss_sum_);
   const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
@@ -241,8 +258,8 @@ double Trainer::evaluate() {
     const DataLoader::Batch& batch = val_loader_->next();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
-    model_.forward(tokens_, targets_, 0.0f, false);
-    k.reduce_sum(loss_sum_, model_.losses(), i > 0);
+    model_->forward(tokens_, targets_, 0.0f, false);
+    k.reduce_sum(loss_sum_, model_->losses(), i > 0);
   }
   all_reduce(loss_sum_);
   const double n = static_cast<double>(B()) * T() * cfg_.train.eval_steps * rank_.world_size;
@@ -256,7 +273,7 @@ void Trainer::save(int step) {
   rng_text << rng_;
   TrainingState state{step, ls.epoch, ls.cursor, rng_text.str()};
   const std::string dir =
-      save_checkpoint(cfg_.train.out_dir, state, model_.layout(), config_to_yaml(cfg_),
+      save_checkpoint(cfg_.train.out_dir, state, model_->layout(), config_to_yaml(cfg_),
                       cfg_.dist.strategy, host.shards, rank_.rank, rank_.world_size,
                       cfg_.train.keep_checkpoints, [this] { barrier(); });
   if (is_main()) spdlog::info("checkpoint: {}", dir);
@@ -269,8 +286,8 @@ void Trainer::print_sample(int step) {
   opts.max_new_tokens = cfg_.train.sample_tokens;
   opts.temperature = 0.8f;
   opts.top_k = 40;
-  std::vector<int> out = generate(*backend_, mcfg_, bind_weights(mcfg_, model_.layout(), dp_->full_working()),
-                                  {'\n'}, opts, rng_);
+  std::vector<int> out =
+      generate(*backend_, mcfg_, dp_->full_working(), {'\n'}, opts, rng_);
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
@@ -278,7 +295,7 @@ void Trainer::print_sample(int step) {
 void Trainer::write_summary() const {
   std::ofstream out(cfg_.train.out_dir + "/summary.json");
   out << "{\"backend\":\"" << backend_->name() << "\",\"attention\":\""
-      << backend_->attention_name() << "\",\"params\":" << model_.layout().total
+      << backend_->attention_name() << "\",\"params\":" << model_->layout().total
       << ",\"memory_bytes\":" << state_arena_.bytes() + acts_arena_.bytes()
       << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
       << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"reduce_dtype\":\""
@@ -404,7 +421,7 @@ int Trainer::run() {
     spdlog::warn("train.cuda_graphs: step capture is not implemented yet; running eagerly "
                  "(GPU idle time between kernels measured at 0.3% of a GPT-2 124M step)");
   peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), cfg_.precision.fp8);
-  flops_per_token_ = gpt2_flops_per_token(mcfg_, T());
+  flops_per_token_ = model_->flops_per_token(T());
   if (is_main())
     spdlog::info("training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
                  "{:.3g} GFLOP/token, peak {}",

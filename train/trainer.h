@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "train/config.h"
 
 namespace kiln {

@@ -2,8 +2,10 @@
 // run of the real `train` binary on both devices.
 //
 // (a) Model level: one GPT-2 (2 layers, C=128, 2 heads of 64, T=64, B=4, vocab 500 padded to
-//     512) built on each backend with the same bf16-exact parameters (gpt2_init, rounded to bf16
-//     so both see identical weights; CUDA's working copy is bf16) and the same random tokens.
+//     512) built on each backend with the same bf16-exact parameters (the model's init, rounded
+//     to bf16 so both see identical weights; CUDA's working copy is bf16) and the same random
+//     tokens. The same for a LLaMA (4 query heads of 64 on 2 kv heads: GQA, and q wider than
+//     the residual) and a Qwen3 (2 query heads of 128 on one kv head, QK-norm, tied).
 //     Tolerances (CUDA keeps activations in bf16, so errors compound over the ~25 ops of a step):
 //       loss                              relative 1e-2
 //       every parameter gradient tensor   relative L2 2e-2 (printed per tensor)
@@ -36,7 +38,7 @@
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "kernels/bf16.h"
-#include "model/gpt2.h"
+#include "model/model.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -77,19 +79,48 @@ ModelConfig small_config() {
   return c;
 }
 
+ModelConfig small_llama() {
+  ModelConfig c = small_config();
+  c.arch = "llama";
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.head_dim = 64;
+  c.ffn_dim = 256;
+  c.norm = NormKind::rmsnorm;
+  c.positions = PositionKind::rope;
+  c.mlp = MlpKind::swiglu;
+  c.bias = c.qkv_bias = false;
+  c.tie_embeddings = false;
+  return c;
+}
+
+ModelConfig small_qwen3() {
+  ModelConfig c = small_llama();
+  c.arch = "qwen3";
+  c.n_head = 2;
+  c.n_kv_head = 1;
+  c.head_dim = 128;
+  c.qk_norm = true;
+  c.norm_eps = 1e-6f;
+  c.rope_theta = 1e6f;
+  c.tie_embeddings = true;
+  return c;
+}
+
 // One model on one backend: flat params (working dtype), f32 master/grads/AdamW state.
 struct StepRun {
   static constexpr int B = 4, T = 64;
-  ModelConfig cfg = small_config();
+  ModelConfig cfg;
   std::unique_ptr<Backend> k;
-  std::unique_ptr<Gpt2> model;
+  std::unique_ptr<Model> model;
   std::unique_ptr<Arena> arena;
   Tensor master, working, grads, m, v, spans, sched, sumsq, loss, tokens, targets;
 
-  StepRun(std::unique_ptr<Backend> backend, const std::vector<float>& params,
-          const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt)
-      : k(std::move(backend)) {
-    model = std::make_unique<Gpt2>(cfg, *k);
+  StepRun(const ModelConfig& config, std::unique_ptr<Backend> backend,
+          const std::vector<float>& params, const std::vector<int32_t>& tok,
+          const std::vector<int32_t>& tgt)
+      : cfg(config), k(std::move(backend)) {
+    model = make_model(cfg, *k);
     arena = std::make_unique<Arena>(*k, "train_step_test");
     const int64_t P = model->layout().total;
     const DType act = k->activation_dtype();
@@ -115,8 +146,8 @@ struct StepRun {
     k->copy_from_host(spans, flat.data());
     k->copy_from_host(tokens, tok.data());
     k->copy_from_host(targets, tgt.data());
-    model->set_weights(bind_weights(cfg, model->layout(), working));
-    model->set_grads(bind_weights(cfg, model->layout(), grads));
+    model->bind_weights(flat_params(working));
+    model->bind_grads(flat_params(grads));
   }
 
   float read(Tensor t, int i = 0) {
@@ -151,12 +182,11 @@ struct StepRun {
   }
 };
 
-TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-  const ModelConfig cfg = small_config();
-  const ParamLayout layout = gpt2_layout(cfg);
+void check_step_against_cpu(const ModelConfig& cfg) {
+  const std::unique_ptr<Backend> host = make_cpu_backend();
+  const ParamLayout layout = make_model(cfg, *host)->layout();
   std::vector<float> params(static_cast<size_t>(layout.total));
-  gpt2_init(cfg, layout, 1337, params.data());
+  make_model(cfg, *host)->init(1337, params.data());
   for (auto& p : params) p = bf16_to_f32(f32_to_bf16(p));
   const unsigned seed = std::random_device{}();
   std::cout << "  seed " << seed << "\n";
@@ -166,8 +196,8 @@ TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
   for (auto& t : tok) t = tok_dist(rng);
   for (auto& t : tgt) t = tok_dist(rng);
 
-  StepRun cpu(make_cpu_backend(), params, tok, tgt);
-  StepRun gpu(make_cuda_backend(0), params, tok, tgt);
+  StepRun cpu(cfg, make_cpu_backend(), params, tok, tgt);
+  StepRun gpu(cfg, make_cuda_backend(0), params, tok, tgt);
   std::cout << "  cuda: " << gpu.k->name() << ", attention " << gpu.k->attention_name() << "\n";
 
   const float loss_cpu = cpu.forward_backward(true);
@@ -196,6 +226,21 @@ TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
   std::cout << "  loss drop after one AdamW step: cpu " << drop_cpu << " cuda " << drop_gpu << "\n";
   EXPECT_GT(drop_cpu, 0.0f);
   EXPECT_LT(std::abs(drop_gpu - drop_cpu), 0.1 * std::abs(drop_cpu) + 0.02);
+}
+
+TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  check_step_against_cpu(small_config());
+}
+
+TEST(CudaTrainStep, LlamaMatchesTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  check_step_against_cpu(small_llama());
+}
+
+TEST(CudaTrainStep, Qwen3MatchesTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  check_step_against_cpu(small_qwen3());
 }
 
 // ---- (b) 200 steps of `train` on both devices ------------------------------------------

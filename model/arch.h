@@ -1,0 +1,37 @@
+// Architectures as configuration: each row of the table is the layer choices that make a model
+// family out of the one decoder (model/decoder.h). `model.arch` picks a row; every choice is
+// also a config key of its own that overrides the row. Adding an architecture whose layers
+// exist is one row here plus a config file (docs/models.md).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kiln {
+
+enum class NormKind { layernorm, rmsnorm };
+enum class PositionKind { learned, rope };
+enum class MlpKind { gelu, swiglu };
+
+const char* norm_name(NormKind k);
+const char* position_name(PositionKind k);
+const char* mlp_name(MlpKind k);
+
+struct ArchDefaults {
+  const char* name;
+  NormKind norm;
+  double norm_eps;
+  PositionKind positions;
+  double rope_theta;
+  MlpKind mlp;
+  bool bias;            // on the linear layers
+  bool qkv_bias;        // on the qkv projection alone (Qwen2-style); implied by bias
+  bool qk_norm;         // RMSNorm of each query and key head (Qwen3)
+  bool tie_embeddings;  // LM head shares the token embedding
+};
+
+// nullptr for an unknown name.
+const ArchDefaults* find_arch(const std::string& name);
+std::vector<std::string> arch_names();
+
+}  // namespace kiln

@@ -1,0 +1,234 @@
+#include "model/decoder.h"
+
+#include <cmath>
+#include <random>
+#include <stdexcept>
+
+namespace kiln {
+
+namespace {
+
+void check_config(const ModelConfig& c) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("model: " + what); };
+  if (c.n_layer <= 0 || c.n_head <= 0 || c.n_embd <= 0 || c.ffn_dim <= 0 || c.seq_len <= 0)
+    fail("n_layer, n_head, n_embd, ffn_dim and seq_len must be positive");
+  const AttentionDims a = c.attention();
+  if (c.head_dim == 0 && c.n_embd % c.n_head != 0)
+    fail("n_embd must be divisible by n_head (or set head_dim)");
+  if (a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0) fail("n_kv_head must divide n_head");
+  if (c.positions == PositionKind::rope && a.head_dim % 2 != 0)
+    fail("RoPE needs an even head_dim, got " + std::to_string(a.head_dim));
+  if (c.norm == NormKind::layernorm && c.norm_eps != 1e-5f)
+    fail("layernorm's eps is fixed at 1e-5");
+  if (c.padded_vocab_size < c.vocab_size) fail("padded_vocab_size < vocab_size");
+}
+
+}  // namespace
+
+Locate flat_params(Tensor flat) {
+  return [flat](const ParamInfo& info) { return flat.slice(info.offset, info.shape); };
+}
+
+std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend) {
+  return std::make_unique<Decoder>(cfg, backend);
+}
+
+Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_(backend) {
+  check_config(cfg);
+  const int64_t C = cfg.n_embd;
+  LayoutBuilder b;
+  embed_.declare(b, cfg.padded_vocab_size, C, cfg.seq_len, cfg.positions == PositionKind::learned);
+  b.close_unit();
+  blocks_.resize(static_cast<size_t>(cfg.n_layer));
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    Block& blk = blocks_[static_cast<size_t>(l)];
+    const std::string p = "h." + std::to_string(l) + ".";
+    blk.ln1 = blk.ln2 = Norm{cfg.norm, cfg.norm_eps};
+    blk.attn.dims = cfg.attention();
+    blk.attn.rope = cfg.positions == PositionKind::rope;
+    blk.attn.rope_theta = cfg.rope_theta;
+    blk.attn.qk_norm = cfg.qk_norm;
+    blk.attn.norm_eps = cfg.norm_eps;
+    blk.mlp.kind = cfg.mlp;
+    blk.mlp.ffn_dim = cfg.ffn_dim;
+    blk.ln1.declare(b, p + "ln1", C);
+    blk.attn.declare(b, p + "attn", C, cfg.qkv_bias || cfg.bias, cfg.bias);
+    blk.ln2.declare(b, p + "ln2", C);
+    blk.mlp.declare(b, p + "mlp", C, cfg.bias);
+    b.close_unit();
+  }
+  lnf_ = Norm{cfg.norm, cfg.norm_eps};
+  lnf_.declare(b, "lnf", C);
+  lm_head_ = cfg.tie_embeddings ? embed_.wte : b.add("lm_head", {cfg.padded_vocab_size, C}, true);
+  b.close_unit();
+  layout_ = b.finish();
+
+  // GPT-2's init (and torchtitan's LLaMA one): N(0, 0.02) for matrices, the residual
+  // projections scaled by 1/sqrt(2 * n_layer), norm gains 1, biases 0.
+  init_.assign(layout_.tensors.size(), Init::normal);
+  auto set = [&](int index, Init how) {
+    if (index >= 0) init_[static_cast<size_t>(index)] = how;
+  };
+  auto norm_init = [&](const Norm& n) {
+    set(n.weight, Init::ones);
+    set(n.bias, Init::zeros);
+  };
+  set(embed_.wte, Init::embedding);
+  for (const Block& blk : blocks_) {
+    norm_init(blk.ln1);
+    norm_init(blk.ln2);
+    set(blk.attn.qkv.bias, Init::zeros);
+    set(blk.attn.q_norm, Init::ones);
+    set(blk.attn.k_norm, Init::ones);
+    set(blk.attn.proj.weight, Init::residual_normal);
+    set(blk.attn.proj.bias, Init::zeros);
+    set(blk.mlp.fc.bias, Init::zeros);
+    set(blk.mlp.proj.weight, Init::residual_normal);
+    set(blk.mlp.proj.bias, Init::zeros);
+  }
+  norm_init(lnf_);
+  set(lm_head_, Init::embedding);
+}
+
+void Decoder::init(uint64_t seed, float* params) const {
+  std::mt19937_64 rng(seed);
+  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const ParamInfo& t = layout_.tensors[i];
+    float* p = params + t.offset;
+    switch (init_[i]) {
+      case Init::ones:
+        std::fill(p, p + t.numel(), 1.0f);
+        break;
+      case Init::zeros:
+        std::fill(p, p + t.numel(), 0.0f);
+        break;
+      case Init::normal:
+      case Init::residual_normal:
+      case Init::embedding: {
+        // A fresh distribution per tensor: the draws of one tensor never depend on another's.
+        std::normal_distribution<float> normal(
+            0.0f, init_[i] == Init::residual_normal ? residual_std : 0.02f);
+        for (int64_t j = 0; j < t.numel(); ++j) p[j] = normal(rng);
+        // Padded vocab rows are never looked up or predicted: keep them zero.
+        if (init_[i] == Init::embedding)
+          std::fill(p + static_cast<int64_t>(cfg_.vocab_size) * cfg_.n_embd, p + t.numel(), 0.0f);
+        break;
+      }
+    }
+  }
+}
+
+// 6 FLOPs per token per matmul parameter (2 forward, 4 backward), the LM head included, plus
+// attention's two T x T matmuls: 2 * 2 * T * (NH * hs) per layer forward, halved for the causal
+// mask, times 3 for forward and backward = 6 * T * NH * hs. GQA shrinks only the qkv weight.
+double Decoder::flops_per_token(int T) const {
+  const AttentionDims a = cfg_.attention();
+  const double C = cfg_.n_embd, F = cfg_.ffn_dim;
+  const double per_block = C * static_cast<double>(a.qkv_dim()) +
+                           static_cast<double>(a.q_dim()) * C +
+                           (cfg_.mlp == MlpKind::swiglu ? 3.0 : 2.0) * C * F;
+  const double n_matmul = cfg_.n_layer * per_block + static_cast<double>(cfg_.padded_vocab_size) * C;
+  return 6.0 * n_matmul + 6.0 * cfg_.n_layer * static_cast<double>(T) * static_cast<double>(a.q_dim());
+}
+
+void Decoder::bind(const Locate& locate, Params& out) const {
+  out.resize(layout_.tensors.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = locate(layout_.tensors[i]);
+}
+
+void Decoder::plan_activations(Arena& arena, int B, int T) {
+  if (T > cfg_.seq_len)
+    throw std::invalid_argument("sequence length " + std::to_string(T) + " exceeds model.seq_len");
+  B_ = B;
+  T_ = T;
+  const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
+  const DType act = backend_.activation_dtype();
+  acts_.blocks.assign(blocks_.size(), {});
+  arena.plan(&acts_.encoded, "encoded", {B, T, C}, act);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& blk = blocks_[l];
+    BlockActs& a = acts_.blocks[l];
+    const std::string p = "h." + std::to_string(l) + ".";
+    if (l > 0) arena.plan(&a.residual_in, p + "residual_in", {B, T, C}, act);
+    blk.ln1.plan(arena, p + "ln1", a.ln1, B, T, C, act);
+    blk.attn.plan(arena, p, a.attn, B, T, act);
+    arena.plan(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
+    blk.ln2.plan(arena, p + "ln2", a.ln2, B, T, C, act);
+    blk.mlp.plan(arena, p, a.mlp, B, T, act);
+  }
+  arena.plan(&acts_.residual_out, "residual_out", {B, T, C}, act);
+  lnf_.plan(arena, "lnf", acts_.lnf, B, T, C, act);
+  arena.plan(&acts_.logits, "logits", {B, T, Vp}, act);
+  arena.plan(&acts_.losses, "losses", {B * T}, DType::f32);
+  arena.plan(&acts_.dresidual, "d.residual", {B, T, C}, act);
+  arena.plan(&acts_.dln, "d.ln", {B, T, C}, act);
+  blocks_.front().attn.plan_scratch(arena, acts_.attn, B, T, act);
+  blocks_.front().mlp.plan_scratch(arena, acts_.mlp, B, T, act);
+  arena.plan(&acts_.dlnf, "d.lnf", {B, T, C}, act);
+}
+
+Tensor Decoder::block_input(int l) const {
+  return l == 0 ? acts_.encoded : acts_.blocks[static_cast<size_t>(l)].residual_in;
+}
+
+void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) {
+  Backend& k = backend_;
+  const Params& w = weights_;
+  const int L = cfg_.n_layer;
+
+  hook(&UnitHooks::before_forward, 0);
+  embed_.forward(k, w, acts_.encoded, tokens);
+  for (int l = 0; l < L; ++l) {
+    hook(&UnitHooks::before_forward, l + 1);
+    const Block& blk = blocks_[static_cast<size_t>(l)];
+    const BlockActs& a = acts_.blocks[static_cast<size_t>(l)];
+    if (l == 0) {
+      blk.ln1.forward(k, w, a.ln1, acts_.encoded);
+    } else {
+      const BlockActs& prev = acts_.blocks[static_cast<size_t>(l - 1)];
+      blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, prev.mlp.out);
+    }
+    blk.attn.forward(k, w, a.attn, a.ln1.out);
+    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
+    blk.mlp.forward(k, w, a.mlp, a.ln2.out);
+  }
+  hook(&UnitHooks::before_forward, L + 1);
+  const BlockActs& last = acts_.blocks.back();
+  lnf_.residual_forward(k, w, acts_.lnf, acts_.residual_out, last.residual_mid, last.mlp.out);
+  k.matmul_forward(acts_.logits, acts_.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
+  k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
+                          targets, cfg_.vocab_size, dloss_scale, with_backward);
+}
+
+void Decoder::backward(Tensor tokens) {
+  Backend& k = backend_;
+  const Params &w = weights_, &g = grads_;
+  const int L = cfg_.n_layer;
+
+  hook(&UnitHooks::before_backward, L + 1);
+  // logits now hold dlogits (written in place by softmax_cross_entropy).
+  k.matmul_backward(acts_.dlnf, param(g, lm_head_), Tensor{}, acts_.logits, acts_.lnf.out,
+                    param(w, lm_head_), Tensor{});
+  k.fill_zero(acts_.dresidual);
+  lnf_.backward(k, w, g, acts_.dresidual, acts_.dlnf, acts_.residual_out, acts_.lnf);
+  // With untied embeddings the head is in the last unit; tied, wte's grad lands in unit 0's.
+  hook(&UnitHooks::after_backward, L + 1);
+
+  for (int l = L - 1; l >= 0; --l) {
+    hook(&UnitHooks::before_backward, l + 1);
+    const Block& blk = blocks_[static_cast<size_t>(l)];
+    const BlockActs& a = acts_.blocks[static_cast<size_t>(l)];
+    // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
+    blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, acts_.dresidual, a.ln2.out, a.mlp);
+    blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2);
+    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, acts_.dresidual, a.ln1.out, a.attn);
+    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(l), a.ln1);
+    hook(&UnitHooks::after_backward, l + 1);
+  }
+  hook(&UnitHooks::before_backward, 0);
+  embed_.backward(k, g, acts_.dresidual, tokens);
+  hook(&UnitHooks::after_backward, 0);
+}
+
+}  // namespace kiln

@@ -1,0 +1,86 @@
+// The decoder every architecture is: token embedding, n_layer pre-norm blocks
+// (x += attention(norm1(x)); x += mlp(norm2(x))), a final norm and the LM head, with fused
+// softmax cross-entropy. Which norm, positions, attention heads and MLP a block has comes from
+// ModelConfig (model.arch's defaults, each overridable). No autograd: backward walks the blocks
+// in reverse, accumulating parameter grads (+=) and carrying the residual stream's gradient in
+// one buffer (dresidual). Each residual add is fused into the norm that follows it, and that
+// fused op runs in the block that owns the norm, so a block's unit hooks fire inside the block.
+#pragma once
+
+#include <vector>
+
+#include "model/layers/attention.h"
+#include "model/layers/embedding.h"
+#include "model/layers/mlp.h"
+#include "model/layers/norm.h"
+#include "model/model.h"
+
+namespace kiln {
+
+class Decoder final : public Model {
+ public:
+  Decoder(const ModelConfig& cfg, Backend& backend);
+
+  const ModelConfig& config() const override { return cfg_; }
+  const ParamLayout& layout() const override { return layout_; }
+  void plan_activations(Arena& arena, int B, int T) override;
+  void bind_weights(const Locate& locate) override { bind(locate, weights_); }
+  void bind_grads(const Locate& locate) override { bind(locate, grads_); }
+  void set_hooks(const UnitHooks* hooks) override { hooks_ = hooks; }
+  void init(uint64_t seed, float* params) const override;
+  double flops_per_token(int T) const override;
+  void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) override;
+  void backward(Tensor tokens) override;
+  Tensor losses() const override { return acts_.losses; }
+  Tensor logits() const override { return acts_.logits; }
+
+ private:
+  struct Block {
+    Norm ln1;
+    Attention attn;
+    Norm ln2;
+    Mlp mlp;
+  };
+  struct BlockActs {
+    Tensor residual_in;  // the block's input x (block 0 reads the embedding output instead)
+    Norm::Acts ln1;
+    Attention::Acts attn;
+    Tensor residual_mid;  // x + attention
+    Norm::Acts ln2;
+    Mlp::Acts mlp;
+  };
+  struct Acts {
+    Tensor encoded;
+    std::vector<BlockActs> blocks;
+    Tensor residual_out;  // the last block's output, input of the final norm
+    Norm::Acts lnf;
+    Tensor logits, losses;
+    // backward scratch
+    Tensor dresidual, dln, dlnf;
+    Attention::Scratch attn;
+    Mlp::Scratch mlp;
+  };
+  // How init() fills a tensor.
+  enum class Init { normal, residual_normal, embedding, ones, zeros };
+
+  void bind(const Locate& locate, Params& out) const;
+  Tensor block_input(int l) const;
+  void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
+    if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
+  }
+
+  ModelConfig cfg_;
+  Backend& backend_;
+  Embedding embed_;
+  std::vector<Block> blocks_;
+  Norm lnf_;
+  int lm_head_ = -1;
+  ParamLayout layout_;
+  std::vector<Init> init_;  // per layout tensor
+  Params weights_, grads_;
+  const UnitHooks* hooks_ = nullptr;
+  Acts acts_;
+  int B_ = 0, T_ = 0;
+};
+
+}  // namespace kiln

@@ -1,0 +1,60 @@
+#include "model/layers/attention.h"
+
+#include "kernels/arena.h"
+
+namespace kiln {
+
+void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias,
+                        bool bias) {
+  qkv.declare(b, name + ".qkv", C, dims.qkv_dim(), qkv_bias);
+  if (qk_norm) {
+    q_norm = b.add(name + ".q_norm.weight", {dims.head_dim}, false);
+    k_norm = b.add(name + ".k_norm.weight", {dims.head_dim}, false);
+  }
+  proj.declare(b, name + ".proj", dims.q_dim(), C, bias);
+}
+
+void Attention::plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T,
+                     DType act) const {
+  if (qk_norm) {
+    arena.plan(&a.qkv_raw, name + "qkv_raw", {B, T, dims.qkv_dim()}, act);
+    arena.plan(&a.qk_rstd, name + "qk_rstd", {B * T * (dims.n_head + dims.n_kv_head)},
+               DType::f32);
+  }
+  arena.plan(&a.qkv, name + "qkv", {B, T, dims.qkv_dim()}, act);
+  arena.plan(&a.y, name + "atty", {B, T, dims.q_dim()}, act);
+  arena.plan(&a.lse, name + "att_lse", {B, dims.n_head, T}, DType::f32);
+  arena.plan(&a.out, name + "attproj", {B, T, proj.out}, act);
+}
+
+void Attention::plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const {
+  arena.plan(&s.dy, "d.atty", {B, T, dims.q_dim()}, act);
+  arena.plan(&s.dqkv, "d.qkv", {B, T, dims.qkv_dim()}, act);
+  if (qk_norm) arena.plan(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);
+}
+
+void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {
+  qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, inp);
+  if (qk_norm)
+    k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
+                      norm_eps);
+  if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_theta);
+  k.attention_forward(a.y, a.lse, a.qkv, dims);
+  proj.forward(k, w, a.out, a.y);
+}
+
+void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
+                         Tensor dinp, Tensor dout, Tensor inp, const Acts& a) const {
+  proj.backward(k, w, g, s.dy, dout, a.y);
+  k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims);
+  if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_theta);
+  Tensor dqkv = s.dqkv;
+  if (qk_norm) {
+    k.qk_norm_backward(s.dqkv_raw, param(g, q_norm), param(g, k_norm), s.dqkv, a.qkv_raw,
+                       param(w, q_norm), param(w, k_norm), a.qk_rstd, dims);
+    dqkv = s.dqkv_raw;
+  }
+  qkv.backward(k, w, g, dinp, dqkv, inp);
+}
+
+}  // namespace kiln

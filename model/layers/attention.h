@@ -1,0 +1,48 @@
+// Causal self-attention: qkv projection -> [QK-norm] -> [RoPE] -> attention core -> output
+// projection. The qkv projection writes q, k and v heads packed per token (AttentionDims), so
+// grouped-query attention is a narrower qkv weight and nothing else. RoPE rotates q and k in
+// place: attention's backward needs the rotated q and k, and the qkv GEMM's backward needs only
+// its input, so the pre-rotation values are never kept (QK-norm keeps its input, which its
+// backward reads).
+#pragma once
+
+#include <string>
+
+#include "model/layers/layer.h"
+#include "model/layers/linear.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+class Arena;
+
+struct Attention {
+  AttentionDims dims;
+  bool rope = false;
+  float rope_theta = 10000.0f;
+  bool qk_norm = false;
+  float norm_eps = 1e-6f;
+  Linear qkv, proj;
+  int q_norm = -1, k_norm = -1;
+
+  struct Acts {
+    Tensor qkv_raw, qk_rstd;  // QK-norm only: the projection's output and the heads' rstd
+    Tensor qkv;               // what the core reads: normed and rotated q, k; v
+    Tensor y, lse;            // core output [B,T,NH*hs] and its log-sum-exp
+    Tensor out;               // after the output projection [B,T,C]
+  };
+  // Backward buffers, one set shared by every block.
+  struct Scratch {
+    Tensor dy, dqkv, dqkv_raw;
+  };
+
+  void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias, bool bias);
+  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const;
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
+  void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
+                Tensor dout, Tensor inp, const Acts& a) const;
+};
+
+}  // namespace kiln

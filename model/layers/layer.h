@@ -1,0 +1,22 @@
+// What every layer shares. A layer is a small struct: the indices of its parameters in the
+// model's ParamLayout (resolved once, when the layer declares them by name), the shapes it
+// needs, and forward/backward functions over Backend ops. Weights and grads are passed in as
+// the model's bound tensors (Params, indexed like layout.tensors), so a layer owns no memory.
+// Backward follows the op convention: parameter grads accumulate (+=), activation grads are
+// overwritten, except where a layer says it accumulates into the residual stream's gradient.
+#pragma once
+
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace kiln {
+
+using Params = std::vector<Tensor>;
+
+// The tensor at `index`, or an undefined one for an absent parameter (index < 0).
+inline Tensor param(const Params& p, int index) {
+  return index < 0 ? Tensor{} : p[static_cast<size_t>(index)];
+}
+
+}  // namespace kiln

@@ -1,0 +1,40 @@
+// The feed-forward layer: GELU (GPT-2: fc -> gelu -> proj, the GELU fused into the fc GEMM's
+// epilogue and gelu' into the proj GEMM's backward) or SwiGLU (LLaMA/Qwen3: one fc GEMM
+// computes gate and up as [N,2F], silu(gate) * up, then proj; three F x C matrices).
+#pragma once
+
+#include <string>
+
+#include "model/arch.h"
+#include "model/layers/layer.h"
+#include "model/layers/linear.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+class Arena;
+
+struct Mlp {
+  MlpKind kind = MlpKind::gelu;
+  int64_t ffn_dim = 0;
+  Linear fc, proj;  // fc: C -> F (gelu) or C -> 2F (swiglu: gate rows, then up rows)
+
+  struct Acts {
+    Tensor pre;  // fc's output: [B,T,F] before GELU, or [B,T,2F] gate|up
+    Tensor act;  // [B,T,F], proj's input
+    Tensor out;  // [B,T,C]
+  };
+  struct Scratch {
+    Tensor dpre, dact;  // dact: SwiGLU only
+  };
+
+  void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bias);
+  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const;
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  // dinp = gradient w.r.t. inp (overwritten).
+  void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
+                Tensor dout, Tensor inp, const Acts& a) const;
+};
+
+}  // namespace kiln

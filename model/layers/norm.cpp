@@ -1,0 +1,44 @@
+#include "model/layers/norm.h"
+
+#include "kernels/arena.h"
+
+namespace kiln {
+
+void Norm::declare(LayoutBuilder& b, const std::string& name, int64_t C) {
+  weight = b.add(name + ".weight", {C}, false);
+  bias = kind == NormKind::layernorm ? b.add(name + ".bias", {C}, false) : -1;
+}
+
+void Norm::plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
+                DType act) const {
+  arena.plan(&a.out, name, {B, T, C}, act);
+  if (kind == NormKind::layernorm) arena.plan(&a.mean, name + "_mean", {B, T}, DType::f32);
+  arena.plan(&a.rstd, name + "_rstd", {B, T}, DType::f32);
+}
+
+void Norm::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {
+  if (kind == NormKind::layernorm)
+    k.layernorm_forward(a.out, a.mean, a.rstd, inp, param(w, weight), param(w, bias));
+  else
+    k.rmsnorm_forward(a.out, a.rstd, inp, param(w, weight), eps);
+}
+
+void Norm::residual_forward(Backend& k, const Params& w, const Acts& a, Tensor residual, Tensor x,
+                            Tensor y) const {
+  if (kind == NormKind::layernorm)
+    k.residual_layernorm_forward(residual, a.out, a.mean, a.rstd, x, y, param(w, weight),
+                                 param(w, bias));
+  else
+    k.residual_rmsnorm_forward(residual, a.out, a.rstd, x, y, param(w, weight), eps);
+}
+
+void Norm::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,
+                    Tensor inp, const Acts& a) const {
+  if (kind == NormKind::layernorm)
+    k.layernorm_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
+                         a.mean, a.rstd);
+  else
+    k.rmsnorm_backward(dinp, param(g, weight), dout, inp, param(w, weight), a.rstd);
+}
+
+}  // namespace kiln

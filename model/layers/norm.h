@@ -1,0 +1,37 @@
+// Pre-norm: LayerNorm (weight and bias, eps 1e-5) or RMSNorm (weight only, eps chosen), with
+// the residual add fused in front of it where a block's branch rejoins the stream. Backward
+// ACCUMULATES into dinp, the residual stream's gradient, so the skip connection costs nothing.
+#pragma once
+
+#include <string>
+
+#include "model/arch.h"
+#include "model/layers/layer.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+class Arena;
+
+struct Norm {
+  NormKind kind = NormKind::layernorm;
+  float eps = 1e-5f;
+  int weight = -1, bias = -1;
+
+  struct Acts {
+    Tensor out, mean, rstd;  // mean: LayerNorm only
+  };
+
+  void declare(LayoutBuilder& b, const std::string& name, int64_t C);
+  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
+            DType act) const;
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  // residual = x + y, then a.out = norm(residual).
+  void residual_forward(Backend& k, const Params& w, const Acts& a, Tensor residual, Tensor x,
+                        Tensor y) const;
+  // dinp += d/dinp; weight (and bias) grads +=.
+  void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
+                const Acts& a) const;
+};
+
+}  // namespace kiln

@@ -1,0 +1,92 @@
+// The model interface: what the trainer, the sharding strategies, checkpoints, sampling and the
+// tools see of a model. Parameters live in caller-owned flat buffers described by layout(); the
+// model is pointed at them tensor by tensor, by name (bind_weights / bind_grads with a Locate),
+// so a strategy can place each tensor where it likes (FSDP: in a unit's gather buffer). The one
+// implementation is the Decoder (model/decoder.h), composed from the layers in model/layers/
+// by the choices in ModelConfig; model.arch (model/arch.h) names a set of choices.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "model/arch.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+struct ModelConfig {
+  std::string arch = "gpt2";
+  int n_layer = 12;
+  int n_head = 12;
+  int n_kv_head = 0;  // 0: n_head
+  int head_dim = 0;   // 0: n_embd / n_head
+  int n_embd = 768;
+  int ffn_dim = 3072;
+  int vocab_size = 50257;
+  int padded_vocab_size = 50304;
+  int seq_len = 1024;  // max sequence length (rows of wpe)
+  bool tie_embeddings = true;
+  NormKind norm = NormKind::layernorm;
+  float norm_eps = 1e-5f;
+  PositionKind positions = PositionKind::learned;
+  float rope_theta = 10000.0f;
+  MlpKind mlp = MlpKind::gelu;
+  bool bias = true;      // linear layers
+  bool qkv_bias = true;  // the qkv projection (true when bias is)
+  bool qk_norm = false;
+
+  AttentionDims attention() const {
+    return {n_head, n_kv_head > 0 ? n_kv_head : n_head,
+            head_dim > 0 ? head_dim : n_embd / n_head};
+  }
+};
+
+// Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit
+// that is not gathered).
+using Locate = std::function<Tensor(const ParamInfo&)>;
+// Views into one flat buffer (any dtype) laid out as the layout.
+Locate flat_params(Tensor flat);
+
+// Called at unit boundaries so a sharding strategy (FSDP) can gather a unit's parameters before
+// it is used and reduce its gradients after. Units are numbered as in ParamInfo::unit; each hook
+// runs once per unit per pass, inside the unit's own layers. With tied embeddings the head reads
+// wte (unit 0) in unit L+1.
+struct UnitHooks {
+  std::function<void(int unit)> before_forward;
+  std::function<void(int unit)> before_backward;
+  std::function<void(int unit)> after_backward;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual const ParamLayout& layout() const = 0;
+  // Plans every activation and scratch buffer for micro-batch B x T into `arena`.
+  virtual void plan_activations(Arena& arena, int B, int T) = 0;
+  // Weights used by forward/backward (working dtype) and the f32 grads backward accumulates into.
+  virtual void bind_weights(const Locate& locate) = 0;
+  virtual void bind_grads(const Locate& locate) = 0;
+  virtual void set_hooks(const UnitHooks* hooks) = 0;
+  // Initial parameters into a host f32 buffer of layout().total. Deterministic in `seed`.
+  virtual void init(uint64_t seed, float* params) const = 0;
+  // Training FLOPs per token at sequence length T (docs/models.md has the formula).
+  virtual double flops_per_token(int T) const = 0;
+
+  // tokens, targets: i32[B,T] in backend memory. Writes per-token losses (f32[B*T]); if
+  // `with_backward`, leaves dlogits in place for backward(). dloss_scale is d(loss)/d(token loss)
+  // (1 / (B*T*grad_accum) for the mean over a step).
+  virtual void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) = 0;
+  virtual void backward(Tensor tokens) = 0;
+  virtual Tensor losses() const = 0;
+  virtual Tensor logits() const = 0;  // [B,T,Vp]
+};
+
+// The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.
+std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend);
+
+}  // namespace kiln

@@ -1,0 +1,44 @@
+#include "model/param_layout.h"
+
+#include <stdexcept>
+
+namespace kiln {
+
+int ParamLayout::index(const std::string& name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) throw std::out_of_range("no parameter named " + name);
+  return it->second;
+}
+
+const ParamInfo& ParamLayout::find(const std::string& name) const {
+  return tensors[static_cast<size_t>(index(name))];
+}
+
+int LayoutBuilder::add(const std::string& name, Shape shape, bool decay) {
+  const int unit = static_cast<int>(layout_.units.size());
+  const int index = static_cast<int>(layout_.tensors.size());
+  if (!layout_.by_name_.emplace(name, index).second)
+    throw std::logic_error("parameter " + name + " added twice");
+  layout_.tensors.push_back({name, layout_.total, shape, unit, decay});
+  layout_.total += shape.numel();
+  return index;
+}
+
+void LayoutBuilder::close_unit() {
+  layout_.units.emplace_back(unit_begin_, layout_.total);
+  unit_begin_ = layout_.total;
+}
+
+ParamLayout LayoutBuilder::finish() {
+  for (const auto& t : layout_.tensors) {
+    if (!t.decay) continue;
+    auto& spans = layout_.decay_spans;
+    if (!spans.empty() && spans.back().second == t.offset)
+      spans.back().second = t.offset + t.numel();
+    else
+      spans.emplace_back(t.offset, t.offset + t.numel());
+  }
+  return std::move(layout_);
+}
+
+}  // namespace kiln

@@ -1,0 +1,57 @@
+// The flat parameter buffer's table of named tensors (DESIGN invariant 4): where each tensor
+// lives (offset, shape), which FSDP unit it belongs to and whether AdamW decays it. Sharding
+// strategies and checkpoints see parameters only through this table; layers add their tensors
+// to it by name through a LayoutBuilder, in the order they run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kernels/tensor.h"
+
+namespace kiln {
+
+// One named tensor of the flat parameter buffer.
+struct ParamInfo {
+  std::string name;  // "h.3.attn.qkv.weight"
+  int64_t offset;    // elements from the start of the flat buffer
+  Shape shape;
+  int unit;     // FSDP unit: 0 = embeddings, 1..L = blocks, L+1 = final norm (+ head)
+  bool decay;   // AdamW weight decay applies (matmul weights only)
+  int64_t numel() const { return shape.numel(); }
+};
+
+struct ParamLayout {
+  std::vector<ParamInfo> tensors;
+  int64_t total = 0;                                  // elements
+  std::vector<std::pair<int64_t, int64_t>> units;     // [begin, end) per unit
+  std::vector<std::pair<int64_t, int64_t>> decay_spans;  // merged [begin, end) with decay
+
+  const ParamInfo& find(const std::string& name) const;
+  // Index of `name` in tensors; throws std::out_of_range naming it when absent.
+  int index(const std::string& name) const;
+
+ private:
+  friend class LayoutBuilder;
+  std::unordered_map<std::string, int> by_name_;
+};
+
+// Builds a ParamLayout tensor by tensor and unit by unit.
+class LayoutBuilder {
+ public:
+  // Adds `name` to the open unit; returns its index in tensors.
+  int add(const std::string& name, Shape shape, bool decay);
+  // Closes the open unit (every tensor added since the last close) and opens the next.
+  void close_unit();
+  // The finished layout, with its decay spans merged.
+  ParamLayout finish();
+
+ private:
+  ParamLayout layout_;
+  int64_t unit_begin_ = 0;
+};
+
+}  // namespace kiln
