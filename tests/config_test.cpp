@@ -257,7 +257,7 @@ TEST(ConfigErrors, BadEnumValueListsTheChoices) {
   std::string msg = parse_error(kMinimal + "train: {device: gpu}\n");
   EXPECT_NE(msg.find("train.device: must be one of auto, cpu, cuda, got 'gpu'"), std::string::npos)
       << msg;
-  EXPECT_NE(parse_error(kMinimal + "model: {arch: llama}\n").find("model.arch"), std::string::npos);
+  EXPECT_NE(parse_error(kMinimal + "model: {arch: mamba}\n").find("model.arch"), std::string::npos);
   EXPECT_NE(override_error("dist.strategy=zero3").find("dist.strategy: must be one of ddp"),
             std::string::npos);
 }
@@ -322,6 +322,75 @@ TEST(ConfigYaml, EqualityComparesEveryField) {
   EXPECT_TRUE(a == b);
   b.dist.timeout_s += 1;
   EXPECT_TRUE(a != b);
+}
+
+// model.arch sets the layer-choice keys; keys given in the file or as overrides beat it.
+TEST(ConfigArch, ArchSetsTheLayerChoicesAndKeysOverrideThem) {
+  const Config g = parse_config(kMinimal, {});
+  EXPECT_EQ(g.model.norm, "layernorm");
+  EXPECT_EQ(g.model.positions, "learned");
+  EXPECT_EQ(g.model.mlp, "gelu");
+  EXPECT_TRUE(g.model.bias);
+  EXPECT_TRUE(g.model.tie_embeddings);
+  EXPECT_EQ(g.model.ffn_dim, 4 * 768);
+
+  const Config l = parse_config(kMinimal + "model: {arch: llama}\n", {});
+  EXPECT_EQ(l.model.norm, "rmsnorm");
+  EXPECT_EQ(l.model.positions, "rope");
+  EXPECT_EQ(l.model.mlp, "swiglu");
+  EXPECT_FALSE(l.model.bias);
+  EXPECT_FALSE(l.model.qkv_bias);
+  EXPECT_FALSE(l.model.qk_norm);
+  EXPECT_FALSE(l.model.tie_embeddings);
+  EXPECT_EQ(l.model.ffn_dim, 2048);  // 8/3 * 768, rounded up to a multiple of 256
+
+  const Config q = parse_config(kMinimal + "model: {arch: qwen3, tie_embeddings: false}\n", {});
+  EXPECT_TRUE(q.model.qk_norm);
+  EXPECT_DOUBLE_EQ(q.model.norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(q.model.rope_theta, 1e6);
+  EXPECT_FALSE(q.model.tie_embeddings);  // the file's key beats the arch's default
+
+  // An override of the arch brings its defaults; an override of a choice beats them.
+  const Config o = parse_config(kMinimal, {"--model.arch=llama", "--model.mlp=gelu"});
+  EXPECT_EQ(o.model.norm, "rmsnorm");
+  EXPECT_EQ(o.model.mlp, "gelu");
+  // The resolved config reads back to itself.
+  EXPECT_TRUE(parse_config(config_to_yaml(q), {}) == q);
+  EXPECT_TRUE(parse_config(config_to_yaml(o), {}) == o);
+}
+
+TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"model: {arch: mamba}", "model.arch: must be one of gpt2, llama, qwen3"},
+      {"model: {norm: batchnorm}", "model.norm: must be one of layernorm, rmsnorm"},
+      {"model: {norm_eps: 1.0e-6}", "model.norm_eps: layernorm's epsilon is fixed at 1e-5"},
+      {"model: {arch: llama, bias: true}",
+       "model.qkv_bias: false contradicts model.bias: true"},
+      {"model: {arch: llama, n_head: 4, n_embd: 20}", "model.n_embd: RoPE rotates pairs"},
+      {"model: {arch: llama, head_dim: 7}", "model.head_dim: RoPE rotates pairs"},
+      {"model: {n_embd: 100, head_dim: 64}", ""},  // head_dim set: n_embd need not divide
+  };
+  for (const auto& [yaml, expect] : cases) {
+    if (expect.empty()) {
+      EXPECT_NO_THROW(parse_config(kMinimal + yaml + "\n", {})) << yaml;
+      continue;
+    }
+    const std::string msg = parse_error(kMinimal + yaml + "\n");
+    EXPECT_NE(msg.find(expect), std::string::npos) << yaml << ": " << msg;
+  }
+}
+
+// Every config the repository ships parses and validates.
+TEST(ConfigArch, ShippedConfigsLoad) {
+  for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",
+                           "llama-1.36b", "qwen3-1.7b"}) {
+    const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
+    EXPECT_NO_THROW(load_config(path, {})) << path;
+  }
+  const Config q = load_config(std::string(KILN_SOURCE_DIR) + "/configs/qwen3-1.7b.yaml", {});
+  EXPECT_EQ(q.model.head_dim, 128);
+  EXPECT_EQ(q.model.n_kv_head, 8);
+  EXPECT_TRUE(q.model.qk_norm);
 }
 
 // docs/config.md embeds config_reference_markdown() between two markers. To regenerate after

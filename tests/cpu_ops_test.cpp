@@ -320,12 +320,12 @@ struct AttentionCase {
   }
   double forward() {
     cpu().attention_forward(f32(out, {B, T, C}), f32(lse, {B, NH, T}), f32(qkv, {B, T, 3 * C}),
-                            static_cast<int>(NH));
+                            AttentionDims{static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)});
     return weighted_sum(out, R);
   }
   void backward(std::vector<float>& dqkv) {
     cpu().attention_backward(f32(dqkv, {B, T, 3 * C}), f32(R, {B, T, C}), f32(qkv, {B, T, 3 * C}),
-                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), static_cast<int>(NH));
+                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), AttentionDims{static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)});
   }
 };
 
