@@ -95,6 +95,20 @@ TEST_F(DistTrain, EveryStrategyFollowsTheSingleProcessCurve) {
     }
 }
 
+// A LLaMA with untied head and GQA, and a Qwen3 with QK-norm and a tied head: 2 ranks under each
+// strategy follow 1 rank (FSDP gathers the QK-norm gains and the untied head with their units).
+TEST_F(DistTrain, LlamaAndQwen3FollowTheSingleProcessCurveUnderEveryStrategy) {
+  for (const char* model : {"--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false",
+                            "--model.arch=qwen3 --model.n_kv_head=1 --model.head_dim=32"}) {
+    const std::string arch = std::string(model).substr(13, 5);
+    const std::string steps = std::string(model) + " --train.max_steps=12";
+    const std::string single = train(arch + "_single", 1, "ddp", steps);
+    ASSERT_EQ(losses(single).size(), 12u);
+    for (const char* strategy : {"ddp", "zero1", "fsdp"})
+      expect_same_curve(single, train(arch + "_" + strategy + "_2", 2, strategy, steps), 1e-5);
+  }
+}
+
 // The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its
 // own as its backward ends, in f32 and in bf16. These overlapped buckets are the most
 // asynchronous path, so they run with Gloo's collectives both at wait() and when issued (see

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-host session: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32), the
-# PyTorch reference on the same GPU, and a final kiln-vs-PyTorch table. Logs and JSON land in
-# $OUT (default ./gpu-session-out): session.log (everything), build.log, gpu_tests.log,
-# bench_{124m,350m}.json, torch_{124m,350m}.json, torch_warm.log.
+# One GPU-host session: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32),
+# LLaMA 1.36B and Qwen3 1.7B (B=8, T=2048), the PyTorch reference on the same GPU, and a final
+# kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-session-out): session.log
+# (everything), build.log, gpu_tests.log, bench_<model>.json, torch_<model>.json, torch_warm.log.
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+#   MODELS="124m llama" bash tools/gpu_session.sh   # a subset of: 124m 350m llama qwen3
 # Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_TORCH=1 (no
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
 # kiln/PyTorch/kiln order).
@@ -45,14 +46,23 @@ if [ -n "$TORCH_REF" ] && grep -q 'tgt\.view(-1)' "$TORCH_REF"; then
   TORCH_REF=/tmp/torch_reference.py
   echo "NOTE: running torch_reference.py with tgt.view(-1) -> tgt.reshape(-1) (see the comment)"
 fi
-TORCH_124M=(--arch gpt2 --layers 12 --dim 768 --heads 12 --batch 64 --seq 1024)
-TORCH_350M=(--arch gpt2 --layers 24 --dim 1024 --heads 16 --batch 32 --seq 1024)
+MODELS=${MODELS:-124m 350m llama qwen3}
+declare -A KILN_CFG=([124m]=configs/gpt2-124m.yaml [350m]=configs/gpt2-350m.yaml
+                     [llama]=configs/llama-1.36b.yaml [qwen3]=configs/qwen3-1.7b.yaml)
+# The reference's LLaMA is kiln's llama-1.36b; for Qwen3 it has the same heads (16 q, 8 kv, 128
+# wide), SwiGLU and vocabulary, but no QK-norm and an untied head.
+declare -A TORCH_ARGS=(
+  [124m]="--arch gpt2 --layers 12 --dim 768 --heads 12 --batch 64 --seq 1024"
+  [350m]="--arch gpt2 --layers 24 --dim 1024 --heads 16 --batch 32 --seq 1024"
+  [llama]="--arch llama --layers 24 --dim 2048 --heads 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 8"
+  [qwen3]="--arch llama --layers 28 --dim 2048 --heads 16 --kv_heads 8 --ffn 6144 --vocab 65536 --seq 2048 --batch 8")
 
 stage "PyTorch compile warm-up (background, untimed) + kiln build"
 warm_pid=""
 if [ -n "$TORCH_REF" ]; then
-  (python3 "$TORCH_REF" "${TORCH_124M[@]}" --steps 1 --warmup 2 &&
-   python3 "$TORCH_REF" "${TORCH_350M[@]}" --steps 1 --warmup 2) > "$OUT/torch_warm.log" 2>&1 &
+  (for m in $MODELS; do
+     python3 "$TORCH_REF" ${TORCH_ARGS[$m]} --steps 1 --warmup 2 || exit 1
+   done) > "$OUT/torch_warm.log" 2>&1 &
   warm_pid=$!
 fi
 deps=()
@@ -91,43 +101,40 @@ fi
 if [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 20000000 ] 2>/dev/null; then
   export TMPDIR=/dev/shm
 fi
-stage "kiln bench GPT-2 124M (B=64) with per-op profile"
-timeout 240 ./build/bin/bench configs/gpt2-124m.yaml --train.grad_accum=1 --train.log_every=5 \
-  --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_124m.json" --profile-ops
-stage "kiln bench GPT-2 350M (B=32) with per-op profile"
-timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
-  --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m.json" --profile-ops
+for m in $MODELS; do
+  stage "kiln bench $m (${KILN_CFG[$m]}) with per-op profile"
+  timeout 240 ./build/bin/bench "${KILN_CFG[$m]}" --train.grad_accum=1 --train.log_every=5 \
+    --dist.strategy=ddp --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_$m.json" --profile-ops
+done
 
 [ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""
 if [ -n "$TORCH_REF" ]; then
-  stage "PyTorch reference 124M (timed)"
-  timeout 300 python3 "$TORCH_REF" "${TORCH_124M[@]}" --steps "$STEPS" --warmup 8 |
-    tee /dev/stderr | tail -1 > "$OUT/torch_124m.json"
-  stage "PyTorch reference 350M (timed)"
-  timeout 300 python3 "$TORCH_REF" "${TORCH_350M[@]}" --steps "$STEPS" --warmup 8 |
-    tee /dev/stderr | tail -1 > "$OUT/torch_350m.json"
+  for m in $MODELS; do
+    stage "PyTorch reference $m (timed)"
+    timeout 300 python3 "$TORCH_REF" ${TORCH_ARGS[$m]} --steps "$STEPS" --warmup 8 |
+      tee /dev/stderr | tail -1 > "$OUT/torch_$m.json"
+  done
 fi
 
 if [ "${KILN_AGAIN:-0}" = 1 ]; then
-  stage "kiln bench GPT-2 124M again (after PyTorch)"
-  timeout 240 ./build/bin/bench configs/gpt2-124m.yaml --train.grad_accum=1 --train.log_every=5 \
-    --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_124m_again.json"
-  stage "kiln bench GPT-2 350M again (after PyTorch)"
-  timeout 240 ./build/bin/bench configs/gpt2-350m.yaml --train.grad_accum=1 --train.log_every=5 \
-    --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_350m_again.json"
+  for m in $MODELS; do
+    stage "kiln bench $m again (after PyTorch)"
+    timeout 240 ./build/bin/bench "${KILN_CFG[$m]}" --train.grad_accum=1 --train.log_every=5 \
+      --dist.strategy=ddp --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_${m}_again.json"
+  done
 fi
 
 stage "summary"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" $MODELS <<'EOF'
 import json, os, sys
-out = sys.argv[1]
+out, models = sys.argv[1], sys.argv[2:]
 def load(name):
     try:
         with open(os.path.join(out, name)) as f: return json.loads(f.read().strip().splitlines()[-1])
     except Exception as e:
         return None
 print(f"{'model':<6} {'system':<8} {'tok/s':>9} {'ms/step':>8} {'MFU %':>6}  notes")
-for m in ("124m", "350m"):
+for m in models:
     k, t = load(f"bench_{m}.json"), load(f"torch_{m}.json")
     k2 = load(f"bench_{m}_again.json")
     if k2: print(f"{m:<6} {'kiln2':<8} {k2['tok_s']:>9.0f} {k2['ms']:>8.2f} {k2['mfu']:>6.1f}  (after PyTorch)")
@@ -135,11 +142,17 @@ for m in ("124m", "350m"):
     if k: print(f"{m:<6} {'kiln':<8} {k['tok_s']:>9.0f} {k['ms']:>8.2f} {k['mfu']:>6.1f}  B={k['batch_size']} attn={k['attention']} commit={k['commit']} {k['device']}")
     if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu']:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
     if k and t: print(f"{m:<6} {'ratio':<8} {k['tok_s'] / t['tok_s']:>9.3f}  (kiln / PyTorch tokens/s; goal >= 1.15)")
-k = load("bench_124m.json")
-if k and k.get("profile"):
+for m in models:
+    k = load(f"bench_{m}.json")
+    if not (k and k.get("profile")): continue
     p = k["profile"]
-    print(f"\n124M per-op GPU time (top 12 of {len(p['ops'])}; ops {p['ops_ms']:.2f} ms, span {p['span_ms']:.2f} ms, host {p['host_ms']:.2f} ms per step)")
-    for r in p["ops"][:12]:
+    share = {"GEMM": 0.0, "attention": 0.0, "other": 0.0}
+    for r in p["ops"]:
+        kind = "GEMM" if r["op"].startswith("matmul") else "attention" if r["op"].startswith("attention") else "other"
+        share[kind] += r["pct"]
+    print(f"\n{m} per-op GPU time (top 14 of {len(p['ops'])}; ops {p['ops_ms']:.2f} ms, span {p['span_ms']:.2f} ms, host {p['host_ms']:.2f} ms per step)")
+    print("  shares: " + ", ".join(f"{n} {v:.1f}%" for n, v in share.items()))
+    for r in p["ops"][:14]:
         print(f"  {r['op']:<44} {r['calls']:>6.1f} {r['ms']:>9.3f} ms {r['pct']:>5.1f}%")
 EOF
 stage "done"
