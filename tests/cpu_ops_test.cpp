@@ -1,7 +1,8 @@
 // The cpu reference backend against first principles: every op's backward against central
 // finite differences of its own f32 forward (tests/gradcheck.h), forwards against naive direct
-// computations in double, the += / = contract of backward ops, AdamW against hand-computed
-// steps, and determinism (bit-identical across runs and OpenMP thread counts).
+// computations in double, grouped-query attention against multi-head attention over repeated kv
+// heads, the += / = contract of backward ops, AdamW against hand-computed steps, and determinism
+// (bit-identical across runs and OpenMP thread counts).
 //
 // Gradient-check tolerance: |analytic - numeric| <= 2e-4 + 2e-3 |numeric| with h = 1e-2 and
 // gradients of O(1). The forward is f32, so each loss evaluation carries ~1e-7 relative rounding,
@@ -13,10 +14,12 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -54,6 +57,18 @@ void with_threads(int threads, const std::function<void()>& fn) {
 
 bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// fn throws std::invalid_argument whose message names `op` and `tensor`.
+void expect_rejects(const std::function<void()>& fn, const char* op, const char* tensor) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected std::invalid_argument from " << op << " about " << tensor;
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(op), std::string::npos) << msg;
+    EXPECT_NE(msg.find(tensor), std::string::npos) << msg;
+  }
 }
 
 // ---- encoder ---------------------------------------------------------------------------------
@@ -106,6 +121,24 @@ TEST(CpuEncoder, TokenOutOfRangeThrows) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("tokens"), std::string::npos) << e.what();
   }
+}
+
+// A model with rotary positions has no wpe: the forward is the bare wte lookup and the backward
+// leaves dwpe out, with dwte bit-identical to the run that has one.
+TEST(CpuEncoder, WithoutWpeIsTheTokenLookup) {
+  const int64_t B = 2, T = 5, C = 8, Vp = 6;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 5, 1, 1, 4, 3, 0};
+  auto wte = random_floats(Vp * C, 5), out = random_floats(B * T * C, 6);
+  cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{});
+  for (int64_t bt = 0; bt < B * T; ++bt)
+    for (int64_t i = 0; i < C; ++i) ASSERT_EQ(out[bt * C + i], wte[tokens[bt] * C + i]) << bt;
+
+  auto dout = random_floats(B * T * C, 7);
+  auto dwte = zeros(Vp * C), dwte_ref = zeros(Vp * C), dwpe_ref = zeros(T * C);
+  cpu().encoder_backward(f32(dwte, {Vp, C}), Tensor{}, f32(dout, {B, T, C}), i32(tokens, {B, T}));
+  cpu().encoder_backward(f32(dwte_ref, {Vp, C}), f32(dwpe_ref, {T, C}), f32(dout, {B, T, C}),
+                         i32(tokens, {B, T}));
+  EXPECT_TRUE(bit_identical(dwte, dwte_ref));
 }
 
 // ---- layernorm -------------------------------------------------------------------------------
@@ -191,6 +224,122 @@ TEST(CpuLayerNorm, ResidualFormMatchesAddThenLayerNorm) {
   EXPECT_TRUE(bit_identical(out, k.out));
   EXPECT_TRUE(bit_identical(mean, k.mean));
   EXPECT_TRUE(bit_identical(rstd, k.rstd));
+}
+
+// ---- rmsnorm ---------------------------------------------------------------------------------
+
+struct RmsNormCase {
+  int64_t B = 2, T = 5, C = 8;
+  float eps = 1e-5f;
+  std::vector<float> inp = random_floats(B * T * C, 110, -2.0f, 2.0f);
+  std::vector<float> weight = random_floats(C, 111, 0.5f, 1.5f);
+  std::vector<float> R = random_floats(B * T * C, 112);
+  std::vector<float> out = zeros(B * T * C), rstd = zeros(B * T);
+
+  double forward() {
+    cpu().rmsnorm_forward(f32(out, {B, T, C}), f32(rstd, {B, T}), f32(inp, {B, T, C}),
+                          f32(weight, {C}), eps);
+    return weighted_sum(out, R);
+  }
+  // dinp starts as given (it accumulates); so does dweight.
+  void backward(std::vector<float>& dinp, std::vector<float>& dw) {
+    cpu().rmsnorm_backward(f32(dinp, {B, T, C}), f32(dw, {C}), f32(R, {B, T, C}),
+                           f32(inp, {B, T, C}), f32(weight, {C}), f32(rstd, {B, T}));
+  }
+};
+
+TEST(CpuRmsNorm, ForwardMatchesDirect) {
+  RmsNormCase k;
+  k.forward();
+  for (int64_t n = 0; n < k.B * k.T; ++n) {
+    double ms = 0.0;
+    for (int64_t i = 0; i < k.C; ++i) ms += std::pow(k.inp[n * k.C + i], 2);
+    const double rs = 1.0 / std::sqrt(ms / k.C + k.eps);
+    EXPECT_NEAR(k.rstd[n], rs, 1e-6 * rs);
+    for (int64_t i = 0; i < k.C; ++i)
+      EXPECT_NEAR(k.out[n * k.C + i], k.inp[n * k.C + i] * rs * k.weight[i], 1e-5);
+  }
+}
+
+TEST(CpuRmsNorm, GradCheck) {
+  RmsNormCase k;
+  k.forward();
+  auto dinp = zeros(k.inp.size()), dw = zeros(k.C);
+  k.backward(dinp, dw);
+  auto loss = [&] { return k.forward(); };
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, loss), "rmsnorm dinp");
+  expect_grad_near(dw, numeric_grad(k.weight, kStep, loss), "rmsnorm dweight");
+}
+
+TEST(CpuRmsNorm, BackwardAccumulatesIntoDinpAndWeight) {
+  RmsNormCase k;
+  k.forward();
+  auto dinp = zeros(k.inp.size()), dw = zeros(k.C);
+  k.backward(dinp, dw);
+  const auto g_inp = dinp, g_w = dw;
+  auto residual = random_floats(k.inp.size(), 113);
+  auto dinp2 = residual;
+  k.backward(dinp2, dw);
+  for (size_t i = 0; i < dinp2.size(); ++i) ASSERT_EQ(dinp2[i], residual[i] + g_inp[i]) << i;
+  for (int64_t i = 0; i < k.C; ++i) ASSERT_EQ(dw[i], 2 * g_w[i]) << i;
+}
+
+TEST(CpuRmsNorm, ResidualFormMatchesAddThenRmsNorm) {
+  RmsNormCase k;
+  auto a = random_floats(k.inp.size(), 114), b = random_floats(k.inp.size(), 115);
+  for (size_t i = 0; i < a.size(); ++i) k.inp[i] = a[i] + b[i];
+  k.forward();
+  const int64_t B = k.B, T = k.T, C = k.C;
+  auto residual = zeros(a.size()), out = zeros(a.size()), rstd = zeros(B * T);
+  cpu().residual_rmsnorm_forward(f32(residual, {B, T, C}), f32(out, {B, T, C}), f32(rstd, {B, T}),
+                                 f32(a, {B, T, C}), f32(b, {B, T, C}), f32(k.weight, {C}), k.eps);
+  EXPECT_TRUE(bit_identical(residual, k.inp));
+  EXPECT_TRUE(bit_identical(out, k.out));
+  EXPECT_TRUE(bit_identical(rstd, k.rstd));
+}
+
+// The fused form as a block uses it: both the residual and the normalized output feed the loss,
+// L = sum(residual * R2) + sum(out * R). Its backward is rmsnorm_backward accumulating into the
+// residual stream's gradient (seeded with R2), which is then the gradient of both a and b.
+TEST(CpuRmsNorm, ResidualFormGradCheck) {
+  const int64_t B = 2, T = 5, C = 8;
+  const float eps = 1e-6f;
+  auto a = random_floats(B * T * C, 116), b = random_floats(B * T * C, 117);
+  auto w = random_floats(C, 118, 0.5f, 1.5f);
+  auto R = random_floats(B * T * C, 119), R2 = random_floats(B * T * C, 120);
+  auto residual = zeros(B * T * C), out = zeros(B * T * C), rstd = zeros(B * T);
+  auto forward = [&] {
+    cpu().residual_rmsnorm_forward(f32(residual, {B, T, C}), f32(out, {B, T, C}), f32(rstd, {B, T}),
+                                   f32(a, {B, T, C}), f32(b, {B, T, C}), f32(w, {C}), eps);
+    return weighted_sum(out, R) + weighted_sum(residual, R2);
+  };
+  forward();
+  auto dres = R2, dw = zeros(C);
+  cpu().rmsnorm_backward(f32(dres, {B, T, C}), f32(dw, {C}), f32(R, {B, T, C}),
+                         f32(residual, {B, T, C}), f32(w, {C}), f32(rstd, {B, T}));
+  expect_grad_near(dres, numeric_grad(a, kStep, forward), "residual rmsnorm da");
+  expect_grad_near(dres, numeric_grad(b, kStep, forward), "residual rmsnorm db");
+  expect_grad_near(dw, numeric_grad(w, kStep, forward), "residual rmsnorm dweight");
+}
+
+TEST(CpuRmsNorm, RejectsBadShapesNamingOpAndTensor) {
+  RmsNormCase k;
+  expect_rejects(
+      [&] {
+        cpu().rmsnorm_forward(f32(k.out, {k.B, k.T, k.C}), f32(k.rstd, {k.B, k.T}),
+                              f32(k.inp, {k.B, k.T, k.C}), f32(k.weight, {k.C}).view({2, 4}),
+                              k.eps);
+      },
+      "rmsnorm_forward", "weight");
+  auto dw = zeros(k.C);
+  expect_rejects(
+      [&] {
+        cpu().rmsnorm_backward(f32(k.out, {k.B, k.T, k.C}), f32(dw, {k.C}),
+                               f32(k.R, {k.B, k.T, k.C}), f32(k.inp, {k.B, k.T, k.C}),
+                               f32(k.weight, {k.C}),
+                               f32(k.rstd, {k.B, k.T}).slice(0, {k.B * k.T - 1}));
+      },
+      "rmsnorm_backward", "rstd");
 }
 
 // ---- matmul ----------------------------------------------------------------------------------
@@ -306,6 +455,53 @@ TEST(CpuMatmul, RejectsNonF32ActivationsNamingOpAndTensor) {
   }
 }
 
+// ---- swiglu ----------------------------------------------------------------------------------
+
+struct SwiGluCase {
+  int64_t N = 6, F = 7;
+  std::vector<float> inp = random_floats(N * 2 * F, 130, -4.0f, 4.0f);
+  std::vector<float> R = random_floats(N * F, 131);
+  std::vector<float> out = zeros(N * F);
+  double forward() {
+    cpu().swiglu_forward(f32(out, {N, F}), f32(inp, {N, 2 * F}));
+    return weighted_sum(out, R);
+  }
+};
+
+TEST(CpuSwiGlu, ForwardMatchesDirect) {
+  SwiGluCase k;
+  k.forward();
+  for (int64_t n = 0; n < k.N; ++n)
+    for (int64_t i = 0; i < k.F; ++i) {
+      const double g = k.inp[n * 2 * k.F + i], u = k.inp[n * 2 * k.F + k.F + i];
+      EXPECT_NEAR(k.out[n * k.F + i], g / (1.0 + std::exp(-g)) * u, 1e-6) << n << "," << i;
+    }
+}
+
+TEST(CpuSwiGlu, GradCheck) {
+  SwiGluCase k;
+  k.forward();
+  auto dinp = random_floats(k.inp.size(), 132);  // garbage: dinp is overwritten
+  cpu().swiglu_backward(f32(dinp, {k.N, 2 * k.F}), f32(k.R, {k.N, k.F}),
+                        f32(k.inp, {k.N, 2 * k.F}));
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "swiglu dinp");
+}
+
+TEST(CpuSwiGlu, RejectsBadShapesNamingOpAndTensor) {
+  SwiGluCase k;
+  expect_rejects(
+      [&] {
+        cpu().swiglu_forward(f32(k.out, {k.N, k.F}), f32(k.inp, {k.N * 2, k.F}));
+      },
+      "swiglu_forward", "inp");
+  expect_rejects(
+      [&] {
+        cpu().swiglu_backward(f32(k.inp, {k.N, 2 * k.F}), f32(k.R, {k.N * k.F}),
+                              f32(k.inp, {k.N, 2 * k.F}));
+      },
+      "swiglu_backward", "dout");
+}
+
 // ---- attention -------------------------------------------------------------------------------
 
 struct AttentionCase {
@@ -320,12 +516,15 @@ struct AttentionCase {
   }
   double forward() {
     cpu().attention_forward(f32(out, {B, T, C}), f32(lse, {B, NH, T}), f32(qkv, {B, T, 3 * C}),
-                            AttentionDims{static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)});
+                            dims());
     return weighted_sum(out, R);
   }
   void backward(std::vector<float>& dqkv) {
     cpu().attention_backward(f32(dqkv, {B, T, 3 * C}), f32(R, {B, T, C}), f32(qkv, {B, T, 3 * C}),
-                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), AttentionDims{static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)});
+                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), dims());
+  }
+  AttentionDims dims() const {
+    return {static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)};
   }
 };
 
@@ -365,6 +564,325 @@ TEST(CpuAttention, GradCheck) {
   auto dqkv = random_floats(k.qkv.size(), 42);  // garbage: dqkv is overwritten
   k.backward(dqkv);
   expect_grad_near(dqkv, numeric_grad(k.qkv, kStep, [&] { return k.forward(); }), "dqkv");
+}
+
+// Grouped-query attention: NH query heads over KV kv heads of head_dim hs each, independent of
+// any model width.
+struct GqaCase {
+  int64_t B, T;
+  AttentionDims a;
+  std::vector<float> qkv, R, out, lse;
+  GqaCase(int64_t b, int64_t t, AttentionDims dims) : B(b), T(t), a(dims) {
+    qkv = random_floats(B * T * a.qkv_dim(), 44, -1.5f, 1.5f);
+    R = random_floats(B * T * a.q_dim(), 45);
+    out = zeros(B * T * a.q_dim());
+    lse = zeros(B * a.n_head * T);
+  }
+  Shape qkv_shape() const { return {B, T, a.qkv_dim()}; }
+  Shape out_shape() const { return {B, T, a.q_dim()}; }
+  Shape lse_shape() const { return {B, a.n_head, T}; }
+  double forward() {
+    cpu().attention_forward(f32(out, out_shape()), f32(lse, lse_shape()), f32(qkv, qkv_shape()), a);
+    return weighted_sum(out, R);
+  }
+  void backward(std::vector<float>& dqkv) {
+    cpu().attention_backward(f32(dqkv, qkv_shape()), f32(R, out_shape()), f32(qkv, qkv_shape()),
+                             f32(out, out_shape()), f32(lse, lse_shape()), a);
+  }
+};
+
+// GQA is MHA with each kv head repeated for the query heads of its group (Hugging Face's
+// repeat_kv): out, lse and dq are bit-identical to that MHA (same per-head arithmetic), and the
+// gradient of a kv head is the sum of its repeated heads' gradients (to rounding: GQA sums the
+// group in one f32 accumulator).
+TEST(CpuAttention, GqaEqualsMhaWithRepeatedKvHeads) {
+  for (const AttentionDims& a : {AttentionDims{4, 2, 8}, AttentionDims{6, 1, 5}}) {
+    SCOPED_TRACE("NH=" + std::to_string(a.n_head) + " KV=" + std::to_string(a.n_kv_head));
+    const int64_t NH = a.n_head, KV = a.n_kv_head, hs = a.head_dim, G = NH / KV;
+    GqaCase gqa(2, 7, a), mha(2, 7, {a.n_head, a.n_head, a.head_dim});
+    const int64_t N = gqa.B * gqa.T, row = a.qkv_dim(), mrow = 3 * NH * hs;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t i = 0; i < hs; ++i) {
+          const int64_t kvh = h / G;
+          mha.qkv[n * mrow + h * hs + i] = gqa.qkv[n * row + h * hs + i];
+          mha.qkv[n * mrow + (NH + h) * hs + i] = gqa.qkv[n * row + (NH + kvh) * hs + i];
+          mha.qkv[n * mrow + (2 * NH + h) * hs + i] = gqa.qkv[n * row + (NH + KV + kvh) * hs + i];
+        }
+    mha.R = gqa.R;
+    gqa.forward();
+    mha.forward();
+    EXPECT_TRUE(bit_identical(gqa.out, mha.out));
+    EXPECT_TRUE(bit_identical(gqa.lse, mha.lse));
+
+    auto dgqa = random_floats(gqa.qkv.size(), 46), dmha = zeros(mha.qkv.size());
+    gqa.backward(dgqa);
+    mha.backward(dmha);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t i = 0; i < NH * hs; ++i) ASSERT_EQ(dgqa[n * row + i], dmha[n * mrow + i]) << n;
+      for (int64_t kvh = 0; kvh < KV; ++kvh)
+        for (int64_t part = 0; part < 2; ++part)  // k, then v
+          for (int64_t i = 0; i < hs; ++i) {
+            double sum = 0.0;
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h)
+              sum += dmha[n * mrow + ((1 + part) * NH + h) * hs + i];
+            ASSERT_NEAR(dgqa[n * row + (NH + part * KV + kvh) * hs + i], sum, 1e-6)
+                << "n=" << n << " kv head " << kvh << (part ? " v" : " k") << " i=" << i;
+          }
+    }
+  }
+}
+
+// GQA (2 query heads per kv head) and MQA (one kv head for all), head_dim 8: the out width NH*hs
+// is not a third of the qkv width, as in Qwen3.
+TEST(CpuAttention, GqaAndMqaGradCheck) {
+  for (const AttentionDims& a : {AttentionDims{4, 2, 8}, AttentionDims{4, 1, 8}}) {
+    SCOPED_TRACE("KV=" + std::to_string(a.n_kv_head));
+    GqaCase k(2, 5, a);
+    k.forward();
+    auto dqkv = random_floats(k.qkv.size(), 47);  // garbage: dqkv is overwritten
+    k.backward(dqkv);
+    expect_grad_near(dqkv, numeric_grad(k.qkv, kStep, [&] { return k.forward(); }), "gqa dqkv");
+  }
+}
+
+TEST(CpuAttention, RejectsBadHeadsNamingOpAndTensor) {
+  GqaCase k(1, 3, {4, 2, 8});
+  auto run = [&](AttentionDims a) {
+    return [&k, a] {
+      cpu().attention_forward(f32(k.out, k.out_shape()), f32(k.lse, k.lse_shape()),
+                              f32(k.qkv, k.qkv_shape()), a);
+    };
+  };
+  expect_rejects(run({4, 3, 8}), "attention_forward", "dims");  // 3 does not divide 4
+  expect_rejects(run({4, 0, 8}), "attention_forward", "dims");
+  expect_rejects(run({4, 4, 8}), "attention_forward", "qkv");  // qkv is 64 wide, not 96
+  auto dqkv = zeros(k.qkv.size());
+  expect_rejects(
+      [&] {
+        cpu().attention_backward(f32(dqkv, k.qkv_shape()), f32(k.R, k.out_shape()),
+                                 f32(k.qkv, k.qkv_shape()), f32(k.out, k.out_shape()),
+                                 f32(k.lse, k.lse_shape()).view({1, 2, 6}), k.a);
+      },
+      "attention_backward", "lse");
+}
+
+// ---- qk_norm ---------------------------------------------------------------------------------
+
+struct QkNormCase {
+  int64_t B = 2, T = 3;
+  AttentionDims a{4, 2, 8};
+  float eps = 1e-6f;
+  std::vector<float> inp = random_floats(B * T * a.qkv_dim(), 140, -2.0f, 2.0f);
+  std::vector<float> q_weight = random_floats(a.head_dim, 141, 0.5f, 1.5f);
+  std::vector<float> k_weight = random_floats(a.head_dim, 142, 0.5f, 1.5f);
+  std::vector<float> R = random_floats(inp.size(), 143);
+  std::vector<float> out = zeros(inp.size()), rstd = zeros(B * T * (a.n_head + a.n_kv_head));
+
+  Shape qkv_shape() const { return {B, T, a.qkv_dim()}; }
+  Shape hs_shape() const { return {a.head_dim}; }
+  double forward() {
+    cpu().qk_norm_forward(f32(out, qkv_shape()), f32(rstd, {B * T * (a.n_head + a.n_kv_head)}),
+                          f32(inp, qkv_shape()), f32(q_weight, hs_shape()),
+                          f32(k_weight, hs_shape()), a, eps);
+    return weighted_sum(out, R);
+  }
+  void backward(std::vector<float>& dinp, std::vector<float>& dqw, std::vector<float>& dkw) {
+    cpu().qk_norm_backward(f32(dinp, qkv_shape()), f32(dqw, hs_shape()), f32(dkw, hs_shape()),
+                           f32(R, qkv_shape()), f32(inp, qkv_shape()), f32(q_weight, hs_shape()),
+                           f32(k_weight, hs_shape()), f32(rstd, {B * T * (a.n_head + a.n_kv_head)}),
+                           a);
+  }
+};
+
+// Each query head is rmsnorm_forward of that head with q_weight, each key head with k_weight,
+// bit for bit (one row math); value heads are copied.
+TEST(CpuQkNorm, ForwardIsRmsNormPerHeadAndCopiesValues) {
+  QkNormCase k;
+  k.forward();
+  const int64_t hs = k.a.head_dim, row = k.a.qkv_dim(), heads = k.a.n_head + k.a.n_kv_head;
+  for (int64_t n = 0; n < k.B * k.T; ++n) {
+    for (int64_t h = 0; h < heads; ++h) {
+      std::vector<float> x(k.inp.begin() + n * row + h * hs,
+                           k.inp.begin() + n * row + (h + 1) * hs);
+      std::vector<float> y = zeros(hs), rs = zeros(1);
+      auto& w = h < k.a.n_head ? k.q_weight : k.k_weight;
+      cpu().rmsnorm_forward(f32(y, {1, hs}), f32(rs, {1}), f32(x, {1, hs}), f32(w, {hs}), k.eps);
+      ASSERT_EQ(k.rstd[n * heads + h], rs[0]) << "n=" << n << " h=" << h;
+      for (int64_t i = 0; i < hs; ++i)
+        ASSERT_EQ(k.out[n * row + h * hs + i], y[i]) << "n=" << n << " h=" << h << " i=" << i;
+    }
+    for (int64_t i = heads * hs; i < row; ++i) ASSERT_EQ(k.out[n * row + i], k.inp[n * row + i]);
+  }
+}
+
+TEST(CpuQkNorm, GradCheck) {
+  QkNormCase k;
+  k.forward();
+  auto dinp = random_floats(k.inp.size(), 144);  // garbage: dinp is overwritten
+  auto dqw = zeros(k.a.head_dim), dkw = zeros(k.a.head_dim);
+  k.backward(dinp, dqw, dkw);
+  auto loss = [&] { return k.forward(); };
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, loss), "qk_norm dinp");
+  expect_grad_near(dqw, numeric_grad(k.q_weight, kStep, loss), "qk_norm dq_weight");
+  expect_grad_near(dkw, numeric_grad(k.k_weight, kStep, loss), "qk_norm dk_weight");
+}
+
+TEST(CpuQkNorm, BackwardOverwritesDinpAndAccumulatesWeights) {
+  QkNormCase k;
+  k.forward();
+  auto dinp = zeros(k.inp.size()), dqw = zeros(k.a.head_dim), dkw = zeros(k.a.head_dim);
+  k.backward(dinp, dqw, dkw);
+  const auto dinp1 = dinp, dqw1 = dqw, dkw1 = dkw;
+  k.backward(dinp, dqw, dkw);
+  EXPECT_TRUE(bit_identical(dinp, dinp1)) << "dinp must be overwritten";
+  for (int64_t i = 0; i < k.a.head_dim; ++i) {
+    ASSERT_EQ(dqw[i], 2 * dqw1[i]) << i;
+    ASSERT_EQ(dkw[i], 2 * dkw1[i]) << i;
+  }
+}
+
+TEST(CpuQkNorm, RejectsBadShapesAndAliasingNamingOpAndTensor) {
+  QkNormCase k;
+  const Shape rs{k.B * k.T * (k.a.n_head + k.a.n_kv_head)};
+  expect_rejects(
+      [&] {
+        cpu().qk_norm_forward(f32(k.out, k.qkv_shape()), f32(k.rstd, rs), f32(k.inp, k.qkv_shape()),
+                              f32(k.q_weight, k.hs_shape()),
+                              f32(k.k_weight, k.hs_shape()).slice(0, {4}), k.a, k.eps);
+      },
+      "qk_norm_forward", "k_weight");
+  expect_rejects(
+      [&] {
+        cpu().qk_norm_forward(f32(k.inp, k.qkv_shape()), f32(k.rstd, rs), f32(k.inp, k.qkv_shape()),
+                              f32(k.q_weight, k.hs_shape()), f32(k.k_weight, k.hs_shape()), k.a,
+                              k.eps);
+      },
+      "qk_norm_forward", "out");
+}
+
+// ---- rope ------------------------------------------------------------------------------------
+
+struct RopeCase {
+  int64_t B, T;
+  AttentionDims a;
+  float theta = 10000.0f;
+  std::vector<float> inp, R, out;
+  explicit RopeCase(int64_t b = 2, int64_t t = 6, AttentionDims dims = {4, 2, 8})
+      : B(b), T(t), a(dims) {
+    inp = random_floats(B * T * a.qkv_dim(), 150);
+    R = random_floats(inp.size(), 151);
+    out = zeros(inp.size());
+  }
+  Shape qkv_shape() const { return {B, T, a.qkv_dim()}; }
+  double forward() {
+    cpu().rope_forward(f32(out, qkv_shape()), f32(inp, qkv_shape()), a, theta);
+    return weighted_sum(out, R);
+  }
+};
+
+// The rotation of pair (i, i + hs/2) of every query and key head by angle(t, i), in double;
+// value heads copied.
+std::vector<double> rope_direct(const RopeCase& k,
+                                const std::function<double(int64_t, int64_t)>& angle) {
+  const int64_t hs = k.a.head_dim, half = hs / 2, row = k.a.qkv_dim();
+  const int64_t rotated = (k.a.n_head + k.a.n_kv_head) * hs;
+  std::vector<double> y(k.inp.begin(), k.inp.end());
+  for (int64_t b = 0; b < k.B; ++b)
+    for (int64_t t = 0; t < k.T; ++t)
+      for (int64_t off = (b * k.T + t) * row; off < (b * k.T + t) * row + rotated; off += hs)
+        for (int64_t i = 0; i < half; ++i) {
+          const double c = std::cos(angle(t, i)), s = std::sin(angle(t, i));
+          const double x1 = k.inp[off + i], x2 = k.inp[off + half + i];
+          y[off + i] = x1 * c - x2 * s;
+          y[off + half + i] = x2 * c + x1 * s;
+        }
+  return y;
+}
+
+TEST(CpuRope, ForwardMatchesDirectDouble) {
+  RopeCase k;
+  k.forward();
+  const double hs = static_cast<double>(k.a.head_dim);
+  const auto y = rope_direct(k, [&](int64_t t, int64_t i) {
+    return static_cast<double>(t) * std::pow(static_cast<double>(k.theta), -2.0 * i / hs);
+  });
+  const int64_t v_begin = (k.a.n_head + k.a.n_kv_head) * k.a.head_dim, row = k.a.qkv_dim();
+  for (size_t j = 0; j < y.size(); ++j) {
+    ASSERT_NEAR(k.out[j], y[j], 1e-6) << j;
+    if (static_cast<int64_t>(j) % row >= v_begin) {
+      ASSERT_EQ(k.out[j], k.inp[j]) << "v " << j;
+    }
+  }
+}
+
+// Angles are f32 as in transformers: inv_freq = 1 / theta^(float(2i)/hs) and float(t) * inv_freq
+// both rounded to f32. At t ~ 4000 that rounding moves the angle by ~1e-4 rad, so the output
+// matches the f32-angle formula to 1e-6 but not the exact-angle one.
+TEST(CpuRope, AnglesAreF32AsHuggingFace) {
+  RopeCase k(1, 4096, {1, 1, 8});
+  k.forward();
+  const int64_t hs = k.a.head_dim;
+  const auto hf = rope_direct(k, [&](int64_t t, int64_t i) {
+    const float inv_freq =
+        1.0f / std::pow(k.theta, static_cast<float>(2 * i) / static_cast<float>(hs));
+    return static_cast<double>(static_cast<float>(t) * inv_freq);
+  });
+  const auto exact = rope_direct(k, [&](int64_t t, int64_t i) {
+    return static_cast<double>(t) * std::pow(static_cast<double>(k.theta), -2.0 * i / hs);
+  });
+  double max_hf = 0.0, max_exact = 0.0;
+  for (size_t j = 0; j < hf.size(); ++j) {
+    max_hf = std::max(max_hf, std::fabs(k.out[j] - hf[j]));
+    max_exact = std::max(max_exact, std::fabs(k.out[j] - exact[j]));
+  }
+  EXPECT_LT(max_hf, 1e-6);
+  EXPECT_GT(max_exact, 1e-5) << "the exact-angle formula is not distinguishable at this T";
+}
+
+// The rotation is orthogonal, so backward (its transpose) undoes forward; in place gives the same
+// bits as out of place.
+TEST(CpuRope, BackwardUndoesForwardAndInPlaceMatches) {
+  RopeCase k;
+  k.forward();
+  auto back = zeros(k.inp.size());
+  cpu().rope_backward(f32(back, k.qkv_shape()), f32(k.out, k.qkv_shape()), k.a, k.theta);
+  for (size_t j = 0; j < back.size(); ++j) ASSERT_NEAR(back[j], k.inp[j], 1e-6) << j;
+
+  auto x = k.inp;
+  cpu().rope_forward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.theta);
+  EXPECT_TRUE(bit_identical(x, k.out));
+  cpu().rope_backward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.theta);
+  EXPECT_TRUE(bit_identical(x, back));
+}
+
+TEST(CpuRope, GradCheck) {
+  RopeCase k;
+  auto dinp = random_floats(k.inp.size(), 153);  // garbage: dinp is overwritten
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.theta);
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
+}
+
+TEST(CpuRope, RejectsBadShapesNamingOpAndTensor) {
+  RopeCase k;
+  expect_rejects(
+      [&] {
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {4, 2, 8}, 0.0f);
+      },
+      "rope_forward", "theta");
+  expect_rejects(
+      [&] {
+        // (62 + 2) * 1 matches the qkv width of 64, but a head of 1 has no pairs to rotate.
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {62, 1, 1},
+                           k.theta);
+      },
+      "rope_forward", "dims");
+  expect_rejects(
+      [&] {
+        cpu().rope_backward(f32(k.out, k.qkv_shape()), f32(k.inp, {k.B * k.T, k.a.qkv_dim()}), k.a,
+                            k.theta);
+      },
+      "rope_backward", "dout");
 }
 
 // ---- softmax cross-entropy -------------------------------------------------------------------
@@ -651,6 +1169,62 @@ TEST(CpuDeterminism, EncoderLayerNormAndSumsBitIdenticalAcrossThreads) {
         return all;
       },
       "encoder/layernorm/sum_squares");
+}
+
+TEST(CpuDeterminism, GqaAttentionBitIdenticalAcrossRunsAndThreads) {
+  GqaCase k(3, 33, {8, 2, 16});
+  expect_deterministic(
+      [&] {
+        auto dqkv = zeros(k.qkv.size());
+        k.forward();
+        k.backward(dqkv);
+        std::vector<float> all = k.out;
+        all.insert(all.end(), k.lse.begin(), k.lse.end());
+        all.insert(all.end(), dqkv.begin(), dqkv.end());
+        return all;
+      },
+      "gqa attention");
+}
+
+// Sizes above the parallel threshold, so the OpenMP regions really split.
+TEST(CpuDeterminism, LlamaOpsBitIdenticalAcrossThreads) {
+  const int64_t N = 320, C = 130;
+  const int64_t B = 4, T = 64;
+  const AttentionDims a{8, 2, 16};
+  const int64_t QKV = a.qkv_dim(), heads = a.n_head + a.n_kv_head;
+  auto x = random_floats(N * C, 160), y = random_floats(N * C, 161), w = random_floats(C, 162);
+  auto dout = random_floats(N * C, 163);
+  auto qkv = random_floats(B * T * QKV, 164), dqkv_out = random_floats(B * T * QKV, 165);
+  auto qw = random_floats(a.head_dim, 166), kw = random_floats(a.head_dim, 167);
+  auto gu = random_floats(N * 2 * C, 168);
+  expect_deterministic(
+      [&] {
+        auto res = zeros(N * C), out = zeros(N * C), rstd = zeros(N), dx = zeros(N * C),
+             dw = zeros(C);
+        cpu().residual_rmsnorm_forward(f32(res, {N, C}), f32(out, {N, C}), f32(rstd, {N}),
+                                       f32(x, {N, C}), f32(y, {N, C}), f32(w, {C}), 1e-5f);
+        cpu().rmsnorm_backward(f32(dx, {N, C}), f32(dw, {C}), f32(dout, {N, C}), f32(res, {N, C}),
+                               f32(w, {C}), f32(rstd, {N}));
+        auto qn = zeros(qkv.size()), qrstd = zeros(B * T * heads), dqn = zeros(qkv.size()),
+             dqw = zeros(a.head_dim), dkw = zeros(a.head_dim);
+        const Shape qs{B, T, QKV}, hs{a.head_dim}, rs{B * T * heads};
+        cpu().qk_norm_forward(f32(qn, qs), f32(qrstd, rs), f32(qkv, qs), f32(qw, hs), f32(kw, hs),
+                              a, 1e-6f);
+        cpu().qk_norm_backward(f32(dqn, qs), f32(dqw, hs), f32(dkw, hs), f32(dqkv_out, qs),
+                               f32(qkv, qs), f32(qw, hs), f32(kw, hs), f32(qrstd, rs), a);
+        auto roped = zeros(qkv.size()), droped = zeros(qkv.size());
+        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, 1e6f);
+        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, 1e6f);
+        auto act = zeros(N * C), dgu = zeros(N * 2 * C);
+        cpu().swiglu_forward(f32(act, {N, C}), f32(gu, {N, 2 * C}));
+        cpu().swiglu_backward(f32(dgu, {N, 2 * C}), f32(dout, {N, C}), f32(gu, {N, 2 * C}));
+        std::vector<float> all;
+        for (auto* v : {&res, &out, &rstd, &dx, &dw, &qn, &qrstd, &dqn, &dqw, &dkw, &roped, &droped,
+                        &act, &dgu})
+          all.insert(all.end(), v->begin(), v->end());
+        return all;
+      },
+      "rmsnorm/qk_norm/rope/swiglu");
 }
 
 }  // namespace

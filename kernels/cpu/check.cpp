@@ -1,7 +1,10 @@
 // Argument checks for the cpu ops (see check.h): messages name the op, the tensor and its shape.
 #include "kernels/cpu/check.h"
 
+#include <cmath>
 #include <stdexcept>
+
+#include "kernels/backend.h"
 
 namespace kiln::cpu {
 
@@ -45,6 +48,25 @@ void OpCheck::indices(const char* name, const Tensor& t, int64_t limit) const {
     if (p[i] < 0 || p[i] >= limit)
       fail(name, "value " + std::to_string(p[i]) + " at flat index " + std::to_string(i) +
                      " is outside [0, " + std::to_string(limit) + ")");
+}
+
+void OpCheck::non_negative(const char* name, float v) const {
+  if (!std::isfinite(v) || v < 0.0f)
+    fail(name, "must be finite and >= 0, got " + std::to_string(v));
+}
+
+void OpCheck::heads(const AttentionDims& a) const {
+  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.head_dim <= 0 || a.n_head % a.n_kv_head != 0)
+    fail("dims", "need n_head > 0, n_kv_head > 0 dividing n_head, head_dim > 0; got n_head=" +
+                     std::to_string(a.n_head) + " n_kv_head=" + std::to_string(a.n_kv_head) +
+                     " head_dim=" + std::to_string(a.head_dim));
+}
+
+void OpCheck::packed_qkv(const char* name, const Tensor& t, const AttentionDims& a) const {
+  heads(a);
+  f32(name, t);
+  ndim(name, t, 3);
+  dim(name, t, 2, a.qkv_dim());
 }
 
 }  // namespace kiln::cpu

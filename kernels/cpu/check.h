@@ -9,6 +9,10 @@
 
 #include "kernels/tensor.h"
 
+namespace kiln {
+struct AttentionDims;  // kernels/backend.h
+}
+
 namespace kiln::cpu {
 
 struct OpCheck {
@@ -24,6 +28,12 @@ struct OpCheck {
   void dim(const char* name, const Tensor& t, int i, int64_t n) const;  // t.dim(i) == n
   // Every value of the i32 tensor t lies in [0, limit).
   void indices(const char* name, const Tensor& t, int64_t limit) const;
+  // v is finite and >= 0 (an epsilon).
+  void non_negative(const char* name, float v) const;
+  // The head layout: n_head > 0, n_kv_head > 0 dividing n_head, head_dim > 0 (named "dims").
+  void heads(const AttentionDims& a) const;
+  // heads(a), and t is a packed f32[B, T, a.qkv_dim()] (query, key, value heads per token).
+  void packed_qkv(const char* name, const Tensor& t, const AttentionDims& a) const;
 };
 
 // Rows of a tensor read as a matrix [N, last dim] (any leading shape).

@@ -1,7 +1,8 @@
 // CpuBackend: the fp32 reference implementation of the Backend op set, the ground truth every
 // CUDA kernel is checked against. Activations, parameters and gradients are all f32. The ops are
-// defined one family per file (encoder.cpp, layernorm.cpp, matmul.cpp, attention.cpp,
-// classifier.cpp, optimizer.cpp); this class only gathers them.
+// defined one family per file (encoder.cpp, layernorm.cpp, rmsnorm.cpp, qk_norm.cpp, rope.cpp,
+// matmul.cpp, swiglu.cpp, attention.cpp, classifier.cpp, optimizer.cpp); this class only gathers
+// them.
 //
 // Determinism is part of the contract: OpenMP splits work only over independent output rows or
 // elements (static schedule), and every sum runs in a fixed order that does not depend on the

@@ -1,7 +1,8 @@
 // Token + position embedding. Forward is a gather, backward a scatter-add. The scatter is made
 // deterministic without atomics: positions are bucketed by token id (a counting sort), then each
 // vocab row sums its positions in increasing (b,t) order and is added to dwte once. Threads split
-// over vocab rows (and over t for dwpe), never over the tokens that share a row.
+// over vocab rows (and over t for dwpe), never over the tokens that share a row. wpe/dwpe are
+// optional: a model with rotary positions (RoPE) has no learned position table.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -20,12 +21,14 @@ void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor w
   c.ndim("tokens", tokens, 2);
   c.f32("wte", wte);
   c.ndim("wte", wte, 2);
-  c.f32("wpe", wpe);
-  c.ndim("wpe", wpe, 2);
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), Vp = wte.dim(0);
-  c.dim("wpe", wpe, 1, C);
-  if (wpe.dim(0) < T)
-    c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" + std::to_string(T));
+  if (wpe.defined()) {
+    c.f32("wpe", wpe);
+    c.ndim("wpe", wpe, 2);
+    c.dim("wpe", wpe, 1, C);
+    if (wpe.dim(0) < T)
+      c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" + std::to_string(T));
+  }
   c.f32("out", out);
   c.shape("out", out, {B, T, C});
   c.indices("tokens", tokens, Vp);
@@ -37,9 +40,13 @@ void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor w
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(B * T * C))
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const float* te = wte_p + tok[bt] * C;
-    const float* pe = wpe_p + (bt % T) * C;
     float* o = out_p + bt * C;
-    for (int64_t i = 0; i < C; ++i) o[i] = te[i] + pe[i];
+    if (wpe_p) {
+      const float* pe = wpe_p + (bt % T) * C;
+      for (int64_t i = 0; i < C; ++i) o[i] = te[i] + pe[i];
+    } else {
+      std::copy(te, te + C, o);
+    }
   }
 }
 
@@ -49,12 +56,14 @@ void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor 
   c.ndim("tokens", tokens, 2);
   c.f32("dwte", dwte);
   c.ndim("dwte", dwte, 2);
-  c.f32("dwpe", dwpe);
-  c.ndim("dwpe", dwpe, 2);
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), Vp = dwte.dim(0);
-  c.dim("dwpe", dwpe, 1, C);
-  if (dwpe.dim(0) < T)
-    c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" + std::to_string(T));
+  if (dwpe.defined()) {
+    c.f32("dwpe", dwpe);
+    c.ndim("dwpe", dwpe, 2);
+    c.dim("dwpe", dwpe, 1, C);
+    if (dwpe.dim(0) < T)
+      c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" + std::to_string(T));
+  }
   c.f32("dout", dout);
   c.shape("dout", dout, {B, T, C});
   c.indices("tokens", tokens, Vp);
@@ -92,6 +101,7 @@ void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor 
     }
   }
 
+  if (!dwpe.defined()) return;
   float* dwpe_p = dwpe.ptr<float>();
 #pragma omp parallel if (cpu::worth_parallel(N * C))
   {

@@ -1,0 +1,78 @@
+// Rotary position embedding on the query and key heads of a packed qkv, in Hugging Face's
+// LLaMA/Qwen3 convention (rotate_half: element i pairs with i + hs/2, not with i + 1), the value
+// heads passed through. The angles are computed in f32 exactly as transformers does,
+//   inv_freq[i] = 1.0f / powf(theta, float(2i) / float(hs));  angle = float(t) * inv_freq[i]
+// then cosf/sinf of that f32 angle, once per call into a [T, hs/2] table. At large t the f32
+// angle is off from the exact one by ~t * 2^-24 rad: that rounding is part of the convention, so
+// it is kept rather than computed in double. Backward is the inverse rotation (the transpose),
+// the same code with sin negated. Every output element depends only on its own pair of inputs,
+// so in place (out == inp) is safe.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/check.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/parallel.h"
+
+namespace kiln {
+
+using cpu::OpCheck;
+
+namespace {
+
+void check_rope(const OpCheck& c, const char* out_name, Tensor out, const char* inp_name,
+                Tensor inp, const AttentionDims& a, float theta) {
+  c.packed_qkv(inp_name, inp, a);
+  c.f32(out_name, out);
+  c.shape(out_name, out, inp.shape);
+  if (a.head_dim % 2 != 0)
+    c.fail("dims", "head_dim must be even, got " + std::to_string(a.head_dim));
+  if (!std::isfinite(theta) || theta <= 0.0f)
+    c.fail("theta", "must be finite and > 0, got " + std::to_string(theta));
+}
+
+// Rotates the query and key heads of every token by +angle (forward) or -angle (backward).
+void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, float theta, bool inverse) {
+  const int64_t B = inp.dim(0), T = inp.dim(1), hs = a.head_dim, half = hs / 2;
+  const int64_t row = a.qkv_dim(), rotated = (a.n_head + a.n_kv_head) * hs;
+  std::vector<float> cos_t(static_cast<size_t>(T * half)), sin_t(cos_t.size());
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv_freq =
+        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hs));
+    for (int64_t t = 0; t < T; ++t) {
+      const float angle = static_cast<float>(t) * inv_freq;
+      cos_t[t * half + i] = std::cos(angle);
+      sin_t[t * half + i] = inverse ? -std::sin(angle) : std::sin(angle);
+    }
+  }
+
+  const float* x = inp.ptr<float>();
+  float* o = out.ptr<float>();
+#pragma omp parallel for schedule(static) if (cpu::worth_parallel(B * T * row))
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const float* cs = cos_t.data() + (bt % T) * half;
+    const float* sn = sin_t.data() + (bt % T) * half;
+    for (int64_t off = bt * row; off < bt * row + rotated; off += hs)
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[off + i], x2 = x[off + half + i];
+        o[off + i] = x1 * cs[i] - x2 * sn[i];
+        o[off + half + i] = x2 * cs[i] + x1 * sn[i];
+      }
+    if (o != x) std::copy(x + bt * row + rotated, x + (bt + 1) * row, o + bt * row + rotated);
+  }
+}
+
+}  // namespace
+
+void CpuBackend::rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
+  check_rope(OpCheck{"rope_forward"}, "out", out, "inp", inp, a, theta);
+  rope_apply(out, inp, a, theta, false);
+}
+
+void CpuBackend::rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
+  check_rope(OpCheck{"rope_backward"}, "dinp", dinp, "dout", dout, a, theta);
+  rope_apply(dinp, dout, a, theta, true);
+}
+
+}  // namespace kiln
