@@ -1,5 +1,6 @@
 #include "model/decoder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <stdexcept>
@@ -137,35 +138,134 @@ void Decoder::bind(const Locate& locate, Params& out) const {
   for (size_t i = 0; i < out.size(); ++i) out[i] = locate(layout_.tensors[i]);
 }
 
-void Decoder::plan_activations(Arena& arena, int B, int T) {
+const char* recompute_name(Recompute r) {
+  return r == Recompute::none ? "none" : r == Recompute::selective ? "selective" : "full";
+}
+
+namespace {
+
+// A block activation's place inside BlockActs-like structs, to tell fields apart by identity.
+template <class S>
+size_t field_offset(const S& s, const Tensor* t) {
+  return static_cast<size_t>(reinterpret_cast<const char*>(t) - reinterpret_cast<const char*>(&s));
+}
+
+}  // namespace
+
+// Block l's activations are planned per block where `recompute` keeps them, else once in
+// acts.shared. What each mode keeps is what its backward reads and cannot cheaply recompute:
+//  selective: the block's input, the norms' statistics, q/k/v (after QK-norm and RoPE) and the
+//             QK-norm input, the residual after attention, and the fc GEMM's output (and GELU's,
+//             fused into that GEMM). Recomputed: norm outputs, the attention core, SwiGLU.
+//  full:      the block's input alone; backward runs the block's forward again from it.
+void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const {
+  const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
+  const DType act = backend_.activation_dtype();
+  acts.blocks.assign(blocks_.size(), {});
+  const BlockActs& probe = acts.shared;
+  std::vector<size_t> kept;
+  auto keep = [&](const Tensor& t) { kept.push_back(field_offset(probe, &t)); };
+  keep(probe.residual_in);
+  if (recompute == Recompute::selective) {
+    for (const Tensor* t : {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw,
+                            &probe.attn.qk_rstd, &probe.attn.qkv, &probe.residual_mid,
+                            &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
+      keep(*t);
+    if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
+  }
+  // Plans block l's fields (l >= 0) that are kept, or the shared set's (l < 0) that are not.
+  auto plan_block = [&](int l, BlockActs& a) {
+    const bool shared = l < 0;
+    const std::string p = shared ? "shared." : "h." + std::to_string(l) + ".";
+    const Planner pick = [&](Tensor* slot, const std::string& name, Shape shape, DType dtype) {
+      const size_t at = field_offset(a, slot);
+      const bool is_kept = recompute == Recompute::none ||
+                           std::find(kept.begin(), kept.end(), at) != kept.end();
+      if (is_kept != shared) planner(slot, name, shape, dtype);
+    };
+    const Block& blk = blocks_.front();  // every block has the same shapes
+    if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, act);
+    blk.ln1.plan(pick, p + "ln1", a.ln1, B, T, C, act);
+    blk.attn.plan(pick, p, a.attn, B, T, act);
+    pick(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
+    blk.ln2.plan(pick, p + "ln2", a.ln2, B, T, C, act);
+    blk.mlp.plan(pick, p, a.mlp, B, T, act);
+  };
+  planner(&acts.encoded, "encoded", {B, T, C}, act);
+  for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
+  if (recompute != Recompute::none) plan_block(-1, acts.shared);
+  planner(&acts.residual_out, "residual_out", {B, T, C}, act);
+  lnf_.plan(planner, "lnf", acts.lnf, B, T, C, act);
+  planner(&acts.logits, "logits", {B, T, Vp}, act);
+  planner(&acts.losses, "losses", {B * T}, DType::f32);
+  planner(&acts.dresidual, "d.residual", {B, T, C}, act);
+  planner(&acts.dln, "d.ln", {B, T, C}, act);
+  blocks_.front().attn.plan_scratch(planner, acts.attn, B, T, act);
+  blocks_.front().mlp.plan_scratch(planner, acts.mlp, B, T, act);
+  planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
+}
+
+void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) {
   if (T > cfg_.seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(T) + " exceeds model.seq_len");
   B_ = B;
   T_ = T;
-  const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
-  const DType act = backend_.activation_dtype();
-  acts_.blocks.assign(blocks_.size(), {});
-  arena.plan(&acts_.encoded, "encoded", {B, T, C}, act);
-  for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Block& blk = blocks_[l];
-    BlockActs& a = acts_.blocks[l];
-    const std::string p = "h." + std::to_string(l) + ".";
-    if (l > 0) arena.plan(&a.residual_in, p + "residual_in", {B, T, C}, act);
-    blk.ln1.plan(arena, p + "ln1", a.ln1, B, T, C, act);
-    blk.attn.plan(arena, p, a.attn, B, T, act);
-    arena.plan(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
-    blk.ln2.plan(arena, p + "ln2", a.ln2, B, T, C, act);
-    blk.mlp.plan(arena, p, a.mlp, B, T, act);
+  recompute_ = recompute;
+  plan([&arena](Tensor* slot, const std::string& name, Shape shape,
+                DType dtype) { arena.plan(slot, name, shape, dtype); },
+       acts_, B, T, recompute);
+}
+
+int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
+  int64_t bytes = 0;
+  Acts scratch;
+  plan([&bytes](Tensor*, const std::string&, Shape shape,
+                DType dtype) { bytes += shape.numel() * static_cast<int64_t>(dtype_size(dtype)); },
+       scratch, B, T, recompute);
+  return bytes;
+}
+
+Decoder::BlockActs Decoder::acts(int l) const {
+  BlockActs a = acts_.blocks[static_cast<size_t>(l)];
+  if (recompute_ == Recompute::none) return a;
+  const BlockActs& s = acts_.shared;
+  auto merge = [](Tensor& t, const Tensor& shared) {
+    if (!t.defined()) t = shared;
+  };
+  merge(a.ln1.out, s.ln1.out);
+  merge(a.ln1.mean, s.ln1.mean);
+  merge(a.ln1.rstd, s.ln1.rstd);
+  merge(a.attn.qkv_raw, s.attn.qkv_raw);
+  merge(a.attn.qk_rstd, s.attn.qk_rstd);
+  merge(a.attn.qkv, s.attn.qkv);
+  merge(a.attn.y, s.attn.y);
+  merge(a.attn.lse, s.attn.lse);
+  merge(a.attn.out, s.attn.out);
+  merge(a.residual_mid, s.residual_mid);
+  merge(a.ln2.out, s.ln2.out);
+  merge(a.ln2.mean, s.ln2.mean);
+  merge(a.ln2.rstd, s.ln2.rstd);
+  merge(a.mlp.pre, s.mlp.pre);
+  merge(a.mlp.act, s.mlp.act);
+  merge(a.mlp.out, s.mlp.out);
+  return a;
+}
+
+void Decoder::recompute_block(int l, const BlockActs& a) {
+  Backend& k = backend_;
+  const Params& w = weights_;
+  const Block& blk = blocks_[static_cast<size_t>(l)];
+  // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
+  blk.ln1.forward(k, w, a.ln1, block_input(l));
+  if (recompute_ == Recompute::selective) {
+    blk.attn.recompute_core(k, a.attn);
+    blk.ln2.forward(k, w, a.ln2, a.residual_mid);
+    blk.mlp.recompute_act(k, a.mlp);
+  } else {
+    blk.attn.forward(k, w, a.attn, a.ln1.out);
+    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
+    blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
   }
-  arena.plan(&acts_.residual_out, "residual_out", {B, T, C}, act);
-  lnf_.plan(arena, "lnf", acts_.lnf, B, T, C, act);
-  arena.plan(&acts_.logits, "logits", {B, T, Vp}, act);
-  arena.plan(&acts_.losses, "losses", {B * T}, DType::f32);
-  arena.plan(&acts_.dresidual, "d.residual", {B, T, C}, act);
-  arena.plan(&acts_.dln, "d.ln", {B, T, C}, act);
-  blocks_.front().attn.plan_scratch(arena, acts_.attn, B, T, act);
-  blocks_.front().mlp.plan_scratch(arena, acts_.mlp, B, T, act);
-  arena.plan(&acts_.dlnf, "d.lnf", {B, T, C}, act);
 }
 
 Tensor Decoder::block_input(int l) const {
@@ -182,11 +282,11 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   for (int l = 0; l < L; ++l) {
     hook(&UnitHooks::before_forward, l + 1);
     const Block& blk = blocks_[static_cast<size_t>(l)];
-    const BlockActs& a = acts_.blocks[static_cast<size_t>(l)];
+    const BlockActs a = acts(l);
     if (l == 0) {
       blk.ln1.forward(k, w, a.ln1, acts_.encoded);
     } else {
-      const BlockActs& prev = acts_.blocks[static_cast<size_t>(l - 1)];
+      const BlockActs prev = acts(l - 1);
       blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, prev.mlp.out);
     }
     blk.attn.forward(k, w, a.attn, a.ln1.out);
@@ -194,7 +294,7 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
     blk.mlp.forward(k, w, a.mlp, a.ln2.out);
   }
   hook(&UnitHooks::before_forward, L + 1);
-  const BlockActs& last = acts_.blocks.back();
+  const BlockActs last = acts(L - 1);
   lnf_.residual_forward(k, w, acts_.lnf, acts_.residual_out, last.residual_mid, last.mlp.out);
   k.matmul_forward(acts_.logits, acts_.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
   k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
@@ -218,7 +318,8 @@ void Decoder::backward(Tensor tokens) {
   for (int l = L - 1; l >= 0; --l) {
     hook(&UnitHooks::before_backward, l + 1);
     const Block& blk = blocks_[static_cast<size_t>(l)];
-    const BlockActs& a = acts_.blocks[static_cast<size_t>(l)];
+    const BlockActs a = acts(l);
+    if (recompute_ != Recompute::none) recompute_block(l, a);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, acts_.dresidual, a.ln2.out, a.mlp);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2);

@@ -23,7 +23,8 @@ class Decoder final : public Model {
 
   const ModelConfig& config() const override { return cfg_; }
   const ParamLayout& layout() const override { return layout_; }
-  void plan_activations(Arena& arena, int B, int T) override;
+  void plan_activations(Arena& arena, int B, int T, Recompute recompute) override;
+  int64_t activation_bytes(int B, int T, Recompute recompute) const override;
   void bind_weights(const Locate& locate) override { bind(locate, weights_); }
   void bind_grads(const Locate& locate) override { bind(locate, grads_); }
   void set_hooks(const UnitHooks* hooks) override { hooks_ = hooks; }
@@ -49,9 +50,12 @@ class Decoder final : public Model {
     Norm::Acts ln2;
     Mlp::Acts mlp;
   };
+  // Under recomputation a block keeps only some of its activations; the rest live in one set
+  // (`shared`) that every block overwrites, forward and again in backward. acts(l) merges them.
   struct Acts {
     Tensor encoded;
     std::vector<BlockActs> blocks;
+    BlockActs shared;
     Tensor residual_out;  // the last block's output, input of the final norm
     Norm::Acts lnf;
     Tensor logits, losses;
@@ -64,7 +68,11 @@ class Decoder final : public Model {
   enum class Init { normal, residual_normal, embedding, ones, zeros };
 
   void bind(const Locate& locate, Params& out) const;
+  void plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const;
+  BlockActs acts(int l) const;
   Tensor block_input(int l) const;
+  // Before block l's backward: what recompute_ left out of its kept activations.
+  void recompute_block(int l, const BlockActs& a);
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
     if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
   }
@@ -80,6 +88,7 @@ class Decoder final : public Model {
   Params weights_, grads_;
   const UnitHooks* hooks_ = nullptr;
   Acts acts_;
+  Recompute recompute_ = Recompute::none;
   int B_ = 0, T_ = 0;
 };
 

@@ -45,6 +45,12 @@ struct ModelConfig {
   }
 };
 
+// train.recompute: which activations backward computes again instead of keeping them from
+// forward. selective: the norms' outputs, the attention core (out and log-sum-exp, from the kept
+// q, k, v) and SwiGLU's product; full: each block again from its input.
+enum class Recompute { none, selective, full };
+const char* recompute_name(Recompute r);
+
 // Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit
 // that is not gathered).
 using Locate = std::function<Tensor(const ParamInfo&)>;
@@ -67,7 +73,9 @@ class Model {
   virtual const ModelConfig& config() const = 0;
   virtual const ParamLayout& layout() const = 0;
   // Plans every activation and scratch buffer for micro-batch B x T into `arena`.
-  virtual void plan_activations(Arena& arena, int B, int T) = 0;
+  virtual void plan_activations(Arena& arena, int B, int T, Recompute recompute) = 0;
+  // What that plan holds, in bytes (before the arena's alignment), without planning it.
+  virtual int64_t activation_bytes(int B, int T, Recompute recompute) const = 0;
   // Weights used by forward/backward (working dtype) and the f32 grads backward accumulates into.
   virtual void bind_weights(const Locate& locate) = 0;
   virtual void bind_grads(const Locate& locate) = 0;

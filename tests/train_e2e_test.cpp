@@ -122,6 +122,24 @@ TEST_F(TrainE2E, LlamaAndQwen3TrainAndResumeBitForBit) {
   }
 }
 
+// train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
+TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
+  const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";
+  const std::string none = (dir_ / "run_recompute_none").string();
+  ASSERT_EQ(run(train_cmd(none, llama)).status, 0);
+  for (const char* mode : {"selective", "full"}) {
+    const std::string out = (dir_ / (std::string("run_recompute_") + mode)).string();
+    const Result r = run(train_cmd(out, llama + "--train.recompute=" + mode));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find(std::string("train.recompute=") + mode + " saves"), std::string::npos)
+        << r.output;
+    const auto a = read_losses(none), b = read_losses(out);
+    ASSERT_EQ(a.size(), 8u);
+    ASSERT_EQ(b.size(), a.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
+  }
+}
+
 TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   const std::string out = (dir_ / "run_corrupt").string();
   ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);

@@ -129,6 +129,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
+      {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
+       "activations recomputed in backward instead of kept: selective (norm outputs, the "
+       "attention core, SwiGLU) or full (each block from its input)"},
       {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(optim, name), one_of({"adamw"}), "optimizer"},

@@ -58,6 +58,7 @@ struct TrainSection {
   std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;
+  std::string recompute = "none";  // none | selective | full: activations recomputed in backward
   bool cuda_graphs = false;  // not implemented yet: warns and runs eagerly
   double peak_tflops = 0.0;  // 0: from the GPU peak table
 };

@@ -265,8 +265,8 @@ DataParallel::HostShards DataParallel::checkpoint_shards() {
   return h;
 }
 
-void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, float lr,
-                                  int step, float grad_clip, const AdamWHyper& hyper) {
+void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans,
+                                  const OptimizerStep& step) {
   Backend& k = backend_;
   if (comm_) comm_->wait();  // DDP's bucket all-reduces
   if (!sharded() && reduce_bf16()) k.copy(grads_, reduce_full_);
@@ -274,18 +274,14 @@ void DataParallel::optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans
   k.sum_squares(sumsq, grad_shard_, false);
   if (sharded()) all_reduce(sumsq);
   // Each rank's loss is the mean over its own tokens, so the gradient is the mean of the
-  // summed ones: AdamW applies the 1/world with the clip factor instead of a pass over them.
-  k.grad_norm_clip(sched, sumsq, grad_clip, 1.0f / static_cast<float>(plan_.world));
-  k.set_schedule(sched, lr, step);
-  for (const auto& o : plan_.owned) {
-    const Shape n{o.end - o.begin};
-    const Tensor working = working_shard_.defined() ? working_shard_.slice(o.local, n)
-                           : (!sharded() && working_.data != master_.data)
-                               ? working_.slice(o.local, n)
-                               : Tensor{};
-    k.adamw_update(master_.slice(o.local, n), grad_shard_.slice(o.local, n), m_.slice(o.local, n),
-                   v_.slice(o.local, n), working, decay_spans, o.begin, sched, hyper);
-  }
+  // summed ones.
+  OptimizerStep s = step;
+  s.grad_scale = 1.0f / static_cast<float>(plan_.world);
+  const Tensor working = working_shard_.defined() ? working_shard_
+                         : (!sharded() && working_.data != master_.data) ? working_
+                                                                         : Tensor{};
+  clip_and_adamw(k, {master_, grad_shard_, m_, v_, working}, plan_.owned, sched, sumsq,
+                 decay_spans, s);
   if (plan_.strategy == "zero1") gather_working();
   std::fill(std::begin(held_), std::end(held_), -1);
 }

@@ -25,6 +25,7 @@
 #include "kernels/arena.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
+#include "train/optimizer.h"
 
 namespace kiln {
 
@@ -58,8 +59,8 @@ class DataParallel {
     last_micro_ = micro + 1 == grad_accum;
   }
   // After all micro-batches: finish gradient sync, global-norm clip, AdamW, refresh params.
-  void optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, float lr, int step,
-                      float grad_clip, const AdamWHyper& hyper);
+  // step.grad_scale is set here (1/world).
+  void optimizer_step(Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& step);
   // Weights in the working dtype for sampling; undefined under fsdp (never held whole).
   Tensor full_working() const { return plan_.strategy == "fsdp" ? Tensor{} : working_; }
 

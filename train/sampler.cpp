@@ -37,7 +37,7 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
   const int T = cfg.seq_len, Vp = cfg.padded_vocab_size;
   const std::unique_ptr<Model> model = make_model(cfg, backend);
   Arena arena(backend, "sampling");
-  model->plan_activations(arena, 1, T);
+  model->plan_activations(arena, 1, T, Recompute::none);
   Tensor tokens, targets, row;
   arena.plan(&tokens, "tokens", {1, T}, DType::i32);
   arena.plan(&targets, "targets", {1, T}, DType::i32);

@@ -100,6 +100,10 @@ class Trainer {
 
  private:
   bool is_main() const { return rank_.rank == 0; }
+  Recompute recompute() const {
+    const std::string& r = cfg_.train.recompute;
+    return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
+  }
   int B() const { return cfg_.train.batch_size; }
   int T() const { return mcfg_.seq_len; }
   int64_t tokens_per_step() const {
@@ -173,7 +177,7 @@ void Trainer::plan_memory() {
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   state_arena_.plan(&tokens_, "tokens", {B(), T()}, DType::i32);
   state_arena_.plan(&targets_, "targets", {B(), T()}, DType::i32);
-  model_->plan_activations(acts_arena_, B(), T());
+  model_->plan_activations(acts_arena_, B(), T(), recompute());
   print_memory_table();
   try {
     state_arena_.allocate();
@@ -205,6 +209,13 @@ void Trainer::print_memory_table() const {
                    format_bytes(e.bytes));
   spdlog::info("  {:<24} B={} T={}  {} in {} buffers", "activations", B(), T(),
                format_bytes(acts_arena_.bytes()), acts_arena_.entries().size());
+  if (recompute() != Recompute::none) {
+    const int64_t kept = model_->activation_bytes(B(), T(), recompute());
+    const int64_t all = model_->activation_bytes(B(), T(), Recompute::none);
+    spdlog::info("  {:<24} train.recompute={} saves {} of {} (backward recomputes the rest)", "",
+                 cfg_.train.recompute, format_bytes(static_cast<size_t>(all - kept)),
+                 format_bytes(static_cast<size_t>(all)));
+  }
   spdlog::info("  {:<24} {}", "total", format_bytes(state_arena_.bytes() + acts_arena_.bytes()));
 }
 
@@ -241,13 +252,15 @@ double Trainer::train_step(int step) {
   }
   all_reduce(loss_sum_);
   const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
-  AdamWHyper hyper;
-  hyper.beta1 = static_cast<float>(cfg_.optim.beta1);
-  hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
-  hyper.eps = static_cast<float>(cfg_.optim.eps);
-  hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
-  dp_->optimizer_step(sched_, sumsq_, decay_spans_, static_cast<float>(lr), step + 1,
-                      static_cast<float>(cfg_.optim.grad_clip), hyper);
+  OptimizerStep s;
+  s.lr = static_cast<float>(lr);
+  s.step = step + 1;
+  s.grad_clip = static_cast<float>(cfg_.optim.grad_clip);
+  s.hyper.beta1 = static_cast<float>(cfg_.optim.beta1);
+  s.hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
+  s.hyper.eps = static_cast<float>(cfg_.optim.eps);
+  s.hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
+  dp_->optimizer_step(sched_, sumsq_, decay_spans_, s);
   return lr;
 }
 

@@ -1,7 +1,5 @@
 #include "model/layers/attention.h"
 
-#include "kernels/arena.h"
-
 namespace kiln {
 
 void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias,
@@ -14,23 +12,23 @@ void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bo
   proj.declare(b, name + ".proj", dims.q_dim(), C, bias);
 }
 
-void Attention::plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T,
+void Attention::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
                      DType act) const {
   if (qk_norm) {
-    arena.plan(&a.qkv_raw, name + "qkv_raw", {B, T, dims.qkv_dim()}, act);
-    arena.plan(&a.qk_rstd, name + "qk_rstd", {B * T * (dims.n_head + dims.n_kv_head)},
+    planner(&a.qkv_raw, name + "qkv_raw", {B, T, dims.qkv_dim()}, act);
+    planner(&a.qk_rstd, name + "qk_rstd", {B * T * (dims.n_head + dims.n_kv_head)},
                DType::f32);
   }
-  arena.plan(&a.qkv, name + "qkv", {B, T, dims.qkv_dim()}, act);
-  arena.plan(&a.y, name + "atty", {B, T, dims.q_dim()}, act);
-  arena.plan(&a.lse, name + "att_lse", {B, dims.n_head, T}, DType::f32);
-  arena.plan(&a.out, name + "attproj", {B, T, proj.out}, act);
+  planner(&a.qkv, name + "qkv", {B, T, dims.qkv_dim()}, act);
+  planner(&a.y, name + "atty", {B, T, dims.q_dim()}, act);
+  planner(&a.lse, name + "att_lse", {B, dims.n_head, T}, DType::f32);
+  planner(&a.out, name + "attproj", {B, T, proj.out}, act);
 }
 
-void Attention::plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const {
-  arena.plan(&s.dy, "d.atty", {B, T, dims.q_dim()}, act);
-  arena.plan(&s.dqkv, "d.qkv", {B, T, dims.qkv_dim()}, act);
-  if (qk_norm) arena.plan(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);
+void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const {
+  planner(&s.dy, "d.atty", {B, T, dims.q_dim()}, act);
+  planner(&s.dqkv, "d.qkv", {B, T, dims.qkv_dim()}, act);
+  if (qk_norm) planner(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);
 }
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {

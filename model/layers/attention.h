@@ -14,8 +14,6 @@
 
 namespace kiln {
 
-class Arena;
-
 struct Attention {
   AttentionDims dims;
   bool rope = false;
@@ -37,9 +35,13 @@ struct Attention {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias, bool bias);
-  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
-  void plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const;
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  // Activation recomputation: the core's output and log-sum-exp again, from the kept qkv.
+  void recompute_core(Backend& k, const Acts& a) const {
+    k.attention_forward(a.y, a.lse, a.qkv, dims);
+  }
   // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                 Tensor dout, Tensor inp, const Acts& a) const;

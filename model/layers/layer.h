@@ -6,6 +6,8 @@
 // overwritten, except where a layer says it accumulates into the residual stream's gradient.
 #pragma once
 
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -13,6 +15,12 @@
 namespace kiln {
 
 using Params = std::vector<Tensor>;
+
+// Where a layer's activation buffers go: Arena::plan for memory planned once, or anything
+// else that wants to see the buffers (the decoder keeps some per block and shares others under
+// activation recomputation, and counts bytes for the memory table).
+using Planner =
+    std::function<void(Tensor* slot, const std::string& name, Shape shape, DType dtype)>;
 
 // The tensor at `index`, or an undefined one for an absent parameter (index < 0).
 inline Tensor param(const Params& p, int index) {

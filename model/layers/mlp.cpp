@@ -1,7 +1,5 @@
 #include "model/layers/mlp.h"
 
-#include "kernels/arena.h"
-
 namespace kiln {
 
 void Mlp::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bias) {
@@ -9,27 +7,27 @@ void Mlp::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bia
   proj.declare(b, name + ".proj", ffn_dim, C, bias);
 }
 
-void Mlp::plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T,
+void Mlp::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
                DType act) const {
-  arena.plan(&a.pre, name + "fch", {B, T, fc.out}, act);
-  arena.plan(&a.act, name + (kind == MlpKind::gelu ? "fch_gelu" : "fch_swiglu"), {B, T, ffn_dim},
+  planner(&a.pre, name + "fch", {B, T, fc.out}, act);
+  planner(&a.act, name + (kind == MlpKind::gelu ? "fch_gelu" : "fch_swiglu"), {B, T, ffn_dim},
              act);
-  arena.plan(&a.out, name + "fcproj", {B, T, proj.out}, act);
+  planner(&a.out, name + "fcproj", {B, T, proj.out}, act);
 }
 
-void Mlp::plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const {
-  arena.plan(&s.dpre, "d.fch", {B, T, fc.out}, act);
-  if (kind == MlpKind::swiglu) arena.plan(&s.dact, "d.fch_swiglu", {B, T, ffn_dim}, act);
+void Mlp::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const {
+  planner(&s.dpre, "d.fch", {B, T, fc.out}, act);
+  if (kind == MlpKind::swiglu) planner(&s.dact, "d.fch_swiglu", {B, T, ffn_dim}, act);
 }
 
-void Mlp::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {
+void Mlp::forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool project) const {
   if (kind == MlpKind::gelu) {
     fc.forward(k, w, a.act, inp, a.pre);
   } else {
     fc.forward(k, w, a.pre, inp);
     k.swiglu_forward(a.act, a.pre);
   }
-  proj.forward(k, w, a.out, a.act);
+  if (project) proj.forward(k, w, a.out, a.act);
 }
 
 void Mlp::backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,

@@ -12,8 +12,6 @@
 
 namespace kiln {
 
-class Arena;
-
 struct Mlp {
   MlpKind kind = MlpKind::gelu;
   int64_t ffn_dim = 0;
@@ -29,9 +27,15 @@ struct Mlp {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bias);
-  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
-  void plan_scratch(Arena& arena, Scratch& s, int64_t B, int64_t T, DType act) const;
-  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
+  // project=false stops before proj (recomputation needs act, not out).
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool project = true) const;
+  // Activation recomputation: SwiGLU's product again from the kept fc output. (GELU's output
+  // comes out of the fc GEMM's epilogue, so selective recomputation keeps it.)
+  void recompute_act(Backend& k, const Acts& a) const {
+    if (kind == MlpKind::swiglu) k.swiglu_forward(a.act, a.pre);
+  }
   // dinp = gradient w.r.t. inp (overwritten).
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                 Tensor dout, Tensor inp, const Acts& a) const;

@@ -1,7 +1,5 @@
 #include "model/layers/norm.h"
 
-#include "kernels/arena.h"
-
 namespace kiln {
 
 void Norm::declare(LayoutBuilder& b, const std::string& name, int64_t C) {
@@ -9,11 +7,11 @@ void Norm::declare(LayoutBuilder& b, const std::string& name, int64_t C) {
   bias = kind == NormKind::layernorm ? b.add(name + ".bias", {C}, false) : -1;
 }
 
-void Norm::plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
+void Norm::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
                 DType act) const {
-  arena.plan(&a.out, name, {B, T, C}, act);
-  if (kind == NormKind::layernorm) arena.plan(&a.mean, name + "_mean", {B, T}, DType::f32);
-  arena.plan(&a.rstd, name + "_rstd", {B, T}, DType::f32);
+  planner(&a.out, name, {B, T, C}, act);
+  if (kind == NormKind::layernorm) planner(&a.mean, name + "_mean", {B, T}, DType::f32);
+  planner(&a.rstd, name + "_rstd", {B, T}, DType::f32);
 }
 
 void Norm::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {

@@ -11,8 +11,6 @@
 
 namespace kiln {
 
-class Arena;
-
 struct Norm {
   NormKind kind = NormKind::layernorm;
   float eps = 1e-5f;
@@ -23,7 +21,7 @@ struct Norm {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C);
-  void plan(Arena& arena, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
             DType act) const;
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
   // residual = x + y, then a.out = norm(residual).

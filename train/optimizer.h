@@ -1,0 +1,35 @@
+// The optimizer step, once for every strategy and for the tests: global-norm gradient clipping
+// and AdamW over a rank's flat shard of the parameters. Every scalar that changes per step (lr,
+// step, the clip factor) goes through the backend's sched tensor, so the step reads them from
+// device memory. The caller brings sumsq, the GLOBAL sum of squares of the gradient as it stands
+// (a sharded strategy all-reduces its shards' sums first).
+#pragma once
+
+#include <vector>
+
+#include "dist/sharding.h"
+#include "kernels/backend.h"
+
+namespace kiln {
+
+// One rank's optimizer state: f32 master weights, grads and moments over its shard, and the
+// working copy (activation dtype) AdamW refreshes, undefined where the master is the working
+// copy (the CPU) or the strategy refreshes it otherwise.
+struct AdamWShard {
+  Tensor master, grads, m, v, working;
+};
+
+struct OptimizerStep {
+  float lr = 0;
+  int step = 1;          // 1-based, for bias correction
+  float grad_clip = 0;   // max global norm (0: no clipping)
+  float grad_scale = 1;  // 1/world: the summed gradient becomes the mean
+  AdamWHyper hyper;
+};
+
+// Clips by the global norm (sched[kSchedGradNorm] gets it) and applies AdamW to each owned range
+// of the shard; decay_spans: i64[S,2] of global offsets where weight decay applies.
+void clip_and_adamw(Backend& k, const AdamWShard& shard, const std::vector<OwnedRange>& owned,
+                    Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s);
+
+}  // namespace kiln
