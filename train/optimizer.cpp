@@ -2,7 +2,7 @@
 
 namespace kiln {
 
-void clip_and_adamw(Backend& k, const AdamWShard& shard, const std::vector<OwnedRange>& owned,
+void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<OwnedRange>& owned,
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s) {
   // The 1/world rides on the clip factor AdamW multiplies g by: no pass over the gradients.
   k.grad_norm_clip(sched, sumsq, s.grad_clip, s.grad_scale);

@@ -8,28 +8,24 @@
 #include <vector>
 
 #include "dist/sharding.h"
+#include "dist/strategy.h"
 #include "kernels/backend.h"
 
 namespace kiln {
-
-// One rank's optimizer state: f32 master weights, grads and moments over its shard, and the
-// working copy (activation dtype) AdamW refreshes, undefined where the master is the working
-// copy (the CPU) or the strategy refreshes it otherwise.
-struct AdamWShard {
-  Tensor master, grads, m, v, working;
-};
 
 struct OptimizerStep {
   float lr = 0;
   int step = 1;          // 1-based, for bias correction
   float grad_clip = 0;   // max global norm (0: no clipping)
-  float grad_scale = 1;  // 1/world: the summed gradient becomes the mean
+  // 1/world: each rank's loss is the mean over its own tokens, so the summed gradient becomes
+  // the mean; applied with the clip factor, not as a pass over the gradients.
+  float grad_scale = 1;
   AdamWHyper hyper;
 };
 
 // Clips by the global norm (sched[kSchedGradNorm] gets it) and applies AdamW to each owned range
 // of the shard; decay_spans: i64[S,2] of global offsets where weight decay applies.
-void clip_and_adamw(Backend& k, const AdamWShard& shard, const std::vector<OwnedRange>& owned,
+void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<OwnedRange>& owned,
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s);
 
 }  // namespace kiln

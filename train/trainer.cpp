@@ -17,8 +17,10 @@
 #include "kernels/error.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
-#include "train/data_parallel.h"
+#include "dist/strategy.h"
 #include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/parallelize.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
 
@@ -90,10 +92,12 @@ class Trainer {
       owned_comm_ = make_comm(*backend_);
       comm_ = owned_comm_.get();
     }
-    dp_ = std::make_unique<DataParallel>(
-        cfg.dist.strategy, cfg.dist.bucket_mb,
-        cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32, *backend_, *model_, comm_,
-        rank.rank, rank.world_size);
+    StrategyOptions o;
+    o.name = cfg.dist.strategy;
+    o.bucket_mb = cfg.dist.bucket_mb;
+    o.reduce_dtype = cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+    strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
+                              model_->layout().total, model_->layout().units);
   }
 
   int run();
@@ -157,7 +161,8 @@ class Trainer {
   std::unique_ptr<Model> model_;
   Arena state_arena_, acts_arena_;
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
-  std::unique_ptr<DataParallel> dp_;
+  std::unique_ptr<Strategy> strategy_;
+  UnitHooks hooks_;
   Tensor decay_spans_, sched_, sumsq_, loss_sum_, tokens_, targets_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
@@ -169,7 +174,7 @@ class Trainer {
 };
 
 void Trainer::plan_memory() {
-  dp_->plan_memory(state_arena_);
+  strategy_->plan_memory(state_arena_);
   const auto& spans = model_->layout().decay_spans;
   state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
@@ -194,7 +199,8 @@ void Trainer::plan_memory() {
     flat.push_back(e);
   }
   backend_->copy_from_host(decay_spans_, flat.data());
-  dp_->bind();
+  strategy_->bind();
+  parallelize(*model_, *strategy_, hooks_);
 }
 
 void Trainer::print_memory_table() const {
@@ -222,12 +228,19 @@ void Trainer::print_memory_table() const {
 void Trainer::init_parameters() {
   std::vector<float> host(static_cast<size_t>(model_->layout().total));
   model_->init(static_cast<uint64_t>(cfg_.train.seed), host.data());
-  dp_->load_parameters(host);
+  strategy_->load_parameters(host);
 }
 
 void Trainer::resume_from(const std::string& dir) {
   CheckpointManifest manifest = read_manifest(dir);
-  dp_->load_checkpoint(manifest);
+  for (const OwnedRange& o : strategy_->plan().owned) {
+    std::vector<float> master(static_cast<size_t>(o.end - o.begin)), m(master.size()),
+        v(master.size());
+    load_optimizer_range(manifest, model_->layout(), o.begin, o.end, master.data(), m.data(),
+                         v.data());
+    strategy_->load_range(o, master.data(), m.data(), v.data());
+  }
+  strategy_->refresh_working();
   start_step_ = manifest.state.step;
   train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
   std::istringstream(manifest.state.rng_state) >> rng_;
@@ -240,12 +253,12 @@ double Trainer::train_step(int step) {
   Backend& k = *backend_;
   const int accum = cfg_.train.grad_accum;
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
-  dp_->zero_grads();
+  strategy_->zero_grads();
   for (int micro = 0; micro < accum; ++micro) {
     const DataLoader::Batch& batch = train_loader_->next();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
-    dp_->set_micro_batch(micro, accum);
+    strategy_->set_micro_batch(micro, accum);
     model_->forward(tokens_, targets_, dloss_scale, true);
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
     model_->backward(tokens_);
@@ -260,7 +273,10 @@ double Trainer::train_step(int step) {
   s.hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
   s.hyper.eps = static_cast<float>(cfg_.optim.eps);
   s.hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
-  dp_->optimizer_step(sched_, sumsq_, decay_spans_, s);
+  s.grad_scale = 1.0f / static_cast<float>(rank_.world_size);
+  strategy_->reduce_grads(sumsq_);
+  clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_, s);
+  strategy_->after_update();
   return lr;
 }
 
@@ -280,27 +296,39 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save(int step) {
-  DataParallel::HostShards host = dp_->checkpoint_shards();
+  // Replicated state (ddp) is written by rank 0 alone; sharded state by every rank.
+  std::vector<std::vector<float>> master, m, v;
+  std::vector<OptimizerShard> shards;
+  if (cfg_.dist.strategy != "ddp" || is_main()) {
+    for (const OwnedRange& o : strategy_->plan().owned) {
+      const size_t n = static_cast<size_t>(o.end - o.begin);
+      master.emplace_back(n);
+      m.emplace_back(n);
+      v.emplace_back(n);
+      strategy_->read_range(o, master.back().data(), m.back().data(), v.back().data());
+      shards.push_back({o.begin, o.end, master.back().data(), m.back().data(), v.back().data()});
+    }
+  }
   const LoaderState ls = train_loader_->state();
   std::ostringstream rng_text;
   rng_text << rng_;
   TrainingState state{step, ls.epoch, ls.cursor, rng_text.str()};
   const std::string dir =
       save_checkpoint(cfg_.train.out_dir, state, model_->layout(), config_to_yaml(cfg_),
-                      cfg_.dist.strategy, host.shards, rank_.rank, rank_.world_size,
+                      cfg_.dist.strategy, shards, rank_.rank, rank_.world_size,
                       cfg_.train.keep_checkpoints, [this] { barrier(); });
   if (is_main()) spdlog::info("checkpoint: {}", dir);
 }
 
 void Trainer::print_sample(int step) {
   // Only the byte tokenizer decodes here; fsdp never holds the whole model on one rank.
-  if (!is_main() || mcfg_.vocab_size > 256 || !dp_->full_working().defined()) return;
+  if (!is_main() || mcfg_.vocab_size > 256 || !strategy_->full_working().defined()) return;
   SamplingOptions opts;
   opts.max_new_tokens = cfg_.train.sample_tokens;
   opts.temperature = 0.8f;
   opts.top_k = 40;
   std::vector<int> out =
-      generate(*backend_, mcfg_, dp_->full_working(), {'\n'}, opts, rng_);
+      generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts, rng_);
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 

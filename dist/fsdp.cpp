@@ -1,0 +1,131 @@
+// fsdp: only shards persist. Each unit's parameters are all-gathered into a gather buffer (two
+// rotating buffers for the blocks, one kept for the embeddings, which the tied head reuses) one
+// unit ahead, while the unit before it computes, and its gradients are reduce-scattered into the
+// shard right after its backward, every micro-batch. The model calls the unit hooks inside each
+// unit, so a unit is gathered just before its first op and scattered just after its last.
+#include <algorithm>
+
+#include "dist/strategy.h"
+
+namespace kiln {
+
+namespace {
+
+class Fsdp final : public Strategy {
+ public:
+  Fsdp(const StrategyOptions& o, Backend& backend, Communicator* comm, int rank, int world,
+       int64_t total, const Units& units)
+      : Strategy(o, backend, comm, rank, world, total, units), unit_slot_(units.size(), -1) {}
+
+  void plan_memory(Arena& arena) override;
+  void bind() override { gather_src_ = working_shard_.defined() ? working_shard_ : master_; }
+  Tensor unit_params(int unit) const override { return in_slot(unit_params_, unit); }
+  Tensor unit_grads(int unit) const override { return in_slot(unit_grads_, unit); }
+
+  // Forward runs units 0, 1, ..., last and backward last, ..., 1, 0: each hook prefetches the
+  // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
+  void before_forward(int unit) override { use_unit(unit, unit < last() ? unit + 1 : -1); }
+  void before_backward(int unit) override {
+    use_unit(unit, unit > 1 ? unit - 1 : -1);  // unit 0 stays in its slot from the forward
+    // Unit 0's grads also collect the tied head's, which runs first in backward.
+    if (unit == last()) backend_.fill_zero(unit_grads_[0]);
+    if (unit != 0) backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
+  }
+  void after_backward(int unit) override;
+
+  void zero_grads() override { backend_.fill_zero(grad_shard_); }
+  void reduce_grads(Tensor sumsq) override {
+    if (comm_) comm_->wait();
+    backend_.sum_squares(sumsq, grad_shard_, false);
+    all_reduce(sumsq);
+  }
+  void after_update() override { std::fill(std::begin(held_), std::end(held_), -1); }
+  void refresh_working() override {
+    if (working_shard_.defined()) backend_.copy(working_shard_, master_);
+    after_update();
+  }
+
+ protected:
+  Tensor working_out() const override { return working_shard_; }
+
+ private:
+  int last() const { return static_cast<int>(plan_.chunks.size()) - 1; }
+  Tensor in_slot(const Tensor* slots, int unit) const {
+    const int slot = unit_slot_[static_cast<size_t>(unit)];
+    if (slot < 0) return Tensor{};
+    const auto& [begin, end] = units_[static_cast<size_t>(unit)];
+    return slots[slot].slice(0, {end - begin});
+  }
+  void gather_unit(int unit);
+  void use_unit(int unit, int prefetch);
+
+  Tensor working_shard_;
+  Tensor gather_src_;  // what all-gathers read: the working shard, or the master (CPU)
+  // Slot 0 holds unit 0 (embeddings) for the whole step, slots 1-2 rotate the rest.
+  Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
+  int held_[3] = {-1, -1, -1};
+  std::vector<int> unit_slot_;
+};
+
+void Fsdp::plan_memory(Arena& arena) {
+  plan_shard(arena, /*sharded=*/true);
+  const DType act = backend_.activation_dtype();
+  if (act != DType::f32)
+    arena.plan(&working_shard_, "params.working (shard)", {plan_.shard_size}, act);
+  int64_t widest = 1, widest_chunk = 1;
+  for (size_t u = 1; u < plan_.chunks.size(); ++u)
+    widest = std::max(widest, plan_.chunks[u].chunk * plan_.world);
+  for (const auto& c : plan_.chunks) widest_chunk = std::max(widest_chunk, c.chunk);
+  const int64_t unit0 = plan_.chunks[0].chunk * plan_.world;
+  const char* names[3] = {"fsdp.unit0", "fsdp.gather.a", "fsdp.gather.b"};
+  for (int s = 0; s < 3; ++s) {
+    const int64_t n = s == 0 ? unit0 : widest;
+    arena.plan(&unit_params_[s], std::string(names[s]) + ".params", {n}, act);
+    arena.plan(&unit_grads_[s], std::string(names[s]) + ".grads", {n}, DType::f32);
+  }
+  arena.plan(&scatter_tmp_, "fsdp.scatter_tmp", {widest_chunk}, DType::f32);
+  if (reduce_bf16()) {  // every unit's grads pass through it, the embeddings' too
+    arena.plan(&reduce_full_, "fsdp.grads.bf16 (for the reduce)", {std::max(widest, unit0)},
+               DType::bf16);
+    arena.plan(&reduce_shard_, "fsdp.scatter_tmp.bf16", {widest_chunk}, DType::bf16);
+  }
+}
+
+// Issues the all-gather of `unit` into its slot unless the slot holds it already. The unit that
+// held the slot is done with: its ops are enqueued, and the gather runs after them.
+void Fsdp::gather_unit(int unit) {
+  const int slot = unit == 0 ? 0 : 1 + unit % 2;
+  if (held_[slot] == unit) return;
+  const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
+  all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}),
+             gather_src_.slice(c.local, {c.chunk}), /*overlap=*/true);
+  if (held_[slot] >= 0) unit_slot_[static_cast<size_t>(held_[slot])] = -1;
+  held_[slot] = unit;
+  unit_slot_[static_cast<size_t>(unit)] = slot;
+}
+
+// `unit`'s params gathered and placed, and the all-gather of `prefetch` (>= 0) issued.
+void Fsdp::use_unit(int unit, int prefetch) {
+  gather_unit(unit);
+  if (comm_) comm_->wait();  // before the prefetch, which runs on beside this unit's compute
+  if (prefetch >= 0) gather_unit(prefetch);
+  if (on_placement_changed) on_placement_changed();
+}
+
+void Fsdp::after_backward(int unit) {
+  const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
+  const Tensor full =
+      unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
+  reduce_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
+                       scatter_tmp_);
+}
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_fsdp(const StrategyOptions& o, Backend& backend, Communicator* comm,
+                                    int rank, int world, int64_t total,
+                                    const Strategy::Units& units) {
+  return std::make_unique<Fsdp>(o, backend, comm, rank, world, total, units);
+}
+
+}  // namespace kiln

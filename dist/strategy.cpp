@@ -1,0 +1,99 @@
+#include "dist/strategy.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace kiln {
+
+std::unique_ptr<Strategy> make_ddp(const StrategyOptions&, Backend&, Communicator*, int, int,
+                                   int64_t, const Strategy::Units&);
+std::unique_ptr<Strategy> make_zero1(const StrategyOptions&, Backend&, Communicator*, int, int,
+                                     int64_t, const Strategy::Units&);
+std::unique_ptr<Strategy> make_fsdp(const StrategyOptions&, Backend&, Communicator*, int, int,
+                                    int64_t, const Strategy::Units&);
+
+std::unique_ptr<Strategy> make_strategy(const StrategyOptions& o, Backend& backend,
+                                        Communicator* comm, int rank, int world, int64_t total,
+                                        const Strategy::Units& units) {
+  if (o.name == "ddp") return make_ddp(o, backend, comm, rank, world, total, units);
+  if (o.name == "zero1") return make_zero1(o, backend, comm, rank, world, total, units);
+  if (o.name == "fsdp") return make_fsdp(o, backend, comm, rank, world, total, units);
+  throw std::invalid_argument("unknown dist.strategy '" + o.name + "'");
+}
+
+Strategy::Strategy(const StrategyOptions& options, Backend& backend, Communicator* comm, int rank,
+                   int world, int64_t total, const Units& units)
+    : backend_(backend), comm_(comm),
+      plan_(make_shard_plan(options.name, total, units, rank, world)), units_(units),
+      reduce_dtype_(options.reduce_dtype) {}
+
+void Strategy::plan_shard(Arena& arena, bool sharded) {
+  const int64_t S = plan_.shard_size;
+  const char* tag = sharded ? " (shard)" : "";
+  arena.plan(&master_, std::string("params.master") + tag, {S}, DType::f32);
+  arena.plan(&grad_shard_, std::string("grads") + tag, {S}, DType::f32);
+  arena.plan(&m_, std::string("adamw.m") + tag, {S}, DType::f32);
+  arena.plan(&v_, std::string("adamw.v") + tag, {S}, DType::f32);
+}
+
+// Collectives whose results the next op consumes wait for them right away; ddp's bucket
+// all-reduces do not, so they overlap the rest of backward until reduce_grads().
+void Strategy::all_reduce(Tensor t) {
+  if (!comm_ || plan_.world == 1) return;
+  comm_->all_reduce_sum(t);
+  comm_->wait();
+}
+
+void Strategy::all_gather(Tensor out, Tensor in, bool overlap) {
+  if (!comm_ || plan_.world == 1) return backend_.copy(out, in);
+  comm_->all_gather(out, in);
+  if (!overlap) comm_->wait();
+}
+
+void Strategy::reduce_scatter(Tensor out, Tensor in) {
+  if (!comm_ || plan_.world == 1) return backend_.copy(out, in);
+  comm_->reduce_scatter_sum(out, in);
+  comm_->wait();
+}
+
+void Strategy::reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch) {
+  const int64_t n = out.numel();
+  const Tensor sum = accumulate ? scratch.slice(0, {n}) : out;  // f32
+  if (reduce_bf16()) {
+    const Tensor low_in = reduce_full_.slice(0, {in.numel()});
+    const Tensor low_out = reduce_shard_.slice(0, {n});
+    backend_.copy(low_in, in);
+    reduce_scatter(low_out, low_in);
+    backend_.copy(sum, low_out);
+  } else {
+    reduce_scatter(sum, in);
+  }
+  if (accumulate) backend_.add(out, sum);
+}
+
+void Strategy::load_parameters(const std::vector<float>& host_params) {
+  std::vector<float> shard(static_cast<size_t>(plan_.shard_size), 0.0f);
+  for (const auto& o : plan_.owned)
+    std::copy(host_params.begin() + o.begin, host_params.begin() + o.end, shard.begin() + o.local);
+  backend_.copy_from_host(master_, shard.data());
+  backend_.fill_zero(m_);
+  backend_.fill_zero(v_);
+  refresh_working();
+}
+
+void Strategy::load_range(const OwnedRange& o, const float* master, const float* m,
+                          const float* v) {
+  const Shape n{o.end - o.begin};
+  backend_.copy_from_host(master_.slice(o.local, n), master);
+  backend_.copy_from_host(m_.slice(o.local, n), m);
+  backend_.copy_from_host(v_.slice(o.local, n), v);
+}
+
+void Strategy::read_range(const OwnedRange& o, float* master, float* m, float* v) {
+  const Shape n{o.end - o.begin};
+  backend_.copy_to_host(master, master_.slice(o.local, n));
+  backend_.copy_to_host(m, m_.slice(o.local, n));
+  backend_.copy_to_host(v, v_.slice(o.local, n));
+}
+
+}  // namespace kiln

@@ -1,0 +1,124 @@
+// A data-parallel strategy (dist.strategy): where one rank's parameters, gradients and AdamW
+// state live, and how they are kept in step across ranks. A strategy sees the parameters only as
+// the flat buffer and its units (ranges); the trainer points the model at unit_params() and
+// unit_grads(), wires the model's unit hooks to before_forward / before_backward /
+// after_backward, and runs the step as the recipe reads:
+//
+//   zero_grads();  for each micro-batch { set_micro_batch(); forward; backward }
+//   reduce_grads(sumsq);  clip_and_adamw(shard(), owned ranges);  after_update();
+//
+//  - ddp.cpp:   replicated state; gradients all-reduced in buckets as units finish backward.
+//  - zero1.cpp: full working params and grads; gradients reduce-scattered, each rank updates
+//               its chunk, updated params all-gathered.
+//  - fsdp.cpp:  only shards persist; a unit's params are gathered just before use (one unit
+//               ahead), its grads reduce-scattered right after its backward.
+// dist.reduce_dtype=bf16 sums gradients across ranks in bf16: each rank rounds its f32
+// gradients to bf16 (a cast into a buffer of their own) just before the collective, and the
+// summed result is widened back to f32 for the norm and AdamW. Accumulation stays f32.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/sharding.h"
+#include "kernels/arena.h"
+
+namespace kiln {
+
+// One rank's optimizer state over its shard: f32 master weights, gradients and moments, and
+// the working copy (activation dtype) AdamW writes, undefined where the master is the working
+// copy (the CPU).
+struct ParamShard {
+  Tensor master, grads, m, v, working;
+};
+
+struct StrategyOptions {
+  std::string name = "ddp";  // ddp | zero1 | fsdp
+  double bucket_mb = 0;      // ddp: 0 = by the link between the ranks
+  DType reduce_dtype = DType::f32;
+};
+
+class Strategy {
+ public:
+  using Units = std::vector<std::pair<int64_t, int64_t>>;
+  Strategy(const StrategyOptions& options, Backend& backend, Communicator* comm, int rank,
+           int world, int64_t total, const Units& units);
+  virtual ~Strategy() = default;
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+
+  const ShardPlan& plan() const { return plan_; }
+  const Units& units() const { return units_; }
+  // Plans every parameter/gradient/optimizer buffer into `arena`; bind() after it is allocated.
+  virtual void plan_memory(Arena& arena) = 0;
+  virtual void bind() {}
+
+  // Where unit u's working parameters and f32 gradients are now: the unit's range of the full
+  // buffers, or of an FSDP gather slot; undefined while the unit is not held.
+  virtual Tensor unit_params(int unit) const = 0;
+  virtual Tensor unit_grads(int unit) const = 0;
+  // Called when the placement of units changes (FSDP), so the caller points the model again.
+  std::function<void()> on_placement_changed;
+
+  // Unit hooks: the model calls them at unit boundaries (model/model.h's UnitHooks).
+  virtual void before_forward(int /*unit*/) {}
+  virtual void before_backward(int /*unit*/) {}
+  virtual void after_backward(int /*unit*/) {}
+
+  virtual void zero_grads() = 0;
+  void set_micro_batch(int micro, int grad_accum) {
+    micro_ = micro;
+    last_micro_ = micro + 1 == grad_accum;
+  }
+  // After the last micro-batch: the gradient summed over ranks lands in shard().grads, and
+  // sumsq (f32[1]) holds the GLOBAL sum of its squares.
+  virtual void reduce_grads(Tensor sumsq) = 0;
+  // The shard AdamW updates (over plan().owned).
+  ParamShard shard() const { return {master_, grad_shard_, m_, v_, working_out()}; }
+  // After AdamW: the updated parameters where the next forward reads them.
+  virtual void after_update() = 0;
+
+  // Full f32 parameters (host, `total` of them) -> this rank's state; moments zero.
+  void load_parameters(const std::vector<float>& host_params);
+  // State in and out: host f32 ranges of the global buffer, one owned range at a time.
+  void load_range(const OwnedRange& o, const float* master, const float* m, const float* v);
+  void read_range(const OwnedRange& o, float* master, float* m, float* v);
+  // After the master weights change outside an optimizer step: the working copies follow.
+  virtual void refresh_working() = 0;
+  // Weights in the working dtype for sampling; undefined under fsdp (never held whole).
+  virtual Tensor full_working() const { return Tensor{}; }
+
+ protected:
+  bool reduce_bf16() const { return reduce_dtype_ == DType::bf16 && plan_.world > 1; }
+  // What AdamW writes the updated weights into besides the master (undefined: nothing).
+  virtual Tensor working_out() const = 0;
+  void all_reduce(Tensor t);
+  void all_gather(Tensor out, Tensor in, bool overlap = false);
+  void reduce_scatter(Tensor out, Tensor in);
+  // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;
+  // `accumulate`: out += instead, through `scratch` (f32, at least out's size).
+  void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch);
+  // The shard buffers every strategy has: master, grad shard and moments (ddp: everything).
+  void plan_shard(Arena& arena, bool sharded);
+
+  Backend& backend_;
+  Communicator* comm_;
+  ShardPlan plan_;
+  Units units_;
+  DType reduce_dtype_;
+  int micro_ = 0;
+  bool last_micro_ = true;
+  Tensor master_, grad_shard_, m_, v_;
+  Tensor reduce_full_, reduce_shard_;  // reduce_dtype bf16: the rounded gradients and a shard
+};
+
+// Throws std::invalid_argument for an unknown strategy name.
+std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
+                                        Communicator* comm, int rank, int world, int64_t total,
+                                        const Strategy::Units& units);
+
+}  // namespace kiln
