@@ -1,11 +1,13 @@
 // Causal attention through cuDNN's fused SDPA (flash-attention kernels), via the cuDNN frontend
 // graph API. Design choices:
-//  - No permute copies: Q, K and V are strided views into qkv [B,T,3,NH,hs] (dims [B,NH,T,hs],
-//    strides [3C*T, hs, 3C, 1], K and V at +C and +2C); O is written straight into
-//    [B,T,NH,hs] and dQ/dK/dV into dqkv with qkv's strides.
+//  - No permute copies: Q, K and V are strided views into qkv [B,T,(NH+2KV)*hs] (Q dims
+//    [B,NH,T,hs], K and V [B,KV,T,hs], all with strides [S*T, hs, S, 1], S = (NH+2KV)*hs, K at
+//    +NH*hs and V at +(NH+KV)*hs); O is written straight into [B,T,NH,hs] and dQ/dK/dV into
+//    dqkv with qkv's strides. GQA/MQA is cuDNN's own: K/V declared with KV heads, dK/dV come
+//    out per kv head (summed over the group inside cuDNN).
 //  - cuDNN's training "Stats" output IS kiln's lse: natural log-sum-exp of the scaled scores per
 //    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
-//  - Graphs are built once per (B, NH, T, hs) and direction and cached, with every execution
+//  - Graphs are built once per (B, NH, KV, T, hs) and direction and cached, with every execution
 //    plan cuDNN's heuristics offer; where there are several, the first call times each (on the
 //    real tensors, once) and keeps the fastest, logging the times. The workspace comes from the
 //    backend's scratch. The backward is cuDNN's default (fastest, not bit-reproducible) one.
@@ -52,7 +54,7 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
                                      __LINE__);                                             \
   } while (0)
 
-using GraphKey = std::tuple<int, int, int, int, bool>;  // B, NH, T, hs, backward
+using GraphKey = std::tuple<int, int, int, int, int, bool>;  // B, NH, KV, T, hs, backward
 
 }  // namespace
 
@@ -75,27 +77,30 @@ bool CudaBackend::cudnn_built() { return cudnnGetVersion() >= 90000; }
 
 namespace {
 
+// A [B, heads, T, hs] view into the packed qkv (or dqkv) buffer: row stride S per token.
 std::shared_ptr<fe::graph::Tensor_attributes> qkv_tensor(fe::graph::Graph& g, const char* name,
-                                                         int64_t uid, const AttentionDims& d) {
-  const int64_t B = d.B, NH = d.NH, T = d.T, hs = d.hs, C = d.C;
+                                                         int64_t uid, const AttentionShape& d,
+                                                         int64_t heads) {
+  const int64_t T = d.T, hs = d.hs, S = d.qkv_stride;
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
-                      .set_dim({B, NH, T, hs})
-                      .set_stride({T * 3 * C, hs, 3 * C, 1}));
+                      .set_dim({d.B, heads, T, hs})
+                      .set_stride({T * S, hs, S, 1}));
 }
 
-std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const AttentionDims& d,
+std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const AttentionShape& d,
                                               bool backward) {
-  const int64_t B = d.B, NH = d.NH, T = d.T, hs = d.hs, C = d.C;
+  const int64_t B = d.B, NH = d.NH, KV = d.KV, T = d.T, hs = d.hs, S = d.qkv_stride,
+                OS = d.out_stride;
   auto graph = std::make_shared<fe::graph::Graph>();
   graph->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto Q = qkv_tensor(*graph, "Q", kQ, d);
-  auto K = qkv_tensor(*graph, "K", kK, d);
-  auto V = qkv_tensor(*graph, "V", kV, d);
-  const std::vector<int64_t> o_dim = {B, NH, T, hs}, o_stride = {T * C, hs, C, 1};
+  auto Q = qkv_tensor(*graph, "Q", kQ, d, NH);
+  auto K = qkv_tensor(*graph, "K", kK, d, KV);
+  auto V = qkv_tensor(*graph, "V", kV, d, KV);
+  const std::vector<int64_t> o_dim = {B, NH, T, hs}, o_stride = {T * OS, hs, OS, 1};
   const std::vector<int64_t> stats_dim = {B, NH, T, 1}, stats_stride = {NH * T, T, 1, 1};
   if (!backward) {
     auto opts = fe::graph::SDPA_attributes()
@@ -131,10 +136,11 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                     .set_diagonal_band_right_bound(0);
     auto [dQ, dK, dV] = graph->sdpa_backward(Q, K, V, O, dO, stats, opts);
-    const std::vector<int64_t> qkv_dim = {B, NH, T, hs}, qkv_stride = {T * 3 * C, hs, 3 * C, 1};
-    dQ->set_output(true).set_uid(kdQ).set_dim(qkv_dim).set_stride(qkv_stride);
-    dK->set_output(true).set_uid(kdK).set_dim(qkv_dim).set_stride(qkv_stride);
-    dV->set_output(true).set_uid(kdV).set_dim(qkv_dim).set_stride(qkv_stride);
+    const std::vector<int64_t> q_dim = {B, NH, T, hs}, kv_dim = {B, KV, T, hs},
+                               qkv_stride = {T * S, hs, S, 1};
+    dQ->set_output(true).set_uid(kdQ).set_dim(q_dim).set_stride(qkv_stride);
+    dK->set_output(true).set_uid(kdK).set_dim(kv_dim).set_stride(qkv_stride);
+    dV->set_output(true).set_uid(kdV).set_dim(kv_dim).set_stride(qkv_stride);
   }
   KILN_CUDNN_FE_CHECK(graph->validate());
   KILN_CUDNN_FE_CHECK(graph->build_operation_graph(handle));
@@ -142,10 +148,11 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
   KILN_CUDNN_FE_CHECK(graph->check_support(handle));
   const auto t0 = std::chrono::steady_clock::now();
   KILN_CUDNN_FE_CHECK(graph->build_plans(fe::BuildPlanPolicy_t::ALL));
-  spdlog::info("attention (cudnn): built {} graph for B={} NH={} T={} hs={}: {} plan(s) in {:.1f} s",
-               backward ? "backward" : "forward", d.B, d.NH, d.T, d.hs,
-               graph->get_execution_plan_count(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  spdlog::info(
+      "attention (cudnn): built {} graph for B={} NH={} KV={} T={} hs={}: {} plan(s) in {:.1f} s",
+      backward ? "backward" : "forward", d.B, d.NH, d.KV, d.T, d.hs,
+      graph->get_execution_plan_count(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return graph;
 }
 
@@ -182,13 +189,13 @@ int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward
 
 // Runs the cached graph for (d, backward) on `pack`: built, and its plan chosen, on first use.
 void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, CudaBackend& backend,
-              const AttentionDims& d, bool backward, std::unordered_map<int64_t, void*>& pack) {
+              const AttentionShape& d, bool backward, std::unordered_map<int64_t, void*>& pack) {
   if (!state) {
     state.reset(new CudnnAttention);
     KILN_CUDNN_CHECK(cudnnCreate(&state->handle));
   }
   KILN_CUDNN_CHECK(cudnnSetStream(state->handle, backend.stream()));
-  CudnnAttention::Entry& e = state->graphs[GraphKey{d.B, d.NH, d.T, d.hs, backward}];
+  CudnnAttention::Entry& e = state->graphs[GraphKey{d.B, d.NH, d.KV, d.T, d.hs, backward}];
   if (!e.graph) e.graph = build_graph(state->handle, d, backward);
   // Sized for the largest plan, so any chosen plan fits.
   void* workspace = backend.scratch(
@@ -200,28 +207,28 @@ void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, Cud
 
 }  // namespace
 
-void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, int n_head) {
-  AttentionDims d = attention_dims(qkv, n_head, "attention_forward");
+void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
+                                          const AttentionDims& a) {
+  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
   char* base = qkv.ptr<char>();
-  const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
-  std::unordered_map<int64_t, void*> pack = {{kQ, base},
-                                             {kK, base + C_bytes},
-                                             {kV, base + 2 * C_bytes},
-                                             {kO, out.data},
-                                             {kStats, lse.data}};
+  const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);
+  const size_t v_bytes = static_cast<size_t>(d.v_offset) * sizeof(uint16_t);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, base}, {kK, base + k_bytes}, {kV, base + v_bytes}, {kO, out.data}, {kStats, lse.data}};
   run_sdpa(cudnn_, *this, d, false, pack);
 }
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, int n_head) {
-  AttentionDims d = attention_dims(qkv, n_head, "attention_backward");
+                                           Tensor lse, const AttentionDims& a) {
+  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
   char* base = qkv.ptr<char>();
   char* dbase = dqkv.ptr<char>();
-  const size_t C_bytes = static_cast<size_t>(d.C) * sizeof(uint16_t);
+  const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);
+  const size_t v_bytes = static_cast<size_t>(d.v_offset) * sizeof(uint16_t);
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, base},         {kK, base + C_bytes},         {kV, base + 2 * C_bytes},
-      {kO, out.data},     {kdO, dout.data},             {kStats, lse.data},
-      {kdQ, dbase},       {kdK, dbase + C_bytes},       {kdV, dbase + 2 * C_bytes}};
+      {kQ, base},     {kK, base + k_bytes},   {kV, base + v_bytes},
+      {kO, out.data}, {kdO, dout.data},       {kStats, lse.data},
+      {kdQ, dbase},   {kdK, dbase + k_bytes}, {kdV, dbase + v_bytes}};
   run_sdpa(cudnn_, *this, d, true, pack);
 }
 
@@ -231,10 +238,11 @@ struct CudnnAttention {};
 void CudnnAttentionDeleter::operator()(CudnnAttention* p) const { delete p; }
 bool CudaBackend::cudnn_built() { return false; }
 
-void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, int) {
+void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, const AttentionDims&) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
-void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor, int) {
+void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor,
+                                           const AttentionDims&) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 

@@ -3,7 +3,9 @@
 // (or key) row, each owning hs/4 channels in registers; dot products are finished with two
 // shuffles. Forward keeps the online softmax (running max m, running sum l) so memory is O(T),
 // and writes lse = m + log(l). Backward is deterministic: one kernel walks key tiles per query
-// tile for dq, another walks query tiles per key tile for dk/dv; no atomics.
+// tile for dq, another walks, per key tile of a kv head, the query tiles of each query head of
+// that head's group (GQA: the group's sum happens in registers, in head order; no atomics).
+// Head sizes 32, 64, 128 (HS is a template parameter: the per-thread slices live in registers).
 // This version uses CUDA cores (FFMA), not tensor cores: correct and O(T) in memory, several
 // times slower than cuDNN's SDPA. A wgmma version is future work (see docs/cuda.md).
 #include "kernels/cuda/attention.cuh"
@@ -38,29 +40,29 @@ __device__ inline void load_tile(float (*tile)[HS], const bf16* base, int64_t st
 }
 
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_forward_kernel(bf16* out, float* lse,
-                                                                 const bf16* qkv, int T, int NH,
-                                                                 float scale) {
+__global__ void __launch_bounds__(kThreads)
+    flash_forward_kernel(bf16* out, float* lse, const bf16* qkv, AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float ks[kTile][HS];
   __shared__ float vs[kTile][HS];
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int C = NH * HS;
+  const int T = d.T, S = d.qkv_stride;
+  const int kcol = d.k_offset + (h / d.group) * HS, vcol = d.v_offset + (h / d.group) * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int t = qt * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
   float q[P], o[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * 3 * C + h * HS + part * P + i]) * scale
+    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * S + h * HS + part * P + i]) * d.scale
                  : 0.0f;
     o[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
   for (int kt = 0; kt <= qt; ++kt) {
     __syncthreads();
-    load_tile<HS>(ks, base, 3 * C, C + h * HS, kt * kTile, T);
-    load_tile<HS>(vs, base, 3 * C, 2 * C + h * HS, kt * kTile, T);
+    load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
+    load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
     __syncthreads();
     float s[kTile];
     float tile_max = -INFINITY;
@@ -91,40 +93,42 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(bf16* out, floa
   }
   if (t >= T) return;
   const float inv = 1.0f / l;
-  bf16* dst = out + (static_cast<int64_t>(b) * T + t) * C + h * HS + part * P;
+  bf16* dst = out + (static_cast<int64_t>(b) * T + t) * d.out_stride + h * HS + part * P;
 #pragma unroll
   for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(o[i] * inv);
-  if (part == 0) lse[(static_cast<int64_t>(b) * NH + h) * T + t] = m + logf(l);
+  if (part == 0) lse[(static_cast<int64_t>(b) * d.NH + h) * T + t] = m + logf(l);
 }
 
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_dq_kernel(bf16* dqkv, const bf16* dout,
-                                                            const bf16* qkv, const float* lse,
-                                                            const float* delta, int T, int NH,
-                                                            float scale) {
+__global__ void __launch_bounds__(kThreads)
+    flash_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+                    const float* delta, AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float ks[kTile][HS];
   __shared__ float vs[kTile][HS];
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int C = NH * HS;
+  const int T = d.T, S = d.qkv_stride;
+  const int kcol = d.k_offset + (h / d.group) * HS, vcol = d.v_offset + (h / d.group) * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int t = qt * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
   float q[P], g[P], dq[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * 3 * C + h * HS + part * P + i]) : 0.0f;
-    g[i] = t < T ? to_float(dout[(static_cast<int64_t>(b) * T + t) * C + h * HS + part * P + i])
-                 : 0.0f;
+    q[i] = t < T ? to_float(base[static_cast<int64_t>(t) * S + h * HS + part * P + i]) : 0.0f;
+    g[i] = t < T
+               ? to_float(
+                     dout[(static_cast<int64_t>(b) * T + t) * d.out_stride + h * HS + part * P + i])
+               : 0.0f;
     dq[i] = 0.0f;
   }
-  const int64_t stat = (static_cast<int64_t>(b) * NH + h) * T + t;
+  const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
   const float row_lse = t < T ? lse[stat] : 0.0f;
   const float row_delta = t < T ? delta[stat] : 0.0f;
   for (int kt = 0; kt <= qt; ++kt) {
     __syncthreads();
-    load_tile<HS>(ks, base, 3 * C, C + h * HS, kt * kTile, T);
-    load_tile<HS>(vs, base, 3 * C, 2 * C + h * HS, kt * kTile, T);
+    load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
+    load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
     __syncthreads();
 #pragma unroll 4
     for (int j = 0; j < kTile; ++j) {
@@ -137,81 +141,85 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(bf16* dqkv, const bf
       s = group_sum(s);
       dp = group_sum(dp);
       const int key = kt * kTile + j;
-      const float p = (key <= t && t < T) ? expf(s * scale - row_lse) : 0.0f;
+      const float p = (key <= t && t < T) ? expf(s * d.scale - row_lse) : 0.0f;
       const float ds = p * (dp - row_delta);
 #pragma unroll
       for (int i = 0; i < P; ++i) dq[i] += ds * ks[j][part * P + i];
     }
   }
   if (t >= T) return;
-  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + t) * 3 * C + h * HS + part * P;
+  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + t) * S + h * HS + part * P;
 #pragma unroll
-  for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(dq[i] * scale);
+  for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(dq[i] * d.scale);
 }
 
+// One block per (key tile, kv head, batch): dk/dv of the tile's keys summed over the query
+// heads of the kv head's group, in head order, then over query tiles.
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_dkv_kernel(bf16* dqkv, const bf16* dout,
-                                                             const bf16* qkv, const float* lse,
-                                                             const float* delta, int T, int NH,
-                                                             float scale) {
+__global__ void __launch_bounds__(kThreads)
+    flash_dkv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+                     const float* delta, AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float qs[kTile][HS];
   __shared__ float gs[kTile][HS];
   __shared__ float lse_s[kTile];
   __shared__ float delta_s[kTile];
-  const int st = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int C = NH * HS;
+  const int st = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int T = d.T, S = d.qkv_stride;
+  const int kcol = d.k_offset + kvh * HS, vcol = d.v_offset + kvh * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int s_idx = st * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * 3 * C;
-  const bf16* dout0 = dout + static_cast<int64_t>(b) * T * C;
+  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
+  const bf16* dout0 = dout + static_cast<int64_t>(b) * T * d.out_stride;
   float k[P], v[P], dk[P], dv[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    const int64_t off = static_cast<int64_t>(s_idx) * 3 * C + h * HS + part * P + i;
-    k[i] = s_idx < T ? to_float(base[off + C]) : 0.0f;
-    v[i] = s_idx < T ? to_float(base[off + 2 * C]) : 0.0f;
+    const int64_t off = static_cast<int64_t>(s_idx) * S + part * P + i;
+    k[i] = s_idx < T ? to_float(base[off + kcol]) : 0.0f;
+    v[i] = s_idx < T ? to_float(base[off + vcol]) : 0.0f;
     dk[i] = 0.0f;
     dv[i] = 0.0f;
   }
   const int qtiles = (T + kTile - 1) / kTile;
-  for (int qt = st; qt < qtiles; ++qt) {
-    __syncthreads();
-    load_tile<HS>(qs, base, 3 * C, h * HS, qt * kTile, T);
-    load_tile<HS>(gs, dout0, C, h * HS, qt * kTile, T);
-    if (threadIdx.x < kTile) {
-      const int t = qt * kTile + threadIdx.x;
-      const int64_t stat = (static_cast<int64_t>(b) * NH + h) * T + t;
-      lse_s[threadIdx.x] = t < T ? lse[stat] : 0.0f;
-      delta_s[threadIdx.x] = t < T ? delta[stat] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int j = 0; j < kTile; ++j) {
-      float s = 0.0f, dp = 0.0f;
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        s += qs[j][part * P + i] * k[i];
-        dp += gs[j][part * P + i] * v[i];
+  for (int h = kvh * d.group; h < (kvh + 1) * d.group; ++h) {
+    for (int qt = st; qt < qtiles; ++qt) {
+      __syncthreads();
+      load_tile<HS>(qs, base, S, h * HS, qt * kTile, T);
+      load_tile<HS>(gs, dout0, d.out_stride, h * HS, qt * kTile, T);
+      if (threadIdx.x < kTile) {
+        const int t = qt * kTile + threadIdx.x;
+        const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
+        lse_s[threadIdx.x] = t < T ? lse[stat] : 0.0f;
+        delta_s[threadIdx.x] = t < T ? delta[stat] : 0.0f;
       }
-      s = group_sum(s);
-      dp = group_sum(dp);
-      const int t = qt * kTile + j;
-      const float p = (t >= s_idx && t < T && s_idx < T) ? expf(s * scale - lse_s[j]) : 0.0f;
-      const float ds = p * (dp - delta_s[j]);
+      __syncthreads();
+#pragma unroll 4
+      for (int j = 0; j < kTile; ++j) {
+        float s = 0.0f, dp = 0.0f;
 #pragma unroll
-      for (int i = 0; i < P; ++i) {
-        dv[i] += p * gs[j][part * P + i];
-        dk[i] += ds * qs[j][part * P + i];
+        for (int i = 0; i < P; ++i) {
+          s += qs[j][part * P + i] * k[i];
+          dp += gs[j][part * P + i] * v[i];
+        }
+        s = group_sum(s);
+        dp = group_sum(dp);
+        const int t = qt * kTile + j;
+        const float p = (t >= s_idx && t < T && s_idx < T) ? expf(s * d.scale - lse_s[j]) : 0.0f;
+        const float ds = p * (dp - delta_s[j]);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          dv[i] += p * gs[j][part * P + i];
+          dk[i] += ds * qs[j][part * P + i];
+        }
       }
     }
   }
   if (s_idx >= T) return;
-  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + s_idx) * 3 * C + h * HS + part * P;
+  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + s_idx) * S + part * P;
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    dst[C + i] = __float2bfloat16_rn(dk[i] * scale);
-    dst[2 * C + i] = __float2bfloat16_rn(dv[i]);
+    dst[kcol + i] = __float2bfloat16_rn(dk[i] * d.scale);
+    dst[vcol + i] = __float2bfloat16_rn(dv[i]);
   }
 }
 
@@ -222,12 +230,13 @@ __global__ void __launch_bounds__(kThreads) flash_dkv_kernel(bf16* dqkv, const b
 
 }  // namespace
 
-void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, int n_head) {
-  AttentionDims d = attention_dims(qkv, n_head, "attention_forward");
+void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
+                                          const AttentionDims& a) {
+  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
   dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
-#define KILN_FLASH_FWD(HS)                                                                  \
-  flash_forward_kernel<HS><<<grid, kThreads, 0, stream_>>>(out.ptr<bf16>(), lse.ptr<float>(), \
-                                                           qkv.ptr<bf16>(), d.T, d.NH, d.scale)
+#define KILN_FLASH_FWD(HS) \
+  flash_forward_kernel<HS> \
+      <<<grid, kThreads, 0, stream_>>>(out.ptr<bf16>(), lse.ptr<float>(), qkv.ptr<bf16>(), d)
   switch (d.hs) {
     case 32: KILN_FLASH_FWD(32); break;
     case 64: KILN_FLASH_FWD(64); break;
@@ -239,19 +248,17 @@ void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, in
 }
 
 void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, int n_head) {
-  AttentionDims d = attention_dims(qkv, n_head, "attention_backward");
+                                           Tensor lse, const AttentionDims& a) {
+  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
   if (d.hs != 32 && d.hs != 64 && d.hs != 128) unsupported_head_size(d.hs);
   const float* delta = attention_delta(*this, d, dout, out);
-  dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
-#define KILN_FLASH_BWD(HS)                                                                    \
-  flash_dq_kernel<HS><<<grid, kThreads, 0, stream_>>>(dqkv.ptr<bf16>(), dout.ptr<bf16>(),       \
-                                                      qkv.ptr<bf16>(), lse.ptr<float>(), delta, \
-                                                      d.T, d.NH, d.scale);                      \
-  KILN_CUDA_LAUNCH_CHECK();                                                                   \
-  flash_dkv_kernel<HS><<<grid, kThreads, 0, stream_>>>(dqkv.ptr<bf16>(), dout.ptr<bf16>(),      \
-                                                       qkv.ptr<bf16>(), lse.ptr<float>(),       \
-                                                       delta, d.T, d.NH, d.scale)
+  const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.T, kTile), d.KV, d.B);
+#define KILN_FLASH_BWD(HS)                                                              \
+  flash_dq_kernel<HS><<<q_grid, kThreads, 0, stream_>>>(                                \
+      dqkv.ptr<bf16>(), dout.ptr<bf16>(), qkv.ptr<bf16>(), lse.ptr<float>(), delta, d); \
+  KILN_CUDA_LAUNCH_CHECK();                                                             \
+  flash_dkv_kernel<HS><<<kv_grid, kThreads, 0, stream_>>>(                              \
+      dqkv.ptr<bf16>(), dout.ptr<bf16>(), qkv.ptr<bf16>(), lse.ptr<float>(), delta, d)
   switch (d.hs) {
     case 32: KILN_FLASH_BWD(32); break;
     case 64: KILN_FLASH_BWD(64); break;

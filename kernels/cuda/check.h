@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -50,6 +51,21 @@ void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what);
 // True when p is aligned to `bytes` (16 for the packed loads).
 inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+// True when rows of C bf16 values can be read 8 at a time (16 bytes) from every pointer given
+// (null pointers, absent tensors, are skipped).
+inline bool vec8_ok(int64_t C, std::initializer_list<const void*> ptrs) {
+  if (C % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned(p, 16)) return false;
+  return true;
+}
+// Throws std::invalid_argument unless t has ref's shape.
+inline void expect_same_shape(const Tensor& t, const Tensor& ref, const char* op,
+                              const char* what) {
+  if (t.shape != ref.shape)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must have the shape of " + ref.str());
 }
 
 }  // namespace cuda

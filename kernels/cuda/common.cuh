@@ -47,6 +47,31 @@ __device__ inline float from_float<float>(float x) { return x; }
 template <>
 __device__ inline bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
 
+// Loads kVec consecutive bf16 values at p as floats (kVec = 8: one 16-byte load, p aligned).
+template <int kVec>
+__device__ inline void load_vec(float (&dst)[kVec], const bf16* p) {
+  if constexpr (kVec == 8) {
+    Packed128<bf16> v = load128(p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dst[k] = to_float(v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dst[k] = to_float(p[k]);
+  }
+}
+template <int kVec>
+__device__ inline void store_vec(bf16* p, const float (&src)[kVec]) {
+  if constexpr (kVec == 8) {
+    Packed128<bf16> v;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __float2bfloat16_rn(src[k]);
+    store128(p, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) p[k] = __float2bfloat16_rn(src[k]);
+  }
+}
+
 __device__ inline float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;

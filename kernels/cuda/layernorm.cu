@@ -22,31 +22,6 @@ namespace {
 constexpr float kLayerNormEps = 1e-5f;
 constexpr int kWarpsPerBlock = 4;
 
-// Loads kVec consecutive bf16 values at p as floats.
-template <int kVec>
-__device__ inline void load_vec(float (&dst)[kVec], const bf16* p) {
-  if constexpr (kVec == 8) {
-    Packed128<bf16> v = load128(p);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) dst[k] = to_float(v[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) dst[k] = to_float(p[k]);
-  }
-}
-template <int kVec>
-__device__ inline void store_vec(bf16* p, const float (&src)[kVec]) {
-  if constexpr (kVec == 8) {
-    Packed128<bf16> v;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = __float2bfloat16_rn(src[k]);
-    store128(p, v);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) p[k] = __float2bfloat16_rn(src[k]);
-  }
-}
-
 // With kResidual: residual = a + b (rounded to bf16) is written and normalized; else a is.
 template <int kVec, bool kResidual>
 __global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd_out,
@@ -259,19 +234,6 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
   }
 }
 
-bool vec8_ok(int C, std::initializer_list<const void*> ptrs) {
-  if (C % 8 != 0) return false;
-  for (const void* p : ptrs)
-    if (p && !aligned(p, 16)) return false;
-  return true;
-}
-
-void check_rows(const Tensor& t, const Tensor& ref, const char* op, const char* what) {
-  if (t.shape != ref.shape)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must have the shape of " + ref.str());
-}
-
 }  // namespace
 
 void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
@@ -281,7 +243,7 @@ void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
   expect_activation(inp, op, "inp");
   expect_activation(weight, op, "weight");
   expect_activation(bias, op, "bias");
-  check_rows(out, inp, op, "out");
+  expect_same_shape(out, inp, op, "out");
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   expect_f32(mean, op, "mean");
@@ -312,9 +274,9 @@ void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor
   expect_activation(b, op, "b");
   expect_activation(weight, op, "weight");
   expect_activation(bias, op, "bias");
-  check_rows(out, a, op, "out");
-  check_rows(b, a, op, "b");
-  check_rows(residual, a, op, "residual");
+  expect_same_shape(out, a, op, "out");
+  expect_same_shape(b, a, op, "b");
+  expect_same_shape(residual, a, op, "residual");
   const int C = static_cast<int>(a.dim(-1));
   const int64_t N = a.numel() / C;
   expect_f32(mean, op, "mean");
@@ -344,8 +306,8 @@ void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   expect_activation(weight, op, "weight");
   expect_f32(dweight, op, "dweight");
   expect_f32(dbias, op, "dbias");
-  check_rows(dinp, inp, op, "dinp");
-  check_rows(dout, inp, op, "dout");
+  expect_same_shape(dinp, inp, op, "dinp");
+  expect_same_shape(dout, inp, op, "dout");
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   expect_f32(mean, op, "mean");

@@ -29,19 +29,6 @@ cudaEvent_t OpTimer::take_event() {
   return events_[used_++];
 }
 
-template <class F>
-void OpTimer::timed(std::string key, F&& op) {
-  if (!recording_) {
-    op();
-    return;
-  }
-  Record r{std::move(key), take_event(), take_event()};
-  KILN_CUDA_CHECK(cudaEventRecord(r.begin, inner_.stream()));
-  op();
-  KILN_CUDA_CHECK(cudaEventRecord(r.end, inner_.stream()));
-  records_.push_back(std::move(r));
-}
-
 OpTimer::Report OpTimer::report() {
   Report rep;
   if (records_.empty()) return rep;
@@ -85,26 +72,6 @@ void OpTimer::fill_zero(Tensor t) {
   timed(fmt::format("fill_zero {}", dtype_name(t.dtype)), [&] { inner_.fill_zero(t); });
 }
 
-void OpTimer::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
-  timed("encoder_forward", [&] { inner_.encoder_forward(out, tokens, wte, wpe); });
-}
-void OpTimer::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
-  timed("encoder_backward", [&] { inner_.encoder_backward(dwte, dwpe, dout, tokens); });
-}
-void OpTimer::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
-                                Tensor bias) {
-  timed("layernorm_forward", [&] { inner_.layernorm_forward(out, mean, rstd, inp, weight, bias); });
-}
-void OpTimer::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
-                                         Tensor a, Tensor b, Tensor weight, Tensor bias) {
-  timed("residual_layernorm_forward",
-        [&] { inner_.residual_layernorm_forward(residual, out, mean, rstd, a, b, weight, bias); });
-}
-void OpTimer::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                                 Tensor weight, Tensor mean, Tensor rstd) {
-  timed("layernorm_backward",
-        [&] { inner_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd); });
-}
 void OpTimer::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) {
   std::string key = "matmul_forward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (bias.defined()) key += " +bias";
@@ -119,42 +86,14 @@ void OpTimer::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
   timed(std::move(key),
         [&] { inner_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu); });
 }
-void OpTimer::attention_forward(Tensor out, Tensor lse, Tensor qkv, int n_head) {
+void OpTimer::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
   timed("attention_forward " + inner_.attention_name(),
-        [&] { inner_.attention_forward(out, lse, qkv, n_head); });
+        [&] { inner_.attention_forward(out, lse, qkv, a); });
 }
 void OpTimer::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                 int n_head) {
+                                 const AttentionDims& a) {
   timed("attention_backward " + inner_.attention_name(),
-        [&] { inner_.attention_backward(dqkv, dout, qkv, out, lse, n_head); });
-}
-void OpTimer::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
-                                    float dloss_scale, bool write_dlogits) {
-  timed("softmax_cross_entropy", [&] {
-    inner_.softmax_cross_entropy(losses, logits, targets, vocab_size, dloss_scale, write_dlogits);
-  });
-}
-void OpTimer::reduce_sum(Tensor out, Tensor x, bool accumulate) {
-  timed("reduce_sum", [&] { inner_.reduce_sum(out, x, accumulate); });
-}
-void OpTimer::sum_squares(Tensor out, Tensor x, bool accumulate) {
-  timed("sum_squares", [&] { inner_.sum_squares(out, x, accumulate); });
-}
-void OpTimer::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
-  timed("grad_norm_clip", [&] { inner_.grad_norm_clip(sched, sumsq, max_norm, grad_scale); });
-}
-void OpTimer::set_schedule(Tensor sched, float lr, int step) {
-  timed("set_schedule", [&] { inner_.set_schedule(sched, lr, step); });
-}
-void OpTimer::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
-                           Tensor decay_spans, int64_t offset, Tensor sched,
-                           const AdamWHyper& hyper) {
-  timed("adamw_update", [&] {
-    inner_.adamw_update(master, grads, m, v, working, decay_spans, offset, sched, hyper);
-  });
-}
-void OpTimer::add(Tensor dst, Tensor src) {
-  timed("add", [&] { inner_.add(dst, src); });
+        [&] { inner_.attention_backward(dqkv, dout, qkv, out, lse, a); });
 }
 
 }  // namespace kiln

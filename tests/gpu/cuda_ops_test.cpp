@@ -4,6 +4,7 @@
 // compared by relative L2 error ||cuda - cpu|| / ||cpu||. Tolerances by output dtype:
 //   bf16 outputs (activations, activation grads)      kBf16Tol  = 1e-2 (2e-2 for attention dqkv)
 //   f32 outputs from bf16-exact inputs (mean/rstd, lse, losses, param grads, reductions) 1e-4
+//   (rstd of a fused residual norm: 1e-2, the GPU normalizes the bf16-rounded residual)
 //   AdamW (f32 in, f32 out)                            1e-6
 // GPU outputs are poisoned (NaN) before each op so an unwritten element fails; NaN never passes.
 // Parameter-gradient outputs start from random values on both sides, which checks the += rule.
@@ -260,6 +261,27 @@ TEST_F(CudaOps, Encoder) {
   EXPECT_EQ(0, std::memcmp(first_dwpe.data(), second_dwpe.data(), first_dwpe.size() * 4));
 }
 
+// No learned positions (RoPE models): wpe/dwpe undefined, out = wte rows, dwpe skipped.
+TEST_F(CudaOps, EncoderWithoutPositions) {
+  const int B = 2, T = 33, C = 256, Vp = 96;
+  std::vector<int32_t> tok = rand_ints(B * T, Vp);
+  tok[0] = tok[1] = 5;
+  std::vector<float> wte = rand(Vp * C);
+  Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
+  Buf cwte = cpu({Vp, C}, wte), gwte = act({Vp, C}, wte);
+  Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)),
+      gout = poisoned({B, T, C}, DType::bf16);
+  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{});
+  gpu_->encoder_forward(gout, gtok, gwte, Tensor{});
+  EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows must be exact";
+  std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
+  Buf cdout = cpu({B, T, C}, dout), gdout = act({B, T, C}, dout);
+  Buf cdwte = cpu({Vp, C}, dwte0), gdwte = gpu({Vp, C}, DType::f32, dwte0);
+  cpu_->encoder_backward(cdwte, Tensor{}, cdout, ctok);
+  gpu_->encoder_backward(gdwte, Tensor{}, gdout, gtok);
+  EXPECT_CLOSE(host(gdwte), host(cdwte), kF32Tol, "encoder dwte (+=), no wpe");
+}
+
 // ---- layernorm ----------------------------------------------------------------------------
 
 class CudaLayerNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
@@ -323,6 +345,201 @@ TEST_P(CudaLayerNorm, ResidualForward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 1024, 100));
+
+// ---- rmsnorm ------------------------------------------------------------------------------
+
+class CudaRmsNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
+
+TEST_P(CudaRmsNorm, ForwardBackward) {
+  // 2048 (LLaMA 1.36B) and 768: one-pass backward; 8192: the two-pass path; 100: scalar loads
+  const int C = GetParam(), N = C >= 8192 ? 600 : 2500;
+  const float eps = 1e-5f;
+  std::vector<float> x = rand(N * C, 2.0f), w = rand(C);
+  for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));
+  Buf cx = cpu({N, C}, x), cw = cpu({C}, w), gx = act({N, C}, x), gw = act({C}, w);
+  Buf co = cpu({N, C}, std::vector<float>(N * C)), cr = cpu({N}, std::vector<float>(N));
+  Buf go = poisoned({N, C}, DType::bf16), gr = poisoned({N}, DType::f32);
+  cpu_->rmsnorm_forward(co, cr, cx, cw, eps);
+  gpu_->rmsnorm_forward(go, gr, gx, gw, eps);
+  EXPECT_CLOSE(host(go), host(co), kBf16Tol, "rmsnorm out");
+  EXPECT_CLOSE(host(gr), host(cr), kF32Tol, "rmsnorm rstd");
+
+  // Backward from the CPU's rstd so both see identical statistics; dinp and dweight accumulate.
+  std::vector<float> dout = rand(N * C), dinp0 = rand(N * C), dw0 = rand(C);
+  Buf gr2 = gpu({N}, DType::f32, host(cr));
+  Buf cdo = cpu({N, C}, dout), gdo = act({N, C}, dout);
+  Buf cdi = cpu({N, C}, dinp0), cdw = cpu({C}, dw0);
+  Buf gdi = act({N, C}, dinp0), gdw = gpu({C}, DType::f32, dw0);
+  cpu_->rmsnorm_backward(cdi, cdw, cdo, cx, cw, cr);
+  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2);
+  const std::vector<float> di1 = host(gdi), dw1 = host(gdw);
+  EXPECT_CLOSE(di1, host(cdi), kBf16Tol, "rmsnorm dinp (+=)");
+  EXPECT_CLOSE(dw1, host(cdw), kF32Tol, "rmsnorm dweight (+=)");
+
+  upload(*gpu_, gdi, dinp0);
+  upload(*gpu_, gdw, dw0);
+  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2);
+  EXPECT_EQ(0, std::memcmp(di1.data(), host(gdi).data(), di1.size() * 4))
+      << "dinp not deterministic";
+  EXPECT_EQ(0, std::memcmp(dw1.data(), host(gdw).data(), dw1.size() * 4))
+      << "dweight not deterministic";
+}
+
+TEST_P(CudaRmsNorm, ResidualForward) {
+  const int N = 64, C = GetParam();
+  const float eps = 1e-6f;
+  std::vector<float> a = rand(N * C), b = rand(N * C), w = rand(C);
+  Buf ca = cpu({N, C}, a), cb = cpu({N, C}, b), cw = cpu({C}, w);
+  Buf ga = act({N, C}, a), gb = act({N, C}, b), gw = act({C}, w);
+  Buf cres = cpu({N, C}, std::vector<float>(N * C)), co = cpu({N, C}, std::vector<float>(N * C));
+  Buf cr = cpu({N}, std::vector<float>(N));
+  Buf gres = poisoned({N, C}, DType::bf16), go = poisoned({N, C}, DType::bf16);
+  Buf gr = poisoned({N}, DType::f32);
+  cpu_->residual_rmsnorm_forward(cres, co, cr, ca, cb, cw, eps);
+  gpu_->residual_rmsnorm_forward(gres, go, gr, ga, gb, gw, eps);
+  EXPECT_CLOSE(host(gres), host(cres), kBf16Tol, "residual");
+  EXPECT_CLOSE(host(go), host(co), kBf16Tol, "residual rmsnorm out");
+  // The GPU normalizes the bf16-rounded residual: rstd agrees to bf16 rounding.
+  EXPECT_CLOSE(host(gr), host(cr), kBf16Tol, "residual rmsnorm rstd");
+}
+
+INSTANTIATE_TEST_SUITE_P(Widths, CudaRmsNorm, ::testing::Values(2048, 768, 8192, 100));
+
+// ---- qk_norm, rope (packed qkv, GQA head layouts) ------------------------------------------
+
+struct HeadsCase {
+  int NH, KV, hs;
+};
+std::string heads_name(const HeadsCase& h) {
+  return "NH" + std::to_string(h.NH) + "_KV" + std::to_string(h.KV) + "_hs" + std::to_string(h.hs);
+}
+
+class CudaQkNorm : public CudaOps, public ::testing::WithParamInterface<HeadsCase> {};
+
+TEST_P(CudaQkNorm, ForwardBackward) {
+  const HeadsCase hc = GetParam();
+  const AttentionDims a{hc.NH, hc.KV, hc.hs};
+  const int B = 3, T = 37, hs = hc.hs;
+  const int64_t D = a.qkv_dim(), n = B * T * D, nr = int64_t{B} * T * (hc.NH + hc.KV);
+  const float eps = 1e-6f;
+  std::vector<float> x = rand(n, 2.0f), wq = rand(hs), wk = rand(hs);
+  Buf cx = cpu({B, T, D}, x), cwq = cpu({hs}, wq), cwk = cpu({hs}, wk);
+  Buf gx = act({B, T, D}, x), gwq = act({hs}, wq), gwk = act({hs}, wk);
+  Buf co = cpu({B, T, D}, std::vector<float>(n)), cr = cpu({nr}, std::vector<float>(nr));
+  Buf go = poisoned({B, T, D}, DType::bf16), gr = poisoned({nr}, DType::f32);
+  cpu_->qk_norm_forward(co, cr, cx, cwq, cwk, a, eps);
+  gpu_->qk_norm_forward(go, gr, gx, gwq, gwk, a, eps);
+  const std::vector<float> out = host(go);
+  EXPECT_CLOSE(out, host(co), kBf16Tol, "qk_norm out");
+  EXPECT_CLOSE(host(gr), host(cr), kF32Tol, "qk_norm rstd");
+  for (int64_t t = 0; t < B * T; ++t)  // value heads: copied bit for bit
+    for (int64_t i = (hc.NH + hc.KV) * hs; i < D; ++i)
+      ASSERT_EQ(out[t * D + i], x[t * D + i]) << "value element " << i << " of token " << t;
+
+  // Backward from the CPU's rstd; dinp is overwritten (poisoned), the weight grads accumulate.
+  std::vector<float> dout = rand(n), dwq0 = rand(hs), dwk0 = rand(hs);
+  Buf gr2 = gpu({nr}, DType::f32, host(cr));
+  Buf cdo = cpu({B, T, D}, dout), gdo = act({B, T, D}, dout);
+  Buf cdi = cpu({B, T, D}, std::vector<float>(n)), gdi = poisoned({B, T, D}, DType::bf16);
+  Buf cdwq = cpu({hs}, dwq0), cdwk = cpu({hs}, dwk0);
+  Buf gdwq = gpu({hs}, DType::f32, dwq0), gdwk = gpu({hs}, DType::f32, dwk0);
+  cpu_->qk_norm_backward(cdi, cdwq, cdwk, cdo, cx, cwq, cwk, cr, a);
+  gpu_->qk_norm_backward(gdi, gdwq, gdwk, gdo, gx, gwq, gwk, gr2, a);
+  const std::vector<float> di1 = host(gdi), dwq1 = host(gdwq), dwk1 = host(gdwk);
+  EXPECT_CLOSE(di1, host(cdi), kBf16Tol, "qk_norm dinp (=)");
+  EXPECT_CLOSE(dwq1, host(cdwq), kF32Tol, "qk_norm dq_weight (+=)");
+  EXPECT_CLOSE(dwk1, host(cdwk), kF32Tol, "qk_norm dk_weight (+=)");
+
+  upload(*gpu_, gdwq, dwq0);
+  upload(*gpu_, gdwk, dwk0);
+  Buf gdi2 = poisoned({B, T, D}, DType::bf16);
+  gpu_->qk_norm_backward(gdi2, gdwq, gdwk, gdo, gx, gwq, gwk, gr2, a);
+  EXPECT_EQ(0, std::memcmp(di1.data(), host(gdi2).data(), di1.size() * 4))
+      << "dinp not deterministic";
+  EXPECT_EQ(0, std::memcmp(dwq1.data(), host(gdwq).data(), dwq1.size() * 4))
+      << "dq_weight not deterministic";
+  EXPECT_EQ(0, std::memcmp(dwk1.data(), host(gdwk).data(), dwk1.size() * 4))
+      << "dk_weight not deterministic";
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, CudaQkNorm,
+                         ::testing::Values(HeadsCase{8, 2, 64}, HeadsCase{16, 8, 128},
+                                           HeadsCase{4, 1, 128}),
+                         [](const ::testing::TestParamInfo<HeadsCase>& i) {
+                           return heads_name(i.param);
+                         });
+
+struct RopeCase {
+  HeadsCase heads;
+  int B, T;
+  float theta;
+};
+
+class CudaRope : public CudaOps, public ::testing::WithParamInterface<RopeCase> {};
+
+// Forward and backward against the CPU, out of place and in place (same results bit for bit).
+TEST_P(CudaRope, ForwardBackwardInPlace) {
+  const RopeCase rc = GetParam();
+  const AttentionDims a{rc.heads.NH, rc.heads.KV, rc.heads.hs};
+  const int B = rc.B, T = rc.T;
+  const int64_t D = a.qkv_dim(), n = int64_t{B} * T * D;
+  std::vector<float> x = rand(n, 2.0f), dout = rand(n);
+  Buf cx = cpu({B, T, D}, x), gx = act({B, T, D}, x);
+  Buf co = cpu({B, T, D}, std::vector<float>(n)), go = poisoned({B, T, D}, DType::bf16);
+  cpu_->rope_forward(co, cx, a, rc.theta);
+  gpu_->rope_forward(go, gx, a, rc.theta);
+  const std::vector<float> out = host(go);
+  EXPECT_CLOSE(out, host(co), kBf16Tol, "rope out");
+  gpu_->rope_forward(gx, gx, a, rc.theta);
+  EXPECT_EQ(out, host(gx)) << "in-place forward differs";
+
+  Buf cdo = cpu({B, T, D}, dout), gdo = act({B, T, D}, dout);
+  Buf cdi = cpu({B, T, D}, std::vector<float>(n)), gdi = poisoned({B, T, D}, DType::bf16);
+  cpu_->rope_backward(cdi, cdo, a, rc.theta);
+  gpu_->rope_backward(gdi, gdo, a, rc.theta);
+  const std::vector<float> din = host(gdi);
+  EXPECT_CLOSE(din, host(cdi), kBf16Tol, "rope dinp");
+  gpu_->rope_backward(gdo, gdo, a, rc.theta);
+  EXPECT_EQ(din, host(gdo)) << "in-place backward differs";
+  for (int64_t t = 0; t < int64_t{B} * T; ++t)  // value heads: copied bit for bit
+    for (int64_t i = (a.n_head + a.n_kv_head) * a.head_dim; i < D; ++i)
+      ASSERT_EQ(out[t * D + i], x[t * D + i]) << "value element " << i << " of token " << t;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Heads, CudaRope,
+    ::testing::Values(RopeCase{{8, 2, 64}, 2, 100, 1e4f}, RopeCase{{16, 8, 128}, 2, 64, 1e6f},
+                      // T = 2048: angles up to ~2047 rad, where a fast sin/cos would be off
+                      RopeCase{{4, 1, 128}, 1, 2048, 1e4f}, RopeCase{{2, 2, 64}, 1, 2048, 1e6f},
+                      RopeCase{{2, 1, 24}, 2, 50, 1e4f}),  // hs/2 = 12: the scalar path
+    [](const ::testing::TestParamInfo<RopeCase>& i) {
+      return heads_name(i.param.heads) + "_T" + std::to_string(i.param.T) + "_theta" +
+             std::to_string(static_cast<int>(i.param.theta));
+    });
+
+// ---- swiglu -------------------------------------------------------------------------------
+
+class CudaSwiGlu : public CudaOps, public ::testing::WithParamInterface<int> {};
+
+TEST_P(CudaSwiGlu, ForwardBackward) {
+  const int B = 2, T = 37, F = GetParam();
+  const int64_t N = B * T;
+  std::vector<float> x = rand(N * 2 * F, 4.0f), dout = rand(N * F);
+  Buf cx = cpu({B, T, 2 * F}, x), gx = act({B, T, 2 * F}, x);
+  Buf co = cpu({B, T, F}, std::vector<float>(N * F)), go = poisoned({B, T, F}, DType::bf16);
+  cpu_->swiglu_forward(co, cx);
+  gpu_->swiglu_forward(go, gx);
+  EXPECT_CLOSE(host(go), host(co), kBf16Tol, "swiglu out");
+  Buf cdo = cpu({B, T, F}, dout), gdo = act({B, T, F}, dout);
+  Buf cdi = cpu({B, T, 2 * F}, std::vector<float>(N * 2 * F)),
+      gdi = poisoned({B, T, 2 * F}, DType::bf16);
+  cpu_->swiglu_backward(cdi, cdo, cx);
+  gpu_->swiglu_backward(gdi, gdo, gx);
+  EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, "swiglu dinp (=)");
+}
+
+// 5504: LLaMA 1.36B's ffn (16-byte path); 100: F % 8 != 0, the scalar path
+INSTANTIATE_TEST_SUITE_P(Widths, CudaSwiGlu, ::testing::Values(5504, 1024, 100));
 
 // ---- matmul -------------------------------------------------------------------------------
 
@@ -395,6 +612,7 @@ INSTANTIATE_TEST_SUITE_P(Epilogues, CudaMatmul,
 struct AttnCase {
   const char* kind;
   int B, T, NH, hs;
+  int KV = 0;  // 0: NH (plain MHA)
 };
 
 class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {};
@@ -403,19 +621,21 @@ TEST_P(CudaAttention, MatchesCpuAndNaive) {
   const AttnCase ac = GetParam();
   if (std::string(ac.kind) == "cudnn" && !CudaBackend::cudnn_built())
     GTEST_SKIP() << "built without cuDNN";
-  const int B = ac.B, T = ac.T, NH = ac.NH, C = NH * ac.hs;
-  std::vector<float> qkv = rand(B * T * 3 * C, 2.0f), dout = rand(B * T * C);
-  Buf cqkv = cpu({B, T, 3 * C}, qkv), gqkv = act({B, T, 3 * C}, qkv);
+  const AttentionDims a{ac.NH, ac.KV ? ac.KV : ac.NH, ac.hs};
+  const int B = ac.B, T = ac.T, NH = ac.NH;
+  const int64_t C = a.q_dim(), D = a.qkv_dim();  // out width, qkv width
+  std::vector<float> qkv = rand(B * T * D, 2.0f), dout = rand(B * T * C);
+  Buf cqkv = cpu({B, T, D}, qkv), gqkv = act({B, T, D}, qkv);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), clse = cpu({B, NH, T}, std::vector<float>(B * NH * T));
-  cpu_->attention_forward(cout_, clse, cqkv, NH);
+  cpu_->attention_forward(cout_, clse, cqkv, a);
 
   // Naive GPU forward: the reference the others are also compared with.
   gpu_->set_attention("naive");
   Buf nout = poisoned({B, T, C}, DType::bf16), nlse = poisoned({B, NH, T}, DType::f32);
-  gpu_->attention_forward(nout, nlse, gqkv, NH);
+  gpu_->attention_forward(nout, nlse, gqkv, a);
   gpu_->set_attention(ac.kind);
   Buf gout = poisoned({B, T, C}, DType::bf16), glse = poisoned({B, NH, T}, DType::f32);
-  gpu_->attention_forward(gout, glse, gqkv, NH);
+  gpu_->attention_forward(gout, glse, gqkv, a);
   EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, std::string(ac.kind) + " out vs cpu");
   EXPECT_CLOSE(host(glse), host(clse), kF32Tol, std::string(ac.kind) + " lse vs cpu");
   EXPECT_CLOSE(host(gout), host(nout), kBf16Tol, std::string(ac.kind) + " out vs naive");
@@ -423,22 +643,22 @@ TEST_P(CudaAttention, MatchesCpuAndNaive) {
 
   // Backward from each side's own forward.
   Buf cdo = cpu({B, T, C}, dout), gdo = act({B, T, C}, dout);
-  Buf cdqkv = cpu({B, T, 3 * C}, std::vector<float>(B * T * 3 * C));
-  cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, NH);
-  Buf gdqkv = poisoned({B, T, 3 * C}, DType::bf16);
-  gpu_->attention_backward(gdqkv, gdo, gqkv, gout, glse, NH);
+  Buf cdqkv = cpu({B, T, D}, std::vector<float>(B * T * D));
+  cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, a);
+  Buf gdqkv = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(gdqkv, gdo, gqkv, gout, glse, a);
   EXPECT_CLOSE(host(gdqkv), host(cdqkv), kAttnGradTol, std::string(ac.kind) + " dqkv vs cpu");
 
   // lse interchangeability: this backend's backward from the NAIVE forward's out/lse, and the
   // naive backward from this backend's out/lse, both against the naive pipeline.
   gpu_->set_attention("naive");
-  Buf ndqkv = poisoned({B, T, 3 * C}, DType::bf16);
-  gpu_->attention_backward(ndqkv, gdo, gqkv, nout, nlse, NH);
-  Buf x1 = poisoned({B, T, 3 * C}, DType::bf16);
-  gpu_->attention_backward(x1, gdo, gqkv, gout, glse, NH);
+  Buf ndqkv = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(ndqkv, gdo, gqkv, nout, nlse, a);
+  Buf x1 = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(x1, gdo, gqkv, gout, glse, a);
   gpu_->set_attention(ac.kind);
-  Buf x2 = poisoned({B, T, 3 * C}, DType::bf16);
-  gpu_->attention_backward(x2, gdo, gqkv, nout, nlse, NH);
+  Buf x2 = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(x2, gdo, gqkv, nout, nlse, a);
   const std::vector<float> naive_dqkv = host(ndqkv);
   EXPECT_CLOSE(host(x1), naive_dqkv, kAttnGradTol, std::string("naive backward from ") + ac.kind + " lse");
   EXPECT_CLOSE(host(x2), naive_dqkv, kAttnGradTol, std::string(ac.kind) + " backward from naive lse");
@@ -448,10 +668,19 @@ INSTANTIATE_TEST_SUITE_P(
     Kinds, CudaAttention,
     ::testing::Values(AttnCase{"naive", 2, 100, 4, 64}, AttnCase{"flash", 2, 100, 4, 64},
                       AttnCase{"flash", 1, 160, 2, 128}, AttnCase{"flash", 2, 64, 4, 32},
-                      AttnCase{"cudnn", 2, 128, 4, 64}, AttnCase{"cudnn", 1, 256, 2, 128}),
+                      AttnCase{"cudnn", 2, 128, 4, 64}, AttnCase{"cudnn", 1, 256, 2, 128},
+                      // grouped-query (NH, KV, hs) = (8, 2, 64), (16, 8, 128), MQA (4, 1, 128)
+                      AttnCase{"naive", 2, 70, 8, 64, 2}, AttnCase{"naive", 1, 96, 16, 128, 8},
+                      AttnCase{"naive", 2, 80, 4, 128, 1}, AttnCase{"flash", 2, 70, 8, 64, 2},
+                      AttnCase{"flash", 1, 96, 16, 128, 8}, AttnCase{"flash", 2, 80, 4, 128, 1},
+                      AttnCase{"cudnn", 2, 128, 8, 64, 2}, AttnCase{"cudnn", 1, 128, 16, 128, 8},
+                      AttnCase{"cudnn", 2, 192, 4, 128, 1}),
     [](const ::testing::TestParamInfo<AttnCase>& i) {
-      return std::string(i.param.kind) + "_T" + std::to_string(i.param.T) + "_hs" +
-             std::to_string(i.param.hs);
+      std::string name = std::string(i.param.kind) + "_T" + std::to_string(i.param.T) + "_hs" +
+                         std::to_string(i.param.hs);
+      if (i.param.KV)
+        name += "_NH" + std::to_string(i.param.NH) + "_KV" + std::to_string(i.param.KV);
+      return name;
     });
 
 // Bias gradients: column sums of bf16 [N,C] added into f32, against sums in double. C=768 and

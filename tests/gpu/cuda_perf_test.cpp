@@ -1,5 +1,7 @@
-// Timings of the CUDA ops at GPT-2 124M shapes (B=16, T=1024, C=768, NH=12, Vp=50304): not a
-// test (DISABLED_, so ctest skips it), a measurement for docs/PERF.md. Run on a GPU host with
+// Timings of the CUDA ops at GPT-2 124M shapes (B=16, T=1024, C=768, NH=12, Vp=50304) and of the
+// LLaMA/Qwen3 ops at LLaMA 1.36B shapes (B=8, T=2048, C=2048, 16 heads of 128, F=5504; 8 kv
+// heads as Qwen3 has): not tests (DISABLED_, so ctest skips them), measurements for
+// docs/PERF.md. Run on a GPU host with
 //   ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudaPerf.*'
 // Each op: 3 warm-ups, then the median of 20 runs timed with CUDA events on the backend's
 // stream. Inputs are random (never zeros), uploaded from a host pattern.
@@ -120,9 +122,16 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
   for (const std::string& k : kinds) {
     gpu.set_attention(k);
     row(("attention_forward " + k).c_str(),
-        median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, NH); }), attn_flops, 0);
+        median_ms(gpu,
+                  [&] {
+                    gpu.attention_forward(att, lse, qkv, {NH, NH, C / NH});
+                  }),
+        attn_flops, 0);
     row(("attention_backward " + k).c_str(),
-        median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, NH); }),
+        median_ms(gpu,
+                  [&] {
+                    gpu.attention_backward(dqkv, datt, qkv, att, lse, {NH, NH, C / NH});
+                  }),
         2.5 * attn_flops, 0);
   }
 
@@ -169,6 +178,77 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
       median_ms(gpu, [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
       0, P * (4.0 * 7 + 2));
   gpu.release(sp.data);
+  gpu.synchronize();
+}
+
+TEST(CudaPerf, DISABLED_LlamaShapes) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  CudaBackend gpu(0);
+  std::mt19937 rng(1234);
+  const int B = 8, T = 2048, C = 2048, F = 5504;
+  const AttentionDims a{16, 8, 128};
+  const int64_t N = static_cast<int64_t>(B) * T, D = a.qkv_dim();
+  std::printf("\n%s, B=%d T=%d C=%d NH=%d KV=%d hs=%d F=%d\n", gpu.name().c_str(), B, T, C,
+              a.n_head, a.n_kv_head, a.head_dim, F);
+  std::printf("| %-44s | %8s | %8s | %8s |\n", "op", "ms", "TFLOP/s", "GB/s");
+  std::printf("|---|---|---|---|\n");
+  const double row_bytes = static_cast<double>(N) * C * 2;  // one bf16 [N,C] pass
+
+  {
+    DevTensor x(gpu, {B, T, C}, DType::bf16, rng), y(gpu, {B, T, C}, DType::bf16, rng),
+        out(gpu, {B, T, C}, DType::bf16, rng), resid(gpu, {B, T, C}, DType::bf16, rng),
+        dx(gpu, {B, T, C}, DType::bf16, rng), w(gpu, {C}, DType::bf16, rng),
+        dw(gpu, {C}, DType::f32, rng), rstd(gpu, {N}, DType::f32, rng, 1.0f, true);
+    row("rmsnorm_forward", median_ms(gpu, [&] { gpu.rmsnorm_forward(out, rstd, x, w, 1e-5f); }), 0,
+        2 * row_bytes);
+    row("residual_rmsnorm_forward",
+        median_ms(gpu, [&] { gpu.residual_rmsnorm_forward(resid, out, rstd, x, y, w, 1e-5f); }), 0,
+        4 * row_bytes);
+    // dinp accumulates: read dout, inp, dinp; write dinp.
+    row("rmsnorm_backward", median_ms(gpu, [&] { gpu.rmsnorm_backward(dx, dw, y, x, w, rstd); }), 0,
+        4 * row_bytes);
+  }
+  {
+    DevTensor qkv(gpu, {B, T, D}, DType::bf16, rng), out(gpu, {B, T, D}, DType::bf16, rng),
+        dqkv(gpu, {B, T, D}, DType::bf16, rng), wq(gpu, {a.head_dim}, DType::bf16, rng),
+        wk(gpu, {a.head_dim}, DType::bf16, rng), dwq(gpu, {a.head_dim}, DType::f32, rng),
+        dwk(gpu, {a.head_dim}, DType::f32, rng),
+        rstd(gpu, {N * (a.n_head + a.n_kv_head)}, DType::f32, rng, 1.0f, true);
+    const double qkv_bytes = static_cast<double>(N) * D * 2;
+    const double rot_bytes = static_cast<double>(N) * (a.q_dim() + a.kv_dim()) * 2;
+    row("qk_norm_forward",
+        median_ms(gpu, [&] { gpu.qk_norm_forward(out, rstd, qkv, wq, wk, a, 1e-6f); }), 0,
+        2 * qkv_bytes);
+    row("qk_norm_backward",
+        median_ms(gpu, [&] { gpu.qk_norm_backward(dqkv, dwq, dwk, out, qkv, wq, wk, rstd, a); }), 0,
+        3 * qkv_bytes);
+    row("rope_forward (in place)", median_ms(gpu, [&] { gpu.rope_forward(out, out, a, 1e6f); }), 0,
+        2 * rot_bytes);
+    row("rope_forward (out of place)", median_ms(gpu, [&] { gpu.rope_forward(out, qkv, a, 1e6f); }),
+        0, 2 * qkv_bytes);
+    row("rope_backward (in place)", median_ms(gpu, [&] { gpu.rope_backward(dqkv, dqkv, a, 1e6f); }),
+        0, 2 * rot_bytes);
+    if (CudaBackend::cudnn_built()) {
+      DevTensor att(gpu, {B, T, a.q_dim()}, DType::bf16, rng),
+          datt(gpu, {B, T, a.q_dim()}, DType::bf16, rng),
+          lse(gpu, {B, a.n_head, T}, DType::f32, rng);
+      const double attn_flops = 2.0 * B * a.n_head * static_cast<double>(T) * T * a.head_dim;
+      gpu.set_attention("cudnn");
+      row("attention_forward cudnn (GQA 16/8)",
+          median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a); }), attn_flops, 0);
+      row("attention_backward cudnn (GQA 16/8)",
+          median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a); }),
+          2.5 * attn_flops, 0);
+    }
+  }
+  {
+    DevTensor h(gpu, {B, T, 2 * F}, DType::bf16, rng), dh(gpu, {B, T, 2 * F}, DType::bf16, rng),
+        out(gpu, {B, T, F}, DType::bf16, rng), dout(gpu, {B, T, F}, DType::bf16, rng);
+    const double f_bytes = static_cast<double>(N) * F * 2;
+    row("swiglu_forward", median_ms(gpu, [&] { gpu.swiglu_forward(out, h); }), 0, 3 * f_bytes);
+    row("swiglu_backward", median_ms(gpu, [&] { gpu.swiglu_backward(dh, dout, h); }), 0,
+        5 * f_bytes);
+  }
   gpu.synchronize();
 }
 

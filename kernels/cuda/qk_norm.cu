@@ -1,0 +1,309 @@
+// Qwen3's QK-norm: RMSNorm over each query and key head (hs wide) inside the packed
+// qkv[N, (NH+2KV)*hs], one weight vector for all query heads and one for all key heads; the
+// value heads are copied through. A head is a unit of hs/8 lanes (16 bytes each: hs = 128 is
+// half a warp), so a warp covers 2-4 consecutive heads of the row with full 16-byte accesses and
+// the head's sum of squares is a shuffle within the unit (its own lane mask: units of one warp
+// may take different branches, q/k vs v).
+// Backward design choice: deterministic column sums without atomics. A persistent grid (one
+// wave: a fixed number of blocks on a given GPU) walks the units in a fixed assignment; each lane
+// keeps its 8 columns' dq_weight and dk_weight sums in registers across all the heads it visits,
+// the block adds its units' sums in unit order into one partial, and a final kernel adds the
+// partials in block order into the f32 grads.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Sum over the kLanes lanes of this thread's unit (aligned groups of kLanes within the warp).
+template <int kLanes>
+__device__ inline float unit_sum(float x, unsigned mask) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) x += __shfl_xor_sync(mask, x, o);
+  return x;
+}
+
+template <int kLanes>
+__device__ inline unsigned unit_mask() {
+  if constexpr (kLanes == 32) {
+    return 0xffffffffu;
+  } else {
+    const int first = (threadIdx.x % 32) / kLanes * kLanes;
+    return ((1u << kLanes) - 1u) << first;
+  }
+}
+
+struct QkShape {
+  int64_t units = 0;  // N * (NH + 2 KV): every head of every token
+  int heads = 0;      // NH + 2 KV per token
+  int nh = 0, kv = 0;
+  float eps = 0.0f;
+};
+
+// One unit (kLanes = hs/8 lanes) per head of a token; unit u starts at element u * hs.
+template <int kLanes>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* q_weight,
+                           const bf16* k_weight, QkShape s) {
+  constexpr int hs = kLanes * 8;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t unit = tid / kLanes;
+  const int part = static_cast<int>(tid % kLanes);
+  if (unit >= s.units) return;  // whole units leave together
+  const int64_t token = unit / s.heads;
+  const int head = static_cast<int>(unit % s.heads);
+  const int64_t off = unit * hs + part * 8;
+  const Packed128<bf16> x = load128cs(inp + off);
+  if (head >= s.nh + s.kv) {  // a value head
+    store128(out + off, x);
+    return;
+  }
+  float v[8], sumsq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    v[k] = to_float(x[k]);
+    sumsq += v[k] * v[k];
+  }
+  const float rs = rsqrtf(unit_sum<kLanes>(sumsq, unit_mask<kLanes>()) / hs + s.eps);
+  const Packed128<bf16> w = load128((head < s.nh ? q_weight : k_weight) + part * 8);
+  Packed128<bf16> o;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) o[k] = __float2bfloat16_rn(v[k] * rs * to_float(w[k]));
+  store128(out + off, o);
+  if (part == 0) rstd[token * (s.nh + s.kv) + head] = rs;
+}
+
+// Block b walks units [b * units_per_block, ...), its unit-slot j (kThreads / kLanes of them)
+// the units j, j + slots, ... of that range. partials[b][0][c] / [1][c]: the block's dq_weight /
+// dk_weight sums.
+template <int kLanes>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_backward_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
+                            const bf16* q_weight, const bf16* k_weight, const float* rstd,
+                            QkShape s, int64_t units_per_block) {
+  constexpr int hs = kLanes * 8;
+  constexpr int kSlots = kThreads / kLanes;
+  __shared__ float sums[kSlots][2][hs];
+  const int slot = threadIdx.x / kLanes, part = threadIdx.x % kLanes;
+  const unsigned mask = unit_mask<kLanes>();
+  const Packed128<bf16> wq = load128(q_weight + part * 8), wk = load128(k_weight + part * 8);
+  float dwq[8] = {}, dwk[8] = {};
+  const int64_t u0 = blockIdx.x * units_per_block;
+  const int64_t u1 = min(s.units, u0 + units_per_block);
+  for (int64_t unit = u0 + slot; unit < u1; unit += kSlots) {
+    const int64_t token = unit / s.heads;
+    const int head = static_cast<int>(unit % s.heads);
+    const int64_t off = unit * hs + part * 8;
+    const bool is_v = head >= s.nh + s.kv, is_q = head < s.nh;
+    // Every load of the unit is issued before any is used.
+    const Packed128<bf16> g = load128cs(dout + off);
+    Packed128<bf16> x;
+    float rs = 0.0f;
+    if (!is_v) {
+      x = load128cs(inp + off);
+      rs = rstd[token * (s.nh + s.kv) + head];
+    }
+    if (is_v) {
+      store128(dinp + off, g);
+      continue;
+    }
+    float xhat[8], dnorm[8], dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      xhat[k] = to_float(x[k]) * rs;
+      dnorm[k] = to_float(g[k]) * to_float(is_q ? wq[k] : wk[k]);
+      dot += dnorm[k] * xhat[k];
+    }
+    const float mean_dot = unit_sum<kLanes>(dot, mask) / hs;
+    Packed128<bf16> d;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) d[k] = __float2bfloat16_rn((dnorm[k] - xhat[k] * mean_dot) * rs);
+    store128(dinp + off, d);
+    // Both sums stay in registers (selecting an array by pointer would put them in memory).
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float gx = to_float(g[k]) * xhat[k];
+      dwq[k] += is_q ? gx : 0.0f;
+      dwk[k] += is_q ? 0.0f : gx;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sums[slot][0][part * 8 + k] = dwq[k];
+    sums[slot][1][part * 8 + k] = dwk[k];
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < 2 * hs; c += kThreads) {
+    float t = 0.0f;
+    for (int j = 0; j < kSlots; ++j) t += (&sums[j][0][0])[c];  // slot order
+    partials[blockIdx.x * static_cast<int64_t>(2 * hs) + c] = t;
+  }
+}
+
+// dq_weight[c] += sum_b partials[b][0][c]; dk_weight likewise from [b][1][c]; block order.
+__global__ void qk_norm_dweight_final_kernel(float* dq_weight, float* dk_weight,
+                                             const float* partials, int blocks, int hs) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * hs) return;
+  float t = 0.0f;
+  for (int b = 0; b < blocks; ++b) t += partials[b * static_cast<int64_t>(2 * hs) + c];
+  if (c < hs)
+    dq_weight[c] += t;
+  else
+    dk_weight[c - hs] += t;
+}
+
+[[noreturn]] void unsupported(const char* op, const std::string& why) {
+  throw std::invalid_argument(std::string("cuda ") + op + ": " + why);
+}
+
+// Checks the packed layout and returns N (tokens) and the kernel's shape.
+QkShape qk_shape(const Tensor& inp, const AttentionDims& a, const char* op, int64_t& N) {
+  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0)
+    unsupported(op, "n_head=" + std::to_string(a.n_head) + ", n_kv_head=" +
+                        std::to_string(a.n_kv_head) + ": n_kv_head must divide n_head");
+  if (a.head_dim != 32 && a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256)
+    unsupported(op, "head_dim " + std::to_string(a.head_dim) + " not supported (32, 64, 128, 256)");
+  if (inp.ndim() < 2 || inp.dim(-1) != a.qkv_dim())
+    unsupported(op, "inp " + inp.str() + " must be [..., " + std::to_string(a.qkv_dim()) +
+                        "] ((n_head + 2 n_kv_head) head_dim)");
+  N = inp.numel() / a.qkv_dim();
+  QkShape s;
+  s.heads = a.n_head + 2 * a.n_kv_head;
+  s.units = N * s.heads;
+  s.nh = a.n_head;
+  s.kv = a.n_kv_head;
+  return s;
+}
+
+}  // namespace
+
+void CudaBackend::qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
+                                  Tensor k_weight, const AttentionDims& a, float eps) {
+  const char* op = "qk_norm_forward";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  expect_activation(q_weight, op, "q_weight");
+  expect_activation(k_weight, op, "k_weight");
+  expect_f32(rstd, op, "rstd");
+  int64_t N = 0;
+  QkShape s = qk_shape(inp, a, op, N);
+  s.eps = eps;
+  expect_same_shape(out, inp, op, "out");
+  if (out.data == inp.data) unsupported(op, "out must not be inp");
+  expect_numel(rstd, N * (a.n_head + a.n_kv_head), op, "rstd");
+  expect_numel(q_weight, a.head_dim, op, "q_weight");
+  expect_numel(k_weight, a.head_dim, op, "k_weight");
+  if (!vec8_ok(a.head_dim, {out.data, inp.data, q_weight.data, k_weight.data}))
+    unsupported(op, "tensors must be 16-byte aligned");
+  if (!(eps >= 0.0f)) unsupported(op, "eps must be >= 0");
+  if (N == 0) return;
+  const int lanes = a.head_dim / 8;
+  const int blocks = ceil_div(s.units * lanes, kThreads);
+#define KILN_QK_FWD(L)                                                                        \
+  qk_norm_forward_kernel<L>                                                                   \
+      <<<blocks, kThreads, 0, stream_>>>(out.ptr<bf16>(), rstd.ptr<float>(), inp.ptr<bf16>(), \
+                                         q_weight.ptr<bf16>(), k_weight.ptr<bf16>(), s)
+  switch (lanes) {
+    case 4:
+      KILN_QK_FWD(4);
+      break;
+    case 8:
+      KILN_QK_FWD(8);
+      break;
+    case 16:
+      KILN_QK_FWD(16);
+      break;
+    default:
+      KILN_QK_FWD(32);
+      break;
+  }
+#undef KILN_QK_FWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
+                                   Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                                   const AttentionDims& a) {
+  const char* op = "qk_norm_backward";
+  expect_activation(dinp, op, "dinp");
+  expect_activation(dout, op, "dout");
+  expect_activation(inp, op, "inp");
+  expect_activation(q_weight, op, "q_weight");
+  expect_activation(k_weight, op, "k_weight");
+  expect_f32(dq_weight, op, "dq_weight");
+  expect_f32(dk_weight, op, "dk_weight");
+  expect_f32(rstd, op, "rstd");
+  int64_t N = 0;
+  const QkShape s = qk_shape(inp, a, op, N);
+  expect_same_shape(dinp, inp, op, "dinp");
+  expect_same_shape(dout, inp, op, "dout");
+  if (dinp.data == dout.data) unsupported(op, "dinp must not be dout");
+  expect_numel(rstd, N * (a.n_head + a.n_kv_head), op, "rstd");
+  expect_numel(q_weight, a.head_dim, op, "q_weight");
+  expect_numel(k_weight, a.head_dim, op, "k_weight");
+  expect_numel(dq_weight, a.head_dim, op, "dq_weight");
+  expect_numel(dk_weight, a.head_dim, op, "dk_weight");
+  if (!vec8_ok(a.head_dim, {dinp.data, dout.data, inp.data, q_weight.data, k_weight.data}))
+    unsupported(op, "tensors must be 16-byte aligned");
+  if (N == 0) return;
+  const int hs = a.head_dim, lanes = hs / 8, slots = kThreads / lanes;
+  // One full wave: the grid depends only on the GPU (and the kernel), so does the sum order.
+  int per_sm = 0;
+#define KILN_QK_OCCUPANCY(L)                                     \
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor( \
+      &per_sm, qk_norm_backward_kernel<L>, kThreads, 0))
+  switch (lanes) {
+    case 4:
+      KILN_QK_OCCUPANCY(4);
+      break;
+    case 8:
+      KILN_QK_OCCUPANCY(8);
+      break;
+    case 16:
+      KILN_QK_OCCUPANCY(16);
+      break;
+    default:
+      KILN_QK_OCCUPANCY(32);
+      break;
+  }
+#undef KILN_QK_OCCUPANCY
+  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count_;
+  const int64_t units_per_block =
+      std::max<int64_t>(ceil_div(s.units, std::min<int64_t>(want, ceil_div(s.units, slots))), 1);
+  const int blocks = ceil_div(s.units, units_per_block);
+  float* partials =
+      static_cast<float*>(scratch(static_cast<size_t>(blocks) * 2 * hs * sizeof(float)));
+#define KILN_QK_BWD(L)                                                                     \
+  qk_norm_backward_kernel<L><<<blocks, kThreads, 0, stream_>>>(                            \
+      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), q_weight.ptr<bf16>(), \
+      k_weight.ptr<bf16>(), rstd.ptr<float>(), s, units_per_block)
+  switch (lanes) {
+    case 4:
+      KILN_QK_BWD(4);
+      break;
+    case 8:
+      KILN_QK_BWD(8);
+      break;
+    case 16:
+      KILN_QK_BWD(16);
+      break;
+    default:
+      KILN_QK_BWD(32);
+      break;
+  }
+#undef KILN_QK_BWD
+  KILN_CUDA_LAUNCH_CHECK();
+  qk_norm_dweight_final_kernel<<<ceil_div(2 * hs, 128), 128, 0, stream_>>>(
+      dq_weight.ptr<float>(), dk_weight.ptr<float>(), partials, blocks, hs);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

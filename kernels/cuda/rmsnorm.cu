@@ -1,0 +1,428 @@
+// RMSNorm forward (plain and fused with the residual add) and backward: LayerNorm without the
+// mean and the bias (LLaMA, Qwen3). out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
+// Structure and speed tricks as in layernorm.cu: one warp per row, f32 math, 16-byte loads when
+// C % 8 == 0; up to C = 2048 the forward holds the row in registers (read once, all of it in
+// flight). The fused residual form normalizes the bf16-rounded residual it writes, and sums its
+// squares in the same pass.
+// Backward design choice: deterministic without float atomics. dinp += per row (the residual
+// stream's gradient accumulates). dweight's column sums: for C = kIters * 256 up to 2048 (LLaMA
+// 1.36B's hot size) ONE pass over dout/inp/dinp: a persistent grid of one wave, one warp per row,
+// each warp's running dweight sums in shared memory; the block adds its warps' sums in warp order
+// into one partial, and a final kernel adds the partials in block order (the grid depends only on
+// the GPU's SM count, so results are bit-identical run to run on one GPU model). Other widths (up
+// to any C, 8192 included) take two passes: row-chunk partials of dout * x * rstd, then the dinp
+// kernel.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+// With kResidual: residual = a + b (rounded to bf16) is written and normalized; else a is.
+template <int kVec, bool kResidual>
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, bf16* residual, const bf16* a,
+                                       const bf16* b, const bf16* weight, int64_t N, int C,
+                                       float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  const bf16* x = kResidual ? residual + row * C : a + row * C;
+  float sumsq = 0.0f;
+  if constexpr (kResidual) {
+    const bf16* ra = a + row * C;
+    const bf16* rb = b + row * C;
+    bf16* rr = residual + row * C;
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float va[kVec], vb[kVec];
+      load_vec<kVec>(va, ra + c);
+      load_vec<kVec>(vb, rb + c);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        // The statistics are those of the residual as stored: bf16.
+        va[k] = __bfloat162float(__float2bfloat16_rn(va[k] + vb[k]));
+        sumsq += va[k] * va[k];
+      }
+      store_vec<kVec>(rr + c, va);
+    }
+    __syncwarp();  // each lane re-reads only what it wrote, but keep the warp in step
+  } else {
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float v[kVec];
+      load_vec<kVec>(v, x + c);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) sumsq += v[k] * v[k];
+    }
+  }
+  const float rstd = rsqrtf(warp_sum(sumsq) / C + eps);
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float v[kVec], w[kVec];
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = v[k] * rstd * w[k];
+    store_vec<kVec>(out + row * C + c, v);
+  }
+  if (lane == 0) rstd_out[row] = rstd;
+}
+
+// The same for C % 8 == 0 and C <= kMaxIters * 256 (up to 2048: wider rows would cost more
+// registers than occupancy allows), with the row held in registers: lane l owns the 16-byte
+// chunks (i * 32 + l) * 8 (those below C), all loaded before any is used, so a warp has its whole
+// row in flight and HBM is read once (the loop above waits on each load).
+template <int kMaxIters, bool kResidual>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rmsnorm_forward_rows_kernel(bf16* out, float* rstd_out, bf16* residual, const bf16* a,
+                                const bf16* b, const bf16* weight, int64_t N, int C, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  Packed128<bf16> x[kMaxIters], y[kResidual ? kMaxIters : 1];
+#pragma unroll
+  for (int i = 0; i < kMaxIters; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c < C) {
+      x[i] = load128cs(a + row * C + c);
+      if constexpr (kResidual) y[i] = load128cs(b + row * C + c);
+    }
+  }
+  float sumsq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxIters; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c >= C) continue;
+    if constexpr (kResidual) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        x[i][k] = __float2bfloat16_rn(to_float(x[i][k]) + to_float(y[i][k]));
+      store128(residual + row * C + c, x[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sumsq += to_float(x[i][k]) * to_float(x[i][k]);
+  }
+  const float rstd = rsqrtf(warp_sum(sumsq) / C + eps);
+#pragma unroll
+  for (int i = 0; i < kMaxIters; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c >= C) continue;
+    const Packed128<bf16> w = load128(weight + c);
+    Packed128<bf16> o;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      o[k] = __float2bfloat16_rn(to_float(x[i][k]) * rstd * to_float(w[k]));
+    store128(out + row * C + c, o);
+  }
+  if (lane == 0) rstd_out[row] = rstd;
+}
+
+// Both forward ops: residual == nullptr is the plain one (a normalized), else residual = a + b.
+void launch_rmsnorm_forward(cudaStream_t stream, bf16* out, float* rstd, bf16* residual,
+                            const bf16* a, const bf16* b, const bf16* weight, int64_t N, int C,
+                            float eps, bool vec8) {
+  const int blocks = ceil_div(N, kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
+#define KILN_RMSNORM_FWD(kernel, first)                                                        \
+  do {                                                                                         \
+    if (residual)                                                                              \
+      kernel<first, true>                                                                      \
+          <<<blocks, threads, 0, stream>>>(out, rstd, residual, a, b, weight, N, C, eps);      \
+    else                                                                                       \
+      kernel<first, false>                                                                     \
+          <<<blocks, threads, 0, stream>>>(out, rstd, nullptr, a, nullptr, weight, N, C, eps); \
+  } while (0)
+  if (vec8 && C <= 4 * 256)
+    KILN_RMSNORM_FWD(rmsnorm_forward_rows_kernel, 4);
+  else if (vec8 && C <= 8 * 256)
+    KILN_RMSNORM_FWD(rmsnorm_forward_rows_kernel, 8);
+  else if (vec8)
+    KILN_RMSNORM_FWD(rmsnorm_forward_kernel, 8);
+  else
+    KILN_RMSNORM_FWD(rmsnorm_forward_kernel, 1);
+#undef KILN_RMSNORM_FWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+// dinp[row] += (dnorm - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight, xhat = x * rstd.
+template <int kVec>
+__global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp,
+                                    const bf16* weight, const float* rstd, int64_t N, int C) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  const float rs = rstd[row];
+  const bf16* dy = dout + row * C;
+  const bf16* x = inp + row * C;
+  float sum_dnorm_xhat = 0.0f;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float g[kVec], v[kVec], w[kVec];
+    load_vec<kVec>(g, dy + c);
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sum_dnorm_xhat += g[k] * w[k] * v[k] * rs;
+  }
+  const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
+  for (int c = lane * kVec; c < C; c += 32 * kVec) {
+    float g[kVec], v[kVec], w[kVec], d[kVec];
+    load_vec<kVec>(g, dy + c);
+    load_vec<kVec>(v, x + c);
+    load_vec<kVec>(w, weight + c);
+    load_vec<kVec>(d, dinp + row * C + c);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) d[k] += (g[k] * w[k] - v[k] * rs * mean_dnorm_xhat) * rs;
+    store_vec<kVec>(dinp + row * C + c, d);
+  }
+}
+
+// partials[chunk][c] = sum of dout * x * rstd over the chunk's rows (one thread per column).
+__global__ void rmsnorm_dweight_partials_kernel(float* partials, const bf16* dout, const bf16* inp,
+                                                const float* rstd, int64_t N, int C,
+                                                int64_t rows_per_chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(N, r0 + rows_per_chunk);
+  float dw = 0.0f;
+  for (int64_t r = r0; r < r1; ++r)
+    dw += to_float(dout[r * C + c]) * to_float(inp[r * C + c]) * rstd[r];
+  partials[blockIdx.y * static_cast<int64_t>(C) + c] = dw;
+}
+
+// dweight[c] += the partials' sum, in chunk (block) order.
+__global__ void rmsnorm_dweight_final_kernel(float* dweight, const float* partials, int chunks,
+                                             int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float dw = 0.0f;
+  for (int k = 0; k < chunks; ++k) dw += partials[k * static_cast<int64_t>(C) + c];
+  dweight[c] += dw;
+}
+
+constexpr int kFusedBackwardWarps = 8;
+
+// C == kIters * 256: lane `l` of a warp owns columns (i * 32 + l) * 8 + [0, 8) for i < kIters.
+// Two blocks per SM (128 registers a thread). Up to C = 1024 a row's dout and inp stay in
+// registers between the row's reduction and its dinp update; wider rows (kIters > 4) would
+// spill, so the update reads them again, from L1/L2 (the first read keeps them cached), and HBM
+// still sees one read of each. Dynamic shared memory: f32 [kFusedBackwardWarps][C], each warp's
+// running dweight sums.
+template <int kIters>
+__global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
+    rmsnorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
+                                  const bf16* weight, const float* rstd, int64_t N,
+                                  int64_t rows_per_block) {
+  constexpr int C = kIters * 256;
+  constexpr bool kKeepRow = kIters <= 4;
+  extern __shared__ float4 fused_smem[];
+  float* sums = reinterpret_cast<float*>(fused_smem);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float* my_dw = sums + warp * C;
+  for (int c = lane * 4; c < C; c += 32 * 4)
+    *reinterpret_cast<float4*>(my_dw + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  __syncwarp();
+  const int64_t r0 = blockIdx.x * rows_per_block;
+  const int64_t r1 = min(N, r0 + rows_per_block);
+  for (int64_t row = r0 + warp; row < r1; row += kFusedBackwardWarps) {
+    const bf16* dy = dout + row * C;
+    const bf16* x = inp + row * C;
+    bf16* dx = dinp + row * C;
+    Packed128<bf16> g[kIters], v[kIters];
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = (i * 32 + lane) * 8;
+      g[i] = kKeepRow ? load128cs(dy + c) : load128(dy + c);
+      v[i] = kKeepRow ? load128cs(x + c) : load128(x + c);
+    }
+    const float rs = rstd[row];
+    float sum_dnorm_xhat = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = (i * 32 + lane) * 8;
+      const Packed128<bf16> w = load128(weight + c);
+      float dw[8];
+      *reinterpret_cast<float4*>(dw) = *reinterpret_cast<float4*>(my_dw + c);
+      *reinterpret_cast<float4*>(dw + 4) = *reinterpret_cast<float4*>(my_dw + c + 4);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float gk = to_float(g[i][k]);
+        const float xhat = to_float(v[i][k]) * rs;
+        sum_dnorm_xhat += gk * to_float(w[k]) * xhat;
+        dw[k] += gk * xhat;
+      }
+      *reinterpret_cast<float4*>(my_dw + c) = *reinterpret_cast<float4*>(dw);
+      *reinterpret_cast<float4*>(my_dw + c + 4) = *reinterpret_cast<float4*>(dw + 4);
+    }
+    const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = (i * 32 + lane) * 8;
+      const Packed128<bf16> gi = kKeepRow ? g[i] : load128cs(dy + c);
+      const Packed128<bf16> vi = kKeepRow ? v[i] : load128cs(x + c);
+      const Packed128<bf16> w = load128(weight + c);
+      Packed128<bf16> d = load128(dx + c);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float xhat = to_float(vi[k]) * rs;
+        const float dnorm = to_float(gi[k]) * to_float(w[k]);
+        d[k] = __float2bfloat16_rn(to_float(d[k]) + (dnorm - xhat * mean_dnorm_xhat) * rs);
+      }
+      store128(dx + c, d);
+    }
+  }
+  __syncthreads();
+  // The block's partial: the warps' sums added in warp order.
+  float* out = partials + blockIdx.x * static_cast<int64_t>(C);
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float t = sums[c];
+#pragma unroll
+    for (int w = 1; w < kFusedBackwardWarps; ++w) t += sums[w * C + c];
+    out[c] = t;
+  }
+}
+
+template <int kIters>
+void rmsnorm_backward_fused(CudaBackend& backend, Tensor dinp, Tensor dweight, Tensor dout,
+                            Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
+  constexpr int C = kIters * 256;
+  const int threads = 32 * kFusedBackwardWarps;
+  const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * C * sizeof(float);
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_fused_kernel<kIters>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  int per_sm = 0;
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, rmsnorm_backward_fused_kernel<kIters>, threads, smem));
+  // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
+  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
+  const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
+  const int blocks = ceil_div(N, rows_per_block);
+  float* partials =
+      static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * C * sizeof(float)));
+  rmsnorm_backward_fused_kernel<kIters><<<blocks, threads, smem, backend.stream()>>>(
+      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
+      rstd.ptr<float>(), N, rows_per_block);
+  KILN_CUDA_LAUNCH_CHECK();
+  rmsnorm_dweight_final_kernel<<<ceil_div(C, 128), 128, 0, backend.stream()>>>(dweight.ptr<float>(),
+                                                                               partials, blocks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void check_eps(float eps, const char* op) {
+  if (!(eps >= 0.0f))
+    throw std::invalid_argument(std::string("cuda ") + op + ": eps=" + std::to_string(eps) +
+                                " must be >= 0");
+}
+
+}  // namespace
+
+void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
+  const char* op = "rmsnorm_forward";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  expect_same_shape(out, inp, op, "out");
+  check_eps(eps, op);
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  expect_f32(rstd, op, "rstd");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  if (N == 0) return;
+  launch_rmsnorm_forward(stream_, out.ptr<bf16>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
+                         nullptr, weight.ptr<bf16>(), N, C, eps,
+                         vec8_ok(C, {out.data, inp.data, weight.data}));
+}
+
+void CudaBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
+                                           Tensor b, Tensor weight, float eps) {
+  const char* op = "residual_rmsnorm_forward";
+  expect_activation(residual, op, "residual");
+  expect_activation(out, op, "out");
+  expect_activation(a, op, "a");
+  expect_activation(b, op, "b");
+  expect_activation(weight, op, "weight");
+  expect_same_shape(out, a, op, "out");
+  expect_same_shape(b, a, op, "b");
+  expect_same_shape(residual, a, op, "residual");
+  check_eps(eps, op);
+  const int C = static_cast<int>(a.dim(-1));
+  const int64_t N = a.numel() / C;
+  expect_f32(rstd, op, "rstd");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  if (N == 0) return;
+  launch_rmsnorm_forward(stream_, out.ptr<bf16>(), rstd.ptr<float>(), residual.ptr<bf16>(),
+                         a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), N, C, eps,
+                         vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data}));
+}
+
+void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                   Tensor weight, Tensor rstd) {
+  const char* op = "rmsnorm_backward";
+  expect_activation(dinp, op, "dinp");
+  expect_activation(dout, op, "dout");
+  expect_activation(inp, op, "inp");
+  expect_activation(weight, op, "weight");
+  expect_f32(dweight, op, "dweight");
+  expect_same_shape(dinp, inp, op, "dinp");
+  expect_same_shape(dout, inp, op, "dout");
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  expect_f32(rstd, op, "rstd");
+  expect_numel(rstd, N, op, "rstd");
+  expect_numel(weight, C, op, "weight");
+  expect_numel(dweight, C, op, "dweight");
+  if (N == 0) return;
+
+  if (C % 256 == 0 && C <= 2048 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data})) {
+    switch (C / 256) {
+      case 1:
+        return rmsnorm_backward_fused<1>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 2:
+        return rmsnorm_backward_fused<2>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 3:
+        return rmsnorm_backward_fused<3>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 4:
+        return rmsnorm_backward_fused<4>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 5:
+        return rmsnorm_backward_fused<5>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 6:
+        return rmsnorm_backward_fused<6>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 7:
+        return rmsnorm_backward_fused<7>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+      case 8:
+        return rmsnorm_backward_fused<8>(*this, dinp, dweight, dout, inp, weight, rstd, N);
+    }
+  }
+
+  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int used_chunks = ceil_div(N, rows_per_chunk);
+  float* partials =
+      static_cast<float*>(scratch(static_cast<size_t>(used_chunks) * C * sizeof(float)));
+  const int threads = 128;
+  rmsnorm_dweight_partials_kernel<<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream_>>>(
+      partials, dout.ptr<bf16>(), inp.ptr<bf16>(), rstd.ptr<float>(), N, C, rows_per_chunk);
+  KILN_CUDA_LAUNCH_CHECK();
+  rmsnorm_dweight_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(
+      dweight.ptr<float>(), partials, used_chunks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  if (vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
+    rmsnorm_dinp_kernel<8><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(), rstd.ptr<float>(),
+        N, C);
+  else
+    rmsnorm_dinp_kernel<1><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
+        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(), rstd.ptr<float>(),
+        N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

@@ -1,0 +1,136 @@
+// Rotary position embedding (Hugging Face's LLaMA/Qwen3 convention, rotate_half: element i pairs
+// with i + hs/2) on the query and key heads of a packed qkv[B,T,(NH+2KV)*hs]; value heads are
+// copied (nothing to do in place). Backward is the same kernel rotating by -angle.
+// Design choices:
+//  - inv_freq is computed on the host in f32 exactly as HF does (1 / theta^(float(2i)/hs)) and
+//    passed by value as a kernel parameter: no device buffer, nothing to keep in sync.
+//  - angle = float(t) * inv_freq[i] in f32, then ACCURATE sincosf (not __sincosf: angles reach
+//    T radians, thousands, where the fast intrinsic's error is large). One block per token
+//    computes its hs/2 (cos, sin) pairs once into shared memory, then every query and key head
+//    of the token reuses them: the sincosf cost is amortized over NH + KV heads, and the kernel
+//    is a memory-bound stream of 16-byte loads and stores (8 pairs per thread).
+//  - Each thread reads both halves of its pairs before writing them, so out may be inp.
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kMaxHalf = 256;  // head_dim up to 512
+
+struct RopeFreqs {
+  float inv_freq[kMaxHalf];
+};
+
+struct RopeShape {
+  int T = 0;
+  int hs = 0;
+  int rotated = 0;     // NH + KV heads per token
+  int copied = 0;      // KV value heads per token, 0 when out == inp
+  int row = 0;         // (NH + 2 KV) hs
+  float sin_sign = 1;  // +1 forward, -1 backward (the transpose rotation)
+};
+
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(bf16* out, const bf16* inp, RopeShape s, const __grid_constant__ RopeFreqs f) {
+  __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
+  const int half = s.hs / 2;
+  const int64_t token = blockIdx.x;
+  const float t = static_cast<float>(token % s.T);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float sn, cs;
+    sincosf(t * f.inv_freq[i], &sn, &cs);
+    cos_s[i] = cs;
+    sin_s[i] = s.sin_sign * sn;
+  }
+  __syncthreads();
+  const int64_t base = token * s.row;
+  const int chunks = half / kVec;  // per rotated head
+  const int rotate_items = s.rotated * chunks;
+  const int items = rotate_items + s.copied * (s.hs / kVec);
+  for (int item = threadIdx.x; item < items; item += blockDim.x) {
+    if (item < rotate_items) {
+      const int head = item / chunks, c = (item % chunks) * kVec;
+      const int64_t p = base + static_cast<int64_t>(head) * s.hs + c;
+      float x1[kVec], x2[kVec], o1[kVec], o2[kVec];
+      load_vec<kVec>(x1, inp + p);
+      load_vec<kVec>(x2, inp + p + half);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float cs = cos_s[c + k], sn = sin_s[c + k];
+        o1[k] = x1[k] * cs - x2[k] * sn;
+        o2[k] = x2[k] * cs + x1[k] * sn;
+      }
+      store_vec<kVec>(out + p, o1);
+      store_vec<kVec>(out + p + half, o2);
+    } else {
+      const int64_t p = base + static_cast<int64_t>(s.rotated) * s.hs +
+                        static_cast<int64_t>(item - rotate_items) * kVec;
+      if constexpr (kVec == 8)
+        store128(out + p, load128(inp + p));
+      else
+        out[p] = inp[p];
+    }
+  }
+}
+
+void rope(cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a, float theta,
+          bool backward, const char* op) {
+  const char* out_name = backward ? "dinp" : "out";
+  const char* inp_name = backward ? "dout" : "inp";
+  expect_activation(out, op, out_name);
+  expect_activation(inp, op, inp_name);
+  expect_same_shape(out, inp, op, out_name);
+  const std::string where = std::string("cuda ") + op + ": ";
+  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0)
+    throw std::invalid_argument(where + "n_kv_head=" + std::to_string(a.n_kv_head) +
+                                " must divide n_head=" + std::to_string(a.n_head));
+  if (a.head_dim <= 0 || a.head_dim % 2 != 0 || a.head_dim > 2 * kMaxHalf)
+    throw std::invalid_argument(where + "head_dim " + std::to_string(a.head_dim) +
+                                " must be even and at most " + std::to_string(2 * kMaxHalf));
+  if (inp.ndim() != 3 || inp.dim(2) != a.qkv_dim())
+    throw std::invalid_argument(where + inp_name + " " + inp.str() + " must be [B,T," +
+                                std::to_string(a.qkv_dim()) + "]");
+  if (!(theta > 0.0f))
+    throw std::invalid_argument(where + "theta=" + std::to_string(theta) + " must be positive");
+  RopeShape s;
+  s.T = static_cast<int>(inp.dim(1));
+  s.hs = a.head_dim;
+  s.rotated = a.n_head + a.n_kv_head;
+  s.copied = out.data == inp.data ? 0 : a.n_kv_head;
+  s.row = static_cast<int>(a.qkv_dim());
+  s.sin_sign = backward ? -1.0f : 1.0f;
+  // Hugging Face: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in f32.
+  RopeFreqs f{};
+  for (int i = 0; i < a.head_dim / 2; ++i)
+    f.inv_freq[i] =
+        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(a.head_dim));
+  const int64_t tokens = inp.numel() / a.qkv_dim();
+  if (tokens == 0) return;
+  if (tokens > 0x7fffffff) throw std::invalid_argument(where + "too many tokens");
+  const int blocks = static_cast<int>(tokens);
+  if ((a.head_dim / 2) % 8 == 0 && vec8_ok(a.qkv_dim(), {out.data, inp.data}))
+    rope_kernel<8><<<blocks, kThreads, 0, stream>>>(out.ptr<bf16>(), inp.ptr<bf16>(), s, f);
+  else
+    rope_kernel<1><<<blocks, kThreads, 0, stream>>>(out.ptr<bf16>(), inp.ptr<bf16>(), s, f);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void CudaBackend::rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
+  rope(stream_, out, inp, a, theta, false, "rope_forward");
+}
+
+void CudaBackend::rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
+  rope(stream_, dinp, dout, a, theta, true, "rope_backward");
+}
+
+}  // namespace kiln
