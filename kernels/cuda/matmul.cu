@@ -9,20 +9,11 @@
 //    GEMM with beta = 1, accumulating straight into the f32 gradient. dbias is NOT cuBLASLt's
 //    BGRADB epilogue: that overwrites, and the interface accumulates, so a deterministic
 //    column-sum kernel adds into the f32 bias grad.
-//  - Descriptors, layouts and the algorithm are chosen once per (shape, transposes, epilogue,
-//    dtypes, pointer alignment) and cached; per call only the pointers are set. The algorithm is
-//    the heuristic's first, unless another of its top kGemmCandidates times >= 3% faster at the
-//    GEMM's first call (a margin noise cannot cross, so the choice, and with it the rounding,
-//    holds run to run). Only GEMMs that overwrite their output (beta = 0: forward, dinp) are
-//    timed, in place, since the real call rewrites the output after; dweight's accumulate
-//    (beta = 1) into gradients that must not change, so they keep the heuristic's choice.
-//    KILN_GEMM_TUNE=0 turns the timing off.
+//  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
+//    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
 #include <spdlog/spdlog.h>
 
-#include <cstdlib>
 #include <map>
-#include <string>
-#include <vector>
 #include <tuple>
 
 #include "kernels/cuda/common.cuh"
@@ -47,14 +38,10 @@ struct GemmKey {
   }
 };
 
-constexpr int kGemmCandidates = 6;
-
 struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
-  bool tuned = false;
 };
 
 uint32_t alignment_of(const void* p) {
@@ -109,7 +96,7 @@ const char* epilogue_name(cublasLtEpilogue_t e) {
   }
 }
 
-GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
+const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
                          size_t workspace_bytes) {
   GemmKey key{g.m,
               g.n,
@@ -163,11 +150,10 @@ GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& 
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
   KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t results[kGemmCandidates] = {};
+  cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.c,
-                                                     plan.c, pref, kGemmCandidates, results,
-                                                     &found);
+                                                     plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatrixLayoutDestroy(plan.a);
@@ -182,25 +168,15 @@ GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& 
         std::to_string(key.align_b) + "/" + std::to_string(key.align_c) + " (" +
         cublasLtGetStatusString(st) + ")");
   }
-  for (int i = 0; i < found; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(results[i].algo);
-  plan.algo = results[0].algo;
+  plan.algo = result.algo;
   spdlog::debug("cuda matmul: plan m={} n={} k={} epilogue={}", g.m, g.n, g.k,
                 epilogue_name(g.epilogue));
   return cache.plans.emplace(key, plan).first->second;
 }
 
-bool gemm_tuning_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("KILN_GEMM_TUNE");
-    return !(v && std::string(v) == "0");
-  }();
-  return on;
-}
-
 void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t workspace_bytes,
           cudaStream_t stream, const GemmArgs& g) {
-  GemmPlan& plan = get_plan(cache, handle, g, workspace_bytes);
+  const GemmPlan& plan = get_plan(cache, handle, g, workspace_bytes);
   if (g.bias)
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias));
@@ -208,28 +184,6 @@ void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t w
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux));
   const float alpha = 1.0f;
-  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
-    return cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta, g.D,
-                          plan.c, g.D, plan.c, &algo, workspace, workspace_bytes, stream) ==
-           CUBLAS_STATUS_SUCCESS;
-  };
-  if (!plan.tuned) {
-    plan.tuned = true;
-    if (g.beta == 0.0f && plan.candidates.size() > 1 && gemm_tuning_enabled()) {
-      std::vector<float> ms;
-      for (const auto& algo : plan.candidates) ms.push_back(median_ms(stream, [&] { return run(algo); }));
-      size_t best = 0;
-      for (size_t i = 1; i < ms.size(); ++i)
-        if (ms[i] > 0 && (ms[best] <= 0 || ms[i] < ms[best])) best = i;
-      const bool switch_algo = best != 0 && ms[0] > 0 && ms[best] < 0.97f * ms[0];
-      if (switch_algo) plan.algo = plan.candidates[best];
-      spdlog::log(switch_algo ? spdlog::level::info : spdlog::level::debug,
-                  "cuda matmul m={} n={} k={} epilogue={}: heuristic's algorithm {:.3f} ms, "
-                  "fastest of {} ({}) {:.3f} ms; {}",
-                  g.m, g.n, g.k, epilogue_name(g.epilogue), ms[0], ms.size(), best, ms[best],
-                  switch_algo ? "chose it" : "kept the heuristic's");
-    }
-  }
   KILN_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta,
                                    g.D, plan.c, g.D, plan.c, &plan.algo, workspace,
                                    workspace_bytes, stream));
