@@ -56,10 +56,6 @@ class Ddp final : public Strategy {
   }
 
  private:
-  Tensor unit_range(Tensor flat, int unit) const {
-    const auto& [begin, end] = units_[static_cast<size_t>(unit)];
-    return flat.slice(begin, {end - begin});
-  }
   void choose_buckets();
 
   double bucket_mb_;

@@ -23,8 +23,10 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& o, Backend& backe
 
 Strategy::Strategy(const StrategyOptions& options, Backend& backend, Communicator* comm, int rank,
                    int world, int64_t total, const Units& units)
-    : backend_(backend), comm_(comm),
-      plan_(make_shard_plan(options.name, total, units, rank, world)), units_(units),
+    : backend_(backend),
+      comm_(comm),
+      plan_(make_shard_plan(options.name, total, units, rank, world)),
+      units_(units),
       reduce_dtype_(options.reduce_dtype) {}
 
 void Strategy::plan_shard(Arena& arena, bool sharded) {

@@ -102,6 +102,11 @@ class Strategy {
   // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;
   // `accumulate`: out += instead, through `scratch` (f32, at least out's size).
   void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch);
+  // Unit `unit`'s range of a buffer laid out like the flat parameters.
+  Tensor unit_range(Tensor flat, int unit) const {
+    const auto& [begin, end] = units_[static_cast<size_t>(unit)];
+    return flat.slice(begin, {end - begin});
+  }
   // The shard buffers every strategy has: master, grad shard and moments (ddp: everything).
   void plan_shard(Arena& arena, bool sharded);
 

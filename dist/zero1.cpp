@@ -47,19 +47,14 @@ class Zero1 final : public Strategy {
   Tensor working_out() const override { return working_shard_; }
 
  private:
-  Tensor unit_range(Tensor flat, int unit) const {
-    const auto& [begin, end] = units_[static_cast<size_t>(unit)];
-    return flat.slice(begin, {end - begin});
-  }
-
   Tensor working_shard_, working_, grads_;
   Tensor gather_src_;  // what the all-gather reads: the working shard, or the master (CPU)
 };
 
 }  // namespace
 
-std::unique_ptr<Strategy> make_zero1(const StrategyOptions& o, Backend& backend,
-                                     Communicator* comm, int rank, int world, int64_t total,
+std::unique_ptr<Strategy> make_zero1(const StrategyOptions& o, Backend& backend, Communicator* comm,
+                                     int rank, int world, int64_t total,
                                      const Strategy::Units& units) {
   return std::make_unique<Zero1>(o, backend, comm, rank, world, total, units);
 }

@@ -13,8 +13,8 @@ const ArchDefaults kArchs[] = {
     {"llama", NormKind::rmsnorm, 1e-5, PositionKind::rope, 10000.0, MlpKind::swiglu, false, false,
      false, false},
     // Qwen3: LLaMA's layers plus QK-norm; RoPE base 1e6, eps 1e-6. Small sizes tie the head.
-    {"qwen3", NormKind::rmsnorm, 1e-6, PositionKind::rope, 1000000.0, MlpKind::swiglu, false,
-     false, true, true},
+    {"qwen3", NormKind::rmsnorm, 1e-6, PositionKind::rope, 1000000.0, MlpKind::swiglu, false, false,
+     true, true},
 };
 
 }  // namespace

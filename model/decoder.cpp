@@ -129,8 +129,10 @@ double Decoder::flops_per_token(int T) const {
   const double per_block = C * static_cast<double>(a.qkv_dim()) +
                            static_cast<double>(a.q_dim()) * C +
                            (cfg_.mlp == MlpKind::swiglu ? 3.0 : 2.0) * C * F;
-  const double n_matmul = cfg_.n_layer * per_block + static_cast<double>(cfg_.padded_vocab_size) * C;
-  return 6.0 * n_matmul + 6.0 * cfg_.n_layer * static_cast<double>(T) * static_cast<double>(a.q_dim());
+  const double n_matmul =
+      cfg_.n_layer * per_block + static_cast<double>(cfg_.padded_vocab_size) * C;
+  return 6.0 * n_matmul +
+         6.0 * cfg_.n_layer * static_cast<double>(T) * static_cast<double>(a.q_dim());
 }
 
 void Decoder::bind(const Locate& locate, Params& out) const {
@@ -167,9 +169,9 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   auto keep = [&](const Tensor& t) { kept.push_back(field_offset(probe, &t)); };
   keep(probe.residual_in);
   if (recompute == Recompute::selective) {
-    for (const Tensor* t : {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw,
-                            &probe.attn.qk_rstd, &probe.attn.qkv, &probe.residual_mid,
-                            &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
+    for (const Tensor* t :
+         {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw, &probe.attn.qk_rstd,
+          &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
       keep(*t);
     if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
   }
@@ -179,8 +181,8 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
     const std::string p = shared ? "shared." : "h." + std::to_string(l) + ".";
     const Planner pick = [&](Tensor* slot, const std::string& name, Shape shape, DType dtype) {
       const size_t at = field_offset(a, slot);
-      const bool is_kept = recompute == Recompute::none ||
-                           std::find(kept.begin(), kept.end(), at) != kept.end();
+      const bool is_kept =
+          recompute == Recompute::none || std::find(kept.begin(), kept.end(), at) != kept.end();
       if (is_kept != shared) planner(slot, name, shape, dtype);
     };
     const Block& blk = blocks_.front();  // every block has the same shapes

@@ -40,8 +40,7 @@ struct ModelConfig {
   bool qk_norm = false;
 
   AttentionDims attention() const {
-    return {n_head, n_kv_head > 0 ? n_kv_head : n_head,
-            head_dim > 0 ? head_dim : n_embd / n_head};
+    return {n_head, n_kv_head > 0 ? n_kv_head : n_head, head_dim > 0 ? head_dim : n_embd / n_head};
   }
 };
 

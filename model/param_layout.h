@@ -19,15 +19,15 @@ struct ParamInfo {
   std::string name;  // "h.3.attn.qkv.weight"
   int64_t offset;    // elements from the start of the flat buffer
   Shape shape;
-  int unit;     // FSDP unit: 0 = embeddings, 1..L = blocks, L+1 = final norm (+ head)
-  bool decay;   // AdamW weight decay applies (matmul weights only)
+  int unit;    // FSDP unit: 0 = embeddings, 1..L = blocks, L+1 = final norm (+ head)
+  bool decay;  // AdamW weight decay applies (matmul weights only)
   int64_t numel() const { return shape.numel(); }
 };
 
 struct ParamLayout {
   std::vector<ParamInfo> tensors;
-  int64_t total = 0;                                  // elements
-  std::vector<std::pair<int64_t, int64_t>> units;     // [begin, end) per unit
+  int64_t total = 0;                                     // elements
+  std::vector<std::pair<int64_t, int64_t>> units;        // [begin, end) per unit
   std::vector<std::pair<int64_t, int64_t>> decay_spans;  // merged [begin, end) with decay
 
   const ParamInfo& find(const std::string& name) const;

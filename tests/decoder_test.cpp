@@ -2,6 +2,8 @@
 // what it was before the decoder was built from layers; LLaMA and Qwen3 shapes have their known
 // parameter counts; and the whole model's loss gradient (forward + hand-written backward through
 // every op) matches central finite differences for each architecture.
+#include "model/decoder.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,7 +11,6 @@
 #include <random>
 
 #include "kernels/arena.h"
-#include "model/decoder.h"
 
 namespace kiln {
 namespace {
@@ -36,7 +37,7 @@ double flops_per_token(const ModelConfig& c, int T) {
 
 TEST(Gpt2Layout, Gpt2SmallHasKnownParameterCount) {
   const ParamLayout layout = layout_of(gpt2_124m());
-  EXPECT_EQ(layout.total, 124475904);  // llm.c's count with vocab padded to 50304
+  EXPECT_EQ(layout.total, 124475904);   // llm.c's count with vocab padded to 50304
   EXPECT_EQ(layout.units.size(), 14u);  // embeddings, 12 blocks, final norm
   EXPECT_EQ(layout.units.front().first, 0);
   EXPECT_EQ(layout.units.back().second, layout.total);
@@ -78,7 +79,8 @@ TEST(Gpt2Init, DeterministicAndScaled) {
   const ParamInfo& ln = layout.find("h.0.ln1.weight");
   EXPECT_EQ(a[static_cast<size_t>(ln.offset)], 1.0f);
   const ParamInfo& wte = layout.find("wte");
-  for (int64_t i = 30 * 16; i < 32 * 16; ++i) EXPECT_EQ(a[static_cast<size_t>(wte.offset + i)], 0.0f);
+  for (int64_t i = 30 * 16; i < 32 * 16; ++i)
+    EXPECT_EQ(a[static_cast<size_t>(wte.offset + i)], 0.0f);
 }
 
 // Mean cross-entropy of the model at `params` (f32 host) on fixed tokens.
@@ -140,7 +142,8 @@ void check_whole_model_gradient(TinyModel& m) {
   for (const auto& t : layout.tensors)
     if ((t.name.find("ln") != std::string::npos || t.name.find("norm") != std::string::npos) &&
         t.name.find("weight") != std::string::npos)
-      for (int64_t i = 0; i < t.numel(); ++i) p[static_cast<size_t>(t.offset + i)] = 1.0f + normal(rng);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        p[static_cast<size_t>(t.offset + i)] = 1.0f + normal(rng);
   m.backend->copy_from_host(m.params, p.data());
   m.backend->fill_zero(m.grads);
   m.mean_loss(true);

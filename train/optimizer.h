@@ -15,8 +15,8 @@ namespace kiln {
 
 struct OptimizerStep {
   float lr = 0;
-  int step = 1;          // 1-based, for bias correction
-  float grad_clip = 0;   // max global norm (0: no clipping)
+  int step = 1;         // 1-based, for bias correction
+  float grad_clip = 0;  // max global norm (0: no clipping)
   // 1/world: each rank's loss is the mean over its own tokens, so the summed gradient becomes
   // the mean; applied with the clip factor, not as a pass over the gradients.
   float grad_scale = 1;

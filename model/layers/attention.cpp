@@ -16,8 +16,7 @@ void Attention::plan(const Planner& planner, const std::string& name, Acts& a, i
                      DType act) const {
   if (qk_norm) {
     planner(&a.qkv_raw, name + "qkv_raw", {B, T, dims.qkv_dim()}, act);
-    planner(&a.qk_rstd, name + "qk_rstd", {B * T * (dims.n_head + dims.n_kv_head)},
-               DType::f32);
+    planner(&a.qk_rstd, name + "qk_rstd", {B * T * (dims.n_head + dims.n_kv_head)}, DType::f32);
   }
   planner(&a.qkv, name + "qkv", {B, T, dims.qkv_dim()}, act);
   planner(&a.y, name + "atty", {B, T, dims.q_dim()}, act);
@@ -25,7 +24,8 @@ void Attention::plan(const Planner& planner, const std::string& name, Acts& a, i
   planner(&a.out, name + "attproj", {B, T, proj.out}, act);
 }
 
-void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const {
+void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
+                             DType act) const {
   planner(&s.dy, "d.atty", {B, T, dims.q_dim()}, act);
   planner(&s.dqkv, "d.qkv", {B, T, dims.qkv_dim()}, act);
   if (qk_norm) planner(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);

@@ -35,7 +35,8 @@ struct Attention {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias, bool bias);
-  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
+            DType act) const;
   void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
   // Activation recomputation: the core's output and log-sum-exp again, from the kept qkv.

@@ -13,8 +13,8 @@ struct Linear {
   int weight = -1, bias = -1;
   int64_t in = 0, out = 0;
 
-  void declare(LayoutBuilder& b, const std::string& name, int64_t in_features,
-               int64_t out_features, bool with_bias);
+  void declare(LayoutBuilder& b, const std::string& name, int64_t in_features, int64_t out_features,
+               bool with_bias);
   void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {}) const {
     k.matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu);
   }

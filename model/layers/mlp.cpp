@@ -10,8 +10,7 @@ void Mlp::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bia
 void Mlp::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
                DType act) const {
   planner(&a.pre, name + "fch", {B, T, fc.out}, act);
-  planner(&a.act, name + (kind == MlpKind::gelu ? "fch_gelu" : "fch_swiglu"), {B, T, ffn_dim},
-             act);
+  planner(&a.act, name + (kind == MlpKind::gelu ? "fch_gelu" : "fch_swiglu"), {B, T, ffn_dim}, act);
   planner(&a.out, name + "fcproj", {B, T, proj.out}, act);
 }
 

@@ -27,7 +27,8 @@ struct Mlp {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bias);
-  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, DType act) const;
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
+            DType act) const;
   void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
   // project=false stops before proj (recomputation needs act, not out).
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool project = true) const;

@@ -7,8 +7,8 @@ void Norm::declare(LayoutBuilder& b, const std::string& name, int64_t C) {
   bias = kind == NormKind::layernorm ? b.add(name + ".bias", {C}, false) : -1;
 }
 
-void Norm::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
-                DType act) const {
+void Norm::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
+                int64_t C, DType act) const {
   planner(&a.out, name, {B, T, C}, act);
   if (kind == NormKind::layernorm) planner(&a.mean, name + "_mean", {B, T}, DType::f32);
   planner(&a.rstd, name + "_rstd", {B, T}, DType::f32);

@@ -21,8 +21,8 @@ struct Norm {
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C);
-  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T, int64_t C,
-            DType act) const;
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
+            int64_t C, DType act) const;
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
   // residual = x + y, then a.out = norm(residual).
   void residual_forward(Backend& k, const Params& w, const Acts& a, Tensor residual, Tensor x,
