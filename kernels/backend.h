@@ -2,14 +2,16 @@
 // fast path). The model calls only these; tests compare backends op by op.
 //
 // Conventions every implementation keeps:
-//  - Shapes: B batch, T sequence, C channels (n_embd), OC output channels, NH heads,
-//    V real vocab, Vp padded vocab. Tensors are row-major and contiguous.
+//  - Shapes: B batch, T sequence, C channels (n_embd), OC output channels, NH query heads, KV
+//    key/value heads, hs head width (AttentionDims), V real vocab, Vp padded vocab. Tensors
+//    are row-major and contiguous.
 //  - Activations use the backend's activation dtype (cpu: f32; cuda: bf16). Parameters passed
 //    to ops use the working dtype (same as activations). Parameter *gradients* are always f32.
 //    LayerNorm mean/rstd, attention log-sum-exp and per-token losses are always f32.
 //  - Backward ops ACCUMULATE (+=) into parameter gradients (dweight, dbias, dwte, dwpe), so
 //    gradient accumulation over micro-batches is free, and OVERWRITE (=) activation gradients,
-//    with one exception stated on layernorm_backward (the residual stream accumulates).
+//    except where stated: layernorm_backward and rmsnorm_backward accumulate into the residual
+//    stream's gradient.
 //  - An undefined Tensor (data == nullptr) means "absent" for optional arguments.
 //  - All work is issued on the backend's compute stream in call order; nothing synchronizes
 //    with the host except synchronize(), copy_to_host() and read_wait().
@@ -89,7 +91,7 @@ class Backend {
     return readback_[slot];
   }
 
-  // ---- GPT-2 ops ------------------------------------------------------------------------
+  // ---- embedding, norm, linear, attention, loss ---------------------------------------
   // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or
   // undefined for a model without learned positions (RoPE): out = wte[tokens[b,t]].
   virtual void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
