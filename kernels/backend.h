@@ -90,6 +90,16 @@ class Backend {
     check_readback(slot, {});
     return readback_[slot];
   }
+  // A step's time on the device: mark_step_start(slot) before the step's first op is enqueued,
+  // read_async(slot, ...) after its last; once read_wait(slot) has returned, step_ms(slot) is
+  // the stream's time from the mark to the read, gaps inside the step included and the host's
+  // time before it (when the stream was still busy) not. -1 where there is no stream clock (the
+  // CPU, where enqueueing a step is doing it: the caller times it on the host).
+  virtual void mark_step_start(int slot) { check_readback(slot, {}); }
+  virtual double step_ms(int slot) {
+    check_readback(slot, {});
+    return -1;
+  }
 
   // ---- embedding, norm, linear, attention, loss ---------------------------------------
   // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or

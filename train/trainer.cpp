@@ -379,9 +379,13 @@ bool Trainer::host_step(int step) const {
 bool Trainer::finish_step(const PendingStep& p) {
   const auto& t = cfg_.train;
   const float* values = backend_->read_wait(p.step % Backend::kReadbackSlots);
-  // The step ran on the device from when it was enqueued or the previous one finished,
-  // whichever was later, until its values arrived; on a backend without a stream (the CPU)
-  // enqueueing it did the work, and its values wait while the next step runs.
+  // On a GPU the stream's own clock times the step (Backend::step_ms): the host may be held
+  // back by the step it enqueues (a copy from pageable memory waits for the stream), so when
+  // its values arrive says little. Where there is no stream clock, the step ran from when it
+  // was enqueued or the previous one finished, whichever was later, until its values arrived;
+  // on a backend without a stream (the CPU) enqueueing it did the work, and its values wait
+  // while the next step runs.
+  const double device_ms = backend_->step_ms(p.step % Backend::kReadbackSlots);
   const Clock::time_point done = backend_->native_stream() ? Clock::now() : p.enqueue_end;
   const Clock::time_point began = last_done_ ? std::max(*last_done_, p.enqueued) : p.enqueued;
   last_done_ = done;
@@ -391,7 +395,8 @@ bool Trainer::finish_step(const PendingStep& p) {
   sm.lr = p.lr;
   sm.loss = values[0] / static_cast<double>(tokens_per_step());
   sm.grad_norm = values[1];
-  sm.ms = std::chrono::duration<double, std::milli>(done - began).count();
+  sm.ms =
+      device_ms >= 0 ? device_ms : std::chrono::duration<double, std::milli>(done - began).count();
   sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
   sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
   if (!std::isfinite(sm.loss)) {
@@ -476,6 +481,7 @@ int Trainer::run() {
   std::optional<PendingStep> pending;
   for (int step = start_step_; step < t.max_steps; ++step) {
     const Clock::time_point enqueued = Clock::now();
+    backend_->mark_step_start(step % Backend::kReadbackSlots);
     const double lr = train_step(step);
     backend_->read_async(step % Backend::kReadbackSlots,
                          {loss_sum_, sched_.slice(kSchedGradNorm, {1})});

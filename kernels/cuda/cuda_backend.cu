@@ -122,8 +122,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   KILN_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
   KILN_CUDA_CHECK(cudaMallocHost(&readback_pinned_,
                                  sizeof(float) * kReadbackSlots * kReadbackFloats));
-  for (cudaEvent_t& e : readback_done_)
-    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (cudaEvent_t& e : readback_done_) KILN_CUDA_CHECK(cudaEventCreate(&e));
+  for (cudaEvent_t& e : step_start_) KILN_CUDA_CHECK(cudaEventCreate(&e));
   spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
                prop.minor);
   set_attention("auto");
@@ -135,6 +135,8 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();
   matmul_plans_.reset();
   if (scratch_) cudaFree(scratch_);
+  for (cudaEvent_t e : step_start_)
+    if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : readback_done_)
     if (e) cudaEventDestroy(e);
   if (readback_pinned_) cudaFreeHost(readback_pinned_);
@@ -203,6 +205,21 @@ void CudaBackend::read_async(int slot, std::initializer_list<Tensor> srcs) {
     dst += t.numel();
   }
   KILN_CUDA_CHECK(cudaEventRecord(readback_done_[slot], stream_));
+}
+
+void CudaBackend::mark_step_start(int slot) {
+  check_readback(slot, {});
+  KILN_CUDA_CHECK(cudaEventRecord(step_start_[slot], stream_));
+  step_marked_[slot] = true;
+}
+
+double CudaBackend::step_ms(int slot) {
+  check_readback(slot, {});
+  if (!step_marked_[slot]) return -1;
+  step_marked_[slot] = false;  // one reading per mark
+  float ms = 0;
+  KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, step_start_[slot], readback_done_[slot]));
+  return ms;
 }
 
 const float* CudaBackend::read_wait(int slot) {

@@ -72,6 +72,8 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   void read_async(int slot, std::initializer_list<Tensor> srcs) override;
   const float* read_wait(int slot) override;
+  void mark_step_start(int slot) override;
+  double step_ms(int slot) override;
 
   void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
   void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
@@ -147,6 +149,8 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   float* readback_pinned_ = nullptr;  // [kReadbackSlots][kReadbackFloats], cudaMallocHost
   cudaEvent_t readback_done_[kReadbackSlots] = {};
+  cudaEvent_t step_start_[kReadbackSlots] = {};  // mark_step_start
+  bool step_marked_[kReadbackSlots] = {};
   AttentionKind attention_ = AttentionKind::flash;
   bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;

@@ -118,6 +118,8 @@ class OpTimer final : public Backend {
     inner_.read_async(slot, srcs);
   }
   const float* read_wait(int slot) override { return inner_.read_wait(slot); }
+  void mark_step_start(int slot) override { inner_.mark_step_start(slot); }
+  double step_ms(int slot) override { return inner_.step_ms(slot); }
 
   // Ops keyed by their name alone: one line each in KILN_OP_TIMER_PLAIN_OPS above.
 #define KILN_OP_TIMER_FORWARD(op, params, args) \
