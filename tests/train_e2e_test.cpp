@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -138,6 +139,19 @@ TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
     ASSERT_EQ(b.size(), a.size());
     for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
   }
+}
+
+// The step line ends with the run's progress and, once a step after the first has been timed,
+// an ETA from the recent step time: plain fields, so the line stays parseable.
+TEST_F(TrainE2E, StepLinesShowProgressAndEta) {
+  const std::string out = (dir_ / "run_progress").string();
+  const Result r = run(train_cmd(out, "--train.max_steps=4 --train.log_every=1 --train.eval_every=0"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("step     1/4 |"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| 25.0%\n"), std::string::npos) << "no ETA before a timed step\n"
+                                                           << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\| 50\.0% ETA [0-9]+s\n)"))) << r.output;
+  EXPECT_NE(r.output.find("| 100.0% ETA 0s"), std::string::npos) << r.output;
 }
 
 TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {

@@ -2,12 +2,17 @@
 // The design choice: bench does not time its own copy of the step. It runs the real trainer
 // in-process (run_training, exactly what `train` runs) for warmup + steps steps with evaluation,
 // sampling and resuming off, then reads the run's metrics.jsonl and summary.json: the figures
-// are the trainer's per-step wall clock (host time from issuing the step to its loss arriving),
-// median over the timed steps. If the config's data.train matches no file, it trains on a shard
+// are the trainer's per-step times (on a GPU the stream's clock from a step's first op to its
+// loss read-back; on the CPU the host's), median over the timed steps. If the config's data.train matches no file, it trains on a shard
 // of uniformly random tokens written to a temp dir (as the PyTorch reference does).
 //
 //   bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]
-//         [--profile-ops [--profile-steps N]]
+//         [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]
+//         [--history FILE.jsonl]
+//
+// Regression tracking: --baseline compares tok/s, ms, MFU and memory with an earlier bench JSON
+// (a file of one, or the last line of a history) and exits 1 when any is worse by more than the
+// tolerance; --history appends this run's JSON line to a JSONL file (docs/PERF.md: nightly).
 //
 // --profile-ops (CUDA): afterwards, trains N more steps with the trainer's backend wrapped in an
 // OpTimer (kernels/cuda/op_timer.h, through TrainObserver) and times every op with CUDA events:
@@ -22,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -49,10 +55,13 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
-    "             [--profile-ops [--profile-steps N]]\n"
+    "             [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]\n"
+    "             [--history FILE.jsonl]\n"
     "  Trains CONFIG for warmup+steps steps (eval, sampling, resume off) and reports the median\n"
     "  step time, tokens/s and MFU over the last `steps` steps. Random tokens when data.train\n"
-    "  matches no file. --profile-ops (CUDA): per-op GPU time of N (default 3) more steps.\n";
+    "  matches no file. --profile-ops (CUDA): per-op GPU time of N (default 3) more steps.\n"
+    "  --baseline: deltas against an earlier bench JSON (its last line); exit 1 when tok/s, ms,\n"
+    "  MFU or memory is worse by more than --tolerance (default 3%). --history: append the JSON.\n";
 
 struct Options {
   std::string config_path;
@@ -62,7 +71,25 @@ struct Options {
   std::string json_path;
   bool profile_ops = false;
   int profile_steps = 3;
+  std::string baseline_path;
+  double tolerance = 0.03;  // fraction
+  std::string history_path;
 };
+
+// "3%" or "0.03" -> 0.03.
+double parse_tolerance(const std::string& value) {
+  std::string v = value;
+  const bool percent = !v.empty() && v.back() == '%';
+  if (percent) v.pop_back();
+  try {
+    size_t used = 0;
+    const double x = std::stod(v, &used);
+    if (used == v.size() && x >= 0 && std::isfinite(x)) return percent ? x / 100.0 : x;
+  } catch (const std::exception&) {
+  }
+  throw InputError("--tolerance: expected a fraction (0.03) or a percentage (3%), got '" + value +
+                   "'");
+}
 
 int parse_count(const std::string& flag, const std::string& value, int min) {
   try {
@@ -109,6 +136,12 @@ Options parse_options(int argc, char** argv) {
       o.profile_ops = true;
     } else if (arg == "--profile-steps") {
       o.profile_steps = parse_count(arg, take(), 1);
+    } else if (arg == "--baseline") {
+      o.baseline_path = take();
+    } else if (arg == "--tolerance") {
+      o.tolerance = parse_tolerance(take());
+    } else if (arg == "--history") {
+      o.history_path = take();
     } else if (arg.rfind("-", 0) == 0) {
       throw InputError("unknown flag '" + arg + "' (see bench --help)");
     } else if (o.config_path.empty()) {
@@ -119,6 +152,56 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.config_path.empty()) throw InputError(std::string("no config given\n") + kUsage);
   return o;
+}
+
+// The last non-empty line of a bench JSON or history file, parsed (JSON is YAML).
+YAML::Node read_baseline(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InputError("--baseline: cannot read " + path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find_first_not_of(" \t\r") != std::string::npos) last = line;
+  YAML::Node node;
+  try {
+    node = YAML::Load(last);
+  } catch (const YAML::Exception& e) {
+    throw InputError("--baseline: " + path + ": not a bench JSON line: " + e.msg);
+  }
+  for (const char* key : {"tok_s", "ms", "mfu", "memory_bytes", "device", "config"})
+    if (!node.IsMap() || !node[key])
+      throw InputError(std::string("--baseline: ") + path + ": no \"" + key +
+                       "\" (expected a line written by bench --json or --history)");
+  return node;
+}
+
+// Prints each figure's delta against the baseline; 1 when one is worse than the tolerance.
+int compare_with_baseline(const std::string& json, const Options& opt) {
+  const YAML::Node now = YAML::Load(json);
+  const YAML::Node base = read_baseline(opt.baseline_path);
+  std::printf("\nagainst %s (%s, %s, commit %s), tolerance %.1f%%:\n", opt.baseline_path.c_str(),
+              base["config"].as<std::string>().c_str(), base["device"].as<std::string>().c_str(),
+              base["commit"] ? base["commit"].as<std::string>().c_str() : "?",
+              100.0 * opt.tolerance);
+  if (base["device"].as<std::string>() != now["device"].as<std::string>() ||
+      base["config"].as<std::string>() != now["config"].as<std::string>())
+    std::printf("  note: another device or config than this run's; the deltas are context\n");
+  struct Figure {
+    const char* key;
+    bool higher_is_better;
+  };
+  int regressions = 0;
+  for (const Figure& f : {Figure{"tok_s", true}, Figure{"ms", false}, Figure{"mfu", true},
+                          Figure{"memory_bytes", false}}) {
+    const double was = base[f.key].as<double>(), is = now[f.key].as<double>();
+    const double delta = was != 0 ? (is - was) / was : 0.0;
+    const bool worse = f.higher_is_better ? delta < -opt.tolerance : delta > opt.tolerance;
+    regressions += worse;
+    std::printf("  %-13s %14.2f -> %14.2f  %+7.2f%%%s\n", f.key, was, is, 100.0 * delta,
+                worse ? "  REGRESSION" : "");
+  }
+  if (regressions > 0)
+    std::printf("%d figure(s) regressed by more than %.1f%%\n", regressions, 100.0 * opt.tolerance);
+  return regressions > 0 ? 1 : 0;
 }
 
 bool glob_matches(const std::string& pattern) {
@@ -249,6 +332,7 @@ std::string profile_ops(Config cfg, int steps, const fs::path& out_dir) {
 #endif
 
 int run(const Options& opt) {
+  if (!opt.baseline_path.empty()) read_baseline(opt.baseline_path);  // a bad one fails first
   const fs::path tmp = fs::temp_directory_path() / fmt::format("kiln_bench_{}", ::getpid());
   struct RemoveAtExit {
     fs::path dir;
@@ -322,7 +406,11 @@ int run(const Options& opt) {
     std::ofstream out(opt.json_path);
     if (!(out << json << "\n")) throw InputError("--json: cannot write " + opt.json_path);
   }
-  return 0;
+  if (!opt.history_path.empty()) {
+    std::ofstream out(opt.history_path, std::ios::app);
+    if (!(out << json << "\n")) throw InputError("--history: cannot append to " + opt.history_path);
+  }
+  return opt.baseline_path.empty() ? 0 : compare_with_baseline(json, opt);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "train/metrics.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "kernels/error.h"
@@ -66,6 +67,19 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   std::string s = buf;
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
+    s += buf;
+  }
+  // Progress for people watching a long run; a plain field, so the line stays parseable.
+  std::snprintf(buf, sizeof buf, " | %.1f%%", m.max_steps > 0 ? 100.0 * m.step / m.max_steps : 0.0);
+  s += buf;
+  if (m.eta_s >= 0) {
+    const long t = std::lround(m.eta_s);
+    if (t >= 3600)
+      std::snprintf(buf, sizeof buf, " ETA %ldh%02ldm", t / 3600, t / 60 % 60);
+    else if (t >= 60)
+      std::snprintf(buf, sizeof buf, " ETA %ldm%02lds", t / 60, t % 60);
+    else
+      std::snprintf(buf, sizeof buf, " ETA %lds", t);
     s += buf;
   }
   return s;

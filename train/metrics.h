@@ -22,6 +22,7 @@ struct StepMetrics {
   double tok_s = 0;
   double mfu = 0;  // fraction, 0..1
   std::optional<double> val_loss;
+  double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
 };
 
 class MetricsLog {

@@ -171,6 +171,7 @@ class Trainer {
   double peak_ = 0;
   double flops_per_token_ = 0;
   std::optional<Clock::time_point> last_done_;  // when the previous step's values arrived
+  double recent_ms_ = -1;  // moving average of the step time (the run's first step left out)
 };
 
 void Trainer::plan_memory() {
@@ -399,6 +400,9 @@ bool Trainer::finish_step(const PendingStep& p) {
       device_ms >= 0 ? device_ms : std::chrono::duration<double, std::milli>(done - began).count();
   sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
   sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
+  // The run's first step plans GEMMs and attention kernels, so it is left out of the ETA.
+  if (p.step > start_step_) recent_ms_ = recent_ms_ < 0 ? sm.ms : 0.8 * recent_ms_ + 0.2 * sm.ms;
+  if (recent_ms_ >= 0) sm.eta_s = (t.max_steps - sm.step) * recent_ms_ / 1000.0;
   if (!std::isfinite(sm.loss)) {
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
     return false;

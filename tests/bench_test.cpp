@@ -1,0 +1,74 @@
+// bench as a regression tracker, through the real binary on the CPU: --json and --history
+// write the run's JSON, --baseline prints the deltas and exits 1 on a regression past the
+// tolerance, and a baseline that is not a bench JSON exits 2 before anything runs.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+// Two timed steps of the tiny CPU model (random tokens where its data is missing).
+kiln::testing::CommandResult bench(const fs::path& dir, const std::string& extra) {
+  return kiln::testing::run_command("cd " + dir.string() + " && " + kBin + "/bench " + kSrc +
+                                    "/configs/tiny.yaml --train.device=cpu" +
+                                    " --data.train=nothing_here_*.bin --warmup 1 --steps 2 " +
+                                    extra);
+}
+
+std::string read(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("kiln_bench_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+
+  auto r = bench(dir, "--json first.json --history history.jsonl");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string first = read(dir / "first.json");
+  ASSERT_NE(first.find("\"tok_s\":"), std::string::npos) << first;
+
+  // Against itself with a wide tolerance: deltas printed, no regression, history grows.
+  r = bench(dir, "--baseline first.json --tolerance 400% --history history.jsonl");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("against first.json"), std::string::npos) << r.output;
+  for (const char* figure : {"tok_s", "ms", "mfu", "memory_bytes"})
+    EXPECT_NE(r.output.find(std::string("  ") + figure), std::string::npos) << figure;
+  const std::string history = read(dir / "history.jsonl");
+  EXPECT_EQ(std::count(history.begin(), history.end(), '\n'), 2) << history;
+
+  // A baseline 1000x faster: tok/s regressed, exit 1, the figure named.
+  std::ofstream(dir / "fast.json")
+      << std::regex_replace(first, std::regex("\"tok_s\":[0-9]+"), "\"tok_s\":999999999");
+  r = bench(dir, "--baseline fast.json");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("REGRESSION"), std::string::npos) << r.output;
+
+  // Not a bench JSON, a missing file, a bad tolerance: exit 2 naming the cause.
+  std::ofstream(dir / "bad.json") << "{\"loss\": 3}\n";
+  for (const auto& [args, expect] :
+       {std::pair<std::string, std::string>{"--baseline bad.json", "no \"tok_s\""},
+        {"--baseline missing.json", "cannot read missing.json"},
+        {"--baseline first.json --tolerance lots", "--tolerance"}}) {
+    r = bench(dir, args);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(expect), std::string::npos) << args << "\n" << r.output;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
