@@ -33,7 +33,8 @@ std::string read(const fs::path& p) {
 }
 
 TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("kiln_bench_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("kiln_bench_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
 
@@ -57,6 +58,14 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
   r = bench(dir, "--baseline fast.json");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("REGRESSION"), std::string::npos) << r.output;
+
+  // The nightly form, one file as baseline and history: compared with its last line (here the
+  // fast one), before this run's line is appended.
+  std::ofstream(dir / "history.jsonl", std::ios::app) << read(dir / "fast.json");
+  r = bench(dir, "--baseline history.jsonl --history history.jsonl");
+  EXPECT_EQ(r.status, 1) << r.output;
+  const std::string nightly = read(dir / "history.jsonl");
+  EXPECT_EQ(std::count(nightly.begin(), nightly.end(), '\n'), 4) << nightly;
 
   // Not a bench JSON, a missing file, a bad tolerance: exit 2 naming the cause.
   std::ofstream(dir / "bad.json") << "{\"loss\": 3}\n";

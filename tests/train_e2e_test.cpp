@@ -81,11 +81,12 @@ TEST_F(TrainE2E, LossFallsAndMetricsAreWritten) {
 }
 
 // `model` picks the architecture (extra flags for every run); `tag` names the run directories.
+using TrainCmd = std::string (*)(const std::string& out_dir, const std::string& extra);
 void check_resume_is_bit_identical(const fs::path& dir, const std::string& tag,
-                                   const std::string& model,
-                                   std::string (*train_cmd)(const std::string&, const std::string&)) {
+                                   const std::string& model, TrainCmd train_cmd) {
   const std::string full = (dir / ("run_full" + tag)).string();
-  Result r = run(train_cmd(full, model + " --train.max_steps=20 --train.checkpoint_every=10 --train.keep_checkpoints=5"));
+  Result r = run(train_cmd(full, model + " --train.max_steps=20 --train.checkpoint_every=10"
+                                         " --train.keep_checkpoints=5"));
   ASSERT_EQ(r.status, 0) << r.output;
   // A second run starts from the step-10 checkpoint of the first and runs to 20.
   const std::string resumed = (dir / ("run_resumed" + tag)).string();
@@ -137,7 +138,8 @@ TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
     const auto a = read_losses(none), b = read_losses(out);
     ASSERT_EQ(a.size(), 8u);
     ASSERT_EQ(b.size(), a.size());
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
   }
 }
 
@@ -145,7 +147,8 @@ TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
 // an ETA from the recent step time: plain fields, so the line stays parseable.
 TEST_F(TrainE2E, StepLinesShowProgressAndEta) {
   const std::string out = (dir_ / "run_progress").string();
-  const Result r = run(train_cmd(out, "--train.max_steps=4 --train.log_every=1 --train.eval_every=0"));
+  const Result r =
+      run(train_cmd(out, "--train.max_steps=4 --train.log_every=1 --train.eval_every=0"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("step     1/4 |"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("| 25.0%\n"), std::string::npos) << "no ETA before a timed step\n"

@@ -3,16 +3,18 @@
 // in-process (run_training, exactly what `train` runs) for warmup + steps steps with evaluation,
 // sampling and resuming off, then reads the run's metrics.jsonl and summary.json: the figures
 // are the trainer's per-step times (on a GPU the stream's clock from a step's first op to its
-// loss read-back; on the CPU the host's), median over the timed steps. If the config's data.train matches no file, it trains on a shard
-// of uniformly random tokens written to a temp dir (as the PyTorch reference does).
+// loss read-back; on the CPU the host's), median over the timed steps. If the config's
+// data.train matches no file, it trains on a shard of uniformly random tokens written to a temp
+// dir (as the PyTorch reference does).
 //
 //   bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]
 //         [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]
 //         [--history FILE.jsonl]
 //
 // Regression tracking: --baseline compares tok/s, ms, MFU and memory with an earlier bench JSON
-// (a file of one, or the last line of a history) and exits 1 when any is worse by more than the
-// tolerance; --history appends this run's JSON line to a JSONL file (docs/PERF.md: nightly).
+// (a file of one, or the last line of a history, read before the run) and exits 1 when any is
+// worse by more than the tolerance; --history appends this run's JSON line to a JSONL file
+// (docs/cuda.md: nightly).
 //
 // --profile-ops (CUDA): afterwards, trains N more steps with the trainer's backend wrapped in an
 // OpTimer (kernels/cuda/op_timer.h, through TrainObserver) and times every op with CUDA events:
@@ -175,9 +177,8 @@ YAML::Node read_baseline(const std::string& path) {
 }
 
 // Prints each figure's delta against the baseline; 1 when one is worse than the tolerance.
-int compare_with_baseline(const std::string& json, const Options& opt) {
+int compare_with_baseline(const std::string& json, const YAML::Node& base, const Options& opt) {
   const YAML::Node now = YAML::Load(json);
-  const YAML::Node base = read_baseline(opt.baseline_path);
   std::printf("\nagainst %s (%s, %s, commit %s), tolerance %.1f%%:\n", opt.baseline_path.c_str(),
               base["config"].as<std::string>().c_str(), base["device"].as<std::string>().c_str(),
               base["commit"] ? base["commit"].as<std::string>().c_str() : "?",
@@ -332,7 +333,10 @@ std::string profile_ops(Config cfg, int steps, const fs::path& out_dir) {
 #endif
 
 int run(const Options& opt) {
-  if (!opt.baseline_path.empty()) read_baseline(opt.baseline_path);  // a bad one fails first
+  // Read before the run: a bad baseline fails first, and a history given as both baseline and
+  // --history is compared with its last line before this run's is appended.
+  const YAML::Node baseline =
+      opt.baseline_path.empty() ? YAML::Node() : read_baseline(opt.baseline_path);
   const fs::path tmp = fs::temp_directory_path() / fmt::format("kiln_bench_{}", ::getpid());
   struct RemoveAtExit {
     fs::path dir;
@@ -410,7 +414,7 @@ int run(const Options& opt) {
     std::ofstream out(opt.history_path, std::ios::app);
     if (!(out << json << "\n")) throw InputError("--history: cannot append to " + opt.history_path);
   }
-  return opt.baseline_path.empty() ? 0 : compare_with_baseline(json, opt);
+  return opt.baseline_path.empty() ? 0 : compare_with_baseline(json, baseline, opt);
 }
 
 }  // namespace
