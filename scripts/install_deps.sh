@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
-# Gloo, OpenMP) and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
-# nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent; runs as root or with sudo.
+# Gloo, OpenMP), matplotlib for tools/plot.py, and, where the CUDA toolkit is present, the cuDNN
+# frontend headers (from PyPI's nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent;
+# runs as root or with sudo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,15 @@ if [ ${#missing[@]} -gt 0 ]; then
     "${missing[@]}"
 else
   echo "install_deps: Debian packages present"
+fi
+
+# tools/plot.py draws with matplotlib, for the python3 on PATH (the one the tests run). PyPI
+# first; Debian's package where pip may not install (an externally managed system Python).
+if ! python3 -c "import matplotlib" >/dev/null 2>&1; then
+  echo "install_deps: installing matplotlib"
+  python3 -m pip install -q matplotlib ||
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+      python3-matplotlib
 fi
 
 # The cuDNN frontend is header-only C++; only the CUDA build needs it.

@@ -1,0 +1,69 @@
+// tools/plot.py on runs the tests make: two CPU runs share the axes of loss.png and
+// throughput.png, both non-empty PNGs of the stated 1200 x 450 pixels; a directory that is not a
+// run exits 2 naming it.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+// Width and height from a PNG's IHDR chunk (big-endian, bytes 16-23), or 0 x 0.
+std::pair<uint32_t, uint32_t> png_size(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  unsigned char h[24] = {};
+  if (!in.read(reinterpret_cast<char*>(h), sizeof h) || h[1] != 'P' || h[2] != 'N' || h[3] != 'G')
+    return {0, 0};
+  auto be = [&](int at) {
+    return uint32_t{h[at]} << 24 | uint32_t{h[at + 1]} << 16 | uint32_t{h[at + 2]} << 8 |
+           uint32_t{h[at + 3]};
+  };
+  return {be(16), be(20)};
+}
+
+TEST(Plot, TwoRunsShareTheAxesOfNonEmptyPngs) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("kiln_plot_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
+  ASSERT_EQ(prepared.status, 0) << prepared.output;
+  for (const char* arch : {"gpt2", "llama"}) {
+    const auto r = kiln::testing::run_command(
+        kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu --model.arch=" + arch +
+        " --data.train='" + (dir / "data").string() + "/train_*.bin' --data.val='" +
+        (dir / "data").string() + "/val_*.bin' --model.n_layer=1 --model.n_embd=32" +
+        " --model.n_head=2 --model.seq_len=32 --train.batch_size=4 --train.max_steps=12" +
+        " --train.eval_every=4 --train.eval_steps=1 --train.save_checkpoints=false" +
+        " --train.out_dir=" + (dir / arch).string());
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  const auto r = kiln::testing::run_command("python3 " + kSrc + "/tools/plot.py " +
+                                            (dir / "gpt2").string() + " " +
+                                            (dir / "llama").string() + " --out " +
+                                            (dir / "plots").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* png : {"loss.png", "throughput.png"}) {
+    const fs::path p = dir / "plots" / png;
+    ASSERT_TRUE(fs::exists(p)) << p;
+    EXPECT_GT(fs::file_size(p), 10000u) << p;
+    EXPECT_EQ(png_size(p), std::make_pair(1200u, 450u)) << p;
+  }
+  const auto bad = kiln::testing::run_command("python3 " + kSrc + "/tools/plot.py " +
+                                              (dir / "data").string() + " --out " +
+                                              (dir / "plots").string());
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("no metrics.jsonl"), std::string::npos) << bad.output;
+  fs::remove_all(dir);
+}
+
+}  // namespace

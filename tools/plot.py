@@ -1,0 +1,92 @@
+"""Plots one or several kiln run directories (their metrics.jsonl and summary.json) as PNGs, the
+runs sharing axes, for bf16 against FP8 or one GPU against eight.
+
+    python3 tools/plot.py RUN_DIR [RUN_DIR ...] --out DIR
+
+Writes DIR/loss.png (training and validation loss against step and against tokens) and
+DIR/throughput.png (tokens/s and MFU against step), each 1200 x 450 pixels. A run's first step
+(planning, warm-up) is left out of the throughput plot. Power and expert load are plotted once
+the runs log them. A run directory without metrics.jsonl is an error (exit 2) that names it.
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def load_run(path):
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        print(f"plot: {path}: no metrics.jsonl (not a kiln run directory?)", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    with open(metrics) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    print(f"plot: {metrics}:{n}: not JSON: {e}", file=sys.stderr)
+                    sys.exit(2)
+    if not rows:
+        print(f"plot: {metrics}: no steps", file=sys.stderr)
+        sys.exit(2)
+    tokens_per_step = None
+    try:
+        with open(os.path.join(path, "summary.json")) as f:
+            tokens_per_step = json.load(f).get("tokens_per_step")
+    except (OSError, json.JSONDecodeError):
+        pass  # a run still going has no summary yet: no tokens axis
+    return {"name": os.path.basename(os.path.normpath(path)), "rows": rows,
+            "tokens_per_step": tokens_per_step}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    runs = [load_run(r) for r in a.runs]
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(a.out, exist_ok=True)
+    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for r in runs:
+        steps = [x["step"] for x in r["rows"]]
+        line, = by_step.plot(steps, [x["loss"] for x in r["rows"]], label=f"{r['name']} train")
+        val = [(x["step"], x["val_loss"]) for x in r["rows"] if "val_loss" in x]
+        if val:
+            by_step.plot(*zip(*val), "o--", color=line.get_color(), label=f"{r['name']} val")
+        if r["tokens_per_step"]:
+            tokens = [s * r["tokens_per_step"] for s in steps]
+            by_tokens.plot(tokens, [x["loss"] for x in r["rows"]], color=line.get_color(),
+                           label=r["name"])
+    by_step.set(xlabel="step", ylabel="loss", title="loss against step")
+    by_tokens.set(xlabel="tokens", ylabel="loss", title="loss against tokens")
+    for ax in (by_step, by_tokens):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "loss.png"))
+
+    fig, (tok, mfu) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for r in runs:
+        rows = r["rows"][1:] or r["rows"]
+        steps = [x["step"] for x in rows]
+        tok.plot(steps, [x["tok_s"] for x in rows], label=r["name"])
+        mfu.plot(steps, [100 * x["mfu"] for x in rows], label=r["name"])
+    tok.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    mfu.set(xlabel="step", ylabel="MFU %", title="model FLOPs utilization")
+    for ax in (tok, mfu):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "throughput.png"))
+    print(f"plot: {len(runs)} run(s) -> {a.out}/loss.png, {a.out}/throughput.png")
+
+
+if __name__ == "__main__":
+    main()
