@@ -49,6 +49,7 @@ class Ddp final : public Strategy {
     if (working_.data != master_.data) backend_.copy(working_, master_);
   }
   Tensor full_working() const override { return working_; }
+  bool replicated() const override { return true; }
 
  protected:
   Tensor working_out() const override {

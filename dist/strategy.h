@@ -89,6 +89,8 @@ class Strategy {
   void read_range(const OwnedRange& o, float* master, float* m, float* v);
   // After the master weights change outside an optimizer step: the working copies follow.
   virtual void refresh_working() = 0;
+  // Every rank holds the same whole state (ddp): one rank writes it to a checkpoint.
+  virtual bool replicated() const { return false; }
   // Weights in the working dtype for sampling; undefined under fsdp (never held whole).
   virtual Tensor full_working() const { return Tensor{}; }
 

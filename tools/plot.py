@@ -5,8 +5,9 @@ runs sharing axes, for bf16 against FP8 or one GPU against eight.
 
 Writes DIR/loss.png (training and validation loss against step and against tokens) and
 DIR/throughput.png (tokens/s and MFU against step), each 1200 x 450 pixels. A run's first step
-(planning, warm-up) is left out of the throughput plot. Power and expert load are plotted once
-the runs log them. A run directory without metrics.jsonl is an error (exit 2) that names it.
+(planning, warm-up) is left out of the throughput plot. Power and expert load are not plotted:
+runs do not log them yet. A run directory without metrics.jsonl is an error (exit 2) that
+names it.
 """
 import argparse
 import json

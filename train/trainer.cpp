@@ -297,10 +297,10 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save(int step) {
-  // Replicated state (ddp) is written by rank 0 alone; sharded state by every rank.
+  // Replicated state is written by rank 0 alone; sharded state by every rank.
   std::vector<std::vector<float>> master, m, v;
   std::vector<OptimizerShard> shards;
-  if (cfg_.dist.strategy != "ddp" || is_main()) {
+  if (!strategy_->replicated() || is_main()) {
     for (const OwnedRange& o : strategy_->plan().owned) {
       const size_t n = static_cast<size_t>(o.end - o.begin);
       master.emplace_back(n);
