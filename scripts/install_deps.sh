@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
-# Gloo, OpenMP), matplotlib for tools/plot.py, and, where the CUDA toolkit is present, the cuDNN
-# frontend headers (from PyPI's nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent;
-# runs as root or with sudo.
+# Gloo, OpenMP), Open MPI's mpirun (CI launches kiln under it), matplotlib for tools/plot.py,
+# and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
+# nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent; runs as root or with sudo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CUDNN_FRONTEND_VERSION=1.32.0
 packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
-          libgmock-dev libgloo-dev libomp-dev unzip python3-pip)
+          libgmock-dev libgloo-dev libomp-dev unzip python3-pip openmpi-bin)
 
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
