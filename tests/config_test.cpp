@@ -279,6 +279,17 @@ TEST(ConfigErrors, MissingFileNamesThePath) {
   EXPECT_NE(msg.find("is a directory"), std::string::npos) << msg;
 }
 
+// An empty file is not "all defaults" (that trains GPT-2 124M): it is refused, naming the file.
+TEST(ConfigErrors, EmptyFileIsRefusedNamingIt) {
+  const auto path = std::filesystem::path(::testing::TempDir()) / "kiln_config_test_empty.yaml";
+  for (const char* text : {"", "\n  \n", "# only a comment\n---\n"}) {
+    std::ofstream(path) << text;
+    const std::string msg = input_error([&] { load_config(path.string(), {"data.train=x"}); });
+    EXPECT_NE(msg.find(path.string() + ": the config file is empty"), std::string::npos) << msg;
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(ConfigErrors, YamlSyntaxErrorNamesFileAndLine) {
   std::string msg = parse_error(kMinimal + "train:\n  batch_size: [1, 2\n");
   EXPECT_NE(msg.find("run.yaml:"), std::string::npos) << msg;

@@ -40,8 +40,7 @@ std::vector<std::pair<int, std::string>> losses(const std::string& out_dir) {
 class DistTrain : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::path(::testing::TempDir()) / ("kiln_dist_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
+    dir_ = kiln::testing::make_temp_dir("kiln_dist_");
     const auto r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
     ASSERT_EQ(r.status, 0) << r.output;
   }

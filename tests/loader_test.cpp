@@ -14,6 +14,7 @@
 
 #include "data/shard.h"
 #include "kernels/error.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
@@ -23,8 +24,7 @@ constexpr int kT = 8;
 
 // Shard s holds tokens s*1000 + i, so a window's first token says where it came from.
 std::string make_shards(const std::vector<int>& sizes) {
-  std::string dir = ::testing::TempDir() + "kiln_loader_XXXXXX";
-  if (::mkdtemp(dir.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  const std::string dir = kiln::testing::make_temp_dir("kiln_loader_");
   for (size_t s = 0; s < sizes.size(); ++s) {
     std::vector<uint16_t> tokens(static_cast<size_t>(sizes[s]));
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(s * 1000 + i);

@@ -11,14 +11,13 @@
 
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
 
 std::string make_temp_dir() {
-  std::string tmpl = ::testing::TempDir() + "kiln_prepare_XXXXXX";
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
+  return kiln::testing::make_temp_dir("kiln_prepare_");
 }
 
 void write_text(const std::string& path, const std::string& text) {

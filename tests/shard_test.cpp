@@ -12,14 +12,13 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
 
 std::string make_temp_dir() {
-  std::string tmpl = ::testing::TempDir() + "kiln_shard_XXXXXX";
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
+  return kiln::testing::make_temp_dir("kiln_shard_");
 }
 
 void write_bytes(const std::string& path, const void* data, size_t bytes) {

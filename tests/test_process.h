@@ -1,17 +1,42 @@
 // Helpers for tests that drive kiln's real binaries: run a command and collect its output and
-// exit status, read the losses a run wrote to metrics.jsonl, and shard a small English corpus.
+// exit status, read the losses a run wrote to metrics.jsonl, shard a small English corpus, and
+// make temp directories that are gone when the test process ends.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace kiln::testing {
+
+// A new directory `<test temp dir>/<prefix>XXXXXX`, removed with all it holds when this process
+// exits normally (ctest runs each test in a process of its own, so a `make test` leaves nothing
+// behind). A forked child that exits leaves it alone.
+inline std::string make_temp_dir(const std::string& prefix) {
+  struct RemoveAtExit {
+    pid_t owner = ::getpid();
+    std::vector<std::string> dirs;
+    ~RemoveAtExit() {
+      if (::getpid() != owner) return;
+      std::error_code ec;
+      for (const std::string& d : dirs) std::filesystem::remove_all(d, ec);
+    }
+  };
+  static RemoveAtExit cleanup;
+  std::string path = ::testing::TempDir() + prefix + "XXXXXX";
+  if (::mkdtemp(path.data()) == nullptr) throw std::runtime_error("mkdtemp " + path + " failed");
+  cleanup.dirs.push_back(path);
+  return path;
+}
 
 struct CommandResult {
   int status;          // exit status, or 128 + signal

@@ -3,6 +3,7 @@
 // a continuation of the prompt. Byte-level vocabularies (256) decode to text; others print ids.
 #include <spdlog/spdlog.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -75,6 +76,12 @@ int run(int argc, char** argv) {
   }
   if (path.empty()) throw InputError(std::string("no run or checkpoint directory given\n") + kUsage);
   if (opts.max_new_tokens < 1) throw InputError("--tokens must be at least 1");
+  if (!(opts.temperature >= 0) || !std::isfinite(opts.temperature))
+    throw InputError(fmt::format("--temperature must be a finite number >= 0 (0: greedy), got {}",
+                                 opts.temperature));
+  if (opts.top_k < 0)
+    throw InputError("--top-k must be >= 0 (0: the whole vocabulary), got " +
+                     std::to_string(opts.top_k));
   if (prompt.empty()) throw InputError("--prompt must not be empty");
 
   std::string dir = path;

@@ -510,6 +510,16 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) throw InputError(path + ": cannot read config file: " + std::strerror(errno));
+  // An empty file would otherwise be "all defaults": GPT-2 124M on whatever device is found.
+  bool empty = false;
+  try {
+    empty = YAML::Load(text.str()).IsNull();
+  } catch (const YAML::Exception&) {
+    // parse_config names the syntax error.
+  }
+  if (empty)
+    throw InputError(path + ": the config file is empty (nothing but blanks or comments); "
+                     "a run needs at least data.train (configs/tiny.yaml is a complete example)");
   return parse_config(text.str(), overrides, path);
 }
 

@@ -60,11 +60,15 @@ std::string metrics_json(const StepMetrics& m) {
 std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %8.1f ms | %10.0f tok/s | "
-                "MFU %5.1f%% | mem %s",
-                m.step, m.max_steps, m.loss, m.lr, m.grad_norm, m.ms, m.tok_s, 100.0 * m.mfu,
-                memory.c_str());
+                "step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %8.1f ms | %10.0f tok/s | ",
+                m.step, m.max_steps, m.loss, m.lr, m.grad_norm, m.ms, m.tok_s);
   std::string s = buf;
+  // No peak known (the CPU, an unlisted GPU): a 0.0% would read as a measurement.
+  if (m.mfu > 0)
+    std::snprintf(buf, sizeof buf, "MFU %5.1f%% | mem %s", 100.0 * m.mfu, memory.c_str());
+  else
+    std::snprintf(buf, sizeof buf, "MFU   n/a | mem %s", memory.c_str());
+  s += buf;
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
     s += buf;

@@ -9,7 +9,8 @@
 namespace kiln {
 
 // Dense peak FLOP/s per GPU for a device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...),
-// bf16 or fp8. 0 when unknown (the CPU backend, an unlisted GPU): MFU is then reported as 0.
+// bf16 or fp8. 0 when unknown (the CPU backend, an unlisted GPU): MFU is then 0 in
+// metrics.jsonl and "n/a" on the step line.
 double peak_flops(const std::string& device_name, bool fp8);
 
 struct StepMetrics {
@@ -20,7 +21,7 @@ struct StepMetrics {
   double grad_norm = 0;
   double ms = 0;
   double tok_s = 0;
-  double mfu = 0;  // fraction, 0..1
+  double mfu = 0;  // fraction, 0..1; 0 where no peak is known
   std::optional<double> val_loss;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
 };

@@ -426,7 +426,11 @@ bool Trainer::finish_step(const PendingStep& p) {
 int Trainer::run() {
   const auto& t = cfg_.train;
   if (is_main()) {
-    fs::create_directories(t.out_dir);
+    std::error_code ec;
+    fs::create_directories(t.out_dir, ec);
+    if (ec)
+      throw InputError("train.out_dir=" + t.out_dir + ": cannot create the run directory: " +
+                       ec.message());
     std::ofstream(t.out_dir + "/config.yaml") << config_to_yaml(cfg_);
   }
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
@@ -477,7 +481,7 @@ int Trainer::run() {
                  "{:.3g} GFLOP/token, peak {}",
                  t.max_steps - start_step_, tokens_per_step(), B(), T(), t.grad_accum,
                  rank_.world_size, backend_->name(), flops_per_token_ / 1e9,
-                 peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU 0)");
+                 peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
   // read while step N+1 runs (the GPU never waits for the host's logging), except at host

@@ -43,8 +43,7 @@ class DistNccl : public ::testing::Test {
  protected:
   void SetUp() override {
     if (kiln::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
-    dir_ = fs::path(::testing::TempDir()) / ("kiln_nccl_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
+    dir_ = kiln::testing::make_temp_dir("kiln_nccl_");
     const auto r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
     ASSERT_EQ(r.status, 0) << r.output;
   }
