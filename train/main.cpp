@@ -22,6 +22,10 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
   const auto timeout = std::chrono::seconds(config.dist.timeout_s);
+  spdlog::info("{} ranks ({} per node), identities from the {} environment; rendezvous store "
+               "at {}:{}",
+               worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
+               worker.master_port);
   Rendezvous rendezvous(worker, timeout);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
   CommunicatorFactory make_comm = [&](Backend& backend) -> std::unique_ptr<Communicator> {
