@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
-# Gloo, OpenMP), Open MPI's mpirun (CI launches kiln under it), matplotlib for tools/plot.py,
+# Gloo, OpenMP, nlohmann-json), Open MPI's mpirun (CI launches kiln under it), matplotlib for
+# tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json,
 # and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
 # nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent; runs as root or with sudo.
 set -euo pipefail
@@ -8,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 CUDNN_FRONTEND_VERSION=1.32.0
 packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
-          libgmock-dev libgloo-dev libomp-dev unzip python3-pip openmpi-bin)
+          libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin)
 
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
@@ -33,6 +34,15 @@ if ! python3 -c "import matplotlib" >/dev/null 2>&1; then
   python3 -m pip install -q matplotlib ||
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
       python3-matplotlib
+fi
+
+# prepare_data --tokenizer FILE.json tokenizes with Hugging Face's tokenizers (its Python
+# package) for the same python3. Debian 12 packages no tokenizers: where the system Python is
+# externally managed, it goes to the user's site-packages, beside (not over) Debian's.
+if ! python3 -c "import tokenizers" >/dev/null 2>&1; then
+  echo "install_deps: installing tokenizers"
+  python3 -m pip install -q tokenizers ||
+    python3 -m pip install -q --user --break-system-packages tokenizers
 fi
 
 # The cuDNN frontend is header-only C++; only the CUDA build needs it.

@@ -18,7 +18,7 @@ mkdir -p "$out/debs" "$root"
 # -dev packages and the shared libraries they pull in that a CUDA base image lacks.
 pkgs=(libyaml-cpp-dev libyaml-cpp0.7 libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
       libgtest-dev libgmock-dev libgloo-dev libgloo0 libhiredis0.14 libhiredis-dev
-      libibverbs1 libibverbs-dev libnl-3-200 libnl-route-3-200)
+      libibverbs1 libibverbs-dev libnl-3-200 libnl-route-3-200 nlohmann-json3-dev)
 # apt's sandbox user must be able to write into the download folder.
 chmod 777 "$out/debs"
 (cd "$out/debs" && apt-get download -q "${pkgs[@]}")
