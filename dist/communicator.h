@@ -30,6 +30,9 @@ class Communicator {
   // kernels it runs beside keep the rest (docs/PERF.md: what held SMs cost). Same stream, same
   // order as every other collective.
   virtual void all_reduce_sum_overlapped(Tensor buf) { all_reduce_sum(buf); }
+  // buf = max over ranks of buf, in place, for f32 values that are >= 0 or NaN (FP8 amaxes): a
+  // NaN on any rank wins. (Taken over the bits as int32, whose order is the floats' there.)
+  virtual void all_reduce_max(Tensor buf) = 0;
   // in_full.numel() == world_size * out_shard.numel(); rank r receives the sum over ranks of
   // chunk r of in_full. in_full is left unchanged.
   virtual void reduce_scatter_sum(Tensor out_shard, Tensor in_full) = 0;

@@ -93,6 +93,22 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  void all_reduce_max(Tensor buf) override {
+    check_collective(name(), "all_reduce_max", buf, buf, 1, 1);
+    expect_cpu("all_reduce_max", buf);
+    if (buf.dtype != DType::f32)
+      throw std::invalid_argument(name() + " all_reduce_max: " + buf.str() + " is not f32");
+    if (buf.numel() == 0) return;
+    enqueue("all_reduce_max", buf, [this, buf] {
+      using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+      gloo::AllreduceOptions opts(ctx_);
+      opts.setOutput(buf.ptr<int32_t>(), static_cast<size_t>(buf.numel()));
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int32_t>));
+      configure(opts);
+      gloo::allreduce(opts);
+    });
+  }
+
   void reduce_scatter_sum(Tensor out_shard, Tensor in_full) override {
     check_collective(name(), "reduce_scatter_sum", out_shard, in_full, 1, world_size());
     expect_sum_dtype("reduce_scatter_sum", in_full);

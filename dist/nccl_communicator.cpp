@@ -85,6 +85,17 @@ class NcclCommunicator : public Communicator {
     all_reduce("all_reduce_sum_overlapped", buf, overlap_comm_ ? overlap_comm_ : comm_);
   }
 
+  void all_reduce_max(Tensor buf) override {
+    check_collective(name(), "all_reduce_max", buf, buf, 1, 1);
+    expect_cuda("all_reduce_max", buf);
+    if (buf.dtype != DType::f32)
+      throw std::invalid_argument(name() + " all_reduce_max: " + buf.str() + " is not f32");
+    begin();
+    check("all_reduce_max", ncclAllReduce(buf.data, buf.data, static_cast<size_t>(buf.numel()),
+                                          ncclInt32, ncclMax, comm_, stream_));
+    end();
+  }
+
   void reduce_scatter_sum(Tensor out_shard, Tensor in_full) override {
     check_collective(name(), "reduce_scatter_sum", out_shard, in_full, 1, world_);
     begin();

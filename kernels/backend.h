@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/fp8.h"
 #include "kernels/tensor.h"
 
 namespace kiln {
@@ -47,6 +48,22 @@ struct AttentionDims {
   int64_t q_dim() const { return static_cast<int64_t>(n_head) * head_dim; }
   int64_t kv_dim() const { return static_cast<int64_t>(n_kv_head) * head_dim; }
   int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+};
+
+// One linear layer's FP8 operands (kernels/fp8.h has the recipe and the state layout). The
+// layer casts (fp8_cast) and then multiplies (fp8_matmul_*), so each shows in a profile.
+//  - state: the f32 buffer of the run's FP8 state; the layer's input, weight and output gradient
+//    are tensors index + kFp8X, + kFp8W and + kFp8G in it.
+//  - weight8 [OC,C] and weight8_t [C,OC]: the weight in E4M3 and its transpose (the dgrad
+//    operand: Hopper's FP8 GEMMs take only the TN layout), cast once per optimizer step.
+//  - x8 [N,C] (forward), x8_t [C,N] (weight gradient): the input in E4M3; g8 [N,OC], g8_t
+//    [OC,N]: the output gradient in the gradient format. Views of scratch shared by all layers.
+struct Fp8Linear {
+  Tensor state;
+  Fp8StateLayout layout;
+  int index = 0;
+  Tensor weight8, weight8_t;
+  Tensor x8, x8_t, g8, g8_t;
 };
 
 class Backend {
@@ -183,6 +200,30 @@ class Backend {
   // the real columns and 0 on the padded ones; full-precision logits are never kept.
   virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                                      float dloss_scale, bool write_dlogits) = 0;
+
+  // ---- FP8 with delayed scaling ---------------------------------------------------------
+  // Why this backend cannot run the FP8 recipe ("" when it can: CUDA on sm_89 and newer, and
+  // the CPU, which emulates it).
+  virtual std::string fp8_unavailable() const { return ""; }
+  // out [R,C] and/or out_t [C,R] (either may be undefined; their dtype, fp8_e4m3 or fp8_e5m2,
+  // is the format) = fp8(inp[R,C] * scale[index]) (any leading dims on inp), rounded as
+  // fp8_encode. The window of tensor `index` records max |inp|, the values clipped and cast.
+  virtual void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                        const Fp8StateLayout& layout, int index) = 0;
+  // matmul_forward from the casts: out = f.x8 @ f.weight8^T * scale_inv_x * scale_inv_w, + bias,
+  // GELU epilogue as matmul_forward. inp and weight are the originals, for a backend that
+  // cannot run a shape in FP8 (it says so once and runs it in bf16).
+  virtual void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                  Tensor pre_gelu, const Fp8Linear& f) = 0;
+  // matmul_backward from the casts: dinp = f.g8 @ f.weight8 (times gelu'(inp_pre_gelu), in full
+  // precision), dweight += f.g8_t @ f.x8_t^T, dbias += column sums of dout itself.
+  virtual void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                   Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                   const Fp8Linear& f) = 0;
+  // Once per optimizer step, after the windows' amaxes are final (all-reduced with MAX over
+  // data-parallel ranks): the summary (fp8_summarize), then every tensor's fp8_update_tensor.
+  virtual void fp8_update_scales(Tensor state, const Fp8StateLayout& layout,
+                                 const Fp8Options& options) = 0;
 
   // ---- reductions and the optimizer -----------------------------------------------------
   // out: f32[1]. out (+)= sum(x) / sum(x*x). x is f32 or the activation dtype.

@@ -89,6 +89,24 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
   }
   norm_init(lnf_);
   set(lm_head_, Init::embedding);
+
+  if (cfg.fp8) {
+    const bool edges = cfg.fp8_options.bf16_edges;
+    for (int l = 0; l < cfg.n_layer; ++l) {
+      if (edges && (l == 0 || l == cfg.n_layer - 1)) continue;
+      Block& blk = blocks_[static_cast<size_t>(l)];
+      const std::string p = "h." + std::to_string(l) + ".";
+      for (auto [lin, name] : {std::pair{&blk.attn.qkv, "attn.qkv"}, {&blk.attn.proj, "attn.proj"},
+                               {&blk.mlp.fc, "mlp.fc"}, {&blk.mlp.proj, "mlp.proj"}}) {
+        fp8_.linears.push_back(lin);
+        for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
+      }
+    }
+    fp8_.layout.n = static_cast<int>(fp8_.names.size());
+    fp8_.layout.history = cfg.fp8_options.amax_history_len;
+    fp8_.ops.resize(fp8_.linears.size());
+    for (size_t i = 0; i < fp8_.linears.size(); ++i) fp8_.linears[i]->fp8 = &fp8_.ops[i];
+  }
 }
 
 void Decoder::init(uint64_t seed, float* params) const {
@@ -205,6 +223,20 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   blocks_.front().attn.plan_scratch(planner, acts.attn, B, T, act);
   blocks_.front().mlp.plan_scratch(planner, acts.mlp, B, T, act);
   planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
+  if (!fp8_.linears.empty()) {
+    int64_t weight_bytes = 0, widest = 0;
+    for (const Linear* lin : fp8_.linears) {
+      weight_bytes += 2 * lin->in * lin->out;
+      widest = std::max({widest, lin->in, lin->out});
+    }
+    const Fp8StateLayout& fl = fp8_.layout;
+    planner(&acts.fp8_state, "fp8.state", {fl.total()}, DType::f32);
+    planner(&acts.fp8_window, "fp8.window", {fl.summary() - fl.amax()}, DType::f32);
+    planner(&acts.fp8_weights, "fp8.weights", {weight_bytes}, DType::fp8_e4m3);
+    for (int i = 0; i < 3; ++i)
+      planner(&acts.fp8_scratch[i], "fp8.scratch" + std::to_string(i),
+              {static_cast<int64_t>(B) * T * widest}, DType::fp8_e4m3);
+  }
 }
 
 void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) {
@@ -274,10 +306,71 @@ Tensor Decoder::block_input(int l) const {
   return l == 0 ? acts_.encoded : acts_.blocks[static_cast<size_t>(l)].residual_in;
 }
 
+void Decoder::fp8_views() {
+  const int64_t N = static_cast<int64_t>(B_) * T_;
+  const DType grad_type =
+      cfg_.fp8_options.format == Fp8Format::hybrid ? DType::fp8_e5m2 : DType::fp8_e4m3;
+  auto as = [](Tensor t, Shape shape, DType dtype) {
+    t.shape = shape;
+    t.dtype = dtype;
+    return t;
+  };
+  int64_t offset = 0;
+  for (size_t i = 0; i < fp8_.linears.size(); ++i) {
+    const Linear& lin = *fp8_.linears[i];
+    Fp8Linear& f = fp8_.ops[i];
+    f.state = acts_.fp8_state;
+    f.layout = fp8_.layout;
+    f.index = kFp8Roles * static_cast<int>(i);
+    f.weight8 = acts_.fp8_weights.slice(offset, {lin.out, lin.in});
+    f.weight8_t = acts_.fp8_weights.slice(offset + lin.in * lin.out, {lin.in, lin.out});
+    offset += 2 * lin.in * lin.out;
+    f.x8 = as(acts_.fp8_scratch[0], {N, lin.in}, DType::fp8_e4m3);
+    f.x8_t = as(acts_.fp8_scratch[0], {lin.in, N}, DType::fp8_e4m3);
+    f.g8 = as(acts_.fp8_scratch[1], {N, lin.out}, grad_type);
+    f.g8_t = as(acts_.fp8_scratch[2], {lin.out, N}, grad_type);
+  }
+}
+
+void Decoder::fp8_start(const float* saved) {
+  if (fp8_.linears.empty()) return;
+  fp8_views();
+  const Fp8StateLayout& l = fp8_.layout;
+  std::vector<float> state(static_cast<size_t>(l.total()), 0.0f);
+  if (saved) {
+    std::copy(saved, saved + l.total(), state.begin());
+    std::fill(state.begin() + l.amax(), state.begin() + l.summary(), 0.0f);
+  } else {
+    std::fill(state.begin() + l.scale(), state.begin() + l.scale() + l.n, 1.0f);
+    std::fill(state.begin() + l.scale_inv(), state.begin() + l.scale_inv() + l.n, 1.0f);
+  }
+  backend_.copy_from_host(acts_.fp8_state, state.data());
+  fp8_cast_weights();
+}
+
+void Decoder::fp8_update_scales() {
+  if (!fp8_.linears.empty())
+    backend_.fp8_update_scales(acts_.fp8_state, fp8_.layout, cfg_.fp8_options);
+}
+
+void Decoder::fp8_cast_weights() {
+  for (size_t i = 0; i < fp8_.linears.size(); ++i) {
+    const Fp8Linear& f = fp8_.ops[i];
+    backend_.fp8_cast(f.weight8, f.weight8_t, param(weights_, fp8_.linears[i]->weight), f.state,
+                      f.layout, f.index + kFp8W);
+  }
+}
+
 void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) {
   Backend& k = backend_;
   const Params& w = weights_;
   const int L = cfg_.n_layer;
+  // Evaluation and sampling must not move the scales training uses: their casts land in a
+  // window that is put back afterwards.
+  const bool keep_window = !with_backward && !fp8_.linears.empty();
+  const Tensor window =
+      keep_window ? acts_.fp8_state.slice(fp8_.layout.amax(), acts_.fp8_window.shape) : Tensor{};
+  if (keep_window) k.copy(acts_.fp8_window, window);
 
   hook(&UnitHooks::before_forward, 0);
   embed_.forward(k, w, acts_.encoded, tokens);
@@ -301,6 +394,7 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   k.matmul_forward(acts_.logits, acts_.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
   k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
                           targets, cfg_.vocab_size, dloss_scale, with_backward);
+  if (keep_window) k.copy(window, acts_.fp8_window);
 }
 
 void Decoder::backward(Tensor tokens) {

@@ -34,6 +34,12 @@ class Decoder final : public Model {
   void backward(Tensor tokens) override;
   Tensor losses() const override { return acts_.losses; }
   Tensor logits() const override { return acts_.logits; }
+  const Fp8StateLayout& fp8_layout() const override { return fp8_.layout; }
+  Tensor fp8_state() const override { return acts_.fp8_state; }
+  const std::vector<std::string>& fp8_names() const override { return fp8_.names; }
+  void fp8_start(const float* saved) override;
+  void fp8_update_scales() override;
+  void fp8_cast_weights() override;
 
  private:
   struct Block {
@@ -63,6 +69,17 @@ class Decoder final : public Model {
     Tensor dresidual, dln, dlnf;
     Attention::Scratch attn;
     Mlp::Scratch mlp;
+    // precision.fp8: the state, a copy of its window (eval and sampling leave it as it was),
+    // the weights' FP8 copies (each FP8 linear's weight8 then weight8_t), and the cast scratch.
+    Tensor fp8_state, fp8_window, fp8_weights, fp8_scratch[3];
+  };
+  // precision.fp8: the blocks' linear layers that run in FP8, in state order (linear i's
+  // tensors start at kFp8Roles * i); each one's Linear::fp8 points at its entry of `ops`.
+  struct Fp8 {
+    Fp8StateLayout layout;
+    std::vector<Linear*> linears;
+    std::vector<std::string> names;  // per state tensor
+    std::vector<Fp8Linear> ops;
   };
   // How init() fills a tensor.
   enum class Init { normal, residual_normal, embedding, ones, zeros };
@@ -73,6 +90,8 @@ class Decoder final : public Model {
   Tensor block_input(int l) const;
   // Before block l's backward: what recompute_ left out of its kept activations.
   void recompute_block(int l, const BlockActs& a);
+  // Points fp8_.ops at the planned buffers (their addresses exist once the arena is allocated).
+  void fp8_views();
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
     if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
   }
@@ -88,6 +107,7 @@ class Decoder final : public Model {
   Params weights_, grads_;
   const UnitHooks* hooks_ = nullptr;
   Acts acts_;
+  Fp8 fp8_;
   Recompute recompute_ = Recompute::none;
   int B_ = 0, T_ = 0;
 };

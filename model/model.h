@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/arena.h"
 #include "kernels/backend.h"
@@ -38,6 +39,10 @@ struct ModelConfig {
   bool bias = true;      // linear layers
   bool qkv_bias = true;  // the qkv projection (true when bias is)
   bool qk_norm = false;
+  // precision.fp8: the blocks' linear layers (qkv, attention output, MLP fc and proj) run their
+  // GEMMs in FP8 with delayed scaling; the embedding, LM head, norms and attention stay bf16.
+  bool fp8 = false;
+  Fp8Options fp8_options;
 
   AttentionDims attention() const {
     return {n_head, n_kv_head > 0 ? n_kv_head : n_head, head_dim > 0 ? head_dim : n_embd / n_head};
@@ -91,6 +96,22 @@ class Model {
   virtual void backward(Tensor tokens) = 0;
   virtual Tensor losses() const = 0;
   virtual Tensor logits() const = 0;  // [B,T,Vp]
+
+  // ---- FP8 (ModelConfig::fp8; with it off, fp8_layout().n == 0 and the rest do nothing) ----
+  // The delayed-scaling state (kernels/fp8.h), planned with the activations at a fixed address,
+  // and the names of its tensors in state order ("h.3.mlp.proj.x").
+  virtual const Fp8StateLayout& fp8_layout() const = 0;
+  virtual Tensor fp8_state() const = 0;
+  virtual const std::vector<std::string>& fp8_names() const = 0;
+  // Once the weights are in place: the state set to `saved` (a checkpoint's, fp8_layout().total()
+  // floats) or, when null, to the initial one (scales 1, empty histories); then the weights'
+  // FP8 copies are made. A saved window is dropped: the casts of the weights make it again.
+  virtual void fp8_start(const float* saved) = 0;
+  // Once per optimizer step: the new scales, after the windows' amaxes are final (reduced over
+  // data-parallel ranks) ...
+  virtual void fp8_update_scales() = 0;
+  // ... and the weights' FP8 copies, after the optimizer has written the working weights.
+  virtual void fp8_cast_weights() = 0;
 };
 
 // The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.

@@ -41,6 +41,8 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
 }
 constexpr uint64_t kFnvSeed = 14695981039346656037ull;
 
+constexpr const char* kFp8File = "fp8_state.bin";
+
 std::string step_name(int step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step_%08d", step);
@@ -123,6 +125,16 @@ std::string manifest_yaml(const CheckpointManifest& m) {
   out << YAML::Key << "loader_epoch" << YAML::Value << m.state.loader_epoch;
   out << YAML::Key << "loader_cursor" << YAML::Value << m.state.loader_cursor;
   out << YAML::Key << "rng_state" << YAML::Value << m.state.rng_state;
+  if (!m.state.fp8_names.empty()) {
+    out << YAML::Key << "fp8" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "file" << YAML::Value << kFp8File;
+    out << YAML::Key << "history" << YAML::Value << m.state.fp8_history;
+    out << YAML::Key << "floats" << YAML::Value << m.state.fp8_state.size();
+    out << YAML::Key << "checksum" << YAML::Value
+        << fnv1a(kFnvSeed, m.state.fp8_state.data(), m.state.fp8_state.size() * sizeof(float));
+    out << YAML::Key << "tensors" << YAML::Value << YAML::Flow << m.state.fp8_names;
+    out << YAML::EndMap;
+  }
   out << YAML::Key << "world_size" << YAML::Value << m.world_size;
   out << YAML::Key << "strategy" << YAML::Value << m.strategy;
   out << YAML::Key << "param_count" << YAML::Value << m.param_count;
@@ -191,6 +203,9 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
     }
     std::sort(names.begin(), names.end());
     for (const auto& name : names) m.files.push_back(inspect_shard(tmp_dir, name));
+    if (!state.fp8_names.empty())
+      write_file_synced(tmp_dir + "/" + kFp8File,
+                        {{state.fp8_state.data(), state.fp8_state.size() * sizeof(float)}});
     const std::string text = manifest_yaml(m);
     write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
     fsync_path(tmp_dir);
@@ -237,6 +252,21 @@ CheckpointManifest read_manifest(const std::string& dir) {
     m.strategy = n["strategy"].as<std::string>();
     m.param_count = n["param_count"].as<int64_t>();
     m.config_yaml = n["config"].as<std::string>();
+    if (const YAML::Node f = n["fp8"]) {
+      m.state.fp8_names = f["tensors"].as<std::vector<std::string>>();
+      m.state.fp8_history = f["history"].as<int>();
+      const std::string file = dir + "/" + f["file"].as<std::string>();
+      m.state.fp8_state.resize(f["floats"].as<size_t>());
+      std::ifstream in(file, std::ios::binary);
+      const auto bytes = static_cast<std::streamsize>(m.state.fp8_state.size() * sizeof(float));
+      if (!in.read(reinterpret_cast<char*>(m.state.fp8_state.data()), bytes) ||
+          in.peek() != std::char_traits<char>::eof())
+        throw InputError(file + ": missing, truncated or too long (FP8 state of " +
+                         std::to_string(m.state.fp8_state.size()) + " floats)");
+      if (fnv1a(kFnvSeed, m.state.fp8_state.data(), static_cast<size_t>(bytes)) !=
+          f["checksum"].as<uint64_t>())
+        throw InputError(file + ": checksum mismatch (corrupt FP8 state)");
+    }
     for (const auto& f : n["files"])
       m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});

@@ -22,6 +22,11 @@ struct TrainingState {
   uint64_t loader_epoch = 0;
   uint64_t loader_cursor = 0;
   std::string rng_state;  // the trainer's sampling RNG, as text
+  // precision.fp8: the delayed-scaling state (kernels/fp8.h: Fp8StateLayout over fp8_names,
+  // fp8_history amaxes each), written by rank 0 to fp8_state.bin; empty without FP8.
+  std::vector<std::string> fp8_names;
+  int fp8_history = 0;
+  std::vector<float> fp8_state;
 };
 
 struct CheckpointFile {

@@ -82,6 +82,15 @@ struct PrecisionSection {
   std::string attention = "auto";    // auto | cudnn | flash | naive
 };
 
+// FP8 with delayed scaling (precision.fp8: true); docs/fp8.md.
+struct Fp8Section {
+  std::string format = "hybrid";     // hybrid (E4M3 forward, E5M2 gradients) | e4m3
+  int amax_history_len = 1024;       // steps of amax kept per tensor
+  std::string amax_compute_algo = "max";  // max | most_recent: the amax a scale is set from
+  int margin = 0;                    // scale = fp8_max / amax / 2^margin
+  bool bf16_edges = false;           // keep the first and last blocks in bf16
+};
+
 struct DistSection {
   std::string strategy = "ddp";  // ddp | zero1 | fsdp
   double bucket_mb = 0;          // DDP gradient bucket size (0: by the link between the ranks)
@@ -96,6 +105,7 @@ struct Config {
   TrainSection train;
   OptimSection optim;
   PrecisionSection precision;
+  Fp8Section fp8;
   DistSection dist;
 };
 

@@ -54,6 +54,14 @@ std::string metrics_json(const StepMetrics& m) {
     std::snprintf(buf, sizeof buf, ",\"val_loss\":%.6f", *m.val_loss);
     s += buf;
   }
+  if (m.fp8) {
+    std::snprintf(buf, sizeof buf,
+                  ",\"mfu_fp8\":%.5f,\"fp8_clipped\":%.6g,\"fp8_worst\":\"%s\",\"fp8_amax\":%.6g,"
+                  "\"fp8_scale_amax\":%.6g,\"fp8_non_finite\":%d",
+                  m.fp8->mfu, m.fp8->clipped, m.fp8->worst.c_str(), m.fp8->amax, m.fp8->scale_amax,
+                  m.fp8->non_finite);
+    s += buf;
+  }
   return s + "}";
 }
 
@@ -71,6 +79,11 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   s += buf;
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
+    s += buf;
+  }
+  if (m.fp8) {
+    std::snprintf(buf, sizeof buf, " | fp8 clip %.3g%% %s amax %.3g/%.3g", 100.0 * m.fp8->clipped,
+                  m.fp8->worst.c_str(), m.fp8->amax, m.fp8->scale_amax);
     s += buf;
   }
   // Progress for people watching a long run; a plain field, so the line stays parseable.

@@ -24,6 +24,17 @@ struct StepMetrics {
   double mfu = 0;  // fraction, 0..1; 0 where no peak is known
   std::optional<double> val_loss;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
+  // precision.fp8: the scaling state after the step's update (kernels/fp8.h, Fp8Summary).
+  struct Fp8 {
+    double mfu = 0;           // against the FP8 peak (mfu above is against the bf16 peak)
+    double clipped = 0;       // the worst tensor's fraction of values clipped to fp8_max
+    std::string worst;        // its name ("h.3.mlp.proj.g")
+    double amax = 0;          // its amax in the step
+    double scale_amax = 0;    // the amax its scale was set for
+    int non_finite = 0;       // tensors whose amax was NaN or inf
+    std::string first_non_finite;
+  };
+  std::optional<Fp8> fp8;
 };
 
 class MetricsLog {

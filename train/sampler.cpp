@@ -35,7 +35,10 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
                           std::mt19937_64& rng) {
   if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
   const int T = cfg.seq_len, Vp = cfg.padded_vocab_size;
-  const std::unique_ptr<Model> model = make_model(cfg, backend);
+  // Samples come from the bf16 (or f32) weights: FP8's scales belong to the training run.
+  ModelConfig bf16 = cfg;
+  bf16.fp8 = false;
+  const std::unique_ptr<Model> model = make_model(bf16, backend);
   Arena arena(backend, "sampling");
   model->plan_activations(arena, 1, T, Recompute::none);
   Tensor tokens, targets, row;

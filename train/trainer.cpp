@@ -55,10 +55,34 @@ ModelConfig model_config(const ModelSection& m) {
 
 namespace {
 
+// The model's config with precision.fp8 applied where the backend can run it: Hopper and newer
+// run the FP8 GEMMs, the CPU emulates them (for tests), an older GPU says why and runs bf16.
+ModelConfig with_fp8(ModelConfig m, const Config& cfg, const Backend& backend, bool is_main) {
+  if (!cfg.precision.fp8) return m;
+  const std::string why_not = backend.fp8_unavailable();
+  if (!why_not.empty()) {
+    if (is_main) spdlog::warn("precision.fp8: {}; training in bf16", why_not);
+    return m;
+  }
+  m.fp8 = true;
+  const Fp8Section& f = cfg.fp8;
+  m.fp8_options.format = f.format == "e4m3" ? Fp8Format::e4m3 : Fp8Format::hybrid;
+  m.fp8_options.amax_history_len = f.amax_history_len;
+  m.fp8_options.amax_compute_algo =
+      f.amax_compute_algo == "most_recent" ? Fp8AmaxAlgo::most_recent : Fp8AmaxAlgo::max;
+  m.fp8_options.margin = f.margin;
+  m.fp8_options.bf16_edges = f.bf16_edges;
+  if (is_main && backend.device() == Device::cpu)
+    spdlog::info("precision.fp8: the CPU emulates FP8 (casts to FP8 bytes, f32 GEMMs over their "
+                 "values): the recipe's numerics, for tests, with no speedup");
+  return m;
+}
+
 std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
-  if (cfg.precision.fp8)
-    throw InputError("precision.fp8=true: FP8 training is not implemented yet; "
-                     "remove the key (training would run in bf16)");
+  if (cfg.precision.fp8 && cfg.dist.strategy == "fsdp")
+    throw InputError("precision.fp8 with dist.strategy=fsdp: not supported yet (the weights' "
+                     "FP8 copies are made from the whole working model once per step); use "
+                     "dist.strategy=ddp or zero1");
   const std::string& device = cfg.train.device;
   if (device == "cuda" || (device == "auto" && cuda_available())) {
     if (!cuda_available())
@@ -86,7 +110,8 @@ class Trainer {
       : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
-        mcfg_(model_config(cfg.model)), model_(make_model(mcfg_, *backend_)),
+        mcfg_(with_fp8(model_config(cfg.model), cfg, *backend_, rank.rank == 0)),
+        model_(make_model(mcfg_, *backend_)),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
@@ -108,6 +133,7 @@ class Trainer {
     const std::string& r = cfg_.train.recompute;
     return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
   }
+  bool fp8() const { return model_->fp8_layout().n > 0; }
   int B() const { return cfg_.train.batch_size; }
   int T() const { return mcfg_.seq_len; }
   int64_t tokens_per_step() const {
@@ -168,7 +194,7 @@ class Trainer {
   std::unique_ptr<MetricsLog> metrics_;
   std::mt19937_64 rng_;
   int start_step_ = 0;
-  double peak_ = 0;
+  double peak_ = 0, peak_fp8_ = 0;
   double flops_per_token_ = 0;
   std::optional<Clock::time_point> last_done_;  // when the previous step's values arrived
   double recent_ms_ = -1;  // moving average of the step time (the run's first step left out)
@@ -243,6 +269,23 @@ void Trainer::resume_from(const std::string& dir) {
   }
   strategy_->refresh_working();
   start_step_ = manifest.state.step;
+  if (fp8()) {
+    const TrainingState& st = manifest.state;
+    if (st.fp8_names.empty()) {
+      if (is_main()) spdlog::info("precision.fp8: {} holds no FP8 state; scaling starts afresh", dir);
+      model_->fp8_start(nullptr);
+    } else if (st.fp8_names != model_->fp8_names() ||
+               st.fp8_history != model_->fp8_layout().history) {
+      throw InputError(dir + "/manifest.yaml: its FP8 state (" +
+                       std::to_string(st.fp8_names.size()) + " tensors, amax history " +
+                       std::to_string(st.fp8_history) + ") does not fit this run's (" +
+                       std::to_string(model_->fp8_names().size()) + " tensors, " +
+                       "fp8.amax_history_len " + std::to_string(model_->fp8_layout().history) +
+                       "); resume with the same fp8.amax_history_len and fp8.bf16_edges");
+    } else {
+      model_->fp8_start(st.fp8_state.data());
+    }
+  }
   train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
   std::istringstream(manifest.state.rng_state) >> rng_;
   if (is_main())
@@ -265,6 +308,15 @@ double Trainer::train_step(int step) {
     model_->backward(tokens_);
   }
   all_reduce(loss_sum_);
+  if (fp8()) {
+    // Every rank quantizes alike: one all-reduce of all the windows' amaxes, then the update.
+    const Fp8StateLayout& fl = model_->fp8_layout();
+    if (comm_ && rank_.world_size > 1) {
+      comm_->all_reduce_max(model_->fp8_state().slice(fl.amax(), {fl.n}));
+      comm_->wait();
+    }
+    model_->fp8_update_scales();
+  }
   const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
   OptimizerStep s;
   s.lr = static_cast<float>(lr);
@@ -278,6 +330,7 @@ double Trainer::train_step(int step) {
   strategy_->reduce_grads(sumsq_);
   clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_, s);
   strategy_->after_update();
+  model_->fp8_cast_weights();
   return lr;
 }
 
@@ -313,7 +366,14 @@ void Trainer::save(int step) {
   const LoaderState ls = train_loader_->state();
   std::ostringstream rng_text;
   rng_text << rng_;
-  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str()};
+  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str(), {}, 0, {}};
+  if (fp8()) {
+    const Fp8StateLayout& fl = model_->fp8_layout();
+    state.fp8_names = model_->fp8_names();
+    state.fp8_history = fl.history;
+    state.fp8_state.resize(static_cast<size_t>(fl.total()));
+    backend_->copy_to_host(state.fp8_state.data(), model_->fp8_state());
+  }
   const std::string dir =
       save_checkpoint(cfg_.train.out_dir, state, model_->layout(), config_to_yaml(cfg_),
                       cfg_.dist.strategy, shards, rank_.rank, rank_.world_size,
@@ -403,6 +463,26 @@ bool Trainer::finish_step(const PendingStep& p) {
   // The run's first step plans GEMMs and attention kernels, so it is left out of the ETA.
   if (p.step > start_step_) recent_ms_ = recent_ms_ < 0 ? sm.ms : 0.8 * recent_ms_ + 0.2 * sm.ms;
   if (recent_ms_ >= 0) sm.eta_s = (t.max_steps - sm.step) * recent_ms_ / 1000.0;
+  if (fp8()) {
+    const float* f = values + 2;
+    StepMetrics::Fp8 x;
+    x.mfu = peak_fp8_ > 0 ? flops_per_token_ * sm.tok_s / (peak_fp8_ * rank_.world_size) : 0.0;
+    const auto& names = model_->fp8_names();
+    auto name = [&names](float index) {
+      const int i = static_cast<int>(index);
+      return i >= 0 && i < static_cast<int>(names.size()) ? names[static_cast<size_t>(i)] : "";
+    };
+    x.clipped = f[kFp8WorstSaturation];
+    x.worst = name(f[kFp8WorstTensor]);
+    x.amax = f[kFp8WorstAmax];
+    x.scale_amax = f[kFp8WorstScaleAmax];
+    x.non_finite = static_cast<int>(f[kFp8NonFinite]);
+    x.first_non_finite = name(f[kFp8FirstNonFinite]);
+    if (x.non_finite > 0 && is_main())
+      spdlog::warn("step {}: fp8: {} tensor(s) had a NaN or infinite amax, the first {}; their "
+                   "scales were kept", sm.step, x.non_finite, x.first_non_finite);
+    sm.fp8 = x;
+  }
   if (!std::isfinite(sm.loss)) {
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
     return false;
@@ -456,6 +536,7 @@ int Trainer::run() {
     }
   } else {
     init_parameters();
+    model_->fp8_start(nullptr);
   }
 
   const std::string metrics_path = t.out_dir + "/metrics.jsonl";
@@ -474,7 +555,10 @@ int Trainer::run() {
   if (is_main() && t.cuda_graphs)
     spdlog::warn("train.cuda_graphs: step capture is not implemented yet; running eagerly "
                  "(GPU idle time between kernels measured at 0.3% of a GPT-2 124M step)");
-  peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), cfg_.precision.fp8);
+  // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against
+  // the FP8 peak (mfu_fp8).
+  peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), false);
+  peak_fp8_ = peak_flops(backend_->name(), true);
   flops_per_token_ = model_->flops_per_token(T());
   if (is_main())
     spdlog::info("training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
@@ -482,6 +566,13 @@ int Trainer::run() {
                  t.max_steps - start_step_, tokens_per_step(), B(), T(), t.grad_accum,
                  rank_.world_size, backend_->name(), flops_per_token_ / 1e9,
                  peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
+  if (is_main() && fp8())
+    spdlog::info("precision.fp8: {} linear layers in FP8 ({} format, amax history {}, {}, margin "
+                 "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
+                 "peak {}",
+                 model_->fp8_layout().n / kFp8Roles, cfg_.fp8.format, cfg_.fp8.amax_history_len,
+                 cfg_.fp8.amax_compute_algo, cfg_.fp8.margin,
+                 peak_fp8_ > 0 ? std::to_string(peak_fp8_ / 1e12) + " TFLOP/s" : "unknown");
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
   // read while step N+1 runs (the GPU never waits for the host's logging), except at host
@@ -491,8 +582,14 @@ int Trainer::run() {
     const Clock::time_point enqueued = Clock::now();
     backend_->mark_step_start(step % Backend::kReadbackSlots);
     const double lr = train_step(step);
-    backend_->read_async(step % Backend::kReadbackSlots,
-                         {loss_sum_, sched_.slice(kSchedGradNorm, {1})});
+    const Tensor grad_norm = sched_.slice(kSchedGradNorm, {1});
+    if (fp8())
+      backend_->read_async(step % Backend::kReadbackSlots,
+                           {loss_sum_, grad_norm,
+                            model_->fp8_state().slice(model_->fp8_layout().summary(),
+                                                      {Fp8StateLayout::kSummary})});
+    else
+      backend_->read_async(step % Backend::kReadbackSlots, {loss_sum_, grad_norm});
     const Clock::time_point enqueue_end = Clock::now();
     if (pending && !finish_step(*pending)) return 1;
     pending = PendingStep{step, lr, enqueued, enqueue_end};

@@ -1,7 +1,7 @@
 // CpuBackend: the fp32 reference implementation of the Backend op set, the ground truth every
 // CUDA kernel is checked against. Activations, parameters and gradients are all f32. The ops are
 // defined one family per file (encoder.cpp, layernorm.cpp, rmsnorm.cpp, qk_norm.cpp, rope.cpp,
-// matmul.cpp, swiglu.cpp, attention.cpp, classifier.cpp, optimizer.cpp); this class only gathers
+// matmul.cpp, fp8.cpp, swiglu.cpp, attention.cpp, classifier.cpp, optimizer.cpp); this class only gathers
 // them.
 //
 // Determinism is part of the contract: OpenMP splits work only over independent output rows or
@@ -62,6 +62,15 @@ class CpuBackend final : public Backend {
 
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;
+
+  void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout,
+                int index) override;
+  void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu,
+                          const Fp8Linear& f) override;
+  void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                           Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f) override;
+  void fp8_update_scales(Tensor state, const Fp8StateLayout& layout,
+                         const Fp8Options& options) override;
 
   void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
   void sum_squares(Tensor out, Tensor x, bool accumulate) override;

@@ -113,6 +113,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   cudaDeviceProp prop{};
   KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
   sm_count_ = prop.multiProcessorCount;
+  compute_capability_ = prop.major * 10 + prop.minor;
   name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   KILN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));

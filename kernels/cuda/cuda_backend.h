@@ -4,7 +4,7 @@
 // host (copy_to_host, read_wait and synchronize excepted), so a whole step can be captured in a
 // CUDA graph.
 // The ops are member functions defined next to their kernels, one file per op family
-// (encoder.cu, layernorm.cu, matmul.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
+// (encoder.cu, layernorm.cu, matmul.cu, fp8.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
 // adamw.cu); this header is the only one other layers (trainer, NCCL) need.
 #pragma once
 
@@ -108,6 +108,16 @@ class CudaBackend final : public Backend {
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;
 
+  std::string fp8_unavailable() const override;
+  void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout,
+                int index) override;
+  void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu,
+                          const Fp8Linear& f) override;
+  void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                           Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f) override;
+  void fp8_update_scales(Tensor state, const Fp8StateLayout& layout,
+                         const Fp8Options& options) override;
+
   void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
   void sum_squares(Tensor out, Tensor x, bool accumulate) override;
   void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) override;
@@ -139,6 +149,7 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int sm_count_ = 0;
+  int compute_capability_ = 0;  // 90 for sm_90
   GeluBackward gelu_backward_ = GeluBackward::automatic;
   std::string name_;
   cudaStream_t stream_ = nullptr;

@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "kernels/cuda/common.cuh"
@@ -29,12 +30,14 @@ struct GemmKey {
   int64_t m, n, k;
   bool transa, transb;
   int epilogue;
-  int c_type;
+  int a_type, b_type, c_type;
+  bool fast_accum;
   uint32_t align_a, align_b, align_c;
   bool operator<(const GemmKey& o) const {
-    return std::tie(m, n, k, transa, transb, epilogue, c_type, align_a, align_b, align_c) <
-           std::tie(o.m, o.n, o.k, o.transa, o.transb, o.epilogue, o.c_type, o.align_a,
-                    o.align_b, o.align_c);
+    return std::tie(m, n, k, transa, transb, epilogue, a_type, b_type, c_type, fast_accum, align_a,
+                    align_b, align_c) <
+           std::tie(o.m, o.n, o.k, o.transa, o.transb, o.epilogue, o.a_type, o.b_type, o.c_type,
+                    o.fast_accum, o.align_a, o.align_b, o.align_c);
   }
 };
 
@@ -50,7 +53,9 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
-// Column-major GEMM D[m,n] = alpha * op(A) op(B) + beta * D, A/B bf16, D bf16 or f32.
+// Column-major GEMM D[m,n] = alpha * op(A) op(B) + beta * D, A/B bf16, D bf16 or f32. FP8:
+// A/B E4M3 or E5M2 (TN only: transa and not transb), each multiplied by the f32 at its scale
+// pointer (device memory: the delayed-scaling state's scale_inv).
 struct GemmArgs {
   int64_t m, n, k;
   bool transa, transb;
@@ -62,6 +67,10 @@ struct GemmArgs {
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;  // bf16[m]
   void* aux = nullptr;         // bf16 [m, n], ld m
+  cudaDataType_t a_type = CUDA_R_16BF, b_type = CUDA_R_16BF;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  bool fast_accum = false;  // FP8: accumulate at the tensor cores' precision, no promotion
 };
 
 }  // namespace
@@ -71,6 +80,8 @@ struct MatmulPlans {
   // Per backward-through-GELU shape (N, C, OC): gelu' as a kernel of its own after a plain GEMM
   // (true) or as cuBLASLt's DGELU epilogue (false). Chosen by timing, at first use.
   std::map<std::tuple<int64_t, int64_t, int64_t>, bool> separate_dgelu;
+  // FP8 GEMMs (m, n, k, epilogue, D type) cuBLASLt has no algorithm for: they run in bf16.
+  std::set<std::tuple<int64_t, int64_t, int64_t, int, int>> fp8_missing;
   ~MatmulPlans() {
     for (auto& kv : plans) {
       cublasLtMatrixLayoutDestroy(kv.second.a);
@@ -104,7 +115,10 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
               g.transa,
               g.transb,
               static_cast<int>(g.epilogue),
+              static_cast<int>(g.a_type),
+              static_cast<int>(g.b_type),
               static_cast<int>(g.d_type),
+              g.fast_accum,
               alignment_of(g.A),
               alignment_of(g.B),
               alignment_of(g.D)};
@@ -126,15 +140,20 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
   }
+  if (g.fast_accum) {
+    const int8_t fast = 1;
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                     &fast, sizeof fast));
+  }
   if (g.aux) {
     int64_t ld = g.m;
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                                      &ld, sizeof ld));
   }
   // Stored shapes (column-major): op(A) is [m,k], op(B) is [k,n].
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, g.transa ? g.k : g.m,
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, g.a_type, g.transa ? g.k : g.m,
                                                g.transa ? g.m : g.k, g.transa ? g.k : g.m));
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, g.transb ? g.n : g.k,
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, g.b_type, g.transb ? g.n : g.k,
                                                g.transb ? g.k : g.n, g.transb ? g.n : g.k));
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, g.d_type, g.m, g.n, g.m));
 
@@ -163,7 +182,8 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
     throw std::runtime_error(
         "cuda matmul: cuBLASLt has no algorithm for m=" + std::to_string(g.m) +
         " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + " transa=" +
-        std::to_string(g.transa) + " transb=" + std::to_string(g.transb) + " epilogue=" +
+        std::to_string(g.transa) + " transb=" + std::to_string(g.transb) +
+        (g.a_scale ? " fp8" : "") + " epilogue=" +
         epilogue_name(g.epilogue) + " alignment A/B/D=" + std::to_string(key.align_a) + "/" +
         std::to_string(key.align_b) + "/" + std::to_string(key.align_c) + " (" +
         cublasLtGetStatusString(st) + ")");
@@ -183,10 +203,49 @@ void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t w
   if (g.aux)
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux));
+  if (g.a_scale)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.a_scale, sizeof g.a_scale));
+  if (g.b_scale)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_scale, sizeof g.b_scale));
   const float alpha = 1.0f;
   KILN_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta,
                                    g.D, plan.c, g.D, plan.c, &plan.algo, workspace,
                                    workspace_bytes, stream));
+}
+
+// Whether cuBLASLt has an FP8 algorithm for g; the first miss of a shape says so (Invariant 6:
+// never a silent fallback), and the caller runs it in bf16.
+bool fp8_plan_ok(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
+                 size_t workspace_bytes) {
+  const auto key = std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.epilogue),
+                                   static_cast<int>(g.d_type));
+  if (cache.fp8_missing.count(key)) return false;
+  try {
+    get_plan(cache, handle, g, workspace_bytes);
+    return true;
+  } catch (const std::runtime_error& e) {
+    cache.fp8_missing.insert(key);
+    spdlog::warn("fp8: {}; this layer runs in bf16", e.what());
+    return false;
+  }
+}
+
+cudaDataType_t fp8_type(const Tensor& t) {
+  return t.dtype == DType::fp8_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+}
+
+void check_fp8(const Tensor& t, int64_t rows, int64_t cols, const char* op, const char* what) {
+  if (t.dtype != DType::fp8_e4m3 && t.dtype != DType::fp8_e5m2)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must be fp8");
+  if (t.device != Device::cuda)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " is not in CUDA memory");
+  if (t.numel() != rows * cols)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must hold " + std::to_string(rows) + "x" + std::to_string(cols));
 }
 
 void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const char* what) {
@@ -327,6 +386,96 @@ void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Ten
     }
   }
   GemmArgs gw{C, OC, N, false, true, inp.data, dout.data, dweight.data, CUDA_R_32F, 1.0f};
+  gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
+  if (dbias.defined()) {
+    expect_f32(dbias, op, "dbias");
+    expect_numel(dbias, OC, op, "dbias");
+    column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
+  }
+}
+
+void CudaBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                     Tensor pre_gelu, const Fp8Linear& f) {
+  const char* op = "fp8_matmul_forward";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
+  check_2d(out, N, OC, op, "out");
+  check_fp8(f.x8, N, C, op, "x8");
+  check_fp8(f.weight8, OC, C, op, "weight8");
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  GemmArgs g{OC, N, C, true, false, f.weight8.data, f.x8.data, out.data, CUDA_R_16BF, 0.0f};
+  if (pre_gelu.defined()) {
+    check_2d(pre_gelu, N, OC, op, "pre_gelu");
+    g.epilogue = bias.defined() ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    g.aux = pre_gelu.data;
+  } else if (bias.defined()) {
+    g.epilogue = CUBLASLT_EPILOGUE_BIAS;
+  }
+  g.bias = bias.defined() ? bias.data : nullptr;
+  g.a_type = g.b_type = CUDA_R_8F_E4M3;
+  g.a_scale = inv + kFp8W;
+  g.b_scale = inv + kFp8X;
+  g.fast_accum = true;  // as Transformer Engine's forward; the backward GEMMs promote
+  if (!fp8_plan_ok(*matmul_plans_, cublaslt_, g, cublaslt_workspace_bytes_)) {
+    matmul_forward(out, inp, weight, bias, pre_gelu);
+    return;
+  }
+  gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+}
+
+void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                      Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                      const Fp8Linear& f) {
+  const char* op = "fp8_matmul_backward";
+  expect_activation(dout, op, "dout");
+  expect_f32(dweight, op, "dweight");
+  const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
+  check_2d(dweight, OC, C, op, "dweight");
+  check_2d(dout, N, OC, op, "dout");
+  check_fp8(f.weight8_t, C, OC, op, "weight8_t");
+  check_fp8(f.g8, N, OC, op, "g8");
+  check_fp8(f.g8_t, OC, N, op, "g8_t");
+  check_fp8(f.x8_t, C, N, op, "x8_t");
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  // dinp^T[C,N] = weight8_t (stored [C,OC], read transposed) . g8^T; dweight^T[C,OC] += x8_t
+  // (stored [C,N], read transposed) . g8_t^T: both TN, as FP8 requires.
+  GemmArgs gd{C, N, OC, true, false, f.weight8_t.data, f.g8.data, dinp.data, CUDA_R_16BF, 0.0f};
+  gd.a_type = CUDA_R_8F_E4M3;
+  gd.b_type = fp8_type(f.g8);
+  gd.a_scale = inv + kFp8W;
+  gd.b_scale = inv + kFp8G;
+  GemmArgs gw{C, OC, N, true, false, f.x8_t.data, f.g8_t.data, dweight.data, CUDA_R_32F, 1.0f};
+  gw.a_type = CUDA_R_8F_E4M3;
+  gw.b_type = fp8_type(f.g8_t);
+  gw.a_scale = inv + kFp8X;
+  gw.b_scale = inv + kFp8G;
+  const size_t ws = cublaslt_workspace_bytes_;
+  if ((dinp.defined() && !fp8_plan_ok(*matmul_plans_, cublaslt_, gd, ws)) ||
+      !fp8_plan_ok(*matmul_plans_, cublaslt_, gw, ws)) {
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu);
+    return;
+  }
+  if (dinp.defined()) {
+    expect_activation(dinp, op, "dinp");
+    check_2d(dinp, N, C, op, "dinp");
+    gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gd);
+    if (inp_pre_gelu.defined()) {
+      // gelu' in full precision, after the GEMM (FP8 has no DGELU epilogue to lean on).
+      expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
+      check_2d(inp_pre_gelu, N, C, op, "inp_pre_gelu");
+      const int64_t n = N * C;
+      const int threads = 256;
+      const int blocks = static_cast<int>(
+          std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count_ * 8));
+      gelu_backward_kernel<<<blocks, threads, 0, stream_>>>(
+          static_cast<bf16*>(dinp.data), static_cast<const bf16*>(inp_pre_gelu.data), n,
+          aligned(dinp.data, 16) && aligned(inp_pre_gelu.data, 16));
+      KILN_CUDA_LAUNCH_CHECK();
+    }
+  }
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
   if (dbias.defined()) {
     expect_f32(dbias, op, "dbias");

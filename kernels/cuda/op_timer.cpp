@@ -86,6 +86,21 @@ void OpTimer::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
   timed(std::move(key),
         [&] { inner_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu); });
 }
+void OpTimer::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                 Tensor pre_gelu, const Fp8Linear& f) {
+  std::string key = "fp8_matmul_forward " + gemm_tag(weight.dim(1), weight.dim(0));
+  if (pre_gelu.defined()) key += " +gelu";
+  timed(std::move(key), [&] { inner_.fp8_matmul_forward(out, inp, weight, bias, pre_gelu, f); });
+}
+void OpTimer::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                  Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                  const Fp8Linear& f) {
+  std::string key = "fp8_matmul_backward " + gemm_tag(weight.dim(1), weight.dim(0));
+  if (inp_pre_gelu.defined()) key += " +gelu";
+  timed(std::move(key), [&] {
+    inner_.fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu, f);
+  });
+}
 void OpTimer::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
   timed("attention_forward " + inner_.attention_name(),
         [&] { inner_.attention_forward(out, lse, qkv, a); });

@@ -73,7 +73,12 @@ namespace kiln {
     (Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working, Tensor decay_spans,          \
      int64_t offset, Tensor sched, const AdamWHyper& hyper),                                       \
     (master, grads, m, v, working, decay_spans, offset, sched, hyper))                             \
-  X(add, (Tensor dst, Tensor src), (dst, src))
+  X(add, (Tensor dst, Tensor src), (dst, src))                                                     \
+  X(fp8_cast,                                                                                      \
+    (Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout, int index), \
+    (out, out_t, inp, state, layout, index))                                                       \
+  X(fp8_update_scales, (Tensor state, const Fp8StateLayout& layout, const Fp8Options& options),    \
+    (state, layout, options))
 
 class OpTimer final : public Backend {
  public:
@@ -106,6 +111,7 @@ class OpTimer final : public Backend {
   void* native_stream() override { return inner_.native_stream(); }
   void set_attention(const std::string& kind) override { inner_.set_attention(kind); }
   std::string attention_name() const override { return inner_.attention_name(); }
+  std::string fp8_unavailable() const override { return inner_.fp8_unavailable(); }
 
   void* allocate(size_t bytes) override { return inner_.allocate(bytes); }
   void release(void* p) override { inner_.release(p); }
@@ -133,6 +139,10 @@ class OpTimer final : public Backend {
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                        Tensor weight, Tensor inp_pre_gelu) override;
+  void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu,
+                          const Fp8Linear& f) override;
+  void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                           Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f) override;
   void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) override;
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                           const AttentionDims& a) override;

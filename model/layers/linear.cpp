@@ -10,4 +10,30 @@ void Linear::declare(LayoutBuilder& b, const std::string& name, int64_t in_featu
   bias = with_bias ? b.add(name + ".bias", {out}, false) : -1;
 }
 
+void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu) const {
+  if (!fp8) {
+    k.matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu);
+    return;
+  }
+  const Fp8Linear& f = *fp8;
+  k.fp8_cast(f.x8, Tensor{}, inp, f.state, f.layout, f.index + kFp8X);
+  k.fp8_matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu, f);
+}
+
+void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,
+                      Tensor inp, Tensor inp_pre_gelu) const {
+  if (!fp8) {
+    k.matmul_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
+                      inp_pre_gelu);
+    return;
+  }
+  const Fp8Linear& f = *fp8;
+  k.fp8_cast(f.g8, f.g8_t, dout, f.state, f.layout, f.index + kFp8G);
+  // The forward's scale is still in place (scales change between optimizer steps only), so this
+  // cast gives the forward's bytes, transposed for the weight gradient: no FP8 copy is kept.
+  k.fp8_cast(Tensor{}, f.x8_t, inp, f.state, f.layout, f.index + kFp8X);
+  k.fp8_matmul_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
+                        inp_pre_gelu, f);
+}
+
 }  // namespace kiln

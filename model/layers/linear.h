@@ -1,5 +1,7 @@
 // Linear: out[N,out] = inp[N,in] @ weight[out,in]^T (+ bias), one cuBLASLt GEMM on CUDA. The
-// GELU epilogue (pre_gelu) is the MLP's; decay applies to the weight only.
+// GELU epilogue (pre_gelu) is the MLP's; decay applies to the weight only. With `fp8` set (the
+// decoder points it at the layer's operands under precision.fp8), the input and, in backward,
+// the output gradient are cast to FP8 first and the GEMMs run in FP8 (kernels/fp8.h).
 #pragma once
 
 #include <string>
@@ -12,18 +14,14 @@ namespace kiln {
 struct Linear {
   int weight = -1, bias = -1;
   int64_t in = 0, out = 0;
+  const Fp8Linear* fp8 = nullptr;
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t in_features, int64_t out_features,
                bool with_bias);
-  void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {}) const {
-    k.matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu);
-  }
+  void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {}) const;
   // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp.
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
-                Tensor inp_pre_gelu = {}) const {
-    k.matmul_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
-                      inp_pre_gelu);
-  }
+                Tensor inp_pre_gelu = {}) const;
 };
 
 }  // namespace kiln

@@ -1,0 +1,149 @@
+// FP8 on the CPU: the emulation of the recipe. Casts produce the real FP8 bytes (fp8_encode,
+// the rounding CUDA's conversion does), and the GEMMs decode them and multiply in f32, so the
+// scaling logic, the state and its checkpoint are tested in CI, and CUDA's casts and scale
+// updates are compared with these byte for byte.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/check.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace kiln {
+
+namespace {
+
+bool is_fp8(const Tensor& t) {
+  return t.dtype == DType::fp8_e4m3 || t.dtype == DType::fp8_e5m2;
+}
+
+void check_state(const cpu::OpCheck& c, const Tensor& state, const Fp8StateLayout& l, int index) {
+  c.f32("state", state);
+  c.numel("state", state, l.total());
+  if (index < 0 || index >= l.n)
+    c.fail("index", std::to_string(index) + " is not one of the " + std::to_string(l.n) +
+                        " FP8 tensors");
+}
+
+// m[R,C] (row-major) decoded and multiplied by scale_inv, or, from a transposed copy mt[C,R],
+// the same matrix [R,C].
+std::vector<float> decode(const Tensor& m, float scale_inv, bool transposed) {
+  const bool e5m2 = m.dtype == DType::fp8_e5m2;
+  const int64_t rows = transposed ? m.dim(1) : m.dim(0), cols = transposed ? m.dim(0) : m.dim(1);
+  const uint8_t* q = m.ptr<uint8_t>();
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      out[static_cast<size_t>(r * cols + c)] =
+          fp8_decode(q[transposed ? c * rows + r : r * cols + c], e5m2) * scale_inv;
+  return out;
+}
+
+Tensor host_f32(std::vector<float>& v, Shape shape) { return Tensor{v.data(), shape, DType::f32}; }
+
+}  // namespace
+
+void CpuBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                          const Fp8StateLayout& l, int index) {
+  cpu::OpCheck c{"fp8_cast"};
+  c.f32("inp", inp);
+  check_state(c, state, l, index);
+  const int64_t C = inp.dim(-1), R = cpu::rows(inp);
+  if (!out.defined() && !out_t.defined()) c.fail("out", "neither out nor out_t is given");
+  if (out.defined()) {
+    if (!is_fp8(out)) c.fail("out", "expected an fp8 dtype, got " + out.str());
+    c.shape("out", out, {R, C});
+  }
+  if (out_t.defined()) {
+    if (!is_fp8(out_t)) c.fail("out_t", "expected an fp8 dtype, got " + out_t.str());
+    c.shape("out_t", out_t, {C, R});
+    if (out.defined() && out.dtype != out_t.dtype) c.fail("out_t", "out and out_t differ in format");
+  }
+  const bool e5m2 = (out.defined() ? out : out_t).dtype == DType::fp8_e5m2;
+  float* s = state.ptr<float>();
+  const float scale = s[l.scale() + index], max_value = fp8_max(e5m2);
+  const float* x = inp.ptr<float>();
+  float amax = 0.0f;
+  bool nan = false;
+  int64_t saturated = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t col = 0; col < C; ++col) {
+      const float v = x[r * C + col];
+      const float scaled = v * scale;
+      nan |= v != v;
+      amax = std::max(amax, std::fabs(v));
+      saturated += std::fabs(scaled) > max_value;
+      const uint8_t q = fp8_encode(scaled, e5m2);
+      if (out.defined()) out.ptr<uint8_t>()[r * C + col] = q;
+      if (out_t.defined()) out_t.ptr<uint8_t>()[col * R + r] = q;
+    }
+  if (nan) amax = NAN;
+  float& window = s[l.amax() + index];
+  // A NaN, once seen, stays for the window (CUDA's max over the bits keeps it too).
+  if (window == window && (amax != amax || amax > window)) window = amax;
+  s[l.saturated() + index] += static_cast<float>(saturated);
+  s[l.cast() + index] += static_cast<float>(R * C);
+}
+
+void CpuBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                    Tensor pre_gelu, const Fp8Linear& f) {
+  cpu::OpCheck c{"fp8_matmul_forward"};
+  check_state(c, f.state, f.layout, f.index);
+  c.dtype("x8", f.x8, DType::fp8_e4m3);
+  c.dtype("weight8", f.weight8, DType::fp8_e4m3);
+  c.shape("weight8", f.weight8, weight.shape);
+  c.shape("x8", f.x8, {cpu::rows(inp), inp.dim(-1)});
+  (void)inp;
+  const float* s = f.state.ptr<float>();
+  std::vector<float> x = decode(f.x8, s[f.layout.scale_inv() + f.index + kFp8X], false);
+  std::vector<float> w = decode(f.weight8, s[f.layout.scale_inv() + f.index + kFp8W], false);
+  matmul_forward(out, host_f32(x, f.x8.shape), host_f32(w, weight.shape), bias, pre_gelu);
+}
+
+void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                     Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                     const Fp8Linear& f) {
+  cpu::OpCheck c{"fp8_matmul_backward"};
+  check_state(c, f.state, f.layout, f.index);
+  const int64_t OC = weight.dim(0), C = weight.dim(1), N = cpu::rows(inp);
+  c.dtype("weight8", f.weight8, DType::fp8_e4m3);
+  c.shape("weight8", f.weight8, {OC, C});
+  c.dtype("x8_t", f.x8_t, DType::fp8_e4m3);
+  c.shape("x8_t", f.x8_t, {C, N});
+  c.defined("g8", f.g8);
+  c.shape("g8", f.g8, {N, OC});
+  c.defined("g8_t", f.g8_t);
+  c.shape("g8_t", f.g8_t, {OC, N});
+  c.f32("dout", dout);
+  c.numel("dout", dout, N * OC);
+  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  // g8_t holds g8's bytes transposed (CUDA's wgrad operand); decoding g8 serves both GEMMs.
+  std::vector<float> g = decode(f.g8, inv[kFp8G], false);
+  std::vector<float> x = decode(f.x8_t, inv[kFp8X], true);
+  std::vector<float> w = decode(f.weight8, inv[kFp8W], false);
+  matmul_backward(dinp, dweight, Tensor{}, host_f32(g, dout.shape), host_f32(x, inp.shape),
+                  host_f32(w, {OC, C}), inp_pre_gelu);
+  if (dbias.defined()) {
+    c.f32("dbias", dbias);
+    c.shape("dbias", dbias, {OC});
+    const float* d = dout.ptr<float>();
+    float* db = dbias.ptr<float>();
+    for (int64_t o = 0; o < OC; ++o) {
+      float sum = 0.0f;
+      for (int64_t n = 0; n < N; ++n) sum += d[n * OC + o];
+      db[o] += sum;
+    }
+  }
+}
+
+void CpuBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
+                                   const Fp8Options& options) {
+  cpu::OpCheck c{"fp8_update_scales"};
+  c.f32("state", state);
+  c.numel("state", state, l.total());
+  float* s = state.ptr<float>();
+  fp8_summarize(s, l, options);
+  for (int i = 0; i < l.n; ++i) fp8_update_tensor(s, l, i, options);
+}
+
+}  // namespace kiln

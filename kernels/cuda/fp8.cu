@@ -1,0 +1,182 @@
+// FP8 casts and the delayed-scaling update on the GPU (kernels/fp8.h has the recipe; the CPU
+// emulation in kernels/cpu/fp8.cpp is the reference these are tested against byte for byte).
+//  - The cast reads bf16 once and writes the FP8 copy, its transpose, or both (the weight
+//    gradient GEMM needs the input and the output gradient transposed: Hopper's FP8 GEMMs take
+//    only the TN layout), and records the window's amax, clipped and cast counts in the same
+//    pass. A block casts a 64 x 64 tile and transposes it through shared memory.
+//  - amax is a max over the bits of non-negative floats (atomicMax on int), so it is exact and
+//    order-free; a NaN (bits above +inf) wins and stays, as the CPU keeps it.
+//  - The update is the shared per-tensor code of kernels/fp8.h, a thread per tensor, after a
+//    one-thread summary: a few hundred tensors, microseconds, no host sync.
+#include <cuda_fp8.h>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kTile = 64;
+constexpr int kCastThreads = 256;
+
+template <bool kE5M2>
+__device__ inline uint8_t encode(float x) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+// vec: C % 8 == 0 and inp 16-byte and out 8-byte aligned; vec_t: R % 16 == 0 and out_t 16-byte
+// aligned. Partial tiles (at the edges) go element by element.
+template <bool kE5M2>
+__global__ void __launch_bounds__(kCastThreads)
+    fp8_cast_kernel(uint8_t* out, uint8_t* out_t, const bf16* inp, int64_t R, int64_t C,
+                    float* state, Fp8StateLayout l, int index, bool vec, bool vec_t) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  __shared__ float red[32];
+  const float scale = state[l.scale() + index];
+  const float max_value = kE5M2 ? kFp8E5M2Max : kFp8E4M3Max;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int rows = R - r0 < kTile ? static_cast<int>(R - r0) : kTile;
+  const int cols = C - c0 < kTile ? static_cast<int>(C - c0) : kTile;
+  const bool full = rows == kTile && cols == kTile;
+  float amax = 0.0f;
+  int nan = 0, saturated = 0;
+  for (int i = threadIdx.x; i < kTile * kTile / 8; i += kCastThreads) {
+    const int r = i / 8, c = (i % 8) * 8;
+    float v[8];
+    const bf16* src = inp + (r0 + r) * C + c0 + c;
+    if (full && vec) {
+      load_vec<8>(v, src);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = (r < rows && c + k < cols) ? to_float(src[k]) : 0.0f;
+    }
+    union {
+      uint8_t b[8];
+      uint2 u;
+    } q;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float scaled = v[k] * scale;
+      nan |= v[k] != v[k];
+      amax = fmaxf(amax, fabsf(v[k]));
+      saturated += fabsf(scaled) > max_value;
+      q.b[k] = encode<kE5M2>(scaled);
+    }
+    if (out) {
+      uint8_t* dst = out + (r0 + r) * C + c0 + c;
+      if (full && vec) {
+        *reinterpret_cast<uint2*>(dst) = q.u;
+      } else {
+        for (int k = 0; k < 8; ++k)
+          if (r < rows && c + k < cols) dst[k] = q.b[k];
+      }
+    }
+    if (out_t) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) tile[r][c + k] = q.b[k];
+    }
+  }
+  if (out_t) {
+    __syncthreads();
+    // out_t[C,R]: tile column cc becomes 64 consecutive bytes of row c0 + cc, 16 per thread.
+    for (int i = threadIdx.x; i < kTile * 4; i += kCastThreads) {
+      const int cc = i / 4, seg = (i % 4) * 16;
+      union {
+        uint8_t b[16];
+        uint4 u;
+      } q;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) q.b[j] = tile[seg + j][cc];
+      uint8_t* dst = out_t + (c0 + cc) * R + r0 + seg;
+      if (full && vec_t) {
+        *reinterpret_cast<uint4*>(dst) = q.u;
+      } else if (cc < cols) {
+        for (int j = 0; j < 16; ++j)
+          if (seg + j < rows) dst[j] = q.b[j];
+      }
+    }
+  }
+  amax = block_max(amax, red);
+  const float clipped = block_sum(static_cast<float>(saturated), red);
+  nan = __syncthreads_or(nan);
+  if (threadIdx.x == 0) {
+    const float a = nan ? __int_as_float(0x7fc00000) : amax;
+    atomicMax(reinterpret_cast<int*>(state + l.amax() + index), __float_as_int(a));
+    atomicAdd(state + l.saturated() + index, clipped);
+    atomicAdd(state + l.cast() + index, static_cast<float>(rows * cols));
+  }
+}
+
+__global__ void fp8_summary_kernel(float* state, Fp8StateLayout l, Fp8Options o) {
+  fp8_summarize(state, l, o);
+}
+
+__global__ void fp8_update_kernel(float* state, Fp8StateLayout l, Fp8Options o) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < l.n) fp8_update_tensor(state, l, i, o);
+}
+
+void check_state(const Tensor& state, const Fp8StateLayout& l, const char* op) {
+  expect_f32(state, op, "state");
+  expect_numel(state, l.total(), op, "state");
+}
+
+}  // namespace
+
+std::string CudaBackend::fp8_unavailable() const {
+  if (compute_capability_ >= 89) return "";
+  return name_ + " is sm_" + std::to_string(compute_capability_) +
+         "; FP8 tensor cores need sm_89 (Ada) or newer";
+}
+
+void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                           const Fp8StateLayout& l, int index) {
+  const char* op = "fp8_cast";
+  expect_activation(inp, op, "inp");
+  check_state(state, l, op);
+  if (index < 0 || index >= l.n)
+    throw std::invalid_argument("cuda fp8_cast: index " + std::to_string(index) + " of " +
+                                std::to_string(l.n) + " FP8 tensors");
+  const int64_t C = inp.dim(-1), R = inp.numel() / C;
+  const Tensor& any = out.defined() ? out : out_t;
+  if (!any.defined()) throw std::invalid_argument("cuda fp8_cast: neither out nor out_t given");
+  for (const Tensor* t : {&out, &out_t}) {
+    if (!t->defined()) continue;
+    expect_device(*t, op, t == &out ? "out" : "out_t");
+    if ((t->dtype != DType::fp8_e4m3 && t->dtype != DType::fp8_e5m2) || t->numel() != R * C ||
+        t->dtype != any.dtype)
+      throw std::invalid_argument("cuda fp8_cast: " + t->str() + " must be fp8 (both outputs " +
+                                  "one format) holding " + inp.str());
+  }
+  if (R == 0 || C == 0) return;
+  auto* o = static_cast<uint8_t*>(out.data);
+  auto* ot = static_cast<uint8_t*>(out_t.data);
+  const bool vec = C % 8 == 0 && aligned(inp.data, 16) && (!o || aligned(o, 8));
+  const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
+  const dim3 grid(ceil_div(C, kTile), ceil_div(R, kTile));
+  const auto* x = static_cast<const bf16*>(inp.data);
+  float* s = state.ptr<float>();
+  if (any.dtype == DType::fp8_e5m2)
+    fp8_cast_kernel<true><<<grid, kCastThreads, 0, stream_>>>(o, ot, x, R, C, s, l, index, vec,
+                                                               vec_t);
+  else
+    fp8_cast_kernel<false><<<grid, kCastThreads, 0, stream_>>>(o, ot, x, R, C, s, l, index, vec,
+                                                                vec_t);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
+                                    const Fp8Options& options) {
+  check_state(state, l, "fp8_update_scales");
+  if (l.n == 0) return;
+  fp8_summary_kernel<<<1, 1, 0, stream_>>>(state.ptr<float>(), l, options);
+  KILN_CUDA_LAUNCH_CHECK();
+  fp8_update_kernel<<<ceil_div(l.n, 128), 128, 0, stream_>>>(state.ptr<float>(), l, options);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln
