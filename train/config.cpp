@@ -134,6 +134,10 @@ const std::vector<Field>& schema() {
        "attention core, SwiGLU) or full (each block from its input)"},
       {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
+      {KILN_FIELD(init, from), any(),
+       "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
+       "directory; its config.json must match model) or a kiln run or checkpoint directory "
+       "(weights only; step 0, fresh optimizer)"},
       {KILN_FIELD(optim, name), one_of({"adamw"}), "optimizer"},
       {KILN_FIELD(optim, lr), positive(), "peak learning rate"},
       {KILN_FIELD(optim, min_lr), non_negative(), "final learning rate; <= lr"},

@@ -63,6 +63,11 @@ struct TrainSection {
   double peak_tflops = 0.0;  // 0: from the GPU peak table
 };
 
+// Where a fresh run's parameters come from (a resumed run takes its checkpoint's instead).
+struct InitSection {
+  std::string from;  // "": random (train.seed) | hf:DIR (Hugging Face model) | kiln run or checkpoint
+};
+
 struct OptimSection {
   std::string name = "adamw";
   double lr = 6.0e-4;
@@ -103,6 +108,7 @@ struct Config {
   ModelSection model;
   DataSection data;
   TrainSection train;
+  InitSection init;
   OptimSection optim;
   PrecisionSection precision;
   Fp8Section fp8;

@@ -17,6 +17,7 @@
 #include "kernels/error.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
+#include "train/init_from.h"
 #include "dist/strategy.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
@@ -253,6 +254,11 @@ void Trainer::print_memory_table() const {
 }
 
 void Trainer::init_parameters() {
+  if (!cfg_.init.from.empty()) {
+    strategy_->load_parameters(load_init_weights(cfg_.init.from, mcfg_, model_->layout()));
+    if (is_main()) spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
+    return;
+  }
   std::vector<float> host(static_cast<size_t>(model_->layout().total));
   model_->init(static_cast<uint64_t>(cfg_.train.seed), host.data());
   strategy_->load_parameters(host);
@@ -527,6 +533,8 @@ int Trainer::run() {
   if (t.resume == "auto") ckpt = find_latest_checkpoint(t.out_dir);
   else if (t.resume != "none") ckpt = t.resume;
   if (ckpt) {
+    if (is_main() && !cfg_.init.from.empty())
+      spdlog::info("resuming from a checkpoint: init.from={} is not used", cfg_.init.from);
     try {
       resume_from(*ckpt);
     } catch (const InputError& e) {

@@ -1,0 +1,533 @@
+// Hugging Face config.json and weights <-> kiln ModelConfig and parameters. See hf_model.h.
+#include "hf/hf_model.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "hf/safetensors.h"
+#include "kernels/error.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InputError(path + ": cannot read");
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw InputError(path + ": malformed JSON: " + e.what());
+  }
+}
+
+// Typed access to config.json's keys, each error naming the file and the key.
+struct ConfigJson {
+  json j;
+  std::string path;
+
+  bool has(const char* key) const { return j.contains(key) && !j[key].is_null(); }
+  [[noreturn]] void fail(const char* key, const std::string& what) const {
+    throw InputError(path + ": " + key + ": " + what);
+  }
+  int get_int(const char* key) const {
+    if (!has(key)) fail(key, "missing");
+    if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0 ||
+        j[key].get<int64_t>() > INT32_MAX)
+      fail(key, "expected a positive integer, got " + j[key].dump());
+    return j[key].get<int>();
+  }
+  int get_int(const char* key, int fallback) const { return has(key) ? get_int(key) : fallback; }
+  double get_number(const char* key, double fallback) const {
+    if (!has(key)) return fallback;
+    if (!j[key].is_number()) fail(key, "expected a number, got " + j[key].dump());
+    return j[key].get<double>();
+  }
+  bool get_bool(const char* key, bool fallback) const {
+    if (!has(key)) return fallback;
+    if (!j[key].is_boolean()) fail(key, "expected true or false, got " + j[key].dump());
+    return j[key].get<bool>();
+  }
+  std::string get_string(const char* key, const std::string& fallback) const {
+    if (!has(key)) return fallback;
+    if (!j[key].is_string()) fail(key, "expected a string, got " + j[key].dump());
+    return j[key].get<std::string>();
+  }
+  // Refuses a key whose value changes the model in a way kiln does not implement.
+  void require(const char* key, const json& expected, const std::string& why) const {
+    if (has(key) && j[key] != expected)
+      fail(key, j[key].dump() + " is not supported (" + why + ")");
+  }
+};
+
+// RoPE base: top-level rope_theta (transformers 4.x) or rope_parameters.rope_theta (5.x). Any
+// rope scaling (LLaMA-3.1's, YaRN, linear) is refused: kiln's RoPE is the plain one.
+double read_rope_theta(const ConfigJson& c, double fallback) {
+  if (c.has("rope_scaling")) {
+    const json& s = c.j["rope_scaling"];
+    const std::string type = s.is_object() ? s.value("rope_type", s.value("type", "")) : "";
+    if (type != "default") c.fail("rope_scaling", s.dump() + " is not supported (plain RoPE only)");
+  }
+  if (c.has("rope_parameters")) {
+    const json& p = c.j["rope_parameters"];
+    if (!p.is_object()) c.fail("rope_parameters", "expected an object");
+    if (p.value("rope_type", "default") != "default")
+      c.fail("rope_parameters", p.dump() + " is not supported (plain RoPE only)");
+    if (p.contains("rope_theta") && p["rope_theta"].is_number())
+      return p["rope_theta"].get<double>();
+  }
+  return c.get_number("rope_theta", fallback);
+}
+
+// A float that prints as the short decimal it was written as (1e-06, not 9.99999997e-07).
+double float_as_written(float v) {
+  char buf[32];
+  auto r = std::to_chars(buf, buf + sizeof buf, v);
+  double d = 0;
+  std::from_chars(buf, r.ptr, d);
+  return d;
+}
+
+std::string join_shape(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// The opened safetensors files of a directory and which file holds each tensor.
+struct HfFiles {
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, std::pair<const SafetensorsFile*, const SafeTensorInfo*>> by_name;
+};
+
+HfFiles open_hf_files(const std::string& dir) {
+  HfFiles out;
+  const std::string index = dir + "/model.safetensors.index.json";
+  const std::string single = dir + "/model.safetensors";
+  std::map<std::string, std::string> weight_map;  // tensor -> file, from the index
+  std::vector<std::string> names;
+  if (fs::exists(single)) {
+    names.push_back("model.safetensors");
+  } else if (fs::exists(index)) {
+    const json j = read_json(index);
+    if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      throw InputError(index + ": no weight_map object");
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it->is_string()) throw InputError(index + ": weight_map['" + it.key() + "'] is not a file name");
+      const std::string file = it->get<std::string>();
+      if (file.find('/') != std::string::npos)
+        throw InputError(index + ": weight_map['" + it.key() + "'] names '" + file +
+                         "' outside the directory");
+      weight_map[it.key()] = file;
+      if (std::find(names.begin(), names.end(), file) == names.end()) names.push_back(file);
+    }
+  } else {
+    throw InputError(dir + ": no model.safetensors or model.safetensors.index.json (only "
+                           "safetensors weights are read, not pytorch_model.bin)");
+  }
+  for (const std::string& name : names) {
+    out.files.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::open(dir + "/" + name)));
+    const SafetensorsFile& f = *out.files.back();
+    for (const SafeTensorInfo& t : f.tensors()) {
+      auto [it, fresh] = out.by_name.emplace(t.name, std::make_pair(&f, &t));
+      if (!fresh)
+        throw InputError(f.path() + ": tensor '" + t.name + "' is also in " + it->second.first->path());
+    }
+  }
+  for (const auto& [tensor, file] : weight_map) {
+    auto it = out.by_name.find(tensor);
+    if (it == out.by_name.end() || fs::path(it->second.first->path()).filename() != file)
+      throw InputError(index + ": tensor '" + tensor + "' is not in " + dir + "/" + file);
+  }
+  return out;
+}
+
+// Tensors a checkpoint may carry that are not parameters: GPT-2's causal-mask buffers, old
+// LLaMA's RoPE frequencies.
+bool is_buffer(const std::string& name) {
+  auto ends_with = [&](const char* s) {
+    const size_t n = std::strlen(s);
+    return name.size() >= n && name.compare(name.size() - n, n, s) == 0;
+  };
+  return ends_with(".attn.bias") || ends_with(".attn.masked_bias") ||
+         ends_with("rotary_emb.inv_freq");
+}
+
+}  // namespace
+
+std::optional<std::string> hf_dir_of(const std::string& spec) {
+  if (spec.rfind("hf:", 0) != 0) return std::nullopt;
+  std::string dir = spec.substr(3);
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+ModelConfig read_hf_config(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  if (!fs::is_directory(dir)) throw InputError(dir + ": not a directory (expected a Hugging Face model)");
+  const ConfigJson c{read_json(path), path};
+  if (!c.j.is_object()) throw InputError(path + ": not a JSON object");
+  const std::string type = c.get_string("model_type", "");
+  ModelConfig m;
+  m.arch = type;
+  const ArchDefaults* arch = find_arch(type);
+  if (!arch)
+    c.fail("model_type", "'" + type + "' is not supported (kiln imports gpt2, llama and qwen3)");
+  m.norm = arch->norm;
+  m.positions = arch->positions;
+  m.mlp = arch->mlp;
+  m.bias = arch->bias;
+  m.qkv_bias = arch->qkv_bias;
+  m.qk_norm = arch->qk_norm;
+  m.vocab_size = c.get_int("vocab_size");
+  if (type == "gpt2") {
+    m.n_layer = c.get_int("n_layer");
+    m.n_head = c.get_int("n_head");
+    m.n_embd = c.get_int("n_embd");
+    m.seq_len = c.get_int("n_positions");
+    m.ffn_dim = c.get_int("n_inner", 4 * m.n_embd);
+    m.n_kv_head = m.n_head;
+    m.head_dim = 0;
+    m.norm_eps = static_cast<float>(c.get_number("layer_norm_epsilon", 1e-5));
+    if (m.norm_eps != 1e-5f) c.fail("layer_norm_epsilon", "kiln's layernorm uses 1e-5 only");
+    const std::string act = c.get_string("activation_function", "gelu_new");
+    if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+      c.fail("activation_function", "'" + act + "' is not supported (kiln's GELU is the tanh form, gelu_new)");
+    c.require("scale_attn_weights", true, "kiln scales attention by 1/sqrt(head_dim)");
+    c.require("scale_attn_by_inverse_layer_idx", false, "not implemented");
+    c.require("reorder_and_upcast_attn", false, "not implemented");
+    m.tie_embeddings = c.get_bool("tie_word_embeddings", true);
+  } else {
+    m.n_layer = c.get_int("num_hidden_layers");
+    m.n_head = c.get_int("num_attention_heads");
+    m.n_embd = c.get_int("hidden_size");
+    m.ffn_dim = c.get_int("intermediate_size");
+    m.n_kv_head = c.get_int("num_key_value_heads", m.n_head);
+    // Qwen3Config's head_dim defaults to 128, LlamaConfig's to hidden_size / heads.
+    m.head_dim = c.get_int("head_dim", type == "qwen3" ? 128 : 0);
+    if (m.head_dim * m.n_head == m.n_embd) m.head_dim = 0;  // kiln's "n_embd / n_head"
+    m.seq_len = c.get_int("max_position_embeddings");
+    m.norm_eps = static_cast<float>(c.get_number("rms_norm_eps", 1e-6));
+    m.rope_theta = static_cast<float>(read_rope_theta(c, type == "qwen3" ? 1e6 : 1e4));
+    m.tie_embeddings = c.get_bool("tie_word_embeddings", false);
+    const std::string act = c.get_string("hidden_act", "silu");
+    if (act != "silu") c.fail("hidden_act", "'" + act + "' is not supported (SwiGLU uses silu)");
+    c.require("attention_bias", false, "kiln's " + type + " has no attention biases");
+    c.require("mlp_bias", false, "kiln's " + type + " has no MLP biases");
+    c.require("use_sliding_window", false, "sliding-window attention is not implemented");
+    if (c.has("layer_types"))
+      for (const json& t : c.j["layer_types"])
+        if (t != "full_attention")
+          c.fail("layer_types", t.dump() + " is not supported (full attention only)");
+  }
+  if (m.n_head % m.n_kv_head != 0)
+    c.fail("num_key_value_heads", "must divide the number of attention heads");
+  m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
+  return m;
+}
+
+std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const ModelConfig& hf,
+                                              const std::string& dir) {
+  std::vector<std::string> out;
+  const std::string where = dir + "/config.json";
+  auto check = [&](const char* key, const std::string& a, const std::string& b) {
+    if (a != b) out.push_back(std::string("model.") + key + ": " + a + " in the config, " + b + " in " + where);
+  };
+  auto num = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  auto str = [](bool b) { return std::string(b ? "true" : "false"); };
+  const AttentionDims a = run.attention(), b = hf.attention();
+  check("n_layer", std::to_string(run.n_layer), std::to_string(hf.n_layer));
+  check("n_embd", std::to_string(run.n_embd), std::to_string(hf.n_embd));
+  check("n_head", std::to_string(a.n_head), std::to_string(b.n_head));
+  check("n_kv_head", std::to_string(a.n_kv_head), std::to_string(b.n_kv_head));
+  check("head_dim", std::to_string(a.head_dim), std::to_string(b.head_dim));
+  check("ffn_dim", std::to_string(run.ffn_dim), std::to_string(hf.ffn_dim));
+  check("vocab_size", std::to_string(run.vocab_size), std::to_string(hf.vocab_size));
+  check("tie_embeddings", str(run.tie_embeddings), str(hf.tie_embeddings));
+  check("norm", norm_name(run.norm), norm_name(hf.norm));
+  check("norm_eps", num(run.norm_eps), num(hf.norm_eps));
+  check("positions", position_name(run.positions), position_name(hf.positions));
+  if (hf.positions == PositionKind::learned)
+    check("seq_len", std::to_string(run.seq_len), std::to_string(hf.seq_len));
+  else
+    check("rope_theta", num(run.rope_theta), num(hf.rope_theta));
+  check("mlp", mlp_name(run.mlp), mlp_name(hf.mlp));
+  check("bias", str(run.bias), str(hf.bias));
+  check("qkv_bias", str(run.qkv_bias || run.bias), str(hf.qkv_bias || hf.bias));
+  check("qk_norm", str(run.qk_norm), str(hf.qk_norm));
+  return out;
+}
+
+std::string hf_model_type(const ModelConfig& c) {
+  const AttentionDims a = c.attention();
+  if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
+      c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&
+      a.head_dim * a.n_head == c.n_embd)
+    return "gpt2";
+  if (c.norm == NormKind::rmsnorm && c.positions == PositionKind::rope &&
+      c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias)
+    return c.qk_norm ? "qwen3" : "llama";
+  throw InputError(std::string("no Hugging Face architecture has this model's layers (norm ") +
+                   norm_name(c.norm) + ", positions " + position_name(c.positions) + ", mlp " +
+                   mlp_name(c.mlp) + ", bias " + (c.bias ? "true" : "false") + ", qkv_bias " +
+                   (c.qkv_bias ? "true" : "false") + ", qk_norm " + (c.qk_norm ? "true" : "false") +
+                   "); GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM are exported");
+}
+
+std::vector<HfTensorMap> hf_weight_map(const ModelConfig& c, const std::string& prefix) {
+  const std::string type = hf_model_type(c);
+  const AttentionDims a = c.attention();
+  const int64_t C = c.n_embd, F = c.ffn_dim, V = c.vocab_size;
+  const int64_t q = a.q_dim(), kv = static_cast<int64_t>(a.n_kv_head) * a.head_dim;
+  std::vector<HfTensorMap> map;
+  auto one = [&](const std::string& kiln, const std::string& hf, std::vector<int64_t> shape,
+                 bool transpose = false) {
+    map.push_back({kiln, {{hf, std::move(shape), 0, transpose}}});
+  };
+  if (type == "gpt2") {
+    const std::string& p = prefix;
+    one("wte", p + "wte.weight", {V, C});
+    one("wpe", p + "wpe.weight", {c.seq_len, C});
+    for (int l = 0; l < c.n_layer; ++l) {
+      const std::string k = "h." + std::to_string(l) + ".", h = p + k;
+      one(k + "ln1.weight", h + "ln_1.weight", {C});
+      one(k + "ln1.bias", h + "ln_1.bias", {C});
+      one(k + "attn.qkv.weight", h + "attn.c_attn.weight", {C, 3 * C}, true);
+      one(k + "attn.qkv.bias", h + "attn.c_attn.bias", {3 * C});
+      one(k + "attn.proj.weight", h + "attn.c_proj.weight", {C, C}, true);
+      one(k + "attn.proj.bias", h + "attn.c_proj.bias", {C});
+      one(k + "ln2.weight", h + "ln_2.weight", {C});
+      one(k + "ln2.bias", h + "ln_2.bias", {C});
+      one(k + "mlp.fc.weight", h + "mlp.c_fc.weight", {C, F}, true);
+      one(k + "mlp.fc.bias", h + "mlp.c_fc.bias", {F});
+      one(k + "mlp.proj.weight", h + "mlp.c_proj.weight", {F, C}, true);
+      one(k + "mlp.proj.bias", h + "mlp.c_proj.bias", {C});
+    }
+    one("lnf.weight", p + "ln_f.weight", {C});
+    one("lnf.bias", p + "ln_f.bias", {C});
+  } else {
+    one("wte", "model.embed_tokens.weight", {V, C});
+    for (int l = 0; l < c.n_layer; ++l) {
+      const std::string k = "h." + std::to_string(l) + ".";
+      const std::string h = "model.layers." + std::to_string(l) + ".";
+      one(k + "ln1.weight", h + "input_layernorm.weight", {C});
+      map.push_back({k + "attn.qkv.weight",
+                     {{h + "self_attn.q_proj.weight", {q, C}, 0, false},
+                      {h + "self_attn.k_proj.weight", {kv, C}, q, false},
+                      {h + "self_attn.v_proj.weight", {kv, C}, q + kv, false}}});
+      if (c.qk_norm) {
+        one(k + "attn.q_norm.weight", h + "self_attn.q_norm.weight", {a.head_dim});
+        one(k + "attn.k_norm.weight", h + "self_attn.k_norm.weight", {a.head_dim});
+      }
+      one(k + "attn.proj.weight", h + "self_attn.o_proj.weight", {C, q});
+      one(k + "ln2.weight", h + "post_attention_layernorm.weight", {C});
+      map.push_back({k + "mlp.fc.weight",
+                     {{h + "mlp.gate_proj.weight", {F, C}, 0, false},
+                      {h + "mlp.up_proj.weight", {F, C}, F, false}}});
+      one(k + "mlp.proj.weight", h + "mlp.down_proj.weight", {C, F});
+    }
+    one("lnf.weight", "model.norm.weight", {C});
+  }
+  if (!c.tie_embeddings) one("lm_head", "lm_head.weight", {V, C});
+  return map;
+}
+
+std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cfg,
+                                   const ParamLayout& layout) {
+  const HfFiles files = open_hf_files(dir);
+  const std::string type = hf_model_type(cfg);
+  // GPT2LMHeadModel.save_pretrained prefixes "transformer."; the original GPT-2 files do not.
+  const std::string prefix =
+      type == "gpt2" && files.by_name.count("transformer.wte.weight") ? "transformer." : "";
+  std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
+  std::set<std::string> used;
+  std::vector<float> buf;
+  for (const HfTensorMap& m : hf_weight_map(cfg, prefix)) {
+    const ParamInfo& p = layout.find(m.kiln_name);
+    const int64_t cols = p.shape.ndim == 2 ? p.shape[1] : 1;
+    for (const HfPiece& piece : m.pieces) {
+      auto it = files.by_name.find(piece.name);
+      if (it == files.by_name.end())
+        throw InputError(dir + ": tensor '" + piece.name + "' (kiln's " + m.kiln_name +
+                         ") is missing from the safetensors files");
+      const auto [file, info] = it->second;
+      if (info->shape != piece.shape)
+        throw InputError(file->path() + ": tensor '" + piece.name + "' has shape " +
+                         info->shape_str() + ", config.json's sizes give " + join_shape(piece.shape));
+      buf.resize(static_cast<size_t>(info->numel()));
+      file->read_f32(*info, buf.data());
+      float* dst = params.data() + p.offset + piece.row * cols;
+      if (piece.transpose) {  // [in, out] -> rows of out, each `in` wide
+        const int64_t in = piece.shape[0], out = piece.shape[1];
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t i = 0; i < in; ++i) dst[o * in + i] = buf[static_cast<size_t>(i * out + o)];
+      } else {
+        std::copy(buf.begin(), buf.end(), dst);
+      }
+      used.insert(piece.name);
+    }
+  }
+  for (const auto& [name, where] : files.by_name) {
+    if (used.count(name) || is_buffer(name)) continue;
+    // transformers may save a tied head too: it is the embedding again.
+    if (cfg.tie_embeddings && name == "lm_head.weight") continue;
+    throw InputError(where.first->path() + ": unexpected tensor '" + name + "' (not part of a " +
+                     type + " model of config.json's sizes)");
+  }
+  return params;
+}
+
+std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cfg,
+                                   const ParamLayout& layout, const float* params,
+                                   const HfExportOptions& opts) {
+  const std::string type = hf_model_type(cfg);
+  if (opts.dtype != "bf16" && opts.dtype != "f32")
+    throw InputError("export dtype must be bf16 or f32, got '" + opts.dtype + "'");
+  const AttentionDims a = cfg.attention();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw InputError(dir + ": cannot create directory: " + ec.message());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("model", 0) == 0 && (e.path().extension() == ".safetensors" ||
+                                        name == "model.safetensors.index.json"))
+      fs::remove(e.path());
+  }
+
+  // The tensors in HF's shapes: rows of the flat buffer where they are rows, else transposed.
+  struct Out {
+    SafeTensorWrite t;
+    std::vector<float> owned;
+  };
+  std::vector<Out> outs;
+  for (const HfTensorMap& m : hf_weight_map(cfg, type == "gpt2" ? "transformer." : "")) {
+    const ParamInfo& p = layout.find(m.kiln_name);
+    const int64_t cols = p.shape.ndim == 2 ? p.shape[1] : 1;
+    for (const HfPiece& piece : m.pieces) {
+      Out o;
+      o.t.name = piece.name;
+      o.t.shape = piece.shape;
+      const float* src = params + p.offset + piece.row * cols;
+      if (piece.transpose) {
+        const int64_t in = piece.shape[0], out = piece.shape[1];
+        o.owned.resize(static_cast<size_t>(in * out));
+        for (int64_t i = 0; i < in; ++i)
+          for (int64_t r = 0; r < out; ++r) o.owned[static_cast<size_t>(i * out + r)] = src[r * in + i];
+      } else {
+        o.t.data = src;
+      }
+      outs.push_back(std::move(o));
+    }
+  }
+  for (Out& o : outs)
+    if (!o.owned.empty()) o.t.data = o.owned.data();
+
+  // Greedy shards of at most max_shard_bytes (a larger tensor gets one to itself).
+  const int64_t elem = opts.dtype == "bf16" ? 2 : 4;
+  std::vector<std::vector<SafeTensorWrite>> shards(1);
+  int64_t shard_bytes = 0, total = 0;
+  for (const Out& o : outs) {
+    int64_t bytes = elem;
+    for (int64_t d : o.t.shape) bytes *= d;
+    if (shard_bytes > 0 && shard_bytes + bytes > opts.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(o.t);
+    shard_bytes += bytes;
+    total += bytes;
+  }
+  const std::string st_dtype = opts.dtype == "bf16" ? "BF16" : "F32";
+  std::vector<std::string> written;
+  json weight_map = json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    char name[64];
+    if (shards.size() == 1)
+      std::snprintf(name, sizeof name, "model.safetensors");
+    else
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
+    write_safetensors(dir + "/" + name, shards[s], st_dtype, {{"format", "pt"}});
+    written.push_back(name);
+    for (const SafeTensorWrite& t : shards[s]) weight_map[t.name] = name;
+  }
+  if (shards.size() > 1) {
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(dir + "/model.safetensors.index.json") << index.dump(2) << "\n";
+    written.push_back("model.safetensors.index.json");
+  }
+
+  nlohmann::ordered_json j;
+  const char* hf_dtype = opts.dtype == "bf16" ? "bfloat16" : "float32";
+  if (type == "gpt2") {
+    j = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"vocab_size", cfg.vocab_size},
+         {"n_positions", cfg.seq_len},
+         {"n_ctx", cfg.seq_len},
+         {"n_embd", cfg.n_embd},
+         {"n_layer", cfg.n_layer},
+         {"n_head", cfg.n_head},
+         {"n_inner", cfg.ffn_dim},
+         {"activation_function", "gelu_new"},
+         {"layer_norm_epsilon", 1e-5},
+         {"resid_pdrop", 0.0},
+         {"embd_pdrop", 0.0},
+         {"attn_pdrop", 0.0},
+         {"scale_attn_weights", true},
+         {"initializer_range", 0.02},
+         {"bos_token_id", nullptr},
+         {"eos_token_id", nullptr}};
+  } else {
+    j = {{"architectures", {type == "qwen3" ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+         {"model_type", type},
+         {"vocab_size", cfg.vocab_size},
+         {"hidden_size", cfg.n_embd},
+         {"intermediate_size", cfg.ffn_dim},
+         {"num_hidden_layers", cfg.n_layer},
+         {"num_attention_heads", a.n_head},
+         {"num_key_value_heads", a.n_kv_head},
+         {"head_dim", a.head_dim},
+         {"max_position_embeddings", cfg.seq_len},
+         {"rms_norm_eps", float_as_written(cfg.norm_eps)},
+         {"rope_theta", float_as_written(cfg.rope_theta)},
+         {"rope_scaling", nullptr},
+         {"hidden_act", "silu"},
+         {"attention_bias", false},
+         {"attention_dropout", 0.0},
+         {"initializer_range", 0.02},
+         {"bos_token_id", nullptr},
+         {"eos_token_id", nullptr}};
+    if (type == "llama") j["mlp_bias"] = false;
+    if (type == "qwen3") {
+      j["use_sliding_window"] = false;
+      j["sliding_window"] = nullptr;
+      j["max_window_layers"] = cfg.n_layer;
+    }
+  }
+  j["tie_word_embeddings"] = cfg.tie_embeddings;
+  j["use_cache"] = true;
+  j["torch_dtype"] = hf_dtype;
+  std::ofstream out(dir + "/config.json");
+  out << j.dump(2) << "\n";
+  if (!out) throw InputError(dir + "/config.json: cannot write");
+  written.push_back("config.json");
+  return written;
+}
+
+}  // namespace kiln

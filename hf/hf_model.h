@@ -1,0 +1,74 @@
+// Hugging Face model directories <-> kiln parameters, for GPT2LMHeadModel, LlamaForCausalLM and
+// Qwen3ForCausalLM. A directory holds config.json and model.safetensors, or shards named by
+// model.safetensors.index.json. The one design choice: a single table (hf_weight_map) says, for
+// each kiln tensor, which HF tensors make it up, at which rows and whether transposed; import
+// and export both walk that table, so they cannot disagree. What the table encodes:
+//  - GPT-2's Conv1D weights are stored [in, out]: transposed into kiln's [out, in]. c_attn
+//    already holds q, k, v in kiln's order (q heads, k heads, v heads).
+//  - LLaMA/Qwen3's q_proj, k_proj, v_proj stack into kiln's qkv rows; gate_proj then up_proj
+//    into SwiGLU's fc rows. RoPE is HF's rotate_half convention in both, so no permutation.
+//  - The embedding (and an untied head) has vocab_size rows in HF, padded_vocab_size in kiln:
+//    the padding rows are zero on import and dropped on export.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+
+namespace kiln {
+
+// "hf:DIR" -> DIR; nullopt for anything else.
+std::optional<std::string> hf_dir_of(const std::string& spec);
+
+// DIR/config.json -> ModelConfig. seq_len is GPT-2's n_positions (the rows of wpe) or
+// max_position_embeddings; padded_vocab_size is vocab_size rounded up to 128. InputError naming
+// the file and key for a missing key, an unsupported model_type or an option kiln does not
+// implement (rope scaling, sliding windows, biases LLaMA-style models do not have in kiln).
+ModelConfig read_hf_config(const std::string& dir);
+
+// The keys on which the run's model config and an HF directory's disagree, one line each
+// ("model.n_layer: 12 in the config, 24 in DIR/config.json"); empty when they agree. seq_len
+// counts only where it sizes a tensor (learned positions); padded_vocab_size never does.
+std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const ModelConfig& hf,
+                                              const std::string& dir);
+
+// One HF tensor that makes up part of a kiln tensor: `rows` rows of it from `row` on, or all of
+// it transposed (Conv1D). Shapes are HF's.
+struct HfPiece {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t row = 0;
+  bool transpose = false;
+};
+struct HfTensorMap {
+  std::string kiln_name;
+  std::vector<HfPiece> pieces;
+};
+// The HF model_type kiln exports `cfg` as (gpt2 | llama | qwen3), from its layer choices;
+// InputError when no HF architecture has them.
+std::string hf_model_type(const ModelConfig& cfg);
+// Every kiln tensor of `cfg`'s model and its HF pieces, in HF's order. `prefix` is GPT-2's
+// "transformer." (present in files saved from GPT2LMHeadModel, absent in the original release).
+std::vector<HfTensorMap> hf_weight_map(const ModelConfig& cfg, const std::string& prefix = "");
+
+// DIR's weights into a host f32 buffer laid out as `layout` (the model of `cfg`). InputError
+// naming the file and tensor for a missing, misshapen or unexpected tensor.
+std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cfg,
+                                   const ParamLayout& layout);
+
+struct HfExportOptions {
+  std::string dtype = "bf16";                       // bf16 | f32
+  int64_t max_shard_bytes = 5'000'000'000;  // above this (5GB, save_pretrained's), shards + index
+};
+
+// Writes DIR/config.json and the weights (model.safetensors, or model-0000i-of-0000n.safetensors
+// and model.safetensors.index.json) so that transformers.AutoModelForCausalLM loads them.
+// Earlier model*.safetensors files in DIR are removed first. Returns the files written.
+std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cfg,
+                                   const ParamLayout& layout, const float* params,
+                                   const HfExportOptions& opts);
+
+}  // namespace kiln

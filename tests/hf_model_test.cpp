@@ -1,0 +1,347 @@
+// Hugging Face import and export (hf/hf_model.h): export -> import is bit-identical in f32 (and
+// bf16-rounded in bf16, sharded or not) for GPT-2, LLaMA (GQA, untied) and Qwen3 (QK-norm,
+// head_dim != n_embd / n_head); the files follow HF's conventions (GPT-2's Conv1D [in, out],
+// q/k/v and gate/up as separate tensors, vocab rows unpadded); config.json is read the way
+// transformers 4.x and 5.x write it; and wrong inputs are InputErrors naming the cause.
+#include "hf/hf_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "hf/safetensors.h"
+#include "kernels/bf16.h"
+#include "kernels/error.h"
+#include "tests/test_process.h"
+
+namespace kiln {
+namespace {
+
+ModelConfig tiny_gpt2(bool tied = true) {
+  ModelConfig c;
+  c.arch = "gpt2";
+  c.n_layer = 2, c.n_head = 4, c.n_kv_head = 4, c.head_dim = 0, c.n_embd = 32, c.ffn_dim = 128;
+  c.vocab_size = 200, c.padded_vocab_size = 256, c.seq_len = 16, c.tie_embeddings = tied;
+  return c;  // the other fields are GPT-2's defaults
+}
+
+ModelConfig tiny_rope(const std::string& arch) {
+  ModelConfig c;
+  c.arch = arch;
+  c.n_layer = 2, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 32, c.ffn_dim = 48;
+  c.vocab_size = 300, c.padded_vocab_size = 384, c.seq_len = 64;
+  c.norm = NormKind::rmsnorm, c.positions = PositionKind::rope, c.mlp = MlpKind::swiglu;
+  c.bias = c.qkv_bias = false;
+  if (arch == "qwen3") {
+    c.head_dim = 16, c.qk_norm = true, c.tie_embeddings = true, c.norm_eps = 1e-6f,
+    c.rope_theta = 1e6f;
+  } else {
+    c.head_dim = 0, c.tie_embeddings = false, c.norm_eps = 1e-5f, c.rope_theta = 10000.0f;
+  }
+  return c;
+}
+
+ParamLayout layout_of(const ModelConfig& c) {
+  static std::unique_ptr<Backend> cpu = make_cpu_backend();
+  return make_model(c, *cpu)->layout();
+}
+
+// Every parameter distinct and random, except the padded vocab rows (zero, as kiln keeps them).
+std::vector<float> random_params(const ModelConfig& c, const ParamLayout& layout) {
+  std::vector<float> p(static_cast<size_t>(layout.total));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  for (float& v : p) v = normal(rng);
+  for (const char* name : {"wte", "lm_head"}) {
+    for (const ParamInfo& t : layout.tensors)
+      if (t.name == name)
+        std::fill(p.begin() + t.offset + int64_t{c.vocab_size} * c.n_embd,
+                  p.begin() + t.offset + t.numel(), 0.0f);
+  }
+  return p;
+}
+
+std::string temp_dir() {
+  return kiln::testing::make_temp_dir("kiln_hf_");
+}
+
+template <class F>
+std::string input_error(F f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an InputError";
+  return "";
+}
+
+void expect_same_model(const ModelConfig& a, const ModelConfig& b) {
+  EXPECT_TRUE(hf_config_mismatches(a, b, "dir").empty());
+  EXPECT_EQ(a.seq_len, b.seq_len);
+  EXPECT_EQ(a.padded_vocab_size, b.padded_vocab_size);
+  EXPECT_EQ(a.arch, b.arch);
+}
+
+class HfRoundTrip : public ::testing::TestWithParam<std::string> {
+ protected:
+  ModelConfig config() const {
+    const std::string& p = GetParam();
+    return p == "gpt2" ? tiny_gpt2() : p == "gpt2_untied" ? tiny_gpt2(false) : tiny_rope(p);
+  }
+};
+
+TEST_P(HfRoundTrip, F32ExportImportIsBitIdentical) {
+  const ModelConfig c = config();
+  const ParamLayout layout = layout_of(c);
+  const std::vector<float> params = random_params(c, layout);
+  const std::string dir = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "f32";
+  export_hf(dir, c, layout, params.data(), opts);
+  const ModelConfig back = read_hf_config(dir);
+  expect_same_model(c, back);
+  const std::vector<float> loaded = load_hf_weights(dir, back, layout_of(back));
+  ASSERT_EQ(loaded.size(), params.size());
+  EXPECT_EQ(std::memcmp(loaded.data(), params.data(), params.size() * 4), 0);
+
+  // import -> export -> import: the same files again.
+  const std::string again = temp_dir();
+  export_hf(again, back, layout, loaded.data(), opts);
+  std::ifstream a(dir + "/model.safetensors", std::ios::binary), b(again + "/model.safetensors", std::ios::binary);
+  const std::string bytes_a((std::istreambuf_iterator<char>(a)), {}), bytes_b((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_EQ(bytes_a, bytes_b);
+}
+
+TEST_P(HfRoundTrip, Bf16ShardedExportImportRoundsOnce) {
+  const ModelConfig c = config();
+  const ParamLayout layout = layout_of(c);
+  const std::vector<float> params = random_params(c, layout);
+  const std::string dir = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "bf16";
+  opts.max_shard_bytes = 8192;
+  const std::vector<std::string> files = export_hf(dir, c, layout, params.data(), opts);
+  EXPECT_GT(files.size(), 3u);  // several shards, the index and config.json
+  EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+  const std::vector<float> loaded = load_hf_weights(dir, c, layout);
+  for (size_t i = 0; i < params.size(); ++i)
+    ASSERT_EQ(loaded[i], bf16_to_f32(f32_to_bf16(params[i]))) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, HfRoundTrip,
+                         ::testing::Values("gpt2", "gpt2_untied", "llama", "qwen3"));
+
+float at(const SafetensorsFile& f, const std::string& name, int64_t i) {
+  const SafeTensorInfo* t = f.find(name);
+  EXPECT_NE(t, nullptr) << name;
+  if (!t) return 0;
+  std::vector<float> v(static_cast<size_t>(t->numel()));
+  f.read_f32(*t, v.data());
+  return v[static_cast<size_t>(i)];
+}
+
+float kiln_at(const std::vector<float>& p, const ParamLayout& l, const std::string& name,
+              int64_t row, int64_t col) {
+  const ParamInfo& t = l.find(name);
+  return p[static_cast<size_t>(t.offset + row * (t.shape.ndim == 2 ? t.shape[1] : 1) + col)];
+}
+
+// GPT-2's Conv1D computes x @ W with W [in, out]; kiln's Linear x @ W^T with W [out, in].
+TEST(HfLayout, Gpt2Conv1DWeightsAreTransposedAndVocabUnpadded) {
+  const ModelConfig c = tiny_gpt2();
+  const ParamLayout l = layout_of(c);
+  const std::vector<float> p = random_params(c, l);
+  const std::string dir = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "f32";
+  export_hf(dir, c, l, p.data(), opts);
+  const SafetensorsFile f = SafetensorsFile::open(dir + "/model.safetensors");
+  const int64_t C = c.n_embd;
+  EXPECT_EQ(f.find("transformer.h.0.attn.c_attn.weight")->shape, (std::vector<int64_t>{C, 3 * C}));
+  // c_attn[i][j]: input feature i, output j (q for j < C, then k, then v).
+  for (int64_t i : {0, 5, 31})
+    for (int64_t j : {0, 40, 95})
+      EXPECT_EQ(at(f, "transformer.h.1.attn.c_attn.weight", i * 3 * C + j),
+                kiln_at(p, l, "h.1.attn.qkv.weight", j, i));
+  EXPECT_EQ(at(f, "transformer.h.0.mlp.c_fc.weight", 3 * c.ffn_dim + 100),
+            kiln_at(p, l, "h.0.mlp.fc.weight", 100, 3));
+  EXPECT_EQ(at(f, "transformer.h.0.mlp.c_proj.weight", 100 * C + 3),
+            kiln_at(p, l, "h.0.mlp.proj.weight", 3, 100));
+  EXPECT_EQ(f.find("transformer.wte.weight")->shape, (std::vector<int64_t>{c.vocab_size, C}));
+  EXPECT_EQ(f.find("lm_head.weight"), nullptr);  // tied: saved once, as transformers does
+}
+
+// LLaMA/Qwen3: q, k, v stack into kiln's qkv rows; gate then up into SwiGLU's fc rows.
+TEST(HfLayout, RopeModelsSplitQkvAndGateUp) {
+  const ModelConfig c = tiny_rope("qwen3");
+  const ParamLayout l = layout_of(c);
+  const std::vector<float> p = random_params(c, l);
+  const std::string dir = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "f32";
+  export_hf(dir, c, l, p.data(), opts);
+  const SafetensorsFile f = SafetensorsFile::open(dir + "/model.safetensors");
+  const int64_t C = c.n_embd, q = 4 * 16, kv = 2 * 16, F = c.ffn_dim;
+  const std::string h = "model.layers.1.";
+  EXPECT_EQ(f.find(h + "self_attn.q_proj.weight")->shape, (std::vector<int64_t>{q, C}));
+  EXPECT_EQ(f.find(h + "self_attn.k_proj.weight")->shape, (std::vector<int64_t>{kv, C}));
+  EXPECT_EQ(at(f, h + "self_attn.q_proj.weight", 3 * C + 7), kiln_at(p, l, "h.1.attn.qkv.weight", 3, 7));
+  EXPECT_EQ(at(f, h + "self_attn.k_proj.weight", 3 * C + 7),
+            kiln_at(p, l, "h.1.attn.qkv.weight", q + 3, 7));
+  EXPECT_EQ(at(f, h + "self_attn.v_proj.weight", 3 * C + 7),
+            kiln_at(p, l, "h.1.attn.qkv.weight", q + kv + 3, 7));
+  EXPECT_EQ(at(f, h + "self_attn.o_proj.weight", 2 * q + 9), kiln_at(p, l, "h.1.attn.proj.weight", 2, 9));
+  EXPECT_EQ(at(f, h + "mlp.gate_proj.weight", 5 * C + 1), kiln_at(p, l, "h.1.mlp.fc.weight", 5, 1));
+  EXPECT_EQ(at(f, h + "mlp.up_proj.weight", 5 * C + 1), kiln_at(p, l, "h.1.mlp.fc.weight", F + 5, 1));
+  EXPECT_EQ(at(f, h + "self_attn.k_norm.weight", 2), kiln_at(p, l, "h.1.attn.k_norm.weight", 2, 0));
+  EXPECT_EQ(at(f, "model.norm.weight", 2), kiln_at(p, l, "lnf.weight", 2, 0));
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+
+// config.json as transformers 5.x writes it: rope_theta inside rope_parameters, no head_dim
+// for LLaMA; Qwen3 without head_dim means 128.
+TEST(HfConfig, ReadsBothTransformersGenerations) {
+  const std::string dir = temp_dir();
+  write_text(dir + "/config.json", R"({"model_type": "llama", "vocab_size": 32000,
+    "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "tie_word_embeddings": false, "hidden_act": "silu", "attention_bias": false})");
+  ModelConfig c = read_hf_config(dir);
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(c.attention().n_kv_head, 4);
+  EXPECT_EQ(c.attention().head_dim, 32);
+  EXPECT_EQ(c.padded_vocab_size, 32000);
+  EXPECT_FALSE(c.tie_embeddings);
+  write_text(dir + "/config.json", R"({"model_type": "qwen3", "vocab_size": 1000,
+    "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": true,
+    "use_sliding_window": false, "rope_scaling": null})");
+  c = read_hf_config(dir);
+  EXPECT_EQ(c.attention().head_dim, 128);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.padded_vocab_size, 1024);
+}
+
+TEST(HfConfig, RefusesWhatKilnDoesNotImplement) {
+  const std::string dir = temp_dir();
+  const std::string base = R"("vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128)";
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_scaling": {"rope_type": "llama3",
+    "factor": 8.0}, )" + base + "}");
+  std::string e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: rope_scaling"), std::string::npos) << e;
+  write_text(dir + "/config.json", R"({"model_type": "mistral", )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("model_type: 'mistral' is not supported"), std::string::npos) << e;
+  write_text(dir + "/config.json", R"({"model_type": "llama", "attention_bias": true, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("attention_bias"), std::string::npos) << e;
+  write_text(dir + "/config.json", R"({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2.5, "num_attention_heads": 4,
+    "max_position_embeddings": 128})");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("num_hidden_layers: expected a positive integer"), std::string::npos) << e;
+  write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+    "n_positions": 16, "vocab_size": 50, "activation_function": "relu"})");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("activation_function: 'relu'"), std::string::npos) << e;
+}
+
+TEST(HfConfig, MismatchesNameEveryKey) {
+  ModelConfig run = tiny_rope("llama"), hf = run;
+  hf.n_layer = 3;
+  hf.rope_theta = 500000.0f;
+  hf.seq_len = 4096;  // RoPE: the run picks its own context
+  const std::vector<std::string> d = hf_config_mismatches(run, hf, "D");
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d[0], "model.n_layer: 2 in the config, 3 in D/config.json");
+  EXPECT_NE(d[1].find("model.rope_theta: 10000 in the config, 500000"), std::string::npos) << d[1];
+  ModelConfig g = tiny_gpt2(), g2 = g;
+  g2.seq_len = 32;  // learned positions: wpe's rows
+  EXPECT_EQ(hf_config_mismatches(g, g2, "D").size(), 1u);
+}
+
+// Rewrites DIR/model.safetensors through `edit`, which may change the list of tensors.
+template <class Edit>
+void rewrite(const std::string& dir, Edit edit) {
+  std::vector<std::vector<float>> data;
+  std::vector<SafeTensorWrite> out;
+  {
+    const SafetensorsFile f = SafetensorsFile::open(dir + "/model.safetensors");
+    for (const SafeTensorInfo& t : f.tensors()) {
+      data.emplace_back(static_cast<size_t>(t.numel()));
+      f.read_f32(t, data.back().data());
+    }
+    for (size_t i = 0; i < f.tensors().size(); ++i)
+      out.push_back({f.tensors()[i].name, f.tensors()[i].shape, data[i].data()});
+  }
+  std::vector<float> extra(64, 1.0f);
+  edit(out, extra.data());
+  write_safetensors(dir + "/model.safetensors", out, "F32");
+}
+
+TEST(HfImport, MissingMisshapenAndUnexpectedTensorsAreNamed) {
+  const ModelConfig c = tiny_gpt2();
+  const ParamLayout l = layout_of(c);
+  const std::vector<float> p = random_params(c, l);
+  const std::string dir = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "f32";
+  export_hf(dir, c, l, p.data(), opts);
+
+  // GPT-2's causal-mask buffer and a tied head saved anyway are not errors.
+  rewrite(dir, [](std::vector<SafeTensorWrite>& t, const float* x) {
+    t.push_back({"transformer.h.0.attn.bias", {1, 1, 8, 8}, x});
+  });
+  EXPECT_NO_THROW(load_hf_weights(dir, c, l));
+
+  rewrite(dir, [](std::vector<SafeTensorWrite>& t, const float* x) {
+    t.push_back({"transformer.h.9.mlp.c_fc.weight", {2, 2}, x});
+  });
+  std::string e = input_error([&] { load_hf_weights(dir, c, l); });
+  EXPECT_NE(e.find("unexpected tensor 'transformer.h.9.mlp.c_fc.weight'"), std::string::npos) << e;
+
+  rewrite(dir, [](std::vector<SafeTensorWrite>& t, const float*) {
+    t.erase(std::remove_if(t.begin(), t.end(), [](const SafeTensorWrite& w) {
+      return w.name == "transformer.h.9.mlp.c_fc.weight" || w.name == "transformer.h.1.ln_2.bias";
+    }), t.end());
+  });
+  e = input_error([&] { load_hf_weights(dir, c, l); });
+  EXPECT_NE(e.find("tensor 'transformer.h.1.ln_2.bias' (kiln's h.1.ln2.bias) is missing"),
+            std::string::npos) << e;
+
+  rewrite(dir, [](std::vector<SafeTensorWrite>& t, const float* x) {
+    t.push_back({"transformer.h.1.ln_2.bias", {16}, x});
+  });
+  e = input_error([&] { load_hf_weights(dir, c, l); });
+  EXPECT_NE(e.find("model.safetensors: tensor 'transformer.h.1.ln_2.bias' has shape [16], "
+                   "config.json's sizes give [32]"),
+            std::string::npos) << e;
+}
+
+TEST(HfImport, NoWeightsFileIsNamed) {
+  const std::string dir = temp_dir();
+  const std::string e = input_error([&] { load_hf_weights(dir, tiny_gpt2(), layout_of(tiny_gpt2())); });
+  EXPECT_NE(e.find("no model.safetensors or model.safetensors.index.json"), std::string::npos) << e;
+}
+
+TEST(HfExport, RefusesLayersNoHfArchitectureHas) {
+  ModelConfig c = tiny_rope("llama");
+  c.norm = NormKind::layernorm;
+  c.norm_eps = 1e-5f;
+  const std::string e = input_error([&] { hf_model_type(c); });
+  EXPECT_NE(e.find("no Hugging Face architecture"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,129 @@
+// The Hugging Face tools end to end, through the real binaries: convert kiln -> hf -> kiln -> hf
+// is bit-identical and the hf copy evaluates to the run's loss; `train --init.from=hf:DIR`
+// starts from those weights (its first loss is eval's on the same batch); a model that differs
+// from the config, and a corrupt safetensors file, exit 2 naming the cause.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace kiln {
+namespace {
+
+using kiln::testing::run_command;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// The "loss" of eval's JSON line.
+double eval_loss(const std::string& output) {
+  const size_t at = output.rfind("\"loss\":");
+  return at == std::string::npos ? NAN : std::atof(output.c_str() + at + 7);
+}
+
+// One shared corpus and a 2-step llama-tiny run (GQA, untied head) to convert.
+class HfTools : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = kiln::testing::make_temp_dir("kiln_hf_tools_");
+    auto r = kiln::testing::prepare_corpus(kBin, kSrc, dir_ + "/data");
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                    " --train.device=cpu --train.max_steps=2 --train.batch_size=2"
+                    " --train.eval_every=0 --train.out_dir=" + dir_ + "/run");
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  static std::string data_flags() {
+    return "--data.train='" + dir_ + "/data/train_*.bin' --data.val='" + dir_ + "/data/val_*.bin'";
+  }
+  static std::string dir_;
+};
+std::string HfTools::dir_;
+
+TEST_F(HfTools, ConvertRoundTripIsBitIdenticalAndKeepsTheLoss) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/hf32 --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert hf:" + d + "/hf32 --to kiln " + d + "/kiln");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert " + d + "/kiln --to hf " + d + "/hf32b --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(slurp(d + "/hf32/model.safetensors"), slurp(d + "/hf32b/model.safetensors"));
+  EXPECT_EQ(slurp(d + "/hf32/config.json"), slurp(d + "/hf32b/config.json"));
+
+  const std::string data = " --data '" + d + "/data/val_*.bin' --batches 2 --batch-size 2 --seq-len 64";
+  const auto a = run_command(kBin + "/eval " + d + "/run" + data);
+  const auto b = run_command(kBin + "/eval hf:" + d + "/hf32" + data + " --out " + d + "/eval.json");
+  ASSERT_EQ(a.status, 0) << a.output;
+  ASSERT_EQ(b.status, 0) << b.output;
+  EXPECT_EQ(eval_loss(a.output), eval_loss(b.output)) << a.output << b.output;
+  EXPECT_GT(eval_loss(a.output), 1.0);
+  const std::string json = slurp(d + "/eval.json");
+  EXPECT_NE(json.find("\"perplexity\":"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"tokens\":256"), std::string::npos) << json;
+}
+
+TEST_F(HfTools, InitFromHfStartsFromItsWeights) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/init --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                  " --train.device=cpu --train.max_steps=1 --train.batch_size=2"
+                  " --train.eval_every=0 --data.shuffle=false --init.from=hf:" + d +
+                  "/init --train.out_dir=" + d + "/from_hf");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("weights from init.from=hf:"), std::string::npos) << r.output;
+  const auto losses = kiln::testing::read_losses(d + "/from_hf");
+  ASSERT_EQ(losses.size(), 1u);
+  // The first step's loss is taken before its update: the imported model's, on batch 0.
+  const auto e = run_command(kBin + "/eval hf:" + d + "/init --data '" + d +
+                             "/data/train_*.bin' --batches 1 --batch-size 2 --seq-len 128");
+  ASSERT_EQ(e.status, 0) << e.output;
+  EXPECT_NEAR(losses[0].value, eval_loss(e.output), 1e-4 * eval_loss(e.output)) << e.output;
+}
+
+TEST_F(HfTools, MismatchedModelExitsTwoNamingTheKeys) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/mismatch");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                  " --train.device=cpu --train.max_steps=1 --model.n_layer=3 --model.ffn_dim=256"
+                  " --init.from=hf:" + d + "/mismatch --train.out_dir=" + d + "/mismatch_run");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("model.n_layer: 3 in the config, 4 in " + d + "/mismatch/config.json"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.ffn_dim: 256 in the config, 352"), std::string::npos) << r.output;
+}
+
+TEST_F(HfTools, CorruptSafetensorsExitsTwoNamingTheFile) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/corrupt");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string path = d + "/corrupt/model.safetensors";
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 10);
+  r = run_command(kBin + "/convert hf:" + d + "/corrupt --to kiln " + d + "/corrupt_kiln");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find(path + ": tensor 'lm_head.weight': data_offsets"), std::string::npos)
+      << r.output;
+}
+
+TEST_F(HfTools, BadFlagsExitTwo) {
+  auto r = run_command(kBin + "/convert " + dir_ + "/run --to onnx x");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--to: expected hf or kiln"), std::string::npos) << r.output;
+  r = run_command(kBin + "/eval hf:/nonexistent");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent: not a directory"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace kiln

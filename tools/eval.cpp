@@ -1,0 +1,152 @@
+// `eval SOURCE [--data GLOB] [--batches N] [--batch-size B] [--seq-len T] [--device D]
+// [--out FILE]`: the mean next-token loss and perplexity of a model on token shards, forward
+// only (no update, no optimizer state). SOURCE is a kiln run or checkpoint directory, or
+// hf:DIR. The batches are the glob's windows in order (no shuffle), so two models, two
+// precisions or two machines are compared on the same tokens. Prints one JSON object and
+// writes it to FILE when given.
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "data/loader.h"
+#include "kernels/arena.h"
+#include "kernels/error.h"
+#include "train/init_from.h"
+
+using namespace kiln;
+
+namespace {
+
+const char* kUsage =
+    "usage: eval SOURCE [--data GLOB] [--batches N] [--batch-size B] [--seq-len T]\n"
+    "            [--device auto|cpu|cuda] [--out FILE]\n"
+    "  SOURCE          a kiln run or checkpoint directory, or hf:DIR (a Hugging Face model)\n"
+    "  --data GLOB     token shards (default: the run's data.val, else data.train)\n"
+    "  --batches N     batches to evaluate (default 0: every full batch of the glob once)\n"
+    "  --batch-size B  sequences per batch (default: the run's train.batch_size; hf: 4)\n"
+    "  --seq-len T     tokens per sequence (default: the model's seq_len, at most 1024 for hf)\n"
+    "  --device D      auto (default), cpu (fp32) or cuda (bf16)\n"
+    "  --out FILE      also write the JSON result to FILE\n";
+
+int parse_int(const std::string& flag, const std::string& text, int lo) {
+  try {
+    size_t used = 0;
+    const long v = std::stol(text, &used);
+    if (used == text.size() && v >= lo && v <= INT32_MAX) return static_cast<int>(v);
+  } catch (const std::exception&) {
+  }
+  throw InputError(flag + ": expected an integer >= " + std::to_string(lo) + ", got '" + text + "'");
+}
+
+int run(int argc, char** argv) {
+  std::string source, data, device = "auto", out_path;
+  int batches = 0, B = 0, T = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    if (arg == "-h" || arg == "--help") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+    if (arg.rfind("--", 0) != 0) {
+      if (!source.empty()) throw InputError("unexpected argument '" + arg + "'\n" + kUsage);
+      source = arg;
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      throw InputError(arg + ": missing value");
+    }
+    if (arg == "--data") data = value;
+    else if (arg == "--batches") batches = parse_int(arg, value, 0);
+    else if (arg == "--batch-size") B = parse_int(arg, value, 1);
+    else if (arg == "--seq-len") T = parse_int(arg, value, 1);
+    else if (arg == "--device") device = value;
+    else if (arg == "--out") out_path = value;
+    else throw InputError("unknown flag '" + arg + "'\n" + kUsage);
+  }
+  if (source.empty()) throw InputError(std::string("no model given\n") + kUsage);
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    throw InputError("--device: expected auto, cpu or cuda, got '" + device + "'");
+  if (device == "cuda" && !cuda_available())
+    throw InputError("--device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
+
+  const LoadedModel model = load_model(source);
+  const bool hf = source.rfind("hf:", 0) == 0;
+  const ModelConfig& mc = model.config;
+  if (data.empty()) data = model.run_config.data.val.empty() ? model.run_config.data.train
+                                                             : model.run_config.data.val;
+  if (data.empty()) throw InputError(source + ": no data glob known for this model; pass --data GLOB");
+  if (B == 0) B = hf ? 4 : model.run_config.train.batch_size;
+  if (T == 0) T = hf ? std::min(mc.seq_len, 1024) : mc.seq_len;
+  if (T > mc.seq_len)
+    throw InputError("--seq-len " + std::to_string(T) + " exceeds the model's seq_len " +
+                     std::to_string(mc.seq_len));
+
+  DataLoader loader(data, B, T, 0, 1, mc.vocab_size, false, 0, true);
+  const int64_t available = loader.steps_per_epoch();
+  if (batches == 0 || batches > available) {
+    if (batches > available)
+      spdlog::warn("--batches {}: '{}' holds {} batches of {} x {}; evaluating those", batches,
+                   data, available, B, T);
+    batches = static_cast<int>(available);
+  }
+
+  std::unique_ptr<Backend> backend = (device == "cuda" || (device == "auto" && cuda_available()))
+                                         ? make_cuda_backend(0)
+                                         : make_cpu_backend();
+  std::unique_ptr<Model> net = make_model(mc, *backend);
+  Arena arena(*backend, "eval");
+  Tensor weights, master, tokens, targets;
+  const int64_t n = net->layout().total;
+  arena.plan(&weights, "params.working", {n}, backend->activation_dtype());
+  arena.plan(&master, "params.master", {n}, DType::f32);
+  arena.plan(&tokens, "tokens", {B, T}, DType::i32);
+  arena.plan(&targets, "targets", {B, T}, DType::i32);
+  net->plan_activations(arena, B, T, Recompute::none);
+  arena.allocate();
+  backend->copy_from_host(master, model.params.data());
+  backend->copy(weights, master);
+  net->bind_weights(flat_params(weights));
+
+  std::vector<float> losses(static_cast<size_t>(B) * T);
+  double sum = 0.0;
+  for (int b = 0; b < batches; ++b) {
+    const DataLoader::Batch& batch = loader.next();
+    backend->copy_from_host(tokens, batch.inputs.data());
+    backend->copy_from_host(targets, batch.targets.data());
+    net->forward(tokens, targets, 0.0f, false);
+    backend->copy_to_host(losses.data(), net->losses());
+    for (float l : losses) sum += l;
+  }
+  const int64_t count = static_cast<int64_t>(batches) * B * T;
+  const double loss = sum / static_cast<double>(count);
+  const nlohmann::ordered_json result = {
+      {"source", model.source}, {"data", data},          {"device", backend->name()},
+      {"batches", batches},     {"batch_size", B},       {"seq_len", T},
+      {"tokens", count},        {"loss", loss},          {"perplexity", std::exp(loss)}};
+  const std::string text = result.dump();
+  std::printf("%s\n", text.c_str());
+  if (!out_path.empty()) {
+    std::ofstream out(out_path);
+    out << text << "\n";
+    if (!out) throw InputError(out_path + ": cannot write");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  return run_tool("eval", [&] { return run(argc, argv); });
+}
