@@ -1,6 +1,5 @@
 #include "dist/topology.h"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -8,6 +7,8 @@
 #include <memory>
 #include <set>
 #include <stdexcept>
+
+#include "dist/nvml.h"
 
 namespace kiln {
 
@@ -59,21 +60,18 @@ bool all_joined_by_nvlink(const std::vector<GpuSite>& sites, const NvlinkTest& n
   return true;
 }
 
-// The few NVML entry points used, declared here so that building needs no nvml.h (the CUDA
-// toolkit's packages do not all ship it). Values as in nvml.h: NVML_SUCCESS 0,
-// NVML_P2P_CAPS_INDEX_NVLINK 2, NVML_P2P_STATUS_OK 0.
+// The two NVML entry points used, declared here so that building needs no nvml.h (the CUDA
+// toolkit's packages do not all ship it). Values as in nvml.h: NVML_P2P_CAPS_INDEX_NVLINK 2,
+// NVML_P2P_STATUS_OK 0.
 struct NvmlLinks::Api {
   using Device = struct nvmlDevice_st*;
-  int (*init)();
-  int (*shutdown)();
-  const char* (*error_string)(int);
-  int (*handle_by_bus_id)(const char*, Device*);
-  int (*p2p_status)(Device, Device, int, int*);
-  std::string error(int r) const { return error_string ? error_string(r) : std::to_string(r); }
+  NvmlLibrary nvml;
+  int (*handle_by_bus_id)(const char*, Device*) = nullptr;
+  int (*p2p_status)(Device, Device, int, int*) = nullptr;
 };
 
 namespace {
-constexpr int kNvmlSuccess = 0;
+constexpr int kNvmlSuccess = NvmlLibrary::kSuccess;
 constexpr int kP2pCapsNvlink = 2;
 
 const char* p2p_status_name(int s) {
@@ -88,52 +86,35 @@ const char* p2p_status_name(int s) {
 }  // namespace
 
 NvmlLinks::NvmlLinks() {
-  void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* e = dlerror();
-    open_error_ = std::string("NVML not loaded (") + (e ? e : "libnvidia-ml.so.1") + ")";
-    return;
-  }
   auto api = std::make_unique<Api>();
-  auto sym = [&](const char* name) { return dlsym(lib, name); };
-  api->init = reinterpret_cast<int (*)()>(sym("nvmlInit_v2"));
-  api->shutdown = reinterpret_cast<int (*)()>(sym("nvmlShutdown"));
-  api->error_string = reinterpret_cast<const char* (*)(int)>(sym("nvmlErrorString"));
-  api->handle_by_bus_id =
-      reinterpret_cast<int (*)(const char*, Api::Device*)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
-  api->p2p_status =
-      reinterpret_cast<int (*)(Api::Device, Api::Device, int, int*)>(sym("nvmlDeviceGetP2PStatus"));
-  if (!api->init || !api->shutdown || !api->handle_by_bus_id || !api->p2p_status) {
+  if (!api->nvml.open()) {
+    open_error_ = api->nvml.why();
+    return;
+  }
+  api->handle_by_bus_id = reinterpret_cast<int (*)(const char*, Api::Device*)>(
+      api->nvml.symbol("nvmlDeviceGetHandleByPciBusId_v2"));
+  api->p2p_status = reinterpret_cast<int (*)(Api::Device, Api::Device, int, int*)>(
+      api->nvml.symbol("nvmlDeviceGetP2PStatus"));
+  if (!api->handle_by_bus_id || !api->p2p_status) {
     open_error_ = "NVML lacks the functions kiln asks of it";
-    dlclose(lib);
     return;
   }
-  const int r = api->init();
-  if (r != kNvmlSuccess) {
-    open_error_ = "nvmlInit: " + api->error(r);
-    dlclose(lib);
-    return;
-  }
-  lib_ = lib;
   api_ = api.release();
 }
 
 NvmlLinks::~NvmlLinks() {
-  if (!lib_) return;
-  api_->shutdown();
   delete api_;
-  dlclose(lib_);
 }
 
 void* NvmlLinks::device(const std::string& pci_bus_id, std::string* why) const {
-  if (!lib_) {
+  if (!api_) {
     *why = open_error_;
     return nullptr;
   }
   Api::Device d = nullptr;
   const int r = api_->handle_by_bus_id(pci_bus_id.c_str(), &d);
   if (r == kNvmlSuccess) return d;
-  *why = "NVML does not know GPU " + pci_bus_id + ": " + api_->error(r);
+  *why = "NVML does not know GPU " + pci_bus_id + ": " + api_->nvml.error(r);
   return nullptr;
 }
 
@@ -148,7 +129,7 @@ bool NvmlLinks::linked(const std::string& a, const std::string& b, std::string* 
   int status = -1;
   const int r = api_->p2p_status(da, db, kP2pCapsNvlink, &status);
   if (r != kNvmlSuccess) {
-    *why = "nvmlDeviceGetP2PStatus: " + api_->error(r);
+    *why = "nvmlDeviceGetP2PStatus: " + api_->nvml.error(r);
     return false;
   }
   if (status != 0)

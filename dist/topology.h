@@ -46,7 +46,7 @@ class NvmlLinks {
   NvmlLinks(const NvmlLinks&) = delete;
   NvmlLinks& operator=(const NvmlLinks&) = delete;
 
-  bool open() const { return lib_ != nullptr; }
+  bool open() const { return api_ != nullptr; }
   // Whether NVML knows the GPU at `pci_bus_id`; *why names the failure.
   bool knows(const std::string& pci_bus_id, std::string* why) const;
   bool linked(const std::string& a, const std::string& b, std::string* why) const;
@@ -54,8 +54,7 @@ class NvmlLinks {
  private:
   struct Api;
   void* device(const std::string& pci_bus_id, std::string* why) const;  // an nvmlDevice_t
-  void* lib_ = nullptr;
-  Api* api_ = nullptr;
+  Api* api_ = nullptr;  // NVML and the entry points asked of it; null where it is not open
   std::string open_error_;
 };
 

@@ -80,4 +80,22 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
   fs::remove_all(dir);
 }
 
+// J/token is in a bench JSON only where the GPU's power was read (never on the CPU); a baseline
+// that has it against a run that does not is noted, not compared. (Both measured, a worse J/token
+// is a regression: tests/gpu/power_test.cpp.)
+TEST(BenchBaseline, JoulesPerTokenOnlyWhereMeasured) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_bench_energy_");
+  auto r = bench(dir, "--json cpu.json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string cpu = read(dir / "cpu.json");
+  EXPECT_EQ(cpu.find("j_per_token"), std::string::npos) << cpu;
+  std::ofstream(dir / "gpu.json")
+      << std::regex_replace(cpu, std::regex("\"loss_last\""), "\"j_per_token\":0.001,\"loss_last\"");
+  r = bench(dir, "--baseline gpu.json --tolerance 400%");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("j_per_token   measured in the baseline only; not compared"),
+            std::string::npos)
+      << r.output;
+}
+
 }  // namespace

@@ -58,12 +58,41 @@ TEST(Plot, TwoRunsShareTheAxesOfNonEmptyPngs) {
     EXPECT_GT(fs::file_size(p), 10000u) << p;
     EXPECT_EQ(png_size(p), std::make_pair(1200u, 450u)) << p;
   }
+  // CPU runs measure no power: no power plot.
+  EXPECT_FALSE(fs::exists(dir / "plots" / "power.png"));
   const auto bad = kiln::testing::run_command("python3 " + kSrc + "/tools/plot.py " +
                                               (dir / "data").string() + " --out " +
                                               (dir / "plots").string());
   EXPECT_EQ(bad.status, 2) << bad.output;
   EXPECT_NE(bad.output.find("no metrics.jsonl"), std::string::npos) << bad.output;
   fs::remove_all(dir);
+}
+
+// A run that measured power (as a GPU run's metrics.jsonl has it) gets power.png beside the
+// others; a run without power beside it is simply not on that plot.
+TEST(Plot, PowerIsPlottedWhereARunMeasuredIt) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_plot_power_");
+  fs::create_directories(dir / "gpu");
+  fs::create_directories(dir / "cpu");
+  std::ofstream gpu(dir / "gpu" / "metrics.jsonl"), cpu(dir / "cpu" / "metrics.jsonl");
+  for (int step = 1; step <= 20; ++step) {
+    const std::string common = "{\"step\":" + std::to_string(step) + ",\"loss\":" +
+                               std::to_string(5.0 - 0.1 * step) +
+                               ",\"lr\":1e-4,\"grad_norm\":1,\"ms\":100,\"tok_s\":1e5,\"mfu\":0.4";
+    gpu << common << ",\"power_w\":" << 600 + step << ",\"energy_kj\":" << 0.06 * step
+        << (step > 1 ? ",\"j_per_token\":0.0006" : "") << "}\n";
+    cpu << common << "}\n";
+  }
+  gpu.close();
+  cpu.close();
+  const auto r = kiln::testing::run_command("python3 " + kSrc + "/tools/plot.py " +
+                                            (dir / "gpu").string() + " " + (dir / "cpu").string() +
+                                            " --out " + (dir / "plots").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const fs::path p = dir / "plots" / "power.png";
+  ASSERT_TRUE(fs::exists(p)) << r.output;
+  EXPECT_GT(fs::file_size(p), 10000u) << p;
+  EXPECT_EQ(png_size(p), std::make_pair(1200u, 450u)) << p;
 }
 
 }  // namespace

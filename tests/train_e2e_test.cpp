@@ -159,6 +159,26 @@ TEST_F(TrainE2E, StepLinesShowProgressAndEta) {
   EXPECT_EQ(r.output.find("MFU   0.0%"), std::string::npos) << r.output;
 }
 
+// Power is read from GPUs through NVML: on the CPU the power fields are absent (not zero) from
+// metrics.jsonl, the step lines and summary.json, and the run says why, once.
+// (On a GPU host: tests/gpu/power_test.cpp.)
+TEST_F(TrainE2E, PowerFieldsAreAbsentOnTheCpuAndTheRunSaysWhyOnce) {
+  const std::string out = (dir_ / "run_power").string();
+  const Result r = run(train_cmd(out, "--train.max_steps=3 --train.log_every=1"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto first = r.output.find("power: not measured (the cpu backend has no power reading");
+  ASSERT_NE(first, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("power:", first + 1), std::string::npos) << r.output;
+  for (const char* file : {"/metrics.jsonl", "/summary.json"}) {
+    std::ifstream in(out + file);
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    ASSERT_FALSE(text.empty()) << file;
+    for (const char* key : {"power_w", "energy_kj", "j_per_token", "tokens_per_joule"})
+      EXPECT_EQ(text.find(key), std::string::npos) << file << ": " << key;
+  }
+  EXPECT_EQ(r.output.find(" J/tok"), std::string::npos) << r.output;
+}
+
 TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   const std::string out = (dir_ / "run_corrupt").string();
   ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);

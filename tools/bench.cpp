@@ -11,10 +11,10 @@
 //         [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]
 //         [--history FILE.jsonl]
 //
-// Regression tracking: --baseline compares tok/s, ms, MFU and memory with an earlier bench JSON
-// (a file of one, or the last line of a history, read before the run) and exits 1 when any is
-// worse by more than the tolerance; --history appends this run's JSON line to a JSONL file
-// (docs/cuda.md: nightly).
+// Regression tracking: --baseline compares tok/s, ms, MFU and memory (and J/token where both
+// runs measured their GPU's power) with an earlier bench JSON (a file of one, or the last line of
+// a history, read before the run) and exits 1 when any is worse by more than the tolerance;
+// --history appends this run's JSON line to a JSONL file (docs/cuda.md: nightly).
 //
 // --profile-ops (CUDA): afterwards, trains N more steps with the trainer's backend wrapped in an
 // OpTimer (kernels/cuda/op_timer.h, through TrainObserver) and times every op with CUDA events:
@@ -34,6 +34,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -200,6 +201,18 @@ int compare_with_baseline(const std::string& json, const YAML::Node& base, const
     std::printf("  %-13s %14.2f -> %14.2f  %+7.2f%%%s\n", f.key, was, is, 100.0 * delta,
                 worse ? "  REGRESSION" : "");
   }
+  // Energy is measured only where NVML reads the GPU: compared when both runs have it.
+  if (base["j_per_token"] && now["j_per_token"]) {
+    const double was = base["j_per_token"].as<double>(), is = now["j_per_token"].as<double>();
+    const double delta = was != 0 ? (is - was) / was : 0.0;
+    const bool worse = delta > opt.tolerance;
+    regressions += worse;
+    std::printf("  %-13s %14.4f -> %14.4f  %+7.2f%%%s\n", "j_per_token", was, is, 100.0 * delta,
+                worse ? "  REGRESSION" : "");
+  } else if (base["j_per_token"] || now["j_per_token"]) {
+    std::printf("  %-13s measured in %s only; not compared\n", "j_per_token",
+                base["j_per_token"] ? "the baseline" : "this run");
+  }
   if (regressions > 0)
     std::printf("%d figure(s) regressed by more than %.1f%%\n", regressions, 100.0 * opt.tolerance);
   return regressions > 0 ? 1 : 0;
@@ -233,6 +246,7 @@ std::string write_random_shard(const Config& cfg, const fs::path& dir) {
 struct StepRecord {
   int step;
   double loss, ms, mfu;
+  std::optional<double> energy_kj;  // where the run measured its GPUs' power
 };
 
 std::vector<StepRecord> read_metrics(const std::string& path) {
@@ -244,7 +258,8 @@ std::vector<StepRecord> read_metrics(const std::string& path) {
     if (line.empty()) continue;
     const YAML::Node j = YAML::Load(line);  // JSON is YAML
     out.push_back(
-        {j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(), j["mfu"].as<double>()});
+        {j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(), j["mfu"].as<double>(),
+         j["energy_kj"] ? std::optional<double>(j["energy_kj"].as<double>()) : std::nullopt});
   }
   return out;
 }
@@ -376,6 +391,16 @@ int run(const Options& opt) {
   const double tok_s = static_cast<double>(tokens_per_step) / (med_ms / 1000.0);
   const double mfu_pct = 100.0 * median(mfu);
   const std::string device = summary["backend"].as<std::string>();
+  // Energy per token over the timed steps: a step's energy_kj holds the work before its start
+  // (train/power.h), so the rise from the first timed step's row to the last's is the work of
+  // every timed step but the last.
+  std::string energy;
+  const StepRecord& w = steps[static_cast<size_t>(opt.warmup)];
+  if (opt.steps > 1 && w.energy_kj && steps.back().energy_kj) {
+    const double j_per_token = 1000.0 * (*steps.back().energy_kj - *w.energy_kj) /
+                               (static_cast<double>(opt.steps - 1) * tokens_per_step);
+    energy = fmt::format(",\"j_per_token\":{:.6g}", j_per_token);
+  }
 
   std::string profile = "null";
 #ifdef KILN_WITH_CUDA
@@ -387,13 +412,13 @@ int run(const Options& opt) {
       "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
       "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
       "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
-      "\"loss_last\":{:.4f},\"commit\":{},\"date\":{},\"profile\":{}}}",
+      "\"loss_last\":{:.4f}{},\"commit\":{},\"date\":{},\"profile\":{}}}",
       json_string(device), json_string(opt.config_path), json_string(cfg.model.arch),
       cfg.model.n_layer, cfg.model.n_embd, summary["params"].as<int64_t>(), cfg.train.batch_size,
       cfg.model.seq_len, cfg.train.grad_accum, tokens_per_step, opt.warmup, opt.steps, med_ms,
       *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()), tok_s,
       mfu_pct, summary["memory_bytes"].as<int64_t>(),
-      json_string(summary["attention"].as<std::string>()), steps.back().loss,
+      json_string(summary["attention"].as<std::string>()), steps.back().loss, energy,
       json_string(summary["commit"].as<std::string>()), json_string(utc_now()), profile);
 
   std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s\n",

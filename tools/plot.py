@@ -3,11 +3,12 @@ runs sharing axes, for bf16 against FP8 or one GPU against eight.
 
     python3 tools/plot.py RUN_DIR [RUN_DIR ...] --out DIR
 
-Writes DIR/loss.png (training and validation loss against step and against tokens) and
-DIR/throughput.png (tokens/s and MFU against step), each 1200 x 450 pixels. A run's first step
-(planning, warm-up) is left out of the throughput plot. Power and expert load are not plotted:
-runs do not log them yet. A run directory without metrics.jsonl is an error (exit 2) that
-names it.
+Writes DIR/loss.png (training and validation loss against step and against tokens),
+DIR/throughput.png (tokens/s and MFU against step) and, when a run measured its GPUs' power
+(power_w in metrics.jsonl: NVML on a GPU host), DIR/power.png (power in W and joules per token
+against step), each 1200 x 450 pixels. A run's first step (planning, warm-up) is left out of the
+throughput and power plots. Expert load is not plotted: runs do not log it yet. A run directory
+without metrics.jsonl is an error (exit 2) that names it.
 """
 import argparse
 import json
@@ -86,7 +87,27 @@ def main():
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "throughput.png"))
-    print(f"plot: {len(runs)} run(s) -> {a.out}/loss.png, {a.out}/throughput.png")
+    written = ["loss.png", "throughput.png"]
+
+    measured = [r for r in runs if any("power_w" in x for x in r["rows"])]
+    if measured:
+        fig, (watts, jpt) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+        for r in measured:
+            rows = [x for x in r["rows"][1:] or r["rows"] if "power_w" in x]
+            watts.plot([x["step"] for x in rows], [x["power_w"] for x in rows], label=r["name"])
+            per_token = [(x["step"], x["j_per_token"]) for x in rows if "j_per_token" in x]
+            if per_token:
+                jpt.plot(*zip(*per_token), label=r["name"])
+        watts.set(xlabel="step", ylabel="W (all GPUs)", title="power draw")
+        jpt.set(xlabel="step", ylabel="J/token", title="energy per token")
+        for ax in (watts, jpt):
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "power.png"))
+        written.append("power.png")
+    print(f"plot: {len(runs)} run(s) -> " + ", ".join(f"{a.out}/{w}" for w in written))
 
 
 if __name__ == "__main__":

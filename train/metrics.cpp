@@ -54,6 +54,15 @@ std::string metrics_json(const StepMetrics& m) {
     std::snprintf(buf, sizeof buf, ",\"val_loss\":%.6f", *m.val_loss);
     s += buf;
   }
+  if (m.power) {
+    std::snprintf(buf, sizeof buf, ",\"power_w\":%.1f,\"energy_kj\":%.4f", m.power->watts,
+                  m.power->energy_j / 1000.0);
+    s += buf;
+    if (m.power->j_per_token) {
+      std::snprintf(buf, sizeof buf, ",\"j_per_token\":%.6g", *m.power->j_per_token);
+      s += buf;
+    }
+  }
   if (m.fp8) {
     std::snprintf(buf, sizeof buf,
                   ",\"mfu_fp8\":%.5f,\"fp8_clipped\":%.6g,\"fp8_worst\":\"%s\",\"fp8_amax\":%.6g,"
@@ -80,6 +89,14 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
     s += buf;
+  }
+  if (m.power) {
+    std::snprintf(buf, sizeof buf, " | %.0f W %.1f kJ", m.power->watts, m.power->energy_j / 1000.0);
+    s += buf;
+    if (m.power->j_per_token) {
+      std::snprintf(buf, sizeof buf, " %.3g J/tok", *m.power->j_per_token);
+      s += buf;
+    }
   }
   if (m.fp8) {
     std::snprintf(buf, sizeof buf, " | fp8 clip %.3g%% %s amax %.3g/%.3g", 100.0 * m.fp8->clipped,

@@ -13,6 +13,13 @@ namespace kiln {
 // metrics.jsonl and "n/a" on the step line.
 double peak_flops(const std::string& device_name, bool fp8);
 
+// The run's GPUs' power (train/power.h), summed over ranks. Absent where it is not measured.
+struct PowerMetrics {
+  double watts = 0;        // power draw over the step's interval
+  double energy_j = 0;     // since training began
+  std::optional<double> j_per_token;  // energy per token over the last train.log_every steps
+};
+
 struct StepMetrics {
   int step = 0;
   int max_steps = 0;
@@ -24,6 +31,7 @@ struct StepMetrics {
   double mfu = 0;  // fraction, 0..1; 0 where no peak is known
   std::optional<double> val_loss;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
+  std::optional<PowerMetrics> power;
   // precision.fp8: the scaling state after the step's update (kernels/fp8.h, Fp8Summary).
   struct Fp8 {
     double mfu = 0;           // against the FP8 peak (mfu above is against the bf16 peak)

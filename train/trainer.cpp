@@ -22,6 +22,7 @@
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
+#include "train/power.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
 
@@ -193,6 +194,8 @@ class Trainer {
   Tensor decay_spans_, sched_, sumsq_, loss_sum_, tokens_, targets_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
+  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
+  std::optional<double> tokens_per_joule_;
   std::mt19937_64 rng_;
   int start_step_ = 0;
   double peak_ = 0, peak_fp8_ = 0;
@@ -208,6 +211,7 @@ void Trainer::plan_memory() {
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
+  power_->plan(state_arena_);
   state_arena_.plan(&tokens_, "tokens", {B(), T()}, DType::i32);
   state_arena_.plan(&targets_, "targets", {B(), T()}, DType::i32);
   model_->plan_activations(acts_arena_, B(), T(), recompute());
@@ -303,6 +307,7 @@ double Trainer::train_step(int step) {
   Backend& k = *backend_;
   const int accum = cfg_.train.grad_accum;
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
+  power_->enqueue_step(step % Backend::kReadbackSlots);
   strategy_->zero_grads();
   for (int micro = 0; micro < accum; ++micro) {
     const DataLoader::Batch& batch = train_loader_->next();
@@ -407,8 +412,9 @@ void Trainer::write_summary() const {
       << ",\"memory_bytes\":" << state_arena_.bytes() + acts_arena_.bytes()
       << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
       << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"reduce_dtype\":\""
-      << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT
-      << "\"}\n";
+      << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT << "\"";
+  if (tokens_per_joule_) out << ",\"tokens_per_joule\":" << *tokens_per_joule_;
+  out << "}\n";
 }
 
 // Renames `path` to the first free `path.prev`, `path.prev2`, ... if it exists.
@@ -469,6 +475,7 @@ bool Trainer::finish_step(const PendingStep& p) {
   // The run's first step plans GEMMs and attention kernels, so it is left out of the ETA.
   if (p.step > start_step_) recent_ms_ = recent_ms_ < 0 ? sm.ms : 0.8 * recent_ms_ + 0.2 * sm.ms;
   if (recent_ms_ >= 0) sm.eta_s = (t.max_steps - sm.step) * recent_ms_ / 1000.0;
+  sm.power = power_->on_step(p.step % Backend::kReadbackSlots, tokens_per_step());
   if (fp8()) {
     const float* f = values + 2;
     StepMetrics::Fp8 x;
@@ -527,6 +534,8 @@ int Trainer::run() {
   if (!cfg_.data.val.empty() && t.eval_every > 0)
     val_loader_ = std::make_unique<DataLoader>(cfg_.data.val, B(), T(), rank_.rank,
                                                rank_.world_size, mcfg_.vocab_size, false, 0, false);
+  power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
+                                      rank_.local_rank, t.log_every);
   plan_memory();
 
   std::optional<std::string> ckpt;
@@ -606,6 +615,7 @@ int Trainer::run() {
       pending.reset();
     }
   }
+  tokens_per_joule_ = power_->finish(tokens_per_step());
   if (is_main()) write_summary();
   return 0;
 }
