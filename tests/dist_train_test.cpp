@@ -167,6 +167,23 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
     }
 }
 
+// train.nvtx wraps the model's unit hooks and the communicator (fsdp uses every kind of hook
+// and collective): the losses are the same bit for bit, and the run says whether ranges are
+// emitted (a CUDA build) or the key does not apply (a CPU-only build).
+TEST_F(DistTrain, NvtxRangesChangeNoLoss) {
+  const std::string steps = "--train.max_steps=6 --train.eval_every=3";
+  const std::string plain = train("nvtx_off", 2, "fsdp", steps);
+  std::string output;
+  const std::string traced = train("nvtx_on", 2, "fsdp", steps + " --train.nvtx=true", &output);
+  ASSERT_EQ(losses(plain).size(), 6u);
+  EXPECT_EQ(losses(plain), losses(traced));
+#ifdef KILN_WITH_CUDA
+  EXPECT_NE(output.find("train.nvtx: NVTX ranges on"), std::string::npos) << output;
+#else
+  EXPECT_NE(output.find("train.nvtx: does not apply to this build"), std::string::npos) << output;
+#endif
+}
+
 TEST_F(DistTrain, EachStrategyResumesBitForBit) {
   for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
     const std::string s = strategy;

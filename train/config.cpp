@@ -134,6 +134,8 @@ const std::vector<Field>& schema() {
        "attention core, SwiGLU) or full (each block from its input)"},
       {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
+      {KILN_FIELD(train, nvtx), any(),
+       "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},
       {KILN_FIELD(init, from), any(),
        "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
        "directory; its config.json must match model) or a kiln run or checkpoint directory "

@@ -61,6 +61,7 @@ struct TrainSection {
   std::string recompute = "none";  // none | selective | full: activations recomputed in backward
   bool cuda_graphs = false;  // not implemented yet: warns and runs eagerly
   double peak_tflops = 0.0;  // 0: from the GPU peak table
+  bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)
 };
 
 // Where a fresh run's parameters come from (a resumed run takes its checkpoint's instead).

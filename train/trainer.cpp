@@ -20,6 +20,7 @@
 #include "train/init_from.h"
 #include "dist/strategy.h"
 #include "train/metrics.h"
+#include "train/nvtx.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
 #include "train/power.h"
@@ -115,9 +116,14 @@ class Trainer {
         mcfg_(with_fp8(model_config(cfg.model), cfg, *backend_, rank.rank == 0)),
         model_(make_model(mcfg_, *backend_)),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
+    nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
       comm_ = owned_comm_.get();
+      if (nvtx_.on()) {
+        nvtx_comm_ = nvtx_.wrap(*owned_comm_);
+        comm_ = nvtx_comm_.get();
+      }
     }
     StrategyOptions o;
     o.name = cfg.dist.strategy;
@@ -185,6 +191,8 @@ class Trainer {
   // Declared after the backend so it is destroyed first (NCCL works on the backend's device).
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
+  std::unique_ptr<Communicator> nvtx_comm_;  // owned_comm_ in NVTX ranges (train.nvtx)
+  Nvtx nvtx_;
   ModelConfig mcfg_;
   std::unique_ptr<Model> model_;
   Arena state_arena_, acts_arena_;
@@ -233,6 +241,7 @@ void Trainer::plan_memory() {
   backend_->copy_from_host(decay_spans_, flat.data());
   strategy_->bind();
   parallelize(*model_, *strategy_, hooks_);
+  nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
 }
 
 void Trainer::print_memory_table() const {
@@ -310,7 +319,9 @@ double Trainer::train_step(int step) {
   power_->enqueue_step(step % Backend::kReadbackSlots);
   strategy_->zero_grads();
   for (int micro = 0; micro < accum; ++micro) {
+    Nvtx::Range data_wait = nvtx_.range("data wait");
     const DataLoader::Batch& batch = train_loader_->next();
+    data_wait.end();
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
     strategy_->set_micro_batch(micro, accum);
@@ -339,7 +350,9 @@ double Trainer::train_step(int step) {
   s.hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
   s.grad_scale = 1.0f / static_cast<float>(rank_.world_size);
   strategy_->reduce_grads(sumsq_);
+  Nvtx::Range optimizer = nvtx_.range("optimizer");
   clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_, s);
+  optimizer.end();
   strategy_->after_update();
   model_->fp8_cast_weights();
   return lr;
@@ -353,6 +366,7 @@ double Trainer::evaluate() {
     k.copy_from_host(tokens_, batch.inputs.data());
     k.copy_from_host(targets_, batch.targets.data());
     model_->forward(tokens_, targets_, 0.0f, false);
+    nvtx_.close_unit();  // no backward follows to close the last unit's forward
     k.reduce_sum(loss_sum_, model_->losses(), i > 0);
   }
   all_reduce(loss_sum_);
