@@ -144,6 +144,19 @@ int64_t DataLoader::window_in_shard(uint64_t epoch, int64_t shard, int64_t index
   return it->windows[static_cast<size_t>(index)];
 }
 
+namespace {
+
+// A window of T + 1 ids: inputs are the first T, targets the last T.
+template <class Token>
+void copy_window(const Token* tokens, size_t T, int32_t* in, int32_t* tgt) {
+  for (size_t t = 0; t < T; ++t) {
+    in[t] = static_cast<int32_t>(tokens[t]);
+    tgt[t] = static_cast<int32_t>(tokens[t + 1]);
+  }
+}
+
+}  // namespace
+
 void DataLoader::fill(const LoaderState& pos, Batch& out) {
   prepare_epoch(pos.epoch);
   const size_t T = static_cast<size_t>(seq_len_);
@@ -157,13 +170,13 @@ void DataLoader::fill(const LoaderState& pos, Batch& out) {
                             shard_starts_.begin() - 1);
     const int64_t shard = shard_order_[p];
     const int64_t window = window_in_shard(pos.epoch, shard, cursor - shard_starts_[p]);
-    const uint16_t* tokens = shards_[static_cast<size_t>(shard)].tokens() + window * seq_len_;
+    const TokenShard& s = shards_[static_cast<size_t>(shard)];
     int32_t* in = out.inputs.data() + static_cast<size_t>(b) * T;
     int32_t* tgt = out.targets.data() + static_cast<size_t>(b) * T;
-    for (size_t t = 0; t < T; ++t) {
-      in[t] = tokens[t];
-      tgt[t] = tokens[t + 1];
-    }
+    if (s.token_bytes() == 2)
+      copy_window(s.tokens() + window * seq_len_, T, in, tgt);
+    else
+      copy_window(s.tokens32() + window * seq_len_, T, in, tgt);
   }
 }
 

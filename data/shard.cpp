@@ -45,15 +45,15 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path) 
   }
 }
 
-void check_token_ids(const TokenShard& shard, int vocab_size) {
-  const uint16_t* tokens = shard.tokens();
+template <class Token>
+void check_token_ids(const TokenShard& shard, const Token* tokens, int vocab_size) {
   const int64_t n = shard.size();
-  int max_id = 0;
+  int64_t max_id = 0;
 #pragma omp parallel for reduction(max : max_id) schedule(static)
-  for (int64_t i = 0; i < n; ++i) max_id = std::max(max_id, static_cast<int>(tokens[i]));
+  for (int64_t i = 0; i < n; ++i) max_id = std::max(max_id, static_cast<int64_t>(tokens[i]));
   if (max_id < vocab_size) return;
   for (int64_t i = 0; i < n; ++i) {
-    if (tokens[i] >= vocab_size) {
+    if (static_cast<int64_t>(tokens[i]) >= vocab_size) {
       throw InputError(fmt::format("{}: token id {} at index {} is out of range for vocab_size {}",
                                    shard.path(), tokens[i], i, vocab_size));
     }
@@ -79,20 +79,23 @@ TokenShard TokenShard::open(const std::string& path, int vocab_size) {
   shard.map_bytes_ = static_cast<size_t>(file_bytes);
 
   const auto* header = static_cast<const int32_t*>(map);
-  if (file_bytes >= kShardHeaderBytes && header[0] == kShardMagic) {
-    if (header[1] != kShardVersion) {
-      throw InputError(fmt::format("{}: llm.c shard has version {}, expected {}", path, header[1],
-                                   kShardVersion));
+  if (file_bytes >= kShardHeaderBytes && (header[0] == kShardMagic || header[0] == kShardMagicU32)) {
+    const bool wide = header[0] == kShardMagicU32;
+    const int32_t version = wide ? kShardVersionU32 : kShardVersion;
+    if (header[1] != version) {
+      throw InputError(fmt::format("{}: llm.c shard (magic {}) has version {}, expected {}", path,
+                                   header[0], header[1], version));
     }
+    shard.token_bytes_ = wide ? 4 : 2;
     const int64_t count = header[2];
-    const int64_t expect_bytes = count * 2 + kShardHeaderBytes;
+    const int64_t expect_bytes = count * shard.token_bytes_ + kShardHeaderBytes;
     if (count < 0 || expect_bytes != file_bytes) {
       throw InputError(fmt::format("{}: header declares {} tokens ({} bytes) but file has {} bytes",
                                    path, count, expect_bytes, file_bytes));
     }
     shard.llmc_format_ = true;
     shard.size_ = count;
-    shard.tokens_ = reinterpret_cast<const uint16_t*>(header + kShardHeaderInts);
+    shard.tokens_ = header + kShardHeaderInts;
   } else {
     // A header that is llm.c's in every field but the magic (version 1, a token count that
     // matches the file size) is a damaged llm.c shard, not raw tokens that happen to fit.
@@ -107,11 +110,14 @@ TokenShard TokenShard::open(const std::string& path, int vocab_size) {
                       path, file_bytes));
     }
     shard.size_ = file_bytes / 2;
-    shard.tokens_ = static_cast<const uint16_t*>(map);
+    shard.tokens_ = map;
   }
   // Training walks the shard front to back, window by window.
   ::madvise(map, shard.map_bytes_, MADV_SEQUENTIAL);
-  check_token_ids(shard, vocab_size);
+  if (shard.token_bytes_ == 2)
+    check_token_ids(shard, shard.tokens(), vocab_size);
+  else
+    check_token_ids(shard, shard.tokens32(), vocab_size);
   return shard;
 }
 
@@ -128,6 +134,7 @@ TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
     tokens_ = std::exchange(other.tokens_, nullptr);
     size_ = std::exchange(other.size_, 0);
     llmc_format_ = other.llmc_format_;
+    token_bytes_ = other.token_bytes_;
   }
   return *this;
 }
@@ -142,14 +149,17 @@ void TokenShard::unmap() {
   map_bytes_ = 0;
 }
 
-void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
+namespace {
+
+template <class Token>
+void write_llmc_shard(const std::string& path, const std::vector<Token>& tokens) {
   if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     throw InputError(
         fmt::format("{}: {} tokens do not fit an llm.c header (int32 count)", path, tokens.size()));
   }
   int32_t header[kShardHeaderInts] = {};
-  header[0] = kShardMagic;
-  header[1] = kShardVersion;
+  header[0] = sizeof(Token) == 2 ? kShardMagic : kShardMagicU32;
+  header[1] = sizeof(Token) == 2 ? kShardVersion : kShardVersionU32;
   header[2] = static_cast<int32_t>(tokens.size());
 
   std::string tmp = path + ".tmp.XXXXXX";
@@ -157,7 +167,7 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
   if (file.fd < 0) fail_errno(path, "cannot create temp file");
   try {
     write_all(file.fd, header, sizeof(header), tmp);
-    write_all(file.fd, tokens.data(), tokens.size() * sizeof(uint16_t), tmp);
+    write_all(file.fd, tokens.data(), tokens.size() * sizeof(Token), tmp);
     if (::fchmod(file.fd, 0644) != 0) fail_errno(tmp, "chmod failed");
     if (::fsync(file.fd) != 0) fail_errno(tmp, "fsync failed");
     if (::close(std::exchange(file.fd, -1)) != 0) fail_errno(tmp, "close failed");
@@ -171,6 +181,16 @@ void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
   Fd dir_fd{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
   if (dir_fd.fd >= 0) ::fsync(dir_fd.fd);
+}
+
+}  // namespace
+
+void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
+  write_llmc_shard(path, tokens);
+}
+
+void write_shard32(const std::string& path, const std::vector<uint32_t>& tokens) {
+  write_llmc_shard(path, tokens);
 }
 
 std::vector<std::string> expand_glob(const std::string& pattern) {

@@ -93,6 +93,20 @@ TEST(LoaderTest, WindowsInGlobOrderAndTargetsShiftedByOne) {
   }
 }
 
+// uint32 shards serve ids above 65,535 unchanged (a vocabulary of 151,936, as Qwen3's).
+TEST(LoaderTest, Uint32ShardsServeWideIds) {
+  const std::string dir = kiln::testing::make_temp_dir("kiln_loader_wide_");
+  std::vector<uint32_t> tokens(2 * kT + 1);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(151000 + i);
+  write_shard32(dir + "/train_000000.bin", tokens);
+  DataLoader loader(dir + "/train_*.bin", 2, kT, 0, 1, 151936, false, 0, false);
+  const DataLoader::Batch& b = loader.next();
+  for (int t = 0; t < 2 * kT; ++t) {
+    EXPECT_EQ(b.inputs[static_cast<size_t>(t)], 151000 + t);
+    EXPECT_EQ(b.targets[static_cast<size_t>(t)], 151000 + t + 1);
+  }
+}
+
 TEST(LoaderTest, ShuffledEpochVisitsEveryWindowOnce) {
   const std::string glob = make_shards(kSizes);
   DataLoader loader(glob, 1, kT, 0, 1, kVocab, true, 42, false);

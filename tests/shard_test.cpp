@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -77,9 +78,10 @@ TEST(ShardTest, MovedShardKeepsItsMapping) {
 
 TEST(ShardTest, ForeignMagicIsReadAsRaw) {
   // A raw file whose first int32 looks like a header of another format is just tokens.
+  // (20240801, llm.c's LLaMA-3 magic, is now a format of its own: uint32 shards.)
   const std::string path = make_temp_dir() + "/raw.bin";
   std::vector<int32_t> words(512, 0);
-  words[0] = 20240801;
+  words[0] = 20240901;
   words[1] = 1;
   write_bytes(path, words.data(), words.size() * 4);
   TokenShard shard = TokenShard::open(path, 65536);
@@ -184,6 +186,53 @@ TEST(ShardTest, GlobMatchingNothingIsInputError) {
   const std::string pattern = make_temp_dir() + "/*.bin";
   const std::string msg = input_error([&] { expand_glob(pattern); });
   EXPECT_EQ(msg, "no files match '" + pattern + "'");
+}
+
+// Vocabularies over 65,536 (Qwen3's 151,936): llm.c's uint32 shards, magic 20240801 version 7.
+TEST(ShardTest, Uint32RoundTrip) {
+  const std::string path = make_temp_dir() + "/wide.bin";
+  std::vector<uint32_t> tokens(3000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i * 7919 % 151936);
+  write_shard32(path, tokens);
+  const TokenShard shard = TokenShard::open(path, 151936);
+  EXPECT_TRUE(shard.llmc_format());
+  EXPECT_EQ(shard.token_bytes(), 4);
+  EXPECT_EQ(shard.tokens(), nullptr);
+  ASSERT_EQ(shard.size(), 3000);
+  EXPECT_EQ(std::vector<uint32_t>(shard.tokens32(), shard.tokens32() + shard.size()), tokens);
+  std::ifstream in(path, std::ios::binary);
+  int32_t header[3];
+  in.read(reinterpret_cast<char*>(header), sizeof header);
+  EXPECT_EQ(header[0], 20240801);
+  EXPECT_EQ(header[1], 7);
+  EXPECT_EQ(header[2], 3000);
+  EXPECT_EQ(std::filesystem::file_size(path), 1024u + 3000u * 4u);
+  const std::string msg = input_error([&] { TokenShard::open(path, 100000); });
+  EXPECT_NE(msg.find("out of range for vocab_size 100000"), std::string::npos) << msg;
+}
+
+TEST(ShardTest, Uint32ShardWithUint16VersionIsInputError) {
+  const std::string path = make_temp_dir() + "/wide_v1.bin";
+  std::vector<int32_t> words(256 + 8, 0);
+  words[0] = kShardMagicU32;
+  words[1] = 1;
+  words[2] = 8;
+  write_bytes(path, words.data(), words.size() * 4);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("has version 1, expected 7"), std::string::npos) << msg;
+}
+
+TEST(ShardTest, Uint32ShardSizeIsChecked) {
+  const std::string path = make_temp_dir() + "/wide_short.bin";
+  std::vector<int32_t> words(256 + 8, 0);
+  words[0] = kShardMagicU32;
+  words[1] = kShardVersionU32;
+  words[2] = 16;  // 16 uint32 tokens need 64 bytes; 32 are there
+  write_bytes(path, words.data(), words.size() * 4);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find("header declares 16 tokens (1088 bytes) but file has 1056 bytes"),
+            std::string::npos) << msg;
 }
 
 }  // namespace

@@ -1,6 +1,10 @@
-// prepare_data: text files -> llm.c token shards. The inputs are joined (in the order given,
-// separated by "\n") and tokenized as ONE stream; the FIRST val-fraction of its tokens become
-// val shards and the rest train shards, so validation is a fixed, contiguous slice of the data.
+// prepare_data: text files -> llm.c token shards. With the byte tokenizer the inputs are joined
+// (in the order given, separated by "\n") and tokenized as ONE stream; with a Hugging Face
+// tokenizer.json each file is a document, preceded by the tokenizer's end-of-text token, and
+// tools/hf_tokenize.py tokenizes them with the `tokenizers` library (exact ids, its Rust BPE on
+// every core). The FIRST val-fraction of the tokens become val shards and the rest train shards,
+// so validation is a fixed, contiguous slice. Vocabularies up to 65,536 give uint16 shards,
+// larger ones llm.c's uint32 format (data/shard.h).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
@@ -26,19 +30,22 @@ namespace {
 using kiln::InputError;
 
 constexpr const char* kUsage =
-    "usage: prepare_data --out DIR [--tokenizer byte] [--val-fraction F] [--shard-tokens N] "
-    "FILE...\n"
+    "usage: prepare_data --out DIR [--tokenizer byte|FILE.json] [--eos TOKEN] [--val-fraction F]\n"
+    "                    [--shard-tokens N] FILE...\n"
     "  Joins FILEs (in order, separated by a newline), tokenizes them, and writes\n"
     "  DIR/val_000000.bin ... (the first F of the tokens) and DIR/train_000000.bin ...\n"
     "  in llm.c shard format.\n"
     "  --out DIR           output directory (created if missing)\n"
-    "  --tokenizer NAME    byte (default; vocab 256)\n"
+    "  --tokenizer NAME    byte (default; vocab 256) or a Hugging Face tokenizer.json (each\n"
+    "                      FILE a document, preceded by the end-of-text token; vocab from the file)\n"
+    "  --eos TOKEN         the end-of-text token (default: tokenizer_config.json's, or a usual name)\n"
     "  --val-fraction F    fraction of tokens for validation, in [0, 1) (default 0.1)\n"
     "  --shard-tokens N    tokens per shard file (default 100000000)\n";
 
 struct Options {
   std::string out;
   std::string tokenizer = "byte";
+  std::string eos;
   double val_fraction = 0.1;
   int64_t shard_tokens = 100'000'000;
   std::vector<std::string> inputs;
@@ -92,6 +99,8 @@ Options parse_args(int argc, char** argv) {
       opt.out = value;
     } else if (arg == "--tokenizer") {
       opt.tokenizer = value;
+    } else if (arg == "--eos") {
+      opt.eos = value;
     } else if (arg == "--val-fraction") {
       opt.val_fraction = parse_fraction(arg, value);
     } else if (arg == "--shard-tokens") {
@@ -102,9 +111,15 @@ Options parse_args(int argc, char** argv) {
   }
   if (opt.out.empty()) throw InputError("--out DIR is required (see --help)");
   if (opt.inputs.empty()) throw InputError("no input files given (see --help)");
-  if (opt.tokenizer != "byte") {
-    throw InputError(fmt::format("unknown tokenizer '{}' (built in: byte)", opt.tokenizer));
+  const bool json = opt.tokenizer.size() > 5 &&
+                    opt.tokenizer.compare(opt.tokenizer.size() - 5, 5, ".json") == 0;
+  if (opt.tokenizer != "byte" && !json) {
+    throw InputError(fmt::format(
+        "unknown tokenizer '{}' (byte, or a Hugging Face tokenizer.json file)", opt.tokenizer));
   }
+  if (json && !std::filesystem::is_regular_file(opt.tokenizer))
+    throw InputError(fmt::format("--tokenizer {}: no such file", opt.tokenizer));
+  if (!opt.eos.empty() && !json) throw InputError("--eos applies to a tokenizer.json only");
   return opt;
 }
 
@@ -123,7 +138,8 @@ std::string read_file(const std::string& path) {
 
 // Writes tokens[begin, end) as PREFIX_000000.bin, PREFIX_000001.bin, ...: as few shards as fit
 // shard_tokens each, split evenly, so no tail shard is too short for the loader's windows.
-int write_split(const Options& opt, const std::string& prefix, const std::vector<uint16_t>& tokens,
+template <class Token>
+int write_split(const Options& opt, const std::string& prefix, const std::vector<Token>& tokens,
                 size_t begin, size_t end) {
   const size_t count = end - begin;
   const size_t per = static_cast<size_t>(opt.shard_tokens);
@@ -133,34 +149,102 @@ int write_split(const Options& opt, const std::string& prefix, const std::vector
     const size_t hi = begin + (k + 1) * count / files;
     const std::string path =
         (std::filesystem::path(opt.out) / fmt::format("{}_{:06d}.bin", prefix, k)).string();
-    kiln::write_shard(path, std::vector<uint16_t>(tokens.begin() + static_cast<ptrdiff_t>(lo),
-                                                  tokens.begin() + static_cast<ptrdiff_t>(hi)));
+    const std::vector<Token> part(tokens.begin() + static_cast<ptrdiff_t>(lo),
+                                  tokens.begin() + static_cast<ptrdiff_t>(hi));
+    if constexpr (sizeof(Token) == 2)
+      kiln::write_shard(path, part);
+    else
+      kiln::write_shard32(path, part);
     spdlog::info("wrote {} ({} tokens)", path, hi - lo);
   }
   return static_cast<int>(files);
 }
 
+// 'text' as one shell word.
+std::string shell_quote(const std::string& text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+struct HfTokens {
+  std::vector<uint32_t> ids;
+  int vocab_size = 0;
+  std::string summary;  // the helper's JSON line
+};
+
+// Runs tools/hf_tokenize.py (KILN_HF_TOKENIZE overrides its path, KILN_PYTHON the interpreter)
+// into a temp file in the output folder and reads its uint32 ids back.
+HfTokens hf_tokenize(const Options& opt) {
+  const char* script_env = std::getenv("KILN_HF_TOKENIZE");
+  const char* python_env = std::getenv("KILN_PYTHON");
+  const std::string script = script_env ? script_env : KILN_SOURCE_DIR "/tools/hf_tokenize.py";
+  const std::string ids_path = (std::filesystem::path(opt.out) / ".hf_tokens.tmp").string();
+  std::string cmd = std::string(python_env ? python_env : "python3") + " " + shell_quote(script) +
+                    " " + shell_quote(opt.tokenizer) + " " + shell_quote(ids_path);
+  if (!opt.eos.empty()) cmd += " --eos " + shell_quote(opt.eos);
+  for (const std::string& in : opt.inputs) cmd += " " + shell_quote(in);
+  std::FILE* pipe = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!pipe) throw std::runtime_error("cannot run " + cmd);
+  std::string output;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) output.append(buf, n);
+  const int status = ::pclose(pipe);
+  while (!output.empty() && output.back() == '\n') output.pop_back();
+  HfTokens out;
+  out.summary = output.substr(output.rfind('\n') + 1);
+  const size_t vocab_at = out.summary.find("\"vocab_size\": ");
+  if (status != 0 || vocab_at == std::string::npos) {
+    std::filesystem::remove(ids_path);
+    throw InputError(output.empty() ? "tokenizing with " + opt.tokenizer + " failed" : output);
+  }
+  out.vocab_size = std::atoi(out.summary.c_str() + vocab_at + 14);
+  std::ifstream in(ids_path, std::ios::binary);
+  in.seekg(0, std::ios::end);
+  out.ids.resize(static_cast<size_t>(in.tellg()) / 4);
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(out.ids.data()), static_cast<std::streamsize>(out.ids.size() * 4));
+  std::filesystem::remove(ids_path);
+  if (!in) throw std::runtime_error(ids_path + ": cannot read the tokenizer's output");
+  return out;
+}
+
+template <class Token>
+void write_splits(const Options& opt, const std::vector<Token>& tokens) {
+  const auto n_val = static_cast<size_t>(opt.val_fraction * static_cast<double>(tokens.size()));
+  const int val_files = write_split(opt, "val", tokens, 0, n_val);
+  const int train_files = write_split(opt, "train", tokens, n_val, tokens.size());
+  spdlog::info(
+      "{} tokens ({} tokenizer, {}-bit shards) from {} files: {} val tokens in {} shards, {} "
+      "train tokens in {} shards, in {}",
+      tokens.size(), opt.tokenizer, 8 * sizeof(Token), opt.inputs.size(), n_val, val_files,
+      tokens.size() - n_val, train_files, opt.out);
+}
+
 void run(const Options& opt) {
+  std::error_code ec;
+  std::filesystem::create_directories(opt.out, ec);
+  if (ec) throw InputError(fmt::format("{}: cannot create directory: {}", opt.out, ec.message()));
+  if (opt.tokenizer != "byte") {
+    HfTokens hf = hf_tokenize(opt);
+    spdlog::info("{}", hf.summary);
+    if (hf.ids.empty()) throw InputError("the input files contain no text");
+    spdlog::info("vocabulary {} (set model.vocab_size: {})", hf.vocab_size, hf.vocab_size);
+    if (hf.vocab_size <= 65536) {
+      write_splits(opt, std::vector<uint16_t>(hf.ids.begin(), hf.ids.end()));
+    } else {
+      write_splits(opt, hf.ids);
+    }
+    return;
+  }
   std::string text;
   for (size_t i = 0; i < opt.inputs.size(); ++i) {
     if (i > 0) text += '\n';
     text += read_file(opt.inputs[i]);
   }
   if (text.empty()) throw InputError("the input files contain no text");
-  const std::vector<uint16_t> tokens = kiln::byte_encode(text);
-
-  std::error_code ec;
-  std::filesystem::create_directories(opt.out, ec);
-  if (ec) throw InputError(fmt::format("{}: cannot create directory: {}", opt.out, ec.message()));
-
-  const auto n_val = static_cast<size_t>(opt.val_fraction * static_cast<double>(tokens.size()));
-  const int val_files = write_split(opt, "val", tokens, 0, n_val);
-  const int train_files = write_split(opt, "train", tokens, n_val, tokens.size());
-  spdlog::info(
-      "{} tokens ({} tokenizer) from {} files: {} val tokens in {} shards, {} train "
-      "tokens in {} shards, in {}",
-      tokens.size(), opt.tokenizer, opt.inputs.size(), n_val, val_files, tokens.size() - n_val,
-      train_files, opt.out);
+  write_splits(opt, kiln::byte_encode(text));
 }
 
 }  // namespace

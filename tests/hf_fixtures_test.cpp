@@ -1,0 +1,42 @@
+// Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA and Qwen3 that
+// tools/make_hf_fixtures.py saved with transformers (tests/fixtures/hf/) load into kiln, whose
+// fp32 CPU loss on the committed batch matches transformers' recorded loss (rel 1e-5) and whose
+// greedy decoding gives transformers' 32 tokens. The batch was sampled from each model, so a
+// swapped or mis-transposed tensor moves the loss far past the tolerance (expected.json records
+// by how much). Skips until the fixtures are committed.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "tests/hf_parity.h"
+
+namespace kiln {
+namespace {
+
+const std::string kFixtures = std::string(KILN_SOURCE_DIR) + "/tests/fixtures/hf";
+
+class HfFixtures : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HfFixtures, KilnMatchesTransformersLossAndGreedyTokens) {
+  if (!std::filesystem::exists(kFixtures + "/expected.json"))
+    GTEST_SKIP() << kFixtures << " not committed yet: run tools/make_hf_fixtures.py on a host "
+                 << "with torch and transformers";
+  const std::string arch = GetParam();
+  const auto expected = kiln::testing::read_json_file(kFixtures + "/expected.json")["models"][arch];
+  const auto rows = kiln::testing::read_json_file(kFixtures + "/tokens.json")[arch]
+                        .get<std::vector<std::vector<int>>>();
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  const int new_tokens = static_cast<int>(expected["greedy"].size() - expected["prompt"].size());
+  const kiln::testing::KilnScore kiln = kiln::testing::kiln_score(
+      *cpu, kFixtures + "/" + arch, rows, expected["prompt"].get<std::vector<int>>(), new_tokens);
+  const double hf_loss = expected["loss"].get<double>();
+  EXPECT_NEAR(kiln.loss, hf_loss, 1e-5 * hf_loss) << arch;
+  // The batch must be one a wrong mapping would show on.
+  EXPECT_GT(std::abs(expected["swapped_loss"].get<double>() - hf_loss), 1e-2 * hf_loss) << arch;
+  EXPECT_EQ(kiln.greedy, expected["greedy"].get<std::vector<int>>()) << arch;
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, HfFixtures, ::testing::Values("gpt2", "llama", "qwen3"));
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,69 @@
+// kiln's numbers for a Hugging Face model directory, to compare with transformers' (written by
+// tools/make_hf_fixtures.py): the mean next-token loss on a batch of token rows (inputs are a
+// row's first T ids, targets its last T) and the greedy continuation of a prompt.
+#pragma once
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/arena.h"
+#include "train/init_from.h"
+#include "train/sampler.h"
+
+namespace kiln::testing {
+
+struct KilnScore {
+  double loss = NAN;
+  std::vector<int> greedy;  // prompt + new tokens
+};
+
+inline KilnScore kiln_score(Backend& backend, const std::string& hf_dir,
+                            const std::vector<std::vector<int>>& rows,
+                            const std::vector<int>& prompt, int new_tokens) {
+  const LoadedModel m = load_model("hf:" + hf_dir);
+  const int B = static_cast<int>(rows.size()), T = static_cast<int>(rows[0].size()) - 1;
+  std::unique_ptr<Model> model = make_model(m.config, backend);
+  Arena arena(backend, "hf_parity");
+  Tensor weights, master, tokens, targets;
+  const int64_t n = model->layout().total;
+  arena.plan(&weights, "weights", {n}, backend.activation_dtype());
+  arena.plan(&master, "master", {n}, DType::f32);
+  arena.plan(&tokens, "tokens", {B, T}, DType::i32);
+  arena.plan(&targets, "targets", {B, T}, DType::i32);
+  model->plan_activations(arena, B, T, Recompute::none);
+  arena.allocate();
+  backend.copy_from_host(master, m.params.data());
+  backend.copy(weights, master);
+  model->bind_weights(flat_params(weights));
+  std::vector<int32_t> in, tgt;
+  for (const auto& r : rows) {
+    in.insert(in.end(), r.begin(), r.end() - 1);
+    tgt.insert(tgt.end(), r.begin() + 1, r.end());
+  }
+  backend.copy_from_host(tokens, in.data());
+  backend.copy_from_host(targets, tgt.data());
+  model->forward(tokens, targets, 0.0f, false);
+  std::vector<float> losses(in.size());
+  backend.copy_to_host(losses.data(), model->losses());
+  KilnScore out;
+  double sum = 0;
+  for (float l : losses) sum += l;
+  out.loss = sum / static_cast<double>(losses.size());
+  SamplingOptions greedy;
+  greedy.max_new_tokens = new_tokens;
+  greedy.temperature = 0.0f;
+  std::mt19937_64 rng(0);
+  out.greedy = generate(backend, m.config, weights, prompt, greedy, rng);
+  return out;
+}
+
+inline nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace kiln::testing

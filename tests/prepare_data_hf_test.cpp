@@ -1,0 +1,135 @@
+// prepare_data --tokenizer FILE.json: shards hold exactly the ids Hugging Face's tokenizers
+// library gives (each file a document after the end-of-text token), uint16 for small
+// vocabularies and llm.c's uint32 format above 65,536; a bad --eos or tokenizer exits 2. The
+// tokenizer is a small byte-level BPE trained here on local text by tools/train_bpe.py, so
+// nothing is downloaded. Skips where the Python package `tokenizers` is missing.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+#include "tests/test_process.h"
+
+namespace kiln {
+namespace {
+
+using kiln::testing::run_command;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+std::vector<std::string> corpus() {
+  std::vector<std::string> files;
+  for (const char* f : {"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"})
+    if (std::ifstream(f)) files.push_back(f);
+  if (files.empty()) files = {kSrc + "/README.md", kSrc + "/docs/data.md"};
+  return files;
+}
+
+std::string join(const std::vector<std::string>& files) {
+  std::string s;
+  for (const auto& f : files) s += " " + f;
+  return s;
+}
+
+class PrepareDataHf : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (run_command("python3 -c 'import tokenizers'").status != 0)
+      GTEST_SKIP() << "the Python package tokenizers is missing (scripts/install_deps.sh)";
+    dir_ = kiln::testing::make_temp_dir("kiln_prepare_hf_");
+  }
+  // Trains a BPE of `vocab` merges-worth (+ `extra` special tokens) into dir_/name/.
+  std::string train_tokenizer(const std::string& name, int vocab, int extra) {
+    const std::string path = dir_ + "/" + name + "/tokenizer.json";
+    run_command("mkdir -p " + dir_ + "/" + name);
+    const auto r = run_command("python3 " + kSrc + "/tools/train_bpe.py --out " + path +
+                               " --vocab-size " + std::to_string(vocab) + " --extra-special " +
+                               std::to_string(extra) + join(corpus()));
+    EXPECT_EQ(r.status, 0) << r.output;
+    return path;
+  }
+  // The ids the library itself gives: <eos> + encode(file), per file, as uint32.
+  std::vector<uint32_t> reference_ids(const std::string& tokenizer) {
+    const std::string out = dir_ + "/reference.bin";
+    const std::string script =
+        "import sys, array\n"
+        "from tokenizers import Tokenizer\n"
+        "t = Tokenizer.from_file(sys.argv[1]); eos = t.token_to_id('<|endoftext|>')\n"
+        "ids = array.array('I')\n"
+        "for p in sys.argv[3:]:\n"
+        "    ids.append(eos)\n"
+        "    ids.extend(t.encode(open(p, encoding='utf-8', errors='replace').read(),"
+        " add_special_tokens=False).ids)\n"
+        "open(sys.argv[2], 'wb').write(ids.tobytes())\n";
+    std::ofstream(dir_ + "/reference.py") << script;
+    const auto r = run_command("python3 " + dir_ + "/reference.py " + tokenizer + " " + out + join(corpus()));
+    EXPECT_EQ(r.status, 0) << r.output;
+    std::ifstream in(out, std::ios::binary);
+    std::vector<uint32_t> ids;
+    uint32_t v;
+    while (in.read(reinterpret_cast<char*>(&v), 4)) ids.push_back(v);
+    return ids;
+  }
+  // val shards then train shards, widened to uint32.
+  std::vector<uint32_t> shard_ids(const std::string& out, int vocab, int expect_bytes) {
+    std::vector<uint32_t> ids;
+    for (const char* split : {"val", "train"})
+      for (const std::string& path : expand_glob(out + "/" + split + "_*.bin")) {
+        const TokenShard s = TokenShard::open(path, vocab);
+        EXPECT_EQ(s.token_bytes(), expect_bytes) << path;
+        for (int64_t i = 0; i < s.size(); ++i)
+          ids.push_back(expect_bytes == 2 ? s.tokens()[i] : s.tokens32()[i]);
+      }
+    return ids;
+  }
+  std::string dir_;
+};
+
+TEST_F(PrepareDataHf, ShardsHoldTheLibrarysIds) {
+  const std::string tok = train_tokenizer("small", 512, 0);
+  const std::string out = dir_ + "/shards";
+  const auto r = run_command(kBin + "/prepare_data --out " + out + " --tokenizer " + tok +
+                             " --val-fraction 0.1" + join(corpus()));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("set model.vocab_size: 513"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("16-bit shards"), std::string::npos) << r.output;
+  const std::vector<uint32_t> expect = reference_ids(tok);
+  ASSERT_GT(expect.size(), 1000u);
+  EXPECT_EQ(shard_ids(out, 513, 2), expect);
+}
+
+TEST_F(PrepareDataHf, VocabularyOver65536WritesUint32Shards) {
+  const std::string tok = train_tokenizer("wide", 400, 70000);
+  const std::string out = dir_ + "/wide_shards";
+  const auto r = run_command(kBin + "/prepare_data --out " + out + " --tokenizer " + tok + join(corpus()));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("32-bit shards"), std::string::npos) << r.output;
+  const std::vector<uint32_t> ids = shard_ids(out, 70401, 4);
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids[0], 70400u);  // <|endoftext|>, above 65,535, added after the reserved tokens
+  EXPECT_EQ(ids, reference_ids(tok));
+}
+
+TEST_F(PrepareDataHf, BadEosOrTokenizerExitsTwo) {
+  const std::string tok = train_tokenizer("eos", 300, 0);
+  auto r = run_command(kBin + "/prepare_data --out " + dir_ + "/x --tokenizer " + tok +
+                       " --eos '<nope>'" + join(corpus()));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--eos '<nope>' is not a token of"), std::string::npos) << r.output;
+  r = run_command(kBin + "/prepare_data --out " + dir_ + "/x --tokenizer " + dir_ + "/none.json" +
+                  join(corpus()));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("none.json: no such file"), std::string::npos) << r.output;
+  std::ofstream(dir_ + "/broken.json") << "{\"model\": 3}";
+  r = run_command(kBin + "/prepare_data --out " + dir_ + "/x --tokenizer " + dir_ + "/broken.json" +
+                  join(corpus()));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("not a Hugging Face tokenizer.json"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace kiln
