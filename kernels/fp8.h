@@ -47,8 +47,10 @@ enum Fp8Role : int { kFp8X = 0, kFp8W = 1, kFp8G = 2 };
 constexpr int kFp8Roles = 3;
 
 // The state of n FP8 tensors, one f32 buffer at a fixed address (CUDA-graph capture relies on
-// it): per-tensor arrays of n values, then the summary, then the histories (newest first).
-//   scale, scale_inv   used by the casts and GEMMs of this step
+// it): per-tensor arrays, then the summary, then the histories (newest first).
+//   scale_inv          what the GEMMs multiply by, one per 16 bytes: cuBLASLt's FP8 kernels
+//                      read it through a pointer per tensor, which must be 16-byte aligned
+//   scale              what the casts multiply by
 //   amax               max |x| cast since the last update (the window; all-reduced with MAX
 //                      over data-parallel ranks before the update)
 //   saturated, cast    how many values the window's casts clipped to fp8_max, and cast at all
@@ -58,14 +60,15 @@ constexpr int kFp8Roles = 3;
 struct Fp8StateLayout {
   int n = 0;        // tensors
   int history = 0;  // H
-  KILN_HD int64_t scale() const { return 0; }
-  KILN_HD int64_t scale_inv() const { return n; }
-  KILN_HD int64_t amax() const { return 2LL * n; }
-  KILN_HD int64_t saturated() const { return 3LL * n; }
-  KILN_HD int64_t cast() const { return 4LL * n; }
-  KILN_HD int64_t last_amax() const { return 5LL * n; }
-  KILN_HD int64_t summary() const { return 6LL * n; }
-  KILN_HD int64_t histories() const { return 6LL * n + kSummary; }
+  static constexpr int kInvStride = 4;
+  KILN_HD int64_t scale_inv(int i) const { return static_cast<int64_t>(kInvStride) * i; }
+  KILN_HD int64_t scale() const { return static_cast<int64_t>(kInvStride) * n; }
+  KILN_HD int64_t amax() const { return scale() + n; }
+  KILN_HD int64_t saturated() const { return scale() + 2LL * n; }
+  KILN_HD int64_t cast() const { return scale() + 3LL * n; }
+  KILN_HD int64_t last_amax() const { return scale() + 4LL * n; }
+  KILN_HD int64_t summary() const { return scale() + 5LL * n; }
+  KILN_HD int64_t histories() const { return summary() + kSummary; }
   KILN_HD int64_t total() const { return histories() + static_cast<int64_t>(n) * history; }
   static constexpr int kSummary = 6;
 };
@@ -154,7 +157,7 @@ KILN_HD inline void fp8_update_tensor(float* s, const Fp8StateLayout& l, int i,
   const float max_value = fp8_max(fp8_role_is_e5m2(i % kFp8Roles, o.format));
   const float scale = fp8_next_scale(amax, s[l.scale() + i], max_value, o.margin);
   s[l.scale() + i] = scale;
-  s[l.scale_inv() + i] = 1.0f / scale;
+  s[l.scale_inv(i)] = 1.0f / scale;
   s[l.last_amax() + i] = window;
   s[l.amax() + i] = 0.0f;
   s[l.saturated() + i] = 0.0f;

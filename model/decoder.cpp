@@ -342,7 +342,7 @@ void Decoder::fp8_start(const float* saved) {
     std::fill(state.begin() + l.amax(), state.begin() + l.summary(), 0.0f);
   } else {
     std::fill(state.begin() + l.scale(), state.begin() + l.scale() + l.n, 1.0f);
-    std::fill(state.begin() + l.scale_inv(), state.begin() + l.scale_inv() + l.n, 1.0f);
+    for (int i = 0; i < l.n; ++i) state[static_cast<size_t>(l.scale_inv(i))] = 1.0f;
   }
   backend_.copy_from_host(acts_.fp8_state, state.data());
   fp8_cast_weights();

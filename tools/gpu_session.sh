@@ -6,9 +6,12 @@
 #
 #   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
 #   MODELS="124m llama" bash tools/gpu_session.sh   # a subset of: 124m 350m llama qwen3
-# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_TORCH=1 (no
+# Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_PERF=1 (no op
+# timings), SKIP_TORCH=1 (no
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
-# kiln/PyTorch/kiln order).
+# kiln/PyTorch/kiln order). FP8=1: also bench kiln with --precision.fp8=true (bench_<m>_fp8.json,
+# profiled) and PyTorch with torchao's --fp8 tensorwise (torch_<m>_fp8.json); torchao comes from
+# a wheel in .whl/ (the GPU host has no registry: docs/fp8.md says how to fetch it).
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
 # (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
@@ -90,7 +93,7 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran" "$OUT/gpu_tests.l
 grep -A40 "CudaTrainStep\.\|CudaTrainRun\." "$OUT/gpu_tests.log" | grep -E "^\s+(loss|grad norm|worst|step|cuda:|seed)" | head -30
 fi
 
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${SKIP_PERF:-0}" != 1 ]; then
 stage "op timings at GPT-2 124M shapes (CudaPerf, B=16)"
 timeout 180 ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests \
   --gtest_filter='CudaPerf.*' > "$OUT/op_timings.log" 2>&1
@@ -107,6 +110,15 @@ for m in $MODELS; do
     --dist.strategy=ddp --warmup "$WARMUP" --steps "$STEPS" --json "$OUT/bench_$m.json" --profile-ops
 done
 
+if [ "${FP8:-0}" = 1 ]; then
+  for m in $MODELS; do
+    stage "kiln bench $m FP8 with per-op profile"
+    timeout 240 ./build/bin/bench "${KILN_CFG[$m]}" --train.grad_accum=1 --train.log_every=5 \
+      --dist.strategy=ddp --precision.fp8=true --warmup "$WARMUP" --steps "$STEPS" \
+      --json "$OUT/bench_${m}_fp8.json" --profile-ops
+  done
+fi
+
 [ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""
 if [ -n "$TORCH_REF" ]; then
   for m in $MODELS; do
@@ -114,6 +126,15 @@ if [ -n "$TORCH_REF" ]; then
     timeout 300 python3 "$TORCH_REF" ${TORCH_ARGS[$m]} --steps "$STEPS" --warmup 8 |
       tee /dev/stderr | tail -1 > "$OUT/torch_$m.json"
   done
+  if [ "${FP8:-0}" = 1 ] && ls .whl/torchao-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site
+    for m in $MODELS; do
+      stage "PyTorch reference $m FP8 tensorwise (timed)"
+      timeout 300 python3 "$TORCH_REF" ${TORCH_ARGS[$m]} --fp8 tensorwise --steps "$STEPS" \
+        --warmup 8 | tee /dev/stderr | tail -1 > "$OUT/torch_${m}_fp8.json"
+    done
+  fi
 fi
 
 if [ "${KILN_AGAIN:-0}" = 1 ]; then
@@ -142,13 +163,18 @@ for m in models:
     if k: print(f"{m:<6} {'kiln':<8} {k['tok_s']:>9.0f} {k['ms']:>8.2f} {k['mfu']:>6.1f}  B={k['batch_size']} attn={k['attention']} commit={k['commit']} {k['device']}")
     if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu']:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
     if k and t: print(f"{m:<6} {'ratio':<8} {k['tok_s'] / t['tok_s']:>9.3f}  (kiln / PyTorch tokens/s; goal >= 1.15)")
-for m in models:
+    k8, t8 = load(f"bench_{m}_fp8.json"), load(f"torch_{m}_fp8.json")
+    if k8: print(f"{m:<6} {'kiln8':<8} {k8['tok_s']:>9.0f} {k8['ms']:>8.2f} {k8['mfu']:>6.1f}  FP8 (MFU against the bf16 peak)")
+    if t8: print(f"{m:<6} {'torch8':<8} {t8['tok_s']:>9.0f} {t8['ms']:>8.2f} {t8['mfu']:>6.1f}  torchao float8 tensorwise, loss {t8['loss']:.3f}")
+    if k8 and t8: print(f"{m:<6} {'ratio8':<8} {k8['tok_s'] / t8['tok_s']:>9.3f}  (kiln FP8 / torchao FP8; goal >= 1.2)")
+    if k8 and k: print(f"{m:<6} {'fp8/bf16':<8} {k8['tok_s'] / k['tok_s']:>9.3f}  (kiln FP8 / kiln bf16; goal >= 1.3)")
+for m in [x for m in models for x in (m, m + "_fp8")]:
     k = load(f"bench_{m}.json")
     if not (k and k.get("profile")): continue
     p = k["profile"]
-    share = {"GEMM": 0.0, "attention": 0.0, "other": 0.0}
+    share = {"GEMM": 0.0, "fp8 cast/scale": 0.0, "attention": 0.0, "other": 0.0}
     for r in p["ops"]:
-        kind = "GEMM" if r["op"].startswith("matmul") else "attention" if r["op"].startswith("attention") else "other"
+        kind = "GEMM" if r["op"].startswith(("matmul", "fp8_matmul")) else "fp8 cast/scale" if r["op"].startswith("fp8_") else "attention" if r["op"].startswith("attention") else "other"
         share[kind] += r["pct"]
     print(f"\n{m} per-op GPU time (top 14 of {len(p['ops'])}; ops {p['ops_ms']:.2f} ms, span {p['span_ms']:.2f} ms, host {p['host_ms']:.2f} ms per step)")
     print("  shares: " + ", ".join(f"{n} {v:.1f}%" for n, v in share.items()))

@@ -95,8 +95,8 @@ void CpuBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tenso
   c.shape("x8", f.x8, {cpu::rows(inp), inp.dim(-1)});
   (void)inp;
   const float* s = f.state.ptr<float>();
-  std::vector<float> x = decode(f.x8, s[f.layout.scale_inv() + f.index + kFp8X], false);
-  std::vector<float> w = decode(f.weight8, s[f.layout.scale_inv() + f.index + kFp8W], false);
+  std::vector<float> x = decode(f.x8, s[f.layout.scale_inv(f.index + kFp8X)], false);
+  std::vector<float> w = decode(f.weight8, s[f.layout.scale_inv(f.index + kFp8W)], false);
   matmul_forward(out, host_f32(x, f.x8.shape), host_f32(w, weight.shape), bias, pre_gelu);
 }
 
@@ -116,11 +116,12 @@ void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   c.shape("g8_t", f.g8_t, {OC, N});
   c.f32("dout", dout);
   c.numel("dout", dout, N * OC);
-  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  const float* s = f.state.ptr<float>();
+  auto inv = [&](int role) { return s[f.layout.scale_inv(f.index + role)]; };
   // g8_t holds g8's bytes transposed (CUDA's wgrad operand); decoding g8 serves both GEMMs.
-  std::vector<float> g = decode(f.g8, inv[kFp8G], false);
-  std::vector<float> x = decode(f.x8_t, inv[kFp8X], true);
-  std::vector<float> w = decode(f.weight8, inv[kFp8W], false);
+  std::vector<float> g = decode(f.g8, inv(kFp8G), false);
+  std::vector<float> x = decode(f.x8_t, inv(kFp8X), true);
+  std::vector<float> w = decode(f.weight8, inv(kFp8W), false);
   matmul_backward(dinp, dweight, Tensor{}, host_f32(g, dout.shape), host_f32(x, inp.shape),
                   host_f32(w, {OC, C}), inp_pre_gelu);
   if (dbias.defined()) {

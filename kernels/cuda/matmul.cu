@@ -81,7 +81,7 @@ struct MatmulPlans {
   // (true) or as cuBLASLt's DGELU epilogue (false). Chosen by timing, at first use.
   std::map<std::tuple<int64_t, int64_t, int64_t>, bool> separate_dgelu;
   // FP8 GEMMs (m, n, k, epilogue, D type) cuBLASLt has no algorithm for: they run in bf16.
-  std::set<std::tuple<int64_t, int64_t, int64_t, int, int>> fp8_missing;
+  std::set<std::tuple<int64_t, int64_t, int64_t, int, int>> fp8_missing, fp8_tried;
   ~MatmulPlans() {
     for (auto& kv : plans) {
       cublasLtMatrixLayoutDestroy(kv.second.a);
@@ -140,6 +140,14 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
   }
+  // The heuristic must see the scale pointers: an algorithm chosen without them may not take
+  // per-tensor scales (cublasLtMatmul then says "not supported"). Each call sets its own.
+  if (g.a_scale)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.a_scale, sizeof g.a_scale));
+  if (g.b_scale)
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_scale, sizeof g.b_scale));
   if (g.fast_accum) {
     const int8_t fast = 1;
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
@@ -215,15 +223,23 @@ void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t w
                                    workspace_bytes, stream));
 }
 
-// Whether cuBLASLt has an FP8 algorithm for g; the first miss of a shape says so (Invariant 6:
-// never a silent fallback), and the caller runs it in bf16.
-bool fp8_plan_ok(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
-                 size_t workspace_bytes) {
+// Whether cuBLASLt runs FP8 GEMM g: the first call of a shape is a trial (the heuristic may
+// offer an algorithm that cublasLtMatmul then refuses); a refusal is logged once (Invariant 6:
+// never a silent fallback) and remembered, and the caller runs the layer in bf16. The trial's
+// output is overwritten by the caller's real call (it runs the same GEMM, with beta = 0, or
+// beta = 1 into scratch of the right size where the GEMM accumulates).
+bool fp8_gemm_ok(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream, const GemmArgs& g, void* trial_d) {
   const auto key = std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.epilogue),
                                    static_cast<int>(g.d_type));
   if (cache.fp8_missing.count(key)) return false;
+  if (cache.fp8_tried.count(key)) return true;
   try {
-    get_plan(cache, handle, g, workspace_bytes);
+    GemmArgs t = g;
+    t.D = trial_d;
+    t.beta = 0.0f;
+    gemm(cache, handle, workspace, workspace_bytes, stream, t);
+    cache.fp8_tried.insert(key);
     return true;
   } catch (const std::runtime_error& e) {
     cache.fp8_missing.insert(key);
@@ -404,7 +420,8 @@ void CudaBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tens
   check_fp8(f.x8, N, C, op, "x8");
   check_fp8(f.weight8, OC, C, op, "weight8");
   if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
-  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  const float* s = f.state.ptr<float>();
+  const Fp8StateLayout& l = f.layout;
   GemmArgs g{OC, N, C, true, false, f.weight8.data, f.x8.data, out.data, CUDA_R_16BF, 0.0f};
   if (pre_gelu.defined()) {
     check_2d(pre_gelu, N, OC, op, "pre_gelu");
@@ -415,10 +432,11 @@ void CudaBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tens
   }
   g.bias = bias.defined() ? bias.data : nullptr;
   g.a_type = g.b_type = CUDA_R_8F_E4M3;
-  g.a_scale = inv + kFp8W;
-  g.b_scale = inv + kFp8X;
+  g.a_scale = s + l.scale_inv(f.index + kFp8W);
+  g.b_scale = s + l.scale_inv(f.index + kFp8X);
   g.fast_accum = true;  // as Transformer Engine's forward; the backward GEMMs promote
-  if (!fp8_plan_ok(*matmul_plans_, cublaslt_, g, cublaslt_workspace_bytes_)) {
+  if (!fp8_gemm_ok(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_,
+                   stream_, g, out.data)) {
     matmul_forward(out, inp, weight, bias, pre_gelu);
     return;
   }
@@ -439,22 +457,27 @@ void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
   check_fp8(f.g8_t, OC, N, op, "g8_t");
   check_fp8(f.x8_t, C, N, op, "x8_t");
   if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
-  const float* inv = f.state.ptr<float>() + f.layout.scale_inv() + f.index;
+  const float* s = f.state.ptr<float>();
+  const Fp8StateLayout& l = f.layout;
   // dinp^T[C,N] = weight8_t (stored [C,OC], read transposed) . g8^T; dweight^T[C,OC] += x8_t
   // (stored [C,N], read transposed) . g8_t^T: both TN, as FP8 requires.
   GemmArgs gd{C, N, OC, true, false, f.weight8_t.data, f.g8.data, dinp.data, CUDA_R_16BF, 0.0f};
   gd.a_type = CUDA_R_8F_E4M3;
   gd.b_type = fp8_type(f.g8);
-  gd.a_scale = inv + kFp8W;
-  gd.b_scale = inv + kFp8G;
+  gd.a_scale = s + l.scale_inv(f.index + kFp8W);
+  gd.b_scale = s + l.scale_inv(f.index + kFp8G);
   GemmArgs gw{C, OC, N, true, false, f.x8_t.data, f.g8_t.data, dweight.data, CUDA_R_32F, 1.0f};
   gw.a_type = CUDA_R_8F_E4M3;
   gw.b_type = fp8_type(f.g8_t);
-  gw.a_scale = inv + kFp8X;
-  gw.b_scale = inv + kFp8G;
-  const size_t ws = cublaslt_workspace_bytes_;
-  if ((dinp.defined() && !fp8_plan_ok(*matmul_plans_, cublaslt_, gd, ws)) ||
-      !fp8_plan_ok(*matmul_plans_, cublaslt_, gw, ws)) {
+  gw.a_scale = s + l.scale_inv(f.index + kFp8X);
+  gw.b_scale = s + l.scale_inv(f.index + kFp8G);
+  // The trials write scratch, not dinp/dweight: dweight accumulates, and dinp may be absent.
+  auto ok = [&](const GemmArgs& g, size_t bytes) {
+    return fp8_gemm_ok(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_,
+                       stream_, g, scratch(bytes));
+  };
+  if ((dinp.defined() && !ok(gd, static_cast<size_t>(N * C) * 2)) ||
+      !ok(gw, static_cast<size_t>(OC * C) * 4)) {
     matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu);
     return;
   }

@@ -803,6 +803,178 @@ TEST_F(CudaOps, AdamW) {
     ASSERT_EQ(work[i], f32_to_bf16(master_gpu[i])) << "working copy element " << i;
 }
 
+// ---- FP8 ----------------------------------------------------------------------------------
+
+// An FP8 state of `n` tensors (history 4) on both backends, with the given scales.
+struct Fp8Pair {
+  Fp8StateLayout l;
+  Buf cpu, gpu;
+};
+
+class CudaFp8 : public CudaOps {
+ protected:
+  Fp8Pair state(const std::vector<float>& scales) {
+    Fp8Pair p;
+    p.l = Fp8StateLayout{static_cast<int>(scales.size()), 4};
+    std::vector<float> s(static_cast<size_t>(p.l.total()), 0.0f);
+    for (int i = 0; i < p.l.n; ++i) {
+      s[p.l.scale() + i] = scales[i];
+      s[p.l.scale_inv(i)] = 1.0f / scales[i];
+    }
+    p.cpu = cpu({p.l.total()}, s);
+    p.gpu = gpu({p.l.total()}, DType::f32, s);
+    return p;
+  }
+  static std::vector<uint8_t> bytes(Backend& b, Tensor t) {
+    std::vector<uint8_t> v(t.nbytes());
+    b.copy_to_host(v.data(), t);
+    return v;
+  }
+  // Bit-exact float comparison, NaN equal to NaN.
+  static void expect_same_floats(const std::vector<float>& a, const std::vector<float>& b,
+                                 const char* what) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      uint32_t x, y;
+      std::memcpy(&x, &a[i], 4);
+      std::memcpy(&y, &b[i], 4);
+      if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+      ASSERT_EQ(x, y) << what << " float " << i << ": " << a[i] << " vs " << b[i];
+    }
+  }
+};
+
+// The cast kernel against the CPU's: the same bytes (and transposes) and the same window, for
+// full 64x64 tiles, partial ones, and rows too narrow for the packed path, in both formats.
+TEST_F(CudaFp8, CastMatchesCpuByteForByte) {
+  struct Shape2 {
+    int64_t R, C;
+  };
+  for (const Shape2 sh : {Shape2{128, 256}, Shape2{130, 72}, Shape2{37, 13}}) {
+    for (DType d : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+      const bool e5m2 = d == DType::fp8_e5m2;
+      // Values up to 4, scaled so that those above ~3 clip: the saturation count is exercised.
+      const float scale = fp8_max(e5m2) / 3.0f;
+      Fp8Pair st = state({scale});
+      std::vector<float> x = rand(sh.R * sh.C, 4.0f);
+      x[5] = 1e-7f;  // underflows
+      Buf cx = cpu({sh.R, sh.C}, x), gx = act({sh.R, sh.C}, x);
+      Buf co(*cpu_, {sh.R, sh.C}, d), cot(*cpu_, {sh.C, sh.R}, d);
+      Buf go(*gpu_, {sh.R, sh.C}, d), got(*gpu_, {sh.C, sh.R}, d);
+      cpu_->fp8_cast(co, cot, cx, st.cpu, st.l, 0);
+      gpu_->fp8_cast(go, got, gx, st.gpu, st.l, 0);
+      const std::string what = std::to_string(sh.R) + "x" + std::to_string(sh.C) + " " +
+                               dtype_name(d);
+      EXPECT_EQ(bytes(*gpu_, go), bytes(*cpu_, co)) << what;
+      EXPECT_EQ(bytes(*gpu_, got), bytes(*cpu_, cot)) << what << " transposed";
+      // Once more into the transpose alone: the window's counts double, its amax stays.
+      cpu_->fp8_cast(Tensor{}, cot, cx, st.cpu, st.l, 0);
+      gpu_->fp8_cast(Tensor{}, got, gx, st.gpu, st.l, 0);
+      expect_same_floats(host(st.gpu), host(st.cpu), what.c_str());
+      const std::vector<float> s = host(st.gpu);
+      EXPECT_GT(s[st.l.saturated()], 0.0f) << what;
+      EXPECT_EQ(s[st.l.cast()], 2.0f * sh.R * sh.C) << what;
+    }
+  }
+}
+
+// The update (summary and per-tensor roll and scale) against the CPU, bit for bit, with
+// windows of 0, inf and NaN among ordinary ones.
+TEST_F(CudaFp8, UpdateMatchesCpuBitForBit) {
+  const int n = 30;
+  std::vector<float> scales(n);
+  for (int i = 0; i < n; ++i) scales[i] = 1.0f + i;
+  Fp8Pair st = state(scales);
+  std::vector<float> s = host(st.cpu);
+  std::uniform_real_distribution<float> u(0.0f, 10.0f);
+  for (int64_t i = st.l.amax(); i < st.l.summary(); ++i) s[i] = u(rng_);
+  for (int64_t i = st.l.histories(); i < st.l.total(); ++i) s[i] = u(rng_);
+  s[st.l.amax() + 3] = 0.0f;
+  s[st.l.amax() + 4] = INFINITY;
+  s[st.l.amax() + 5] = NAN;
+  s[st.l.histories() + 7 * 4 + 2] = INFINITY;
+  upload(*cpu_, st.cpu, s);
+  upload(*gpu_, st.gpu, s);
+  for (Fp8AmaxAlgo algo : {Fp8AmaxAlgo::max, Fp8AmaxAlgo::most_recent}) {
+    Fp8Options o;
+    o.amax_compute_algo = algo;
+    o.margin = 1;
+    cpu_->fp8_update_scales(st.cpu, st.l, o);
+    gpu_->fp8_update_scales(st.gpu, st.l, o);
+    expect_same_floats(host(st.gpu), host(st.cpu), "fp8 state after the update");
+  }
+}
+
+// FP8 GEMMs (cuBLASLt, TN, scale pointers) against the CPU emulation of the same casts, and
+// against the bf16 GEMM on the same inputs within the formats' bound. Forward with bias and
+// with the GELU epilogue; backward with and without gelu'.
+TEST_F(CudaFp8, MatmulMatchesCpuEmulationAndTracksBf16) {
+  const int64_t N = 256, C = 128, OC = 192;
+  for (bool gelu : {false, true}) {
+    std::vector<float> x = rand(N * C, 2.0f), w = rand(OC * C, 0.1f), b = rand(OC, 0.1f);
+    std::vector<float> dout = rand(N * OC, 1e-3f), pre = rand(N * C, 2.0f);
+    // Scales for amaxes 2, 0.1 and 1e-3, as delayed scaling would have set them.
+    Fp8Pair st = state({448.0f / 2.0f, 448.0f / 0.1f, 57344.0f / 1e-3f});
+    auto linear = [&](Backend& k, Tensor state, std::vector<Buf>& keep) {
+      auto buf = [&](Shape s, DType d) {
+        keep.emplace_back(k, s, d);
+        return keep.back().t;
+      };
+      Fp8Linear f;
+      f.state = state;
+      f.layout = st.l;
+      f.weight8 = buf({OC, C}, DType::fp8_e4m3);
+      f.weight8_t = buf({C, OC}, DType::fp8_e4m3);
+      f.x8 = buf({N, C}, DType::fp8_e4m3);
+      f.x8_t = buf({C, N}, DType::fp8_e4m3);
+      f.g8 = buf({N, OC}, DType::fp8_e5m2);
+      f.g8_t = buf({OC, N}, DType::fp8_e5m2);
+      return f;
+    };
+    std::vector<Buf> ck, gk;
+    ck.reserve(8);
+    gk.reserve(8);
+    const Fp8Linear cf = linear(*cpu_, st.cpu, ck), gf = linear(*gpu_, st.gpu, gk);
+    Buf cx = cpu({N, C}, x), gx = act({N, C}, x), cw = cpu({OC, C}, w), gw = act({OC, C}, w);
+    Buf cb = cpu({OC}, b), gb = act({OC}, b);
+    for (auto [k, f, xx, ww] : {std::tuple{cpu_, cf, cx.t, cw.t}, std::tuple{(Backend*)gpu_, gf, gx.t, gw.t}}) {
+      k->fp8_cast(f.weight8, f.weight8_t, ww, f.state, f.layout, kFp8W);
+      k->fp8_cast(f.x8, Tensor{}, xx, f.state, f.layout, kFp8X);
+    }
+    Buf cout_ = cpu({N, OC}, std::vector<float>(N * OC)), gout = poisoned({N, OC}, DType::bf16);
+    Buf cpre = cpu({N, OC}, std::vector<float>(N * OC)), gpre = poisoned({N, OC}, DType::bf16);
+    cpu_->fp8_matmul_forward(cout_, cx, cw, cb, gelu ? cpre.t : Tensor{}, cf);
+    gpu_->fp8_matmul_forward(gout, gx, gw, gb, gelu ? gpre.t : Tensor{}, gf);
+    const std::string tag = gelu ? " (gelu)" : "";
+    EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, "fp8 forward vs cpu emulation" + tag);
+    Buf ref = poisoned({N, OC}, DType::bf16), ref_pre = poisoned({N, OC}, DType::bf16);
+    gpu_->matmul_forward(ref, gx, gw, gb, gelu ? ref_pre.t : Tensor{});
+    // E4M3 keeps 3 mantissa bits: each operand within 2^-4, a product within ~2^-3, and the
+    // relative L2 error of a sum of many such terms well under that.
+    EXPECT_CLOSE(host(gout), host(ref), 0.08, "fp8 forward vs bf16 GEMM" + tag);
+
+    Buf cd = cpu({N, OC}, dout), gd = act({N, OC}, dout), cp = cpu({N, C}, pre), gp = act({N, C}, pre);
+    std::vector<float> dw0 = rand(OC * C, 0.01f), db0 = rand(OC, 0.01f);
+    Buf cdin = cpu({N, C}, std::vector<float>(N * C)), gdin = poisoned({N, C}, DType::bf16);
+    Buf cdw = cpu({OC, C}, dw0), gdw = gpu({OC, C}, DType::f32, dw0);
+    Buf cdb = cpu({OC}, db0), gdb = gpu({OC}, DType::f32, db0);
+    for (auto [k, f, xx, dd] : {std::tuple{cpu_, cf, cx.t, cd.t}, std::tuple{(Backend*)gpu_, gf, gx.t, gd.t}}) {
+      k->fp8_cast(f.g8, f.g8_t, dd, f.state, f.layout, kFp8G);
+      k->fp8_cast(Tensor{}, f.x8_t, xx, f.state, f.layout, kFp8X);
+    }
+    cpu_->fp8_matmul_backward(cdin, cdw, cdb, cd, cx, cw, gelu ? cp.t : Tensor{}, cf);
+    gpu_->fp8_matmul_backward(gdin, gdw, gdb, gd, gx, gw, gelu ? gp.t : Tensor{}, gf);
+    EXPECT_CLOSE(host(gdin), host(cdin), kBf16Tol, "fp8 dinp vs cpu emulation" + tag);
+    EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, "fp8 dweight vs cpu emulation" + tag);
+    EXPECT_CLOSE(host(gdb), host(cdb), kF32Tol, "fp8 dbias vs cpu" + tag);
+    Buf rdin = poisoned({N, C}, DType::bf16), rdw = gpu({OC, C}, DType::f32, dw0);
+    gpu_->matmul_backward(rdin, rdw, Tensor{}, gd, gx, gw, gelu ? gp.t : Tensor{});
+    // E5M2 keeps 2 mantissa bits: the gradient's operand within 2^-3.
+    EXPECT_CLOSE(host(gdin), host(rdin), 0.15, "fp8 dinp vs bf16 GEMM" + tag);
+    EXPECT_CLOSE(host(gdw), host(rdw), 0.15, "fp8 dweight vs bf16 GEMM" + tag);
+  }
+}
+
 }  // namespace
 }  // namespace kiln
 
