@@ -302,6 +302,18 @@ __global__ void gelu_backward_kernel(bf16* d, const bf16* pre, int64_t n, bool p
     d[j] = from_float<bf16>(to_float(d[j]) * gelu_grad(to_float(pre[j])));
 }
 
+// d *= gelu'(pre), in place, both bf16 of one shape: after a GEMM with no DGELU epilogue.
+void gelu_backward_inplace(Tensor d, Tensor pre, int sm_count, cudaStream_t stream) {
+  const int64_t n = d.numel();
+  const int threads = 256;
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count * 8));
+  gelu_backward_kernel<<<blocks, threads, 0, stream>>>(
+      static_cast<bf16*>(d.data), static_cast<const bf16*>(pre.data), n,
+      aligned(d.data, 16) && aligned(pre.data, 16));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void CudaBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
@@ -372,14 +384,7 @@ void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Ten
       };
       auto separate = [&] {
         plain();
-        const int64_t n = N * C;
-        const int threads = 256;
-        const int blocks = static_cast<int>(
-            std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count_ * 8));
-        gelu_backward_kernel<<<blocks, threads, 0, stream_>>>(
-            static_cast<bf16*>(dinp.data), static_cast<const bf16*>(inp_pre_gelu.data), n,
-            aligned(dinp.data, 16) && aligned(inp_pre_gelu.data, 16));
-        KILN_CUDA_LAUNCH_CHECK();
+        gelu_backward_inplace(dinp, inp_pre_gelu, sm_count_, stream_);
         return true;
       };
       // Which is faster depends on the shape (H200: the epilogue at GPT-2 124M's 768 -> 3072,
@@ -489,14 +494,7 @@ void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
       // gelu' in full precision, after the GEMM (FP8 has no DGELU epilogue to lean on).
       expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
       check_2d(inp_pre_gelu, N, C, op, "inp_pre_gelu");
-      const int64_t n = N * C;
-      const int threads = 256;
-      const int blocks = static_cast<int>(
-          std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count_ * 8));
-      gelu_backward_kernel<<<blocks, threads, 0, stream_>>>(
-          static_cast<bf16*>(dinp.data), static_cast<const bf16*>(inp_pre_gelu.data), n,
-          aligned(dinp.data, 16) && aligned(inp_pre_gelu.data, 16));
-      KILN_CUDA_LAUNCH_CHECK();
+      gelu_backward_inplace(dinp, inp_pre_gelu, sm_count_, stream_);
     }
   }
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
