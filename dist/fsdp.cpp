@@ -39,7 +39,8 @@ class Fsdp final : public Strategy {
     backend_.sum_squares(sumsq, grad_shard_, false);
     all_reduce(sumsq);
   }
-  void after_update() override { std::fill(std::begin(held_), std::end(held_), -1); }
+  void after_update() override { forget_placement(); }
+  void forget_placement() override { std::fill(std::begin(held_), std::end(held_), -1); }
   void refresh_working() override {
     if (working_shard_.defined()) backend_.copy(working_shard_, master_);
     after_update();

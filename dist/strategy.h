@@ -81,6 +81,9 @@ class Strategy {
   ParamShard shard() const { return {master_, grad_shard_, m_, v_, working_out()}; }
   // After AdamW: the updated parameters where the next forward reads them.
   virtual void after_update() = 0;
+  // Before a step is captured as a CUDA graph, and after a capture is abandoned (none of its
+  // work ran): forget which units' parameters are held, so the step gathers every unit itself.
+  virtual void forget_placement() {}
 
   // Full f32 parameters (host, `total` of them) -> this rank's state; moments zero.
   void load_parameters(const std::vector<float>& host_params);

@@ -1,8 +1,18 @@
 #include "kernels/backend.h"
 
+#include <cstdlib>
+#include <new>
 #include <stdexcept>
 
 namespace kiln {
+
+void* Backend::allocate_host(size_t bytes) {
+  void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+void Backend::release_host(void* p) { std::free(p); }
 
 #ifndef KILN_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int) {

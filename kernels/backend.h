@@ -118,6 +118,34 @@ class Backend {
     return -1;
   }
 
+  // ---- staged uploads (the batch and the schedule of each step) ----------------------------
+  // Host memory that copy_from_host_async can copy from without the host waiting: page-locked
+  // on CUDA, plain elsewhere. Zero-filled; throws std::bad_alloc.
+  virtual void* allocate_host(size_t bytes);
+  virtual void release_host(void* p);
+  // Enqueues dst <- src and returns at once (the CPU copies now). src is memory of
+  // allocate_host and must not change until the stream has passed this copy: upload_done(slot)
+  // after the copies, upload_wait(slot) on the host before src is written again.
+  virtual void copy_from_host_async(Tensor dst, const void* src) { copy_from_host(dst, src); }
+  static constexpr int kUploadSlots = 2;
+  virtual void upload_done(int slot) { check_upload(slot); }
+  virtual void upload_wait(int slot) { check_upload(slot); }
+
+  // ---- CUDA graphs: the work enqueued between capture_begin and capture_end, replayed --------
+  // Why this backend cannot capture ("" when it can).
+  virtual std::string graph_unavailable() const {
+    return "the CPU backend runs each op when it is called; there is no stream to capture";
+  }
+  // From capture_begin to capture_end, work is recorded, not run. capture_end returns "" with
+  // the graph ready to replay, or why there is none (an op that cannot be captured, ...); the
+  // stream is out of capture mode either way. An op that fails during capture throws as usual:
+  // call capture_end then, for the reason.
+  virtual void capture_begin() { throw std::logic_error("capture_begin: " + graph_unavailable()); }
+  virtual std::string capture_end() { return graph_unavailable(); }
+  // Enqueues the captured work once more. "" on success, else why the graph no longer fits
+  // (memory it used has moved: capture again) and nothing was enqueued.
+  virtual std::string graph_replay() { return graph_unavailable(); }
+
   // ---- embedding, norm, linear, attention, loss ---------------------------------------
   // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or
   // undefined for a model without learned positions (RoPE): out = wte[tokens[b,t]].
@@ -254,6 +282,10 @@ class Backend {
   // kReadbackFloats values at most in all.
   // The slot test stays small enough to inline, so the compiler sees that a bad constant slot
   // throws before readback_ is indexed (g++ -Warray-bounds otherwise).
+  static void check_upload(int slot) {
+    if (slot < 0 || slot >= kUploadSlots)
+      throw std::invalid_argument("upload slot " + std::to_string(slot) + " out of range");
+  }
   static void check_readback(int slot, std::initializer_list<Tensor> srcs) {
     if (slot < 0 || slot >= kReadbackSlots) throw_bad_slot(slot);
     int64_t n = 0;

@@ -99,3 +99,27 @@ TEST(BenchBaseline, JoulesPerTokenOnlyWhereMeasured) {
 }
 
 }  // namespace
+
+// The MFU tier ladder on the CPU: tiers 0-2 run (zero1, ddp, ddp + the async loader), each as
+// the trainer ran it; 3 (CUDA graphs) and 4 (FP8) say they do not apply here. Table and JSON.
+TEST(BenchTiers, TheLadderRunsTheTiersThatApplyAndMarksTheRest) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_tiers_");
+  const auto r = bench(dir, "--tiers --model.n_layer=1 --json " + (dir / "tiers.jsonl").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("random tokens"), std::string::npos) << r.output;
+  for (const char* row : {"0 zero1 ", "1 ddp ", "2 \\+ async loader"})
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(std::string(row) + " +[0-9.]+ +[0-9]+ +n/a")))
+        << row << "\n" << r.output;
+  EXPECT_NE(r.output.find("zero1, prefetch off"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ddp, prefetch on"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("n/a: CUDA graphs need a GPU"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("n/a: FP8 GEMMs need a GPU"), std::string::npos) << r.output;
+  const std::string json = read(dir / "tiers.jsonl");
+  EXPECT_EQ(std::count(json.begin(), json.end(), '\n'), 5) << json;
+  EXPECT_NE(json.find("\"tier\":2,\"name\":\"2 + async loader\",\"applies\":true"), std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"tier\":4,\"name\":\"4 + FP8\",\"applies\":false"), std::string::npos) << json;
+  // --tiers is its own ladder: a single bench's regression flags do not mix with it.
+  EXPECT_EQ(bench(dir, "--tiers --baseline x.json").status, 2);
+  fs::remove_all(dir);
+}

@@ -144,6 +144,30 @@ TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
 
 // The step line ends with the run's progress and, once a step after the first has been timed,
 // an ETA from the recent step time: plain fields, so the line stays parseable.
+// data.prefetch on (a loader thread, batches copied from pinned memory without waiting) and off
+// (no thread, the host waits for each copy) feed the same batches: the same losses bit for bit,
+// with accumulation (a step's micro-batches are staged together). train.cuda_graphs on the CPU
+// is accepted, says once that it does not apply, and changes nothing.
+TEST_F(TrainE2E, PrefetchAndCudaGraphsKeyChangeNothingOnTheCpu) {
+  const std::string base = "--train.max_steps=12 --train.grad_accum=2 ";
+  const std::string on = (dir_ / "run_prefetch_on").string();
+  ASSERT_EQ(run(train_cmd(on, base + "--data.prefetch=true")).status, 0);
+  const std::string off = (dir_ / "run_prefetch_off").string();
+  ASSERT_EQ(run(train_cmd(off, base + "--data.prefetch=false")).status, 0);
+  const std::string graphs = (dir_ / "run_graphs_cpu").string();
+  const Result r = run(train_cmd(graphs, base + "--train.cuda_graphs=true"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("train.cuda_graphs: does not apply here"), std::string::npos) << r.output;
+  const auto a = read_losses(on), b = read_losses(off), c = read_losses(graphs);
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), a.size());
+  ASSERT_EQ(c.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].value, b[i].value) << "step " << a[i].step;
+    EXPECT_EQ(a[i].value, c[i].value) << "step " << a[i].step;
+  }
+}
+
 TEST_F(TrainE2E, StepLinesShowProgressAndEta) {
   const std::string out = (dir_ / "run_progress").string();
   const Result r =

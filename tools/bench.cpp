@@ -60,11 +60,14 @@ const char* kUsage =
     "usage: bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
     "             [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]\n"
     "             [--history FILE.jsonl]\n"
+    "       bench --tiers CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
     "  Trains CONFIG for warmup+steps steps (eval, sampling, resume off) and reports the median\n"
     "  step time, tokens/s and MFU over the last `steps` steps. Random tokens when data.train\n"
     "  matches no file. --profile-ops (CUDA): per-op GPU time of N (default 3) more steps.\n"
     "  --baseline: deltas against an earlier bench JSON (its last line); exit 1 when tok/s, ms,\n"
-    "  MFU or memory is worse by more than --tolerance (default 3%). --history: append the JSON.\n";
+    "  MFU or memory is worse by more than --tolerance (default 3%). --history: append the JSON.\n"
+    "  --tiers: the MFU tier ladder (0 zero1, 1 ddp, 2 + async loader, 3 + CUDA graphs, 4 + FP8),\n"
+    "  one run each, as a table and a JSON line per tier; tiers that cannot run here say why.\n";
 
 struct Options {
   std::string config_path;
@@ -77,6 +80,7 @@ struct Options {
   std::string baseline_path;
   double tolerance = 0.03;  // fraction
   std::string history_path;
+  bool tiers = false;
 };
 
 // "3%" or "0.03" -> 0.03.
@@ -145,6 +149,8 @@ Options parse_options(int argc, char** argv) {
       o.tolerance = parse_tolerance(take());
     } else if (arg == "--history") {
       o.history_path = take();
+    } else if (arg == "--tiers") {
+      o.tiers = true;
     } else if (arg.rfind("-", 0) == 0) {
       throw InputError("unknown flag '" + arg + "' (see bench --help)");
     } else if (o.config_path.empty()) {
@@ -154,6 +160,9 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.config_path.empty()) throw InputError(std::string("no config given\n") + kUsage);
+  if (o.tiers && (o.profile_ops || !o.baseline_path.empty() || !o.history_path.empty()))
+    throw InputError("--tiers runs its own ladder: --profile-ops, --baseline and --history apply "
+                     "to a single bench");
   return o;
 }
 
@@ -347,31 +356,33 @@ std::string profile_ops(Config cfg, int steps, const fs::path& out_dir) {
 }
 #endif
 
-int run(const Options& opt) {
-  // Read before the run: a bad baseline fails first, and a history given as both baseline and
-  // --history is compared with its last line before this run's is appended.
-  const YAML::Node baseline =
-      opt.baseline_path.empty() ? YAML::Node() : read_baseline(opt.baseline_path);
-  const fs::path tmp = fs::temp_directory_path() / fmt::format("kiln_bench_{}", ::getpid());
-  struct RemoveAtExit {
-    fs::path dir;
-    ~RemoveAtExit() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{tmp};
+// One measured run of the trainer: the figures bench reports, its JSON line, and the run's
+// summary.json (what ran: backend, attention, graphs, FP8).
+struct Measured {
+  Config cfg;
+  YAML::Node summary;
+  std::vector<double> ms;
+  double med_ms = 0, tok_s = 0, mfu_pct = 0;
+  std::string energy;  // ,"j_per_token":x where measured
+  bool random_data = false;
+};
 
-  std::vector<std::string> overrides = opt.overrides;
+Measured measure(const Options& opt, std::vector<std::string> overrides, const fs::path& tmp) {
   for (const std::string& o :
        {fmt::format("train.max_steps={}", opt.warmup + opt.steps),
         std::string("train.eval_every=0"), std::string("train.save_checkpoints=false"),
         std::string("train.sample_every=0"), std::string("train.resume=none"),
         "train.out_dir=" + (tmp / "run").string()})
     overrides.push_back(o);
-  Config cfg = load_config(opt.config_path, overrides);
+  Measured m;
+  m.cfg = load_config(opt.config_path, overrides);
+  Config& cfg = m.cfg;
   if (opt.profile_ops && (cfg.train.device == "cpu" || !cuda_available()))
     throw InputError("--profile-ops times CUDA ops: it needs a GPU and train.device auto or cuda");
-  if (!glob_matches(cfg.data.train)) cfg.data.train = write_random_shard(cfg, tmp / "data");
+  if (!glob_matches(cfg.data.train)) {
+    cfg.data.train = write_random_shard(cfg, tmp / "data");
+    m.random_data = true;
+  }
 
   const int rc = run_training(cfg, RankInfo{}, nullptr);
   if (rc != 0) throw std::runtime_error(fmt::format("bench: training exited with status {}", rc));
@@ -380,55 +391,159 @@ int run(const Options& opt) {
   if (steps.size() != static_cast<size_t>(opt.warmup + opt.steps))
     throw std::runtime_error(fmt::format("bench: expected {} steps in metrics.jsonl, found {}",
                                          opt.warmup + opt.steps, steps.size()));
-  std::vector<double> ms, mfu;
+  std::vector<double> mfu;
   for (size_t i = static_cast<size_t>(opt.warmup); i < steps.size(); ++i) {
-    ms.push_back(steps[i].ms);
+    m.ms.push_back(steps[i].ms);
     mfu.push_back(steps[i].mfu);
   }
-  const YAML::Node summary = YAML::LoadFile(cfg.train.out_dir + "/summary.json");
-  const auto tokens_per_step = summary["tokens_per_step"].as<int64_t>();
-  const double med_ms = median(ms);
-  const double tok_s = static_cast<double>(tokens_per_step) / (med_ms / 1000.0);
-  const double mfu_pct = 100.0 * median(mfu);
-  const std::string device = summary["backend"].as<std::string>();
+  m.summary = YAML::LoadFile(cfg.train.out_dir + "/summary.json");
+  const auto tokens_per_step = m.summary["tokens_per_step"].as<int64_t>();
+  m.med_ms = median(m.ms);
+  m.tok_s = static_cast<double>(tokens_per_step) / (m.med_ms / 1000.0);
+  m.mfu_pct = 100.0 * median(mfu);
   // Energy per token over the timed steps: a step's energy_kj holds the work before its start
   // (train/power.h), so the rise from the first timed step's row to the last's is the work of
   // every timed step but the last.
-  std::string energy;
   const StepRecord& w = steps[static_cast<size_t>(opt.warmup)];
   if (opt.steps > 1 && w.energy_kj && steps.back().energy_kj) {
     const double j_per_token = 1000.0 * (*steps.back().energy_kj - *w.energy_kj) /
                                (static_cast<double>(opt.steps - 1) * tokens_per_step);
-    energy = fmt::format(",\"j_per_token\":{:.6g}", j_per_token);
+    m.energy = fmt::format(",\"j_per_token\":{:.6g}", j_per_token);
   }
+  m.summary["loss_last"] = steps.back().loss;
+  return m;
+}
+
+// Removes the directory when it goes out of scope.
+struct RemoveAtExit {
+  fs::path dir;
+  ~RemoveAtExit() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+std::string bench_json(const Options& opt, const Measured& m, const std::string& extra) {
+  const Config& cfg = m.cfg;
+  const YAML::Node& summary = m.summary;
+  return fmt::format(
+      "{{\"tool\":\"kiln bench\",\"device\":{},\"config\":{},\"arch\":{},\"n_layer\":{},"
+      "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
+      "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
+      "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
+      "\"loss_last\":{:.4f}{},\"commit\":{},\"date\":{}{}}}",
+      json_string(summary["backend"].as<std::string>()), json_string(opt.config_path),
+      json_string(cfg.model.arch), cfg.model.n_layer, cfg.model.n_embd,
+      summary["params"].as<int64_t>(), cfg.train.batch_size, cfg.model.seq_len,
+      cfg.train.grad_accum, summary["tokens_per_step"].as<int64_t>(), opt.warmup, opt.steps,
+      m.med_ms, *std::min_element(m.ms.begin(), m.ms.end()),
+      *std::max_element(m.ms.begin(), m.ms.end()), m.tok_s, m.mfu_pct,
+      summary["memory_bytes"].as<int64_t>(), json_string(summary["attention"].as<std::string>()),
+      summary["loss_last"].as<double>(), m.energy, json_string(summary["commit"].as<std::string>()),
+      json_string(utc_now()), extra);
+}
+
+// The MFU tier ladder of issue 15 / the seed table: each tier adds one optimization.
+struct Tier {
+  const char* name;
+  std::vector<std::string> overrides;
+};
+
+int run_tiers(const Options& opt) {
+  const std::vector<Tier> tiers = {
+      {"0 zero1", {"dist.strategy=zero1", "data.prefetch=false", "train.cuda_graphs=false",
+                   "precision.fp8=false"}},
+      {"1 ddp", {"dist.strategy=ddp", "data.prefetch=false", "train.cuda_graphs=false",
+                 "precision.fp8=false"}},
+      {"2 + async loader", {"dist.strategy=ddp", "data.prefetch=true", "train.cuda_graphs=false",
+                            "precision.fp8=false"}},
+      {"3 + CUDA graphs", {"dist.strategy=ddp", "data.prefetch=true", "train.cuda_graphs=true",
+                           "precision.fp8=false"}},
+      {"4 + FP8", {"dist.strategy=ddp", "data.prefetch=true", "train.cuda_graphs=true",
+                   "precision.fp8=true"}},
+  };
+  const Config probe = load_config(opt.config_path, opt.overrides);
+  const bool gpu = probe.train.device != "cpu" && cuda_available();
+  std::vector<std::string> lines, json_lines;
+  std::optional<bool> random_data;
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    const Tier& tier = tiers[t];
+    if (!gpu && t >= 3) {
+      lines.push_back(fmt::format("  {:<18} {:>9} {:>11} {:>7} {:>10}  n/a: {}", tier.name, "-",
+                                  "-", "-", "-",
+                                  t == 3 ? "CUDA graphs need a GPU"
+                                         : "FP8 GEMMs need a GPU (the CPU only emulates them)"));
+      json_lines.push_back(fmt::format("{{\"tool\":\"kiln bench --tiers\",\"tier\":{},\"name\":{},"
+                                       "\"applies\":false}}", t, json_string(tier.name)));
+      continue;
+    }
+    std::vector<std::string> overrides = opt.overrides;
+    overrides.insert(overrides.end(), tier.overrides.begin(), tier.overrides.end());
+    const fs::path tmp =
+        fs::temp_directory_path() / fmt::format("kiln_bench_{}_tier{}", ::getpid(), t);
+    RemoveAtExit cleanup{tmp};
+    const Measured m = measure(opt, overrides, tmp);
+    random_data = m.random_data;
+    // What actually ran, as the trainer recorded it (fallbacks included).
+    std::string active = fmt::format("{}, prefetch {}, attention {}, graphs {}, fp8 {}",
+                                     m.cfg.dist.strategy, m.cfg.data.prefetch ? "on" : "off",
+                                     m.summary["attention"].as<std::string>(),
+                                     m.summary["cuda_graphs"].as<std::string>(),
+                                     m.summary["fp8"].as<std::string>());
+    lines.push_back(fmt::format("  {:<18} {:>9.2f} {:>11.0f} {:>7} {:>10}  {}", tier.name,
+                                m.med_ms, m.tok_s,
+                                m.mfu_pct > 0 ? fmt::format("{:.1f}%", m.mfu_pct) : "n/a",
+                                format_bytes(m.summary["memory_bytes"].as<size_t>()), active));
+    json_lines.push_back(bench_json(
+        opt, m,
+        fmt::format(",\"tier\":{},\"name\":{},\"applies\":true,\"active\":{},\"random_data\":{}",
+                    t, json_string(tier.name), json_string(active),
+                    m.random_data ? "true" : "false")));
+  }
+  std::printf("\nbench --tiers %s (%s; median of %d steps after %d warm-up)\n",
+              opt.config_path.c_str(),
+              random_data.value_or(false) ? "random tokens: data.train matches no file"
+                                          : "data.train's shards",
+              opt.steps, opt.warmup);
+  std::printf("  %-18s %9s %11s %7s %10s  %s\n", "tier", "ms/step", "tok/s", "MFU", "memory",
+              "active (as the trainer ran it)");
+  for (const std::string& l : lines) std::printf("%s\n", l.c_str());
+  for (const std::string& j : json_lines) std::printf("%s\n", j.c_str());
+  if (!opt.json_path.empty()) {
+    std::ofstream out(opt.json_path);
+    for (const std::string& j : json_lines) out << j << "\n";
+    if (!out) throw InputError("--json: cannot write " + opt.json_path);
+  }
+  return 0;
+}
+
+int run(const Options& opt) {
+  if (opt.tiers) return run_tiers(opt);
+  // Read before the run: a bad baseline fails first, and a history given as both baseline and
+  // --history is compared with its last line before this run's is appended.
+  const YAML::Node baseline =
+      opt.baseline_path.empty() ? YAML::Node() : read_baseline(opt.baseline_path);
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("kiln_bench_{}", ::getpid());
+  RemoveAtExit cleanup{tmp};
+  const Measured m = measure(opt, opt.overrides, tmp);
+  const Config& cfg = m.cfg;
+  const YAML::Node& summary = m.summary;
 
   std::string profile = "null";
 #ifdef KILN_WITH_CUDA
   if (opt.profile_ops) profile = profile_ops(cfg, opt.profile_steps, tmp / "profile");
 #endif
-
-  const std::string json = fmt::format(
-      "{{\"tool\":\"kiln bench\",\"device\":{},\"config\":{},\"arch\":{},\"n_layer\":{},"
-      "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
-      "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
-      "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
-      "\"loss_last\":{:.4f}{},\"commit\":{},\"date\":{},\"profile\":{}}}",
-      json_string(device), json_string(opt.config_path), json_string(cfg.model.arch),
-      cfg.model.n_layer, cfg.model.n_embd, summary["params"].as<int64_t>(), cfg.train.batch_size,
-      cfg.model.seq_len, cfg.train.grad_accum, tokens_per_step, opt.warmup, opt.steps, med_ms,
-      *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()), tok_s,
-      mfu_pct, summary["memory_bytes"].as<int64_t>(),
-      json_string(summary["attention"].as<std::string>()), steps.back().loss, energy,
-      json_string(summary["commit"].as<std::string>()), json_string(utc_now()), profile);
-
+  const std::string json = bench_json(opt, m, ",\"profile\":" + profile);
+  const std::string device = summary["backend"].as<std::string>();
+  const auto& ms = m.ms;
   std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s\n",
               opt.config_path.c_str(), device.c_str(), cfg.train.batch_size, cfg.model.seq_len,
               cfg.train.grad_accum, summary["params"].as<std::string>().c_str(),
               summary["attention"].as<std::string>().c_str());
-  std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n", med_ms,
-              *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
-              opt.steps, opt.warmup);
-  std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", tok_s, mfu_pct,
+  std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n",
+              m.med_ms, *std::min_element(ms.begin(), ms.end()),
+              *std::max_element(ms.begin(), ms.end()), opt.steps, opt.warmup);
+  std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", m.tok_s, m.mfu_pct,
               format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
   std::printf("%s\n", json.c_str());
   if (!opt.json_path.empty()) {

@@ -112,7 +112,7 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(data, train), non_empty(), "glob of train shards"},
       {KILN_FIELD(data, val), any(), "glob of val shards (empty: no validation)"},
       {KILN_FIELD(data, shuffle), any(), "permute window order per shard and epoch (train.seed)"},
-      {KILN_FIELD(data, prefetch), any(), "load batches on a background thread"},
+      {KILN_FIELD(data, prefetch), any(), "load batches on a background thread; copy them to the device from pinned memory without waiting"},
       {KILN_FIELD(train, device), one_of({"auto", "cpu", "cuda"}), "backend"},
       {KILN_FIELD(train, batch_size), positive(), "micro-batch (sequences) per rank"},
       {KILN_FIELD(train, grad_accum), positive(), "micro-batches per optimizer step"},
@@ -132,7 +132,7 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
        "activations recomputed in backward instead of kept: selective (norm outputs, the "
        "attention core, SwiGLU) or full (each block from its input)"},
-      {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
+      {KILN_FIELD(train, cuda_graphs), any(), "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(train, nvtx), any(),
        "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},

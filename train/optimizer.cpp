@@ -6,7 +6,6 @@ void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<Owned
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s) {
   // The 1/world rides on the clip factor AdamW multiplies g by: no pass over the gradients.
   k.grad_norm_clip(sched, sumsq, s.grad_clip, s.grad_scale);
-  k.set_schedule(sched, s.lr, s.step);
   for (const OwnedRange& o : owned) {
     const Shape n{o.end - o.begin};
     const Tensor working = shard.working.defined() ? shard.working.slice(o.local, n) : Tensor{};

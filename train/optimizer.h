@@ -13,9 +13,10 @@
 
 namespace kiln {
 
+// What stays the same from step to step; lr and the step number are read from sched, which the
+// caller fills first (Backend::set_schedule, or the trainer's staged upload), so that a captured
+// step replays with fresh values.
 struct OptimizerStep {
-  float lr = 0;
-  int step = 1;         // 1-based, for bias correction
   float grad_clip = 0;  // max global norm (0: no clipping)
   // 1/world: each rank's loss is the mean over its own tokens, so the summed gradient becomes
   // the mean; applied with the clip factor, not as a pass over the gradients.
@@ -24,7 +25,8 @@ struct OptimizerStep {
 };
 
 // Clips by the global norm (sched[kSchedGradNorm] gets it) and applies AdamW to each owned range
-// of the shard; decay_spans: i64[S,2] of global offsets where weight decay applies.
+// of the shard with sched[kSchedLr] and sched[kSchedStep]; decay_spans: i64[S,2] of global
+// offsets where weight decay applies.
 void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<OwnedRange>& owned,
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s);
 

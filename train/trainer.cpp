@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <new>
@@ -106,6 +108,24 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
   return make_cpu_backend();
 }
 
+// Memory of Backend::allocate_host, released with the trainer.
+class HostMemory {
+ public:
+  HostMemory(Backend& backend, size_t bytes) : backend_(backend), p_(backend.allocate_host(bytes)) {}
+  ~HostMemory() { backend_.release_host(p_); }
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+  void* get() const { return p_; }
+
+ private:
+  Backend& backend_;
+  void* p_;
+};
+
+// train.cuda_graphs: this many steps run eagerly first (cuDNN plans, GEMM algorithms, the FP8
+// GEMM trial and the backend's scratch size are settled in them), then one step is captured.
+constexpr int kGraphWarmupSteps = 2;
+
 class Trainer {
  public:
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
@@ -131,6 +151,12 @@ class Trainer {
     o.reduce_dtype = cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
     strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
                               model_->layout().total, model_->layout().units);
+    optimizer_.grad_clip = static_cast<float>(cfg.optim.grad_clip);
+    optimizer_.hyper.beta1 = static_cast<float>(cfg.optim.beta1);
+    optimizer_.hyper.beta2 = static_cast<float>(cfg.optim.beta2);
+    optimizer_.hyper.eps = static_cast<float>(cfg.optim.eps);
+    optimizer_.hyper.weight_decay = static_cast<float>(cfg.optim.weight_decay);
+    optimizer_.grad_scale = 1.0f / static_cast<float>(rank.world_size);
   }
 
   int run();
@@ -151,7 +177,24 @@ class Trainer {
   void print_memory_table() const;
   void init_parameters();
   void resume_from(const std::string& dir);
+  // One optimizer step: its inputs staged, then its device work run eagerly, captured or
+  // replayed. Returns the step's learning rate.
   double train_step(int step);
+  // Copies the step's grad_accum batches and its lr and step number to the device through
+  // pinned host memory (Backend::copy_from_host_async), outside any graph.
+  void stage_inputs(int step, double lr);
+  // The step's device work, which reads everything that changes per step from device memory:
+  // micro-batches, gradient sync, FP8 scaling, clipping, AdamW. `break_capture` (tests only)
+  // makes it do what a capture cannot.
+  void step_work(bool break_capture);
+  void run_step_work(int step);
+  // Captures step_work as a CUDA graph and replays it; on failure, runs it eagerly.
+  void capture_step(int step);
+  void start_graphs();
+  Tensor micro_batch(Tensor all, int micro) const {
+    const int64_t n = static_cast<int64_t>(B()) * T();
+    return all.slice(micro * n, {B(), T()});
+  }
   // A step whose work is enqueued and whose loss and grad norm are being read asynchronously.
   struct PendingStep {
     int step;
@@ -199,7 +242,24 @@ class Trainer {
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
   std::unique_ptr<Strategy> strategy_;
   UnitHooks hooks_;
+  OptimizerStep optimizer_;
+  // tokens_ and targets_ hold all grad_accum micro-batches of a step: [accum, B, T].
   Tensor decay_spans_, sched_, sumsq_, loss_sum_, tokens_, targets_;
+  // Per upload slot: the step's tokens and targets ([accum,B,T] i32 each), then lr and step.
+  struct Staging {
+    std::unique_ptr<HostMemory> memory;
+    int32_t* tokens = nullptr;
+    int32_t* targets = nullptr;
+    float* sched = nullptr;
+  };
+  Staging staging_[Backend::kUploadSlots];
+  enum class GraphMode { off, warming, replaying };
+  GraphMode graph_mode_ = GraphMode::off;
+  int capture_at_ = 0;  // the step captured once warm-up is over
+  // What train.cuda_graphs did, for summary.json: off, n/a (why), warm-up only, replayed, or
+  // eager after a failed capture (why).
+  std::string graph_status_ = "off";
+  bool break_capture_ = std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
@@ -220,8 +280,9 @@ void Trainer::plan_memory() {
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   power_->plan(state_arena_);
-  state_arena_.plan(&tokens_, "tokens", {B(), T()}, DType::i32);
-  state_arena_.plan(&targets_, "targets", {B(), T()}, DType::i32);
+  const int accum = cfg_.train.grad_accum;
+  state_arena_.plan(&tokens_, "tokens", {accum, B(), T()}, DType::i32);
+  state_arena_.plan(&targets_, "targets", {accum, B(), T()}, DType::i32);
   model_->plan_activations(acts_arena_, B(), T(), recompute());
   print_memory_table();
   try {
@@ -239,6 +300,13 @@ void Trainer::plan_memory() {
     flat.push_back(e);
   }
   backend_->copy_from_host(decay_spans_, flat.data());
+  const size_t batch = static_cast<size_t>(tokens_.numel());
+  for (Staging& st : staging_) {
+    st.memory = std::make_unique<HostMemory>(*backend_, (2 * batch + 2) * sizeof(int32_t));
+    st.tokens = static_cast<int32_t*>(st.memory->get());
+    st.targets = st.tokens + batch;
+    st.sched = reinterpret_cast<float*>(st.targets + batch);
+  }
   strategy_->bind();
   parallelize(*model_, *strategy_, hooks_);
   nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
@@ -313,21 +381,49 @@ void Trainer::resume_from(const std::string& dir) {
 }
 
 double Trainer::train_step(int step) {
-  Backend& k = *backend_;
-  const int accum = cfg_.train.grad_accum;
-  const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
+  const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
+  stage_inputs(step, lr);
   power_->enqueue_step(step % Backend::kReadbackSlots);
-  strategy_->zero_grads();
-  for (int micro = 0; micro < accum; ++micro) {
+  run_step_work(step);
+  return lr;
+}
+
+void Trainer::stage_inputs(int step, double lr) {
+  static_assert(kSchedStep == kSchedLr + 1, "lr and step are uploaded as one pair");
+  const int slot = step % Backend::kUploadSlots;
+  backend_->upload_wait(slot);  // the stream has copied what this slot held two steps ago
+  const Staging& st = staging_[slot];
+  const size_t n = static_cast<size_t>(B()) * static_cast<size_t>(T());
+  for (int micro = 0; micro < cfg_.train.grad_accum; ++micro) {
     Nvtx::Range data_wait = nvtx_.range("data wait");
     const DataLoader::Batch& batch = train_loader_->next();
     data_wait.end();
-    k.copy_from_host(tokens_, batch.inputs.data());
-    k.copy_from_host(targets_, batch.targets.data());
+    std::memcpy(st.tokens + micro * n, batch.inputs.data(), n * sizeof(int32_t));
+    std::memcpy(st.targets + micro * n, batch.targets.data(), n * sizeof(int32_t));
+  }
+  st.sched[0] = static_cast<float>(lr);
+  st.sched[1] = static_cast<float>(step + 1);  // 1-based, for AdamW's bias correction
+  backend_->copy_from_host_async(tokens_, st.tokens);
+  backend_->copy_from_host_async(targets_, st.targets);
+  backend_->copy_from_host_async(sched_.slice(kSchedLr, {2}), st.sched);
+  backend_->upload_done(slot);
+  // data.prefetch=false is the loader without overlap: no thread, and the host waits here
+  // until the stream has made the copies.
+  if (!cfg_.data.prefetch) backend_->upload_wait(slot);
+}
+
+void Trainer::step_work(bool break_capture) {
+  Backend& k = *backend_;
+  const int accum = cfg_.train.grad_accum;
+  const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
+  strategy_->zero_grads();
+  for (int micro = 0; micro < accum; ++micro) {
+    const Tensor tokens = micro_batch(tokens_, micro);
     strategy_->set_micro_batch(micro, accum);
-    model_->forward(tokens_, targets_, dloss_scale, true);
+    model_->forward(tokens, micro_batch(targets_, micro), dloss_scale, true);
+    if (break_capture) k.synchronize();  // a host sync: what no capture can hold
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
-    model_->backward(tokens_);
+    model_->backward(tokens);
   }
   all_reduce(loss_sum_);
   if (fp8()) {
@@ -339,23 +435,83 @@ double Trainer::train_step(int step) {
     }
     model_->fp8_update_scales();
   }
-  const double lr = learning_rate(cfg_.optim, step, cfg_.train.max_steps);
-  OptimizerStep s;
-  s.lr = static_cast<float>(lr);
-  s.step = step + 1;
-  s.grad_clip = static_cast<float>(cfg_.optim.grad_clip);
-  s.hyper.beta1 = static_cast<float>(cfg_.optim.beta1);
-  s.hyper.beta2 = static_cast<float>(cfg_.optim.beta2);
-  s.hyper.eps = static_cast<float>(cfg_.optim.eps);
-  s.hyper.weight_decay = static_cast<float>(cfg_.optim.weight_decay);
-  s.grad_scale = 1.0f / static_cast<float>(rank_.world_size);
   strategy_->reduce_grads(sumsq_);
   Nvtx::Range optimizer = nvtx_.range("optimizer");
-  clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_, s);
+  clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_,
+                 optimizer_);
   optimizer.end();
   strategy_->after_update();
   model_->fp8_cast_weights();
-  return lr;
+}
+
+void Trainer::start_graphs() {
+  if (!cfg_.train.cuda_graphs) return;
+  const std::string why_not = backend_->graph_unavailable();
+  if (!why_not.empty()) {
+    if (is_main())
+      spdlog::info("train.cuda_graphs: does not apply here ({}); running eagerly", why_not);
+    graph_status_ = "n/a: " + why_not;
+    return;
+  }
+  graph_mode_ = GraphMode::warming;
+  capture_at_ = start_step_ + kGraphWarmupSteps;
+  graph_status_ = "not captured: the run ended within the eager warm-up";
+  if (!is_main()) return;
+  if (capture_at_ >= cfg_.train.max_steps)
+    spdlog::info("train.cuda_graphs: this run of {} steps ends within the {} eager warm-up "
+                 "steps; nothing will be captured",
+                 cfg_.train.max_steps - start_step_, kGraphWarmupSteps);
+  else
+    spdlog::info("train.cuda_graphs: {} eager warm-up steps, then step {} is captured as one "
+                 "CUDA graph and replayed",
+                 kGraphWarmupSteps, capture_at_ + 1);
+}
+
+void Trainer::run_step_work(int step) {
+  if (graph_mode_ == GraphMode::off || step < capture_at_) {
+    step_work(false);
+    return;
+  }
+  if (graph_mode_ == GraphMode::replaying) {
+    const std::string moved = backend_->graph_replay();
+    if (moved.empty()) return;
+    if (is_main()) spdlog::info("train.cuda_graphs: capturing again at step {}: {}", step + 1, moved);
+  }
+  capture_step(step);
+}
+
+void Trainer::capture_step(int step) {
+  // The capture records every unit's gather (fsdp), whatever an eval left in place.
+  strategy_->forget_placement();
+  std::string why;
+  backend_->capture_begin();
+  try {
+    step_work(break_capture_);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  const std::string ended = backend_->capture_end();
+  if (why.empty()) why = ended;
+  if (why.empty()) why = backend_->graph_replay();  // the capture recorded the step; run it
+  if (why.empty()) {
+    if (graph_mode_ == GraphMode::warming && is_main())
+      spdlog::info("train.cuda_graphs: step {} captured ({} micro-batch{}, {}); replaying it "
+                   "every step",
+                   step + 1, cfg_.train.grad_accum, cfg_.train.grad_accum > 1 ? "es" : "",
+                   cfg_.dist.strategy);
+    graph_mode_ = GraphMode::replaying;
+    graph_status_ = "replayed";
+    return;
+  }
+  // Nothing the capture recorded ran: the step runs now, eagerly, from the same state.
+  graph_mode_ = GraphMode::off;
+  graph_status_ = "eager: capture failed: " + why;
+  strategy_->forget_placement();
+  if (is_main())
+    spdlog::warn("train.cuda_graphs: step {} could not be captured ({}); running eagerly from "
+                 "here on",
+                 step + 1, why);
+  step_work(false);
 }
 
 double Trainer::evaluate() {
@@ -363,9 +519,10 @@ double Trainer::evaluate() {
   val_loader_->reset();
   for (int i = 0; i < cfg_.train.eval_steps; ++i) {
     const DataLoader::Batch& batch = val_loader_->next();
-    k.copy_from_host(tokens_, batch.inputs.data());
-    k.copy_from_host(targets_, batch.targets.data());
-    model_->forward(tokens_, targets_, 0.0f, false);
+    const Tensor tokens = micro_batch(tokens_, 0), targets = micro_batch(targets_, 0);
+    k.copy_from_host(tokens, batch.inputs.data());
+    k.copy_from_host(targets, batch.targets.data());
+    model_->forward(tokens, targets, 0.0f, false);
     nvtx_.close_unit();  // no backward follows to close the last unit's forward
     k.reduce_sum(loss_sum_, model_->losses(), i > 0);
   }
@@ -418,7 +575,19 @@ void Trainer::print_sample(int step) {
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
-// out_dir/summary.json: what ran where, for tools (bench) that read a finished run.
+// JSON string literal of s (quotes, backslashes and control characters escaped).
+std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) out += ' ';
+    else out += c;
+  }
+  return out + "\"";
+}
+
+// out_dir/summary.json: what ran where, and which optimizations ran (fallbacks included), for
+// tools (bench, its tier table) that read a finished run.
 void Trainer::write_summary() const {
   std::ofstream out(cfg_.train.out_dir + "/summary.json");
   out << "{\"backend\":\"" << backend_->name() << "\",\"attention\":\""
@@ -426,7 +595,13 @@ void Trainer::write_summary() const {
       << ",\"memory_bytes\":" << state_arena_.bytes() + acts_arena_.bytes()
       << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
       << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"reduce_dtype\":\""
-      << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT << "\"";
+      << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT << "\""
+      << ",\"prefetch\":" << (cfg_.data.prefetch ? "true" : "false")
+      << ",\"cuda_graphs\":" << json_quote(graph_status_) << ",\"fp8\":"
+      << json_quote(!cfg_.precision.fp8 ? "off"
+                    : !fp8()            ? "bf16 fallback: " + backend_->fp8_unavailable()
+                    : backend_->device() == Device::cpu ? "emulated"
+                                                        : "on");
   if (tokens_per_joule_) out << ",\"tokens_per_joule\":" << *tokens_per_joule_;
   out << "}\n";
 }
@@ -583,9 +758,7 @@ int Trainer::run() {
     metrics_ = std::make_unique<MetricsLog>(metrics_path);
   }
   // Invariant 6: an optimization that cannot run says so and falls back.
-  if (is_main() && t.cuda_graphs)
-    spdlog::warn("train.cuda_graphs: step capture is not implemented yet; running eagerly "
-                 "(GPU idle time between kernels measured at 0.3% of a GPT-2 124M step)");
+  start_graphs();
   // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against
   // the FP8 peak (mfu_fp8).
   peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), false);

@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstring>
 #include <new>
 #include <sstream>
 #include <vector>
@@ -125,6 +126,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
                                  sizeof(float) * kReadbackSlots * kReadbackFloats));
   for (cudaEvent_t& e : readback_done_) KILN_CUDA_CHECK(cudaEventCreate(&e));
   for (cudaEvent_t& e : step_start_) KILN_CUDA_CHECK(cudaEventCreate(&e));
+  for (cudaEvent_t& e : upload_done_)
+    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
                prop.minor);
   set_attention("auto");
@@ -136,6 +139,9 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();
   matmul_plans_.reset();
   if (scratch_) cudaFree(scratch_);
+  if (graph_) cudaGraphExecDestroy(graph_);
+  for (cudaEvent_t e : upload_done_)
+    if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : step_start_)
     if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : readback_done_)
@@ -149,6 +155,11 @@ CudaBackend::~CudaBackend() {
 void* CudaBackend::scratch(size_t bytes) {
   if (bytes <= scratch_bytes_) return scratch_;
   size_t grown = std::max(bytes, scratch_bytes_ * 2);
+  if (capturing_)
+    throw std::runtime_error("cuda backend: scratch would grow from " +
+                             std::to_string(scratch_bytes_) + " to " + std::to_string(grown) +
+                             " bytes during a graph capture (a reallocation cannot be captured)");
+  ++scratch_epoch_;
   spdlog::info("cuda backend: scratch grows from {} to {} bytes", scratch_bytes_, grown);
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
   KILN_CUDA_CHECK(cudaFree(scratch_));
@@ -192,6 +203,77 @@ void CudaBackend::copy_to_host(void* dst, Tensor src) {
   KILN_CUDA_CHECK(
       cudaMemcpyAsync(dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_));
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void* CudaBackend::allocate_host(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMallocHost(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+    cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void CudaBackend::release_host(void* p) {
+  if (!p) return;
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KILN_CUDA_CHECK(cudaFreeHost(p));
+}
+
+void CudaBackend::copy_from_host_async(Tensor dst, const void* src) {
+  expect_device(dst, "copy_from_host_async", "dst");
+  KILN_CUDA_CHECK(
+      cudaMemcpyAsync(dst.data, src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaBackend::upload_done(int slot) {
+  check_upload(slot);
+  KILN_CUDA_CHECK(cudaEventRecord(upload_done_[slot], stream_));
+}
+
+void CudaBackend::upload_wait(int slot) {
+  check_upload(slot);
+  KILN_CUDA_CHECK(cudaEventSynchronize(upload_done_[slot]));
+}
+
+// Thread-local capture: the loader's and the power sampler's threads may call CUDA meanwhile
+// (neither enqueues on this stream); only this thread's unsafe calls break the capture.
+void CudaBackend::capture_begin() {
+  if (graph_) {
+    KILN_CUDA_CHECK(cudaGraphExecDestroy(graph_));
+    graph_ = nullptr;
+  }
+  KILN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+}
+
+std::string CudaBackend::capture_end() {
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamEndCapture(stream_, &graph);
+  if (err != cudaSuccess || !graph) {
+    cudaGetLastError();  // capture errors are not sticky; clear the last-error state
+    if (graph) cudaGraphDestroy(graph);
+    return std::string("cudaStreamEndCapture: ") + cudaGetErrorString(err);
+  }
+  err = cudaGraphInstantiate(&graph_, graph, 0);
+  cudaGraphDestroy(graph);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    graph_ = nullptr;
+    return std::string("cudaGraphInstantiate: ") + cudaGetErrorString(err);
+  }
+  graph_scratch_epoch_ = scratch_epoch_;
+  return "";
+}
+
+std::string CudaBackend::graph_replay() {
+  if (!graph_) return "no graph has been captured";
+  if (graph_scratch_epoch_ != scratch_epoch_)
+    return "the backend's scratch memory moved since the capture";
+  KILN_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+  return "";
 }
 
 // Pinned staging, so the copies are true DMA that return at once; one event per slot, so

@@ -55,7 +55,8 @@ class CudaBackend final : public Backend {
   static bool cudnn_built();  // compiled with the cuDNN frontend
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
-  // when an op needs more: the trainer's warm-up step sizes it before any graph capture.
+  // when an op needs more: the trainer's warm-up steps size it before any graph capture, and
+  // growing during a capture throws (the capture fails and the step runs eagerly).
   void* scratch(size_t bytes);
 
   // ---- Backend --------------------------------------------------------------------------
@@ -74,6 +75,15 @@ class CudaBackend final : public Backend {
   const float* read_wait(int slot) override;
   void mark_step_start(int slot) override;
   double step_ms(int slot) override;
+  void* allocate_host(size_t bytes) override;  // cudaMallocHost
+  void release_host(void* p) override;
+  void copy_from_host_async(Tensor dst, const void* src) override;
+  void upload_done(int slot) override;
+  void upload_wait(int slot) override;
+  std::string graph_unavailable() const override { return ""; }
+  void capture_begin() override;
+  std::string capture_end() override;
+  std::string graph_replay() override;
 
   void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
   void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
@@ -158,6 +168,13 @@ class CudaBackend final : public Backend {
   size_t cublaslt_workspace_bytes_ = 0;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  // Bumped when scratch moves: a graph captured before reads freed memory and must be captured
+  // again (graph_replay says so).
+  int scratch_epoch_ = 0;
+  bool capturing_ = false;
+  cudaGraphExec_t graph_ = nullptr;
+  int graph_scratch_epoch_ = -1;
+  cudaEvent_t upload_done_[kUploadSlots] = {};
   float* readback_pinned_ = nullptr;  // [kReadbackSlots][kReadbackFloats], cudaMallocHost
   cudaEvent_t readback_done_[kReadbackSlots] = {};
   cudaEvent_t step_start_[kReadbackSlots] = {};  // mark_step_start

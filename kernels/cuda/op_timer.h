@@ -126,6 +126,17 @@ class OpTimer final : public Backend {
   const float* read_wait(int slot) override { return inner_.read_wait(slot); }
   void mark_step_start(int slot) override { inner_.mark_step_start(slot); }
   double step_ms(int slot) override { return inner_.step_ms(slot); }
+  void* allocate_host(size_t bytes) override { return inner_.allocate_host(bytes); }
+  void release_host(void* p) override { inner_.release_host(p); }
+  void copy_from_host_async(Tensor dst, const void* src) override {
+    inner_.copy_from_host_async(dst, src);
+  }
+  void upload_done(int slot) override { inner_.upload_done(slot); }
+  void upload_wait(int slot) override { inner_.upload_wait(slot); }
+  // Each op's events are recorded as it is called; a replayed graph would bypass them.
+  std::string graph_unavailable() const override {
+    return "bench --profile-ops times every op as it is enqueued";
+  }
 
   // Ops keyed by their name alone: one line each in KILN_OP_TIMER_PLAIN_OPS above.
 #define KILN_OP_TIMER_FORWARD(op, params, args) \

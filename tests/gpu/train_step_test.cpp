@@ -174,8 +174,8 @@ struct StepRun {
   // The trainer's optimizer tail: global norm, clip at 1, AdamW step 1 at lr.
   float optimizer_step(float lr) {
     k->sum_squares(sumsq, grads, false);
+    k->set_schedule(sched, lr, 1);
     OptimizerStep s;
-    s.lr = lr;
     s.grad_clip = 1.0f;
     s.hyper.weight_decay = 0.1f;
     const int64_t P = model->layout().total;
