@@ -70,6 +70,30 @@ TEST(PowerSampler, IntervalsFromTheEnergyCounterAddUpToTheWhole) {
   EXPECT_GE(total, 200.0 * (elapsed - 5.0));  // a generous bound for a loaded CI machine
 }
 
+// Steps shorter than the sampling period (a 22 ms step against NVML read every 100 ms): every
+// interval still gets energy, none is negative, and together they are the power over the time.
+TEST(PowerSampler, IntervalsShorterThanThePeriodEachGetTheirShare) {
+  for (const bool has_counter : {true, false}) {
+    FakeGpu gpu;
+    gpu.has_counter = has_counter;
+    PowerSampler sampler(gpu.source(), 100ms);
+    wait_for_readings(gpu, 1);
+    const Clock::time_point begin = Clock::now();
+    ASSERT_TRUE(sampler.take());  // the start: the first reading up to now
+    double total = 0;
+    for (int i = 0; i < 30; ++i) {
+      std::this_thread::sleep_for(10ms);
+      const auto interval = sampler.take();
+      ASSERT_TRUE(interval);
+      EXPECT_GT(interval->joules, 0.0) << "interval " << i << ", counter " << has_counter;
+      total += interval->joules;
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - begin).count();
+    // 200 W over the takes' span; the last estimate may run ahead of a reading by one period.
+    EXPECT_NEAR(total, 200.0 * seconds, 200.0 * 0.1 + 1e-6) << "counter " << has_counter;
+  }
+}
+
 TEST(PowerSampler, WithoutACounterThePowerIsIntegratedOverTime) {
   FakeGpu gpu;
   gpu.has_counter = false;

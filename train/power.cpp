@@ -1,9 +1,10 @@
 #include "train/power.h"
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
-
-#include <spdlog/spdlog.h>
 
 #include "dist/communicator.h"
 #include "dist/nvml.h"
@@ -83,12 +84,21 @@ void PowerSampler::record(const PowerReading& r, Clock::time_point t) {
 }
 
 std::optional<PowerSampler::Interval> PowerSampler::take() {
+  const Clock::time_point now = Clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty()) return std::nullopt;
   Interval i;
   i.watts = interval_readings_ > 0 ? interval_watts_sum_ / interval_readings_ : last_watts_;
-  i.joules = energy_j_ - taken_energy_j_;
-  taken_energy_j_ = energy_j_;
+  // Steps are often shorter than the sampling period: the energy up to now is the last reading's
+  // plus its power over the time since, so a step between two readings still gets its share.
+  // Never below what was already handed out (the next reading may fall short of the estimate),
+  // so the intervals stay >= 0 and still add up to the last estimate.
+  double now_j = energy_j_;
+  if (has_reading_ && now > last_time_)
+    now_j += last_watts_ * std::chrono::duration<double>(now - last_time_).count();
+  now_j = std::max(now_j, taken_energy_j_);
+  i.joules = now_j - taken_energy_j_;
+  taken_energy_j_ = now_j;
   interval_watts_sum_ = 0;
   interval_readings_ = 0;
   return i;

@@ -50,8 +50,10 @@ class PowerSampler {
   PowerSampler& operator=(const PowerSampler&) = delete;
 
   // Since the previous take() (or the sampler's start): the mean of the power readings (the
-  // newest one when none came in between) and the energy used, from NVML's counter where the GPU
-  // has one, else the readings integrated over time. The intervals' energies add up to the whole.
+  // newest one when none came in between) and the energy used: NVML's counter where the GPU has
+  // one, else the readings integrated over time, in both cases up to the newest reading and then
+  // its power over the time since. The intervals' energies are >= 0 and add up to the whole, and
+  // an interval shorter than the sampling period still gets its share of energy.
   // nullopt once a reading has failed (why() then says why): the GPU is no longer measured.
   struct Interval {
     double watts = 0;
@@ -75,8 +77,8 @@ class PowerSampler {
   bool stop_ = false;
   std::string failed_;  // why the last reading failed; "" while readings succeed
   // Guarded by mu_: the running totals and the interval's sums.
-  double energy_j_ = 0;              // since the sampler started
-  double taken_energy_j_ = 0;        // energy_j_ at the previous take()
+  double energy_j_ = 0;        // since the sampler started, up to the newest reading
+  double taken_energy_j_ = 0;  // the energy handed out by take() so far
   double interval_watts_sum_ = 0;
   int interval_readings_ = 0;
   bool has_reading_ = false;
