@@ -15,6 +15,7 @@
 
 #include "hf/hf_model.h"
 #include "kernels/error.h"
+#include "tools/tool_args.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/init_from.h"
@@ -70,43 +71,27 @@ void write_kiln_run(const std::string& out, const LoadedModel& model) {
 }
 
 int run(int argc, char** argv) {
-  std::string source, to, out;
+  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 2);  // SOURCE, OUT
+  if (!args) return 0;
+  std::string to;
   HfExportOptions opts;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    if (arg == "-h" || arg == "--help") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) {  // SOURCE, then OUT
-      std::string& slot = source.empty() ? source : out;
-      if (!slot.empty()) throw InputError("unexpected argument '" + arg + "'\n" + kUsage);
-      slot = arg;
-      continue;
-    }
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      throw InputError(arg + ": missing value");
-    }
-    if (arg == "--to") {
+  for (const auto& [flag, value] : args->flags) {
+    if (flag == "--to") {
       to = value;
       if (to != "hf" && to != "kiln") throw InputError("--to: expected hf or kiln, got '" + to + "'");
-    } else if (arg == "--dtype") {
+    } else if (flag == "--dtype") {
       if (value != "bf16" && value != "f32") throw InputError("--dtype: expected bf16 or f32, got '" + value + "'");
       opts.dtype = value;
-    } else if (arg == "--max-shard-size") {
+    } else if (flag == "--max-shard-size") {
       opts.max_shard_bytes = parse_size(value);
     } else {
-      throw InputError("unknown flag '" + arg + "'\n" + kUsage);
+      throw InputError("unknown flag '" + flag + "'\n" + kUsage);
     }
   }
-  if (source.empty() || to.empty() || out.empty())
+  if (args->positional.size() < 2 || to.empty())
     throw InputError(std::string("need SOURCE, --to hf|kiln and OUT\n") + kUsage);
+  const std::string& source = args->positional[0];
+  const std::string& out = args->positional[1];
 
   const LoadedModel model = load_model(source);
   if (to == "hf") {
