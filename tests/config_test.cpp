@@ -8,26 +8,17 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <sstream>
 
 #include "kernels/error.h"
+#include "tests/input_error.h"
 
 namespace kiln {
 namespace {
 
 const std::string kMinimal = "data:\n  train: data/x/train_*.bin\n";
 
-// The message of the InputError `f` throws ("" and a test failure if it throws none).
-std::string input_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
-}
+using kiln::testing::input_error;
 
 std::string parse_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
   return input_error([&] { parse_config(yaml, overrides, "run.yaml"); });
