@@ -341,5 +341,30 @@ TEST(HfExport, RefusesLayersNoHfArchitectureHas) {
   EXPECT_NE(e.find("no Hugging Face architecture"), std::string::npos) << e;
 }
 
+// bos/eos ids as config.json gives them (a number, a list as LLaMA-3's instruct models have, or
+// null) go back out the same way; a malformed one is named.
+TEST(HfSpecialTokens, ConfigIdsReadAndWrittenAsGiven) {
+  const std::string dir = temp_dir();
+  write_text(dir + "/config.json", R"({"bos_token_id": 7, "eos_token_id": [8, 9]})");
+  const HfSpecialTokens t = read_hf_special_tokens(dir, 200);
+  EXPECT_EQ(t.bos, (std::vector<int64_t>{7}));
+  EXPECT_EQ(t.eos, (std::vector<int64_t>{8, 9}));
+  const ModelConfig c = tiny_gpt2();
+  HfExportOptions opts;
+  opts.special_tokens = t;
+  const std::string out = temp_dir();
+  const std::vector<float> p = random_params(c, layout_of(c));
+  export_hf(out, c, layout_of(c), p.data(), opts);
+  EXPECT_EQ(read_hf_special_tokens(out, 200).eos, t.eos);
+  std::ifstream in(out + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(config.find("\"bos_token_id\": 7,"), std::string::npos) << config;
+
+  write_text(dir + "/config.json", R"({"eos_token_id": "</s>"})");
+  const std::string e = input_error([&] { read_hf_special_tokens(dir, 200); });
+  EXPECT_NE(e.find("config.json: eos_token_id: expected a token id"), std::string::npos) << e;
+  EXPECT_TRUE(hf_tokenizer_files(dir).empty());
+}
+
 }  // namespace
 }  // namespace kiln

@@ -116,6 +116,71 @@ TEST_F(HfTools, CorruptSafetensorsExitsTwoNamingTheFile) {
       << r.output;
 }
 
+// An export carries the tokenizer files of the model it came from (hf:DIR itself, or the hf:DIR
+// a run started from, or --tokenizer DIR) and config.json gets their bos/eos ids; a tokenizer
+// that is not there, names a token it lacks, or numbers one past the vocabulary exits 2.
+TEST_F(HfTools, TokenizerFilesAndSpecialIdsTravelWithTheExport) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/tok_src --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer: none known for"), std::string::npos) << r.output;
+  EXPECT_NE(slurp(d + "/tok_src/config.json").find("\"eos_token_id\": null"), std::string::npos);
+  const std::string tokenizer =
+      R"({"version":"1.0","added_tokens":[{"id":255,"content":"<|endoftext|>","special":true}],)"
+      R"("model":{"type":"BPE","vocab":{"<s>":1,"a":97}}})";
+  std::ofstream(d + "/tok_src/tokenizer.json") << tokenizer;
+  std::ofstream(d + "/tok_src/tokenizer_config.json")
+      << R"({"bos_token":{"content":"<s>"},"eos_token":"<|endoftext|>"})";
+
+  // hf -> hf: the files copied, the ids from the tokenizer (config.json has null).
+  r = run_command(kBin + "/convert hf:" + d + "/tok_src --to hf " + d + "/tok_copy");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer: 2 files from " + d +
+                          "/tok_src; bos_token_id 1, "
+                          "eos_token_id 255"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(slurp(d + "/tok_copy/tokenizer.json"), tokenizer);
+  EXPECT_TRUE(std::filesystem::exists(d + "/tok_copy/tokenizer_config.json"));
+  const std::string config = slurp(d + "/tok_copy/config.json");
+  EXPECT_NE(config.find("\"bos_token_id\": 1,"), std::string::npos) << config;
+  EXPECT_NE(config.find("\"eos_token_id\": 255,"), std::string::npos) << config;
+
+  // A run that started from hf:tok_copy exports with its tokenizer, the ids now from config.json.
+  r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                  " --train.device=cpu --train.max_steps=1 --train.batch_size=2"
+                  " --train.eval_every=0 --init.from=hf:" +
+                  d + "/tok_copy --train.out_dir=" + d + "/tok_run");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert " + d + "/tok_run --to hf " + d + "/tok_run_hf");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(slurp(d + "/tok_run_hf/tokenizer.json"), tokenizer);
+  EXPECT_NE(slurp(d + "/tok_run_hf/config.json").find("\"eos_token_id\": 255,"), std::string::npos);
+
+  // --tokenizer names the source explicitly, and must hold one. `expect` is in the output.
+  auto convert_with = [&](const std::string& to, const std::string& tokenizer_dir, int status,
+                          const std::string& expect) {
+    const auto r = run_command(kBin + "/convert " + d + "/run --to " + to + " " + d +
+                               "/tok_x --tokenizer " + d + "/" + tokenizer_dir);
+    EXPECT_EQ(r.status, status) << r.output;
+    EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
+  };
+  std::filesystem::create_directories(d + "/tok_empty");
+  convert_with("hf", "tok_empty", 2, "--tokenizer " + d + "/tok_empty: no tokenizer files");
+  convert_with("kiln", "tok_src", 2, "--tokenizer applies to --to hf");
+  convert_with("hf", "tok_src", 0, "tokenizer: 2 files from " + d + "/tok_src");
+  EXPECT_EQ(slurp(d + "/tok_x/tokenizer.json"), tokenizer);
+
+  // A tokenizer of another model: an id past the vocabulary, or a token it does not have.
+  std::filesystem::create_directories(d + "/tok_big");
+  std::ofstream(d + "/tok_big/tokenizer.json")
+      << R"({"added_tokens":[{"id":300,"content":"</s>"}],"model":{"vocab":{}}})";
+  std::ofstream(d + "/tok_big/tokenizer_config.json") << R"({"eos_token":"</s>"})";
+  convert_with("hf", "tok_big", 2, "special token id 300 is not below the model's vocab_size 256");
+  std::ofstream(d + "/tok_big/tokenizer_config.json") << R"({"eos_token":"<eos>"})";
+  convert_with("hf", "tok_big", 2, "tokenizer_config.json: eos_token '<eos>' is not a token of");
+}
+
 TEST_F(HfTools, BadFlagsExitTwo) {
   auto r = run_command(kBin + "/convert " + dir_ + "/run --to onnx x");
   EXPECT_EQ(r.status, 2) << r.output;
