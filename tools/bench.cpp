@@ -226,20 +226,31 @@ bool glob_matches(const std::string& pattern) {
   return any;
 }
 
-// One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats.
+template <class Token>
+std::vector<Token> random_tokens(int64_t n, int vocab_size, uint64_t seed) {
+  std::vector<Token> tokens(static_cast<size_t>(n));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> dist(0, vocab_size - 1);
+  for (auto& t : tokens) t = static_cast<Token>(dist(rng));
+  return tokens;
+}
+
+// One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats: uint16
+// tokens, or uint32 (LLaMA-3's format) for a vocabulary over 65,536, as prepare_data writes.
 std::string write_random_shard(const Config& cfg, const fs::path& dir) {
   const int64_t windows =
       int64_t{cfg.train.batch_size} * cfg.train.grad_accum * (cfg.train.max_steps + 1);
   const int64_t n = windows * cfg.model.seq_len + 1;
-  std::vector<uint16_t> tokens(static_cast<size_t>(n));
-  std::mt19937_64 rng(static_cast<uint64_t>(cfg.train.seed));
-  std::uniform_int_distribution<int> dist(0, cfg.model.vocab_size - 1);
-  for (auto& t : tokens) t = static_cast<uint16_t>(dist(rng));
+  const auto seed = static_cast<uint64_t>(cfg.train.seed);
+  const bool wide = cfg.model.vocab_size > 65536;
   fs::create_directories(dir);
   const std::string path = (dir / "random_000000.bin").string();
-  write_shard(path, tokens);
-  spdlog::info("bench: data.train '{}' matches no file; training on {} random tokens in {}",
-               cfg.data.train, n, path);
+  if (wide)
+    write_shard32(path, random_tokens<uint32_t>(n, cfg.model.vocab_size, seed));
+  else
+    write_shard(path, random_tokens<uint16_t>(n, cfg.model.vocab_size, seed));
+  spdlog::info("bench: data.train '{}' matches no file; training on {} random {}-bit tokens in {}",
+               cfg.data.train, n, wide ? 32 : 16, path);
   return path;
 }
 
