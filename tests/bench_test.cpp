@@ -38,6 +38,9 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string first = read(dir / "first.json");
   ASSERT_NE(first.find("\"tok_s\":"), std::string::npos) << first;
+  // No peak is known on the CPU: no MFU figure that reads like a measurement.
+  EXPECT_NE(r.output.find("tokens/s, MFU n/a, memory"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("MFU 0.0%"), std::string::npos) << r.output;
 
   // Against itself with a wide tolerance: deltas printed, no regression, history grows.
   r = bench(dir, "--baseline first.json --tolerance 400% --history history.jsonl");
@@ -45,6 +48,8 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
   EXPECT_NE(r.output.find("against first.json"), std::string::npos) << r.output;
   for (const char* figure : {"tok_s", "ms", "mfu", "memory_bytes"})
     EXPECT_NE(r.output.find(std::string("  ") + figure), std::string::npos) << figure;
+  EXPECT_NE(r.output.find("mfu           n/a (no peak FLOP/s known"), std::string::npos)
+      << r.output;
   const std::string history = read(dir / "history.jsonl");
   EXPECT_EQ(std::count(history.begin(), history.end(), '\n'), 2) << history;
 

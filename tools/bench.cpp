@@ -195,6 +195,10 @@ int compare_with_baseline(const std::string& json, const YAML::Node& base, const
   for (const Figure& f : {Figure{"tok_s", true}, Figure{"ms", false}, Figure{"mfu", true},
                           Figure{"memory_bytes", false}}) {
     const double was = base[f.key].as<double>(), is = now[f.key].as<double>();
+    if (std::string(f.key) == "mfu" && was == 0 && is == 0) {
+      std::printf("  %-13s n/a (no peak FLOP/s known for either device)\n", f.key);
+      continue;
+    }
     const double delta = was != 0 ? (is - was) / was : 0.0;
     const bool worse = f.higher_is_better ? delta < -opt.tolerance : delta > opt.tolerance;
     regressions += worse;
@@ -439,7 +443,11 @@ int run(const Options& opt) {
   std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n", med_ms,
               *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
               opt.steps, opt.warmup);
-  std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", tok_s, mfu_pct,
+  // No peak FLOP/s known for the device (the CPU): the JSON's mfu is 0, as in metrics.jsonl,
+  // and the line says n/a rather than a figure that reads like a measurement.
+  const std::string mfu_text =
+      summary["peak_tflops"] ? fmt::format("{:.1f}%", mfu_pct) : std::string("n/a");
+  std::printf("  %.0f tokens/s, MFU %s, memory %s\n", tok_s, mfu_text.c_str(),
               format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
   std::printf("%s\n", json.c_str());
   if (!opt.json_path.empty()) {

@@ -470,6 +470,7 @@ void Trainer::write_summary() const {
       << ",\"tokens_per_step\":" << tokens_per_step() << ",\"world_size\":" << rank_.world_size
       << ",\"strategy\":\"" << cfg_.dist.strategy << "\",\"reduce_dtype\":\""
       << cfg_.dist.reduce_dtype << "\",\"commit\":\"" << KILN_COMMIT << "\"";
+  if (peak_ > 0) out << ",\"peak_tflops\":" << peak_ / 1e12;  // absent: MFU not known
   if (tokens_per_joule_) out << ",\"tokens_per_joule\":" << *tokens_per_joule_;
   out << "}\n";
 }
