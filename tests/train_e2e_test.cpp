@@ -183,6 +183,42 @@ TEST_F(TrainE2E, Fp8ResumeWithAnotherHistoryOrOtherFp8LayersIsRefused) {
   EXPECT_EQ(read_losses(out).size(), 4u);
 }
 
+// The FP8 state is visible: the run says the CPU emulates FP8 and how many layers are FP8, the
+// step line shows the worst tensor's clip fraction and amax, and every metrics line carries the
+// FP8 fields (a bf16 run none). A run whose amaxes turn NaN says so naming the first tensor.
+TEST_F(TrainE2E, Fp8StateIsInTheLogAndANonFiniteAmaxIsNamed) {
+  const std::string out = (dir_ / "run_fp8_log").string();
+  Result r = run(train_cmd(out, "--precision.fp8=true --train.max_steps=4 --train.log_every=2"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("precision.fp8: the CPU emulates FP8"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("precision.fp8: 8 linear layers in FP8 (hybrid format"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex(R"(\| fp8 clip [0-9.]+% h\.[01]\.[a-z.]+\.[xwg] amax )")))
+      << r.output;
+  const std::string metrics = file_bytes(out + "/metrics.jsonl");
+  for (const char* key : {"\"mfu_fp8\":", "\"fp8_clipped\":", "\"fp8_worst\":\"h.",
+                          "\"fp8_amax\":", "\"fp8_scale_amax\":", "\"fp8_non_finite\":0"}) {
+    size_t count = 0;
+    for (size_t at = metrics.find(key); at != std::string::npos; at = metrics.find(key, at + 1))
+      ++count;
+    EXPECT_EQ(count, 4u) << key << "\n" << metrics;
+  }
+  const std::string bf16 = (dir_ / "run_fp8_off").string();
+  ASSERT_EQ(run(train_cmd(bf16, "--train.max_steps=2")).status, 0);
+  EXPECT_EQ(file_bytes(bf16 + "/metrics.jsonl").find("fp8"), std::string::npos);
+
+  r = run(train_cmd((dir_ / "run_fp8_nan").string(),
+                    "--precision.fp8=true --train.max_steps=6 --optim.lr=1e30 --optim.grad_clip=0"
+                    " --optim.warmup_steps=0"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output,
+      std::regex(R"(fp8: [0-9]+ tensor\(s\) had a NaN or infinite amax, the first h\.[01]\.)")))
+      << r.output;
+}
+
 // train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
 TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";
