@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 
 #include "tests/test_process.h"
@@ -179,6 +180,49 @@ TEST_F(HfTools, TokenizerFilesAndSpecialIdsTravelWithTheExport) {
   convert_with("hf", "tok_big", 2, "special token id 300 is not below the model's vocab_size 256");
   std::ofstream(d + "/tok_big/tokenizer_config.json") << R"({"eos_token":"<eos>"})";
   convert_with("hf", "tok_big", 2, "tokenizer_config.json: eos_token '<eos>' is not a token of");
+}
+
+// sample reads a run and its hf export alike (the same greedy continuation, as text or as ids),
+// takes ids where the vocabulary is not byte-level, and refuses ids outside the vocabulary.
+TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/sample_hf --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const std::string prompt : {"--prompt 'The '", "--prompt-ids 84,104,101,32"}) {
+    const std::string flags = " " + prompt + " --tokens 12 --temperature 0 --device cpu";
+    const auto run = run_command(kBin + "/sample " + d + "/run" + flags);
+    const auto hf = run_command(kBin + "/sample hf:" + d + "/sample_hf" + flags);
+    ASSERT_EQ(run.status, 0) << run.output;
+    ASSERT_EQ(hf.status, 0) << hf.output;
+    EXPECT_EQ(run.output, hf.output) << prompt;
+    if (prompt.find("ids") != std::string::npos) {
+      EXPECT_TRUE(std::regex_match(run.output, std::regex("84,104,101,32(,[0-9]+){12}\n")))
+          << run.output;
+    } else {
+      EXPECT_EQ(run.output.rfind("The ", 0), 0u) << run.output;
+    }
+  }
+  for (const auto& [ids, expect] : {std::pair<std::string, std::string>{"1,x", "'x' is not"},
+                                    {"256", "'256' is not a token id in [0, 256)"},
+                                    {"1,,2", "'' is not"}}) {
+    r = run_command(kBin + "/sample " + d + "/run --prompt-ids " + ids);
+    EXPECT_EQ(r.status, 2) << ids << ": " << r.output;
+    EXPECT_NE(r.output.find("--prompt-ids: " + expect), std::string::npos) << r.output;
+  }
+  // A vocabulary past bytes: ids in, ids out; text is refused, naming the way.
+  r = run_command(kBin + "/train " + kSrc + "/configs/qwen3-tiny.yaml " + data_flags() +
+                  " --model.vocab_size=300 --train.device=cpu --train.max_steps=1"
+                  " --train.batch_size=2 --train.eval_every=0 --train.out_dir=" +
+                  d + "/wide");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/sample " + d + "/wide --prompt-ids 299,0 --tokens 3");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("299,0(,[0-9]+){3}\n"))) << r.output;
+  r = run_command(kBin + "/sample " + d + "/wide --prompt hello");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("a vocabulary of 300 is not byte-level: give the prompt as token ids"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST_F(HfTools, BadFlagsExitTwo) {
