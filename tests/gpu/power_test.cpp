@@ -1,7 +1,6 @@
 // Power and energy on a GPU host (train/power.h, NVML opened at run time): a ~20 s training run
 // logs power (W), energy so far (kJ) and J/token on its lines and in metrics.jsonl, all present
-// and positive; energy never falls and grows over any 200 ms of steps (steps here take ~22 ms,
-// the sampler reads every 100 ms), and its rise over the run is the integral of the logged power
+// and positive; energy only grows, and its rise over the run is the integral of the logged power
 // over the steps' time; summary.json holds tokens per joule. Skips without a GPU; where NVML
 // cannot be read the run must say so instead, and the test fails naming the reason.
 #include <gtest/gtest.h>
@@ -62,22 +61,13 @@ TEST(GpuPowerRun, PowerAndEnergyArePresentPositiveAndEnergyIsThePowersIntegral) 
     // Step 1's interval is the setup before it: its energy may round to 0, not be absent.
     EXPECT_GE(energy_j.back(), 0.0) << "step " << step << ": " << line;
     if (step > 1) {
-      // A step can be shorter than the sampler's 100 ms period: its energy is estimated from
-      // the newest reading's power, and held when the next reading falls short of the estimate.
-      EXPECT_GE(energy_j.back(), energy_j[step - 2]) << "step " << step << ": " << line;
+      // Each step (~22 ms here) is shorter than the sampler's 100 ms period: it still gets
+      // energy (train/power.h: PowerSampler::take).
+      EXPECT_GT(energy_j.back(), energy_j[step - 2]) << "step " << step << ": " << line;
       EXPECT_GT(jpt, 0.0) << "step " << step << ": " << line;
     }
   }
   ASSERT_EQ(watts.size(), 600u);
-  // Across any stretch of steps longer than two sampling periods, energy grows.
-  for (size_t i = 0; i < watts.size(); ++i) {
-    double span_ms = 0;
-    size_t j = i;
-    while (j + 1 < watts.size() && span_ms < 200) span_ms += ms[++j];
-    if (span_ms < 200) break;
-    EXPECT_GT(energy_j[j], energy_j[i])
-        << "steps " << i + 1 << " to " << j + 1 << " (" << span_ms << " ms)";
-  }
   // Each step's interval is one step of steady work, so the power integrated over the steps'
   // times must account for the energy the GPU's counter saw (past the first 100 steps' warm-up).
   const size_t from = 100;
