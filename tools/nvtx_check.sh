@@ -29,9 +29,12 @@ build/bin/prepare_data --out "$OUT/data" "$corpus" >/dev/null || exit 1
 status=$?
 tail -5 "$OUT/profile.log"
 [ $status -eq 0 ] || { echo "nvtx_check: nsys profile exited $status (see $OUT/profile.log)"; exit 1; }
-"$NSYS" stats --report nvtx_sum --format csv --output "$OUT/nvtx" "$OUT/trace.nsys-rep" \
-  > "$OUT/stats.log" 2>&1
-report=$(ls "$OUT"/nvtx*nvtx_sum*.csv 2>/dev/null | head -1)
+# The report is nvtx_sum in current nsys, nvtxsum in older ones.
+for name in nvtx_sum nvtxsum; do
+  "$NSYS" stats --report $name --format csv --output "$OUT/nvtx" "$OUT/trace.nsys-rep" \
+    >> "$OUT/stats.log" 2>&1 && break
+done
+report=$(ls "$OUT"/nvtx_*.csv 2>/dev/null | head -1)
 [ -n "$report" ] || { cat "$OUT/stats.log"; echo "nvtx_check: no nvtx_sum report"; exit 1; }
 cat "$report"
 
