@@ -59,9 +59,27 @@ std::vector<HfTensorMap> hf_weight_map(const ModelConfig& cfg, const std::string
 std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cfg,
                                    const ParamLayout& layout);
 
+// The model's begin/end-of-sequence token ids, as config.json gives them: none (null), one
+// (a number) or several (a list, as LLaMA-3's instruct models have).
+struct HfSpecialTokens {
+  std::vector<int64_t> bos, eos;
+};
+
+// The tokenizer files transformers keeps beside a model (tokenizer.json, tokenizer_config.json,
+// special_tokens_map.json, vocab.json, merges.txt, tokenizer.model, added_tokens.json) that DIR
+// holds, by name.
+std::vector<std::string> hf_tokenizer_files(const std::string& dir);
+
+// DIR's bos/eos ids: config.json's bos_token_id / eos_token_id where it gives them, else the
+// tokens tokenizer_config.json (or special_tokens_map.json) names, looked up in tokenizer.json.
+// Empty where DIR does not say. InputError naming the file for a malformed one, or an id that
+// is not below `vocab_size` (a tokenizer that does not fit the model).
+HfSpecialTokens read_hf_special_tokens(const std::string& dir, int vocab_size);
+
 struct HfExportOptions {
   std::string dtype = "bf16";                       // bf16 | f32
   int64_t max_shard_bytes = 5'000'000'000;  // above this (5GB, save_pretrained's), shards + index
+  HfSpecialTokens special_tokens;           // config.json's bos/eos_token_id (null when empty)
 };
 
 // Writes DIR/config.json and the weights (model.safetensors, or model-0000i-of-0000n.safetensors

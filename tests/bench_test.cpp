@@ -2,7 +2,6 @@
 // write the run's JSON, --baseline prints the deltas and exits 1 on a regression past the
 // tolerance, and a baseline that is not a bench JSON exits 2 before anything runs.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -33,15 +32,15 @@ std::string read(const fs::path& p) {
 }
 
 TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("kiln_bench_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_bench_");
 
   auto r = bench(dir, "--json first.json --history history.jsonl");
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string first = read(dir / "first.json");
   ASSERT_NE(first.find("\"tok_s\":"), std::string::npos) << first;
+  // No peak is known on the CPU: no MFU figure that reads like a measurement.
+  EXPECT_NE(r.output.find("tokens/s, MFU n/a, memory"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("MFU 0.0%"), std::string::npos) << r.output;
 
   // Against itself with a wide tolerance: deltas printed, no regression, history grows.
   r = bench(dir, "--baseline first.json --tolerance 400% --history history.jsonl");
@@ -49,6 +48,8 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
   EXPECT_NE(r.output.find("against first.json"), std::string::npos) << r.output;
   for (const char* figure : {"tok_s", "ms", "mfu", "memory_bytes"})
     EXPECT_NE(r.output.find(std::string("  ") + figure), std::string::npos) << figure;
+  EXPECT_NE(r.output.find("mfu           n/a (no peak FLOP/s known"), std::string::npos)
+      << r.output;
   const std::string history = read(dir / "history.jsonl");
   EXPECT_EQ(std::count(history.begin(), history.end(), '\n'), 2) << history;
 
@@ -77,7 +78,6 @@ TEST(BenchBaseline, DeltasHistoryAndRegressionExitStatus) {
     EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(expect), std::string::npos) << args << "\n" << r.output;
   }
-  fs::remove_all(dir);
 }
 
 // J/token is in a bench JSON only where the GPU's power was read (never on the CPU); a baseline
@@ -96,6 +96,20 @@ TEST(BenchBaseline, JoulesPerTokenOnlyWhereMeasured) {
   EXPECT_NE(r.output.find("j_per_token   measured in the baseline only; not compared"),
             std::string::npos)
       << r.output;
+}
+
+// Random tokens for a vocabulary over 65,536 (Qwen3's 151,936) are uint32, as prepare_data
+// writes them: a uint16 shard would fold every id above 65,535 onto a smaller one.
+TEST(BenchRandomShard, WideVocabularyGetsUint32Tokens) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_bench_wide_");
+  auto r = bench(dir,
+                 "--model.vocab_size=70000 --model.n_layer=1 --train.batch_size=2 "
+                 "--model.seq_len=32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("random 32-bit tokens"), std::string::npos) << r.output;
+  r = bench(dir, "");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("random 16-bit tokens"), std::string::npos) << r.output;
 }
 
 }  // namespace

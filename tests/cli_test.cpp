@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "kernels/error.h"
+#include "tests/input_error.h"
 
 namespace kiln {
 namespace {
@@ -17,13 +18,7 @@ CommandLine parse(std::vector<std::string> args) {
 }
 
 std::string parse_error(const std::vector<std::string>& args) {
-  try {
-    parse(args);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
+  return kiln::testing::input_error([&] { parse(args); });
 }
 
 TEST(CliParse, ConfigPathAndDefaults) {

@@ -8,26 +8,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <sstream>
 
 #include "kernels/error.h"
+#include "tests/input_error.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
 
 const std::string kMinimal = "data:\n  train: data/x/train_*.bin\n";
 
-// The message of the InputError `f` throws ("" and a test failure if it throws none).
-std::string input_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
-}
+using kiln::testing::input_error;
 
 std::string parse_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
   return input_error([&] { parse_config(yaml, overrides, "run.yaml"); });
@@ -94,12 +86,11 @@ dist:      {strategy: zero1, bucket_mb: 50, timeout_s: 60}
 }
 
 TEST(ConfigParse, LoadsFromFile) {
-  auto path = std::filesystem::temp_directory_path() / "kiln_config_test_load.yaml";
+  const std::string path = kiln::testing::make_temp_dir("kiln_config_") + "/load.yaml";
   std::ofstream(path) << kMinimal << "train:\n  batch_size: 3\n";
-  Config c = load_config(path.string(), {"train.grad_accum=5"});
+  Config c = load_config(path, {"train.grad_accum=5"});
   EXPECT_EQ(c.train.batch_size, 3);
   EXPECT_EQ(c.train.grad_accum, 5);
-  std::filesystem::remove(path);
 }
 
 TEST(ConfigParse, EmptySectionKeepsDefaults) {
@@ -282,13 +273,12 @@ TEST(ConfigErrors, MissingFileNamesThePath) {
 
 // An empty file is not "all defaults" (that trains GPT-2 124M): it is refused, naming the file.
 TEST(ConfigErrors, EmptyFileIsRefusedNamingIt) {
-  const auto path = std::filesystem::path(::testing::TempDir()) / "kiln_config_test_empty.yaml";
+  const std::string path = kiln::testing::make_temp_dir("kiln_config_") + "/empty.yaml";
   for (const char* text : {"", "\n  \n", "# only a comment\n---\n"}) {
     std::ofstream(path) << text;
-    const std::string msg = input_error([&] { load_config(path.string(), {"data.train=x"}); });
-    EXPECT_NE(msg.find(path.string() + ": the config file is empty"), std::string::npos) << msg;
+    const std::string msg = input_error([&] { load_config(path, {"data.train=x"}); });
+    EXPECT_NE(msg.find(path + ": the config file is empty"), std::string::npos) << msg;
   }
-  std::filesystem::remove(path);
 }
 
 TEST(ConfigErrors, YamlSyntaxErrorNamesFileAndLine) {

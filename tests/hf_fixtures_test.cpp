@@ -22,18 +22,11 @@ TEST_P(HfFixtures, KilnMatchesTransformersLossAndGreedyTokens) {
     GTEST_SKIP() << kFixtures << " not committed yet: run tools/make_hf_fixtures.py on a host "
                  << "with torch and transformers";
   const std::string arch = GetParam();
-  const auto expected = kiln::testing::read_json_file(kFixtures + "/expected.json")["models"][arch];
-  const auto rows = kiln::testing::read_json_file(kFixtures + "/tokens.json")[arch]
-                        .get<std::vector<std::vector<int>>>();
+  const auto expected = kiln::testing::read_hf_expected(kFixtures, arch);
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
-  const int new_tokens = static_cast<int>(expected["greedy"].size() - expected["prompt"].size());
   const kiln::testing::KilnScore kiln = kiln::testing::kiln_score(
-      *cpu, kFixtures + "/" + arch, rows, expected["prompt"].get<std::vector<int>>(), new_tokens);
-  const double hf_loss = expected["loss"].get<double>();
-  EXPECT_NEAR(kiln.loss, hf_loss, 1e-5 * hf_loss) << arch;
-  // The batch must be one a wrong mapping would show on.
-  EXPECT_GT(std::abs(expected["swapped_loss"].get<double>() - hf_loss), 1e-2 * hf_loss) << arch;
-  EXPECT_EQ(kiln.greedy, expected["greedy"].get<std::vector<int>>()) << arch;
+      *cpu, kFixtures + "/" + arch, expected.rows, expected.prompt, expected.new_tokens);
+  kiln::testing::expect_matches_transformers(kiln, expected, 1e-5, true, arch);
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfFixtures, ::testing::Values("gpt2", "llama", "qwen3"));

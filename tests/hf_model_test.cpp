@@ -15,6 +15,7 @@
 #include "hf/safetensors.h"
 #include "kernels/bf16.h"
 #include "kernels/error.h"
+#include "tests/input_error.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -68,16 +69,27 @@ std::string temp_dir() {
   return kiln::testing::make_temp_dir("kiln_hf_");
 }
 
-template <class F>
-std::string input_error(F f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
+// A model of config `c` with random parameters (random_params), exported to a fresh directory.
+struct Exported {
+  ModelConfig config;
+  ParamLayout layout;
+  std::vector<float> params;
+  std::string dir;
+  std::vector<std::string> files;  // what export_hf wrote
+};
+
+Exported export_random(const ModelConfig& c, const std::string& dtype = "f32",
+                       int64_t max_shard_bytes = HfExportOptions{}.max_shard_bytes) {
+  Exported e{c, layout_of(c), {}, temp_dir(), {}};
+  e.params = random_params(c, e.layout);
+  HfExportOptions opts;
+  opts.dtype = dtype;
+  opts.max_shard_bytes = max_shard_bytes;
+  e.files = export_hf(e.dir, c, e.layout, e.params.data(), opts);
+  return e;
 }
+
+using kiln::testing::input_error;
 
 void expect_same_model(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_TRUE(hf_config_mismatches(a, b, "dir").empty());
@@ -95,13 +107,11 @@ class HfRoundTrip : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(HfRoundTrip, F32ExportImportIsBitIdentical) {
-  const ModelConfig c = config();
-  const ParamLayout layout = layout_of(c);
-  const std::vector<float> params = random_params(c, layout);
-  const std::string dir = temp_dir();
-  HfExportOptions opts;
-  opts.dtype = "f32";
-  export_hf(dir, c, layout, params.data(), opts);
+  const Exported e = export_random(config());
+  const ModelConfig& c = e.config;
+  const ParamLayout& layout = e.layout;
+  const std::vector<float>& params = e.params;
+  const std::string& dir = e.dir;
   const ModelConfig back = read_hf_config(dir);
   expect_same_model(c, back);
   const std::vector<float> loaded = load_hf_weights(dir, back, layout_of(back));
@@ -110,6 +120,8 @@ TEST_P(HfRoundTrip, F32ExportImportIsBitIdentical) {
 
   // import -> export -> import: the same files again.
   const std::string again = temp_dir();
+  HfExportOptions opts;
+  opts.dtype = "f32";
   export_hf(again, back, layout, loaded.data(), opts);
   std::ifstream a(dir + "/model.safetensors", std::ios::binary), b(again + "/model.safetensors", std::ios::binary);
   const std::string bytes_a((std::istreambuf_iterator<char>(a)), {}), bytes_b((std::istreambuf_iterator<char>(b)), {});
@@ -117,20 +129,13 @@ TEST_P(HfRoundTrip, F32ExportImportIsBitIdentical) {
 }
 
 TEST_P(HfRoundTrip, Bf16ShardedExportImportRoundsOnce) {
-  const ModelConfig c = config();
-  const ParamLayout layout = layout_of(c);
-  const std::vector<float> params = random_params(c, layout);
-  const std::string dir = temp_dir();
-  HfExportOptions opts;
-  opts.dtype = "bf16";
-  opts.max_shard_bytes = 8192;
-  const std::vector<std::string> files = export_hf(dir, c, layout, params.data(), opts);
-  EXPECT_GT(files.size(), 3u);  // several shards, the index and config.json
-  EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors.index.json"));
-  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
-  const std::vector<float> loaded = load_hf_weights(dir, c, layout);
-  for (size_t i = 0; i < params.size(); ++i)
-    ASSERT_EQ(loaded[i], bf16_to_f32(f32_to_bf16(params[i]))) << i;
+  const Exported e = export_random(config(), "bf16", 8192);
+  EXPECT_GT(e.files.size(), 3u);  // several shards, the index and config.json
+  EXPECT_TRUE(std::filesystem::exists(e.dir + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(e.dir + "/model.safetensors"));
+  const std::vector<float> loaded = load_hf_weights(e.dir, e.config, e.layout);
+  for (size_t i = 0; i < e.params.size(); ++i)
+    ASSERT_EQ(loaded[i], bf16_to_f32(f32_to_bf16(e.params[i]))) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfRoundTrip,
@@ -153,13 +158,11 @@ float kiln_at(const std::vector<float>& p, const ParamLayout& l, const std::stri
 
 // GPT-2's Conv1D computes x @ W with W [in, out]; kiln's Linear x @ W^T with W [out, in].
 TEST(HfLayout, Gpt2Conv1DWeightsAreTransposedAndVocabUnpadded) {
-  const ModelConfig c = tiny_gpt2();
-  const ParamLayout l = layout_of(c);
-  const std::vector<float> p = random_params(c, l);
-  const std::string dir = temp_dir();
-  HfExportOptions opts;
-  opts.dtype = "f32";
-  export_hf(dir, c, l, p.data(), opts);
+  const Exported e = export_random(tiny_gpt2());
+  const ModelConfig& c = e.config;
+  const ParamLayout& l = e.layout;
+  const std::vector<float>& p = e.params;
+  const std::string& dir = e.dir;
   const SafetensorsFile f = SafetensorsFile::open(dir + "/model.safetensors");
   const int64_t C = c.n_embd;
   EXPECT_EQ(f.find("transformer.h.0.attn.c_attn.weight")->shape, (std::vector<int64_t>{C, 3 * C}));
@@ -178,13 +181,11 @@ TEST(HfLayout, Gpt2Conv1DWeightsAreTransposedAndVocabUnpadded) {
 
 // LLaMA/Qwen3: q, k, v stack into kiln's qkv rows; gate then up into SwiGLU's fc rows.
 TEST(HfLayout, RopeModelsSplitQkvAndGateUp) {
-  const ModelConfig c = tiny_rope("qwen3");
-  const ParamLayout l = layout_of(c);
-  const std::vector<float> p = random_params(c, l);
-  const std::string dir = temp_dir();
-  HfExportOptions opts;
-  opts.dtype = "f32";
-  export_hf(dir, c, l, p.data(), opts);
+  const Exported e = export_random(tiny_rope("qwen3"));
+  const ModelConfig& c = e.config;
+  const ParamLayout& l = e.layout;
+  const std::vector<float>& p = e.params;
+  const std::string& dir = e.dir;
   const SafetensorsFile f = SafetensorsFile::open(dir + "/model.safetensors");
   const int64_t C = c.n_embd, q = 4 * 16, kv = 2 * 16, F = c.ffn_dim;
   const std::string h = "model.layers.1.";
@@ -291,13 +292,10 @@ void rewrite(const std::string& dir, Edit edit) {
 }
 
 TEST(HfImport, MissingMisshapenAndUnexpectedTensorsAreNamed) {
-  const ModelConfig c = tiny_gpt2();
-  const ParamLayout l = layout_of(c);
-  const std::vector<float> p = random_params(c, l);
-  const std::string dir = temp_dir();
-  HfExportOptions opts;
-  opts.dtype = "f32";
-  export_hf(dir, c, l, p.data(), opts);
+  const Exported x = export_random(tiny_gpt2());
+  const ModelConfig& c = x.config;
+  const ParamLayout& l = x.layout;
+  const std::string& dir = x.dir;
 
   // GPT-2's causal-mask buffer and a tied head saved anyway are not errors.
   rewrite(dir, [](std::vector<SafeTensorWrite>& t, const float* x) {
@@ -341,6 +339,31 @@ TEST(HfExport, RefusesLayersNoHfArchitectureHas) {
   c.norm_eps = 1e-5f;
   const std::string e = input_error([&] { hf_model_type(c); });
   EXPECT_NE(e.find("no Hugging Face architecture"), std::string::npos) << e;
+}
+
+// bos/eos ids as config.json gives them (a number, a list as LLaMA-3's instruct models have, or
+// null) go back out the same way; a malformed one is named.
+TEST(HfSpecialTokens, ConfigIdsReadAndWrittenAsGiven) {
+  const std::string dir = temp_dir();
+  write_text(dir + "/config.json", R"({"bos_token_id": 7, "eos_token_id": [8, 9]})");
+  const HfSpecialTokens t = read_hf_special_tokens(dir, 200);
+  EXPECT_EQ(t.bos, (std::vector<int64_t>{7}));
+  EXPECT_EQ(t.eos, (std::vector<int64_t>{8, 9}));
+  const ModelConfig c = tiny_gpt2();
+  HfExportOptions opts;
+  opts.special_tokens = t;
+  const std::string out = temp_dir();
+  const std::vector<float> p = random_params(c, layout_of(c));
+  export_hf(out, c, layout_of(c), p.data(), opts);
+  EXPECT_EQ(read_hf_special_tokens(out, 200).eos, t.eos);
+  std::ifstream in(out + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(config.find("\"bos_token_id\": 7,"), std::string::npos) << config;
+
+  write_text(dir + "/config.json", R"({"eos_token_id": "</s>"})");
+  const std::string e = input_error([&] { read_hf_special_tokens(dir, 200); });
+  EXPECT_NE(e.find("config.json: eos_token_id: expected a token id"), std::string::npos) << e;
+  EXPECT_TRUE(hf_tokenizer_files(dir).empty());
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 // row's first T ids, targets its last T) and the greedy continuation of a prompt.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -64,6 +67,40 @@ inline KilnScore kiln_score(Backend& backend, const std::string& hf_dir,
 inline nlohmann::json read_json_file(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
+}
+
+// What tools/make_hf_fixtures.py recorded in DIR for one architecture: transformers' numbers
+// (expected.json: loss, swapped_loss, prompt, greedy) and the token batch (tokens.json).
+struct HfExpected {
+  nlohmann::json numbers;
+  std::vector<std::vector<int>> rows;
+  std::vector<int> prompt;
+  int new_tokens = 0;  // greedy tokens after the prompt
+};
+
+inline HfExpected read_hf_expected(const std::string& dir, const std::string& arch) {
+  HfExpected e;
+  e.numbers = read_json_file(dir + "/expected.json")["models"][arch];
+  e.rows = read_json_file(dir + "/tokens.json")[arch].get<std::vector<std::vector<int>>>();
+  e.prompt = e.numbers["prompt"].get<std::vector<int>>();
+  e.new_tokens = static_cast<int>(e.numbers["greedy"].size() - e.prompt.size());
+  return e;
+}
+
+// kiln's loss within `rel` of transformers', on a batch where a wrong mapping would show (two
+// swapped tensors move transformers' loss by more than 1%); with `greedy`, the same tokens too.
+inline void expect_matches_transformers(const KilnScore& kiln, const HfExpected& e, double rel,
+                                        bool greedy, const std::string& what) {
+  const double hf = e.numbers["loss"].get<double>();
+  EXPECT_NEAR(kiln.loss, hf, rel * hf) << what;
+  // The batch must tell a wrong mapping from rounding: a swapped tensor moves the loss by far
+  // more than the tolerance.
+  EXPECT_GT(std::abs(e.numbers["swapped_loss"].get<double>() - hf),
+            std::max(1e-2, 10 * rel) * hf)
+      << what;
+  if (greedy) {
+    EXPECT_EQ(kiln.greedy, e.numbers["greedy"].get<std::vector<int>>()) << what;
+  }
 }
 
 }  // namespace kiln::testing

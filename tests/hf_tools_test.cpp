@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 
 #include "tests/test_process.h"
@@ -113,6 +114,114 @@ TEST_F(HfTools, CorruptSafetensorsExitsTwoNamingTheFile) {
   r = run_command(kBin + "/convert hf:" + d + "/corrupt --to kiln " + d + "/corrupt_kiln");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find(path + ": tensor 'lm_head.weight': data_offsets"), std::string::npos)
+      << r.output;
+}
+
+// An export carries the tokenizer files of the model it came from (hf:DIR itself, or the hf:DIR
+// a run started from, or --tokenizer DIR) and config.json gets their bos/eos ids; a tokenizer
+// that is not there, names a token it lacks, or numbers one past the vocabulary exits 2.
+TEST_F(HfTools, TokenizerFilesAndSpecialIdsTravelWithTheExport) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/tok_src --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer: none known for"), std::string::npos) << r.output;
+  EXPECT_NE(slurp(d + "/tok_src/config.json").find("\"eos_token_id\": null"), std::string::npos);
+  const std::string tokenizer =
+      R"({"version":"1.0","added_tokens":[{"id":255,"content":"<|endoftext|>","special":true}],)"
+      R"("model":{"type":"BPE","vocab":{"<s>":1,"a":97}}})";
+  std::ofstream(d + "/tok_src/tokenizer.json") << tokenizer;
+  std::ofstream(d + "/tok_src/tokenizer_config.json")
+      << R"({"bos_token":{"content":"<s>"},"eos_token":"<|endoftext|>"})";
+
+  // hf -> hf: the files copied, the ids from the tokenizer (config.json has null).
+  r = run_command(kBin + "/convert hf:" + d + "/tok_src --to hf " + d + "/tok_copy");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer: 2 files from " + d +
+                          "/tok_src; bos_token_id 1, "
+                          "eos_token_id 255"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(slurp(d + "/tok_copy/tokenizer.json"), tokenizer);
+  EXPECT_TRUE(std::filesystem::exists(d + "/tok_copy/tokenizer_config.json"));
+  const std::string config = slurp(d + "/tok_copy/config.json");
+  EXPECT_NE(config.find("\"bos_token_id\": 1,"), std::string::npos) << config;
+  EXPECT_NE(config.find("\"eos_token_id\": 255,"), std::string::npos) << config;
+
+  // A run that started from hf:tok_copy exports with its tokenizer, the ids now from config.json.
+  r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                  " --train.device=cpu --train.max_steps=1 --train.batch_size=2"
+                  " --train.eval_every=0 --init.from=hf:" +
+                  d + "/tok_copy --train.out_dir=" + d + "/tok_run");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert " + d + "/tok_run --to hf " + d + "/tok_run_hf");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(slurp(d + "/tok_run_hf/tokenizer.json"), tokenizer);
+  EXPECT_NE(slurp(d + "/tok_run_hf/config.json").find("\"eos_token_id\": 255,"), std::string::npos);
+
+  // --tokenizer names the source explicitly, and must hold one. `expect` is in the output.
+  auto convert_with = [&](const std::string& to, const std::string& tokenizer_dir, int status,
+                          const std::string& expect) {
+    const auto r = run_command(kBin + "/convert " + d + "/run --to " + to + " " + d +
+                               "/tok_x --tokenizer " + d + "/" + tokenizer_dir);
+    EXPECT_EQ(r.status, status) << r.output;
+    EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
+  };
+  std::filesystem::create_directories(d + "/tok_empty");
+  convert_with("hf", "tok_empty", 2, "--tokenizer " + d + "/tok_empty: no tokenizer files");
+  convert_with("kiln", "tok_src", 2, "--tokenizer applies to --to hf");
+  convert_with("hf", "tok_src", 0, "tokenizer: 2 files from " + d + "/tok_src");
+  EXPECT_EQ(slurp(d + "/tok_x/tokenizer.json"), tokenizer);
+
+  // A tokenizer of another model: an id past the vocabulary, or a token it does not have.
+  std::filesystem::create_directories(d + "/tok_big");
+  std::ofstream(d + "/tok_big/tokenizer.json")
+      << R"({"added_tokens":[{"id":300,"content":"</s>"}],"model":{"vocab":{}}})";
+  std::ofstream(d + "/tok_big/tokenizer_config.json") << R"({"eos_token":"</s>"})";
+  convert_with("hf", "tok_big", 2, "special token id 300 is not below the model's vocab_size 256");
+  std::ofstream(d + "/tok_big/tokenizer_config.json") << R"({"eos_token":"<eos>"})";
+  convert_with("hf", "tok_big", 2, "tokenizer_config.json: eos_token '<eos>' is not a token of");
+}
+
+// sample reads a run and its hf export alike (the same greedy continuation, as text or as ids),
+// takes ids where the vocabulary is not byte-level, and refuses ids outside the vocabulary.
+TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/sample_hf --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const std::string prompt : {"--prompt 'The '", "--prompt-ids 84,104,101,32"}) {
+    const std::string flags = " " + prompt + " --tokens 12 --temperature 0 --device cpu";
+    const auto run = run_command(kBin + "/sample " + d + "/run" + flags);
+    const auto hf = run_command(kBin + "/sample hf:" + d + "/sample_hf" + flags);
+    ASSERT_EQ(run.status, 0) << run.output;
+    ASSERT_EQ(hf.status, 0) << hf.output;
+    EXPECT_EQ(run.output, hf.output) << prompt;
+    if (prompt.find("ids") != std::string::npos) {
+      EXPECT_TRUE(std::regex_match(run.output, std::regex("84,104,101,32(,[0-9]+){12}\n")))
+          << run.output;
+    } else {
+      EXPECT_EQ(run.output.rfind("The ", 0), 0u) << run.output;
+    }
+  }
+  for (const auto& [ids, expect] : {std::pair<std::string, std::string>{"1,x", "'x' is not"},
+                                    {"256", "'256' is not a token id in [0, 256)"},
+                                    {"1,,2", "'' is not"}}) {
+    r = run_command(kBin + "/sample " + d + "/run --prompt-ids " + ids);
+    EXPECT_EQ(r.status, 2) << ids << ": " << r.output;
+    EXPECT_NE(r.output.find("--prompt-ids: " + expect), std::string::npos) << r.output;
+  }
+  // A vocabulary past bytes: ids in, ids out; text is refused, naming the way.
+  r = run_command(kBin + "/train " + kSrc + "/configs/qwen3-tiny.yaml " + data_flags() +
+                  " --model.vocab_size=300 --train.device=cpu --train.max_steps=1"
+                  " --train.batch_size=2 --train.eval_every=0 --train.out_dir=" +
+                  d + "/wide");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/sample " + d + "/wide --prompt-ids 299,0 --tokens 3");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("299,0(,[0-9]+){3}\n"))) << r.output;
+  r = run_command(kBin + "/sample " + d + "/wide --prompt hello");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("a vocabulary of 300 is not byte-level: give the prompt as token ids"),
+            std::string::npos)
       << r.output;
 }
 

@@ -14,6 +14,7 @@
 
 #include "data/shard.h"
 #include "kernels/error.h"
+#include "tests/input_error.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -243,13 +244,8 @@ TEST(LoaderTest, MixedFormatsInOneGlob) {
 }
 
 std::string loader_error(const std::string& glob, int batch, int rank, int world) {
-  try {
-    DataLoader(glob, batch, kT, rank, world, kVocab, false, 0, false);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
+  return kiln::testing::input_error(
+      [&] { DataLoader(glob, batch, kT, rank, world, kVocab, false, 0, false); });
 }
 
 TEST(LoaderTest, ShardShorterThanWindowIsInputError) {

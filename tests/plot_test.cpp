@@ -2,7 +2,6 @@
 // throughput.png, both non-empty PNGs of the stated 1200 x 450 pixels; a directory that is not a
 // run exits 2 naming it.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -32,9 +31,7 @@ std::pair<uint32_t, uint32_t> png_size(const fs::path& p) {
 }
 
 TEST(Plot, TwoRunsShareTheAxesOfNonEmptyPngs) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("kiln_plot_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_plot_");
   const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
   ASSERT_EQ(prepared.status, 0) << prepared.output;
   for (const char* arch : {"gpt2", "llama"}) {
@@ -65,7 +62,6 @@ TEST(Plot, TwoRunsShareTheAxesOfNonEmptyPngs) {
                                               (dir / "plots").string());
   EXPECT_EQ(bad.status, 2) << bad.output;
   EXPECT_NE(bad.output.find("no metrics.jsonl"), std::string::npos) << bad.output;
-  fs::remove_all(dir);
 }
 
 // A run that measured power (as a GPU run's metrics.jsonl has it) gets power.png beside the

@@ -27,6 +27,8 @@ struct FakeGpu {
   uint64_t throttle = 0;
   std::atomic<int> readings{0};
   int fail_after = -1;  // readings that succeed before one fails (-1: never)
+  // The driver advances the counter only this often (0: continuously), as some GPUs do.
+  std::chrono::milliseconds counter_step{0};
   Clock::time_point start = Clock::now();
 
   PowerSource source() {
@@ -37,8 +39,11 @@ struct FakeGpu {
       }
       ++readings;
       out->watts = watts;
-      if (has_counter)
-        out->energy_j = 5000.0 + watts * std::chrono::duration<double>(Clock::now() - start).count();
+      if (has_counter) {
+        auto elapsed = Clock::now() - start;
+        if (counter_step.count() > 0) elapsed -= elapsed % counter_step;
+        out->energy_j = 5000.0 + watts * std::chrono::duration<double>(elapsed).count();
+      }
       out->throttle_reasons = throttle;
       return true;
     };
@@ -68,6 +73,34 @@ TEST(PowerSampler, IntervalsFromTheEnergyCounterAddUpToTheWhole) {
   EXPECT_GT(total, 0.0);
   EXPECT_LE(total, 200.0 * elapsed + 1e-9);
   EXPECT_GE(total, 200.0 * (elapsed - 5.0));  // a generous bound for a loaded CI machine
+}
+
+// Steps shorter than the sampling period (a 22 ms step against NVML read every 100 ms): every
+// interval still gets energy, none is negative, and together they are the power over the time.
+TEST(PowerSampler, IntervalsShorterThanThePeriodEachGetTheirShare) {
+  // A counter, one the driver advances only every 250 ms (most readings see it unchanged), none.
+  for (const int counter : {1, 2, 0}) {
+    const bool has_counter = counter > 0;
+    FakeGpu gpu;
+    gpu.has_counter = has_counter;
+    if (counter == 2) gpu.counter_step = 250ms;
+    PowerSampler sampler(gpu.source(), 100ms);
+    wait_for_readings(gpu, 1);
+    const Clock::time_point begin = Clock::now();
+    ASSERT_TRUE(sampler.take());  // the start: the first reading up to now
+    double total = 0;
+    for (int i = 0; i < 30; ++i) {
+      std::this_thread::sleep_for(10ms);
+      const auto interval = sampler.take();
+      ASSERT_TRUE(interval);
+      EXPECT_GT(interval->joules, 0.0) << "interval " << i << ", counter " << counter;
+      total += interval->joules;
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - begin).count();
+    // 200 W over the takes' span, to within what a reading's period (or the counter's step)
+    // leaves unseen at either end.
+    EXPECT_NEAR(total, 200.0 * seconds, 200.0 * 0.35) << "counter " << counter;
+  }
 }
 
 TEST(PowerSampler, WithoutACounterThePowerIsIntegratedOverTime) {

@@ -14,6 +14,7 @@
 
 #include "kernels/bf16.h"
 #include "kernels/error.h"
+#include "tests/input_error.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -24,27 +25,24 @@ std::string temp_file(const std::string& name) {
   return dir + "/" + name;
 }
 
-// A file of the given header text and `data_bytes` zero bytes of data.
-std::string write_raw(const std::string& name, const std::string& header, size_t data_bytes,
-                      uint64_t declared_length = UINT64_MAX) {
+// A file of the given header text (its length as declared, by default the true one) and data.
+std::string write_file(const std::string& name, const std::string& header, const std::string& data,
+                       uint64_t declared_length = UINT64_MAX) {
   const std::string path = temp_file(name);
   std::ofstream out(path, std::ios::binary);
   const uint64_t n = declared_length == UINT64_MAX ? header.size() : declared_length;
   for (int i = 0; i < 8; ++i) out.put(static_cast<char>(n >> (8 * i)));
-  out << header << std::string(data_bytes, '\0');
+  out << header << data;
   return path;
 }
 
-template <class F>
-std::string input_error(F f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
+// The same with `data_bytes` zero bytes of data.
+std::string write_raw(const std::string& name, const std::string& header, size_t data_bytes,
+                      uint64_t declared_length = UINT64_MAX) {
+  return write_file(name, header, std::string(data_bytes, '\0'), declared_length);
 }
+
+using kiln::testing::input_error;
 
 std::string open_error(const std::string& path) {
   return input_error([&] { SafetensorsFile::open(path); });
@@ -88,14 +86,8 @@ TEST(SafetensorsTest, F16ReadsExactly) {
   const float expect[] = {1.0f, -2.0f, 0.5f, std::ldexp(1.0f, -24), 65504.0f, INFINITY, -0.0f};
   const std::string header =
       R"({"h":{"dtype":"F16","shape":[7],"data_offsets":[0,14]}})";
-  const std::string path = temp_file("f16.safetensors");
-  {
-    std::ofstream out(path, std::ios::binary);
-    const uint64_t n = header.size();
-    for (int i = 0; i < 8; ++i) out.put(static_cast<char>(n >> (8 * i)));
-    out << header;
-    out.write(reinterpret_cast<const char*>(halves), sizeof halves);
-  }
+  const std::string path = write_file(
+      "f16.safetensors", header, std::string(reinterpret_cast<const char*>(halves), sizeof halves));
   const SafetensorsFile f = SafetensorsFile::open(path);
   std::vector<float> out(7);
   f.read_f32(*f.find("h"), out.data());

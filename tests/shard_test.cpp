@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "tests/input_error.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -27,17 +28,7 @@ void write_bytes(const std::string& path, const void* data, size_t bytes) {
   out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
 }
 
-// The InputError message `f` throws; fails the test if it throws nothing or something else.
-template <class F>
-std::string input_error(F f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an InputError";
-  return "";
-}
+using kiln::testing::input_error;
 
 std::vector<uint16_t> iota_tokens(size_t n, int vocab) {
   std::vector<uint16_t> t(n);

@@ -123,6 +123,102 @@ TEST_F(TrainE2E, LlamaAndQwen3TrainAndResumeBitForBit) {
   }
 }
 
+std::string file_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// FP8 on the CPU (the emulation of the recipe): 20 steps straight and 10 + resume + 10 give the
+// same losses, and the same FP8 state (scales, amax histories) and parameters at step 20, bit
+// for bit. A history of 4 rolls over several times before the checkpoint, and the qkv of both
+// blocks (bf16_edges off) are FP8 too.
+TEST_F(TrainE2E, Fp8ResumesBitForBitWithItsScalingState) {
+  const std::string fp8 = "--precision.fp8=true --fp8.amax_history_len=4 --fp8.bf16_edges=false";
+  check_resume_is_bit_identical(dir_, "_fp8", fp8, train_cmd);
+  const fs::path full = dir_ / "run_full_fp8" / "checkpoints" / "step_00000020";
+  const fs::path resumed = dir_ / "run_resumed_fp8" / "checkpoints" / "step_00000020";
+  ASSERT_TRUE(fs::exists(full / "fp8_state.bin")) << full;
+  int compared = 0;
+  for (const auto& e : fs::directory_iterator(full)) {
+    const std::string name = e.path().filename().string();
+    if (name == "manifest.yaml") continue;  // it holds the run's own out_dir
+    ASSERT_TRUE(fs::exists(resumed / name)) << name;
+    EXPECT_EQ(file_bytes(e.path()), file_bytes(resumed / name)) << name << " differs";
+    ++compared;
+  }
+  EXPECT_GE(compared, 2);  // the parameters and optimizer state, and fp8_state.bin
+  const auto losses = read_losses((dir_ / "run_full_fp8").string());
+  ASSERT_EQ(losses.size(), 20u);
+  EXPECT_LT(losses.back().value, losses.front().value - 1.0) << "FP8 loss did not fall";
+}
+
+// A resume whose FP8 state does not fit the run (another amax history length, or other FP8
+// linear layers) is refused, exit 2, naming the cause; the checkpoint stays as it was.
+TEST_F(TrainE2E, Fp8ResumeWithAnotherHistoryOrOtherFp8LayersIsRefused) {
+  const std::string out = (dir_ / "run_fp8_mismatch").string();
+  // Three blocks, so that bf16_edges leaves one of them in FP8.
+  const std::string fp8 = "--model.n_layer=3 --precision.fp8=true --fp8.amax_history_len=4";
+  const Result first = run(train_cmd(
+      out, fp8 + " --fp8.bf16_edges=false --train.max_steps=4 --train.checkpoint_every=4"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  const std::string manifest = out + "/checkpoints/step_00000004/manifest.yaml";
+  const std::string before = file_bytes(manifest);
+  struct Case {
+    const char* name;
+    std::string flags;
+  };
+  for (const Case& c : {Case{"another history length",
+                             "--model.n_layer=3 --precision.fp8=true "
+                             "--fp8.amax_history_len=8 --fp8.bf16_edges=false"},
+                        Case{"other FP8 layers", fp8 + " --fp8.bf16_edges=true"}}) {
+    const Result r = run(train_cmd(out, c.flags + " --train.max_steps=8"));
+    EXPECT_EQ(r.status, 2) << c.name << ":\n" << r.output;
+    EXPECT_NE(r.output.find("manifest.yaml: its FP8 state"), std::string::npos) << c.name << ":\n"
+                                                                                << r.output;
+    EXPECT_NE(r.output.find("fp8.amax_history_len"), std::string::npos) << c.name << ":\n"
+                                                                        << r.output;
+    EXPECT_EQ(r.output.find("fatal"), std::string::npos) << c.name << ":\n" << r.output;
+  }
+  EXPECT_EQ(file_bytes(manifest), before);
+  EXPECT_EQ(read_losses(out).size(), 4u);
+}
+
+// The FP8 state is visible: the run says the CPU emulates FP8 and how many layers are FP8, the
+// step line shows the worst tensor's clip fraction and amax, and every metrics line carries the
+// FP8 fields (a bf16 run none). A run whose amaxes turn NaN says so naming the first tensor.
+TEST_F(TrainE2E, Fp8StateIsInTheLogAndANonFiniteAmaxIsNamed) {
+  const std::string out = (dir_ / "run_fp8_log").string();
+  Result r = run(train_cmd(out, "--precision.fp8=true --train.max_steps=4 --train.log_every=2"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("precision.fp8: the CPU emulates FP8"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("precision.fp8: 8 linear layers in FP8 (hybrid format"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex(R"(\| fp8 clip [0-9.]+% h\.[01]\.[a-z.]+\.[xwg] amax )")))
+      << r.output;
+  const std::string metrics = file_bytes(out + "/metrics.jsonl");
+  for (const char* key : {"\"mfu_fp8\":", "\"fp8_clipped\":", "\"fp8_worst\":\"h.",
+                          "\"fp8_amax\":", "\"fp8_scale_amax\":", "\"fp8_non_finite\":0"}) {
+    size_t count = 0;
+    for (size_t at = metrics.find(key); at != std::string::npos; at = metrics.find(key, at + 1))
+      ++count;
+    EXPECT_EQ(count, 4u) << key << "\n" << metrics;
+  }
+  const std::string bf16 = (dir_ / "run_fp8_off").string();
+  ASSERT_EQ(run(train_cmd(bf16, "--train.max_steps=2")).status, 0);
+  EXPECT_EQ(file_bytes(bf16 + "/metrics.jsonl").find("fp8"), std::string::npos);
+
+  r = run(train_cmd((dir_ / "run_fp8_nan").string(),
+                    "--precision.fp8=true --train.max_steps=6 --optim.lr=1e30 --optim.grad_clip=0"
+                    " --optim.warmup_steps=0"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output,
+      std::regex(R"(fp8: [0-9]+ tensor\(s\) had a NaN or infinite amax, the first h\.[01]\.)")))
+      << r.output;
+}
+
 // train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
 TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";

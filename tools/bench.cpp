@@ -204,6 +204,10 @@ int compare_with_baseline(const std::string& json, const YAML::Node& base, const
   for (const Figure& f : {Figure{"tok_s", true}, Figure{"ms", false}, Figure{"mfu", true},
                           Figure{"memory_bytes", false}}) {
     const double was = base[f.key].as<double>(), is = now[f.key].as<double>();
+    if (std::string(f.key) == "mfu" && was == 0 && is == 0) {
+      std::printf("  %-13s n/a (no peak FLOP/s known for either device)\n", f.key);
+      continue;
+    }
     const double delta = was != 0 ? (is - was) / was : 0.0;
     const bool worse = f.higher_is_better ? delta < -opt.tolerance : delta > opt.tolerance;
     regressions += worse;
@@ -235,20 +239,31 @@ bool glob_matches(const std::string& pattern) {
   return any;
 }
 
-// One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats.
+template <class Token>
+std::vector<Token> random_tokens(int64_t n, int vocab_size, uint64_t seed) {
+  std::vector<Token> tokens(static_cast<size_t>(n));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> dist(0, vocab_size - 1);
+  for (auto& t : tokens) t = static_cast<Token>(dist(rng));
+  return tokens;
+}
+
+// One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats: uint16
+// tokens, or uint32 (LLaMA-3's format) for a vocabulary over 65,536, as prepare_data writes.
 std::string write_random_shard(const Config& cfg, const fs::path& dir) {
   const int64_t windows =
       int64_t{cfg.train.batch_size} * cfg.train.grad_accum * (cfg.train.max_steps + 1);
   const int64_t n = windows * cfg.model.seq_len + 1;
-  std::vector<uint16_t> tokens(static_cast<size_t>(n));
-  std::mt19937_64 rng(static_cast<uint64_t>(cfg.train.seed));
-  std::uniform_int_distribution<int> dist(0, cfg.model.vocab_size - 1);
-  for (auto& t : tokens) t = static_cast<uint16_t>(dist(rng));
+  const auto seed = static_cast<uint64_t>(cfg.train.seed);
+  const bool wide = cfg.model.vocab_size > 65536;
   fs::create_directories(dir);
   const std::string path = (dir / "random_000000.bin").string();
-  write_shard(path, tokens);
-  spdlog::info("bench: data.train '{}' matches no file; training on {} random tokens in {}",
-               cfg.data.train, n, path);
+  if (wide)
+    write_shard32(path, random_tokens<uint32_t>(n, cfg.model.vocab_size, seed));
+  else
+    write_shard(path, random_tokens<uint16_t>(n, cfg.model.vocab_size, seed));
+  spdlog::info("bench: data.train '{}' matches no file; training on {} random {}-bit tokens in {}",
+               cfg.data.train, n, wide ? 32 : 16, path);
   return path;
 }
 
@@ -492,7 +507,8 @@ int run_tiers(const Options& opt) {
                                      m.summary["fp8"].as<std::string>());
     lines.push_back(fmt::format("  {:<18} {:>9.2f} {:>11.0f} {:>7} {:>10}  {}", tier.name,
                                 m.med_ms, m.tok_s,
-                                m.mfu_pct > 0 ? fmt::format("{:.1f}%", m.mfu_pct) : "n/a",
+                                m.summary["peak_tflops"] ? fmt::format("{:.1f}%", m.mfu_pct)
+                                                         : std::string("n/a"),
                                 format_bytes(m.summary["memory_bytes"].as<size_t>()), active));
     json_lines.push_back(bench_json(
         opt, m,
@@ -543,7 +559,11 @@ int run(const Options& opt) {
   std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n",
               m.med_ms, *std::min_element(ms.begin(), ms.end()),
               *std::max_element(ms.begin(), ms.end()), opt.steps, opt.warmup);
-  std::printf("  %.0f tokens/s, MFU %.1f%%, memory %s\n", m.tok_s, m.mfu_pct,
+  // No peak FLOP/s known for the device (the CPU): the JSON's mfu is 0, as in metrics.jsonl,
+  // and the line says n/a rather than a figure that reads like a measurement.
+  const std::string mfu_text =
+      summary["peak_tflops"] ? fmt::format("{:.1f}%", m.mfu_pct) : std::string("n/a");
+  std::printf("  %.0f tokens/s, MFU %s, memory %s\n", m.tok_s, mfu_text.c_str(),
               format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
   std::printf("%s\n", json.c_str());
   if (!opt.json_path.empty()) {

@@ -1,10 +1,14 @@
-// `convert SOURCE --to hf|kiln OUT [--dtype bf16|f32] [--max-shard-size SIZE]`: moves a model
-// between kiln and Hugging Face. SOURCE is a kiln run or checkpoint directory, or hf:DIR.
+// `convert SOURCE --to hf|kiln OUT [--dtype bf16|f32] [--max-shard-size SIZE] [--tokenizer DIR]`:
+// moves a model between kiln and Hugging Face. SOURCE is a kiln run or checkpoint directory, or
+// hf:DIR.
 //  --to hf    OUT becomes a directory transformers.AutoModelForCausalLM.from_pretrained loads:
-//             config.json and safetensors (sharded with an index above --max-shard-size).
+//             config.json and safetensors (sharded with an index above --max-shard-size), with
+//             the tokenizer files and bos/eos ids of the model it came from where known.
 //  --to kiln  OUT becomes a run directory (config.yaml, checkpoints/step_00000000/) whose
 //             weights `train --init.from=OUT`, `eval OUT` and `sample OUT` read.
 // Weights only: optimizer moments and the data position stay behind.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
@@ -15,6 +19,7 @@
 
 #include "hf/hf_model.h"
 #include "kernels/error.h"
+#include "tools/tool_args.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/init_from.h"
@@ -26,11 +31,16 @@ namespace {
 
 const char* kUsage =
     "usage: convert SOURCE --to hf|kiln OUT [--dtype bf16|f32] [--max-shard-size SIZE]\n"
+    "               [--tokenizer DIR]\n"
     "  SOURCE             a kiln run or checkpoint directory, or hf:DIR (a Hugging Face model)\n"
     "  --to hf OUT        write config.json + safetensors that transformers loads\n"
     "  --to kiln OUT      write a kiln run directory (config.yaml + checkpoints/step_00000000)\n"
     "  --dtype D          hf weights' dtype: bf16 (default) or f32\n"
-    "  --max-shard-size S hf shards of at most S bytes (5GB default; suffixes KB MB GB KiB MiB GiB)\n";
+    "  --max-shard-size S hf shards of at most S bytes (5GB default; suffixes KB MB GB KiB MiB "
+    "GiB)\n"
+    "  --tokenizer DIR    hf: copy the tokenizer files from DIR and take its bos/eos ids "
+    "(default:\n"
+    "                     SOURCE's when it is hf:DIR, else the hf:DIR the run started from)\n";
 
 int64_t parse_size(const std::string& text) {
   static const std::pair<const char*, int64_t> kUnits[] = {
@@ -46,6 +56,56 @@ int64_t parse_size(const std::string& text) {
     break;
   }
   throw InputError("--max-shard-size: expected a size such as 5GB or 500MiB, got '" + text + "'");
+}
+
+// Where the export's tokenizer comes from: --tokenizer DIR, else SOURCE itself when it is
+// hf:DIR, else the hf:DIR the run started from (init.from); "" when none is known.
+std::string tokenizer_dir(const std::string& flag, const std::string& source,
+                          const LoadedModel& model) {
+  if (!flag.empty()) return flag;
+  if (const auto dir = hf_dir_of(source)) return *dir;
+  if (const auto dir = hf_dir_of(model.run_config.init.from)) return *dir;
+  return "";
+}
+
+// OUT gets the tokenizer files of `from` (flag: --tokenizer, which must name some) and
+// config.json the bos/eos ids `from` gives, so that transformers' tokenizer and generate work on
+// the export as on the original.
+void export_with_tokenizer(const std::string& out, const std::string& from, bool flag,
+                           const LoadedModel& model, HfExportOptions opts) {
+  const std::vector<std::string> files =
+      from.empty() ? std::vector<std::string>{} : hf_tokenizer_files(from);
+  if (flag && files.empty())
+    throw InputError("--tokenizer " + from +
+                     ": no tokenizer files there (tokenizer.json, "
+                     "tokenizer_config.json, vocab.json + merges.txt, tokenizer.model, ...)");
+  if (!from.empty() && std::filesystem::is_directory(from))
+    opts.special_tokens = read_hf_special_tokens(from, model.config.vocab_size);
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  const ParamLayout layout = make_model(model.config, *cpu)->layout();
+  const std::vector<std::string> written =
+      export_hf(out, model.config, layout, model.params.data(), opts);
+  for (const std::string& f : files) {
+    const std::filesystem::path src = from + "/" + f, dst = out + "/" + f;
+    std::error_code ec;
+    if (std::filesystem::exists(dst) && std::filesystem::equivalent(src, dst, ec)) continue;
+    std::filesystem::copy_file(src, dst, std::filesystem::copy_options::overwrite_existing, ec);
+    if (ec) throw InputError(dst.string() + ": cannot copy the tokenizer file: " + ec.message());
+  }
+  spdlog::info("wrote {} as {} ({}, {} parameters from {}): {} files", out,
+               hf_model_type(model.config), opts.dtype, layout.total, model.source,
+               written.size() + files.size());
+  auto ids = [](const std::vector<int64_t>& v) {
+    return v.empty() ? std::string("null") : fmt::format("{}", fmt::join(v, ","));
+  };
+  if (!files.empty())
+    spdlog::info("tokenizer: {} files from {}; bos_token_id {}, eos_token_id {}", files.size(),
+                 from, ids(opts.special_tokens.bos), ids(opts.special_tokens.eos));
+  else
+    spdlog::info(
+        "tokenizer: none known for {} (pass --tokenizer DIR to copy one); "
+        "bos_token_id {}, eos_token_id {}",
+        model.source, ids(opts.special_tokens.bos), ids(opts.special_tokens.eos));
 }
 
 void write_kiln_run(const std::string& out, const LoadedModel& model) {
@@ -70,51 +130,38 @@ void write_kiln_run(const std::string& out, const LoadedModel& model) {
 }
 
 int run(int argc, char** argv) {
-  std::string source, to, out;
+  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 2);  // SOURCE, OUT
+  if (!args) return 0;
+  std::string to, tokenizer;
   HfExportOptions opts;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    if (arg == "-h" || arg == "--help") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) {  // SOURCE, then OUT
-      std::string& slot = source.empty() ? source : out;
-      if (!slot.empty()) throw InputError("unexpected argument '" + arg + "'\n" + kUsage);
-      slot = arg;
-      continue;
-    }
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      throw InputError(arg + ": missing value");
-    }
-    if (arg == "--to") {
+  for (const auto& [flag, value] : args->flags) {
+    if (flag == "--to") {
       to = value;
       if (to != "hf" && to != "kiln") throw InputError("--to: expected hf or kiln, got '" + to + "'");
-    } else if (arg == "--dtype") {
+    } else if (flag == "--dtype") {
       if (value != "bf16" && value != "f32") throw InputError("--dtype: expected bf16 or f32, got '" + value + "'");
       opts.dtype = value;
-    } else if (arg == "--max-shard-size") {
+    } else if (flag == "--max-shard-size") {
       opts.max_shard_bytes = parse_size(value);
+    } else if (flag == "--tokenizer") {
+      if (value.empty()) throw InputError("--tokenizer: expected a directory");
+      tokenizer = value;
     } else {
-      throw InputError("unknown flag '" + arg + "'\n" + kUsage);
+      throw InputError("unknown flag '" + flag + "'\n" + kUsage);
     }
   }
-  if (source.empty() || to.empty() || out.empty())
+  if (args->positional.size() < 2 || to.empty())
     throw InputError(std::string("need SOURCE, --to hf|kiln and OUT\n") + kUsage);
+  const std::string& source = args->positional[0];
+  const std::string& out = args->positional[1];
+
+  if (to == "kiln" && !tokenizer.empty())
+    throw InputError("--tokenizer applies to --to hf (a kiln run keeps no tokenizer)");
 
   const LoadedModel model = load_model(source);
   if (to == "hf") {
-    const std::unique_ptr<Backend> cpu = make_cpu_backend();
-    const ParamLayout layout = make_model(model.config, *cpu)->layout();
-    const std::vector<std::string> files = export_hf(out, model.config, layout, model.params.data(), opts);
-    spdlog::info("wrote {} as {} ({}, {} parameters from {}): {} files", out,
-                 hf_model_type(model.config), opts.dtype, layout.total, model.source, files.size());
+    export_with_tokenizer(out, tokenizer_dir(tokenizer, source, model), !tokenizer.empty(), model,
+                          opts);
   } else {
     write_kiln_run(out, model);
   }

@@ -16,6 +16,7 @@
 #include "data/loader.h"
 #include "kernels/arena.h"
 #include "kernels/error.h"
+#include "tools/tool_args.h"
 #include "train/init_from.h"
 
 using namespace kiln;
@@ -33,48 +34,30 @@ const char* kUsage =
     "  --device D      auto (default), cpu (fp32) or cuda (bf16)\n"
     "  --out FILE      also write the JSON result to FILE\n";
 
-int parse_int(const std::string& flag, const std::string& text, int lo) {
-  try {
-    size_t used = 0;
-    const long v = std::stol(text, &used);
-    if (used == text.size() && v >= lo && v <= INT32_MAX) return static_cast<int>(v);
-  } catch (const std::exception&) {
-  }
-  throw InputError(flag + ": expected an integer >= " + std::to_string(lo) + ", got '" + text + "'");
-}
-
 int run(int argc, char** argv) {
-  std::string source, data, device = "auto", out_path;
+  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 1);  // SOURCE
+  if (!args) return 0;
+  std::string data, device = "auto", out_path;
   int batches = 0, B = 0, T = 0;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    if (arg == "-h" || arg == "--help") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) {
-      if (!source.empty()) throw InputError("unexpected argument '" + arg + "'\n" + kUsage);
-      source = arg;
-      continue;
-    }
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
+  for (const auto& [flag, value] : args->flags) {
+    if (flag == "--data") {
+      data = value;
+    } else if (flag == "--batches") {
+      batches = parse_int_flag(flag, value, 0);
+    } else if (flag == "--batch-size") {
+      B = parse_int_flag(flag, value, 1);
+    } else if (flag == "--seq-len") {
+      T = parse_int_flag(flag, value, 1);
+    } else if (flag == "--device") {
+      device = value;
+    } else if (flag == "--out") {
+      out_path = value;
     } else {
-      throw InputError(arg + ": missing value");
+      throw InputError("unknown flag '" + flag + "'\n" + kUsage);
     }
-    if (arg == "--data") data = value;
-    else if (arg == "--batches") batches = parse_int(arg, value, 0);
-    else if (arg == "--batch-size") B = parse_int(arg, value, 1);
-    else if (arg == "--seq-len") T = parse_int(arg, value, 1);
-    else if (arg == "--device") device = value;
-    else if (arg == "--out") out_path = value;
-    else throw InputError("unknown flag '" + arg + "'\n" + kUsage);
   }
-  if (source.empty()) throw InputError(std::string("no model given\n") + kUsage);
+  if (args->positional.empty()) throw InputError(std::string("no model given\n") + kUsage);
+  const std::string& source = args->positional[0];
   if (device != "auto" && device != "cpu" && device != "cuda")
     throw InputError("--device: expected auto, cpu or cuda, got '" + device + "'");
   if (device == "cuda" && !cuda_available())

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "kernels/error.h"
+#include "tools/tool_args.h"
 
 namespace {
 
@@ -75,26 +77,13 @@ int64_t parse_shard_tokens(const std::string& flag, const std::string& text) {
 
 Options parse_args(int argc, char** argv) {
   Options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      opt.help = true;
-      return opt;
-    }
-    if (arg.rfind("--", 0) != 0 || arg == "--") {
-      opt.inputs.push_back(arg);
-      continue;
-    }
-    std::string value;
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      throw InputError(fmt::format("{} needs a value", arg));
-    }
+  const std::optional<kiln::ToolArgs> args = kiln::parse_tool_args(argc, argv, kUsage, SIZE_MAX);
+  if (!args) {
+    opt.help = true;
+    return opt;
+  }
+  opt.inputs = args->positional;
+  for (const auto& [arg, value] : args->flags) {
     if (arg == "--out") {
       opt.out = value;
     } else if (arg == "--tokenizer") {
@@ -252,10 +241,7 @@ void run(const Options& opt) {
 int main(int argc, char** argv) {
   return kiln::run_tool("prepare_data", [&] {
     const Options opt = parse_args(argc, argv);
-    if (opt.help) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
+    if (opt.help) return 0;  // the usage is printed
     run(opt);
     return 0;
   });

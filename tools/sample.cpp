@@ -1,35 +1,37 @@
-// `sample RUN_DIR|CHECKPOINT_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
-// [--seed S] [--device cpu|cuda|auto]`: loads a checkpoint (the newest one in RUN_DIR) and prints
-// a continuation of the prompt. Byte-level vocabularies (256) decode to text; others print ids.
+// `sample SOURCE [--prompt TEXT | --prompt-ids IDS] [--tokens N] [--temperature T] [--top-k K]
+// [--seed S] [--device cpu|cuda|auto]`: prints a continuation of the prompt from a model. SOURCE
+// is a run directory (its newest checkpoint), a checkpoint, or hf:DIR. Byte-level vocabularies
+// (256) take and print text; any vocabulary takes --prompt-ids and prints ids (kiln has no
+// tokenizer of its own for BPE vocabularies: tokenize with the model's, e.g. tools/hf_tokenize.py).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
+#include <optional>
 #include <string>
 
 #include "data/tokenizer.h"
+#include "kernels/arena.h"
 #include "kernels/error.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
+#include "tools/tool_args.h"
+#include "train/init_from.h"
 #include "train/sampler.h"
-#include "train/trainer.h"
 
 using namespace kiln;
 
 namespace {
 
 const char* kUsage =
-    "usage: sample RUN_DIR|CHECKPOINT_DIR [--prompt TEXT] [--tokens N] [--temperature T]\n"
-    "              [--top-k K] [--seed S] [--device auto|cpu|cuda]\n";
-
-std::string flag_value(int& i, int argc, char** argv) {
-  const char* arg = argv[i];
-  if (const char* eq = std::strchr(arg, '=')) return eq + 1;
-  if (i + 1 >= argc) throw InputError(std::string(arg) + ": missing value");
-  return argv[++i];
-}
+    "usage: sample SOURCE [--prompt TEXT | --prompt-ids IDS] [--tokens N] [--temperature T]\n"
+    "              [--top-k K] [--seed S] [--device auto|cpu|cuda]\n"
+    "  SOURCE          a kiln run or checkpoint directory, or hf:DIR (a Hugging Face model)\n"
+    "  --prompt TEXT   the prompt as text (byte-level models, vocab 256; default a newline)\n"
+    "  --prompt-ids I  the prompt as token ids, comma-separated (any model); ids are printed\n"
+    "  --tokens N      tokens to generate (default 256)\n"
+    "  --temperature T 0 is greedy (default 0.8)\n"
+    "  --top-k K       0 is the whole vocabulary (default 40)\n";
 
 template <class T>
 T parse_number(const std::string& flag, const std::string& text) {
@@ -43,38 +45,58 @@ T parse_number(const std::string& flag, const std::string& text) {
   }
 }
 
+// "1,2,3" -> ids, each below `vocab_size`.
+std::vector<int> parse_ids(const std::string& text, int vocab_size) {
+  std::vector<int> ids;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (item.empty() || used != item.size() || v < 0 || v >= vocab_size)
+      throw InputError(
+          fmt::format("--prompt-ids: '{}' is not a token id in [0, {})", item, vocab_size));
+    ids.push_back(static_cast<int>(v));
+    at = comma + 1;
+  }
+  return ids;
+}
+
 int run(int argc, char** argv) {
-  std::string path, prompt = "\n", device = "auto";
+  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 1);  // SOURCE
+  if (!args) return 0;
+  std::string prompt = "\n", prompt_ids, device = "auto";
   SamplingOptions opts;
   opts.max_new_tokens = 256;
   opts.temperature = 0.8f;
   opts.top_k = 40;
   uint64_t seed = 42;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const std::string name = arg.substr(0, arg.find('='));
-    if (name == "-h" || name == "--help") {
-      std::printf("%s", kUsage);
-      std::exit(0);
-    } else if (name == "--prompt") {
-      prompt = flag_value(i, argc, argv);
-    } else if (name == "--tokens") {
-      opts.max_new_tokens = parse_number<int>(name, flag_value(i, argc, argv));
-    } else if (name == "--temperature") {
-      opts.temperature = parse_number<float>(name, flag_value(i, argc, argv));
-    } else if (name == "--top-k") {
-      opts.top_k = parse_number<int>(name, flag_value(i, argc, argv));
-    } else if (name == "--seed") {
-      seed = parse_number<uint64_t>(name, flag_value(i, argc, argv));
-    } else if (name == "--device") {
-      device = flag_value(i, argc, argv);
-    } else if (arg.rfind("--", 0) == 0 || !path.empty()) {
-      throw InputError("unknown argument '" + arg + "'\n" + kUsage);
+  for (const auto& [flag, value] : args->flags) {
+    if (flag == "--prompt") {
+      prompt = value;
+    } else if (flag == "--prompt-ids") {
+      prompt_ids = value;
+    } else if (flag == "--tokens") {
+      opts.max_new_tokens = parse_number<int>(flag, value);
+    } else if (flag == "--temperature") {
+      opts.temperature = parse_number<float>(flag, value);
+    } else if (flag == "--top-k") {
+      opts.top_k = parse_number<int>(flag, value);
+    } else if (flag == "--seed") {
+      seed = parse_number<uint64_t>(flag, value);
+    } else if (flag == "--device") {
+      device = value;
     } else {
-      path = arg;
+      throw InputError("unknown argument '" + flag + "'\n" + kUsage);
     }
   }
-  if (path.empty()) throw InputError(std::string("no run or checkpoint directory given\n") + kUsage);
+  if (args->positional.empty())
+    throw InputError(std::string("no run or checkpoint directory given\n") + kUsage);
   if (opts.max_new_tokens < 1) throw InputError("--tokens must be at least 1");
   if (!(opts.temperature >= 0) || !std::isfinite(opts.temperature))
     throw InputError(fmt::format("--temperature must be a finite number >= 0 (0: greedy), got {}",
@@ -83,38 +105,43 @@ int run(int argc, char** argv) {
     throw InputError("--top-k must be >= 0 (0: the whole vocabulary), got " +
                      std::to_string(opts.top_k));
   if (prompt.empty()) throw InputError("--prompt must not be empty");
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    throw InputError("--device: expected auto, cpu or cuda, got '" + device + "'");
 
-  std::string dir = path;
-  if (!std::filesystem::exists(dir + "/manifest.yaml")) {
-    auto latest = find_latest_checkpoint(path);
-    if (!latest) throw InputError(path + ": no checkpoint found (expected RUN_DIR/checkpoints/step_*)");
-    dir = *latest;
+  const LoadedModel model = load_model(args->positional[0]);
+  const ModelConfig& mc = model.config;
+  const bool bytes = mc.vocab_size == 256 && prompt_ids.empty();
+  if (!bytes && prompt_ids.empty())
+    throw InputError(
+        fmt::format("{}: a vocabulary of {} is not byte-level: give the prompt as "
+                    "token ids (--prompt-ids 1,2,3) from the model's tokenizer",
+                    model.source, mc.vocab_size));
+  std::vector<int> tokens;
+  if (bytes) {
+    for (uint16_t t : byte_encode(prompt)) tokens.push_back(t);
+  } else {
+    tokens = parse_ids(prompt_ids, mc.vocab_size);
   }
-  const CheckpointManifest manifest = read_manifest(dir);
-  Config config = parse_config(manifest.config_yaml, {}, dir + "/manifest.yaml");
-  const ModelConfig mc = model_config(config.model);
 
   std::unique_ptr<Backend> backend =
       (device == "cuda" || (device == "auto" && cuda_available())) ? make_cuda_backend(0)
                                                                    : make_cpu_backend();
-  const ParamLayout layout = make_model(mc, *backend)->layout();
-  std::vector<float> master(static_cast<size_t>(layout.total)), m(master.size()), v(master.size());
-  load_optimizer_range(manifest, layout, 0, layout.total, master.data(), m.data(), v.data());
+  const int64_t n = static_cast<int64_t>(model.params.size());
   Arena arena(*backend, "weights");
-  Tensor weights;
-  arena.plan(&weights, "params.working", {layout.total}, backend->activation_dtype());
-  Tensor staging;
-  arena.plan(&staging, "params.master", {layout.total}, DType::f32);
+  Tensor weights, master;
+  arena.plan(&weights, "params.working", {n}, backend->activation_dtype());
+  arena.plan(&master, "params.master", {n}, DType::f32);
   arena.allocate();
-  backend->copy_from_host(staging, master.data());
-  backend->copy(weights, staging);
+  backend->copy_from_host(master, model.params.data());
+  backend->copy(weights, master);
 
-  std::vector<int> tokens;
-  if (mc.vocab_size > 256) throw InputError("sample: only byte-level (vocab 256) models decode here");
-  for (uint16_t t : byte_encode(prompt)) tokens.push_back(t);
   std::mt19937_64 rng(seed);
-  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng);
-  std::printf("%s\n", byte_decode(out).c_str());
+  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng);  // prompt too
+  if (bytes) {
+    std::printf("%s\n", byte_decode(out).c_str());
+  } else {
+    std::printf("%s\n", fmt::format("{}", fmt::join(out, ",")).c_str());
+  }
   return 0;
 }
 

@@ -43,6 +43,14 @@ constexpr uint64_t kFnvSeed = 14695981039346656037ull;
 
 constexpr const char* kFp8File = "fp8_state.bin";
 
+}  // namespace
+
+uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash) {
+  return fnv1a(hash, data, n);
+}
+
+namespace {
+
 std::string step_name(int step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step_%08d", step);

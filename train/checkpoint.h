@@ -47,6 +47,10 @@ struct CheckpointManifest {
   std::vector<CheckpointFile> files;
 };
 
+// FNV-1a over bytes, continuing from `hash` (the checkpoint files' checksum): cheap, and enough
+// to catch truncation, bit rot, or two ranks whose state should be alike and is not.
+uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash = 14695981039346656037ull);
+
 // Host copies of one rank's range [begin, end) of the optimizer state.
 struct OptimizerShard {
   int64_t begin = 0;

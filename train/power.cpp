@@ -1,9 +1,10 @@
 #include "train/power.h"
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
-
-#include <spdlog/spdlog.h>
 
 #include "dist/communicator.h"
 #include "dist/nvml.h"
@@ -34,7 +35,7 @@ constexpr auto kThrottleRepeat = std::chrono::minutes(5);
 }  // namespace
 
 PowerSampler::PowerSampler(PowerSource source, std::chrono::milliseconds period)
-    : source_(std::move(source)), period_(period) {
+    : source_(std::move(source)), period_(period), taken_time_(Clock::now()) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -69,10 +70,19 @@ void PowerSampler::run() {
 void PowerSampler::record(const PowerReading& r, Clock::time_point t) {
   if (r.energy_j) {
     if (!counter_start_j_) counter_start_j_ = *r.energy_j;
-    energy_j_ = *r.energy_j - *counter_start_j_;
-  } else if (has_reading_) {
+    // A counter the driver has not advanced since the previous reading says nothing new: the
+    // estimate in take() keeps running from the reading where it last moved.
+    const double e = *r.energy_j - *counter_start_j_;
+    if (!has_reading_ || e != energy_j_) {
+      energy_j_ = e;
+      energy_time_ = t;
+    }
+  } else {
     // Trapezoids between readings.
-    energy_j_ += 0.5 * (last_watts_ + r.watts) * std::chrono::duration<double>(t - last_time_).count();
+    if (has_reading_)
+      energy_j_ +=
+          0.5 * (last_watts_ + r.watts) * std::chrono::duration<double>(t - last_time_).count();
+    energy_time_ = t;
   }
   has_reading_ = true;
   last_watts_ = r.watts;
@@ -83,12 +93,26 @@ void PowerSampler::record(const PowerReading& r, Clock::time_point t) {
 }
 
 std::optional<PowerSampler::Interval> PowerSampler::take() {
+  const Clock::time_point now = Clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty()) return std::nullopt;
   Interval i;
   i.watts = interval_readings_ > 0 ? interval_watts_sum_ / interval_readings_ : last_watts_;
-  i.joules = energy_j_ - taken_energy_j_;
-  taken_energy_j_ = energy_j_;
+  // Steps are often shorter than the sampling period: the energy up to now is the last reading's
+  // plus the newest power over the time since, so a step between two readings still gets its
+  // share. The next reading may fall short of that estimate (the power dropped, or the driver
+  // advanced its counter late); then each interval still gets half the newest power over its
+  // time, and the estimate, growing twice as fast, catches up. So every interval with power
+  // drawn has energy, and the intervals add up to the counter to within about one period's.
+  double now_j = energy_j_;
+  if (has_reading_ && now > energy_time_)
+    now_j += last_watts_ * std::chrono::duration<double>(now - energy_time_).count();
+  const double floor_j =
+      has_reading_ ? 0.5 * last_watts_ * std::chrono::duration<double>(now - taken_time_).count()
+                   : 0.0;
+  i.joules = std::max(now_j - taken_energy_j_, floor_j);
+  taken_energy_j_ += i.joules;
+  taken_time_ = now;
   interval_watts_sum_ = 0;
   interval_readings_ = 0;
   return i;

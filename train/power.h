@@ -50,8 +50,11 @@ class PowerSampler {
   PowerSampler& operator=(const PowerSampler&) = delete;
 
   // Since the previous take() (or the sampler's start): the mean of the power readings (the
-  // newest one when none came in between) and the energy used, from NVML's counter where the GPU
-  // has one, else the readings integrated over time. The intervals' energies add up to the whole.
+  // newest one when none came in between) and the energy used: NVML's counter where the GPU has
+  // one, else the readings integrated over time, in both cases up to the newest reading and then
+  // its power over the time since. An interval shorter than the sampling period still gets its
+  // share: at least half the newest power over its time, any excess worked off by the intervals
+  // after it. Their sum follows the counter to within about one period's energy.
   // nullopt once a reading has failed (why() then says why): the GPU is no longer measured.
   struct Interval {
     double watts = 0;
@@ -75,14 +78,16 @@ class PowerSampler {
   bool stop_ = false;
   std::string failed_;  // why the last reading failed; "" while readings succeed
   // Guarded by mu_: the running totals and the interval's sums.
-  double energy_j_ = 0;              // since the sampler started
-  double taken_energy_j_ = 0;        // energy_j_ at the previous take()
+  double energy_j_ = 0;        // since the sampler started, up to the newest reading
+  double taken_energy_j_ = 0;  // the energy handed out by take() so far
+  std::chrono::steady_clock::time_point taken_time_;  // of the previous take() (or the start)
   double interval_watts_sum_ = 0;
   int interval_readings_ = 0;
   bool has_reading_ = false;
   double last_watts_ = 0;
   std::optional<double> counter_start_j_;  // NVML's counter at the first reading
-  std::chrono::steady_clock::time_point last_time_;
+  std::chrono::steady_clock::time_point last_time_;    // of the newest reading
+  std::chrono::steady_clock::time_point energy_time_;  // when energy_j_ was last read or summed
   uint64_t throttle_seen_ = 0;  // reasons seen since the previous new_throttle_reasons()
   std::map<uint64_t, std::chrono::steady_clock::time_point> throttle_reported_;
   std::thread thread_;

@@ -210,6 +210,7 @@ class Trainer {
   bool host_step(int step) const;
   double evaluate();
   void save(int step);
+  void check_fp8_ranks_agree(const std::vector<float>& state, int step);
   void print_sample(int step);
   void write_summary() const;
   void barrier() {
@@ -260,6 +261,8 @@ class Trainer {
   // eager after a failed capture (why).
   std::string graph_status_ = "off";
   bool break_capture_ = std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr;
+  Tensor fp8_digest_, fp8_digests_;  // this rank's hash of its FP8 scaling state, and all ranks'
+  bool fp8_agreement_logged_ = false;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
@@ -280,6 +283,10 @@ void Trainer::plan_memory() {
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   power_->plan(state_arena_);
+  if (fp8() && comm_ && rank_.world_size > 1) {
+    state_arena_.plan(&fp8_digest_, "fp8_digest", {2}, DType::i32);
+    state_arena_.plan(&fp8_digests_, "fp8_digests", {2 * rank_.world_size}, DType::i32);
+  }
   const int accum = cfg_.train.grad_accum;
   state_arena_.plan(&tokens_, "tokens", {accum, B(), T()}, DType::i32);
   state_arena_.plan(&targets_, "targets", {accum, B(), T()}, DType::i32);
@@ -372,6 +379,11 @@ void Trainer::resume_from(const std::string& dir) {
     } else {
       model_->fp8_start(st.fp8_state.data());
     }
+  } else if (!manifest.state.fp8_names.empty() && is_main()) {
+    spdlog::info(
+        "precision.fp8: {} holds the FP8 state of {} tensors, which this run, with no "
+        "FP8 layers, does not use",
+        dir, manifest.state.fp8_names.size());
   }
   train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
   std::istringstream(manifest.state.rng_state) >> rng_;
@@ -555,12 +567,43 @@ void Trainer::save(int step) {
     state.fp8_history = fl.history;
     state.fp8_state.resize(static_cast<size_t>(fl.total()));
     backend_->copy_to_host(state.fp8_state.data(), model_->fp8_state());
+    check_fp8_ranks_agree(state.fp8_state, step);
   }
   const std::string dir =
       save_checkpoint(cfg_.train.out_dir, state, model_->layout(), config_to_yaml(cfg_),
                       cfg_.dist.strategy, shards, rank_.rank, rank_.world_size,
                       cfg_.train.keep_checkpoints, [this] { barrier(); });
   if (is_main()) spdlog::info("checkpoint: {}", dir);
+}
+
+// Rank 0 alone writes the FP8 state, and the ranks must quantize alike (each update follows a
+// MAX all-reduce of the amaxes): at each checkpoint every rank hashes its scales and amax
+// histories (not the step's windows, which hold each rank's own saturation counts) and the
+// hashes are gathered. A difference is a bug, and the run stops naming the rank.
+void Trainer::check_fp8_ranks_agree(const std::vector<float>& state, int step) {
+  if (!fp8_digest_.defined()) return;
+  const Fp8StateLayout& fl = model_->fp8_layout();
+  uint64_t h = fnv1a_bytes(state.data(), static_cast<size_t>(fl.amax()) * sizeof(float));
+  h = fnv1a_bytes(state.data() + fl.histories(),
+                  static_cast<size_t>(fl.total() - fl.histories()) * sizeof(float), h);
+  const int32_t mine[2] = {static_cast<int32_t>(h & 0xffffffffu), static_cast<int32_t>(h >> 32)};
+  backend_->copy_from_host(fp8_digest_, mine);
+  comm_->all_gather(fp8_digests_, fp8_digest_);
+  comm_->wait();
+  std::vector<int32_t> all(static_cast<size_t>(2 * rank_.world_size));
+  backend_->copy_to_host(all.data(), fp8_digests_);
+  for (int r = 1; r < rank_.world_size; ++r)
+    if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
+      throw std::runtime_error("precision.fp8: at step " + std::to_string(step) + ", rank " +
+                               std::to_string(r) +
+                               "'s FP8 scales and amax histories differ "
+                               "from rank 0's (the ranks must quantize alike)");
+  if (is_main() && !fp8_agreement_logged_)
+    spdlog::info(
+        "precision.fp8: the {} ranks' scales and amax histories agree (checked at each "
+        "checkpoint)",
+        rank_.world_size);
+  fp8_agreement_logged_ = true;
 }
 
 void Trainer::print_sample(int step) {
@@ -602,6 +645,7 @@ void Trainer::write_summary() const {
                     : !fp8()            ? "bf16 fallback: " + backend_->fp8_unavailable()
                     : backend_->device() == Device::cpu ? "emulated"
                                                         : "on");
+  if (peak_ > 0) out << ",\"peak_tflops\":" << peak_ / 1e12;  // absent: MFU not known
   if (tokens_per_joule_) out << ",\"tokens_per_joule\":" << *tokens_per_joule_;
   out << "}\n";
 }

@@ -61,6 +61,8 @@ TEST(GpuPowerRun, PowerAndEnergyArePresentPositiveAndEnergyIsThePowersIntegral) 
     // Step 1's interval is the setup before it: its energy may round to 0, not be absent.
     EXPECT_GE(energy_j.back(), 0.0) << "step " << step << ": " << line;
     if (step > 1) {
+      // Each step (~22 ms here) is shorter than the sampler's 100 ms period: it still gets
+      // energy (train/power.h: PowerSampler::take).
       EXPECT_GT(energy_j.back(), energy_j[step - 2]) << "step " << step << ": " << line;
       EXPECT_GT(jpt, 0.0) << "step " << step << ": " << line;
     }

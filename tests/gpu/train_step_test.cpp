@@ -22,7 +22,6 @@
 // Both skip when no GPU is visible.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,8 +39,8 @@
 #include "kernels/backend.h"
 #include "kernels/bf16.h"
 #include "model/model.h"
-#include "train/optimizer.h"
 #include "tests/test_process.h"
+#include "train/optimizer.h"
 
 namespace kiln {
 namespace {
@@ -321,10 +320,7 @@ std::vector<double> read_loss_values(const std::string& out_dir) {
 
 TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("kiln_gpu_run_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_gpu_run_");
   const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
   ASSERT_EQ(prepared.status, 0) << prepared.output;
 
@@ -367,7 +363,6 @@ TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
   EXPECT_LT(cpu.back(), cpu.front() - 1.0) << "the CPU run did not learn";
   EXPECT_LT(tail, 0.05);
   EXPECT_LT(final_rel, 0.04);
-  fs::remove_all(dir);
 }
 
 // With grad_accum > 1 the host is held back by the steps it enqueues (each micro-batch's tokens
@@ -376,10 +371,7 @@ TEST(CudaTrainRun, LossCurveTracksTheCpuRunFor200Steps) {
 // step alike: no step, the last included, is under half or over twice the median.
 TEST(CudaTrainRun, EveryStepIsTimedOnTheStreamWithAccumulation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-  const fs::path dir =
-      fs::path(::testing::TempDir()) / ("kiln_gpu_timing_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_gpu_timing_");
   const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
   ASSERT_EQ(prepared.status, 0) << prepared.output;
   const std::string out = (dir / "run").string();
@@ -403,7 +395,6 @@ TEST(CudaTrainRun, EveryStepIsTimedOnTheStreamWithAccumulation) {
     EXPECT_GT(ms[i], median / 2) << "step " << i + 1;
     EXPECT_LT(ms[i], median * 2) << "step " << i + 1;
   }
-  fs::remove_all(dir);
 }
 
 }  // namespace
