@@ -92,7 +92,7 @@ int run(int argc, char** argv) {
   }
   const CheckpointManifest manifest = read_manifest(dir);
   Config config = parse_config(manifest.config_yaml, {}, dir + "/manifest.yaml");
-  const ModelConfig mc = model_config(config.model);
+  const ModelConfig mc = model_config(config.model, config.moe);
 
   std::unique_ptr<Backend> backend =
       (device == "cuda" || (device == "auto" && cuda_available())) ? make_cuda_backend(0)
