@@ -16,7 +16,10 @@
 #include "kernels/backend.h"
 #include "model/layers/mlp.h"
 #include "model/layers/moe.h"
+#include "model/model.h"
 #include "tests/gradcheck.h"
+#include "train/config.h"
+#include "train/trainer.h"
 
 namespace kiln {
 namespace {
@@ -472,6 +475,30 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
     for (const ParamInfo& t : rig.layout.tensors) check(p, g, t.offset, t.numel(), t.name);
     check(x, dx, 0, static_cast<int64_t>(x.size()), "dx");
   }
+}
+
+
+// configs/moe-2.9b-a1b.yaml states its total and active parameters, its FLOPs per token and
+// its memory at its batch: the numbers the model computes.
+TEST(MoeConfigs, H200ConfigHasTheStatedSizes) {
+  const Config cfg = load_config(std::string(KILN_SOURCE_DIR) + "/configs/moe-2.9b-a1b.yaml", {});
+  const ModelConfig mc = model_config(cfg.model, cfg.moe);
+  const std::unique_ptr<Model> model = make_model(mc, cpu());
+  const int64_t total = model->layout().total;
+  const int64_t per_expert = 3 * int64_t{mc.n_embd} * mc.moe.expert_ffn_dim;
+  const int64_t active = total - mc.n_layer * int64_t{mc.moe.n_experts - mc.moe.top_k} * per_expert;
+  EXPECT_EQ(total, 2852626432);
+  EXPECT_EQ(active, 1040687104);
+  EXPECT_NEAR(model->flops_per_token(mc.seq_len) / 1e9, 6.85, 0.005);
+  const double state_gb = total * (4.0 + 2 + 4 + 4 + 4) / 1e9;  // master, bf16, grads, m, v
+  // The CUDA plan's activations are bf16 where the CPU's are f32; the f32 ones (scores, losses,
+  // norms' statistics) are a sliver, so half the CPU plan is close.
+  const double acts_gb =
+      model->activation_bytes(cfg.train.batch_size, mc.seq_len, Recompute::none) / 2.0 / 1e9;
+  std::cout << "  total " << total << " active " << active << ", state " << state_gb
+            << " GB, activations ~" << acts_gb << " GB\n";
+  EXPECT_NEAR(state_gb, 51.3, 0.1);
+  EXPECT_NEAR(acts_gb, 37.4, 1.0);
 }
 
 }  // namespace
