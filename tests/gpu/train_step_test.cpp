@@ -230,7 +230,9 @@ void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true) 
     const double err = rel_l2(gg.data() + p.offset, gc.data() + p.offset, p.numel());
     worst = std::max(worst, err);
     std::cout << "  grad " << p.name << " " << p.shape.str() << ": rel L2 " << err << "\n";
-    if (hold_gradients) EXPECT_LT(err, kGradTol) << "gradient of " << p.name;
+    if (hold_gradients) {
+      EXPECT_LT(err, kGradTol) << "gradient of " << p.name;
+    }
   }
   std::cout << "  worst gradient rel L2 " << worst << " (tol " << kGradTol << ")\n";
 
