@@ -103,17 +103,21 @@ int run(int argc, char** argv) {
   Arena arena(*backend, "weights");
   Tensor weights;
   arena.plan(&weights, "params.working", {layout.total}, backend->activation_dtype());
-  Tensor staging;
+  Tensor staging, moe_bias;
   arena.plan(&staging, "params.master", {layout.total}, DType::f32);
+  // moe.balance=bias: routing picks experts with the trained bias the checkpoint keeps.
+  const std::vector<float>& bias = manifest.state.moe_bias;
+  if (!bias.empty()) arena.plan(&moe_bias, "moe.bias", {static_cast<int64_t>(bias.size())}, DType::f32);
   arena.allocate();
   backend->copy_from_host(staging, master.data());
   backend->copy(weights, staging);
+  if (!bias.empty()) backend->copy_from_host(moe_bias, bias.data());
 
   std::vector<int> tokens;
   if (mc.vocab_size > 256) throw InputError("sample: only byte-level (vocab 256) models decode here");
   for (uint16_t t : byte_encode(prompt)) tokens.push_back(t);
   std::mt19937_64 rng(seed);
-  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng);
+  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng, moe_bias);
   std::printf("%s\n", byte_decode(out).c_str());
   return 0;
 }
