@@ -19,6 +19,7 @@
 #include "model/model.h"
 #include "tests/gradcheck.h"
 #include "train/config.h"
+#include "train/metrics.h"
 #include "train/trainer.h"
 
 namespace kiln {
@@ -499,6 +500,30 @@ TEST(MoeConfigs, H200ConfigHasTheStatedSizes) {
             << " GB, activations ~" << acts_gb << " GB\n";
   EXPECT_NEAR(state_gb, 51.3, 0.1);
   EXPECT_NEAR(acts_gb, 37.4, 1.0);
+}
+
+// The telemetry's arithmetic: Gini by hand, and the step line and metrics.jsonl fields.
+TEST(MoeTelemetry, GiniAndTheLoggedFields) {
+  EXPECT_DOUBLE_EQ(load_gini({5, 5, 5, 5}), 0.0);
+  EXPECT_DOUBLE_EQ(load_gini({0, 0, 0, 8}), 0.75);  // (E-1)/E: one expert takes all
+  // |1-3| + |1-4| + |3-4| = 6 pairs counted twice = 12, over 2 * 3^2 * mean (8/3).
+  EXPECT_NEAR(load_gini({3, 1, 4}), 12.0 / (2 * 9 * (8.0 / 3)), 1e-12);
+  StepMetrics sm;
+  sm.step = 3;
+  sm.max_steps = 10;
+  EXPECT_EQ(metrics_json(sm).find("moe"), std::string::npos);
+  EXPECT_EQ(format_step_line(sm, "1 MiB").find("moe"), std::string::npos);
+  sm.moe = {{0, {6, 2, 0, 0}, 1.5, 2.25, 1.0}, {2, {2, 2, 2, 2}, 1.0, 0.25, 1.25}};
+  const std::string json = metrics_json(sm);
+  for (const char* field :
+       {"\"moe_blocks\":[0,2]", "\"moe_tokens_min\":[0,2]", "\"moe_tokens_mean\":[2,2]",
+        "\"moe_tokens_max\":[6,2]", "\"moe_gini\":[0.62500,0.00000]", "\"moe_aux\":[1.5,1]",
+        "\"moe_z\":[2.25,0.25]", "\"moe_entropy\":[1,1.25]", "\"moe_load\":[[6,2,0,0],[2,2,2,2]]"})
+    EXPECT_NE(json.find(field), std::string::npos) << field << " in " << json;
+  const std::string line = format_step_line(sm, "1 MiB");
+  EXPECT_NE(line.find(" | moe tok 0/2/6 gini 0.625 (h.0) aux 1.250 z 1.25 H 1.125 |"),
+            std::string::npos)
+      << line;
 }
 
 }  // namespace

@@ -110,6 +110,9 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
     if (cfg.precision.dtype == "fp32")
       throw InputError("precision.dtype=fp32: the CUDA backend computes in bf16 only; "
                        "train.device=cpu computes in fp32");
+    // The router's kernel keeps a token's k picks in registers (kernels/cuda/moe_router.cu).
+    if (cfg.moe.n_experts > 0 && cfg.moe.top_k > 32)
+      throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(cfg.moe.top_k));
     std::unique_ptr<Backend> backend = make_cuda_backend(rank.local_rank);
     try {
       backend->set_attention(cfg.precision.attention);
