@@ -279,8 +279,9 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
 
 std::string hf_model_type(const ModelConfig& c) {
   if (c.moe.n_experts > 0)
-    throw InputError("a Mixture-of-Experts model has no Hugging Face export yet (kiln maps dense "
-                     "GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM)");
+    throw InputError(
+        "a Mixture-of-Experts model has no Hugging Face export yet (kiln maps dense "
+        "GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM)");
   const AttentionDims a = c.attention();
   if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
       c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&

@@ -67,8 +67,8 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
     if (blk.is_moe) {
       moe_blocks_.push_back(l);
       const MoeConfig& m = cfg.moe;
-      blk.moe.routing = {m.n_experts, m.top_k, m.score, m.renormalize, m.aux_loss_coef,
-                         m.z_loss_coef};
+      blk.moe.routing = {m.n_experts,   m.top_k,         m.score,
+                         m.renormalize, m.aux_loss_coef, m.z_loss_coef};
       blk.moe.kind = cfg.mlp;
       blk.moe.expert_ffn_dim = m.expert_ffn_dim;
       blk.moe.declare(b, p + "moe", C, m.n_shared_experts);

@@ -263,8 +263,8 @@ TEST(MoeLayout, ExpertsByGlobalIndexAndActiveFlops) {
   // Active matmul parameters: attention everywhere, dense SwiGLU in blocks 0 and 2, and in
   // blocks 1 and 3 the router plus 2 routed and 1 shared expert of 3 * 8 * 6.
   const double attention = 8.0 * 16 + 8.0 * 8;  // qkv (2 q heads, 1 kv head of 4) + proj
-  const double n_matmul = 2 * (attention + 3.0 * 8 * 12) + 2 * (attention + 8.0 * 4 + 3 * 3.0 * 8 * 6) +
-                          16.0 * 8;
+  const double n_matmul =
+      2 * (attention + 3.0 * 8 * 12) + 2 * (attention + 8.0 * 4 + 3 * 3.0 * 8 * 6) + 16.0 * 8;
   EXPECT_DOUBLE_EQ(d.flops_per_token(6), 6 * n_matmul + 6.0 * 4 * 6 * 8);
 }
 

@@ -119,7 +119,8 @@ TEST_P(DistGloo, CollectivesAreExact) {
     const int a2a = 37;
     std::vector<uint16_t> send(static_cast<size_t>(n * a2a)), recv(send.size());
     for (int k = 0; k < n; ++k)
-      for (int j = 0; j < a2a; ++j) send[size_t(k * a2a + j)] = static_cast<uint16_t>(r * 1000 + k * 100 + j);
+      for (int j = 0; j < a2a; ++j)
+        send[size_t(k * a2a + j)] = static_cast<uint16_t>(r * 1000 + k * 100 + j);
     Tensor t_send{send.data(), Shape{n * a2a}, DType::bf16},
         t_recv{recv.data(), Shape{n * a2a}, DType::bf16};
     comm.all_to_all(t_recv, t_send);

@@ -4,6 +4,8 @@
 // exact round trip, all tokens on one expert); the combine's backward; the grouped GEMM against
 // per-group matmuls (empty groups included) and finite differences; the bias update; a layer of
 // one expert with top-1 equal to the dense MLP bit for bit; and the whole layer's gradient.
+#include "model/layers/moe.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "model/layers/mlp.h"
-#include "model/layers/moe.h"
 #include "model/model.h"
 #include "tests/gradcheck.h"
 #include "train/config.h"
@@ -70,8 +71,8 @@ Routed route(std::vector<float>& logits, int64_t N, const MoeRouting& r,
 }
 
 TEST(MoeRouter, PicksTheTopKAndWeighsThemByHand) {
-  std::vector<float> logits = {0, 2, 1, -1,   // experts 1 then 2
-                               3, 3, 0, 0};   // a tie: the lower index first
+  std::vector<float> logits = {0, 2, 1, -1,  // experts 1 then 2
+                               3, 3, 0, 0};  // a tie: the lower index first
   const Routed o = route(logits, 2, routing(4, 2));
   EXPECT_EQ(o.idx, (std::vector<int32_t>{1, 2, 0, 1}));
   const float e = std::exp(1.0f);
@@ -117,9 +118,8 @@ TEST(MoeRouter, BackwardMatchesFiniteDifferences) {
       const std::vector<float> R = random_floats(static_cast<size_t>(N * K), 6);
       auto loss = [&](Routed& o) {
         o = route(logits, N, r);
-        return weighted_sum(o.w, R) +
-               loss_scale * (r.aux_loss_coef * o.stats[E + kMoeAux] / N +
-                             r.z_loss_coef * o.stats[E + kMoeZ] / N);
+        return weighted_sum(o.w, R) + loss_scale * (r.aux_loss_coef * o.stats[E + kMoeAux] / N +
+                                                    r.z_loss_coef * o.stats[E + kMoeZ] / N);
       };
       Routed base;
       loss(base);
@@ -188,8 +188,8 @@ TEST(MoePermute, GroupsRowsByExpertStablyAndRoundTripsExactly) {
   }
   // Combining with weight 1 (the permutation's backward) gives k * x exactly.
   std::vector<float> back(x.size());
-  cpu().moe_unpermute(f32(back, {N, C}), f32(p.xp, {N * K, C}), i32(p.slot_row, {N * K}),
-                      Tensor{}, false);
+  cpu().moe_unpermute(f32(back, {N, C}), f32(p.xp, {N * K, C}), i32(p.slot_row, {N * K}), Tensor{},
+                      false);
   for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(back[i], 2 * x[i]);
 }
 
@@ -255,7 +255,8 @@ TEST(GroupedMatmul, EachGroupIsItsExpertsMatmulAndBackwardMatchesFiniteDifferenc
     };
     forward();
     for (int64_t e : {0, 2}) {
-      const int64_t b = offsets[static_cast<size_t>(e)], n = offsets[static_cast<size_t>(e + 1)] - b;
+      const int64_t b = offsets[static_cast<size_t>(e)],
+                    n = offsets[static_cast<size_t>(e + 1)] - b;
       std::vector<float> ref(static_cast<size_t>(n * OC)), ref_pre(ref.size());
       std::vector<float> in(inp.begin() + b * C, inp.begin() + (b + n) * C);
       std::vector<float> w(weight.begin() + e * OC * C, weight.begin() + (e + 1) * OC * C);
@@ -439,7 +440,8 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
       rig.moe.forward(k, rig.w, rig.moe_acts, rig.x, true);
       const std::vector<float> st = rig.host(rig.stats);
       return weighted_sum(rig.host(rig.moe_acts.out), R) +
-             loss_scale * (r.aux_loss_coef * st[E + kMoeAux] / N + r.z_loss_coef * st[E + kMoeZ] / N);
+             loss_scale *
+                 (r.aux_loss_coef * st[E + kMoeAux] / N + r.z_loss_coef * st[E + kMoeZ] / N);
     };
     loss();
     const std::vector<int32_t> routed = rig.route();
@@ -477,7 +479,6 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
     check(x, dx, 0, static_cast<int64_t>(x.size()), "dx");
   }
 }
-
 
 // configs/moe-2.9b-a1b.yaml states its total and active parameters, its FLOPs per token and
 // its memory at its batch: the numbers the model computes.

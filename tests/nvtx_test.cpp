@@ -108,10 +108,9 @@ TEST(Nvtx, TheWrappedCommunicatorForwardsEveryCall) {
   c->all_to_all(t, t);
   c->wait();
   c->barrier();
-  EXPECT_EQ(inner.calls,
-            (std::vector<std::string>{"all_reduce_sum", "overlapped", "all_reduce_max",
-                                      "reduce_scatter_sum", "all_gather", "broadcast 2", "all_to_all", "wait",
-                                      "barrier"}));
+  EXPECT_EQ(inner.calls, (std::vector<std::string>{
+                             "all_reduce_sum", "overlapped", "all_reduce_max", "reduce_scatter_sum",
+                             "all_gather", "broadcast 2", "all_to_all", "wait", "barrier"}));
   EXPECT_EQ(c->rank(), 1);
   EXPECT_EQ(c->world_size(), 4);
   EXPECT_EQ(c->name(), "counting");

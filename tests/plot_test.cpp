@@ -102,8 +102,8 @@ TEST(Plot, ExpertLoadIsPlottedForAMoeRun) {
   fs::create_directories(dir / "dense");
   std::ofstream moe(dir / "moe" / "metrics.jsonl"), dense(dir / "dense" / "metrics.jsonl");
   for (int step = 1; step <= 20; ++step) {
-    const std::string common = "{\"step\":" + std::to_string(step) + ",\"loss\":" +
-                               std::to_string(5.0 - 0.1 * step) +
+    const std::string common = "{\"step\":" + std::to_string(step) +
+                               ",\"loss\":" + std::to_string(5.0 - 0.1 * step) +
                                ",\"lr\":1e-4,\"grad_norm\":1,\"ms\":100,\"tok_s\":1e5,\"mfu\":0.4";
     const int skew = 40 - step;  // the load evens out
     moe << common << ",\"moe_blocks\":[0,1],\"moe_tokens_min\":[10,20],\"moe_tokens_mean\":[25,25]"
@@ -114,10 +114,9 @@ TEST(Plot, ExpertLoadIsPlottedForAMoeRun) {
   }
   moe.close();
   dense.close();
-  const auto r = kiln::testing::run_command("python3 " + kSrc + "/tools/plot.py " +
-                                            (dir / "moe").string() + " " +
-                                            (dir / "dense").string() + " --out " +
-                                            (dir / "plots").string());
+  const auto r = kiln::testing::run_command(
+      "python3 " + kSrc + "/tools/plot.py " + (dir / "moe").string() + " " +
+      (dir / "dense").string() + " --out " + (dir / "plots").string());
   ASSERT_EQ(r.status, 0) << r.output;
   const fs::path p = dir / "plots" / "experts.png";
   ASSERT_TRUE(fs::exists(p)) << r.output;

@@ -147,11 +147,13 @@ std::vector<std::string> json_arrays(const std::string& out_dir, const std::stri
 // sigmoid scores with DeepSeek-V3's balancing bias, which the checkpoint keeps, in every other
 // block): they learn, log the routing telemetry, and resume bit for bit, routing included.
 TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
-  const std::string base = "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 "
-                           "--moe.top_k=2 --moe.expert_ffn_dim=64 ";
+  const std::string base =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 "
+      "--moe.top_k=2 --moe.expert_ffn_dim=64 ";
   const std::string aux = base + "--moe.n_shared_experts=1 --moe.z_loss_coef=0.001";
-  const std::string bias = base + "--moe.score=sigmoid --moe.balance=bias --moe.aux_loss_coef=0 "
-                                  "--moe.bias_update_rate=0.01 --moe.every=2";
+  const std::string bias = base +
+                           "--moe.score=sigmoid --moe.balance=bias --moe.aux_loss_coef=0 "
+                           "--moe.bias_update_rate=0.01 --moe.every=2";
   check_resume_is_bit_identical(dir_, "_moe", aux, train_cmd);
   check_resume_is_bit_identical(dir_, "_moe_bias", bias, train_cmd);
   for (const char* tag : {"_moe", "_moe_bias"}) {
@@ -165,8 +167,8 @@ TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
     ASSERT_EQ(load.size(), 20u);
     const std::vector<std::string> blocks = json_arrays(full, "moe_blocks");
     EXPECT_EQ(blocks.front(), std::string(tag) == "_moe" ? "[0,1]" : "[1]");
-    for (const char* key : {"moe_tokens_min", "moe_tokens_max", "moe_gini", "moe_aux", "moe_z",
-                            "moe_entropy"})
+    for (const char* key :
+         {"moe_tokens_min", "moe_tokens_max", "moe_gini", "moe_aux", "moe_z", "moe_entropy"})
       EXPECT_EQ(json_arrays(full, key).size(), 20u) << key;
     int64_t routed = 0;
     std::string first = load.front();
@@ -176,7 +178,8 @@ TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
     for (int64_t v; numbers >> v;) routed += v;
     EXPECT_EQ(routed, static_cast<int64_t>(blocks.front() == "[0,1]" ? 2 : 1) * 8 * 64 * 2);
     // The resumed run routes exactly as the uninterrupted one (the bias came back too).
-    const auto resumed = json_arrays((dir_ / (std::string("run_resumed") + tag)).string(), "moe_load");
+    const auto resumed =
+        json_arrays((dir_ / (std::string("run_resumed") + tag)).string(), "moe_load");
     ASSERT_EQ(resumed.size(), 10u);
     for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed[i], load[10 + i]) << "step " << 11 + i;
   }

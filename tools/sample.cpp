@@ -107,7 +107,8 @@ int run(int argc, char** argv) {
   arena.plan(&staging, "params.master", {layout.total}, DType::f32);
   // moe.balance=bias: routing picks experts with the trained bias the checkpoint keeps.
   const std::vector<float>& bias = manifest.state.moe_bias;
-  if (!bias.empty()) arena.plan(&moe_bias, "moe.bias", {static_cast<int64_t>(bias.size())}, DType::f32);
+  if (!bias.empty())
+    arena.plan(&moe_bias, "moe.bias", {static_cast<int64_t>(bias.size())}, DType::f32);
   arena.allocate();
   backend->copy_from_host(staging, master.data());
   backend->copy(weights, staging);

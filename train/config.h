@@ -38,17 +38,17 @@ struct ModelSection {
 // Mixture-of-Experts feed-forward layers (model/layers/moe.h, docs/moe.md). n_experts 0: a
 // dense model, and the other keys are not used.
 struct MoeSection {
-  int n_experts = 0;         // routed experts per MoE block (0: no MoE)
-  int top_k = 2;             // experts per token
-  int expert_ffn_dim = 0;    // each expert's hidden width (0: model.ffn_dim)
-  int n_shared_experts = 0;  // experts every token goes through, beside the routed ones
-  int every = 1;             // block l is MoE when (l + 1) % every == 0
-  std::string score = "softmax";  // softmax | sigmoid (DeepSeek-V3)
-  bool renormalize = true;        // the top-k weights divided by their sum
+  int n_experts = 0;                 // routed experts per MoE block (0: no MoE)
+  int top_k = 2;                     // experts per token
+  int expert_ffn_dim = 0;            // each expert's hidden width (0: model.ffn_dim)
+  int n_shared_experts = 0;          // experts every token goes through, beside the routed ones
+  int every = 1;                     // block l is MoE when (l + 1) % every == 0
+  std::string score = "softmax";     // softmax | sigmoid (DeepSeek-V3)
+  bool renormalize = true;           // the top-k weights divided by their sum
   std::string balance = "aux_loss";  // aux_loss | bias | none
-  double aux_loss_coef = 0.01;  // Switch/GShard load-balancing loss weight
-  double z_loss_coef = 0.0;     // router z-loss weight
-  double bias_update_rate = 0.001;  // balance=bias: the bias step per optimizer step
+  double aux_loss_coef = 0.01;       // Switch/GShard load-balancing loss weight
+  double z_loss_coef = 0.0;          // router z-loss weight
+  double bias_update_rate = 0.001;   // balance=bias: the bias step per optimizer step
 };
 
 struct DataSection {

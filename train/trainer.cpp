@@ -130,12 +130,16 @@ class Trainer {
  public:
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
           const TrainObserver* observer)
-      : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
+      : cfg_(cfg),
+        rank_(rank),
+        observer_(observer),
+        built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
         mcfg_(with_fp8(model_config(cfg.model, cfg.moe), cfg, *backend_, rank.rank == 0)),
         model_(make_model(mcfg_, *backend_)),
-        state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
+        state_arena_(*backend_, "parameters and optimizer"),
+        acts_arena_(*backend_, "activations") {
     nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
@@ -458,8 +462,8 @@ void Trainer::print_sample(int step) {
   opts.max_new_tokens = cfg_.train.sample_tokens;
   opts.temperature = 0.8f;
   opts.top_k = 40;
-  std::vector<int> out = generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts,
-                                  rng_, model_->moe_bias());
+  std::vector<int> out =
+      generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts, rng_, model_->moe_bias());
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
@@ -664,15 +668,14 @@ int Trainer::run() {
     const MoeConfig& m = mcfg_.moe;
     const int64_t per_expert =
         (mcfg_.mlp == MlpKind::swiglu ? 3 : 2) * int64_t{mcfg_.n_embd} * m.expert_ffn_dim;
-    const int64_t idle = static_cast<int64_t>(model_->moe_blocks().size()) *
-                         (m.n_experts - m.top_k) * per_expert;
-    spdlog::info("moe: {} of {} blocks route each token to {} of {} experts ({} wide{}, {} "
-                 "scores, balance {}); {} parameters, {} active per token (MFU counts those)",
-                 model_->moe_blocks().size(), mcfg_.n_layer, m.top_k, m.n_experts,
-                 m.expert_ffn_dim,
-                 m.n_shared_experts > 0 ? ", " + std::to_string(m.n_shared_experts) + " shared" : "",
-                 cfg_.moe.score, cfg_.moe.balance, model_->layout().total,
-                 model_->layout().total - idle);
+    const int64_t idle =
+        static_cast<int64_t>(model_->moe_blocks().size()) * (m.n_experts - m.top_k) * per_expert;
+    spdlog::info(
+        "moe: {} of {} blocks route each token to {} of {} experts ({} wide{}, {} "
+        "scores, balance {}); {} parameters, {} active per token (MFU counts those)",
+        model_->moe_blocks().size(), mcfg_.n_layer, m.top_k, m.n_experts, m.expert_ffn_dim,
+        m.n_shared_experts > 0 ? ", " + std::to_string(m.n_shared_experts) + " shared" : "",
+        cfg_.moe.score, cfg_.moe.balance, model_->layout().total, model_->layout().total - idle);
   }
   if (is_main() && fp8())
     spdlog::info("precision.fp8: {} linear layers in FP8 ({} format, amax history {}, {}, margin "
@@ -692,8 +695,8 @@ int Trainer::run() {
     const double lr = train_step(step);
     std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
     if (fp8())
-      readback.push_back(model_->fp8_state().slice(model_->fp8_layout().summary(),
-                                                   {Fp8StateLayout::kSummary}));
+      readback.push_back(
+          model_->fp8_state().slice(model_->fp8_layout().summary(), {Fp8StateLayout::kSummary}));
     if (moe()) readback.push_back(model_->moe_stats());
     backend_->read_async(step % Backend::kReadbackSlots, readback);
     const Clock::time_point enqueue_end = Clock::now();

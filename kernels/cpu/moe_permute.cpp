@@ -33,8 +33,8 @@ int64_t check_combine(const OpCheck& c, const Tensor& tokens, const Tensor& yp,
 
 }  // namespace
 
-void CpuBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
-                             Tensor x, Tensor topk_idx) {
+void CpuBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
+                             Tensor topk_idx) {
   OpCheck c{"moe_permute"};
   c.f32("x", x);
   c.dtype("topk_idx", topk_idx, DType::i32);

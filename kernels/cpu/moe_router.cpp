@@ -54,8 +54,7 @@ inline float sigmoid(float x) {
 }  // namespace
 
 void CpuBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
-                                    Tensor stats, Tensor logits, Tensor bias,
-                                    const MoeRouting& r) {
+                                    Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) {
   OpCheck c{"moe_router_forward"};
   check_routing(c, r, logits, scores, topk_idx);
   const int64_t N = logits.dim(0);
@@ -213,8 +212,7 @@ void CpuBackend::moe_bias_update(Tensor bias, Tensor counts, float rate) {
   float sum = 0;
   for (int64_t e = 0; e < E; ++e) sum += cnt[e];
   const float mean = sum / static_cast<float>(E);
-  for (int64_t e = 0; e < E; ++e)
-    b[e] += cnt[e] < mean ? rate : cnt[e] > mean ? -rate : 0.0f;
+  for (int64_t e = 0; e < E; ++e) b[e] += cnt[e] < mean ? rate : cnt[e] > mean ? -rate : 0.0f;
 }
 
 }  // namespace kiln

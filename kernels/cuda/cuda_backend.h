@@ -5,7 +5,8 @@
 // CUDA graph.
 // The ops are member functions defined next to their kernels, one file per op family
 // (encoder.cu, layernorm.cu, matmul.cu, fp8.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
-// adamw.cu, moe_*.cu, grouped_matmul.cu); this header is the only one other layers (trainer, NCCL) need.
+// adamw.cu, moe_*.cu, grouped_matmul.cu); this header is the only one other layers (trainer, NCCL)
+// need.
 #pragma once
 
 #include <cublasLt.h>

@@ -27,11 +27,11 @@ constexpr int kLdA = kBK + 8, kLdB = kBN + 8, kLdC = kBN + 4;  // padded; WMMA-l
 enum class Mode { forward, dinp, dweight };
 
 struct GemmArgs {
-  bf16* out = nullptr;        // forward: out; dinp: dinp
-  bf16* pre_gelu = nullptr;   // forward: written; dinp: read (gelu')
-  float* dweight = nullptr;   // dweight
-  const bf16* a = nullptr;    // forward: inp; dinp, dweight: dout
-  const bf16* b = nullptr;    // forward, dinp: weight; dweight: inp
+  bf16* out = nullptr;       // forward: out; dinp: dinp
+  bf16* pre_gelu = nullptr;  // forward: written; dinp: read (gelu')
+  float* dweight = nullptr;  // dweight
+  const bf16* a = nullptr;   // forward: inp; dinp, dweight: dout
+  const bf16* b = nullptr;   // forward, dinp: weight; dweight: inp
   const int* offsets = nullptr;
   int E = 0;
   int64_t M = 0, C = 0, OC = 0;  // rows, in features, out features

@@ -29,8 +29,8 @@ __global__ void offsets_kernel(int* offsets, const int* counts, int E) {
 
 // Block e: slot_row and row_token for expert e's choices, in slot order.
 __global__ void __launch_bounds__(kRankThreads)
-    rank_kernel(int* slot_row, int* row_token, const int* topk_idx, const int* offsets,
-                int64_t M, int K) {
+    rank_kernel(int* slot_row, int* row_token, const int* topk_idx, const int* offsets, int64_t M,
+                int K) {
   __shared__ int warp_counts[kRankThreads / 32];
   const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int base = offsets[e];
@@ -75,9 +75,8 @@ __global__ void combine_kernel(bf16* out, const bf16* yp, const int* slot_row, c
 }
 
 // Block n: dyp rows of token n's choices, and dtopk_w as block dot products.
-__global__ void combine_backward_kernel(bf16* dyp, float* dtopk_w, const bf16* dout,
-                                        const bf16* yp, const int* slot_row, const float* w,
-                                        int64_t C, int K) {
+__global__ void combine_backward_kernel(bf16* dyp, float* dtopk_w, const bf16* dout, const bf16* yp,
+                                        const int* slot_row, const float* w, int64_t C, int K) {
   __shared__ float shared[32];
   const int64_t n = blockIdx.x;
   for (int j = 0; j < K; ++j) {
@@ -105,8 +104,10 @@ void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tens
   const char* op = "moe_permute";
   expect_activation(x, op, "x");
   expect_activation(xp, op, "xp");
-  for (auto [t, what] : {std::pair{&row_token, "row_token"}, {&slot_row, "slot_row"},
-                         {&offsets, "offsets"}, {&topk_idx, "topk_idx"}}) {
+  for (auto [t, what] : {std::pair{&row_token, "row_token"},
+                         {&slot_row, "slot_row"},
+                         {&offsets, "offsets"},
+                         {&topk_idx, "topk_idx"}}) {
     expect_device(*t, op, what);
     if (t->dtype != DType::i32)
       throw std::invalid_argument(std::string("cuda moe_permute: ") + what + " " + t->str() +
@@ -123,15 +124,15 @@ void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tens
   int* counts = static_cast<int*>(scratch(E * sizeof(int)));
   KILN_CUDA_CHECK(cudaMemsetAsync(counts, 0, E * sizeof(int), stream_));
   if (M > 0) {
-    histogram_kernel<<<grid_for(M, 256, sm_count_), 256, 0, stream_>>>(counts,
-                                                                     topk_idx.ptr<int>(), M);
+    histogram_kernel<<<grid_for(M, 256, sm_count_), 256, 0, stream_>>>(counts, topk_idx.ptr<int>(),
+                                                                       M);
     KILN_CUDA_LAUNCH_CHECK();
   }
   offsets_kernel<<<1, 1, 0, stream_>>>(offsets.ptr<int>(), counts, E);
   KILN_CUDA_LAUNCH_CHECK();
   if (M == 0) return;
   rank_kernel<<<E, kRankThreads, 0, stream_>>>(slot_row.ptr<int>(), row_token.ptr<int>(),
-                                                topk_idx.ptr<int>(), offsets.ptr<int>(), M, K);
+                                               topk_idx.ptr<int>(), offsets.ptr<int>(), M, K);
   KILN_CUDA_LAUNCH_CHECK();
   gather_rows_kernel<<<grid_for(M * C, 256, sm_count_), 256, 0, stream_>>>(
       xp.ptr<bf16>(), x.ptr<bf16>(), row_token.ptr<int>(), M, C);
@@ -146,8 +147,8 @@ void CudaBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor t
   expect_device(slot_row, op, "slot_row");
   const int64_t C = out.dim(-1), N = out.numel() / C, M = yp.numel() / C;
   if (N == 0 || M % N != 0 || yp.dim(-1) != C)
-    throw std::invalid_argument("cuda moe_unpermute: yp " + yp.str() + " must be [N*k, C] for out " +
-                                out.str());
+    throw std::invalid_argument("cuda moe_unpermute: yp " + yp.str() +
+                                " must be [N*k, C] for out " + out.str());
   expect_numel(slot_row, M, op, "slot_row");
   if (topk_w.defined()) {
     expect_f32(topk_w, op, "topk_w");
@@ -177,8 +178,8 @@ void CudaBackend::moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout
   expect_f32(dtopk_w, op, "dtopk_w");
   expect_numel(dtopk_w, M, op, "dtopk_w");
   combine_backward_kernel<<<static_cast<unsigned>(N), 128, 0, stream_>>>(
-      dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(),
-      slot_row.ptr<int>(), topk_w.ptr<float>(), C, static_cast<int>(M / N));
+      dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(), slot_row.ptr<int>(),
+      topk_w.ptr<float>(), C, static_cast<int>(M / N));
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -52,8 +52,8 @@ __device__ inline float load_softmax(const bf16* row, int E, float (&l)[kMaxPerL
 
 // sums: [E] the tokens' p summed per expert, then z (sum lse^2), then entropy; counts: [E].
 __global__ void router_forward_kernel(float* scores, int* topk_idx, float* topk_w, float* counts,
-                                      float* sums, const bf16* logits, const float* bias,
-                                      int64_t N, int E, int K, bool sigmoid, bool renormalize) {
+                                      float* sums, const bf16* logits, const float* bias, int64_t N,
+                                      int E, int K, bool sigmoid, bool renormalize) {
   const int64_t n = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   if (n >= N) return;
   const int lane = threadIdx.x % 32;
@@ -116,8 +116,8 @@ __global__ void router_forward_kernel(float* scores, int* topk_idx, float* topk_
 }
 
 // stats += counts, aux * N, z, entropy, N (one block).
-__global__ void router_stats_kernel(float* stats, const float* counts, const float* sums,
-                                    int64_t N, int E, int K) {
+__global__ void router_stats_kernel(float* stats, const float* counts, const float* sums, int64_t N,
+                                    int E, int K) {
   __shared__ float shared[32];
   float aux = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -175,7 +175,8 @@ __global__ void router_backward_kernel(bf16* dlogits, const float* dtopk_w, cons
     for (int i = 0; i < kMaxPerLane; ++i) dp += daux[i] * s[i] / sum;
     dp = warp_sum(dp);
 #pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) d[i] = (d[i] + (daux[i] - dp) / sum) * s[i] * (1.0f - s[i]);
+    for (int i = 0; i < kMaxPerLane; ++i)
+      d[i] = (d[i] + (daux[i] - dp) / sum) * s[i] * (1.0f - s[i]);
   }
   if (dz != 0) {
     float l[kMaxPerLane], p[kMaxPerLane];
@@ -251,8 +252,8 @@ void CudaBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk
       r.score == MoeScore::sigmoid, r.renormalize);
   KILN_CUDA_LAUNCH_CHECK();
   if (stats.defined()) {
-    router_stats_kernel<<<1, 256, 0, stream_>>>(stats.ptr<float>(), counts.ptr<float>(), sums, N,
-                                                E, K);
+    router_stats_kernel<<<1, 256, 0, stream_>>>(stats.ptr<float>(), counts.ptr<float>(), sums, N, E,
+                                                K);
     KILN_CUDA_LAUNCH_CHECK();
   }
 }

@@ -36,15 +36,15 @@ struct Moe {
   Mlp shared;              // ffn_dim = n_shared_experts * expert_ffn_dim; out is Acts::out
 
   struct Acts {
-    Tensor logits;                  // [N,E]
-    Tensor scores;                  // f32[N,E]
-    Tensor topk_idx, topk_w;        // i32[N,k], f32[N,k]
-    Tensor counts;                  // f32[E], this batch's rows per expert
-    Tensor offsets;                 // i32[E+1]
-    Tensor slot_row, row_token;     // i32[N*k]
-    Tensor xp, pre, act, yp;        // [M,C], [M,2F|F], [M,F], [M,C]
-    Mlp::Acts shared;               // pre and act; shared.out is out
-    Tensor out;                     // [B,T,C]
+    Tensor logits;               // [N,E]
+    Tensor scores;               // f32[N,E]
+    Tensor topk_idx, topk_w;     // i32[N,k], f32[N,k]
+    Tensor counts;               // f32[E], this batch's rows per expert
+    Tensor offsets;              // i32[E+1]
+    Tensor slot_row, row_token;  // i32[N*k]
+    Tensor xp, pre, act, yp;     // [M,C], [M,2F|F], [M,F], [M,C]
+    Mlp::Acts shared;            // pre and act; shared.out is out
+    Tensor out;                  // [B,T,C]
     // The layer's state, slices of the decoder's (not activations): statistics summed over a
     // step (f32[E + kMoeStats], Backend's MoeStat) and the balancing bias (f32[E] or absent).
     Tensor stats, bias;

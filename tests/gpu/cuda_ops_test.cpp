@@ -975,7 +975,6 @@ TEST_F(CudaFp8, MatmulMatchesCpuEmulationAndTracksBf16) {
   }
 }
 
-
 // ---- Mixture-of-Experts (kernels/cuda/moe_router.cu, moe_permute.cu, grouped_matmul.cu) ----
 // The same fixture under its own name, so `--gtest_filter='CudaMoe*'` runs these alone.
 using CudaMoe = CudaOps;
@@ -990,9 +989,9 @@ TEST_F(CudaMoe, RouterForwardAndBackwardMatchTheCpu) {
     MoeScore score;
     bool renormalize, bias;
   };
-  for (const Case& c : {Case{8, 2, MoeScore::softmax, true, false},
-                        Case{64, 6, MoeScore::sigmoid, true, true},
-                        Case{160, 1, MoeScore::softmax, false, false}}) {
+  for (const Case& c :
+       {Case{8, 2, MoeScore::softmax, true, false}, Case{64, 6, MoeScore::sigmoid, true, true},
+        Case{160, 1, MoeScore::softmax, false, false}}) {
     std::cout << "  E " << c.E << " k " << c.K << "\n";
     MoeRouting r;
     r.n_experts = c.E;
@@ -1107,7 +1106,8 @@ TEST_F(CudaMoe, GroupedMatmulMatchesTheCpu) {
   Buf co = cpu({M + 0, OC}, std::vector<float>(static_cast<size_t>(M * OC))),
       go = poisoned({M, OC}, DType::bf16);
   Buf cx = cpu({M, C}, x), gx = act({M, C}, x), cw = cpu({E, OC, C}, w), gw = act({E, OC, C}, w);
-  Buf coff = ints(*cpu_, {E + 1}, DType::i32, offsets), goff = ints(*gpu_, {E + 1}, DType::i32, offsets);
+  Buf coff = ints(*cpu_, {E + 1}, DType::i32, offsets),
+      goff = ints(*gpu_, {E + 1}, DType::i32, offsets);
   for (bool gelu : {false, true}) {
     Buf cpre(*cpu_, {M, OC}, DType::f32), gpre = poisoned({M, OC}, DType::bf16);
     cpu_->grouped_matmul_forward(co, cx, cw, coff, gelu ? Tensor(cpre) : Tensor{});
