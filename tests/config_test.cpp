@@ -458,8 +458,17 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
             std::string::npos);
   EXPECT_NO_THROW(parse_config(moe, {"moe.balance=none", "moe.aux_loss_coef=0"}));
   EXPECT_NO_THROW(parse_config(moe, {"moe.balance=bias", "moe.aux_loss_coef=0"}));
-  // A dense model ignores the moe keys' relations; expert parallelism is refused anyway.
-  EXPECT_NO_THROW(parse_config(kMinimal, {"moe.top_k=9"}));
+  // A key nothing would read is refused: any moe key of a dense model, the bias rate without
+  // the bias. A dense run's saved config (every key at its default) reads back.
+  EXPECT_NE(input_error([&] { parse_config(kMinimal, {"moe.top_k=1"}); }).find("moe.top_k"),
+            std::string::npos);
+  EXPECT_NE(input_error([&] {
+              parse_config(moe, {"moe.bias_update_rate=0.01"});
+            }).find("moe.bias_update_rate"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_config(moe, {"moe.balance=bias", "moe.bias_update_rate=0.01"}));
+  const Config dense = parse_config(kMinimal, {});
+  EXPECT_EQ(parse_config(config_to_yaml(dense), {}), dense);
 }
 
 }  // namespace

@@ -476,7 +476,8 @@ struct Resolver {
       m.ffn_dim = m.mlp == "swiglu" ? static_cast<int>((int64_t{8} * m.n_embd / 3 + 255) / 256 * 256) : 4 * m.n_embd;
     }
     if (m.padded_vocab_size == 0) m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
-    if (config.moe.expert_ffn_dim == 0) config.moe.expert_ffn_dim = m.ffn_dim;
+    if (config.moe.n_experts > 0 && config.moe.expert_ffn_dim == 0)
+      config.moe.expert_ffn_dim = m.ffn_dim;
   }
 
   void validate_fields() {
@@ -497,7 +498,22 @@ struct Resolver {
            "expert parallelism is not implemented yet: every rank holds every expert (the "
            "non-expert strategies ddp, zero1 and fsdp shard them as any parameter); got " +
                std::to_string(config.dist.expert_parallel));
-    if (e.n_experts == 0) return;
+    // A key that is accepted does what it says: a moe key set away from its default where
+    // nothing reads it is refused rather than ignored.
+    Config defaults;  // non-const: the accessors hand out mutable pointers
+    auto changed = [&](const char* key) {
+      const Field& f = field(key);
+      return value_to_yaml(get(f)) != value_to_yaml(f.member(defaults));
+    };
+    if (e.n_experts == 0) {
+      for (const Field& f : schema())
+        if (std::string(f.section) == "moe" && std::string(f.key) != "n_experts" && changed(f.key))
+          fail(f, "is set, but moe.n_experts is 0 (a dense model reads no other moe key)");
+      return;
+    }
+    if (e.balance != "bias" && changed("bias_update_rate"))
+      fail(field("bias_update_rate"),
+           "is read by moe.balance=bias only (this run's is " + e.balance + ")");
     if (e.top_k > e.n_experts)
       fail(field("top_k"), "must be <= moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
                                std::to_string(e.top_k));
