@@ -148,20 +148,17 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, checkpoint_every), non_negative(),
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
-      {KILN_FIELD(train, save_checkpoints), any(),
-       "write checkpoints (false: none, for benchmarks)"},
+      {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
       {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
        "activations recomputed in backward instead of kept: selective (norm outputs, the "
        "attention core, SwiGLU) or full (each block from its input)"},
-      {KILN_FIELD(train, cuda_graphs), any(),
-       "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
+      {KILN_FIELD(train, cuda_graphs), any(), "capture the step as a CUDA graph (not yet: warns, runs eagerly)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(train, nvtx), any(),
-       "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data "
-       "wait (off: no cost; a CPU-only build: none)"},
+       "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},
       {KILN_FIELD(init, from), any(),
        "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
        "directory; its config.json must match model) or a kiln run or checkpoint directory "

@@ -130,16 +130,12 @@ class Trainer {
  public:
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
           const TrainObserver* observer)
-      : cfg_(cfg),
-        rank_(rank),
-        observer_(observer),
-        built_backend_(make_backend(cfg, rank)),
+      : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
         mcfg_(with_fp8(model_config(cfg.model, cfg.moe), cfg, *backend_, rank.rank == 0)),
         model_(make_model(mcfg_, *backend_)),
-        state_arena_(*backend_, "parameters and optimizer"),
-        acts_arena_(*backend_, "activations") {
+        state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
     if (make_comm) {
       owned_comm_ = make_comm(*backend_);
