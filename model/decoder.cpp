@@ -191,6 +191,12 @@ const char* recompute_name(Recompute r) {
 
 namespace {
 
+// A MoE block's buffers beside its output and the shared expert's (Moe::Acts).
+constexpr Tensor Moe::Acts::*kMoeActs[] = {
+    &Moe::Acts::logits, &Moe::Acts::scores,  &Moe::Acts::topk_idx, &Moe::Acts::topk_w,
+    &Moe::Acts::counts, &Moe::Acts::offsets, &Moe::Acts::slot_row, &Moe::Acts::row_token,
+    &Moe::Acts::xp,     &Moe::Acts::pre,     &Moe::Acts::act,      &Moe::Acts::yp};
+
 // A block activation's place inside BlockActs-like structs, to tell fields apart by identity.
 template <class S>
 size_t field_offset(const S& s, const Tensor* t) {
@@ -219,6 +225,11 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
           &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
       keep(*t);
     if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
+    // A MoE block keeps all it computed but its output: routing, permutation and the experts'
+    // activations are what its backward reads, and recomputing them is most of its forward.
+    for (Tensor Moe::Acts::*f : kMoeActs) keep(probe.moe.*f);
+    keep(probe.moe.shared.pre);
+    keep(probe.moe.shared.act);
   }
   // Plans block l's fields (l >= 0) that are kept, or the shared set's (l < 0) that are not.
   auto plan_block = [&](int l, BlockActs& a) {
@@ -230,20 +241,20 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
           recompute == Recompute::none || std::find(kept.begin(), kept.end(), at) != kept.end();
       if (is_kept != shared) planner(slot, name, shape, dtype);
     };
-    // The shared set takes block 0's shapes: recomputation runs on dense models only.
+    // Attention and the norms have the same shapes in every block; the shared set holds a
+    // dense block's MLP and a MoE block's buffers where the model has both kinds.
     const Block& blk = blocks_[shared ? 0 : static_cast<size_t>(l)];
     if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, act);
     blk.ln1.plan(pick, p + "ln1", a.ln1, B, T, C, act);
     blk.attn.plan(pick, p, a.attn, B, T, act);
     pick(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
     blk.ln2.plan(pick, p + "ln2", a.ln2, B, T, C, act);
-    if (blk.is_moe)
-      blk.moe.plan(pick, p, a.moe, B, T, act);
-    else
-      blk.mlp.plan(pick, p, a.mlp, B, T, act);
+    const bool any_dense = moe_blocks_.size() < blocks_.size();
+    if (shared ? any_dense : !blk.is_moe)
+      blocks_.front().mlp.plan(pick, p, a.mlp, B, T, act);  // block 0 is dense if any is
+    if (shared ? !moe_blocks_.empty() : blk.is_moe)
+      blocks_[static_cast<size_t>(moe_blocks_.front())].moe.plan(pick, p, a.moe, B, T, act);
   };
-  if (recompute != Recompute::none && !moe_blocks_.empty())
-    throw std::invalid_argument("train.recompute with MoE blocks: not supported yet");
   planner(&acts.encoded, "encoded", {B, T, C}, act);
   for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
   if (recompute != Recompute::none) plan_block(-1, acts.shared);
@@ -329,6 +340,10 @@ Decoder::BlockActs Decoder::acts(int l) const {
   merge(a.mlp.pre, s.mlp.pre);
   merge(a.mlp.act, s.mlp.act);
   merge(a.mlp.out, s.mlp.out);
+  for (Tensor Moe::Acts::*f : kMoeActs) merge(a.moe.*f, s.moe.*f);
+  merge(a.moe.shared.pre, s.moe.shared.pre);
+  merge(a.moe.shared.act, s.moe.shared.act);
+  merge(a.moe.out, s.moe.out);
   return a;
 }
 
@@ -341,11 +356,16 @@ void Decoder::recompute_block(int l, const BlockActs& a) {
   if (recompute_ == Recompute::selective) {
     blk.attn.recompute_core(k, a.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
-    blk.mlp.recompute_act(k, a.mlp);
+    if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
     blk.attn.forward(k, w, a.attn, a.ln1.out);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
-    blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
+    // The routing comes out as in forward (same input, same bias); its statistics were
+    // counted there.
+    if (blk.is_moe)
+      blk.moe.forward(k, w, a.moe, a.ln2.out, /*with_stats=*/false);
+    else
+      blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
   }
 }
 

@@ -449,8 +449,7 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
         Bad{"moe.score=relu", "moe.score"}, Bad{"moe.balance=loss", "moe.balance"},
         Bad{"moe.aux_loss_coef=0", "moe.aux_loss_coef"},
         Bad{"dist.expert_parallel=2", "dist.expert_parallel"}, Bad{"model.bias=true", "model.bias"},
-        Bad{"train.recompute=full", "train.recompute"}, Bad{"precision.fp8=true", "precision.fp8"},
-        Bad{"moe.every=0", "moe.every"}}) {
+        Bad{"precision.fp8=true", "precision.fp8"}, Bad{"moe.every=0", "moe.every"}}) {
     const std::string what = input_error([&] { parse_config(moe, {b.override_text}); });
     EXPECT_NE(what.find(b.key), std::string::npos) << b.override_text << ": " << what;
   }

@@ -291,11 +291,15 @@ TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
 }
 
 // train.recompute recomputes in backward what it does not keep: on the CPU the loss and every
-// gradient are bit-identical to keeping everything, for each architecture, with accumulation
-// over two micro-batches, and the plan is smaller.
+// gradient are bit-identical to keeping everything, for each architecture (and a MoE with
+// dense and MoE blocks, and one of MoE blocks only), with accumulation over two micro-batches,
+// and the plan is smaller.
 TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
   ModelConfig gelu = TinyModel::gpt2_tiny(), llama = llama_tiny(), qwen3 = qwen3_tiny();
-  for (const ModelConfig& c : {gelu, llama, qwen3}) {
+  ModelConfig moe = moe_tiny(), all_moe = moe_tiny();
+  all_moe.moe.every = 1;
+  all_moe.moe.n_shared_experts = 0;
+  for (const ModelConfig& c : {gelu, llama, qwen3, moe, all_moe}) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
     std::vector<double> losses;

@@ -188,19 +188,24 @@ TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
 // train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
 TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";
-  const std::string none = (dir_ / "run_recompute_none").string();
-  ASSERT_EQ(run(train_cmd(none, llama)).status, 0);
-  for (const char* mode : {"selective", "full"}) {
-    const std::string out = (dir_ / (std::string("run_recompute_") + mode)).string();
-    const Result r = run(train_cmd(out, llama + "--train.recompute=" + mode));
-    ASSERT_EQ(r.status, 0) << r.output;
-    EXPECT_NE(r.output.find(std::string("train.recompute=") + mode + " saves"), std::string::npos)
-        << r.output;
-    const auto a = read_losses(none), b = read_losses(out);
-    ASSERT_EQ(a.size(), 8u);
-    ASSERT_EQ(b.size(), a.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
+  // A MoE (the bias, so that the routing's history matters) recomputes the same too.
+  const std::string moe = llama + "--moe.n_experts=4 --moe.expert_ffn_dim=64 --moe.every=2 " +
+                          "--moe.balance=bias --moe.aux_loss_coef=0 --moe.bias_update_rate=0.01 ";
+  for (const auto& [tag, model] : {std::pair{"", llama}, std::pair{"_moe", moe}}) {
+    const std::string none = (dir_ / ("run_recompute_none" + std::string(tag))).string();
+    ASSERT_EQ(run(train_cmd(none, model)).status, 0);
+    for (const char* mode : {"selective", "full"}) {
+      const std::string out = (dir_ / (std::string("run_recompute_") + mode + tag)).string();
+      const Result r = run(train_cmd(out, model + "--train.recompute=" + mode));
+      ASSERT_EQ(r.status, 0) << r.output;
+      EXPECT_NE(r.output.find(std::string("train.recompute=") + mode + " saves"), std::string::npos)
+          << r.output;
+      const auto a = read_losses(none), b = read_losses(out);
+      ASSERT_EQ(a.size(), 8u);
+      ASSERT_EQ(b.size(), a.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_EQ(b[i].text, a[i].text) << tag << " " << mode << " step " << i + 1;
+    }
   }
 }
 

@@ -262,7 +262,7 @@ TEST(CudaTrainStep, LlamaMatchesTheCpuStep) {
 // (the recomputed norms read the bf16-stored residual where forward fused the add).
 TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-  for (const ModelConfig& cfg : {small_config(), small_qwen3()}) {
+  for (const ModelConfig& cfg : {small_config(), small_qwen3(), small_moe(2)}) {
     const std::unique_ptr<Backend> host = make_cpu_backend();
     std::vector<float> params(static_cast<size_t>(make_model(cfg, *host)->layout().total));
     make_model(cfg, *host)->init(1337, params.data());
