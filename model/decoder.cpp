@@ -28,7 +28,6 @@ void check_config(const ModelConfig& c) {
     if (m.expert_ffn_dim <= 0 || m.every <= 0 || m.n_shared_experts < 0)
       fail("moe.expert_ffn_dim and moe.every must be positive, n_shared_experts >= 0");
     if (c.bias) fail("MoE experts carry no biases: model.bias must be false");
-    if (c.fp8) fail("MoE with FP8: not supported yet");
   }
 }
 
@@ -117,8 +116,16 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
       if (edges && (l == 0 || l == cfg.n_layer - 1)) continue;
       Block& blk = blocks_[static_cast<size_t>(l)];
       const std::string p = "h." + std::to_string(l) + ".";
-      for (auto [lin, name] : {std::pair{&blk.attn.qkv, "attn.qkv"}, {&blk.attn.proj, "attn.proj"},
-                               {&blk.mlp.fc, "mlp.fc"}, {&blk.mlp.proj, "mlp.proj"}}) {
+      std::vector<std::pair<Linear*, const char*>> linears = {{&blk.attn.qkv, "attn.qkv"},
+                                                              {&blk.attn.proj, "attn.proj"}};
+      // A MoE block's router and routed experts stay bf16 (the grouped GEMM has no FP8 form);
+      // its shared expert is a dense MLP and runs in FP8 like one.
+      if (!blk.is_moe)
+        linears.insert(linears.end(), {{&blk.mlp.fc, "mlp.fc"}, {&blk.mlp.proj, "mlp.proj"}});
+      else if (blk.moe.has_shared)
+        linears.insert(linears.end(), {{&blk.moe.shared.fc, "moe.shared.fc"},
+                                       {&blk.moe.shared.proj, "moe.shared.proj"}});
+      for (auto [lin, name] : linears) {
         fp8_.linears.push_back(lin);
         for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
       }

@@ -185,6 +185,29 @@ TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
   }
 }
 
+// precision.fp8 with MoE blocks (the CPU emulates FP8): attention, the dense blocks' MLPs and
+// the shared experts run in FP8, the routers and routed experts in bf16, as the run says; it
+// learns, and resumes bit for bit with the FP8 state and the routing.
+TEST_F(TrainE2E, MoeWithFp8TrainsAndSaysWhatStaysBf16) {
+  const std::string moe =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.expert_ffn_dim=64 "
+      "--moe.every=2 --moe.n_shared_experts=1 --precision.fp8=true";
+  check_resume_is_bit_identical(dir_, "_moe_fp8", moe, train_cmd);
+  const std::string full = (dir_ / "run_full_moe_fp8").string();
+  const auto m = read_losses(full);
+  ASSERT_EQ(m.size(), 20u);
+  EXPECT_LT(m.back().value, m.front().value - 1.0) << "loss did not fall";
+  const Result r =
+      run(train_cmd((dir_ / "run_moe_fp8_log").string(), moe + " --train.max_steps=1"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  // 2 blocks: attention (2) in both, the dense MLP (2) of block 0, the shared expert (2) of
+  // block 1.
+  EXPECT_NE(r.output.find("precision.fp8: 8 linear layers in FP8 (the MoE routers and routed "
+                          "experts stay bf16)"),
+            std::string::npos)
+      << r.output;
+}
+
 // train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
 TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";

@@ -524,8 +524,6 @@ struct Resolver {
     if (config.model.bias)
       fail(*find_field("model", "bias"),
            "MoE experts carry no biases: set model.bias=false (the llama and qwen3 arch rows do)");
-    if (config.precision.fp8)
-      fail(*find_field("precision", "fp8"), "must be false with MoE blocks (not supported yet)");
   }
 
   void validate_relations() {

@@ -674,12 +674,14 @@ int Trainer::run() {
         cfg_.moe.score, cfg_.moe.balance, model_->layout().total, model_->layout().total - idle);
   }
   if (is_main() && fp8())
-    spdlog::info("precision.fp8: {} linear layers in FP8 ({} format, amax history {}, {}, margin "
-                 "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
-                 "peak {}",
-                 model_->fp8_layout().n / kFp8Roles, cfg_.fp8.format, cfg_.fp8.amax_history_len,
-                 cfg_.fp8.amax_compute_algo, cfg_.fp8.margin,
-                 peak_fp8_ > 0 ? std::to_string(peak_fp8_ / 1e12) + " TFLOP/s" : "unknown");
+    spdlog::info(
+        "precision.fp8: {} linear layers in FP8{} ({} format, amax history {}, {}, margin "
+        "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
+        "peak {}",
+        model_->fp8_layout().n / kFp8Roles,
+        moe() ? " (the MoE routers and routed experts stay bf16)" : "", cfg_.fp8.format,
+        cfg_.fp8.amax_history_len, cfg_.fp8.amax_compute_algo, cfg_.fp8.margin,
+        peak_fp8_ > 0 ? std::to_string(peak_fp8_ / 1e12) + " TFLOP/s" : "unknown");
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
   // read while step N+1 runs (the GPU never waits for the host's logging), except at host
