@@ -395,7 +395,7 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",
-                           "llama-1.36b", "qwen3-1.7b"}) {
+                           "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b"}) {
     const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }

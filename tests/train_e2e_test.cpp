@@ -185,6 +185,23 @@ TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
   }
 }
 
+// The shipped configs/moe-tiny.yaml trains as it is (a few small steps here) and logs its
+// routing on the step line.
+TEST_F(TrainE2E, MoeTinyConfigTrains) {
+  const std::string data = (dir_ / "data").string();
+  const std::string out = (dir_ / "run_moe_tiny").string();
+  const Result r = run(kBin + "/train " + kSrc + "/configs/moe-tiny.yaml --train.device=cpu" +
+                       " --data.train='" + data + "/train_*.bin' --data.val='" + data +
+                       "/val_*.bin' --train.batch_size=2 --train.max_steps=4 --train.log_every=2" +
+                       " --train.eval_every=4 --train.eval_steps=1 --train.out_dir=" + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_losses(out).size(), 4u);
+  EXPECT_NE(r.output.find("moe: 4 of 4 blocks route each token to 2 of 8 experts"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(" | moe tok "), std::string::npos) << r.output;
+}
+
 // precision.fp8 with MoE blocks (the CPU emulates FP8): attention, the dense blocks' MLPs and
 // the shared experts run in FP8, the routers and routed experts in bf16, as the run says; it
 // learns, and resumes bit for bit with the FP8 state and the routing.
