@@ -444,11 +444,12 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
   struct Bad {
     std::string override_text, key;
   };
-  for (const Bad& b : {Bad{"moe.top_k=9", "moe.top_k"}, Bad{"moe.n_experts=257", "moe.n_experts"},
-                       Bad{"moe.score=relu", "moe.score"}, Bad{"moe.balance=loss", "moe.balance"},
-                       Bad{"moe.aux_loss_coef=0", "moe.aux_loss_coef"},
-                       Bad{"dist.expert_parallel=2", "dist.expert_parallel"},
-                       Bad{"model.bias=true", "model.bias"}, Bad{"moe.every=0", "moe.every"}}) {
+  for (const Bad& b :
+       {Bad{"moe.top_k=9", "moe.top_k"}, Bad{"moe.n_experts=257", "moe.n_experts"},
+        Bad{"moe.score=relu", "moe.score"}, Bad{"moe.balance=loss", "moe.balance"},
+        Bad{"moe.aux_loss_coef=0", "moe.aux_loss_coef"},
+        Bad{"dist.expert_parallel=2", "dist.expert_parallel"}, Bad{"model.bias=true", "model.bias"},
+        Bad{"moe.every=0", "moe.every"}, Bad{"moe.every=13", "moe.every"}}) {
     const std::string what = input_error([&] { parse_config(moe, {b.override_text}); });
     EXPECT_NE(what.find(b.key), std::string::npos) << b.override_text << ": " << what;
   }

@@ -123,6 +123,11 @@ TEST_F(DistTrain, MoeFollowsTheSingleProcessCurveUnderEveryStrategy) {
     expect_same_curve(single, train(std::string("moe_") + strategy + "_2", 2, strategy, steps),
                       1e-5);
   expect_same_curve(single, train("moe_ddp_4", 4, "ddp", steps), 1e-5);
+  // Accumulating micro-batches: the z-loss is weighted per micro-batch like the cross-entropy,
+  // and the loads the bias follows are summed over them.
+  expect_same_curve(
+      single, train("moe_accum_2", 2, "ddp", steps + " --train.batch_size=2 --train.grad_accum=2"),
+      1e-5);
 }
 
 // The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its

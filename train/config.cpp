@@ -511,6 +511,10 @@ struct Resolver {
     if (e.balance != "bias" && changed("bias_update_rate"))
       fail(field("bias_update_rate"),
            "is read by moe.balance=bias only (this run's is " + e.balance + ")");
+    if (e.every > config.model.n_layer)
+      fail(field("every"), "leaves no block MoE: it must be <= model.n_layer (" +
+                               std::to_string(config.model.n_layer) + "), got " +
+                               std::to_string(e.every));
     if (e.top_k > e.n_experts)
       fail(field("top_k"), "must be <= moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
                                std::to_string(e.top_k));
