@@ -40,6 +40,12 @@ class Communicator {
   virtual void all_gather(Tensor out_full, Tensor in_shard) = 0;
   // buf on every rank = buf on `root`.
   virtual void broadcast(Tensor buf, int root) = 0;
+  // in.numel() == out.numel() == world_size * chunk: chunk r of `in` goes to rank r, and chunk r
+  // of `out` is what rank r sent here (its chunk rank()). Moves bytes, any dtype; in != out.
+  // Equal chunks, so no rank needs another's sizes on the host: the exchange MoE expert
+  // parallelism dispatches and combines tokens with (counts first, then rows padded to a
+  // planned worst case).
+  virtual void all_to_all(Tensor out, Tensor in) = 0;
   // Collectives run asynchronously to the caller: NCCL on a stream of its own, after the compute
   // work enqueued so far; Gloo not until wait(), so that the CPU tests hold every caller to this
   // contract. Results may be used, and inputs and outputs written, only after wait(): it orders

@@ -15,6 +15,7 @@
 // awkward to drive), which is fine for CPU tests and small runs, and not what you benchmark.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/math.h>
@@ -150,6 +151,22 @@ class GlooCommunicator : public Communicator {
       opts.setRoot(root);
       configure(opts);
       gloo::broadcast(opts);
+    });
+  }
+
+  void all_to_all(Tensor out, Tensor in) override {
+    check_collective(name(), "all_to_all", out, in, 1, 1);
+    expect_cpu("all_to_all", in);
+    if (in.numel() % world_size() != 0 || in.data == out.data)
+      throw std::invalid_argument(name() + " all_to_all: " + in.str() + " must split into " +
+                                  std::to_string(world_size()) + " chunks, and out differ from it");
+    if (in.numel() == 0) return;
+    enqueue("all_to_all", in, [this, out, in] {
+      gloo::AlltoallOptions opts(ctx_);
+      opts.setInput(in.ptr<uint8_t>(), in.nbytes());
+      opts.setOutput(out.ptr<uint8_t>(), out.nbytes());
+      configure(opts);
+      gloo::alltoall(opts);
     });
   }
 

@@ -125,6 +125,27 @@ class NcclCommunicator : public Communicator {
     end();
   }
 
+  // Grouped sends and receives: one to and from every rank, chunk by chunk, on the comm stream.
+  void all_to_all(Tensor out, Tensor in) override {
+    check_collective(name(), "all_to_all", out, in, 1, 1);
+    expect_cuda("all_to_all", in);
+    if (in.numel() % world_ != 0 || in.data == out.data)
+      throw std::invalid_argument(name() + " all_to_all: " + in.str() + " must split into " +
+                                  std::to_string(world_) + " chunks, and out differ from it");
+    const size_t chunk = in.nbytes() / static_cast<size_t>(world_);
+    begin();
+    check("all_to_all", ncclGroupStart());
+    for (int peer = 0; peer < world_; ++peer) {
+      const size_t at = chunk * static_cast<size_t>(peer);
+      check("all_to_all", ncclSend(static_cast<const char*>(in.data) + at, chunk, ncclInt8, peer,
+                                   comm_, stream_));
+      check("all_to_all",
+            ncclRecv(static_cast<char*>(out.data) + at, chunk, ncclInt8, peer, comm_, stream_));
+    }
+    check("all_to_all", ncclGroupEnd());
+    end();
+  }
+
   void barrier() override {
     begin();
     check("barrier",

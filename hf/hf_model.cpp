@@ -271,10 +271,17 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
   check("bias", str(run.bias), str(hf.bias));
   check("qkv_bias", str(run.qkv_bias || run.bias), str(hf.qkv_bias || hf.bias));
   check("qk_norm", str(run.qk_norm), str(hf.qk_norm));
+  if (run.moe.n_experts > 0)
+    out.push_back("moe.n_experts: " + std::to_string(run.moe.n_experts) +
+                  " in the config; kiln reads dense Hugging Face models only (no MoE mapping yet)");
   return out;
 }
 
 std::string hf_model_type(const ModelConfig& c) {
+  if (c.moe.n_experts > 0)
+    throw InputError(
+        "a Mixture-of-Experts model has no Hugging Face export yet (kiln maps dense "
+        "GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM)");
   const AttentionDims a = c.attention();
   if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
       c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&

@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/fp8.h"
 #include "kernels/tensor.h"
@@ -66,6 +67,26 @@ struct Fp8Linear {
   Tensor x8, x8_t, g8, g8_t;
 };
 
+// Mixture-of-Experts routing (model/layers/moe.h). The router's logits [N,E] become scores
+// (softmax over the experts, or DeepSeek-V3's per-expert sigmoid); each token goes to the k
+// experts of highest score (+ the balancing bias, which picks experts but never weights them),
+// weighted by their scores, renormalized to sum 1 when `renormalize`.
+enum class MoeScore { softmax, sigmoid };
+struct MoeRouting {
+  int n_experts = 0;
+  int top_k = 1;
+  MoeScore score = MoeScore::softmax;
+  bool renormalize = true;
+  float aux_loss_coef = 0;  // Switch/GShard load-balancing loss: E * sum_e f_e * P_e
+  float z_loss_coef = 0;    // router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
+};
+// A MoE layer's routing statistics, f32[E + kMoeStats], summed over the micro-batches of a step
+// (and over ranks by the trainer): the tokens each expert received (E), then these, each a sum
+// over tokens so that dividing by kMoeTokens gives the mean. aux is E * sum_e f_e * P_e (1 when
+// balanced) times the micro-batch's tokens; entropy is of each token's routing distribution.
+enum MoeStat : int { kMoeAux = 0, kMoeZ = 1, kMoeEntropy = 2, kMoeTokens = 3 };
+constexpr int kMoeStats = 4;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -94,8 +115,8 @@ class Backend {
   // kReadbackFloats values) into staging slot `slot` and returns at once; read_wait(slot) waits
   // for that slot's copies alone and returns their values in order, valid until the slot is
   // reused. This default copies at once (the CPU has no stream); CUDA stages in pinned memory.
-  static constexpr int kReadbackSlots = 2, kReadbackFloats = 8;
-  virtual void read_async(int slot, std::initializer_list<Tensor> srcs) {
+  static constexpr int kReadbackSlots = 2, kReadbackFloats = 16384;
+  virtual void read_async(int slot, const std::vector<Tensor>& srcs) {
     check_readback(slot, srcs);
     float* dst = readback_[slot];
     for (const Tensor& t : srcs) {
@@ -229,6 +250,48 @@ class Backend {
   virtual void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                                      float dloss_scale, bool write_dlogits) = 0;
 
+  // ---- Mixture-of-Experts (N tokens, E experts, k per token, M = N*k routed rows) ---------
+  // Routing: scores f32[N,E] (softmax or sigmoid of logits[N,E]), topk_idx i32[N,k] (by falling
+  // selection score scores + bias; ties to the lower index), topk_w f32[N,k] (the chosen scores,
+  // renormalized per r), counts f32[E] = the rows each expert receives. bias: f32[E] or
+  // undefined. stats (f32[E + kMoeStats], or undefined to skip, as in evaluation) += counts and
+  // the statistics of MoeStat for this batch.
+  virtual void moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
+                                  Tensor stats, Tensor logits, Tensor bias,
+                                  const MoeRouting& r) = 0;
+  // dlogits[N,E] (overwritten) = gradient of sum(dtopk_w * topk_w) + loss_scale *
+  // (r.aux_loss_coef * aux + r.z_loss_coef * z), aux and z this batch's means (MoeStat).
+  // counts are forward's (the aux loss's f_e is not differentiated, as in Switch).
+  virtual void moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
+                                   Tensor topk_idx, Tensor counts, const MoeRouting& r,
+                                   float loss_scale) = 0;
+  // Dropless dispatch: a counting sort of the N*k (token, choice) slots by expert, stable (token
+  // order, then choice), computed on the device. offsets i32[E+1]: expert e's rows are
+  // [offsets[e], offsets[e+1]); slot_row i32[N*k]: the row slot n*k+j went to; row_token
+  // i32[M]: the token of each row; xp[M,C] = x[row_token].
+  virtual void moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
+                           Tensor topk_idx) = 0;
+  // Combine: out[n] (+)= sum_j topk_w[n,j] * yp[slot_row[n*k+j]], j in order (topk_w undefined:
+  // weights 1, which is moe_permute's backward). Overwrites out unless `accumulate`.
+  virtual void moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                             bool accumulate) = 0;
+  // moe_unpermute's backward: dyp[slot_row[n*k+j]] = topk_w[n,j] * dout[n] (overwritten),
+  // dtopk_w[n,j] = dot(dout[n], yp[slot_row[n*k+j]]) (f32, overwritten).
+  virtual void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
+                                      Tensor slot_row, Tensor topk_w) = 0;
+  // Grouped GEMM: rows [offsets[e], offsets[e+1]) of inp[M,C] times weight[e]^T (weight
+  // [E,OC,C]) into out[M,OC]; offsets (i32[E+1], as moe_permute writes them) are read on the
+  // device, never by the host. pre_gelu as matmul_forward's.
+  virtual void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
+                                      Tensor pre_gelu) = 0;
+  // dinp[M,C] = per group dout @ weight[e] (times gelu'(inp_pre_gelu) as matmul_backward);
+  // dweight[E,OC,C] += per group dout^T @ inp. An empty group adds nothing.
+  virtual void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                       Tensor weight, Tensor offsets, Tensor inp_pre_gelu) = 0;
+  // DeepSeek-V3's auxiliary-loss-free balancing: bias[e] += rate * sign(mean(counts) -
+  // counts[e]), counts f32[E] a step's tokens per expert (summed over ranks).
+  virtual void moe_bias_update(Tensor bias, Tensor counts, float rate) = 0;
+
   // ---- FP8 with delayed scaling ---------------------------------------------------------
   // Why this backend cannot run the FP8 recipe ("" when it can: CUDA on sm_89 and newer, and
   // the CPU, which emulates it).
@@ -274,7 +337,8 @@ class Backend {
   virtual void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
                             Tensor decay_spans, int64_t offset, Tensor sched,
                             const AdamWHyper& hyper) = 0;
-  // dst += src elementwise (f32, same numel; used to accumulate sharded gradients).
+  // dst += src elementwise (same numel and dtype: f32 (sharded gradients) or the activation
+  // dtype (branches that join, as a MoE layer's shared expert, router and routed experts)).
   virtual void add(Tensor dst, Tensor src) = 0;
 
  protected:
@@ -286,7 +350,7 @@ class Backend {
     if (slot < 0 || slot >= kUploadSlots)
       throw std::invalid_argument("upload slot " + std::to_string(slot) + " out of range");
   }
-  static void check_readback(int slot, std::initializer_list<Tensor> srcs) {
+  static void check_readback(int slot, const std::vector<Tensor>& srcs) {
     if (slot < 0 || slot >= kReadbackSlots) throw_bad_slot(slot);
     int64_t n = 0;
     for (const Tensor& t : srcs) {

@@ -22,6 +22,13 @@ void check_config(const ModelConfig& c) {
   if (c.norm == NormKind::layernorm && c.norm_eps != 1e-5f)
     fail("layernorm's eps is fixed at 1e-5");
   if (c.padded_vocab_size < c.vocab_size) fail("padded_vocab_size < vocab_size");
+  const MoeConfig& m = c.moe;
+  if (m.n_experts > 0) {
+    if (m.top_k <= 0 || m.top_k > m.n_experts) fail("moe.top_k must be in [1, n_experts]");
+    if (m.expert_ffn_dim <= 0 || m.every <= 0 || m.n_shared_experts < 0)
+      fail("moe.expert_ffn_dim and moe.every must be positive, n_shared_experts >= 0");
+    if (c.bias) fail("MoE experts carry no biases: model.bias must be false");
+  }
 }
 
 }  // namespace
@@ -55,7 +62,18 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
     blk.ln1.declare(b, p + "ln1", C);
     blk.attn.declare(b, p + "attn", C, cfg.qkv_bias || cfg.bias, cfg.bias);
     blk.ln2.declare(b, p + "ln2", C);
-    blk.mlp.declare(b, p + "mlp", C, cfg.bias);
+    blk.is_moe = cfg.is_moe_block(l);
+    if (blk.is_moe) {
+      moe_blocks_.push_back(l);
+      const MoeConfig& m = cfg.moe;
+      blk.moe.routing = {m.n_experts,   m.top_k,         m.score,
+                         m.renormalize, m.aux_loss_coef, m.z_loss_coef};
+      blk.moe.kind = cfg.mlp;
+      blk.moe.expert_ffn_dim = m.expert_ffn_dim;
+      blk.moe.declare(b, p + "moe", C, m.n_shared_experts);
+    } else {
+      blk.mlp.declare(b, p + "mlp", C, cfg.bias);
+    }
     b.close_unit();
   }
   lnf_ = Norm{cfg.norm, cfg.norm_eps};
@@ -86,6 +104,8 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
     set(blk.mlp.fc.bias, Init::zeros);
     set(blk.mlp.proj.weight, Init::residual_normal);
     set(blk.mlp.proj.bias, Init::zeros);
+    set(blk.moe.proj, Init::residual_normal);
+    set(blk.moe.shared.proj.weight, Init::residual_normal);
   }
   norm_init(lnf_);
   set(lm_head_, Init::embedding);
@@ -96,8 +116,16 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
       if (edges && (l == 0 || l == cfg.n_layer - 1)) continue;
       Block& blk = blocks_[static_cast<size_t>(l)];
       const std::string p = "h." + std::to_string(l) + ".";
-      for (auto [lin, name] : {std::pair{&blk.attn.qkv, "attn.qkv"}, {&blk.attn.proj, "attn.proj"},
-                               {&blk.mlp.fc, "mlp.fc"}, {&blk.mlp.proj, "mlp.proj"}}) {
+      std::vector<std::pair<Linear*, const char*>> linears = {{&blk.attn.qkv, "attn.qkv"},
+                                                              {&blk.attn.proj, "attn.proj"}};
+      // A MoE block's router and routed experts stay bf16 (the grouped GEMM has no FP8 form);
+      // its shared expert is a dense MLP and runs in FP8 like one.
+      if (!blk.is_moe)
+        linears.insert(linears.end(), {{&blk.mlp.fc, "mlp.fc"}, {&blk.mlp.proj, "mlp.proj"}});
+      else if (blk.moe.has_shared)
+        linears.insert(linears.end(), {{&blk.moe.shared.fc, "moe.shared.fc"},
+                                       {&blk.moe.shared.proj, "moe.shared.proj"}});
+      for (auto [lin, name] : linears) {
         fp8_.linears.push_back(lin);
         for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
       }
@@ -144,11 +172,17 @@ void Decoder::init(uint64_t seed, float* params) const {
 double Decoder::flops_per_token(int T) const {
   const AttentionDims a = cfg_.attention();
   const double C = cfg_.n_embd, F = cfg_.ffn_dim;
-  const double per_block = C * static_cast<double>(a.qkv_dim()) +
-                           static_cast<double>(a.q_dim()) * C +
-                           (cfg_.mlp == MlpKind::swiglu ? 3.0 : 2.0) * C * F;
-  const double n_matmul =
-      cfg_.n_layer * per_block + static_cast<double>(cfg_.padded_vocab_size) * C;
+  const double mats = cfg_.mlp == MlpKind::swiglu ? 3.0 : 2.0;
+  const double attention =
+      C * static_cast<double>(a.qkv_dim()) + static_cast<double>(a.q_dim()) * C;
+  const double per_block = attention + mats * C * F;
+  // A MoE block counts its active parameters: the router, k experts and the shared ones.
+  const MoeConfig& m = cfg_.moe;
+  const double n_moe = static_cast<double>(moe_blocks_.size());
+  const double moe_block =
+      attention + C * m.n_experts + (m.top_k + m.n_shared_experts) * mats * C * m.expert_ffn_dim;
+  const double n_matmul = (cfg_.n_layer - n_moe) * per_block + n_moe * moe_block +
+                          static_cast<double>(cfg_.padded_vocab_size) * C;
   return 6.0 * n_matmul +
          6.0 * cfg_.n_layer * static_cast<double>(T) * static_cast<double>(a.q_dim());
 }
@@ -163,6 +197,12 @@ const char* recompute_name(Recompute r) {
 }
 
 namespace {
+
+// A MoE block's buffers beside its output and the shared expert's (Moe::Acts).
+constexpr Tensor Moe::Acts::*kMoeActs[] = {
+    &Moe::Acts::logits, &Moe::Acts::scores,  &Moe::Acts::topk_idx, &Moe::Acts::topk_w,
+    &Moe::Acts::counts, &Moe::Acts::offsets, &Moe::Acts::slot_row, &Moe::Acts::row_token,
+    &Moe::Acts::xp,     &Moe::Acts::pre,     &Moe::Acts::act,      &Moe::Acts::yp};
 
 // A block activation's place inside BlockActs-like structs, to tell fields apart by identity.
 template <class S>
@@ -192,6 +232,11 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
           &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
       keep(*t);
     if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
+    // A MoE block keeps all it computed but its output: routing, permutation and the experts'
+    // activations are what its backward reads, and recomputing them is most of its forward.
+    for (Tensor Moe::Acts::*f : kMoeActs) keep(probe.moe.*f);
+    keep(probe.moe.shared.pre);
+    keep(probe.moe.shared.act);
   }
   // Plans block l's fields (l >= 0) that are kept, or the shared set's (l < 0) that are not.
   auto plan_block = [&](int l, BlockActs& a) {
@@ -203,13 +248,19 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
           recompute == Recompute::none || std::find(kept.begin(), kept.end(), at) != kept.end();
       if (is_kept != shared) planner(slot, name, shape, dtype);
     };
-    const Block& blk = blocks_.front();  // every block has the same shapes
+    // Attention and the norms have the same shapes in every block; the shared set holds a
+    // dense block's MLP and a MoE block's buffers where the model has both kinds.
+    const Block& blk = blocks_[shared ? 0 : static_cast<size_t>(l)];
     if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, act);
     blk.ln1.plan(pick, p + "ln1", a.ln1, B, T, C, act);
     blk.attn.plan(pick, p, a.attn, B, T, act);
     pick(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
     blk.ln2.plan(pick, p + "ln2", a.ln2, B, T, C, act);
-    blk.mlp.plan(pick, p, a.mlp, B, T, act);
+    const bool any_dense = moe_blocks_.size() < blocks_.size();
+    if (shared ? any_dense : !blk.is_moe)
+      blocks_.front().mlp.plan(pick, p, a.mlp, B, T, act);  // block 0 is dense if any is
+    if (shared ? !moe_blocks_.empty() : blk.is_moe)
+      blocks_[static_cast<size_t>(moe_blocks_.front())].moe.plan(pick, p, a.moe, B, T, act);
   };
   planner(&acts.encoded, "encoded", {B, T, C}, act);
   for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
@@ -221,7 +272,15 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   planner(&acts.dresidual, "d.residual", {B, T, C}, act);
   planner(&acts.dln, "d.ln", {B, T, C}, act);
   blocks_.front().attn.plan_scratch(planner, acts.attn, B, T, act);
-  blocks_.front().mlp.plan_scratch(planner, acts.mlp, B, T, act);
+  // Block 0 is dense unless every block is MoE (moe.every 1).
+  if (!blocks_.front().is_moe) blocks_.front().mlp.plan_scratch(planner, acts.mlp, B, T, act);
+  if (!moe_blocks_.empty()) {
+    const Moe& moe = blocks_[static_cast<size_t>(moe_blocks_.front())].moe;
+    moe.plan_scratch(planner, acts.moe, B, T, act);
+    const int64_t n = static_cast<int64_t>(moe_blocks_.size()), E = moe.n_experts();
+    planner(&acts.moe_stats, "moe.stats", {n * (E + kMoeStats)}, DType::f32);
+    if (cfg_.moe.bias_balance) planner(&acts.moe_bias, "moe.bias", {n * E}, DType::f32);
+  }
   planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
   if (!fp8_.linears.empty()) {
     int64_t weight_bytes = 0, widest = 0;
@@ -261,6 +320,12 @@ int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
 
 Decoder::BlockActs Decoder::acts(int l) const {
   BlockActs a = acts_.blocks[static_cast<size_t>(l)];
+  if (blocks_[static_cast<size_t>(l)].is_moe) {
+    const int64_t i = std::find(moe_blocks_.begin(), moe_blocks_.end(), l) - moe_blocks_.begin();
+    const int64_t E = cfg_.moe.n_experts;
+    a.moe.stats = acts_.moe_stats.slice(i * (E + kMoeStats), {E + kMoeStats});
+    if (acts_.moe_bias.defined()) a.moe.bias = acts_.moe_bias.slice(i * E, {E});
+  }
   if (recompute_ == Recompute::none) return a;
   const BlockActs& s = acts_.shared;
   auto merge = [](Tensor& t, const Tensor& shared) {
@@ -282,6 +347,10 @@ Decoder::BlockActs Decoder::acts(int l) const {
   merge(a.mlp.pre, s.mlp.pre);
   merge(a.mlp.act, s.mlp.act);
   merge(a.mlp.out, s.mlp.out);
+  for (Tensor Moe::Acts::*f : kMoeActs) merge(a.moe.*f, s.moe.*f);
+  merge(a.moe.shared.pre, s.moe.shared.pre);
+  merge(a.moe.shared.act, s.moe.shared.act);
+  merge(a.moe.out, s.moe.out);
   return a;
 }
 
@@ -294,11 +363,16 @@ void Decoder::recompute_block(int l, const BlockActs& a) {
   if (recompute_ == Recompute::selective) {
     blk.attn.recompute_core(k, a.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
-    blk.mlp.recompute_act(k, a.mlp);
+    if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
     blk.attn.forward(k, w, a.attn, a.ln1.out);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
-    blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
+    // The routing comes out as in forward (same input, same bias); its statistics were
+    // counted there.
+    if (blk.is_moe)
+      blk.moe.forward(k, w, a.moe, a.ln2.out, /*with_stats=*/false);
+    else
+      blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
   }
 }
 
@@ -330,6 +404,15 @@ void Decoder::fp8_views() {
     f.g8 = as(acts_.fp8_scratch[1], {N, lin.out}, grad_type);
     f.g8_t = as(acts_.fp8_scratch[2], {lin.out, N}, grad_type);
   }
+}
+
+void Decoder::moe_update_bias() {
+  if (!acts_.moe_bias.defined()) return;
+  const int64_t E = cfg_.moe.n_experts;
+  for (size_t i = 0; i < moe_blocks_.size(); ++i)
+    backend_.moe_bias_update(acts_.moe_bias.slice(static_cast<int64_t>(i) * E, {E}),
+                             acts_.moe_stats.slice(static_cast<int64_t>(i) * (E + kMoeStats), {E}),
+                             cfg_.moe.bias_update_rate);
 }
 
 void Decoder::fp8_start(const float* saved) {
@@ -372,6 +455,9 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
       keep_window ? acts_.fp8_state.slice(fp8_.layout.amax(), acts_.fp8_window.shape) : Tensor{};
   if (keep_window) k.copy(acts_.fp8_window, window);
 
+  // The aux and z losses are means over this micro-batch's tokens; the step's objective weighs
+  // each micro-batch's as dloss_scale weighs its tokens' losses.
+  moe_loss_scale_ = dloss_scale * static_cast<float>(B_) * static_cast<float>(T_);
   hook(&UnitHooks::before_forward, 0);
   embed_.forward(k, w, acts_.encoded, tokens);
   for (int l = 0; l < L; ++l) {
@@ -382,15 +468,19 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
       blk.ln1.forward(k, w, a.ln1, acts_.encoded);
     } else {
       const BlockActs prev = acts(l - 1);
-      blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, prev.mlp.out);
+      blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, ffn_out(l - 1, prev));
     }
     blk.attn.forward(k, w, a.attn, a.ln1.out);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
-    blk.mlp.forward(k, w, a.mlp, a.ln2.out);
+    if (blk.is_moe)
+      blk.moe.forward(k, w, a.moe, a.ln2.out, with_backward);
+    else
+      blk.mlp.forward(k, w, a.mlp, a.ln2.out);
   }
   hook(&UnitHooks::before_forward, L + 1);
   const BlockActs last = acts(L - 1);
-  lnf_.residual_forward(k, w, acts_.lnf, acts_.residual_out, last.residual_mid, last.mlp.out);
+  lnf_.residual_forward(k, w, acts_.lnf, acts_.residual_out, last.residual_mid,
+                        ffn_out(L - 1, last));
   k.matmul_forward(acts_.logits, acts_.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
   k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
                           targets, cfg_.vocab_size, dloss_scale, with_backward);
@@ -417,7 +507,11 @@ void Decoder::backward(Tensor tokens) {
     const BlockActs a = acts(l);
     if (recompute_ != Recompute::none) recompute_block(l, a);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
-    blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, acts_.dresidual, a.ln2.out, a.mlp);
+    if (blk.is_moe)
+      blk.moe.backward(k, w, g, acts_.moe, acts_.dln, acts_.dresidual, a.ln2.out, a.moe,
+                       moe_loss_scale_);
+    else
+      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, acts_.dresidual, a.ln2.out, a.mlp);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2);
     blk.attn.backward(k, w, g, acts_.attn, acts_.dln, acts_.dresidual, a.ln1.out, a.attn);
     blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(l), a.ln1);

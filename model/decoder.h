@@ -12,6 +12,7 @@
 #include "model/layers/attention.h"
 #include "model/layers/embedding.h"
 #include "model/layers/mlp.h"
+#include "model/layers/moe.h"
 #include "model/layers/norm.h"
 #include "model/model.h"
 
@@ -37,6 +38,10 @@ class Decoder final : public Model {
   const Fp8StateLayout& fp8_layout() const override { return fp8_.layout; }
   Tensor fp8_state() const override { return acts_.fp8_state; }
   const std::vector<std::string>& fp8_names() const override { return fp8_.names; }
+  const std::vector<int>& moe_blocks() const override { return moe_blocks_; }
+  Tensor moe_stats() const override { return acts_.moe_stats; }
+  Tensor moe_bias() const override { return acts_.moe_bias; }
+  void moe_update_bias() override;
   void fp8_start(const float* saved) override;
   void fp8_update_scales() override;
   void fp8_cast_weights() override;
@@ -46,7 +51,9 @@ class Decoder final : public Model {
     Norm ln1;
     Attention attn;
     Norm ln2;
-    Mlp mlp;
+    Mlp mlp;  // the feed-forward of a dense block ...
+    Moe moe;  // ... or of a MoE block (is_moe)
+    bool is_moe = false;
   };
   struct BlockActs {
     Tensor residual_in;  // the block's input x (block 0 reads the embedding output instead)
@@ -55,6 +62,7 @@ class Decoder final : public Model {
     Tensor residual_mid;  // x + attention
     Norm::Acts ln2;
     Mlp::Acts mlp;
+    Moe::Acts moe;
   };
   // Under recomputation a block keeps only some of its activations; the rest live in one set
   // (`shared`) that every block overwrites, forward and again in backward. acts(l) merges them.
@@ -69,6 +77,9 @@ class Decoder final : public Model {
     Tensor dresidual, dln, dlnf;
     Attention::Scratch attn;
     Mlp::Scratch mlp;
+    Moe::Scratch moe;
+    // model.moe: the MoE blocks' routing statistics and balancing bias (Model::moe_stats).
+    Tensor moe_stats, moe_bias;
     // precision.fp8: the state, a copy of its window (eval and sampling leave it as it was),
     // the weights' FP8 copies (each FP8 linear's weight8 then weight8_t), and the cast scratch.
     Tensor fp8_state, fp8_window, fp8_weights, fp8_scratch[3];
@@ -88,6 +99,10 @@ class Decoder final : public Model {
   void plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const;
   BlockActs acts(int l) const;
   Tensor block_input(int l) const;
+  // The output of block l's feed-forward (dense or MoE), the branch the next norm adds.
+  Tensor ffn_out(int l, const BlockActs& a) const {
+    return blocks_[static_cast<size_t>(l)].is_moe ? a.moe.out : a.mlp.out;
+  }
   // Before block l's backward: what recompute_ left out of its kept activations.
   void recompute_block(int l, const BlockActs& a);
   // Points fp8_.ops at the planned buffers (their addresses exist once the arena is allocated).
@@ -110,6 +125,8 @@ class Decoder final : public Model {
   Fp8 fp8_;
   Recompute recompute_ = Recompute::none;
   int B_ = 0, T_ = 0;
+  std::vector<int> moe_blocks_;
+  float moe_loss_scale_ = 0;  // this micro-batch's weight of the aux and z losses (1 / grad_accum)
 };
 
 }  // namespace kiln

@@ -19,6 +19,22 @@
 
 namespace kiln {
 
+// model.moe (train/config.h's moe section): which blocks' feed-forward is a Mixture-of-Experts
+// layer (model/layers/moe.h) and how it routes and balances. n_experts 0: a dense model.
+struct MoeConfig {
+  int n_experts = 0;
+  int top_k = 2;
+  int expert_ffn_dim = 0;
+  int n_shared_experts = 0;
+  int every = 1;  // block l is MoE when (l + 1) % every == 0 (Qwen-MoE's decoder_sparse_step)
+  MoeScore score = MoeScore::softmax;
+  bool renormalize = true;
+  float aux_loss_coef = 0.0f;
+  float z_loss_coef = 0.0f;
+  bool bias_balance = false;      // DeepSeek-V3's auxiliary-loss-free balancing bias
+  float bias_update_rate = 0.0f;  // its step per optimizer step
+};
+
 struct ModelConfig {
   std::string arch = "gpt2";
   int n_layer = 12;
@@ -44,6 +60,9 @@ struct ModelConfig {
   bool fp8 = false;
   Fp8Options fp8_options;
 
+  MoeConfig moe;
+
+  bool is_moe_block(int l) const { return moe.n_experts > 0 && (l + 1) % moe.every == 0; }
   AttentionDims attention() const {
     return {n_head, n_kv_head > 0 ? n_kv_head : n_head, head_dim > 0 ? head_dim : n_embd / n_head};
   }
@@ -96,6 +115,20 @@ class Model {
   virtual void backward(Tensor tokens) = 0;
   virtual Tensor losses() const = 0;
   virtual Tensor logits() const = 0;  // [B,T,Vp]
+
+  // ---- Mixture-of-Experts (ModelConfig::moe; a dense model has no MoE blocks, undefined
+  // tensors, and moe_update_bias does nothing) ----
+  // The MoE blocks' numbers, in order.
+  virtual const std::vector<int>& moe_blocks() const = 0;
+  // Every MoE block's routing statistics, f32[blocks * (E + kMoeStats)] (Backend's MoeStat),
+  // added to by each training forward: the trainer zeroes it before a step's first micro-batch
+  // and sums it over data-parallel ranks after the last.
+  virtual Tensor moe_stats() const = 0;
+  // The balancing bias, f32[blocks * E] (moe.balance=bias; else undefined): state the
+  // checkpoint keeps, starting at 0.
+  virtual Tensor moe_bias() const = 0;
+  // Once per optimizer step, after moe_stats is summed over ranks: the bias update.
+  virtual void moe_update_bias() = 0;
 
   // ---- FP8 (ModelConfig::fp8; with it off, fp8_layout().n == 0 and the rest do nothing) ----
   // The delayed-scaling state (kernels/fp8.h), planned with the activations at a fixed address,

@@ -385,7 +385,7 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",
-                           "llama-1.36b", "qwen3-1.7b"}) {
+                           "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b"}) {
     const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }
@@ -418,6 +418,46 @@ TEST(ConfigDocs, ReferenceMatchesSchema) {
   }
   EXPECT_EQ(doc.substr(b, e - b), generated)
       << "docs/config.md is stale: rerun this test with KILN_UPDATE_DOCS=1";
+}
+
+// The moe section: defaults, the derived expert width, and every rule relating its keys to
+// others refused naming the key (a key that is accepted does what it says).
+TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
+  const std::string moe = kMinimal + "model: {arch: llama, ffn_dim: 512}\nmoe: {n_experts: 8}\n";
+  Config c = parse_config(moe, {});
+  EXPECT_EQ(c.moe.n_experts, 8);
+  EXPECT_EQ(c.moe.top_k, 2);
+  EXPECT_EQ(c.moe.expert_ffn_dim, 512);  // 0 -> model.ffn_dim
+  EXPECT_EQ(c.moe.balance, "aux_loss");
+  EXPECT_EQ(parse_config(moe, {"moe.expert_ffn_dim=64"}).moe.expert_ffn_dim, 64);
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+  struct Bad {
+    std::string override_text, key;
+  };
+  for (const Bad& b :
+       {Bad{"moe.top_k=9", "moe.top_k"}, Bad{"moe.n_experts=257", "moe.n_experts"},
+        Bad{"moe.score=relu", "moe.score"}, Bad{"moe.balance=loss", "moe.balance"},
+        Bad{"moe.aux_loss_coef=0", "moe.aux_loss_coef"},
+        Bad{"dist.expert_parallel=2", "dist.expert_parallel"}, Bad{"model.bias=true", "model.bias"},
+        Bad{"moe.every=0", "moe.every"}, Bad{"moe.every=13", "moe.every"}}) {
+    const std::string what = input_error([&] { parse_config(moe, {b.override_text}); });
+    EXPECT_NE(what.find(b.key), std::string::npos) << b.override_text << ": " << what;
+  }
+  EXPECT_NE(input_error([&] { parse_config(moe, {"moe.balance=none"}); }).find("moe.aux_loss_coef"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_config(moe, {"moe.balance=none", "moe.aux_loss_coef=0"}));
+  EXPECT_NO_THROW(parse_config(moe, {"moe.balance=bias", "moe.aux_loss_coef=0"}));
+  // A key nothing would read is refused: any moe key of a dense model, the bias rate without
+  // the bias. A dense run's saved config (every key at its default) reads back.
+  EXPECT_NE(input_error([&] { parse_config(kMinimal, {"moe.top_k=1"}); }).find("moe.top_k"),
+            std::string::npos);
+  EXPECT_NE(input_error([&] {
+              parse_config(moe, {"moe.bias_update_rate=0.01"});
+            }).find("moe.bias_update_rate"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_config(moe, {"moe.balance=bias", "moe.bias_update_rate=0.01"}));
+  const Config dense = parse_config(kMinimal, {});
+  EXPECT_EQ(parse_config(config_to_yaml(dense), {}), dense);
 }
 
 }  // namespace

@@ -234,6 +234,54 @@ TEST(DecoderGradient, LlamaMatchesFiniteDifferences) {
   check_whole_model_gradient(m);
 }
 
+// LLaMA's layers with MoE feed-forwards in blocks 1 and 3 (moe.every 2): 4 experts of 6, top-2,
+// a shared expert. The aux and z losses are checked with the layer (tests/moe_test.cpp); here
+// their coefficients are 0, as losses() holds the cross-entropy alone.
+ModelConfig moe_tiny() {
+  ModelConfig c = llama_tiny();
+  c.n_layer = 4;
+  c.moe.n_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_ffn_dim = 6;
+  c.moe.n_shared_experts = 1;
+  c.moe.every = 2;
+  return c;
+}
+
+TEST(MoeLayout, ExpertsByGlobalIndexAndActiveFlops) {
+  const ModelConfig c = moe_tiny();
+  Decoder d(c, cpu());
+  const ParamLayout& layout = d.layout();
+  EXPECT_EQ(d.moe_blocks(), (std::vector<int>{1, 3}));
+  EXPECT_NO_THROW(layout.find("h.0.mlp.fc.weight"));
+  EXPECT_THROW(layout.find("h.1.mlp.fc.weight"), std::out_of_range);
+  EXPECT_EQ(layout.find("h.1.moe.router.weight").shape.str(), Shape({4, 8}).str());
+  EXPECT_EQ(layout.find("h.1.moe.experts.fc.weight").shape.str(), Shape({4, 12, 8}).str());
+  EXPECT_EQ(layout.find("h.3.moe.experts.proj.weight").shape.str(), Shape({4, 8, 6}).str());
+  EXPECT_EQ(layout.find("h.3.moe.shared.fc.weight").shape.str(), Shape({12, 8}).str());
+  EXPECT_EQ(layout.units.size(), 6u);
+  // Active matmul parameters: attention everywhere, dense SwiGLU in blocks 0 and 2, and in
+  // blocks 1 and 3 the router plus 2 routed and 1 shared expert of 3 * 8 * 6.
+  const double attention = 8.0 * 16 + 8.0 * 8;  // qkv (2 q heads, 1 kv head of 4) + proj
+  const double n_matmul =
+      2 * (attention + 3.0 * 8 * 12) + 2 * (attention + 8.0 * 4 + 3 * 3.0 * 8 * 6) + 16.0 * 8;
+  EXPECT_DOUBLE_EQ(d.flops_per_token(6), 6 * n_matmul + 6.0 * 4 * 6 * 8);
+}
+
+// Every expert is chosen (top_k = n_experts), so the loss is smooth in every parameter: with
+// fewer, a finite-difference step can move a token across a routing boundary, where the loss
+// jumps. tests/moe_test.cpp checks the layer with top-k < n_experts, skipping such steps.
+TEST(DecoderGradient, MoeMatchesFiniteDifferences) {
+  for (MoeScore score : {MoeScore::softmax, MoeScore::sigmoid}) {
+    SCOPED_TRACE(score == MoeScore::softmax ? "softmax" : "sigmoid");
+    ModelConfig c = moe_tiny();
+    c.moe.score = score;
+    c.moe.top_k = c.moe.n_experts;
+    TinyModel m(c);
+    check_whole_model_gradient(m);
+  }
+}
+
 TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
   TinyModel m(qwen3_tiny());
   EXPECT_EQ(m.model->layout().find("h.1.attn.q_norm.weight").numel(), 4);
@@ -243,11 +291,15 @@ TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
 }
 
 // train.recompute recomputes in backward what it does not keep: on the CPU the loss and every
-// gradient are bit-identical to keeping everything, for each architecture, with accumulation
-// over two micro-batches, and the plan is smaller.
+// gradient are bit-identical to keeping everything, for each architecture (and a MoE with
+// dense and MoE blocks, and one of MoE blocks only), with accumulation over two micro-batches,
+// and the plan is smaller.
 TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
   ModelConfig gelu = TinyModel::gpt2_tiny(), llama = llama_tiny(), qwen3 = qwen3_tiny();
-  for (const ModelConfig& c : {gelu, llama, qwen3}) {
+  ModelConfig moe = moe_tiny(), all_moe = moe_tiny();
+  all_moe.moe.every = 1;
+  all_moe.moe.n_shared_experts = 0;
+  for (const ModelConfig& c : {gelu, llama, qwen3, moe, all_moe}) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
     std::vector<double> losses;

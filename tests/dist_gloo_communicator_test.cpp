@@ -114,6 +114,22 @@ TEST_P(DistGloo, CollectivesAreExact) {
     comm.wait();
     for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b[i], static_cast<float>(i) + 0.5f);
 
+    // all_to_all: chunk k of rank r's input lands in chunk r of rank k's output, bytes as they
+    // were (bf16 here).
+    const int a2a = 37;
+    std::vector<uint16_t> send(static_cast<size_t>(n * a2a)), recv(send.size());
+    for (int k = 0; k < n; ++k)
+      for (int j = 0; j < a2a; ++j)
+        send[size_t(k * a2a + j)] = static_cast<uint16_t>(r * 1000 + k * 100 + j);
+    Tensor t_send{send.data(), Shape{n * a2a}, DType::bf16},
+        t_recv{recv.data(), Shape{n * a2a}, DType::bf16};
+    comm.all_to_all(t_recv, t_send);
+    comm.wait();
+    for (int k = 0; k < n; ++k)
+      for (int j = 0; j < a2a; ++j)
+        ASSERT_EQ(recv[size_t(k * a2a + j)], k * 1000 + r * 100 + j) << k << " " << j;
+    EXPECT_THROW(comm.all_to_all(t_send, t_send), std::invalid_argument);
+
     comm.barrier();
 
     // Misuse is caught locally, before anything is sent.

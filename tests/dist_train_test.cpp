@@ -108,6 +108,28 @@ TEST_F(DistTrain, LlamaAndQwen3FollowTheSingleProcessCurveUnderEveryStrategy) {
   }
 }
 
+// MoE under every strategy: 2 and 4 ranks follow 1 rank. Routing is per token and the balancing
+// bias follows the step's loads summed over ranks, so the curves match; the aux loss is left out
+// here because, as in Switch and GShard, each rank computes it over its own tokens (its f_e and
+// P_e are the micro-batch's), which is close to, not the same as, the global batch's.
+TEST_F(DistTrain, MoeFollowsTheSingleProcessCurveUnderEveryStrategy) {
+  const std::string steps =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+      "--moe.expert_ffn_dim=64 --moe.n_shared_experts=1 --moe.balance=bias --moe.aux_loss_coef=0 "
+      "--moe.bias_update_rate=0.01 --moe.z_loss_coef=0.001 --train.max_steps=12";
+  const std::string single = train("moe_single", 1, "ddp", steps);
+  ASSERT_EQ(losses(single).size(), 12u);
+  for (const char* strategy : {"ddp", "zero1", "fsdp"})
+    expect_same_curve(single, train(std::string("moe_") + strategy + "_2", 2, strategy, steps),
+                      1e-5);
+  expect_same_curve(single, train("moe_ddp_4", 4, "ddp", steps), 1e-5);
+  // Accumulating micro-batches: the z-loss is weighted per micro-batch like the cross-entropy,
+  // and the loads the bias follows are summed over them.
+  expect_same_curve(
+      single, train("moe_accum_2", 2, "ddp", steps + " --train.batch_size=2 --train.grad_accum=2"),
+      1e-5);
+}
+
 // The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its
 // own as its backward ends, in f32 and in bf16. These overlapped buckets are the most
 // asynchronous path, so they run with Gloo's collectives both at wait() and when issued (see

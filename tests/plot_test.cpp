@@ -91,4 +91,33 @@ TEST(Plot, PowerIsPlottedWhereARunMeasuredIt) {
   EXPECT_EQ(png_size(p), std::make_pair(1200u, 450u)) << p;
 }
 
+// A MoE run's routing telemetry gets experts.png; the dense run beside it is simply not on it.
+TEST(Plot, ExpertLoadIsPlottedForAMoeRun) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_plot_moe_");
+  fs::create_directories(dir / "moe");
+  fs::create_directories(dir / "dense");
+  std::ofstream moe(dir / "moe" / "metrics.jsonl"), dense(dir / "dense" / "metrics.jsonl");
+  for (int step = 1; step <= 20; ++step) {
+    const std::string common = "{\"step\":" + std::to_string(step) +
+                               ",\"loss\":" + std::to_string(5.0 - 0.1 * step) +
+                               ",\"lr\":1e-4,\"grad_norm\":1,\"ms\":100,\"tok_s\":1e5,\"mfu\":0.4";
+    const int skew = 40 - step;  // the load evens out
+    moe << common << ",\"moe_blocks\":[0,1],\"moe_tokens_min\":[10,20],\"moe_tokens_mean\":[25,25]"
+        << ",\"moe_tokens_max\":[" << skew << ",30],\"moe_gini\":[" << 0.01 * skew
+        << ",0.1],\"moe_aux\":[1.1,1.0],\"moe_z\":[3,3],\"moe_entropy\":[1.3,1.3]"
+        << ",\"moe_load\":[[" << skew << ",10,25," << 60 - skew << "],[20,30,25,25]]}\n";
+    dense << common << "}\n";
+  }
+  moe.close();
+  dense.close();
+  const auto r = kiln::testing::run_command(
+      "python3 " + kSrc + "/tools/plot.py " + (dir / "moe").string() + " " +
+      (dir / "dense").string() + " --out " + (dir / "plots").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const fs::path p = dir / "plots" / "experts.png";
+  ASSERT_TRUE(fs::exists(p)) << r.output;
+  EXPECT_GT(fs::file_size(p), 10000u) << p;
+  EXPECT_EQ(png_size(p), std::make_pair(1200u, 450u)) << p;
+}
+
 }  // namespace

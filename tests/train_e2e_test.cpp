@@ -219,22 +219,129 @@ TEST_F(TrainE2E, Fp8StateIsInTheLogAndANonFiniteAmaxIsNamed) {
       << r.output;
 }
 
+// The metrics.jsonl lines' values of `key` (a JSON array), in step order.
+std::vector<std::string> json_arrays(const std::string& out_dir, const std::string& key) {
+  std::vector<std::string> out;
+  std::ifstream in(out_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("\"" + key + "\":[");
+    if (at == std::string::npos) continue;
+    const auto begin = at + key.size() + 3;
+    int depth = 0;
+    auto end = begin;
+    for (; end < line.size(); ++end) {
+      depth += line[end] == '[' ? 1 : line[end] == ']' ? -1 : 0;
+      if (depth == 0) break;
+    }
+    out.push_back(line.substr(begin, end - begin + 1));
+  }
+  return out;
+}
+
+// MoE (LLaMA's layers; 4 experts of 64, top-2, a shared expert, the aux and z losses; and
+// sigmoid scores with DeepSeek-V3's balancing bias, which the checkpoint keeps, in every other
+// block): they learn, log the routing telemetry, and resume bit for bit, routing included.
+TEST_F(TrainE2E, MoeTrainsLogsRoutingAndResumesBitForBit) {
+  const std::string base =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 "
+      "--moe.top_k=2 --moe.expert_ffn_dim=64 ";
+  const std::string aux = base + "--moe.n_shared_experts=1 --moe.z_loss_coef=0.001";
+  const std::string bias = base +
+                           "--moe.score=sigmoid --moe.balance=bias --moe.aux_loss_coef=0 "
+                           "--moe.bias_update_rate=0.01 --moe.every=2";
+  check_resume_is_bit_identical(dir_, "_moe", aux, train_cmd);
+  check_resume_is_bit_identical(dir_, "_moe_bias", bias, train_cmd);
+  for (const char* tag : {"_moe", "_moe_bias"}) {
+    SCOPED_TRACE(tag);
+    const std::string full = (dir_ / (std::string("run_full") + tag)).string();
+    const auto m = read_losses(full);
+    ASSERT_EQ(m.size(), 20u);
+    EXPECT_LT(m.back().value, m.front().value - 1.0) << "loss did not fall";
+    // Every step logs each MoE block's load; a step routes B*T*k = 8*64*2 tokens.
+    const auto load = json_arrays(full, "moe_load");
+    ASSERT_EQ(load.size(), 20u);
+    const std::vector<std::string> blocks = json_arrays(full, "moe_blocks");
+    EXPECT_EQ(blocks.front(), std::string(tag) == "_moe" ? "[0,1]" : "[1]");
+    for (const char* key :
+         {"moe_tokens_min", "moe_tokens_max", "moe_gini", "moe_aux", "moe_z", "moe_entropy"})
+      EXPECT_EQ(json_arrays(full, key).size(), 20u) << key;
+    int64_t routed = 0;
+    std::string first = load.front();
+    for (char& ch : first)
+      if (ch == '[' || ch == ']' || ch == ',') ch = ' ';
+    std::istringstream numbers(first);
+    for (int64_t v; numbers >> v;) routed += v;
+    EXPECT_EQ(routed, static_cast<int64_t>(blocks.front() == "[0,1]" ? 2 : 1) * 8 * 64 * 2);
+    // The resumed run routes exactly as the uninterrupted one (the bias came back too).
+    const auto resumed =
+        json_arrays((dir_ / (std::string("run_resumed") + tag)).string(), "moe_load");
+    ASSERT_EQ(resumed.size(), 10u);
+    for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed[i], load[10 + i]) << "step " << 11 + i;
+  }
+}
+
+// The shipped configs/moe-tiny.yaml trains as it is (a few small steps here) and logs its
+// routing on the step line.
+TEST_F(TrainE2E, MoeTinyConfigTrains) {
+  const std::string data = (dir_ / "data").string();
+  const std::string out = (dir_ / "run_moe_tiny").string();
+  const Result r = run(kBin + "/train " + kSrc + "/configs/moe-tiny.yaml --train.device=cpu" +
+                       " --data.train='" + data + "/train_*.bin' --data.val='" + data +
+                       "/val_*.bin' --train.batch_size=2 --train.max_steps=4 --train.log_every=2" +
+                       " --train.eval_every=4 --train.eval_steps=1 --train.out_dir=" + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_losses(out).size(), 4u);
+  EXPECT_NE(r.output.find("moe: 4 of 4 blocks route each token to 2 of 8 experts"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(" | moe tok "), std::string::npos) << r.output;
+}
+
+// precision.fp8 with MoE blocks (the CPU emulates FP8): attention, the dense blocks' MLPs and
+// the shared experts run in FP8, the routers and routed experts in bf16, as the run says; it
+// learns, and resumes bit for bit with the FP8 state and the routing.
+TEST_F(TrainE2E, MoeWithFp8TrainsAndSaysWhatStaysBf16) {
+  const std::string moe =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.expert_ffn_dim=64 "
+      "--moe.every=2 --moe.n_shared_experts=1 --precision.fp8=true";
+  check_resume_is_bit_identical(dir_, "_moe_fp8", moe, train_cmd);
+  const std::string full = (dir_ / "run_full_moe_fp8").string();
+  const auto m = read_losses(full);
+  ASSERT_EQ(m.size(), 20u);
+  EXPECT_LT(m.back().value, m.front().value - 1.0) << "loss did not fall";
+  const Result r =
+      run(train_cmd((dir_ / "run_moe_fp8_log").string(), moe + " --train.max_steps=1"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  // 2 blocks: attention (2) in both, the dense MLP (2) of block 0, the shared expert (2) of
+  // block 1.
+  EXPECT_NE(r.output.find("precision.fp8: 8 linear layers in FP8 (the MoE routers and routed "
+                          "experts stay bf16)"),
+            std::string::npos)
+      << r.output;
+}
+
 // train.recompute: the same losses bit for bit (CPU), and the memory plan says what it saves.
 TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --train.max_steps=8 ";
-  const std::string none = (dir_ / "run_recompute_none").string();
-  ASSERT_EQ(run(train_cmd(none, llama)).status, 0);
-  for (const char* mode : {"selective", "full"}) {
-    const std::string out = (dir_ / (std::string("run_recompute_") + mode)).string();
-    const Result r = run(train_cmd(out, llama + "--train.recompute=" + mode));
-    ASSERT_EQ(r.status, 0) << r.output;
-    EXPECT_NE(r.output.find(std::string("train.recompute=") + mode + " saves"), std::string::npos)
-        << r.output;
-    const auto a = read_losses(none), b = read_losses(out);
-    ASSERT_EQ(a.size(), 8u);
-    ASSERT_EQ(b.size(), a.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_EQ(b[i].text, a[i].text) << mode << " step " << i + 1;
+  // A MoE (the bias, so that the routing's history matters) recomputes the same too.
+  const std::string moe = llama + "--moe.n_experts=4 --moe.expert_ffn_dim=64 --moe.every=2 " +
+                          "--moe.balance=bias --moe.aux_loss_coef=0 --moe.bias_update_rate=0.01 ";
+  for (const auto& [tag, model] : {std::pair{"", llama}, std::pair{"_moe", moe}}) {
+    const std::string none = (dir_ / ("run_recompute_none" + std::string(tag))).string();
+    ASSERT_EQ(run(train_cmd(none, model)).status, 0);
+    for (const char* mode : {"selective", "full"}) {
+      const std::string out = (dir_ / (std::string("run_recompute_") + mode + tag)).string();
+      const Result r = run(train_cmd(out, model + "--train.recompute=" + mode));
+      ASSERT_EQ(r.status, 0) << r.output;
+      EXPECT_NE(r.output.find(std::string("train.recompute=") + mode + " saves"), std::string::npos)
+          << r.output;
+      const auto a = read_losses(none), b = read_losses(out);
+      ASSERT_EQ(a.size(), 8u);
+      ASSERT_EQ(b.size(), a.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_EQ(b[i].text, a[i].text) << tag << " " << mode << " step " << i + 1;
+    }
   }
 }
 

@@ -100,6 +100,7 @@ int run(int argc, char** argv) {
   backend->copy_from_host(master, model.params.data());
   backend->copy(weights, master);
   net->bind_weights(flat_params(weights));
+  if (!model.moe_bias.empty()) backend->copy_from_host(net->moe_bias(), model.moe_bias.data());
 
   std::vector<float> losses(static_cast<size_t>(B) * T);
   double sum = 0.0;

@@ -7,8 +7,11 @@ Writes DIR/loss.png (training and validation loss against step and against token
 DIR/throughput.png (tokens/s and MFU against step) and, when a run measured its GPUs' power
 (power_w in metrics.jsonl: NVML on a GPU host), DIR/power.png (power in W and joules per token
 against step), each 1200 x 450 pixels. A run's first step (planning, warm-up) is left out of the
-throughput and power plots. Expert load is not plotted: runs do not log it yet. A run directory
-without metrics.jsonl is an error (exit 2) that names it.
+throughput and power plots. A Mixture-of-Experts run (moe_load in metrics.jsonl) also gets
+DIR/experts.png: each MoE block's Gini coefficient of expert load and its busiest expert's load
+over the mean, against step, and the last run's per-expert share of one block's tokens over the
+steps (the least balanced block at the end). A run directory without metrics.jsonl is an error
+(exit 2) that names it.
 """
 import argparse
 import json
@@ -107,6 +110,36 @@ def main():
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, "power.png"))
         written.append("power.png")
+    moe = [r for r in runs if any("moe_load" in x for x in r["rows"])]
+    if moe:
+        fig, (gini, peak, share) = plt.subplots(1, 3, figsize=(12, 4.5), dpi=100)
+        for r in moe:
+            rows = [x for x in r["rows"] if "moe_load" in x]
+            steps = [x["step"] for x in rows]
+            for i, block in enumerate(rows[0]["moe_blocks"]):
+                label = f"{r['name']} h.{block}"
+                gini.plot(steps, [x["moe_gini"][i] for x in rows], label=label)
+                peak.plot(steps, [x["moe_tokens_max"][i] / max(x["moe_tokens_mean"][i], 1e-9)
+                                  for x in rows], label=label)
+        r = moe[-1]
+        rows = [x for x in r["rows"] if "moe_load" in x]
+        worst = max(range(len(rows[-1]["moe_gini"])), key=lambda i: rows[-1]["moe_gini"][i])
+        loads = [x["moe_load"][worst] for x in rows]
+        shares = [[v / max(sum(l), 1) for v in l] for l in loads]
+        image = share.imshow(list(map(list, zip(*shares))), aspect="auto", origin="lower",
+                             interpolation="nearest",
+                             extent=(rows[0]["step"], rows[-1]["step"], -0.5, len(loads[0]) - 0.5))
+        fig.colorbar(image, ax=share, label="share of the block's tokens")
+        gini.set(xlabel="step", ylabel="Gini", title="expert load imbalance (0: even)")
+        peak.set(xlabel="step", ylabel="max / mean", title="busiest expert's load")
+        share.set(xlabel="step", ylabel="expert",
+                  title=f"{r['name']} h.{rows[0]['moe_blocks'][worst]}: load share")
+        for ax in (gini, peak):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "experts.png"))
+        written.append("experts.png")
     print(f"plot: {len(runs)} run(s) -> " + ", ".join(f"{a.out}/{w}" for w in written))
 
 

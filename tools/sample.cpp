@@ -128,15 +128,21 @@ int run(int argc, char** argv) {
                                                                    : make_cpu_backend();
   const int64_t n = static_cast<int64_t>(model.params.size());
   Arena arena(*backend, "weights");
-  Tensor weights, master;
+  Tensor weights, master, moe_bias;
   arena.plan(&weights, "params.working", {n}, backend->activation_dtype());
   arena.plan(&master, "params.master", {n}, DType::f32);
+  // moe.balance=bias: routing picks experts with the trained bias the checkpoint keeps.
+  const std::vector<float>& bias = model.moe_bias;
+  if (!bias.empty())
+    arena.plan(&moe_bias, "moe.bias", {static_cast<int64_t>(bias.size())}, DType::f32);
   arena.allocate();
   backend->copy_from_host(master, model.params.data());
   backend->copy(weights, master);
+  if (!bias.empty()) backend->copy_from_host(moe_bias, bias.data());
 
   std::mt19937_64 rng(seed);
-  const std::vector<int> out = generate(*backend, mc, weights, tokens, opts, rng);  // prompt too
+  const std::vector<int> out =
+      generate(*backend, mc, weights, tokens, opts, rng, moe_bias);  // the prompt too
   if (bytes) {
     std::printf("%s\n", byte_decode(out).c_str());
   } else {

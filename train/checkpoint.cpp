@@ -42,6 +42,7 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
 constexpr uint64_t kFnvSeed = 14695981039346656037ull;
 
 constexpr const char* kFp8File = "fp8_state.bin";
+constexpr const char* kMoeBiasFile = "moe_bias.bin";
 
 }  // namespace
 
@@ -143,6 +144,14 @@ std::string manifest_yaml(const CheckpointManifest& m) {
     out << YAML::Key << "tensors" << YAML::Value << YAML::Flow << m.state.fp8_names;
     out << YAML::EndMap;
   }
+  if (!m.state.moe_bias.empty()) {
+    out << YAML::Key << "moe_bias" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "file" << YAML::Value << kMoeBiasFile;
+    out << YAML::Key << "floats" << YAML::Value << m.state.moe_bias.size();
+    out << YAML::Key << "checksum" << YAML::Value
+        << fnv1a(kFnvSeed, m.state.moe_bias.data(), m.state.moe_bias.size() * sizeof(float));
+    out << YAML::EndMap;
+  }
   out << YAML::Key << "world_size" << YAML::Value << m.world_size;
   out << YAML::Key << "strategy" << YAML::Value << m.strategy;
   out << YAML::Key << "param_count" << YAML::Value << m.param_count;
@@ -176,6 +185,21 @@ void prune_checkpoints(const std::string& root, int keep) {
   std::sort(complete.begin(), complete.end());
   for (size_t i = 0; i + static_cast<size_t>(keep) < complete.size(); ++i)
     fs::remove_all(root + "/" + complete[i]);
+}
+
+// A state file the manifest names under `node` (file, floats, checksum), read and verified.
+std::vector<float> read_floats(const std::string& dir, const YAML::Node& node, const char* what) {
+  const std::string file = dir + "/" + node["file"].as<std::string>();
+  std::vector<float> values(node["floats"].as<size_t>());
+  std::ifstream in(file, std::ios::binary);
+  const auto bytes = static_cast<std::streamsize>(values.size() * sizeof(float));
+  if (!in.read(reinterpret_cast<char*>(values.data()), bytes) ||
+      in.peek() != std::char_traits<char>::eof())
+    throw InputError(file + ": missing, truncated or too long (" + what + " of " +
+                     std::to_string(values.size()) + " floats)");
+  if (fnv1a(kFnvSeed, values.data(), static_cast<size_t>(bytes)) != node["checksum"].as<uint64_t>())
+    throw InputError(file + ": checksum mismatch (corrupt " + what + ")");
+  return values;
 }
 
 }  // namespace
@@ -214,6 +238,9 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
     if (!state.fp8_names.empty())
       write_file_synced(tmp_dir + "/" + kFp8File,
                         {{state.fp8_state.data(), state.fp8_state.size() * sizeof(float)}});
+    if (!state.moe_bias.empty())
+      write_file_synced(tmp_dir + "/" + kMoeBiasFile,
+                        {{state.moe_bias.data(), state.moe_bias.size() * sizeof(float)}});
     const std::string text = manifest_yaml(m);
     write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
     fsync_path(tmp_dir);
@@ -263,18 +290,9 @@ CheckpointManifest read_manifest(const std::string& dir) {
     if (const YAML::Node f = n["fp8"]) {
       m.state.fp8_names = f["tensors"].as<std::vector<std::string>>();
       m.state.fp8_history = f["history"].as<int>();
-      const std::string file = dir + "/" + f["file"].as<std::string>();
-      m.state.fp8_state.resize(f["floats"].as<size_t>());
-      std::ifstream in(file, std::ios::binary);
-      const auto bytes = static_cast<std::streamsize>(m.state.fp8_state.size() * sizeof(float));
-      if (!in.read(reinterpret_cast<char*>(m.state.fp8_state.data()), bytes) ||
-          in.peek() != std::char_traits<char>::eof())
-        throw InputError(file + ": missing, truncated or too long (FP8 state of " +
-                         std::to_string(m.state.fp8_state.size()) + " floats)");
-      if (fnv1a(kFnvSeed, m.state.fp8_state.data(), static_cast<size_t>(bytes)) !=
-          f["checksum"].as<uint64_t>())
-        throw InputError(file + ": checksum mismatch (corrupt FP8 state)");
+      m.state.fp8_state = read_floats(dir, f, "FP8 state");
     }
+    if (const YAML::Node f = n["moe_bias"]) m.state.moe_bias = read_floats(dir, f, "MoE bias");
     for (const auto& f : n["files"])
       m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});

@@ -27,6 +27,9 @@ struct TrainingState {
   std::vector<std::string> fp8_names;
   int fp8_history = 0;
   std::vector<float> fp8_state;
+  // moe.balance=bias: every MoE block's balancing bias (Model::moe_bias), written by rank 0 to
+  // moe_bias.bin; empty otherwise.
+  std::vector<float> moe_bias;
 };
 
 struct CheckpointFile {

@@ -109,6 +109,29 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(model, bias), any(), "biases on every linear layer"},
       {KILN_FIELD(model, qkv_bias), any(), "a bias on the qkv projection (true when bias is)"},
       {KILN_FIELD(model, qk_norm), any(), "RMSNorm of each query and key head (Qwen3)"},
+      {KILN_FIELD(moe, n_experts), range(0, false, 256, false),
+       "routed experts in each MoE block (0: a dense model; the other moe keys are unused)"},
+      {KILN_FIELD(moe, top_k), positive(), "experts each token is routed to; <= n_experts"},
+      {KILN_FIELD(moe, expert_ffn_dim), non_negative(),
+       "hidden width of each expert's MLP (0: model.ffn_dim); the MLP kind is model.mlp"},
+      {KILN_FIELD(moe, n_shared_experts), non_negative(),
+       "experts every token goes through beside its routed ones (one MLP of n_shared_experts * "
+       "expert_ffn_dim)"},
+      {KILN_FIELD(moe, every), positive(),
+       "block l (from 0) is MoE when (l + 1) % every == 0: 1 every block, 2 every other"},
+      {KILN_FIELD(moe, score), one_of({"softmax", "sigmoid"}),
+       "router scores: softmax over the experts, or a sigmoid per expert (DeepSeek-V3)"},
+      {KILN_FIELD(moe, renormalize), any(), "divide each token's top-k weights by their sum"},
+      {KILN_FIELD(moe, balance), one_of({"aux_loss", "bias", "none"}),
+       "load balancing: aux_loss (needs aux_loss_coef > 0), bias (DeepSeek-V3's per-expert "
+       "selection bias updated from the load; aux_loss_coef may add a small aux loss) or none "
+       "(needs aux_loss_coef 0)"},
+      {KILN_FIELD(moe, aux_loss_coef), non_negative(),
+       "weight of the Switch/GShard load-balancing loss E * sum_e f_e * P_e"},
+      {KILN_FIELD(moe, z_loss_coef), non_negative(),
+       "weight of the router z-loss, mean logsumexp(router logits)^2"},
+      {KILN_FIELD(moe, bias_update_rate), non_negative(),
+       "balance=bias: each step, bias_e += rate * sign(mean load - load_e)"},
       {KILN_FIELD(data, train), non_empty(), "glob of train shards"},
       {KILN_FIELD(data, val), any(), "glob of val shards (empty: no validation)"},
       {KILN_FIELD(data, shuffle), any(), "permute window order per shard and epoch (train.seed)"},
@@ -167,6 +190,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(fp8, margin), range(0, false, 16, false), "scale = fp8_max / amax / 2^margin"},
       {KILN_FIELD(fp8, bf16_edges), any(), "keep the first and last blocks' linear layers in bf16"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
+      {KILN_FIELD(dist, expert_parallel), positive(),
+       "ranks each MoE block's experts are spread over (expert parallelism): only 1 for now"},
       {KILN_FIELD(dist, bucket_mb), non_negative(),
        "DDP gradient bucket size in MiB (0: one bucket where NVLink joins every rank on one "
        "host, else 25)"},
@@ -448,6 +473,8 @@ struct Resolver {
       m.ffn_dim = m.mlp == "swiglu" ? static_cast<int>((int64_t{8} * m.n_embd / 3 + 255) / 256 * 256) : 4 * m.n_embd;
     }
     if (m.padded_vocab_size == 0) m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
+    if (config.moe.n_experts > 0 && config.moe.expert_ffn_dim == 0)
+      config.moe.expert_ffn_dim = m.ffn_dim;
   }
 
   void validate_fields() {
@@ -458,6 +485,49 @@ struct Resolver {
       fail(f, "must be " + describe(f.check) + ", got " +
                   (text ? "'" + **text + "'" : value_to_yaml(p)));
     }
+  }
+
+  void validate_moe() {
+    const MoeSection& e = config.moe;
+    auto field = [](const char* key) -> const Field& { return *find_field("moe", key); };
+    if (config.dist.expert_parallel > 1)
+      fail(*find_field("dist", "expert_parallel"),
+           "expert parallelism is not implemented yet: every rank holds every expert (the "
+           "non-expert strategies ddp, zero1 and fsdp shard them as any parameter); got " +
+               std::to_string(config.dist.expert_parallel));
+    // A key that is accepted does what it says: a moe key set away from its default where
+    // nothing reads it is refused rather than ignored.
+    Config defaults;  // non-const: the accessors hand out mutable pointers
+    auto changed = [&](const char* key) {
+      const Field& f = field(key);
+      return value_to_yaml(get(f)) != value_to_yaml(f.member(defaults));
+    };
+    if (e.n_experts == 0) {
+      for (const Field& f : schema())
+        if (std::string(f.section) == "moe" && std::string(f.key) != "n_experts" && changed(f.key))
+          fail(f, "is set, but moe.n_experts is 0 (a dense model reads no other moe key)");
+      return;
+    }
+    if (e.balance != "bias" && changed("bias_update_rate"))
+      fail(field("bias_update_rate"),
+           "is read by moe.balance=bias only (this run's is " + e.balance + ")");
+    if (e.every > config.model.n_layer)
+      fail(field("every"), "leaves no block MoE: it must be <= model.n_layer (" +
+                               std::to_string(config.model.n_layer) + "), got " +
+                               std::to_string(e.every));
+    if (e.top_k > e.n_experts)
+      fail(field("top_k"), "must be <= moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
+                               std::to_string(e.top_k));
+    if (e.balance == "aux_loss" && e.aux_loss_coef == 0)
+      fail(field("aux_loss_coef"),
+           "moe.balance=aux_loss needs a positive coefficient (or "
+           "moe.balance=none)");
+    if (e.balance == "none" && e.aux_loss_coef > 0)
+      fail(field("aux_loss_coef"),
+           "must be 0 with moe.balance=none, got " + format_double(e.aux_loss_coef));
+    if (config.model.bias)
+      fail(*find_field("model", "bias"),
+           "MoE experts carry no biases: set model.bias=false (the llama and qwen3 arch rows do)");
   }
 
   void validate_relations() {
@@ -487,6 +557,7 @@ struct Resolver {
       fail(field("model.padded_vocab_size"), "must be >= model.vocab_size (" +
                                                  std::to_string(m.vocab_size) + "), got " +
                                                  std::to_string(m.padded_vocab_size));
+    validate_moe();
     if (config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));

@@ -35,6 +35,22 @@ struct ModelSection {
   bool qk_norm = false;      // RMSNorm of each query and key head (Qwen3)
 };
 
+// Mixture-of-Experts feed-forward layers (model/layers/moe.h, docs/moe.md). n_experts 0: a
+// dense model, and the other keys are not used.
+struct MoeSection {
+  int n_experts = 0;                 // routed experts per MoE block (0: no MoE)
+  int top_k = 2;                     // experts per token
+  int expert_ffn_dim = 0;            // each expert's hidden width (0: model.ffn_dim)
+  int n_shared_experts = 0;          // experts every token goes through, beside the routed ones
+  int every = 1;                     // block l is MoE when (l + 1) % every == 0
+  std::string score = "softmax";     // softmax | sigmoid (DeepSeek-V3)
+  bool renormalize = true;           // the top-k weights divided by their sum
+  std::string balance = "aux_loss";  // aux_loss | bias | none
+  double aux_loss_coef = 0.01;       // Switch/GShard load-balancing loss weight
+  double z_loss_coef = 0.0;          // router z-loss weight
+  double bias_update_rate = 0.001;   // balance=bias: the bias step per optimizer step
+};
+
 struct DataSection {
   std::string train;  // glob of train shards
   std::string val;    // glob of val shards ("" = no validation)
@@ -103,10 +119,12 @@ struct DistSection {
   std::string reduce_dtype = "fp32";  // fp32 | bf16: the dtype gradients are summed across ranks in
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
   int timeout_s = 300;           // collectives and rendezvous
+  int expert_parallel = 1;       // ranks the experts are spread over (only 1 for now)
 };
 
 struct Config {
   ModelSection model;
+  MoeSection moe;
   DataSection data;
   TrainSection train;
   InitSection init;

@@ -19,6 +19,8 @@ struct LoadedModel {
   std::string source;  // the checkpoint directory, or hf:DIR
   // The run's resolved config (kiln checkpoints); for hf:DIR, defaults around model_section().
   Config run_config;
+  // moe.balance=bias: the checkpoint's balancing bias (Model::moe_bias), which routing uses.
+  std::vector<float> moe_bias;
 };
 
 // Loads `spec` (hf:DIR, a checkpoint or a run directory). InputError naming what is wrong.

@@ -1,8 +1,10 @@
 #include "train/metrics.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "kernels/error.h"
 
@@ -28,6 +30,46 @@ double peak_flops(const std::string& device_name, bool fp8) {
       return (fp8 ? e.fp8_tflops : e.bf16_tflops) * 1e12;
   return 0.0;
 }
+
+double load_gini(const std::vector<float>& load) {
+  if (load.empty()) return 0;
+  std::vector<double> x(load.begin(), load.end());
+  std::sort(x.begin(), x.end());
+  // Sorted, sum_i sum_j |x_i - x_j| = 2 sum_i (2i - n + 1) x_i (i from 0).
+  const double n = static_cast<double>(x.size());
+  double weighted = 0, sum = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    weighted += (2.0 * static_cast<double>(i) - n + 1.0) * x[i];
+    sum += x[i];
+  }
+  return sum > 0 ? weighted / (n * sum) : 0.0;
+}
+
+namespace {
+
+// "[a,b,c]" of f(block) over the MoE blocks.
+template <class F>
+std::string moe_array(const std::vector<StepMetrics::MoeBlock>& blocks, const char* fmt, F f) {
+  std::string s = "[";
+  char buf[64];
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    std::snprintf(buf, sizeof buf, fmt, f(blocks[i]));
+    s += (i ? "," : "") + std::string(buf);
+  }
+  return s + "]";
+}
+
+double load_min(const StepMetrics::MoeBlock& b) {
+  return *std::min_element(b.load.begin(), b.load.end());
+}
+double load_max(const StepMetrics::MoeBlock& b) {
+  return *std::max_element(b.load.begin(), b.load.end());
+}
+double load_mean(const StepMetrics::MoeBlock& b) {
+  return std::accumulate(b.load.begin(), b.load.end(), 0.0) / static_cast<double>(b.load.size());
+}
+
+}  // namespace
 
 MetricsLog::MetricsLog(const std::string& path) {
   file_ = std::fopen(path.c_str(), "a");
@@ -71,6 +113,26 @@ std::string metrics_json(const StepMetrics& m) {
                   m.fp8->non_finite);
     s += buf;
   }
+  if (!m.moe.empty()) {
+    using B = StepMetrics::MoeBlock;
+    const auto& b = m.moe;
+    s += ",\"moe_blocks\":" + moe_array(b, "%.0f", [](const B& x) { return double(x.block); });
+    s += ",\"moe_tokens_min\":" + moe_array(b, "%.0f", load_min);
+    s += ",\"moe_tokens_mean\":" + moe_array(b, "%.6g", load_mean);
+    s += ",\"moe_tokens_max\":" + moe_array(b, "%.0f", load_max);
+    s += ",\"moe_gini\":" + moe_array(b, "%.5f", [](const B& x) { return load_gini(x.load); });
+    s += ",\"moe_aux\":" + moe_array(b, "%.6g", [](const B& x) { return x.aux; });
+    s += ",\"moe_z\":" + moe_array(b, "%.6g", [](const B& x) { return x.z; });
+    s += ",\"moe_entropy\":" + moe_array(b, "%.6g", [](const B& x) { return x.entropy; });
+    s += ",\"moe_load\":[";
+    for (size_t i = 0; i < b.size(); ++i) {
+      s += i ? ",[" : "[";
+      for (size_t e = 0; e < b[i].load.size(); ++e)
+        s += (e ? "," : "") + std::to_string(static_cast<int64_t>(b[i].load[e]));
+      s += "]";
+    }
+    s += "]";
+  }
   return s + "}";
 }
 
@@ -101,6 +163,26 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   if (m.fp8) {
     std::snprintf(buf, sizeof buf, " | fp8 clip %.3g%% %s amax %.3g/%.3g", 100.0 * m.fp8->clipped,
                   m.fp8->worst.c_str(), m.fp8->amax, m.fp8->scale_amax);
+    s += buf;
+  }
+  if (!m.moe.empty()) {
+    // One summary over the MoE blocks: the extremes of the loads, the least balanced block's
+    // Gini (named), and the means of the losses and the entropy; metrics.jsonl has each block.
+    double lo = load_min(m.moe[0]), hi = load_max(m.moe[0]), aux = 0, z = 0, h = 0;
+    size_t worst = 0;
+    for (size_t i = 0; i < m.moe.size(); ++i) {
+      lo = std::min(lo, load_min(m.moe[i]));
+      hi = std::max(hi, load_max(m.moe[i]));
+      if (load_gini(m.moe[i].load) > load_gini(m.moe[worst].load)) worst = i;
+      aux += m.moe[i].aux;
+      z += m.moe[i].z;
+      h += m.moe[i].entropy;
+    }
+    const double n = static_cast<double>(m.moe.size());
+    std::snprintf(buf, sizeof buf,
+                  " | moe tok %.0f/%.0f/%.0f gini %.3f (h.%d) aux %.3f z %.3g H %.3f", lo,
+                  load_mean(m.moe[0]), hi, load_gini(m.moe[worst].load), m.moe[worst].block,
+                  aux / n, z / n, h / n);
     s += buf;
   }
   // Progress for people watching a long run; a plain field, so the line stays parseable.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace kiln {
 
@@ -43,7 +44,20 @@ struct StepMetrics {
     std::string first_non_finite;
   };
   std::optional<Fp8> fp8;
+  // model.moe: each MoE block's routing over the step (all micro-batches and ranks).
+  struct MoeBlock {
+    int block = 0;            // its block number
+    std::vector<float> load;  // tokens each expert received
+    double aux = 0;           // E * sum_e f_e * P_e (1: balanced), before moe.aux_loss_coef
+    double z = 0;             // mean logsumexp(router logits)^2
+    double entropy = 0;       // mean entropy of the tokens' routing distributions (nats)
+  };
+  std::vector<MoeBlock> moe;
 };
+
+// Gini coefficient of the expert loads: 0 when every expert gets the same tokens, (E-1)/E when
+// one gets them all. sum_i sum_j |x_i - x_j| / (2 E^2 mean).
+double load_gini(const std::vector<float>& load);
 
 class MetricsLog {
  public:

@@ -86,6 +86,10 @@ class NvtxCommunicator : public Communicator {
     Scope s("broadcast " + mib(buf));
     inner_.broadcast(buf, root);
   }
+  void all_to_all(Tensor out, Tensor in) override {
+    Scope s("all_to_all " + mib(in));
+    inner_.all_to_all(out, in);
+  }
   void wait() override {
     Scope s("collectives wait");
     inner_.wait();

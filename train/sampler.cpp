@@ -32,7 +32,7 @@ int pick_token(std::vector<float>& logits, int vocab_size, const SamplingOptions
 
 std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
-                          std::mt19937_64& rng) {
+                          std::mt19937_64& rng, Tensor moe_bias) {
   if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
   const int T = cfg.seq_len, Vp = cfg.padded_vocab_size;
   // Samples come from the bf16 (or f32) weights: FP8's scales belong to the training run.
@@ -47,6 +47,7 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
   arena.plan(&row, "logits_row", {Vp}, DType::f32);
   arena.allocate();
   model->bind_weights(flat_params(weights));
+  if (moe_bias.defined()) backend.copy(model->moe_bias(), moe_bias);
 
   std::vector<int32_t> window(static_cast<size_t>(T), 0);
   std::vector<float> logits(static_cast<size_t>(Vp));

@@ -18,9 +18,9 @@ struct SamplingOptions {
 };
 
 // `weights`: the flat parameter buffer in the backend's working dtype. Returns prompt +
-// generated tokens.
+// generated tokens. moe_bias: a MoE run's balancing bias (Model::moe_bias), which routing uses.
 std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
-                          std::mt19937_64& rng);
+                          std::mt19937_64& rng, Tensor moe_bias = {});
 
 }  // namespace kiln

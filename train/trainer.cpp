@@ -58,6 +58,23 @@ ModelConfig model_config(const ModelSection& m) {
   return c;
 }
 
+ModelConfig model_config(const ModelSection& m, const MoeSection& e) {
+  ModelConfig c = model_config(m);
+  MoeConfig& moe = c.moe;
+  moe.n_experts = e.n_experts;
+  moe.top_k = e.top_k;
+  moe.expert_ffn_dim = e.expert_ffn_dim > 0 ? e.expert_ffn_dim : m.ffn_dim;
+  moe.n_shared_experts = e.n_shared_experts;
+  moe.every = e.every;
+  moe.score = e.score == "sigmoid" ? MoeScore::sigmoid : MoeScore::softmax;
+  moe.renormalize = e.renormalize;
+  moe.aux_loss_coef = static_cast<float>(e.aux_loss_coef);
+  moe.z_loss_coef = static_cast<float>(e.z_loss_coef);
+  moe.bias_balance = e.balance == "bias";
+  moe.bias_update_rate = static_cast<float>(e.bias_update_rate);
+  return c;
+}
+
 namespace {
 
 // The model's config with precision.fp8 applied where the backend can run it: Hopper and newer
@@ -95,6 +112,9 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
     if (cfg.precision.dtype == "fp32")
       throw InputError("precision.dtype=fp32: the CUDA backend computes in bf16 only; "
                        "train.device=cpu computes in fp32");
+    // The router's kernel keeps a token's k picks in registers (kernels/cuda/moe_router.cu).
+    if (cfg.moe.n_experts > 0 && cfg.moe.top_k > 32)
+      throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(cfg.moe.top_k));
     std::unique_ptr<Backend> backend = make_cuda_backend(rank.local_rank);
     try {
       backend->set_attention(cfg.precision.attention);
@@ -133,7 +153,7 @@ class Trainer {
       : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
-        mcfg_(with_fp8(model_config(cfg.model), cfg, *backend_, rank.rank == 0)),
+        mcfg_(with_fp8(model_config(cfg.model, cfg.moe), cfg, *backend_, rank.rank == 0)),
         model_(make_model(mcfg_, *backend_)),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
@@ -168,6 +188,9 @@ class Trainer {
     return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
   }
   bool fp8() const { return model_->fp8_layout().n > 0; }
+  bool moe() const { return !model_->moe_blocks().empty(); }
+  // The step's per-block routing telemetry from the read-back moe_stats.
+  std::vector<StepMetrics::MoeBlock> moe_metrics(const float* stats) const;
   int B() const { return cfg_.train.batch_size; }
   int T() const { return mcfg_.seq_len; }
   int64_t tokens_per_step() const {
@@ -385,6 +408,17 @@ void Trainer::resume_from(const std::string& dir) {
         "FP8 layers, does not use",
         dir, manifest.state.fp8_names.size());
   }
+  if (const Tensor bias = model_->moe_bias(); bias.defined()) {
+    if (manifest.state.moe_bias.empty()) {
+      if (is_main()) spdlog::info("moe.balance=bias: {} holds no bias; it starts at 0", dir);
+    } else if (static_cast<int64_t>(manifest.state.moe_bias.size()) != bias.numel()) {
+      throw InputError(dir + "/manifest.yaml: its MoE bias has " +
+                       std::to_string(manifest.state.moe_bias.size()) + " values, this run's " +
+                       std::to_string(bias.numel()) + " (MoE blocks x moe.n_experts)");
+    } else {
+      backend_->copy_from_host(bias, manifest.state.moe_bias.data());
+    }
+  }
   train_loader_->restore({manifest.state.loader_epoch, manifest.state.loader_cursor});
   std::istringstream(manifest.state.rng_state) >> rng_;
   if (is_main())
@@ -429,6 +463,7 @@ void Trainer::step_work(bool break_capture) {
   const int accum = cfg_.train.grad_accum;
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
   strategy_->zero_grads();
+  if (moe()) k.fill_zero(model_->moe_stats());
   for (int micro = 0; micro < accum; ++micro) {
     const Tensor tokens = micro_batch(tokens_, micro);
     strategy_->set_micro_batch(micro, accum);
@@ -438,6 +473,12 @@ void Trainer::step_work(bool break_capture) {
     model_->backward(tokens);
   }
   all_reduce(loss_sum_);
+  if (moe()) {
+    // The step's routing statistics over every rank: the telemetry, and the load the balancing
+    // bias follows (every rank applies the same update).
+    all_reduce(model_->moe_stats());
+    model_->moe_update_bias();
+  }
   if (fp8()) {
     // Every rank quantizes alike: one all-reduce of all the windows' amaxes, then the update.
     const Fp8StateLayout& fl = model_->fp8_layout();
@@ -560,7 +601,7 @@ void Trainer::save(int step) {
   const LoaderState ls = train_loader_->state();
   std::ostringstream rng_text;
   rng_text << rng_;
-  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str(), {}, 0, {}};
+  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str(), {}, 0, {}, {}};
   if (fp8()) {
     const Fp8StateLayout& fl = model_->fp8_layout();
     state.fp8_names = model_->fp8_names();
@@ -568,6 +609,10 @@ void Trainer::save(int step) {
     state.fp8_state.resize(static_cast<size_t>(fl.total()));
     backend_->copy_to_host(state.fp8_state.data(), model_->fp8_state());
     check_fp8_ranks_agree(state.fp8_state, step);
+  }
+  if (model_->moe_bias().defined()) {
+    state.moe_bias.resize(static_cast<size_t>(model_->moe_bias().numel()));
+    backend_->copy_to_host(state.moe_bias.data(), model_->moe_bias());
   }
   const std::string dir =
       save_checkpoint(cfg_.train.out_dir, state, model_->layout(), config_to_yaml(cfg_),
@@ -614,7 +659,7 @@ void Trainer::print_sample(int step) {
   opts.temperature = 0.8f;
   opts.top_k = 40;
   std::vector<int> out =
-      generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts, rng_);
+      generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts, rng_, model_->moe_bias());
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
@@ -674,6 +719,23 @@ void truncate_metrics(const std::string& path, int last_step) {
   fs::rename(tmp, path);
 }
 
+std::vector<StepMetrics::MoeBlock> Trainer::moe_metrics(const float* stats) const {
+  std::vector<StepMetrics::MoeBlock> out;
+  const int E = mcfg_.moe.n_experts;
+  for (size_t i = 0; i < model_->moe_blocks().size(); ++i) {
+    const float* s = stats + i * static_cast<size_t>(E + kMoeStats);
+    StepMetrics::MoeBlock b;
+    b.block = model_->moe_blocks()[i];
+    b.load.assign(s, s + E);
+    const double tokens = std::max(1.0f, s[E + kMoeTokens]);
+    b.aux = s[E + kMoeAux] / tokens;
+    b.z = s[E + kMoeZ] / tokens;
+    b.entropy = s[E + kMoeEntropy] / tokens;
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
 bool Trainer::host_step(int step) const {
   const auto& t = cfg_.train;
   return step == t.max_steps || (val_loader_ && step % t.eval_every == 0) ||
@@ -729,6 +791,7 @@ bool Trainer::finish_step(const PendingStep& p) {
                    "scales were kept", sm.step, x.non_finite, x.first_non_finite);
     sm.fp8 = x;
   }
+  if (moe()) sm.moe = moe_metrics(values + 2 + (fp8() ? Fp8StateLayout::kSummary : 0));
   if (!std::isfinite(sm.loss)) {
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
     return false;
@@ -814,13 +877,28 @@ int Trainer::run() {
                  t.max_steps - start_step_, tokens_per_step(), B(), T(), t.grad_accum,
                  rank_.world_size, backend_->name(), flops_per_token_ / 1e9,
                  peak_ > 0 ? std::to_string(peak_ / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
+  if (is_main() && moe()) {
+    const MoeConfig& m = mcfg_.moe;
+    const int64_t per_expert =
+        (mcfg_.mlp == MlpKind::swiglu ? 3 : 2) * int64_t{mcfg_.n_embd} * m.expert_ffn_dim;
+    const int64_t idle =
+        static_cast<int64_t>(model_->moe_blocks().size()) * (m.n_experts - m.top_k) * per_expert;
+    spdlog::info(
+        "moe: {} of {} blocks route each token to {} of {} experts ({} wide{}, {} "
+        "scores, balance {}); {} parameters, {} active per token (MFU counts those)",
+        model_->moe_blocks().size(), mcfg_.n_layer, m.top_k, m.n_experts, m.expert_ffn_dim,
+        m.n_shared_experts > 0 ? ", " + std::to_string(m.n_shared_experts) + " shared" : "",
+        cfg_.moe.score, cfg_.moe.balance, model_->layout().total, model_->layout().total - idle);
+  }
   if (is_main() && fp8())
-    spdlog::info("precision.fp8: {} linear layers in FP8 ({} format, amax history {}, {}, margin "
-                 "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
-                 "peak {}",
-                 model_->fp8_layout().n / kFp8Roles, cfg_.fp8.format, cfg_.fp8.amax_history_len,
-                 cfg_.fp8.amax_compute_algo, cfg_.fp8.margin,
-                 peak_fp8_ > 0 ? std::to_string(peak_fp8_ / 1e12) + " TFLOP/s" : "unknown");
+    spdlog::info(
+        "precision.fp8: {} linear layers in FP8{} ({} format, amax history {}, {}, margin "
+        "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
+        "peak {}",
+        model_->fp8_layout().n / kFp8Roles,
+        moe() ? " (the MoE routers and routed experts stay bf16)" : "", cfg_.fp8.format,
+        cfg_.fp8.amax_history_len, cfg_.fp8.amax_compute_algo, cfg_.fp8.margin,
+        peak_fp8_ > 0 ? std::to_string(peak_fp8_ / 1e12) + " TFLOP/s" : "unknown");
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
   // read while step N+1 runs (the GPU never waits for the host's logging), except at host
@@ -830,14 +908,12 @@ int Trainer::run() {
     const Clock::time_point enqueued = Clock::now();
     backend_->mark_step_start(step % Backend::kReadbackSlots);
     const double lr = train_step(step);
-    const Tensor grad_norm = sched_.slice(kSchedGradNorm, {1});
+    std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
     if (fp8())
-      backend_->read_async(step % Backend::kReadbackSlots,
-                           {loss_sum_, grad_norm,
-                            model_->fp8_state().slice(model_->fp8_layout().summary(),
-                                                      {Fp8StateLayout::kSummary})});
-    else
-      backend_->read_async(step % Backend::kReadbackSlots, {loss_sum_, grad_norm});
+      readback.push_back(
+          model_->fp8_state().slice(model_->fp8_layout().summary(), {Fp8StateLayout::kSummary}));
+    if (moe()) readback.push_back(model_->moe_stats());
+    backend_->read_async(step % Backend::kReadbackSlots, readback);
     const Clock::time_point enqueue_end = Clock::now();
     if (pending && !finish_step(*pending)) return 1;
     pending = PendingStep{step, lr, enqueued, enqueue_end};

@@ -25,6 +25,8 @@ struct RankInfo {
 };
 
 ModelConfig model_config(const ModelSection& model);
+// With the moe section's MoE blocks (the one-argument form builds a dense model).
+ModelConfig model_config(const ModelSection& model, const MoeSection& moe);
 
 // Instrumentation for tools (bench --profile-ops): wrap_backend returns the backend the trainer
 // runs on in place of the one it built (which outlives every use of the wrapper); on_step is

@@ -1,8 +1,8 @@
 // CpuBackend: the fp32 reference implementation of the Backend op set, the ground truth every
 // CUDA kernel is checked against. Activations, parameters and gradients are all f32. The ops are
 // defined one family per file (encoder.cpp, layernorm.cpp, rmsnorm.cpp, qk_norm.cpp, rope.cpp,
-// matmul.cpp, fp8.cpp, swiglu.cpp, attention.cpp, classifier.cpp, optimizer.cpp); this class only gathers
-// them.
+// matmul.cpp, grouped_matmul.cpp, fp8.cpp, swiglu.cpp, moe_router.cpp, moe_permute.cpp,
+// attention.cpp, classifier.cpp, optimizer.cpp); this class only gathers them.
 //
 // Determinism is part of the contract: OpenMP splits work only over independent output rows or
 // elements (static schedule), and every sum runs in a fixed order that does not depend on the
@@ -59,6 +59,23 @@ class CpuBackend final : public Backend {
   void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) override;
   void swiglu_forward(Tensor out, Tensor inp) override;
   void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
+
+  void moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
+                          Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) override;
+  void moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
+                           Tensor topk_idx, Tensor counts, const MoeRouting& r,
+                           float loss_scale) override;
+  void moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
+                   Tensor topk_idx) override;
+  void moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                     bool accumulate) override;
+  void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp, Tensor slot_row,
+                              Tensor topk_w) override;
+  void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
+                              Tensor pre_gelu) override;
+  void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                               Tensor offsets, Tensor inp_pre_gelu) override;
+  void moe_bias_update(Tensor bias, Tensor counts, float rate) override;
 
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;

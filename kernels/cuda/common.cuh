@@ -102,5 +102,18 @@ __device__ inline float block_max(float x, float* shared) {
   return warp_max(x);
 }
 
+// GELU (tanh form) and its derivative, as kernels/cpu/matmul.cpp defines them (cuBLASLt's GELU
+// epilogue computes the same form).
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+__device__ inline float gelu(float x) {
+  return 0.5f * x * (1.0f + tanhf(kGeluScale * (x + kGeluCubic * x * x * x)));
+}
+__device__ inline float gelu_grad(float x) {
+  const float t = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
+  return 0.5f * (1.0f + t) +
+         0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+}
+
 }  // namespace cuda
 }  // namespace kiln

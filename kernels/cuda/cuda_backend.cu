@@ -278,7 +278,7 @@ std::string CudaBackend::graph_replay() {
 
 // Pinned staging, so the copies are true DMA that return at once; one event per slot, so
 // waiting for step N's values does not wait for step N+1's work enqueued after them.
-void CudaBackend::read_async(int slot, std::initializer_list<Tensor> srcs) {
+void CudaBackend::read_async(int slot, const std::vector<Tensor>& srcs) {
   check_readback(slot, srcs);
   float* dst = readback_pinned_ + slot * kReadbackFloats;
   for (const Tensor& t : srcs) {

@@ -5,7 +5,8 @@
 // CUDA graph.
 // The ops are member functions defined next to their kernels, one file per op family
 // (encoder.cu, layernorm.cu, matmul.cu, fp8.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
-// adamw.cu); this header is the only one other layers (trainer, NCCL) need.
+// adamw.cu, moe_*.cu, grouped_matmul.cu); this header is the only one other layers (trainer, NCCL)
+// need.
 #pragma once
 
 #include <cublasLt.h>
@@ -71,7 +72,7 @@ class CudaBackend final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override;
-  void read_async(int slot, std::initializer_list<Tensor> srcs) override;
+  void read_async(int slot, const std::vector<Tensor>& srcs) override;
   const float* read_wait(int slot) override;
   void mark_step_start(int slot) override;
   double step_ms(int slot) override;
@@ -117,6 +118,24 @@ class CudaBackend final : public Backend {
   void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;
+
+  // Mixture-of-Experts: moe_router.cu, moe_permute.cu, grouped_matmul.cu.
+  void moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
+                          Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) override;
+  void moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
+                           Tensor topk_idx, Tensor counts, const MoeRouting& r,
+                           float loss_scale) override;
+  void moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
+                   Tensor topk_idx) override;
+  void moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                     bool accumulate) override;
+  void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp, Tensor slot_row,
+                              Tensor topk_w) override;
+  void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
+                              Tensor pre_gelu) override;
+  void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                               Tensor offsets, Tensor inp_pre_gelu) override;
+  void moe_bias_update(Tensor bias, Tensor counts, float rate) override;
 
   std::string fp8_unavailable() const override;
   void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout,

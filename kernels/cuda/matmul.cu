@@ -271,15 +271,6 @@ void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const
                                 "] (leading dims flattened)");
 }
 
-// GELU (tanh form) and its derivative, as kernels/cpu/matmul.cpp defines them.
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCubic = 0.044715f;
-__device__ inline float gelu_grad(float x) {
-  const float t = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
-  return 0.5f * (1.0f + t) +
-         0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
-}
-
 // d[i] *= gelu'(pre[i]), in place; 8 bf16 per thread and 16-byte accesses when `packed` (both
 // pointers 16-byte aligned), then the < 8 left over one by one.
 __global__ void gelu_backward_kernel(bf16* d, const bf16* pre, int64_t n, bool packed) {

@@ -60,6 +60,30 @@ namespace kiln {
     (dinp, dout, a, theta))                                                                        \
   X(swiglu_forward, (Tensor out, Tensor inp), (out, inp))                                          \
   X(swiglu_backward, (Tensor dinp, Tensor dout, Tensor inp), (dinp, dout, inp))                    \
+  X(moe_router_forward,                                                                            \
+    (Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor stats, Tensor logits,    \
+     Tensor bias, const MoeRouting& r),                                                            \
+    (scores, topk_idx, topk_w, counts, stats, logits, bias, r))                                    \
+  X(moe_router_backward,                                                                           \
+    (Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores, Tensor topk_idx, Tensor counts, \
+     const MoeRouting& r, float loss_scale),                                                       \
+    (dlogits, dtopk_w, logits, scores, topk_idx, counts, r, loss_scale))                           \
+  X(moe_permute,                                                                                   \
+    (Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x, Tensor topk_idx),     \
+    (xp, row_token, slot_row, offsets, x, topk_idx))                                               \
+  X(moe_unpermute, (Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w, bool accumulate),       \
+    (out, yp, slot_row, topk_w, accumulate))                                                       \
+  X(moe_unpermute_backward,                                                                        \
+    (Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp, Tensor slot_row, Tensor topk_w),          \
+    (dyp, dtopk_w, dout, yp, slot_row, topk_w))                                                    \
+  X(grouped_matmul_forward,                                                                        \
+    (Tensor out, Tensor inp, Tensor weight, Tensor offsets, Tensor pre_gelu),                      \
+    (out, inp, weight, offsets, pre_gelu))                                                         \
+  X(grouped_matmul_backward,                                                                       \
+    (Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor offsets,          \
+     Tensor inp_pre_gelu),                                                                         \
+    (dinp, dweight, dout, inp, weight, offsets, inp_pre_gelu))                                     \
+  X(moe_bias_update, (Tensor bias, Tensor counts, float rate), (bias, counts, rate))               \
   X(softmax_cross_entropy,                                                                         \
     (Tensor losses, Tensor logits, Tensor targets, int vocab_size, float dloss_scale,              \
      bool write_dlogits),                                                                          \
@@ -120,7 +144,7 @@ class OpTimer final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override { inner_.synchronize(); }
-  void read_async(int slot, std::initializer_list<Tensor> srcs) override {
+  void read_async(int slot, const std::vector<Tensor>& srcs) override {
     inner_.read_async(slot, srcs);
   }
   const float* read_wait(int slot) override { return inner_.read_wait(slot); }

@@ -120,10 +120,11 @@ __global__ void set_schedule_kernel(float* sched, float lr, float step) {
   sched[kSchedStep] = step;
 }
 
-__global__ void add_kernel(float* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+template <class T>
+__global__ void add_kernel(T* __restrict__ dst, const T* __restrict__ src, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] += src[i];
+    dst[i] = from_float<T>(to_float(dst[i]) + to_float(src[i]));
 }
 
 }  // namespace
@@ -209,15 +210,21 @@ void CudaBackend::set_schedule(Tensor sched, float lr, int step) {
 }
 
 void CudaBackend::add(Tensor dst, Tensor src) {
-  expect_f32(dst, "add", "dst");
-  expect_f32(src, "add", "src");
+  expect_device(dst, "add", "dst");
+  expect_device(src, "add", "src");
+  if ((dst.dtype != DType::f32 && dst.dtype != DType::bf16) || src.dtype != dst.dtype)
+    throw std::invalid_argument("add: dst " + dst.str() + " and src " + src.str() +
+                                " must both be f32 or both bf16");
   if (dst.numel() != src.numel())
     throw std::invalid_argument("add: dst " + dst.str() + " and src " + src.str() + " differ in size");
   const int64_t n = dst.numel();
   if (n == 0) return;
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 32));
-  add_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<float>(), src.ptr<float>(), n);
+  if (dst.dtype == DType::f32)
+    add_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<float>(), src.ptr<float>(), n);
+  else
+    add_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<bf16>(), src.ptr<bf16>(), n);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -975,6 +975,162 @@ TEST_F(CudaFp8, MatmulMatchesCpuEmulationAndTracksBf16) {
   }
 }
 
+// ---- Mixture-of-Experts (kernels/cuda/moe_router.cu, moe_permute.cu, grouped_matmul.cu) ----
+// The same fixture under its own name, so `--gtest_filter='CudaMoe*'` runs these alone.
+using CudaMoe = CudaOps;
+
+// Routing: the picks and counts exactly (bf16-exact logits: equal logits give equal scores on
+// both sides, so ties break alike), scores and weights as f32, the statistics, and the router
+// backward with the aux and z losses, for softmax and sigmoid, with and without the bias.
+TEST_F(CudaMoe, RouterForwardAndBackwardMatchTheCpu) {
+  const int64_t N = 517;
+  struct Case {
+    int E, K;
+    MoeScore score;
+    bool renormalize, bias;
+  };
+  for (const Case& c :
+       {Case{8, 2, MoeScore::softmax, true, false}, Case{64, 6, MoeScore::sigmoid, true, true},
+        Case{160, 1, MoeScore::softmax, false, false}}) {
+    std::cout << "  E " << c.E << " k " << c.K << "\n";
+    MoeRouting r;
+    r.n_experts = c.E;
+    r.top_k = c.K;
+    r.score = c.score;
+    r.renormalize = c.renormalize;
+    r.aux_loss_coef = 0.1f;
+    r.z_loss_coef = 0.01f;
+    const int E = c.E, K = c.K;
+    const std::vector<float> logits = rand(N * E, 3.0f), bias = rand(E, 0.05f);
+    const std::vector<float> dw = rand(N * K);
+    Buf cl = cpu({N, E}, logits), cs(*cpu_, {N, E}, DType::f32), ci(*cpu_, {N, K}, DType::i32),
+        cw(*cpu_, {N, K}, DType::f32), cc(*cpu_, {E}, DType::f32),
+        cst = cpu({E + kMoeStats}, std::vector<float>(E + kMoeStats, 1.0f)), cb = cpu({E}, bias);
+    Buf gl = act({N, E}, logits), gs = poisoned({N, E}, DType::f32), gi(*gpu_, {N, K}, DType::i32),
+        gw = poisoned({N, K}, DType::f32), gc = poisoned({E}, DType::f32),
+        gst = gpu({E + kMoeStats}, DType::f32, std::vector<float>(E + kMoeStats, 1.0f)),
+        gb = gpu({E}, DType::f32, bias);
+    cpu_->moe_router_forward(cs, ci, cw, cc, cst, cl, c.bias ? Tensor(cb) : Tensor{}, r);
+    gpu_->moe_router_forward(gs, gi, gw, gc, gst, gl, c.bias ? Tensor(gb) : Tensor{}, r);
+    std::vector<int32_t> idx_c(static_cast<size_t>(N * K)), idx_g(idx_c.size());
+    cpu_->copy_to_host(idx_c.data(), ci);
+    gpu_->copy_to_host(idx_g.data(), gi);
+    EXPECT_EQ(idx_g, idx_c);
+    EXPECT_EQ(host(gc), host(cc));
+    EXPECT_CLOSE(host(gs), host(cs), 1e-5, "scores");
+    EXPECT_CLOSE(host(gw), host(cw), 1e-5, "topk_w");
+    const std::vector<float> sg = host(gst), sc = host(cst);
+    for (int i = 0; i < E + kMoeStats; ++i)
+      EXPECT_NEAR(sg[static_cast<size_t>(i)], sc[static_cast<size_t>(i)],
+                  1e-4 * std::fabs(sc[static_cast<size_t>(i)]) + 1e-3)
+          << "stats[" << i << "]";
+
+    Buf cdw = cpu({N, K}, dw), gdw = gpu({N, K}, DType::f32, dw);
+    Buf cdl(*cpu_, {N, E}, DType::f32), gdl = poisoned({N, E}, DType::bf16);
+    cpu_->moe_router_backward(cdl, cdw, cl, cs, ci, cc, r, 0.5f);
+    gpu_->moe_router_backward(gdl, gdw, gl, gs, gi, gc, r, 0.5f);
+    EXPECT_CLOSE(host(gdl), host(cdl), kBf16Tol, "dlogits");
+
+    Buf cbias = cpu({E}, bias), gbias = gpu({E}, DType::f32, bias);
+    cpu_->moe_bias_update(cbias, cc, 0.01f);
+    gpu_->moe_bias_update(gbias, gc, 0.01f);
+    EXPECT_EQ(host(gbias), host(cbias));
+  }
+}
+
+// Dispatch and combine on a skewed routing (a third of the choices on expert 3, expert 5
+// empty): offsets, the permutation and the gathered rows exactly; the combine (with and without
+// accumulation and weights) and its backward within bf16 tolerance.
+TEST_F(CudaMoe, PermuteAndCombineMatchTheCpu) {
+  const int64_t N = 1500, C = 96;
+  const int K = 2, E = 7;
+  std::vector<int32_t> idx(static_cast<size_t>(N * K));
+  std::uniform_int_distribution<int> any(0, E - 1);
+  for (int64_t n = 0; n < N; ++n) {
+    int a = n % 3 == 0 ? 3 : any(rng_), b = any(rng_);
+    while (a == 5) a = any(rng_);
+    while (b == a || b == 5) b = any(rng_);
+    idx[static_cast<size_t>(n * K)] = a;
+    idx[static_cast<size_t>(n * K + 1)] = b;
+  }
+  const std::vector<float> x = rand(N * C);
+  Buf cx = cpu({N, C}, x), gx = act({N, C}, x);
+  Buf ci = ints(*cpu_, {N, K}, DType::i32, idx), gi = ints(*gpu_, {N, K}, DType::i32, idx);
+  Buf cxp(*cpu_, {N * K, C}, DType::f32), gxp = poisoned({N * K, C}, DType::bf16);
+  Buf crt(*cpu_, {N * K}, DType::i32), grt(*gpu_, {N * K}, DType::i32);
+  Buf csr(*cpu_, {N * K}, DType::i32), gsr(*gpu_, {N * K}, DType::i32);
+  Buf coff(*cpu_, {E + 1}, DType::i32), goff(*gpu_, {E + 1}, DType::i32);
+  cpu_->moe_permute(cxp, crt, csr, coff, cx, ci);
+  gpu_->moe_permute(gxp, grt, gsr, goff, gx, gi);
+  auto ints_of = [](Backend& b, const Buf& t) {
+    std::vector<int32_t> v(static_cast<size_t>(t.t.numel()));
+    b.copy_to_host(v.data(), t.t);
+    return v;
+  };
+  EXPECT_EQ(ints_of(*gpu_, goff), ints_of(*cpu_, coff));
+  EXPECT_EQ(ints_of(*gpu_, gsr), ints_of(*cpu_, csr));
+  EXPECT_EQ(ints_of(*gpu_, grt), ints_of(*cpu_, crt));
+  EXPECT_EQ(host(gxp), host(cxp));
+
+  const std::vector<float> yp = rand(N * K * C), w = rand(N * K), start = rand(N * C);
+  Buf cyp = cpu({N * K, C}, yp), gyp = act({N * K, C}, yp);
+  Buf cw = cpu({N, K}, w), gw = gpu({N, K}, DType::f32, w);
+  for (bool accumulate : {false, true}) {
+    for (bool weighted : {true, false}) {
+      Buf co = cpu({N, C}, start), go = act({N, C}, start);
+      cpu_->moe_unpermute(co, cyp, csr, weighted ? Tensor(cw) : Tensor{}, accumulate);
+      gpu_->moe_unpermute(go, gyp, gsr, weighted ? Tensor(gw) : Tensor{}, accumulate);
+      EXPECT_CLOSE(host(go), host(co), kBf16Tol,
+                   std::string("combine") + (accumulate ? " +=" : "") + (weighted ? " w" : ""));
+    }
+  }
+  const std::vector<float> dout = rand(N * C);
+  Buf cdo = cpu({N, C}, dout), gdo = act({N, C}, dout);
+  Buf cdyp(*cpu_, {N * K, C}, DType::f32), gdyp = poisoned({N * K, C}, DType::bf16);
+  Buf cdw(*cpu_, {N, K}, DType::f32), gdw = poisoned({N, K}, DType::f32);
+  cpu_->moe_unpermute_backward(cdyp, cdw, cdo, cyp, csr, cw);
+  gpu_->moe_unpermute_backward(gdyp, gdw, gdo, gyp, gsr, gw);
+  EXPECT_CLOSE(host(gdyp), host(cdyp), kBf16Tol, "combine backward dyp");
+  EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, "combine backward dtopk_w");
+}
+
+// The grouped GEMM over uneven groups (one empty, one of a single row, sizes not multiples of
+// the 64-row tile, widths not multiples of 64): forward plain and with GELU, dinp plain and
+// through GELU, dweight accumulated onto random values (+=) and untouched for the empty group.
+TEST_F(CudaMoe, GroupedMatmulMatchesTheCpu) {
+  const int64_t C = 96, OC = 80;
+  const std::vector<int32_t> offsets = {0, 70, 70, 71, 200, 333};
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, M = offsets.back();
+  const std::vector<float> x = rand(M * C), w = rand(E * OC * C, 0.2f), dout = rand(M * OC),
+                           pre = rand(M * C), dw0 = rand(E * OC * C);
+  Buf co = cpu({M + 0, OC}, std::vector<float>(static_cast<size_t>(M * OC))),
+      go = poisoned({M, OC}, DType::bf16);
+  Buf cx = cpu({M, C}, x), gx = act({M, C}, x), cw = cpu({E, OC, C}, w), gw = act({E, OC, C}, w);
+  Buf coff = ints(*cpu_, {E + 1}, DType::i32, offsets),
+      goff = ints(*gpu_, {E + 1}, DType::i32, offsets);
+  for (bool gelu : {false, true}) {
+    Buf cpre(*cpu_, {M, OC}, DType::f32), gpre = poisoned({M, OC}, DType::bf16);
+    cpu_->grouped_matmul_forward(co, cx, cw, coff, gelu ? Tensor(cpre) : Tensor{});
+    gpu_->grouped_matmul_forward(go, gx, gw, goff, gelu ? Tensor(gpre) : Tensor{});
+    EXPECT_CLOSE(host(go), host(co), kBf16Tol, gelu ? "forward gelu out" : "forward");
+    if (gelu) EXPECT_CLOSE(host(gpre), host(cpre), kBf16Tol, "forward gelu pre");
+  }
+  Buf cdo = cpu({M, OC}, dout), gdo = act({M, OC}, dout);
+  Buf cpreIn = cpu({M, C}, pre), gpreIn = act({M, C}, pre);
+  for (bool gelu : {false, true}) {
+    Buf cdi(*cpu_, {M, C}, DType::f32), gdi = poisoned({M, C}, DType::bf16);
+    Buf cdw = cpu({E, OC, C}, dw0), gdw = gpu({E, OC, C}, DType::f32, dw0);
+    cpu_->grouped_matmul_backward(cdi, cdw, cdo, cx, cw, coff, gelu ? Tensor(cpreIn) : Tensor{});
+    gpu_->grouped_matmul_backward(gdi, gdw, gdo, gx, gw, goff, gelu ? Tensor(gpreIn) : Tensor{});
+    EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, gelu ? "dinp through gelu" : "dinp");
+    const std::vector<float> g = host(gdw), c = host(cdw);
+    EXPECT_CLOSE(g, c, kF32Tol, "dweight (+=)");
+    // Expert 1 has no rows: its gradient is what it was.
+    for (int64_t i = OC * C; i < 2 * OC * C; ++i)
+      ASSERT_EQ(g[static_cast<size_t>(i)], dw0[static_cast<size_t>(i)]) << i;
+  }
+}
+
 }  // namespace
 }  // namespace kiln
 

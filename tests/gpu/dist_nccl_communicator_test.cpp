@@ -78,6 +78,12 @@ TEST_P(CudaNcclOneRank, CollectivesAreExact) {
   comm->wait();
   backend->copy_to_host(back16.data(), c);
   EXPECT_EQ(back16, host16);
+  // all_to_all with one rank: its one chunk comes back to it.
+  backend->fill_zero(b);
+  comm->all_to_all(b, a);
+  comm->wait();
+  backend->copy_to_host(back.data(), b);
+  EXPECT_EQ(back, host);
   comm->barrier();
 }
 

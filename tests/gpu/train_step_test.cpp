@@ -108,6 +108,19 @@ ModelConfig small_qwen3() {
   return c;
 }
 
+// small_llama with MoE feed-forwards in both blocks: 8 experts of 128, a shared expert, the
+// aux and z losses.
+ModelConfig small_moe(int top_k) {
+  ModelConfig c = small_llama();
+  c.moe.n_experts = 8;
+  c.moe.top_k = top_k;
+  c.moe.expert_ffn_dim = 128;
+  c.moe.n_shared_experts = 1;
+  c.moe.aux_loss_coef = 0.01f;
+  c.moe.z_loss_coef = 0.001f;
+  return c;
+}
+
 // One model on one backend: flat params (working dtype), f32 master/grads/AdamW state.
 struct StepRun {
   static constexpr int B = 4, T = 64;
@@ -184,7 +197,9 @@ struct StepRun {
   }
 };
 
-void check_step_against_cpu(const ModelConfig& cfg) {
+// hold_gradients=false prints the gradients' errors without holding them to kGradTol (a MoE
+// whose routing can differ between bf16 and f32 for near-tied tokens).
+void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true) {
   const std::unique_ptr<Backend> host = make_cpu_backend();
   const ParamLayout layout = make_model(cfg, *host)->layout();
   std::vector<float> params(static_cast<size_t>(layout.total));
@@ -214,7 +229,9 @@ void check_step_against_cpu(const ModelConfig& cfg) {
     const double err = rel_l2(gg.data() + p.offset, gc.data() + p.offset, p.numel());
     worst = std::max(worst, err);
     std::cout << "  grad " << p.name << " " << p.shape.str() << ": rel L2 " << err << "\n";
-    EXPECT_LT(err, kGradTol) << "gradient of " << p.name;
+    if (hold_gradients) {
+      EXPECT_LT(err, kGradTol) << "gradient of " << p.name;
+    }
   }
   std::cout << "  worst gradient rel L2 " << worst << " (tol " << kGradTol << ")\n";
 
@@ -244,7 +261,7 @@ TEST(CudaTrainStep, LlamaMatchesTheCpuStep) {
 // (the recomputed norms read the bf16-stored residual where forward fused the add).
 TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-  for (const ModelConfig& cfg : {small_config(), small_qwen3()}) {
+  for (const ModelConfig& cfg : {small_config(), small_qwen3(), small_moe(2)}) {
     const std::unique_ptr<Backend> host = make_cpu_backend();
     std::vector<float> params(static_cast<size_t>(make_model(cfg, *host)->layout().total));
     make_model(cfg, *host)->init(1337, params.data());
@@ -266,6 +283,20 @@ TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
       EXPECT_LT(err, kGradTol);
     }
   }
+}
+
+// A MoE step on CUDA against the CPU's. With every expert chosen (top-k = 8) the step is smooth
+// and takes the dense tolerances; with top-2 a few tokens whose 2nd and 3rd scores differ by
+// less than bf16's rounding of the router logits pick another expert on the GPU, so only the
+// loss and the drop after a step are held to them (the gradients are printed).
+TEST(CudaMoeStep, TrainStepMatchesTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  check_step_against_cpu(small_moe(8));
+}
+
+TEST(CudaMoeStep, TopTwoTrainStepTracksTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  check_step_against_cpu(small_moe(2), /*hold_gradients=*/false);
 }
 
 TEST(CudaTrainStep, Qwen3MatchesTheCpuStep) {

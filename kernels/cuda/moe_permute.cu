@@ -1,0 +1,186 @@
+// Mixture-of-Experts dispatch and combine on the GPU (reference: kernels/cpu/moe_permute.cpp).
+// Dispatch is a stable counting sort computed entirely on the device, so no host ever learns
+// the group sizes: a histogram of the N*k choices (integer atomics), an exclusive scan into the
+// offsets (E is small: one thread), then one block per expert walks the choices in order and
+// ranks its own with warp ballots, which keeps each expert's rows in token order exactly as the
+// CPU does. The gather and the combine are plain row copies and weighted row sums in f32.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace kiln {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kRankThreads = 1024;
+
+__global__ void histogram_kernel(int* counts, const int* topk_idx, int64_t M) {
+  for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < M;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    atomicAdd(&counts[topk_idx[s]], 1);
+}
+
+__global__ void offsets_kernel(int* offsets, const int* counts, int E) {
+  int sum = 0;
+  offsets[0] = 0;
+  for (int e = 0; e < E; ++e) offsets[e + 1] = (sum += counts[e]);
+}
+
+// Block e: slot_row and row_token for expert e's choices, in slot order.
+__global__ void __launch_bounds__(kRankThreads)
+    rank_kernel(int* slot_row, int* row_token, const int* topk_idx, const int* offsets, int64_t M,
+                int K) {
+  __shared__ int warp_counts[kRankThreads / 32];
+  const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int base = offsets[e];
+  for (int64_t chunk = 0; chunk < M; chunk += kRankThreads) {
+    const int64_t s = chunk + threadIdx.x;
+    const bool mine = s < M && topk_idx[s] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < kRankThreads / 32; ++w) {
+      before += w < warp ? warp_counts[w] : 0;
+      total += warp_counts[w];
+    }
+    if (mine) {
+      const int row = base + before + __popc(ballot & ((1u << lane) - 1));
+      slot_row[s] = row;
+      row_token[row] = static_cast<int>(s / K);
+    }
+    base += total;
+    __syncthreads();  // warp_counts is rewritten by the next chunk
+  }
+}
+
+__global__ void gather_rows_kernel(bf16* xp, const bf16* x, const int* row_token, int64_t M,
+                                   int64_t C) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < M * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    xp[i] = x[static_cast<int64_t>(row_token[i / C]) * C + i % C];
+}
+
+__global__ void combine_kernel(bf16* out, const bf16* yp, const int* slot_row, const float* w,
+                               int64_t N, int64_t C, int K, bool accumulate) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < N * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = i / C, c = i % C;
+    float sum = 0;
+    for (int j = 0; j < K; ++j)
+      sum += (w ? w[n * K + j] : 1.0f) * to_float(yp[slot_row[n * K + j] * C + c]);
+    out[i] = from_float<bf16>(accumulate ? to_float(out[i]) + sum : sum);
+  }
+}
+
+// Block n: dyp rows of token n's choices, and dtopk_w as block dot products.
+__global__ void combine_backward_kernel(bf16* dyp, float* dtopk_w, const bf16* dout, const bf16* yp,
+                                        const int* slot_row, const float* w, int64_t C, int K) {
+  __shared__ float shared[32];
+  const int64_t n = blockIdx.x;
+  for (int j = 0; j < K; ++j) {
+    const int64_t row = slot_row[n * K + j];
+    const float wj = w[n * K + j];
+    float dot = 0;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float g = to_float(dout[n * C + c]);
+      dyp[row * C + c] = from_float<bf16>(wj * g);
+      dot += g * to_float(yp[row * C + c]);
+    }
+    dot = block_sum(dot, shared);
+    if (threadIdx.x == 0) dtopk_w[n * K + j] = dot;
+  }
+}
+
+int grid_for(int64_t n, int threads, int sm_count) {
+  return static_cast<int>(std::min<int64_t>(ceil_div(n, threads), int64_t{sm_count} * 32));
+}
+
+}  // namespace
+
+void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
+                              Tensor x, Tensor topk_idx) {
+  const char* op = "moe_permute";
+  expect_activation(x, op, "x");
+  expect_activation(xp, op, "xp");
+  for (auto [t, what] : {std::pair{&row_token, "row_token"},
+                         {&slot_row, "slot_row"},
+                         {&offsets, "offsets"},
+                         {&topk_idx, "topk_idx"}}) {
+    expect_device(*t, op, what);
+    if (t->dtype != DType::i32)
+      throw std::invalid_argument(std::string("cuda moe_permute: ") + what + " " + t->str() +
+                                  " must be i32");
+  }
+  const int64_t C = x.dim(-1), N = x.numel() / C, M = topk_idx.numel();
+  const int E = static_cast<int>(offsets.numel() - 1);
+  if (topk_idx.ndim() != 2 || topk_idx.dim(0) != N)
+    throw std::invalid_argument("cuda moe_permute: topk_idx " + topk_idx.str() + " must be [N, k]");
+  const int K = static_cast<int>(topk_idx.dim(1));
+  expect_numel(xp, M * C, op, "xp");
+  expect_numel(row_token, M, op, "row_token");
+  expect_numel(slot_row, M, op, "slot_row");
+  int* counts = static_cast<int*>(scratch(E * sizeof(int)));
+  KILN_CUDA_CHECK(cudaMemsetAsync(counts, 0, E * sizeof(int), stream_));
+  if (M > 0) {
+    histogram_kernel<<<grid_for(M, 256, sm_count_), 256, 0, stream_>>>(counts, topk_idx.ptr<int>(),
+                                                                       M);
+    KILN_CUDA_LAUNCH_CHECK();
+  }
+  offsets_kernel<<<1, 1, 0, stream_>>>(offsets.ptr<int>(), counts, E);
+  KILN_CUDA_LAUNCH_CHECK();
+  if (M == 0) return;
+  rank_kernel<<<E, kRankThreads, 0, stream_>>>(slot_row.ptr<int>(), row_token.ptr<int>(),
+                                               topk_idx.ptr<int>(), offsets.ptr<int>(), M, K);
+  KILN_CUDA_LAUNCH_CHECK();
+  gather_rows_kernel<<<grid_for(M * C, 256, sm_count_), 256, 0, stream_>>>(
+      xp.ptr<bf16>(), x.ptr<bf16>(), row_token.ptr<int>(), M, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                                bool accumulate) {
+  const char* op = "moe_unpermute";
+  expect_activation(out, op, "out");
+  expect_activation(yp, op, "yp");
+  expect_device(slot_row, op, "slot_row");
+  const int64_t C = out.dim(-1), N = out.numel() / C, M = yp.numel() / C;
+  if (N == 0 || M % N != 0 || yp.dim(-1) != C)
+    throw std::invalid_argument("cuda moe_unpermute: yp " + yp.str() +
+                                " must be [N*k, C] for out " + out.str());
+  expect_numel(slot_row, M, op, "slot_row");
+  if (topk_w.defined()) {
+    expect_f32(topk_w, op, "topk_w");
+    expect_numel(topk_w, M, op, "topk_w");
+  }
+  combine_kernel<<<grid_for(N * C, 256, sm_count_), 256, 0, stream_>>>(
+      out.ptr<bf16>(), yp.ptr<bf16>(), slot_row.ptr<int>(),
+      topk_w.defined() ? topk_w.ptr<float>() : nullptr, N, C, static_cast<int>(M / N), accumulate);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
+                                         Tensor slot_row, Tensor topk_w) {
+  const char* op = "moe_unpermute_backward";
+  expect_activation(dout, op, "dout");
+  expect_activation(yp, op, "yp");
+  expect_activation(dyp, op, "dyp");
+  expect_same_shape(dyp, yp, op, "dyp");
+  expect_device(slot_row, op, "slot_row");
+  const int64_t C = dout.dim(-1), N = dout.numel() / C, M = yp.numel() / C;
+  if (N == 0 || M % N != 0 || yp.dim(-1) != C)
+    throw std::invalid_argument("cuda moe_unpermute_backward: yp " + yp.str() +
+                                " must be [N*k, C] for dout " + dout.str());
+  expect_numel(slot_row, M, op, "slot_row");
+  expect_f32(topk_w, op, "topk_w");
+  expect_numel(topk_w, M, op, "topk_w");
+  expect_f32(dtopk_w, op, "dtopk_w");
+  expect_numel(dtopk_w, M, op, "dtopk_w");
+  combine_backward_kernel<<<static_cast<unsigned>(N), 128, 0, stream_>>>(
+      dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(), slot_row.ptr<int>(),
+      topk_w.ptr<float>(), C, static_cast<int>(M / N));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln

@@ -1,0 +1,70 @@
+// Mixture-of-Experts feed-forward layer: a router picks each token's k experts of n_experts,
+// the token's rows go through those experts' MLPs, and the outputs are summed with the routing
+// weights; an optional shared expert (DeepSeek, Qwen-MoE) sees every token.
+//
+//   logits = x @ router^T                        [N,E]      (Linear, no bias)
+//   scores, top-k, weights = route(logits)       moe_router_forward (+ balancing statistics)
+//   xp = permute(x)                              [N*k,C]    rows grouped by expert, dropless
+//   yp = proj_e(act(fc_e(xp)))                   grouped GEMMs over the groups
+//   out = sum_j w_j * yp[row(n,j)] (+ shared(x)) moe_unpermute
+//
+// Dropless: no capacity factor, every token reaches its k experts, so a skewed routing costs
+// time (one large group) and never tokens. The group sizes stay on the device (the grouped
+// GEMM reads them there). Balancing: the Switch aux loss and the z-loss enter the gradient in
+// moe_router_backward; DeepSeek-V3's bias is state the trainer updates once per step from the
+// step's counts (Decoder::moe_update_bias). Parameters: router [E,C], experts' fc [E,2F|F,C]
+// and proj [E,C,F], indexed by the global expert number, and the shared expert as an Mlp.
+#pragma once
+
+#include <string>
+
+#include "model/arch.h"
+#include "model/layers/layer.h"
+#include "model/layers/linear.h"
+#include "model/layers/mlp.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+struct Moe {
+  MoeRouting routing;
+  MlpKind kind = MlpKind::swiglu;  // each expert's MLP
+  int64_t expert_ffn_dim = 0;
+  bool has_shared = false;
+  Linear router;
+  int fc = -1, proj = -1;  // [E, 2F (swiglu) | F (gelu), C], [E, C, F]
+  Mlp shared;              // ffn_dim = n_shared_experts * expert_ffn_dim; out is Acts::out
+
+  struct Acts {
+    Tensor logits;               // [N,E]
+    Tensor scores;               // f32[N,E]
+    Tensor topk_idx, topk_w;     // i32[N,k], f32[N,k]
+    Tensor counts;               // f32[E], this batch's rows per expert
+    Tensor offsets;              // i32[E+1]
+    Tensor slot_row, row_token;  // i32[N*k]
+    Tensor xp, pre, act, yp;     // [M,C], [M,2F|F], [M,F], [M,C]
+    Mlp::Acts shared;            // pre and act; shared.out is out
+    Tensor out;                  // [B,T,C]
+    // The layer's state, slices of the decoder's (not activations): statistics summed over a
+    // step (f32[E + kMoeStats], Backend's MoeStat) and the balancing bias (f32[E] or absent).
+    Tensor stats, bias;
+  };
+  struct Scratch {
+    Tensor dlogits, dtopk_w, dyp, dact, dpre, dxp, dx;
+    Mlp::Scratch shared;
+  };
+
+  int64_t n_experts() const { return routing.n_experts; }
+  void declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_shared);
+  void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
+            DType act) const;
+  void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
+  // with_stats: add this batch's routing statistics to a.stats (training, not evaluation).
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool with_stats) const;
+  // dinp = gradient w.r.t. inp (overwritten). loss_scale: the weight of this batch's aux and
+  // z losses in the step's objective (1 / grad_accum: each is a mean over the batch's tokens).
+  void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
+                Tensor dout, Tensor inp, const Acts& a, float loss_scale) const;
+};
+
+}  // namespace kiln
