@@ -137,3 +137,23 @@ TEST(BenchTiers, TheLadderRunsTheTiersThatApplyAndMarksTheRest) {
   EXPECT_EQ(bench(dir, "--tiers --baseline x.json").status, 2);
   fs::remove_all(dir);
 }
+
+// Under --nproc-per-node each tier is `train --nproc-per-node 2` (Gloo ranks here): zero1 and
+// ddp then differ in what they do, and the figures count both ranks' tokens.
+TEST(BenchTiers, TheLadderRunsOverSeveralRanks) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_tiers_ranks_");
+  const auto r = bench(dir, "--tiers --model.n_layer=1 --nproc-per-node 2 --json " +
+                                (dir / "tiers.jsonl").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(2 ranks, --nproc-per-node; random tokens"), std::string::npos)
+      << r.output;
+  for (const char* row : {"0 zero1 ", "1 ddp ", "2 \\+ async loader"})
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(std::string(row) + " +[0-9.]+ +[0-9]+ +n/a")))
+        << row << "\n" << r.output;
+  // tiny.yaml's batch of 16 x 128 tokens on each of 2 ranks.
+  const std::string json = read(dir / "tiers.jsonl");
+  EXPECT_NE(json.find("\"tokens_per_step\":4096"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"nproc\":2"), std::string::npos) << json;
+  EXPECT_EQ(bench(dir, "--profile-ops --nproc-per-node 2").status, 2);
+  fs::remove_all(dir);
+}

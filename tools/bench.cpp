@@ -23,6 +23,7 @@
 // The run directory (train.out_dir) is a temp dir removed at exit; no checkpoint is written.
 #include <fmt/format.h>
 #include <glob.h>
+#include <sys/wait.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
@@ -31,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -59,15 +61,18 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
     "             [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]\n"
-    "             [--history FILE.jsonl]\n"
+    "             [--history FILE.jsonl] [--nproc-per-node N]\n"
     "       bench --tiers CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
+    "             [--nproc-per-node N]\n"
     "  Trains CONFIG for warmup+steps steps (eval, sampling, resume off) and reports the median\n"
     "  step time, tokens/s and MFU over the last `steps` steps. Random tokens when data.train\n"
     "  matches no file. --profile-ops (CUDA): per-op GPU time of N (default 3) more steps.\n"
     "  --baseline: deltas against an earlier bench JSON (its last line); exit 1 when tok/s, ms,\n"
     "  MFU or memory is worse by more than --tolerance (default 3%). --history: append the JSON.\n"
     "  --tiers: the MFU tier ladder (0 zero1, 1 ddp, 2 + async loader, 3 + CUDA graphs, 4 + FP8),\n"
-    "  one run each, as a table and a JSON line per tier; tiers that cannot run here say why.\n";
+    "  one run each, as a table and a JSON line per tier; tiers that cannot run here say why.\n"
+    "  --nproc-per-node N: each run is `train --nproc-per-node N` beside this binary (N ranks on\n"
+    "  this host, NCCL on GPUs, Gloo on the CPU); tok/s is the whole run's.\n";
 
 struct Options {
   std::string config_path;
@@ -81,6 +86,7 @@ struct Options {
   double tolerance = 0.03;  // fraction
   std::string history_path;
   bool tiers = false;
+  int nproc = 1;  // ranks on this host, each run launched as `train --nproc-per-node`
 };
 
 // "3%" or "0.03" -> 0.03.
@@ -151,6 +157,8 @@ Options parse_options(int argc, char** argv) {
       o.history_path = take();
     } else if (arg == "--tiers") {
       o.tiers = true;
+    } else if (arg == "--nproc-per-node") {
+      o.nproc = parse_count(arg, take(), 1);
     } else if (arg.rfind("-", 0) == 0) {
       throw InputError("unknown flag '" + arg + "' (see bench --help)");
     } else if (o.config_path.empty()) {
@@ -163,6 +171,8 @@ Options parse_options(int argc, char** argv) {
   if (o.tiers && (o.profile_ops || !o.baseline_path.empty() || !o.history_path.empty()))
     throw InputError("--tiers runs its own ladder: --profile-ops, --baseline and --history apply "
                      "to a single bench");
+  if (o.nproc > 1 && o.profile_ops)
+    throw InputError("--profile-ops times one in-process run: leave out --nproc-per-node");
   return o;
 }
 
@@ -382,6 +392,27 @@ struct Measured {
   bool random_data = false;
 };
 
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (const char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// `train CONFIG --overrides... --nproc-per-node N`, the train binary beside this one, as a user
+// would run it; its exit status.
+int run_train_processes(const Options& opt, const std::vector<std::string>& overrides) {
+  const fs::path train = fs::read_symlink("/proc/self/exe").parent_path() / "train";
+  if (!fs::exists(train))
+    throw InputError("--nproc-per-node runs " + train.string() + ", which is not there");
+  std::string cmd = shell_quote(train.string()) + " " + shell_quote(opt.config_path);
+  for (const std::string& o : overrides) cmd += " " + shell_quote("--" + o);
+  cmd += " --nproc-per-node=" + std::to_string(opt.nproc);
+  std::fflush(stdout);
+  const int status = std::system(cmd.c_str());
+  if (status == -1) throw std::runtime_error("bench: cannot run " + cmd);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 Measured measure(const Options& opt, std::vector<std::string> overrides, const fs::path& tmp) {
   for (const std::string& o :
        {fmt::format("train.max_steps={}", opt.warmup + opt.steps),
@@ -399,7 +430,9 @@ Measured measure(const Options& opt, std::vector<std::string> overrides, const f
     m.random_data = true;
   }
 
-  const int rc = run_training(cfg, RankInfo{}, nullptr);
+  if (m.random_data) overrides.push_back("data.train=" + cfg.data.train);
+  const int rc = opt.nproc > 1 ? run_train_processes(opt, overrides)
+                               : run_training(cfg, RankInfo{}, nullptr);
   if (rc != 0) throw std::runtime_error(fmt::format("bench: training exited with status {}", rc));
 
   const std::vector<StepRecord> steps = read_metrics(cfg.train.out_dir + "/metrics.jsonl");
@@ -446,7 +479,7 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
       "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
       "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
-      "\"loss_last\":{:.4f}{},\"commit\":{},\"date\":{}{}}}",
+      "\"loss_last\":{:.4f}{},\"nproc\":{},\"commit\":{},\"date\":{}{}}}",
       json_string(summary["backend"].as<std::string>()), json_string(opt.config_path),
       json_string(cfg.model.arch), cfg.model.n_layer, cfg.model.n_embd,
       summary["params"].as<int64_t>(), cfg.train.batch_size, cfg.model.seq_len,
@@ -454,7 +487,8 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       m.med_ms, *std::min_element(m.ms.begin(), m.ms.end()),
       *std::max_element(m.ms.begin(), m.ms.end()), m.tok_s, m.mfu_pct,
       summary["memory_bytes"].as<int64_t>(), json_string(summary["attention"].as<std::string>()),
-      summary["loss_last"].as<double>(), m.energy, json_string(summary["commit"].as<std::string>()),
+      summary["loss_last"].as<double>(), m.energy, opt.nproc,
+      json_string(summary["commit"].as<std::string>()),
       json_string(utc_now()), extra);
 }
 
@@ -516,8 +550,9 @@ int run_tiers(const Options& opt) {
                     t, json_string(tier.name), json_string(active),
                     m.random_data ? "true" : "false")));
   }
-  std::printf("\nbench --tiers %s (%s; median of %d steps after %d warm-up)\n",
+  std::printf("\nbench --tiers %s (%s%s; median of %d steps after %d warm-up)\n",
               opt.config_path.c_str(),
+              opt.nproc > 1 ? fmt::format("{} ranks, --nproc-per-node; ", opt.nproc).c_str() : "",
               random_data.value_or(false) ? "random tokens: data.train matches no file"
                                           : "data.train's shards",
               opt.steps, opt.warmup);
