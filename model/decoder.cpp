@@ -202,7 +202,8 @@ namespace {
 constexpr Tensor Moe::Acts::*kMoeActs[] = {
     &Moe::Acts::logits, &Moe::Acts::scores,  &Moe::Acts::topk_idx, &Moe::Acts::topk_w,
     &Moe::Acts::counts, &Moe::Acts::offsets, &Moe::Acts::slot_row, &Moe::Acts::row_token,
-    &Moe::Acts::xp,     &Moe::Acts::pre,     &Moe::Acts::act,      &Moe::Acts::yp};
+    &Moe::Acts::xp,     &Moe::Acts::pre,     &Moe::Acts::act,      &Moe::Acts::yp,
+    &Moe::Acts::xl,     &Moe::Acts::ep_offsets, &Moe::Acts::ep_counts};
 
 // A block activation's place inside BlockActs-like structs, to tell fields apart by identity.
 template <class S>
@@ -370,7 +371,7 @@ void Decoder::recompute_block(int l, const BlockActs& a) {
     // The routing comes out as in forward (same input, same bias); its statistics were
     // counted there.
     if (blk.is_moe)
-      blk.moe.forward(k, w, a.moe, a.ln2.out, /*with_stats=*/false);
+      blk.moe.forward(k, w, a.moe, acts_.moe, a.ln2.out, /*with_stats=*/false);
     else
       blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
   }
@@ -404,6 +405,18 @@ void Decoder::fp8_views() {
     f.g8 = as(acts_.fp8_scratch[1], {N, lin.out}, grad_type);
     f.g8_t = as(acts_.fp8_scratch[2], {lin.out, N}, grad_type);
   }
+}
+
+void Decoder::set_expert_parallel(const ExpertParallel& ep) {
+  if (B_ > 0) throw std::logic_error("set_expert_parallel: after the activations were planned");
+  if (ep.ranks < 1 || ep.rank < 0 || ep.rank >= ep.ranks || (ep.ranks > 1 && !ep.all_to_all))
+    throw std::invalid_argument("set_expert_parallel: rank " + std::to_string(ep.rank) + " of " +
+                                std::to_string(ep.ranks) + " (and an all_to_all past 1 rank)");
+  if (ep.ranks > 1 && (moe_blocks_.empty() || cfg_.moe.n_experts % ep.ranks != 0))
+    throw std::invalid_argument("expert parallelism over " + std::to_string(ep.ranks) +
+                                " ranks needs MoE blocks whose experts it divides (" +
+                                std::to_string(cfg_.moe.n_experts) + ")");
+  for (const int l : moe_blocks_) blocks_[static_cast<size_t>(l)].moe.ep = ep;
 }
 
 void Decoder::moe_update_bias() {
@@ -473,7 +486,7 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
     blk.attn.forward(k, w, a.attn, a.ln1.out);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
     if (blk.is_moe)
-      blk.moe.forward(k, w, a.moe, a.ln2.out, with_backward);
+      blk.moe.forward(k, w, a.moe, acts_.moe, a.ln2.out, with_backward);
     else
       blk.mlp.forward(k, w, a.mlp, a.ln2.out);
   }

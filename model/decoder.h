@@ -42,6 +42,7 @@ class Decoder final : public Model {
   Tensor moe_stats() const override { return acts_.moe_stats; }
   Tensor moe_bias() const override { return acts_.moe_bias; }
   void moe_update_bias() override;
+  void set_expert_parallel(const ExpertParallel& ep) override;
   void fp8_start(const float* saved) override;
   void fp8_update_scales() override;
   void fp8_cast_weights() override;

@@ -438,7 +438,7 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
        {Bad{"moe.top_k=9", "moe.top_k"}, Bad{"moe.n_experts=257", "moe.n_experts"},
         Bad{"moe.score=relu", "moe.score"}, Bad{"moe.balance=loss", "moe.balance"},
         Bad{"moe.aux_loss_coef=0", "moe.aux_loss_coef"},
-        Bad{"dist.expert_parallel=2", "dist.expert_parallel"}, Bad{"model.bias=true", "model.bias"},
+        Bad{"dist.expert_parallel=3", "dist.expert_parallel"}, Bad{"model.bias=true", "model.bias"},
         Bad{"moe.every=0", "moe.every"}, Bad{"moe.every=13", "moe.every"}}) {
     const std::string what = input_error([&] { parse_config(moe, {b.override_text}); });
     EXPECT_NE(what.find(b.key), std::string::npos) << b.override_text << ": " << what;
@@ -456,6 +456,14 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
             }).find("moe.bias_update_rate"),
             std::string::npos);
   EXPECT_NO_THROW(parse_config(moe, {"moe.balance=bias", "moe.bias_update_rate=0.01"}));
+  // Expert parallelism: over ranks that divide the experts, of a MoE model, on the CPU.
+  EXPECT_EQ(parse_config(moe, {"dist.expert_parallel=4"}).dist.expert_parallel, 4);
+  for (const auto& bad : {std::pair{kMinimal, "train.device=cpu"},  // a dense model
+                          std::pair{moe, "train.device=cuda"}}) {
+    const std::string what =
+        input_error([&] { parse_config(bad.first, {"dist.expert_parallel=2", bad.second}); });
+    EXPECT_NE(what.find("dist.expert_parallel"), std::string::npos) << bad.second << ": " << what;
+  }
   const Config dense = parse_config(kMinimal, {});
   EXPECT_EQ(parse_config(config_to_yaml(dense), {}), dense);
 }

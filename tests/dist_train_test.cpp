@@ -108,15 +108,18 @@ TEST_F(DistTrain, LlamaAndQwen3FollowTheSingleProcessCurveUnderEveryStrategy) {
   }
 }
 
+// A LLaMA whose blocks have 4 experts (top-2, a shared expert, the balancing bias, z-loss).
+const std::string kMoeRun =
+    "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+    "--moe.expert_ffn_dim=64 --moe.n_shared_experts=1 --moe.balance=bias --moe.aux_loss_coef=0 "
+    "--moe.bias_update_rate=0.01 --moe.z_loss_coef=0.001 --train.max_steps=12";
+
 // MoE under every strategy: 2 and 4 ranks follow 1 rank. Routing is per token and the balancing
 // bias follows the step's loads summed over ranks, so the curves match; the aux loss is left out
 // here because, as in Switch and GShard, each rank computes it over its own tokens (its f_e and
 // P_e are the micro-batch's), which is close to, not the same as, the global batch's.
 TEST_F(DistTrain, MoeFollowsTheSingleProcessCurveUnderEveryStrategy) {
-  const std::string steps =
-      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
-      "--moe.expert_ffn_dim=64 --moe.n_shared_experts=1 --moe.balance=bias --moe.aux_loss_coef=0 "
-      "--moe.bias_update_rate=0.01 --moe.z_loss_coef=0.001 --train.max_steps=12";
+  const std::string steps = kMoeRun;
   const std::string single = train("moe_single", 1, "ddp", steps);
   ASSERT_EQ(losses(single).size(), 12u);
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
@@ -128,6 +131,87 @@ TEST_F(DistTrain, MoeFollowsTheSingleProcessCurveUnderEveryStrategy) {
   expect_same_curve(
       single, train("moe_accum_2", 2, "ddp", steps + " --train.batch_size=2 --train.grad_accum=2"),
       1e-5);
+}
+
+// Expert parallelism: the experts spread over groups of 2 or 4 ranks, the tokens dispatched and
+// combined by Gloo all-to-all, follow 1 rank under every strategy, with two groups side by side
+// (4 ranks, dist.expert_parallel=2), under full recomputation (the exchange runs again in
+// backward) and with accumulation. Each expert's gradient is summed on its own rank over the
+// whole group's tokens, so the curves match to rounding, not bit for bit.
+TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
+  const std::string steps = kMoeRun;
+  const std::string single = train("ep_single", 1, "ddp", steps);
+  ASSERT_EQ(losses(single).size(), 12u);
+  std::string output;
+  expect_same_curve(single, train("ep_ddp_2", 2, "ddp", steps + " --dist.expert_parallel=2", &output),
+                    1e-5);
+  EXPECT_NE(output.find("dist.expert_parallel=2: each MoE block's 4 experts spread over groups of "
+                        "2 ranks, 2 a rank"),
+            std::string::npos)
+      << output;
+  for (const char* strategy : {"zero1", "fsdp"})
+    expect_same_curve(single,
+                      train(std::string("ep_") + strategy + "_2", 2, strategy,
+                            steps + " --dist.expert_parallel=2"),
+                      1e-5);
+  expect_same_curve(single, train("ep_ddp_4", 4, "ddp", steps + " --dist.expert_parallel=4"), 1e-5);
+  expect_same_curve(single, train("ep_groups", 4, "zero1", steps + " --dist.expert_parallel=2"),
+                    1e-5);
+  expect_same_curve(single,
+                    train("ep_recompute", 2, "ddp",
+                          steps + " --dist.expert_parallel=2 --train.recompute=full"),
+                    1e-5);
+  expect_same_curve(single,
+                    train("ep_accum", 2, "ddp",
+                          steps + " --dist.expert_parallel=2 --train.batch_size=2 "
+                                  "--train.grad_accum=2"),
+                    1e-5);
+}
+
+// Checkpoints hold the experts by their global index: a run saved with the experts over 2
+// ranks resumes bit for bit on that layout, and on another (every expert on every rank).
+TEST_F(DistTrain, MoeExpertParallelResumesOnItsOwnAndAnotherExpertLayout) {
+  const std::string steps =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+      "--moe.expert_ffn_dim=64 --moe.balance=bias --moe.aux_loss_coef=0 "
+      "--moe.bias_update_rate=0.01 --train.max_steps=12 --train.checkpoint_every=6";
+  const std::string full = train("ep_resume_full", 2, "zero1",
+                                 steps + " --dist.expert_parallel=2 --train.keep_checkpoints=3");
+  const auto a = losses(full);
+  ASSERT_EQ(a.size(), 12u);
+  for (const std::string ep : {"2", "1"}) {
+    const std::string name = "ep_resume_" + ep;
+    const std::string resumed = (dir_ / name).string();
+    fs::create_directories(resumed + "/checkpoints");
+    fs::copy(full + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
+             fs::copy_options::recursive);
+    train(name, 2, "zero1", steps + " --dist.expert_parallel=" + ep);
+    const auto b = losses(resumed);
+    ASSERT_EQ(b.size(), 6u) << ep;
+    for (size_t i = 0; i < b.size(); ++i) {
+      if (ep == "2") {
+        EXPECT_EQ(b[i], a[6 + i]);
+      }
+      EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
+                  1e-5 * std::stod(a[6 + i].second))
+          << "expert_parallel " << ep;
+    }
+  }
+}
+
+// Expert parallelism over ranks that do not divide the world is refused, naming the key.
+TEST_F(DistTrain, ExpertParallelThatDoesNotDivideTheWorldIsRefused) {
+  const std::string cmd =
+      kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu --data.train='" +
+      (dir_ / "data").string() + "/train_*.bin' --data.val='" + (dir_ / "data").string() +
+      "/val_*.bin' --model.arch=llama --moe.n_experts=4 --moe.expert_ffn_dim=64 "
+      "--dist.expert_parallel=4 --train.max_steps=2 --train.out_dir=" +
+      (dir_ / "ep_refused").string() + " --nproc-per-node=2";
+  const auto r = kiln::testing::run_command(cmd);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("dist.expert_parallel=4 must divide the world size (2 ranks)"),
+            std::string::npos)
+      << r.output;
 }
 
 // The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its

@@ -10,8 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <cstring>
 #include <functional>
+#include <mutex>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "kernels/arena.h"
@@ -315,9 +319,10 @@ struct LayerRig {
   int64_t B = 2, T = 3, C = 4;
 
   LayerRig(const MoeRouting& r, MlpKind kind, int64_t F, int n_shared, bool with_mlp,
-           bool with_bias = false) {
+           bool with_bias = false, const ExpertParallel& ep = {}) {
     LayoutBuilder b;
     moe.routing = r;
+    moe.ep = ep;
     moe.kind = kind;
     moe.expert_ffn_dim = F;
     moe.declare(b, "moe", C, n_shared);
@@ -380,7 +385,7 @@ TEST(MoeLayer, OneExpertWithTopOneIsTheDenseMlpBitForBit) {
     k.copy_from_host(rig.params, p.data());
     std::vector<float> x = random_floats(static_cast<size_t>(rig.x.numel()), 2);
     k.copy_from_host(rig.x, x.data());
-    rig.moe.forward(k, rig.w, rig.moe_acts, rig.x, true);
+    rig.moe.forward(k, rig.w, rig.moe_acts, rig.moe_scratch, rig.x, true);
     rig.mlp.forward(k, rig.w, rig.mlp_acts, rig.x);
     EXPECT_EQ(rig.host(rig.moe_acts.out), rig.host(rig.mlp_acts.out));
     std::vector<float> dout = random_floats(static_cast<size_t>(rig.x.numel()), 3);
@@ -401,6 +406,104 @@ TEST(MoeLayer, OneExpertWithTopOneIsTheDenseMlpBitForBit) {
     const ParamInfo& router = rig.layout.find("moe.router.weight");
     for (int64_t i = 0; i < router.numel(); ++i)
       EXPECT_EQ(grads[static_cast<size_t>(router.offset + i)], 0.0f);
+  }
+}
+
+// An all-to-all among threads in one process, each playing a rank: every rank deposits its
+// input, then copies its chunk of everyone's, then waits for all to finish reading.
+class ThreadExchange {
+ public:
+  explicit ThreadExchange(int ranks) : ranks_(ranks), ins_(static_cast<size_t>(ranks)) {}
+  void all_to_all(int rank, Tensor out, Tensor in) {
+    ins_[static_cast<size_t>(rank)] = in;
+    arrive();
+    const size_t chunk = in.nbytes() / static_cast<size_t>(ranks_);
+    for (int s = 0; s < ranks_; ++s)
+      std::memcpy(static_cast<char*>(out.data) + s * chunk,
+                  static_cast<const char*>(ins_[static_cast<size_t>(s)].data) + rank * chunk, chunk);
+    arrive();
+  }
+
+ private:
+  void arrive() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int generation = generation_;
+    if (++waiting_ == ranks_) {
+      waiting_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation != generation_; });
+    }
+  }
+  int ranks_, waiting_ = 0, generation_ = 0;
+  std::vector<Tensor> ins_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+// Expert parallelism in the layer: P ranks (threads), each holding E/P experts and its own
+// tokens, compute what each rank computes alone with every expert. Outputs and input gradients
+// come out bit for bit (each row meets the same weights in the same order); each expert's
+// gradient lands on its own rank only, equal to the sum over ranks of the per-rank gradients up
+// to rounding (its rows are summed in another order). Also with every token routed to one
+// rank's experts (a balancing bias that picks them).
+TEST(MoeLayer, ExpertParallelLayerMatchesEveryRankAlone) {
+  for (const bool skewed : {false, true}) {
+    SCOPED_TRACE(skewed ? "every token to rank 1's experts" : "routed freely");
+    const int P = 2, E = 4;
+    const MoeRouting r = routing(E, 2, MoeScore::softmax, true, 0.5f, 0.1f);
+    std::vector<std::unique_ptr<LayerRig>> alone, ep;
+    ThreadExchange exchange(P);
+    for (int p = 0; p < P; ++p) {
+      alone.push_back(std::make_unique<LayerRig>(r, MlpKind::swiglu, 3, 1, false, skewed));
+      ExpertParallel e{P, p, [&exchange, p](Tensor out, Tensor in) {
+                         exchange.all_to_all(p, out, in);
+                       }};
+      ep.push_back(std::make_unique<LayerRig>(r, MlpKind::swiglu, 3, 1, false, skewed, e));
+    }
+    std::vector<float> params = random_floats(static_cast<size_t>(alone[0]->layout.total), 7);
+    std::vector<float> bias = {0.0f, 0.0f, 10.0f, 10.0f};
+    auto run = [&](LayerRig& rig, int p) {
+      Backend& k = *rig.backend;
+      std::vector<float> x = random_floats(static_cast<size_t>(rig.x.numel()), 10 + p);
+      std::vector<float> dy = random_floats(x.size(), 20 + p);
+      k.copy_from_host(rig.params, params.data());
+      k.copy_from_host(rig.x, x.data());
+      if (skewed) k.copy_from_host(rig.bias, bias.data());
+      k.fill_zero(rig.stats);
+      k.fill_zero(rig.grads);
+      rig.moe.forward(k, rig.w, rig.moe_acts, rig.moe_scratch, rig.x, true);
+      k.copy_from_host(rig.dx, dy.data());
+      // The input gradient goes to the layer's out, which backward no longer reads.
+      rig.moe.backward(k, rig.w, rig.g, rig.moe_scratch, rig.moe_acts.out, rig.dx, rig.x,
+                       rig.moe_acts, 0.5f);
+    };
+    for (int p = 0; p < P; ++p) run(*alone[static_cast<size_t>(p)], p);
+    std::vector<std::thread> threads;
+    for (int p = 0; p < P; ++p) threads.emplace_back([&, p] { run(*ep[static_cast<size_t>(p)], p); });
+    for (std::thread& t : threads) t.join();
+
+    std::vector<double> want(params.size(), 0.0), got(params.size(), 0.0);
+    for (int p = 0; p < P; ++p) {
+      LayerRig &a = *alone[static_cast<size_t>(p)], &b = *ep[static_cast<size_t>(p)];
+      EXPECT_EQ(a.host(a.moe_acts.out), b.host(b.moe_acts.out)) << "rank " << p;  // dx
+      EXPECT_EQ(a.host(a.stats), b.host(b.stats)) << "rank " << p;
+      const std::vector<float> ga = a.host(a.grads), gb = b.host(b.grads);
+      for (size_t i = 0; i < ga.size(); ++i) {
+        want[i] += ga[i];
+        got[i] += gb[i];
+      }
+      // Another rank's experts get nothing here.
+      for (const char* m : {"fc", "proj"}) {
+        const ParamInfo& t = a.layout.find(std::string("moe.experts.") + m + ".weight");
+        const int64_t per = t.numel() / E;
+        for (int64_t i = 0; i < t.numel(); ++i)
+          if (i / per / (E / P) != p) ASSERT_EQ(gb[static_cast<size_t>(t.offset + i)], 0.0f) << m;
+      }
+    }
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * (1.0 + std::fabs(want[i]))) << "param " << i;
   }
 }
 
@@ -437,7 +540,7 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
       k.copy_from_host(rig.params, p.data());
       k.copy_from_host(rig.x, x.data());
       k.fill_zero(rig.stats);
-      rig.moe.forward(k, rig.w, rig.moe_acts, rig.x, true);
+      rig.moe.forward(k, rig.w, rig.moe_acts, rig.moe_scratch, rig.x, true);
       const std::vector<float> st = rig.host(rig.stats);
       return weighted_sum(rig.host(rig.moe_acts.out), R) +
              loss_scale *

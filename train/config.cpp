@@ -191,7 +191,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(fp8, bf16_edges), any(), "keep the first and last blocks' linear layers in bf16"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
       {KILN_FIELD(dist, expert_parallel), positive(),
-       "ranks each MoE block's experts are spread over (expert parallelism): only 1 for now"},
+       "ranks each MoE block's experts are spread over (expert parallelism; dividing the world "
+       "size and moe.n_experts; CPU backend only so far)"},
       {KILN_FIELD(dist, bucket_mb), non_negative(),
        "DDP gradient bucket size in MiB (0: one bucket where NVLink joins every rank on one "
        "host, else 25)"},
@@ -490,11 +491,16 @@ struct Resolver {
   void validate_moe() {
     const MoeSection& e = config.moe;
     auto field = [](const char* key) -> const Field& { return *find_field("moe", key); };
-    if (config.dist.expert_parallel > 1)
-      fail(*find_field("dist", "expert_parallel"),
-           "expert parallelism is not implemented yet: every rank holds every expert (the "
-           "non-expert strategies ddp, zero1 and fsdp shard them as any parameter); got " +
-               std::to_string(config.dist.expert_parallel));
+    if (const int ep = config.dist.expert_parallel; ep > 1) {
+      const Field& f = *find_field("dist", "expert_parallel");
+      if (e.n_experts == 0) fail(f, "is " + std::to_string(ep) + ", but the model has no MoE blocks (moe.n_experts 0)");
+      if (e.n_experts % ep != 0)
+        fail(f, "must divide moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
+                    std::to_string(ep));
+      if (config.train.device == "cuda")
+        fail(f, "runs on the CPU backend only so far (train.device=cpu); got " +
+                    std::to_string(ep) + " with train.device=cuda");
+    }
     // A key that is accepted does what it says: a moe key set away from its default where
     // nothing reads it is refused rather than ignored.
     Config defaults;  // non-const: the accessors hand out mutable pointers

@@ -28,15 +28,18 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
                worker.master_port);
   Rendezvous rendezvous(worker, timeout);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
-  CommunicatorFactory make_comm = [&](Backend& backend) -> std::unique_ptr<Communicator> {
+  CommunicatorFactory make_comm = [&](Backend& backend,
+                                      const CommGroup& group) -> std::unique_ptr<Communicator> {
+    const std::string at = group.name.empty() ? "" : group.name + "/";
     if (backend.device() == Device::cuda)
-      return make_nccl_communicator(rendezvous.store(), worker.rank, worker.world_size,
+      return make_nccl_communicator(rendezvous.store(), group.rank, group.size,
                                     worker.local_rank, backend.native_stream(),
-                                    config.dist.overlap_ctas);
-    if (config.dist.overlap_ctas > 0 && worker.rank == 0)
+                                    config.dist.overlap_ctas, at + "nccl");
+    if (config.dist.overlap_ctas > 0 && worker.rank == 0 && group.name.empty())
       spdlog::warn("dist.overlap_ctas={} applies to NCCL; over gloo it changes nothing",
                    config.dist.overlap_ctas);
-    return make_gloo_communicator(rendezvous.store(), worker.rank, worker.world_size, timeout);
+    return make_gloo_communicator(rendezvous.store(), group.rank, group.size, timeout,
+                                  at + "gloo");
   };
   return run_training(config, rank, make_comm);
 }

@@ -17,6 +17,7 @@
 #include "dist/communicator.h"
 #include "kernels/arena.h"
 #include "kernels/error.h"
+#include "model/layers/moe.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/init_from.h"
@@ -158,13 +159,14 @@ class Trainer {
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
     if (make_comm) {
-      owned_comm_ = make_comm(*backend_);
+      owned_comm_ = make_comm(*backend_, CommGroup{rank.rank, rank.world_size, ""});
       comm_ = owned_comm_.get();
       if (nvtx_.on()) {
         nvtx_comm_ = nvtx_.wrap(*owned_comm_);
         comm_ = nvtx_comm_.get();
       }
     }
+    if (cfg.dist.expert_parallel > 1) start_expert_parallel(make_comm);
     StrategyOptions o;
     o.name = cfg.dist.strategy;
     o.bucket_mb = cfg.dist.bucket_mb;
@@ -189,6 +191,8 @@ class Trainer {
   }
   bool fp8() const { return model_->fp8_layout().n > 0; }
   bool moe() const { return !model_->moe_blocks().empty(); }
+  // dist.expert_parallel: the group's communicator, and the MoE layers pointed at it.
+  void start_expert_parallel(const CommunicatorFactory& make_comm);
   // The step's per-block routing telemetry from the read-back moe_stats.
   std::vector<StepMetrics::MoeBlock> moe_metrics(const float* stats) const;
   int B() const { return cfg_.train.batch_size; }
@@ -259,6 +263,7 @@ class Trainer {
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<Communicator> nvtx_comm_;  // owned_comm_ in NVTX ranges (train.nvtx)
+  std::unique_ptr<Communicator> ep_comm_;    // dist.expert_parallel's group
   Nvtx nvtx_;
   ModelConfig mcfg_;
   std::unique_ptr<Model> model_;
@@ -297,6 +302,31 @@ class Trainer {
   std::optional<Clock::time_point> last_done_;  // when the previous step's values arrived
   double recent_ms_ = -1;  // moving average of the step time (the run's first step left out)
 };
+
+void Trainer::start_expert_parallel(const CommunicatorFactory& make_comm) {
+  const int P = cfg_.dist.expert_parallel;
+  const std::string key = "dist.expert_parallel=" + std::to_string(P);
+  if (backend_->device() != Device::cpu)
+    throw InputError(key + ": expert parallelism runs on the CPU backend only so far; this run "
+                     "is on " + backend_->name() + " (set train.device=cpu)");
+  if (!make_comm || rank_.world_size % P != 0)
+    throw InputError(key + " must divide the world size (" + std::to_string(rank_.world_size) +
+                     " ranks): launch a multiple of it, e.g. --nproc-per-node=" +
+                     std::to_string(P));
+  // Groups of P consecutive ranks (on one host where nodes hold a multiple of P).
+  const int group = rank_.rank / P;
+  ep_comm_ = make_comm(*backend_, CommGroup{rank_.rank % P, P, "ep" + std::to_string(group)});
+  Communicator* c = ep_comm_.get();
+  model_->set_expert_parallel({P, rank_.rank % P, [c](Tensor out, Tensor in) {
+                                 c->all_to_all(out, in);
+                                 c->wait();
+                               }});
+  const int64_t El = mcfg_.moe.n_experts / P;
+  if (is_main())
+    spdlog::info("{}: each MoE block's {} experts spread over groups of {} ranks, {} a rank "
+                 "(rank r holds experts {} * (r mod {}) on); tokens reach them by all-to-all",
+                 key, mcfg_.moe.n_experts, P, El, El, P);
+}
 
 void Trainer::plan_memory() {
   strategy_->plan_memory(state_arena_);

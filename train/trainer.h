@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "model/model.h"
 #include "train/config.h"
@@ -14,8 +15,16 @@ namespace kiln {
 
 class Backend;
 class Communicator;
-// Builds this rank's communicator once the backend exists (NCCL needs its device and stream).
-using CommunicatorFactory = std::function<std::unique_ptr<Communicator>(Backend&)>;
+// The ranks a communicator spans: this rank's place among them, their number, and a name
+// unique among the run's groups ("" for the world; dist.expert_parallel's are "ep<g>").
+struct CommGroup {
+  int rank = 0, size = 1;
+  std::string name;
+};
+// Builds this rank's communicator over `group` once the backend exists (NCCL needs its device
+// and stream). Every rank of the group calls it, in the same order as its other groups.
+using CommunicatorFactory =
+    std::function<std::unique_ptr<Communicator>(Backend&, const CommGroup& group)>;
 
 // Rank identity of this process; the defaults are a single-process run.
 struct RankInfo {

@@ -18,7 +18,7 @@ void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_sh
 void Moe::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
                DType act) const {
   const int64_t N = B * T, E = n_experts(), K = routing.top_k, M = N * K, C = router.in;
-  const int64_t F = expert_ffn_dim;
+  const int64_t F = expert_ffn_dim, P = ep.ranks, R = P * M;
   planner(&a.logits, name + "router_logits", {N, E}, act);
   planner(&a.scores, name + "router_scores", {N, E}, DType::f32);
   planner(&a.topk_idx, name + "topk_idx", {N, K}, DType::i32);
@@ -28,8 +28,13 @@ void Moe::plan(const Planner& planner, const std::string& name, Acts& a, int64_t
   planner(&a.slot_row, name + "slot_row", {M}, DType::i32);
   planner(&a.row_token, name + "row_token", {M}, DType::i32);
   planner(&a.xp, name + "experts_in", {M, C}, act);
-  planner(&a.pre, name + "experts_fch", {M, kind == MlpKind::swiglu ? 2 * F : F}, act);
-  planner(&a.act, name + "experts_act", {M, F}, act);
+  if (P > 1) {
+    planner(&a.xl, name + "ep_experts_in", {R, C}, act);
+    planner(&a.ep_offsets, name + "ep_offsets", {local_experts() + 1}, DType::i32);
+    planner(&a.ep_counts, name + "ep_counts", {E}, DType::i32);
+  }
+  planner(&a.pre, name + "experts_fch", {R, kind == MlpKind::swiglu ? 2 * F : F}, act);
+  planner(&a.act, name + "experts_act", {R, F}, act);
   planner(&a.yp, name + "experts_out", {M, C}, act);
   if (has_shared) {
     planner(&a.shared.pre, name + "shared_fch", {B, T, shared.fc.out}, act);
@@ -40,31 +45,77 @@ void Moe::plan(const Planner& planner, const std::string& name, Acts& a, int64_t
 
 void Moe::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const {
   const int64_t N = B * T, E = n_experts(), K = routing.top_k, M = N * K, C = router.in;
-  const int64_t F = expert_ffn_dim;
+  const int64_t F = expert_ffn_dim, P = ep.ranks, R = P * M;
   planner(&s.dlogits, "d.router_logits", {N, E}, act);
   planner(&s.dtopk_w, "d.topk_w", {N, K}, DType::f32);
   planner(&s.dyp, "d.experts_out", {M, C}, act);
-  planner(&s.dpre, "d.experts_fch", {M, kind == MlpKind::swiglu ? 2 * F : F}, act);
-  if (kind == MlpKind::swiglu) planner(&s.dact, "d.experts_act", {M, F}, act);
+  planner(&s.dpre, "d.experts_fch", {R, kind == MlpKind::swiglu ? 2 * F : F}, act);
+  if (kind == MlpKind::swiglu) planner(&s.dact, "d.experts_act", {R, F}, act);
+  if (P > 1) {
+    planner(&s.ep_send, "ep.send", {P, M, C}, act);
+    planner(&s.ep_recv, "ep.recv", {P, M, C}, act);
+    planner(&s.ep_rows, "ep.rows", {R, C}, act);
+    planner(&s.ep_sent, "ep.sent_counts", {E}, DType::i32);
+    planner(&s.ep_offsets, "ep.offsets", {local_experts() + 1}, DType::i32);
+  }
   planner(&s.dxp, "d.experts_in", {M, C}, act);
   planner(&s.dx, "d.moe_branch", {B, T, C}, act);
   if (has_shared) shared.plan_scratch(planner, s.shared, B, T, act);
 }
 
-void Moe::forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool with_stats) const {
+Tensor Moe::local(const Params& p, int index) const {
+  const Tensor t = param(p, index);
+  if (ep.ranks == 1) return t;
+  const int64_t El = local_experts(), per = t.numel() / n_experts();
+  return t.slice(ep.rank * El * per, {El, t.dim(1), t.dim(2)});
+}
+
+void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows, Tensor offsets,
+                          Tensor out) const {
+  if (kind == MlpKind::gelu) {
+    k.grouped_matmul_forward(a.act, rows, local(w, fc), offsets, a.pre);
+  } else {
+    k.grouped_matmul_forward(a.pre, rows, local(w, fc), offsets, Tensor{});
+    k.swiglu_forward(a.act, a.pre);
+  }
+  k.grouped_matmul_forward(out, a.act, local(w, proj), offsets, Tensor{});
+}
+
+void Moe::experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
+                           const Acts& a, Tensor rows, Tensor offsets, Tensor dout,
+                           Tensor drows) const {
+  if (kind == MlpKind::gelu) {
+    k.grouped_matmul_backward(s.dpre, local(g, proj), dout, a.act, local(w, proj), offsets, a.pre);
+  } else {
+    k.grouped_matmul_backward(s.dact, local(g, proj), dout, a.act, local(w, proj), offsets,
+                              Tensor{});
+    k.swiglu_backward(s.dpre, s.dact, a.pre);
+  }
+  k.grouped_matmul_backward(drows, local(g, fc), s.dpre, rows, local(w, fc), offsets, Tensor{});
+}
+
+void Moe::forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, Tensor inp,
+                  bool with_stats) const {
   const int64_t N = a.logits.dim(0), C = router.in;
   const Tensor x = inp.view({N, C});
   router.forward(k, w, a.logits, x);
   k.moe_router_forward(a.scores, a.topk_idx, a.topk_w, a.counts, with_stats ? a.stats : Tensor{},
                        a.logits, a.bias, routing);
   k.moe_permute(a.xp, a.row_token, a.slot_row, a.offsets, x, a.topk_idx);
-  if (kind == MlpKind::gelu) {
-    k.grouped_matmul_forward(a.act, a.xp, param(w, fc), a.offsets, a.pre);
+  if (ep.ranks == 1) {
+    experts_forward(k, w, a, a.xp, a.offsets, a.yp);
   } else {
-    k.grouped_matmul_forward(a.pre, a.xp, param(w, fc), a.offsets, Tensor{});
-    k.swiglu_forward(a.act, a.pre);
+    // Dispatch: each rank's rows to the rank of their expert, counts first; then the combine
+    // sends the outputs back the same way.
+    k.moe_ep_split(s.ep_send, s.ep_sent, a.xp, a.offsets);
+    ep.all_to_all(a.ep_counts, s.ep_sent);
+    ep.all_to_all(s.ep_recv, s.ep_send);
+    k.moe_ep_group(a.xl, a.ep_offsets, s.ep_recv, a.ep_counts);
+    experts_forward(k, w, a, a.xl, a.ep_offsets, s.ep_rows);
+    k.moe_ep_ungroup(s.ep_send, s.ep_rows, a.ep_counts);
+    ep.all_to_all(s.ep_recv, s.ep_send);
+    k.moe_ep_join(a.yp, s.ep_recv, a.offsets);
   }
-  k.grouped_matmul_forward(a.yp, a.act, param(w, proj), a.offsets, Tensor{});
   if (has_shared) {
     Mlp::Acts sa = a.shared;
     sa.out = a.out;
@@ -78,15 +129,19 @@ void Moe::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
   const int64_t N = a.logits.dim(0), C = router.in;
   const Tensor x = inp.view({N, C}), dy = dout.view({N, C}), dx = dinp.view({N, C});
   k.moe_unpermute_backward(s.dyp, s.dtopk_w, dy, a.yp, a.slot_row, a.topk_w);
-  if (kind == MlpKind::gelu) {
-    k.grouped_matmul_backward(s.dpre, param(g, proj), s.dyp, a.act, param(w, proj), a.offsets,
-                              a.pre);
+  if (ep.ranks == 1) {
+    experts_backward(k, w, g, s, a, a.xp, a.offsets, s.dyp, s.dxp);
   } else {
-    k.grouped_matmul_backward(s.dact, param(g, proj), s.dyp, a.act, param(w, proj), a.offsets,
-                              Tensor{});
-    k.swiglu_backward(s.dpre, s.dact, a.pre);
+    // The output rows' gradients travel to the experts as the rows did, and the input rows'
+    // come back as the outputs did; forward's counts still hold.
+    k.moe_ep_split(s.ep_send, s.ep_sent, s.dyp, a.offsets);
+    ep.all_to_all(s.ep_recv, s.ep_send);
+    k.moe_ep_group(s.ep_rows, s.ep_offsets, s.ep_recv, a.ep_counts);
+    experts_backward(k, w, g, s, a, a.xl, s.ep_offsets, s.ep_rows, s.ep_rows);
+    k.moe_ep_ungroup(s.ep_send, s.ep_rows, a.ep_counts);
+    ep.all_to_all(s.ep_recv, s.ep_send);
+    k.moe_ep_join(s.dxp, s.ep_recv, a.offsets);
   }
-  k.grouped_matmul_backward(s.dxp, param(g, fc), s.dpre, a.xp, param(w, fc), a.offsets, Tensor{});
   // Three branches read x: the routed experts (through the permutation), the router and the
   // shared expert. The first writes dinp, the others are added to it.
   k.moe_unpermute(dx, s.dxp, a.slot_row, Tensor{}, false);

@@ -16,6 +16,7 @@
 // and proj [E,C,F], indexed by the global expert number, and the shared expert as an Mlp.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "model/arch.h"
@@ -26,6 +27,16 @@
 
 namespace kiln {
 
+// dist.expert_parallel, applied to the MoE layers from outside the model: the `ranks` ranks of
+// a group hold the experts in equal runs (rank q: experts q*E/ranks ...), and each computes its
+// experts for the tokens of every rank in the group, which travel through all_to_all
+// (Communicator::all_to_all over the group, finished when it returns). Dispatch and combine
+// each exchange rows twice per pass: counts, then rows in chunks planned for the worst case.
+struct ExpertParallel {
+  int ranks = 1, rank = 0;
+  std::function<void(Tensor out, Tensor in)> all_to_all;
+};
+
 struct Moe {
   MoeRouting routing;
   MlpKind kind = MlpKind::swiglu;  // each expert's MLP
@@ -34,6 +45,7 @@ struct Moe {
   Linear router;
   int fc = -1, proj = -1;  // [E, 2F (swiglu) | F (gelu), C], [E, C, F]
   Mlp shared;              // ffn_dim = n_shared_experts * expert_ffn_dim; out is Acts::out
+  ExpertParallel ep;       // set before planning: the buffers' shapes depend on it
 
   struct Acts {
     Tensor logits;               // [N,E]
@@ -42,7 +54,11 @@ struct Moe {
     Tensor counts;               // f32[E], this batch's rows per expert
     Tensor offsets;              // i32[E+1]
     Tensor slot_row, row_token;  // i32[N*k]
-    Tensor xp, pre, act, yp;     // [M,C], [M,2F|F], [M,F], [M,C]
+    Tensor xp, pre, act, yp;     // [M,C], [R,2F|F], [R,F], [M,C]; R = M (or P*M: below)
+    // Expert parallelism over P ranks: the rows this rank's El experts received from every
+    // rank, grouped by expert (xl [P*M,C], ep_offsets i32[El+1]), and how many each rank sent
+    // per local expert (ep_counts i32[P*El]); the experts' pre and act have xl's rows.
+    Tensor xl, ep_offsets, ep_counts;
     Mlp::Acts shared;            // pre and act; shared.out is out
     Tensor out;                  // [B,T,C]
     // The layer's state, slices of the decoder's (not activations): statistics summed over a
@@ -51,20 +67,36 @@ struct Moe {
   };
   struct Scratch {
     Tensor dlogits, dtopk_w, dyp, dact, dpre, dxp, dx;
+    // Expert parallelism, forward and backward: the chunks sent and received ([P,M,C]), the
+    // experts' rows in or out ([P*M,C]), the counts sent (i32[E]) and the local offsets.
+    Tensor ep_send, ep_recv, ep_rows, ep_sent, ep_offsets;
     Mlp::Scratch shared;
   };
 
   int64_t n_experts() const { return routing.n_experts; }
+  int64_t local_experts() const { return n_experts() / ep.ranks; }
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_shared);
   void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
             DType act) const;
   void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
   // with_stats: add this batch's routing statistics to a.stats (training, not evaluation).
-  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool with_stats) const;
+  void forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, Tensor inp,
+               bool with_stats) const;
   // dinp = gradient w.r.t. inp (overwritten). loss_scale: the weight of this batch's aux and
   // z losses in the step's objective (1 / grad_accum: each is a mean over the batch's tokens).
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                 Tensor dout, Tensor inp, const Acts& a, float loss_scale) const;
+
+ private:
+  // This rank's experts' slice of an expert tensor ([E,...] -> [El,...]).
+  Tensor local(const Params& p, int index) const;
+  // rows (grouped by `offsets`) through this rank's experts' MLPs into out.
+  void experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows, Tensor offsets,
+                       Tensor out) const;
+  // Their backward: dout rows -> drows (may be dout's buffer); the experts' grads +=.
+  void experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
+                        const Acts& a, Tensor rows, Tensor offsets, Tensor dout,
+                        Tensor drows) const;
 };
 
 }  // namespace kiln
