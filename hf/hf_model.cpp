@@ -165,6 +165,85 @@ bool is_buffer(const std::string& name) {
          ends_with("rotary_emb.inv_freq");
 }
 
+// A kiln tensor's rows as the weight map counts them: its last dimension wide (an expert
+// tensor [E, R, W] is E*R rows of W), one value for a vector.
+int64_t row_width(const ParamInfo& p) {
+  return p.shape.ndim >= 2 ? p.shape[p.shape.ndim - 1] : 1;
+}
+
+// Qwen3-MoE's and Mixtral's experts: softmax routing to the top num_experts_per_tok, SwiGLU
+// experts, no shared expert. Qwen3-MoE routes every decoder_sparse_step-th block
+// (mlp_only_layers must be empty) and renormalizes as norm_topk_prob says; Mixtral routes every
+// block and always renormalizes (its softmax over the top-k logits is the same thing).
+MoeConfig read_hf_moe(const ConfigJson& c, const std::string& type, const ModelConfig& m) {
+  MoeConfig moe;
+  const bool qwen = type == "qwen3_moe";
+  // transformers 4.x writes Qwen3-MoE's num_experts, 5.x num_local_experts, as Mixtral's.
+  moe.n_experts = qwen && c.has("num_experts") ? c.get_int("num_experts")
+                                               : c.get_int("num_local_experts");
+  moe.top_k = c.get_int("num_experts_per_tok");
+  if (moe.top_k > moe.n_experts)
+    c.fail("num_experts_per_tok", "must be at most the number of experts");
+  moe.expert_ffn_dim = qwen ? c.get_int("moe_intermediate_size") : m.ffn_dim;
+  moe.every = qwen ? c.get_int("decoder_sparse_step", 1) : 1;
+  moe.renormalize = qwen ? c.get_bool("norm_topk_prob", false) : true;
+  moe.aux_loss_coef = static_cast<float>(c.get_number("router_aux_loss_coef", 0.001));
+  if (qwen && c.has("mlp_only_layers") &&
+      !(c.j["mlp_only_layers"].is_array() && c.j["mlp_only_layers"].empty()))
+    c.fail("mlp_only_layers", c.j["mlp_only_layers"].dump() +
+                                  " is not supported (kiln's MoE blocks are every "
+                                  "decoder_sparse_step-th, with no exceptions)");
+  if (!qwen && c.get_number("router_jitter_noise", 0.0) != 0.0)
+    c.fail("router_jitter_noise", "is not supported (kiln's routing adds no noise)");
+  if (moe.every > m.n_layer)
+    c.fail("decoder_sparse_step", "is past num_hidden_layers: no block would be MoE");
+  return moe;
+}
+
+// The HF MoE model_type of a kiln MoE model: Qwen3-MoE (QK-norm) or Mixtral (LLaMA attention,
+// every block routed, renormalized); InputError naming what neither has.
+std::string hf_moe_model_type(const ModelConfig& c) {
+  const MoeConfig& e = c.moe;
+  const std::string dense =
+      c.norm == NormKind::rmsnorm && c.positions == PositionKind::rope &&
+              c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias
+          ? (c.qk_norm ? "qwen3" : "llama")
+          : "";
+  auto refuse = [](const std::string& why) {
+    throw InputError("no Hugging Face MoE architecture (Qwen3MoeForCausalLM, "
+                     "MixtralForCausalLM) has this model's experts: " + why);
+  };
+  if (dense.empty()) refuse("its blocks are not LLaMA's or Qwen3's (rmsnorm, rope, swiglu, no biases)");
+  if (e.score != MoeScore::softmax) refuse("moe.score=sigmoid (both route by softmax)");
+  if (e.n_shared_experts > 0) refuse("moe.n_shared_experts > 0 (neither has a shared expert)");
+  if (e.bias_balance)
+    refuse("moe.balance=bias (the routing bias it learned has no place in either; retrain with "
+           "aux_loss or none)");
+  if (dense == "qwen3") return "qwen3_moe";
+  if (e.every != 1) refuse("moe.every > 1 without QK-norm (Mixtral routes every block)");
+  if (!e.renormalize) refuse("moe.renormalize=false (Mixtral renormalizes the top-k weights)");
+  return "mixtral";
+}
+
+// Block l's MoE tensors: the router, then expert e's gate and up stacked into kiln's fc
+// [E, 2F, C] (rows e*2F and e*2F+F) and its down into proj [E, C, F] (rows e*C).
+void add_moe_block(std::vector<HfTensorMap>& map, const ModelConfig& c, const std::string& type,
+                   const std::string& k, const std::string& h) {
+  const int64_t E = c.moe.n_experts, F = c.moe.expert_ffn_dim, C = c.n_embd;
+  const bool qwen = type == "qwen3_moe";
+  const std::string block = h + (qwen ? "mlp." : "block_sparse_moe.");
+  map.push_back({k + "moe.router.weight", {{block + "gate.weight", {E, C}, 0, false}}});
+  HfTensorMap fc{k + "moe.experts.fc.weight", {}}, proj{k + "moe.experts.proj.weight", {}};
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = block + "experts." + std::to_string(e) + ".";
+    fc.pieces.push_back({x + (qwen ? "gate_proj" : "w1") + ".weight", {F, C}, e * 2 * F, false});
+    fc.pieces.push_back({x + (qwen ? "up_proj" : "w3") + ".weight", {F, C}, e * 2 * F + F, false});
+    proj.pieces.push_back({x + (qwen ? "down_proj" : "w2") + ".weight", {C, F}, e * C, false});
+  }
+  map.push_back(std::move(fc));
+  map.push_back(std::move(proj));
+}
+
 }  // namespace
 
 std::optional<std::string> hf_dir_of(const std::string& spec) {
@@ -180,11 +259,15 @@ ModelConfig read_hf_config(const std::string& dir) {
   const ConfigJson c{read_json(path), path};
   if (!c.j.is_object()) throw InputError(path + ": not a JSON object");
   const std::string type = c.get_string("model_type", "");
+  // The MoE models are their dense architecture's decoder with routed experts.
+  const bool moe = type == "qwen3_moe" || type == "mixtral";
+  const std::string base = type == "qwen3_moe" ? "qwen3" : type == "mixtral" ? "llama" : type;
   ModelConfig m;
-  m.arch = type;
-  const ArchDefaults* arch = find_arch(type);
+  m.arch = base;
+  const ArchDefaults* arch = moe || find_arch(type) ? find_arch(base) : nullptr;
   if (!arch)
-    c.fail("model_type", "'" + type + "' is not supported (kiln imports gpt2, llama and qwen3)");
+    c.fail("model_type", "'" + type + "' is not supported (kiln imports gpt2, llama, qwen3, "
+                         "qwen3_moe and mixtral)");
   m.norm = arch->norm;
   m.positions = arch->positions;
   m.mlp = arch->mlp;
@@ -216,17 +299,20 @@ ModelConfig read_hf_config(const std::string& dir) {
     m.ffn_dim = c.get_int("intermediate_size");
     m.n_kv_head = c.get_int("num_key_value_heads", m.n_head);
     // Qwen3Config's head_dim defaults to 128, LlamaConfig's to hidden_size / heads.
-    m.head_dim = c.get_int("head_dim", type == "qwen3" ? 128 : 0);
+    m.head_dim = c.get_int("head_dim", base == "qwen3" ? 128 : 0);
     if (m.head_dim * m.n_head == m.n_embd) m.head_dim = 0;  // kiln's "n_embd / n_head"
     m.seq_len = c.get_int("max_position_embeddings");
     m.norm_eps = static_cast<float>(c.get_number("rms_norm_eps", 1e-6));
-    m.rope_theta = static_cast<float>(read_rope_theta(c, type == "qwen3" ? 1e6 : 1e4));
+    m.rope_theta = static_cast<float>(read_rope_theta(c, base == "qwen3" ? 1e6 : 1e4));
     m.tie_embeddings = c.get_bool("tie_word_embeddings", false);
     const std::string act = c.get_string("hidden_act", "silu");
     if (act != "silu") c.fail("hidden_act", "'" + act + "' is not supported (SwiGLU uses silu)");
     c.require("attention_bias", false, "kiln's " + type + " has no attention biases");
     c.require("mlp_bias", false, "kiln's " + type + " has no MLP biases");
     c.require("use_sliding_window", false, "sliding-window attention is not implemented");
+    if (type == "mixtral")  // Mistral's attention is windowed where sliding_window is set
+      c.require("sliding_window", nullptr, "sliding-window attention is not implemented");
+    if (moe) m.moe = read_hf_moe(c, type, m);
     if (c.has("layer_types"))
       for (const json& t : c.j["layer_types"])
         if (t != "full_attention")
@@ -257,7 +343,10 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
   check("n_head", std::to_string(a.n_head), std::to_string(b.n_head));
   check("n_kv_head", std::to_string(a.n_kv_head), std::to_string(b.n_kv_head));
   check("head_dim", std::to_string(a.head_dim), std::to_string(b.head_dim));
-  check("ffn_dim", std::to_string(run.ffn_dim), std::to_string(hf.ffn_dim));
+  // A model whose every block is MoE has no dense MLP for ffn_dim to size.
+  auto all_moe = [](const ModelConfig& m) { return m.moe.n_experts > 0 && m.moe.every == 1; };
+  if (!(all_moe(run) && all_moe(hf)))
+    check("ffn_dim", std::to_string(run.ffn_dim), std::to_string(hf.ffn_dim));
   check("vocab_size", std::to_string(run.vocab_size), std::to_string(hf.vocab_size));
   check("tie_embeddings", str(run.tie_embeddings), str(hf.tie_embeddings));
   check("norm", norm_name(run.norm), norm_name(hf.norm));
@@ -271,17 +360,27 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
   check("bias", str(run.bias), str(hf.bias));
   check("qkv_bias", str(run.qkv_bias || run.bias), str(hf.qkv_bias || hf.bias));
   check("qk_norm", str(run.qk_norm), str(hf.qk_norm));
-  if (run.moe.n_experts > 0)
-    out.push_back("moe.n_experts: " + std::to_string(run.moe.n_experts) +
-                  " in the config; kiln reads dense Hugging Face models only (no MoE mapping yet)");
+  // The experts' layout and routing; the balancing coefficients are the run's to choose.
+  auto check_moe = [&](const char* key, const std::string& a, const std::string& b) {
+    if (a != b) out.push_back(std::string("moe.") + key + ": " + a + " in the config, " + b + " in " + where);
+  };
+  const MoeConfig &x = run.moe, &y = hf.moe;
+  check_moe("n_experts", std::to_string(x.n_experts), std::to_string(y.n_experts));
+  if (x.n_experts > 0 && y.n_experts > 0) {
+    check_moe("top_k", std::to_string(x.top_k), std::to_string(y.top_k));
+    check_moe("expert_ffn_dim", std::to_string(x.expert_ffn_dim), std::to_string(y.expert_ffn_dim));
+    check_moe("n_shared_experts", std::to_string(x.n_shared_experts),
+              std::to_string(y.n_shared_experts));
+    check_moe("every", std::to_string(x.every), std::to_string(y.every));
+    check_moe("score", x.score == MoeScore::softmax ? "softmax" : "sigmoid",
+              y.score == MoeScore::softmax ? "softmax" : "sigmoid");
+    check_moe("renormalize", str(x.renormalize), str(y.renormalize));
+  }
   return out;
 }
 
 std::string hf_model_type(const ModelConfig& c) {
-  if (c.moe.n_experts > 0)
-    throw InputError(
-        "a Mixture-of-Experts model has no Hugging Face export yet (kiln maps dense "
-        "GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM)");
+  if (c.moe.n_experts > 0) return hf_moe_model_type(c);
   const AttentionDims a = c.attention();
   if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
       c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&
@@ -344,6 +443,10 @@ std::vector<HfTensorMap> hf_weight_map(const ModelConfig& c, const std::string& 
       }
       one(k + "attn.proj.weight", h + "self_attn.o_proj.weight", {C, q});
       one(k + "ln2.weight", h + "post_attention_layernorm.weight", {C});
+      if (c.is_moe_block(l)) {
+        add_moe_block(map, c, type, k, h);
+        continue;
+      }
       map.push_back({k + "mlp.fc.weight",
                      {{h + "mlp.gate_proj.weight", {F, C}, 0, false},
                       {h + "mlp.up_proj.weight", {F, C}, F, false}}});
@@ -367,7 +470,7 @@ std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cf
   std::vector<float> buf;
   for (const HfTensorMap& m : hf_weight_map(cfg, prefix)) {
     const ParamInfo& p = layout.find(m.kiln_name);
-    const int64_t cols = p.shape.ndim == 2 ? p.shape[1] : 1;
+    const int64_t cols = row_width(p);
     for (const HfPiece& piece : m.pieces) {
       auto it = files.by_name.find(piece.name);
       if (it == files.by_name.end())
@@ -519,7 +622,7 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
   std::vector<Out> outs;
   for (const HfTensorMap& m : hf_weight_map(cfg, type == "gpt2" ? "transformer." : "")) {
     const ParamInfo& p = layout.find(m.kiln_name);
-    const int64_t cols = p.shape.ndim == 2 ? p.shape[1] : 1;
+    const int64_t cols = row_width(p);
     for (const HfPiece& piece : m.pieces) {
       Out o;
       o.t.name = piece.name;
@@ -595,7 +698,11 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
          {"bos_token_id", nullptr},
          {"eos_token_id", nullptr}};
   } else {
-    j = {{"architectures", {type == "qwen3" ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+    const char* architecture = type == "qwen3"       ? "Qwen3ForCausalLM"
+                               : type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                               : type == "mixtral"   ? "MixtralForCausalLM"
+                                                     : "LlamaForCausalLM";
+    j = {{"architectures", {architecture}},
          {"model_type", type},
          {"vocab_size", cfg.vocab_size},
          {"hidden_size", cfg.n_embd},
@@ -614,11 +721,30 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
          {"initializer_range", 0.02},
          {"bos_token_id", nullptr},
          {"eos_token_id", nullptr}};
-    if (type == "llama") j["mlp_bias"] = false;
-    if (type == "qwen3") {
+    if (type == "llama" || type == "mixtral") j["mlp_bias"] = false;
+    if (type == "qwen3" || type == "qwen3_moe") {
       j["use_sliding_window"] = false;
       j["sliding_window"] = nullptr;
       j["max_window_layers"] = cfg.n_layer;
+    }
+    const MoeConfig& e = cfg.moe;
+    if (type == "qwen3_moe") {
+      j["num_experts"] = e.n_experts;
+      j["num_experts_per_tok"] = e.top_k;
+      j["moe_intermediate_size"] = e.expert_ffn_dim;
+      j["decoder_sparse_step"] = e.every;
+      j["mlp_only_layers"] = nlohmann::ordered_json::array();
+      j["norm_topk_prob"] = e.renormalize;
+    } else if (type == "mixtral") {
+      j["intermediate_size"] = e.expert_ffn_dim;  // Mixtral's experts are its MLPs
+      j["num_local_experts"] = e.n_experts;
+      j["num_experts_per_tok"] = e.top_k;
+      j["router_jitter_noise"] = 0.0;
+      j["sliding_window"] = nullptr;
+    }
+    if (e.n_experts > 0) {
+      j["router_aux_loss_coef"] = float_as_written(e.aux_loss_coef);
+      j["output_router_logits"] = false;
     }
   }
   auto ids_json = [](const std::vector<int64_t>& ids) -> nlohmann::ordered_json {

@@ -1,5 +1,5 @@
-// Hugging Face model directories <-> kiln parameters, for GPT2LMHeadModel, LlamaForCausalLM and
-// Qwen3ForCausalLM. A directory holds config.json and model.safetensors, or shards named by
+// Hugging Face model directories <-> kiln parameters, for GPT2LMHeadModel, LlamaForCausalLM,
+// Qwen3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM. A directory holds config.json and model.safetensors, or shards named by
 // model.safetensors.index.json. The one design choice: a single table (hf_weight_map) says, for
 // each kiln tensor, which HF tensors make it up, at which rows and whether transposed; import
 // and export both walk that table, so they cannot disagree. What the table encodes:
@@ -7,6 +7,9 @@
 //    already holds q, k, v in kiln's order (q heads, k heads, v heads).
 //  - LLaMA/Qwen3's q_proj, k_proj, v_proj stack into kiln's qkv rows; gate_proj then up_proj
 //    into SwiGLU's fc rows. RoPE is HF's rotate_half convention in both, so no permutation.
+//  - Qwen3-MoE's and Mixtral's experts are one tensor per expert and projection in HF; kiln
+//    stacks them by expert: gate then up (Mixtral's w1, w3) into fc [E, 2F, C], down (w2) into
+//    proj [E, C, F]. The router is HF's gate. Their attention is Qwen3's and LLaMA's.
 //  - The embedding (and an untied head) has vocab_size rows in HF, padded_vocab_size in kiln:
 //    the padding rows are zero on import and dropped on export.
 #pragma once
@@ -47,8 +50,8 @@ struct HfTensorMap {
   std::string kiln_name;
   std::vector<HfPiece> pieces;
 };
-// The HF model_type kiln exports `cfg` as (gpt2 | llama | qwen3), from its layer choices;
-// InputError when no HF architecture has them.
+// The HF model_type kiln exports `cfg` as (gpt2 | llama | qwen3 | qwen3_moe | mixtral), from
+// its layer choices; InputError when no HF architecture has them.
 std::string hf_model_type(const ModelConfig& cfg);
 // Every kiln tensor of `cfg`'s model and its HF pieces, in HF's order. `prefix` is GPT-2's
 // "transformer." (present in files saved from GPT2LMHeadModel, absent in the original release).

@@ -1,6 +1,6 @@
-// Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA and Qwen3 that
-// tools/make_hf_fixtures.py saved with transformers (tests/fixtures/hf/) load into kiln, whose
-// fp32 CPU loss on the committed batch matches transformers' recorded loss (rel 1e-5) and whose
+// Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE
+// (routed every other block) and Mixtral that tools/make_hf_fixtures.py saved with transformers
+// (tests/fixtures/hf/) load into kiln, whose fp32 CPU loss on the committed batch matches transformers' recorded loss (rel 1e-5) and whose
 // greedy decoding gives transformers' 32 tokens. The batch was sampled from each model, so a
 // swapped or mis-transposed tensor moves the loss far past the tolerance (expected.json records
 // by how much). Skips until the fixtures are committed.
@@ -29,7 +29,8 @@ TEST_P(HfFixtures, KilnMatchesTransformersLossAndGreedyTokens) {
   kiln::testing::expect_matches_transformers(kiln, expected, 1e-5, true, arch);
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, HfFixtures, ::testing::Values("gpt2", "llama", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Archs, HfFixtures,
+                         ::testing::Values("gpt2", "llama", "qwen3", "qwen3_moe", "mixtral"));
 
 }  // namespace
 }  // namespace kiln

@@ -1,7 +1,8 @@
 // Hugging Face import and export (hf/hf_model.h): export -> import is bit-identical in f32 (and
-// bf16-rounded in bf16, sharded or not) for GPT-2, LLaMA (GQA, untied) and Qwen3 (QK-norm,
-// head_dim != n_embd / n_head); the files follow HF's conventions (GPT-2's Conv1D [in, out],
-// q/k/v and gate/up as separate tensors, vocab rows unpadded); config.json is read the way
+// bf16-rounded in bf16, sharded or not) for GPT-2, LLaMA (GQA, untied), Qwen3 (QK-norm,
+// head_dim != n_embd / n_head), Qwen3-MoE and Mixtral; the files follow HF's conventions
+// (GPT-2's Conv1D [in, out], q/k/v, gate/up and each expert's projections as separate tensors,
+// vocab rows unpadded); config.json is read the way
 // transformers 4.x and 5.x write it; and wrong inputs are InputErrors naming the cause.
 #include "hf/hf_model.h"
 
@@ -9,6 +10,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 
@@ -29,9 +31,21 @@ ModelConfig tiny_gpt2(bool tied = true) {
   return c;  // the other fields are GPT-2's defaults
 }
 
-ModelConfig tiny_rope(const std::string& arch) {
+// LLaMA or Qwen3; "mixtral" and "qwen3_moe" are them with 4 routed experts (top-2), in every
+// block (renormalized) and in every other block (not renormalized).
+ModelConfig tiny_rope(const std::string& name) {
+  const bool mixtral = name == "mixtral", qwen_moe = name == "qwen3_moe";
+  const std::string arch = mixtral ? "llama" : qwen_moe ? "qwen3" : name;
   ModelConfig c;
   c.arch = arch;
+  if (mixtral || qwen_moe) {
+    c.moe.n_experts = 4;
+    c.moe.top_k = 2;
+    c.moe.expert_ffn_dim = 24;
+    c.moe.every = qwen_moe ? 2 : 1;
+    c.moe.renormalize = mixtral;
+    c.moe.aux_loss_coef = 0.001f;
+  }
   c.n_layer = 2, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 32, c.ffn_dim = 48;
   c.vocab_size = 300, c.padded_vocab_size = 384, c.seq_len = 64;
   c.norm = NormKind::rmsnorm, c.positions = PositionKind::rope, c.mlp = MlpKind::swiglu;
@@ -139,7 +153,8 @@ TEST_P(HfRoundTrip, Bf16ShardedExportImportRoundsOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfRoundTrip,
-                         ::testing::Values("gpt2", "gpt2_untied", "llama", "qwen3"));
+                         ::testing::Values("gpt2", "gpt2_untied", "llama", "qwen3", "qwen3_moe",
+                                           "mixtral"));
 
 float at(const SafetensorsFile& f, const std::string& name, int64_t i) {
   const SafeTensorInfo* t = f.find(name);
@@ -153,7 +168,8 @@ float at(const SafetensorsFile& f, const std::string& name, int64_t i) {
 float kiln_at(const std::vector<float>& p, const ParamLayout& l, const std::string& name,
               int64_t row, int64_t col) {
   const ParamInfo& t = l.find(name);
-  return p[static_cast<size_t>(t.offset + row * (t.shape.ndim == 2 ? t.shape[1] : 1) + col)];
+  // Rows are the last dimension wide (an expert tensor [E, R, W] is E*R rows of W).
+  return p[static_cast<size_t>(t.offset + row * (t.shape.ndim >= 2 ? t.shape[t.shape.ndim - 1] : 1) + col)];
 }
 
 // GPT-2's Conv1D computes x @ W with W [in, out]; kiln's Linear x @ W^T with W [out, in].
@@ -201,6 +217,31 @@ TEST(HfLayout, RopeModelsSplitQkvAndGateUp) {
   EXPECT_EQ(at(f, h + "mlp.up_proj.weight", 5 * C + 1), kiln_at(p, l, "h.1.mlp.fc.weight", F + 5, 1));
   EXPECT_EQ(at(f, h + "self_attn.k_norm.weight", 2), kiln_at(p, l, "h.1.attn.k_norm.weight", 2, 0));
   EXPECT_EQ(at(f, "model.norm.weight", 2), kiln_at(p, l, "lnf.weight", 2, 0));
+}
+
+// Expert e's gate and up are rows e*2F and e*2F+F of kiln's fc [E, 2F, C], its down rows e*C
+// of proj [E, C, F]; the router is HF's gate. Qwen3-MoE's block 0 stays a dense MLP.
+TEST(HfLayout, MoeModelsStackTheirExpertsByIndex) {
+  for (const std::string name : {"qwen3_moe", "mixtral"}) {
+    const Exported e = export_random(tiny_rope(name));
+    const ParamLayout& l = e.layout;
+    const std::vector<float>& p = e.params;
+    const SafetensorsFile f = SafetensorsFile::open(e.dir + "/model.safetensors");
+    const int64_t C = e.config.n_embd, F = e.config.moe.expert_ffn_dim;
+    const bool qwen = name == "qwen3_moe";
+    const std::string h = std::string("model.layers.1.") + (qwen ? "mlp." : "block_sparse_moe.");
+    const std::string x = h + "experts.2.";
+    EXPECT_EQ(f.find(x + (qwen ? "gate_proj" : "w1") + ".weight")->shape,
+              (std::vector<int64_t>{F, C})) << name;
+    EXPECT_EQ(at(f, h + "gate.weight", 3 * C + 5), kiln_at(p, l, "h.1.moe.router.weight", 3, 5));
+    EXPECT_EQ(at(f, x + (qwen ? "gate_proj" : "w1") + ".weight", 4 * C + 1),
+              kiln_at(p, l, "h.1.moe.experts.fc.weight", 2 * 2 * F + 4, 1)) << name;
+    EXPECT_EQ(at(f, x + (qwen ? "up_proj" : "w3") + ".weight", 4 * C + 1),
+              kiln_at(p, l, "h.1.moe.experts.fc.weight", 2 * 2 * F + F + 4, 1)) << name;
+    EXPECT_EQ(at(f, x + (qwen ? "down_proj" : "w2") + ".weight", 7 * F + 3),
+              kiln_at(p, l, "h.1.moe.experts.proj.weight", 2 * C + 7, 3)) << name;
+    EXPECT_EQ(f.find("model.layers.0.mlp.gate_proj.weight") != nullptr, qwen) << name;
+  }
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -339,6 +380,61 @@ TEST(HfExport, RefusesLayersNoHfArchitectureHas) {
   c.norm_eps = 1e-5f;
   const std::string e = input_error([&] { hf_model_type(c); });
   EXPECT_NE(e.find("no Hugging Face architecture"), std::string::npos) << e;
+  EXPECT_EQ(hf_model_type(tiny_rope("qwen3_moe")), "qwen3_moe");
+  EXPECT_EQ(hf_model_type(tiny_rope("mixtral")), "mixtral");
+  // Experts neither Qwen3-MoE nor Mixtral has, each named.
+  struct Case {
+    std::string base, why;
+    std::function<void(MoeConfig&)> change;
+  };
+  for (const Case& k :
+       {Case{"mixtral", "moe.score=sigmoid", [](MoeConfig& m) { m.score = MoeScore::sigmoid; }},
+        Case{"qwen3_moe", "moe.n_shared_experts", [](MoeConfig& m) { m.n_shared_experts = 1; }},
+        Case{"qwen3_moe", "moe.balance=bias", [](MoeConfig& m) { m.bias_balance = true; }},
+        Case{"mixtral", "moe.every > 1", [](MoeConfig& m) { m.every = 2; }},
+        Case{"mixtral", "moe.renormalize=false", [](MoeConfig& m) { m.renormalize = false; }}}) {
+    ModelConfig m = tiny_rope(k.base);
+    k.change(m.moe);
+    const std::string what = input_error([&] { hf_model_type(m); });
+    EXPECT_NE(what.find(k.why), std::string::npos) << what;
+  }
+}
+
+// Qwen3-MoE and Mixtral configs as transformers writes them; routing kiln does not have is named.
+TEST(HfConfig, ReadsAndRefusesMoeConfigs) {
+  const std::string dir = temp_dir();
+  const std::string base = R"("vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 128,
+    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001)";
+  // transformers 4.x's Qwen3-MoE: num_experts.
+  write_text(dir + "/config.json", R"({"model_type": "qwen3_moe", "num_experts": 8,
+    "moe_intermediate_size": 32, "decoder_sparse_step": 2, "norm_topk_prob": true,
+    "mlp_only_layers": [], )" + base + "}");
+  ModelConfig c = read_hf_config(dir);
+  EXPECT_EQ(c.arch, "qwen3");
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.moe.n_experts, 8);
+  EXPECT_EQ(c.moe.expert_ffn_dim, 32);
+  EXPECT_EQ(c.moe.every, 2);
+  EXPECT_TRUE(c.moe.renormalize);
+  EXPECT_EQ(c.ffn_dim, 128);  // the dense blocks' MLP
+  write_text(dir + "/config.json", R"({"model_type": "mixtral", "num_local_experts": 8, )" + base + "}");
+  c = read_hf_config(dir);
+  EXPECT_EQ(c.arch, "llama");
+  EXPECT_EQ(c.moe.expert_ffn_dim, 128);
+  EXPECT_EQ(c.moe.every, 1);
+  for (const auto& [extra, key] :
+       {std::pair<std::string, std::string>{R"("model_type": "qwen3_moe", "num_experts": 8,
+          "moe_intermediate_size": 32, "mlp_only_layers": [1], )", "mlp_only_layers"},
+        {R"("model_type": "mixtral", "num_local_experts": 8, "router_jitter_noise": 0.1, )",
+         "router_jitter_noise"},
+        {R"("model_type": "mixtral", "num_local_experts": 8, "sliding_window": 4096, )",
+         "sliding_window"},
+        {R"("model_type": "mixtral", "num_local_experts": 1, )", "num_experts_per_tok"}}) {
+    write_text(dir + "/config.json", "{" + extra + base + "}");
+    const std::string e = input_error([&] { read_hf_config(dir); });
+    EXPECT_NE(e.find(dir + "/config.json: " + key), std::string::npos) << e;
+  }
 }
 
 // bos/eos ids as config.json gives them (a number, a list as LLaMA-3's instruct models have, or

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Tiny random GPT-2, LLaMA and Qwen3 models saved by transformers, with transformers' own loss
+"""Tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE and Mixtral models saved by transformers, with transformers' own loss
 and greedy generation on a token batch, for kiln's parity tests.
 
     python3 tools/make_hf_fixtures.py OUTDIR            # writes the fixtures
+    python3 tools/make_hf_fixtures.py OUTDIR --only qwen3_moe,mixtral   # adds or redoes these
     python3 tools/make_hf_fixtures.py --score HF_DIR TOKENS_JSON   # one model's numbers, as JSON
 
 Needs torch, transformers and safetensors (the GPU host has them; CI does not, which is why the
@@ -28,7 +29,7 @@ BATCH, SEQ, NEW_TOKENS = 4, 64, 32
 
 
 def configs():
-    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
@@ -45,6 +46,21 @@ def configs():
                              head_dim=32, hidden_size=64, intermediate_size=96,
                              max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6,
                              tie_word_embeddings=True, use_sliding_window=False, **common),
+        # MoE in every other block (decoder_sparse_step 2): block 0 dense, block 1 routed, and an
+        # untied head; top-2 of 4 experts, renormalized.
+        "qwen3_moe": Qwen3MoeConfig(num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, hidden_size=64,
+                                    intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                                    num_experts_per_tok=2, norm_topk_prob=True,
+                                    decoder_sparse_step=2, max_position_embeddings=128,
+                                    rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                                    use_sliding_window=False, **common),
+        # Every block routed (top-2 of 4), Mistral attention.
+        "mixtral": MixtralConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 hidden_size=64, intermediate_size=48, num_local_experts=4,
+                                 num_experts_per_tok=2, max_position_embeddings=128,
+                                 rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+                                 **common),
     }
 
 
@@ -75,12 +91,18 @@ def load(path):
 
 
 def swapped_loss(model, arch, tokens):
-    """The loss with two of layer 0's tensors exchanged: GPT-2's q and k columns of c_attn,
-    LLaMA's and Qwen3's gate_proj and up_proj (the order kiln's fused SwiGLU weight depends on)."""
+    """The loss with two of a layer's tensors exchanged: GPT-2's q and k columns of c_attn,
+    LLaMA's and Qwen3's gate_proj and up_proj (the order kiln's fused SwiGLU weight depends on),
+    and the MoE models' gate and up halves of the last layer's expert 0."""
     import torch
 
     with torch.no_grad():
-        if arch == "gpt2":
+        if arch in ("qwen3_moe", "mixtral"):
+            w = model.model.layers[-1].mlp.experts.gate_up_proj[0]  # [2F, C]: gate, then up
+            f = w.shape[0] // 2
+            gate, up = w[:f].clone(), w[f:].clone()
+            w[:f], w[f:] = up, gate
+        elif arch == "gpt2":
             w = model.transformer.h[0].attn.c_attn.weight
             c = w.shape[0]
             q, k = w[:, :c].clone(), w[:, c:2 * c].clone()
@@ -93,13 +115,31 @@ def swapped_loss(model, arch, tokens):
         return mean_loss(model, tokens)
 
 
-def make(outdir):
+def make(outdir, only=None):
+    """Writes every architecture's fixture, or (only) those named, keeping the others' files
+    and numbers as they are; each model's entry records the versions that made it."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     os.makedirs(outdir, exist_ok=True)
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "batch": BATCH, "seq_len": SEQ, "new_tokens": NEW_TOKENS}
     expected, batches = {}, {}
+    if only:
+        with open(os.path.join(outdir, "expected.json")) as f:
+            kept = json.load(f)
+        with open(os.path.join(outdir, "tokens.json")) as f:
+            batches = json.load(f)
+        for arch, entry in kept["models"].items():
+            entry.setdefault("made_with", kept["made_with"])
+            expected[arch] = entry
+        unknown = set(only) - set(configs())
+        if unknown:
+            sys.exit(f"make_hf_fixtures: --only names unknown architectures {sorted(unknown)}")
     for i, (arch, config) in enumerate(configs().items()):
+        if only and arch not in only:
+            continue
         torch.manual_seed(1234 + i)
         model = AutoModelForCausalLM.from_config(config).eval()
         with torch.no_grad():  # bf16 values, so the bf16 file holds exactly the model scored
@@ -123,17 +163,15 @@ def make(outdir):
             "prompt": prompt,
             "greedy": greedy(model, prompt),
             "swapped_loss": swapped_loss(load(path), arch, tokens),
+            "made_with": meta,
         }
         batches[arch] = tokens.tolist()
         print(f"{arch}: loss {expected[arch]['loss']:.6f} (swapped tensor: "
               f"{expected[arch]['swapped_loss']:.4f}, uniform {expected[arch]['uniform_loss']:.4f})")
-    import transformers
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "batch": BATCH, "seq_len": SEQ, "new_tokens": NEW_TOKENS}
     with open(os.path.join(outdir, "tokens.json"), "w") as f:
         json.dump(batches, f)
     with open(os.path.join(outdir, "expected.json"), "w") as f:
-        json.dump({"made_with": meta, "models": expected}, f, indent=1)
+        json.dump({"models": expected}, f, indent=1)
     print(f"wrote {outdir}: copy it to tests/fixtures/hf/ in the kiln tree")
 
 
@@ -153,6 +191,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", nargs="?")
     parser.add_argument("--score", nargs=2, metavar=("HF_DIR", "TOKENS_JSON"))
+    parser.add_argument("--only", help="comma-separated architectures to add or redo in OUTDIR")
     args = parser.parse_args()
     try:
         import torch  # noqa: F401
@@ -163,7 +202,7 @@ def main():
     if args.score:
         score(*args.score)
     elif args.outdir:
-        make(args.outdir)
+        make(args.outdir, args.only.split(",") if args.only else None)
     else:
         parser.error("give OUTDIR or --score HF_DIR TOKENS_JSON")
 

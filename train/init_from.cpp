@@ -67,6 +67,23 @@ ModelSection model_section(const ModelConfig& m) {
   return s;
 }
 
+MoeSection moe_section(const MoeConfig& e) {
+  MoeSection s;
+  if (e.n_experts == 0) return s;  // a dense model keeps every moe key at its default
+  s.n_experts = e.n_experts;
+  s.top_k = e.top_k;
+  s.expert_ffn_dim = e.expert_ffn_dim;
+  s.n_shared_experts = e.n_shared_experts;
+  s.every = e.every;
+  s.score = e.score == MoeScore::sigmoid ? "sigmoid" : "softmax";
+  s.renormalize = e.renormalize;
+  s.balance = e.bias_balance ? "bias" : e.aux_loss_coef > 0 ? "aux_loss" : "none";
+  s.aux_loss_coef = as_written(e.aux_loss_coef);
+  s.z_loss_coef = as_written(e.z_loss_coef);
+  if (e.bias_balance) s.bias_update_rate = as_written(e.bias_update_rate);
+  return s;
+}
+
 LoadedModel load_model(const std::string& spec) {
   LoadedModel out;
   if (auto dir = hf_dir_of(spec)) {
@@ -74,6 +91,7 @@ LoadedModel load_model(const std::string& spec) {
     out.params = load_hf_weights(*dir, out.config, layout_of(out.config));
     out.source = spec;
     out.run_config.model = model_section(out.config);
+    out.run_config.moe = moe_section(out.config.moe);
     return out;
   }
   const std::string dir = checkpoint_dir(spec);

@@ -33,5 +33,7 @@ std::vector<float> load_init_weights(const std::string& spec, const ModelConfig&
 
 // The config section that gives `m` (the inverse of model_config()).
 ModelSection model_section(const ModelConfig& m);
+// The moe section of `e` (every key at its default for a dense model).
+MoeSection moe_section(const MoeConfig& e);
 
 }  // namespace kiln

@@ -1,5 +1,5 @@
 // Parity with transformers where torch and transformers are installed (the GPU host): fresh
-// tiny random GPT-2, LLaMA and Qwen3 are saved by save_pretrained (tools/make_hf_fixtures.py)
+// tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE and Mixtral are saved by save_pretrained (tools/make_hf_fixtures.py)
 // and imported by kiln. On the same batch (sampled from each model, so a swapped tensor shows),
 // kiln's loss matches transformers' in fp32 on the CPU backend (rel 1e-5) and on CUDA in bf16
 // (rel 1e-2: bf16 activations); greedy decoding agrees for 32 tokens; and a kiln-trained
@@ -72,8 +72,18 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
   for (const auto& r : rows()) stream.insert(stream.end(), r.begin(), r.end());
   write_shard(d + "/train_000000.bin", stream);
   const LoadedModel m = load_model("hf:" + dir_ + "/" + arch);
-  const std::string config = kSrc + "/configs/" + (arch == "gpt2" ? "tiny" : arch + "-tiny") + ".yaml";
   const ModelConfig& c = m.config;
+  // The MoE models train from their dense architecture's tiny config with their experts.
+  const std::string config = kSrc + "/configs/" + (arch == "gpt2" ? "tiny" : c.arch + "-tiny") + ".yaml";
+  std::string moe;
+  if (c.moe.n_experts > 0)
+    moe = " --moe.n_experts=" + std::to_string(c.moe.n_experts) +
+          " --moe.top_k=" + std::to_string(c.moe.top_k) +
+          " --moe.expert_ffn_dim=" + std::to_string(c.moe.expert_ffn_dim) +
+          " --moe.every=" + std::to_string(c.moe.every) +
+          " --moe.renormalize=" + (c.moe.renormalize ? "true" : "false") +
+          " --model.tie_embeddings=" + (c.tie_embeddings ? "true" : "false") +
+          " --model.rope_theta=" + std::to_string(c.rope_theta);
   auto r = run_command(
       kBin + "/train " + config + " --train.device=cpu --train.max_steps=1 --train.batch_size=1" +
       " --train.eval_every=0 --data.val= --data.train=" + d + "/train_000000.bin" +
@@ -81,7 +91,7 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
       " --model.n_kv_head=" + std::to_string(c.attention().n_kv_head) +
       " --model.head_dim=" + std::to_string(c.head_dim) + " --model.n_embd=" + std::to_string(c.n_embd) +
       " --model.ffn_dim=" + std::to_string(c.ffn_dim) + " --model.vocab_size=" + std::to_string(c.vocab_size) +
-      " --model.seq_len=" + std::to_string(arch == "gpt2" ? c.seq_len : 64) + " --init.from=hf:" + dir_ + "/" + arch + " --train.out_dir=" + d + "/run");
+      " --model.seq_len=" + std::to_string(arch == "gpt2" ? c.seq_len : 64) + " --init.from=hf:" + dir_ + "/" + arch + " --train.out_dir=" + d + "/run" + moe);
   ASSERT_EQ(r.status, 0) << r.output;
   r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/export --dtype f32");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -97,7 +107,8 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
   EXPECT_EQ(kiln.greedy, hf["greedy"].get<std::vector<int>>());
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, HfParity, ::testing::Values("gpt2", "llama", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Archs, HfParity,
+                         ::testing::Values("gpt2", "llama", "qwen3", "qwen3_moe", "mixtral"));
 
 }  // namespace
 }  // namespace kiln
