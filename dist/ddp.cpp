@@ -42,7 +42,7 @@ class Ddp final : public Strategy {
   void reduce_grads(Tensor sumsq) override {
     if (comm_) comm_->wait();  // the bucket all-reduces
     if (reduce_bf16()) backend_.copy(grad_shard_, reduce_full_);
-    backend_.sum_squares(sumsq, grad_shard_, false);
+    finish_reduce(sumsq, /*sharded=*/false);
   }
   void after_update() override {}
   void refresh_working() override {

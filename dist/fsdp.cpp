@@ -36,8 +36,7 @@ class Fsdp final : public Strategy {
   void zero_grads() override { backend_.fill_zero(grad_shard_); }
   void reduce_grads(Tensor sumsq) override {
     if (comm_) comm_->wait();
-    backend_.sum_squares(sumsq, grad_shard_, false);
-    all_reduce(sumsq);
+    finish_reduce(sumsq, /*sharded=*/true);
   }
   void after_update() override { forget_placement(); }
   void forget_placement() override { std::fill(std::begin(held_), std::end(held_), -1); }

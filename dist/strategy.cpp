@@ -36,6 +36,44 @@ void Strategy::plan_shard(Arena& arena, bool sharded) {
   arena.plan(&grad_shard_, std::string("grads") + tag, {S}, DType::f32);
   arena.plan(&m_, std::string("adamw.m") + tag, {S}, DType::f32);
   arena.plan(&v_, std::string("adamw.v") + tag, {S}, DType::f32);
+  if (ep_) arena.plan(&ep_sumsq_, "grad_sumsq (experts)", {1}, DType::f32);
+}
+
+void Strategy::reduce_dense_over(Communicator* ep, const Units& dense) {
+  ep_ = ep;
+  // Each owned range, cut where dense ranges begin and end.
+  for (const OwnedRange& o : plan_.owned) {
+    int64_t at = o.begin;
+    for (const auto& [begin, end] : dense) {
+      const int64_t b = std::max(begin, o.begin), e = std::min(end, o.end);
+      if (b >= e) continue;
+      if (at < b) expert_pieces_.emplace_back(o.local + at - o.begin, b - at);
+      dense_pieces_.emplace_back(o.local + b - o.begin, e - b);
+      at = e;
+    }
+    if (at < o.end) expert_pieces_.emplace_back(o.local + at - o.begin, o.end - at);
+  }
+}
+
+void Strategy::finish_reduce(Tensor sumsq, bool sharded) {
+  if (!ep_) {
+    backend_.sum_squares(sumsq, grad_shard_, false);
+    if (sharded) all_reduce(sumsq);
+    return;
+  }
+  for (const auto& [at, n] : dense_pieces_) ep_->all_reduce_sum(grad_shard_.slice(at, {n}));
+  ep_->wait();
+  // Sum of squares over pieces into `out` (0 where there are none).
+  auto pieces_sumsq = [this](Tensor out, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+    backend_.fill_zero(out);
+    for (const auto& [at, n] : pieces) backend_.sum_squares(out, grad_shard_.slice(at, {n}), true);
+  };
+  pieces_sumsq(ep_sumsq_, expert_pieces_);
+  ep_->all_reduce_sum(ep_sumsq_);
+  ep_->wait();
+  pieces_sumsq(sumsq, dense_pieces_);
+  backend_.add(sumsq, ep_sumsq_);
+  if (sharded) all_reduce(sumsq);
 }
 
 // Collectives whose results the next op consumes wait for them right away; ddp's bucket

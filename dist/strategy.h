@@ -85,6 +85,13 @@ class Strategy {
   // work ran): forget which units' parameters are held, so the step gathers every unit itself.
   virtual void forget_placement() {}
 
+  // Expert parallelism (dist.expert_parallel), before plan_memory: this strategy's comm spans
+  // one replica group (the ranks that hold the same experts), and the buffer's `dense` ranges
+  // (every parameter but the experts') are further summed over `ep`, the expert-parallel group,
+  // once the replica group's reduction is done. The norm counts each dense gradient once and
+  // adds every group rank's experts.
+  void reduce_dense_over(Communicator* ep, const Units& dense);
+
   // Full f32 parameters (host, `total` of them) -> this rank's state; moments zero.
   void load_parameters(const std::vector<float>& host_params);
   // State in and out: host f32 ranges of the global buffer, one owned range at a time.
@@ -114,6 +121,10 @@ class Strategy {
   }
   // The shard buffers every strategy has: master, grad shard and moments (ddp: everything).
   void plan_shard(Arena& arena, bool sharded);
+  // sumsq (f32[1]) = the squared norm of the whole gradient, from the reduced grad shard, which
+  // each rank holds a part of (`sharded`: summed over comm_) or all of; first, under expert
+  // parallelism, the dense gradients are summed over the expert-parallel group.
+  void finish_reduce(Tensor sumsq, bool sharded);
 
   Backend& backend_;
   Communicator* comm_;
@@ -124,6 +135,11 @@ class Strategy {
   bool last_micro_ = true;
   Tensor master_, grad_shard_, m_, v_;
   Tensor reduce_full_, reduce_shard_;  // reduce_dtype bf16: the rounded gradients and a shard
+  // Expert parallelism: the group, and this rank's shard pieces (offset, size) of dense and of
+  // expert parameters; the experts' part of the norm.
+  Communicator* ep_ = nullptr;
+  std::vector<std::pair<int64_t, int64_t>> dense_pieces_, expert_pieces_;
+  Tensor ep_sumsq_;
 };
 
 // Throws std::invalid_argument for an unknown strategy name.

@@ -33,8 +33,7 @@ class Zero1 final : public Strategy {
   void reduce_grads(Tensor sumsq) override {
     if (comm_) comm_->wait();
     reduce_scatter_grads(grad_shard_, grads_, /*accumulate=*/false, Tensor{});
-    backend_.sum_squares(sumsq, grad_shard_, false);
-    all_reduce(sumsq);
+    finish_reduce(sumsq, /*sharded=*/true);
   }
   void after_update() override { all_gather(working_, gather_src_); }
   void refresh_working() override {

@@ -14,12 +14,14 @@ const ParamInfo& ParamLayout::find(const std::string& name) const {
   return tensors[static_cast<size_t>(index(name))];
 }
 
-int LayoutBuilder::add(const std::string& name, Shape shape, bool decay) {
+int LayoutBuilder::add(const std::string& name, Shape shape, bool decay, int64_t experts) {
   const int unit = static_cast<int>(layout_.units.size());
   const int index = static_cast<int>(layout_.tensors.size());
   if (!layout_.by_name_.emplace(name, index).second)
     throw std::logic_error("parameter " + name + " added twice");
-  layout_.tensors.push_back({name, layout_.total, shape, unit, decay});
+  if (experts > 0 && (shape.ndim < 1 || shape[0] != experts))
+    throw std::logic_error("parameter " + name + ": an expert tensor's first dimension is its experts");
+  layout_.tensors.push_back({name, layout_.total, shape, unit, decay, experts});
   layout_.total += shape.numel();
   return index;
 }

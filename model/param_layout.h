@@ -21,6 +21,9 @@ struct ParamInfo {
   Shape shape;
   int unit;    // FSDP unit: 0 = embeddings, 1..L = blocks, L+1 = final norm (+ head)
   bool decay;  // AdamW weight decay applies (matmul weights only)
+  // A MoE layer's expert tensor: its first dimension, the experts (0 for any other tensor).
+  // Expert parallelism splits it (train/parallelize.h).
+  int64_t experts = 0;
   int64_t numel() const { return shape.numel(); }
 };
 
@@ -42,8 +45,8 @@ struct ParamLayout {
 // Builds a ParamLayout tensor by tensor and unit by unit.
 class LayoutBuilder {
  public:
-  // Adds `name` to the open unit; returns its index in tensors.
-  int add(const std::string& name, Shape shape, bool decay);
+  // Adds `name` to the open unit; returns its index in tensors. `experts`: see ParamInfo.
+  int add(const std::string& name, Shape shape, bool decay, int64_t experts = 0);
   // Closes the open unit (every tensor added since the last close) and opens the next.
   void close_unit();
   // The finished layout, with its decay spans merged.

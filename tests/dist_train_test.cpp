@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -149,6 +150,11 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
                         "2 ranks, 2 a rank"),
             std::string::npos)
       << output;
+  // A rank holds only its experts: fewer parameters than the model's.
+  std::smatch held;
+  ASSERT_TRUE(std::regex_search(output, held, std::regex("on, ([0-9]+) of the ([0-9]+) parameters")))
+      << output;
+  EXPECT_LT(std::stoll(held[1]), std::stoll(held[2]));
   for (const char* strategy : {"zero1", "fsdp"})
     expect_same_curve(single,
                       train(std::string("ep_") + strategy + "_2", 2, strategy,
@@ -168,33 +174,39 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
                     1e-5);
 }
 
-// Checkpoints hold the experts by their global index: a run saved with the experts over 2
-// ranks resumes bit for bit on that layout, and on another (every expert on every rank).
+// Checkpoints hold the experts by their global index: a run saved by 4 ranks with the experts
+// over 2 (each rank's experts sharded by zero1 over its 2 replicas) resumes bit for bit on that
+// layout, and on others: every expert on each of 2 ddp ranks, and 4 experts over 4 fsdp ranks.
 TEST_F(DistTrain, MoeExpertParallelResumesOnItsOwnAndAnotherExpertLayout) {
   const std::string steps =
       "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
       "--moe.expert_ffn_dim=64 --moe.balance=bias --moe.aux_loss_coef=0 "
       "--moe.bias_update_rate=0.01 --train.max_steps=12 --train.checkpoint_every=6";
-  const std::string full = train("ep_resume_full", 2, "zero1",
+  const std::string full = train("ep_resume_full", 4, "zero1",
                                  steps + " --dist.expert_parallel=2 --train.keep_checkpoints=3");
   const auto a = losses(full);
   ASSERT_EQ(a.size(), 12u);
-  for (const std::string ep : {"2", "1"}) {
-    const std::string name = "ep_resume_" + ep;
+  struct Layout {
+    int nproc;
+    const char* strategy;
+    std::string ep;
+  };
+  for (const Layout& l : {Layout{4, "zero1", "2"}, Layout{2, "ddp", "1"}, Layout{4, "fsdp", "4"}}) {
+    const std::string name = std::string("ep_resume_") + l.strategy + "_" + l.ep;
     const std::string resumed = (dir_ / name).string();
     fs::create_directories(resumed + "/checkpoints");
     fs::copy(full + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
              fs::copy_options::recursive);
-    train(name, 2, "zero1", steps + " --dist.expert_parallel=" + ep);
+    train(name, l.nproc, l.strategy, steps + " --dist.expert_parallel=" + l.ep);
     const auto b = losses(resumed);
-    ASSERT_EQ(b.size(), 6u) << ep;
+    ASSERT_EQ(b.size(), 6u) << name;
     for (size_t i = 0; i < b.size(); ++i) {
-      if (ep == "2") {
+      if (name == "ep_resume_zero1_2") {
         EXPECT_EQ(b[i], a[6 + i]);
       }
       EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
                   1e-5 * std::stod(a[6 + i].second))
-          << "expert_parallel " << ep;
+          << name;
     }
   }
 }

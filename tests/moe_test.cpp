@@ -498,8 +498,10 @@ TEST(MoeLayer, ExpertParallelLayerMatchesEveryRankAlone) {
       for (const char* m : {"fc", "proj"}) {
         const ParamInfo& t = a.layout.find(std::string("moe.experts.") + m + ".weight");
         const int64_t per = t.numel() / E;
-        for (int64_t i = 0; i < t.numel(); ++i)
-          if (i / per / (E / P) != p) ASSERT_EQ(gb[static_cast<size_t>(t.offset + i)], 0.0f) << m;
+        for (int64_t i = 0; i < t.numel(); ++i) {
+          if (i / per / (E / P) == p) continue;
+          ASSERT_EQ(gb[static_cast<size_t>(t.offset + i)], 0.0f) << m;
+        }
       }
     }
     for (size_t i = 0; i < want.size(); ++i)

@@ -1,12 +1,19 @@
 #include "train/parallelize.h"
 
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
 namespace kiln {
 
 namespace {
 
-// A Locate over one of the strategy's unit placements (params or grads).
-Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(int) const) {
-  return [&strategy, unit_tensor](const ParamInfo& info) {
+// A Locate over one of the strategy's unit placements (params or grads), in `local`'s layout
+// where given.
+Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(int) const,
+                    const ParamLayout* local) {
+  return [&strategy, unit_tensor, local](const ParamInfo& model_info) {
+    const ParamInfo& info = local ? local->find(model_info.name) : model_info;
     const Tensor unit = (strategy.*unit_tensor)(info.unit);
     if (!unit.defined()) return Tensor{};
     const int64_t unit_begin = strategy.units()[static_cast<size_t>(info.unit)].first;
@@ -16,10 +23,59 @@ Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(in
 
 }  // namespace
 
-void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks) {
-  auto bind = [&model, &strategy] {
-    model.bind_weights(unit_locator(strategy, &Strategy::unit_params));
-    model.bind_grads(unit_locator(strategy, &Strategy::unit_grads));
+ParamLayout expert_local_layout(const ParamLayout& global, int ranks) {
+  LayoutBuilder b;
+  int unit = 0;
+  for (const ParamInfo& t : global.tensors) {
+    for (; unit < t.unit; ++unit) b.close_unit();
+    Shape shape = t.shape;
+    int64_t experts = 0;
+    if (t.experts > 0) {
+      if (t.experts % ranks != 0)
+        throw std::invalid_argument(t.name + ": " + std::to_string(t.experts) +
+                                    " experts do not split over " + std::to_string(ranks) + " ranks");
+      experts = t.experts / ranks;
+      shape.dims[0] = experts;
+    }
+    b.add(t.name, shape, t.decay, experts);
+  }
+  for (; unit < static_cast<int>(global.units.size()); ++unit) b.close_unit();
+  return b.finish();
+}
+
+std::vector<LayoutPiece> local_to_global(const ParamLayout& global, const ParamLayout& local,
+                                         int rank, int64_t begin, int64_t end) {
+  std::vector<LayoutPiece> out;
+  for (size_t i = 0; i < local.tensors.size(); ++i) {
+    const ParamInfo &l = local.tensors[i], &g = global.tensors[i];
+    const int64_t b = std::max(begin, l.offset), e = std::min(end, l.offset + l.numel());
+    if (b >= e) continue;
+    // A rank's experts are the global tensor's rank-th run of numel() elements.
+    const int64_t first = g.experts > 0 ? g.offset + rank * l.numel() : g.offset;
+    const LayoutPiece piece{b, first + (b - l.offset), e - b, g.experts > 0};
+    // Consecutive tensors of one kind that lie together in both buffers make one piece.
+    LayoutPiece* last = out.empty() ? nullptr : &out.back();
+    if (last && last->expert == piece.expert && last->local + last->size == piece.local &&
+        last->global + last->size == piece.global)
+      last->size += piece.size;
+    else
+      out.push_back(piece);
+  }
+  return out;
+}
+
+std::vector<float> to_local(const ParamLayout& global, const ParamLayout& local, int rank,
+                            const std::vector<float>& params) {
+  std::vector<float> out(static_cast<size_t>(local.total));
+  for (const LayoutPiece& p : local_to_global(global, local, rank, 0, local.total))
+    std::copy_n(params.begin() + p.global, p.size, out.begin() + p.local);
+  return out;
+}
+
+void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const ParamLayout* local) {
+  auto bind = [&model, &strategy, local] {
+    model.bind_weights(unit_locator(strategy, &Strategy::unit_params, local));
+    model.bind_grads(unit_locator(strategy, &Strategy::unit_grads, local));
   };
   bind();
   strategy.on_placement_changed = bind;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -171,8 +172,25 @@ class Trainer {
     o.name = cfg.dist.strategy;
     o.bucket_mb = cfg.dist.bucket_mb;
     o.reduce_dtype = cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
-    strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
-                              model_->layout().total, model_->layout().units);
+    if (ep_layout_) {
+      // Under expert parallelism the strategy spans a replica group; the dense parameters are
+      // summed over the expert-parallel group besides (Strategy::reduce_dense_over).
+      const int P = cfg.dist.expert_parallel;
+      strategy_ = make_strategy(o, *backend_, replica_comm_.get(), rank.rank / P,
+                                rank.world_size / P, ep_layout_->total, ep_layout_->units);
+      Strategy::Units dense;
+      for (const ParamInfo& t : ep_layout_->tensors) {
+        if (t.experts > 0) continue;
+        if (!dense.empty() && dense.back().second == t.offset)
+          dense.back().second += t.numel();
+        else
+          dense.emplace_back(t.offset, t.offset + t.numel());
+      }
+      strategy_->reduce_dense_over(ep_comm_.get(), dense);
+    } else {
+      strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
+                                model_->layout().total, model_->layout().units);
+    }
     optimizer_.grad_clip = static_cast<float>(cfg.optim.grad_clip);
     optimizer_.hyper.beta1 = static_cast<float>(cfg.optim.beta1);
     optimizer_.hyper.beta2 = static_cast<float>(cfg.optim.beta2);
@@ -191,8 +209,23 @@ class Trainer {
   }
   bool fp8() const { return model_->fp8_layout().n > 0; }
   bool moe() const { return !model_->moe_blocks().empty(); }
-  // dist.expert_parallel: the group's communicator, and the MoE layers pointed at it.
+  // dist.expert_parallel: the group's and the replica group's communicators, this rank's
+  // layout of the flat buffer, and the MoE layers pointed at the group.
   void start_expert_parallel(const CommunicatorFactory& make_comm);
+  // The layout of the flat buffer the strategy holds: the model's, or under expert parallelism
+  // this rank's (its experts only).
+  const ParamLayout& flat_layout() const { return ep_layout_ ? *ep_layout_ : model_->layout(); }
+  int ep_rank() const { return rank_.rank % cfg_.dist.expert_parallel; }
+  // Global parameters (host) into the strategy's buffer.
+  void load_parameters(const std::vector<float>& global) {
+    strategy_->load_parameters(ep_layout_ ? to_local(model_->layout(), *ep_layout_, ep_rank(), global)
+                                          : global);
+  }
+  // An owned range of the flat buffer as global pieces (one piece without expert parallelism).
+  std::vector<LayoutPiece> global_pieces(const OwnedRange& o) const {
+    if (!ep_layout_) return {{o.begin, o.begin, o.end - o.begin, false}};
+    return local_to_global(model_->layout(), *ep_layout_, ep_rank(), o.begin, o.end);
+  }
   // The step's per-block routing telemetry from the read-back moe_stats.
   std::vector<StepMetrics::MoeBlock> moe_metrics(const float* stats) const;
   int B() const { return cfg_.train.batch_size; }
@@ -263,7 +296,10 @@ class Trainer {
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<Communicator> nvtx_comm_;  // owned_comm_ in NVTX ranges (train.nvtx)
-  std::unique_ptr<Communicator> ep_comm_;    // dist.expert_parallel's group
+  // dist.expert_parallel: the expert-parallel group, the replica group (the ranks holding the
+  // same experts; none when it is this rank alone), and this rank's flat-buffer layout.
+  std::unique_ptr<Communicator> ep_comm_, replica_comm_;
+  std::optional<ParamLayout> ep_layout_;
   Nvtx nvtx_;
   ModelConfig mcfg_;
   std::unique_ptr<Model> model_;
@@ -313,24 +349,31 @@ void Trainer::start_expert_parallel(const CommunicatorFactory& make_comm) {
     throw InputError(key + " must divide the world size (" + std::to_string(rank_.world_size) +
                      " ranks): launch a multiple of it, e.g. --nproc-per-node=" +
                      std::to_string(P));
-  // Groups of P consecutive ranks (on one host where nodes hold a multiple of P).
-  const int group = rank_.rank / P;
-  ep_comm_ = make_comm(*backend_, CommGroup{rank_.rank % P, P, "ep" + std::to_string(group)});
+  // Groups of P consecutive ranks (on one host where nodes hold a multiple of P); rank r holds
+  // the experts of r mod P, as do the ranks P, 2P, ... away: its replica group.
+  const int group = rank_.rank / P, replicas = rank_.world_size / P;
+  ep_comm_ = make_comm(*backend_, CommGroup{ep_rank(), P, "ep" + std::to_string(group)});
+  if (replicas > 1)
+    replica_comm_ =
+        make_comm(*backend_, CommGroup{group, replicas, "replica" + std::to_string(ep_rank())});
+  ep_layout_ = expert_local_layout(model_->layout(), P);
   Communicator* c = ep_comm_.get();
-  model_->set_expert_parallel({P, rank_.rank % P, [c](Tensor out, Tensor in) {
+  model_->set_expert_parallel({P, ep_rank(), [c](Tensor out, Tensor in) {
                                  c->all_to_all(out, in);
                                  c->wait();
                                }});
   const int64_t El = mcfg_.moe.n_experts / P;
   if (is_main())
     spdlog::info("{}: each MoE block's {} experts spread over groups of {} ranks, {} a rank "
-                 "(rank r holds experts {} * (r mod {}) on); tokens reach them by all-to-all",
-                 key, mcfg_.moe.n_experts, P, El, El, P);
+                 "(rank r holds experts {} * (r mod {}) on, {} of the {} parameters); tokens "
+                 "reach them by all-to-all, and expert gradients are summed over {} replica{}",
+                 key, mcfg_.moe.n_experts, P, El, El, P, ep_layout_->total,
+                 model_->layout().total, replicas, replicas > 1 ? "s" : "");
 }
 
 void Trainer::plan_memory() {
   strategy_->plan_memory(state_arena_);
-  const auto& spans = model_->layout().decay_spans;
+  const auto& spans = flat_layout().decay_spans;
   state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
@@ -368,7 +411,7 @@ void Trainer::plan_memory() {
     st.sched = reinterpret_cast<float*>(st.targets + batch);
   }
   strategy_->bind();
-  parallelize(*model_, *strategy_, hooks_);
+  parallelize(*model_, *strategy_, hooks_, ep_layout_ ? &*ep_layout_ : nullptr);
   nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
 }
 
@@ -396,13 +439,13 @@ void Trainer::print_memory_table() const {
 
 void Trainer::init_parameters() {
   if (!cfg_.init.from.empty()) {
-    strategy_->load_parameters(load_init_weights(cfg_.init.from, mcfg_, model_->layout()));
+    load_parameters(load_init_weights(cfg_.init.from, mcfg_, model_->layout()));
     if (is_main()) spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
     return;
   }
   std::vector<float> host(static_cast<size_t>(model_->layout().total));
   model_->init(static_cast<uint64_t>(cfg_.train.seed), host.data());
-  strategy_->load_parameters(host);
+  load_parameters(host);
 }
 
 void Trainer::resume_from(const std::string& dir) {
@@ -410,8 +453,11 @@ void Trainer::resume_from(const std::string& dir) {
   for (const OwnedRange& o : strategy_->plan().owned) {
     std::vector<float> master(static_cast<size_t>(o.end - o.begin)), m(master.size()),
         v(master.size());
-    load_optimizer_range(manifest, model_->layout(), o.begin, o.end, master.data(), m.data(),
-                         v.data());
+    for (const LayoutPiece& p : global_pieces(o)) {
+      const size_t at = static_cast<size_t>(p.local - o.begin);
+      load_optimizer_range(manifest, model_->layout(), p.global, p.global + p.size,
+                           master.data() + at, m.data() + at, v.data() + at);
+    }
     strategy_->load_range(o, master.data(), m.data(), v.data());
   }
   strategy_->refresh_working();
@@ -615,17 +661,24 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save(int step) {
-  // Replicated state is written by rank 0 alone; sharded state by every rank.
+  // Replicated state is written by the strategy's rank 0 alone; sharded state by every rank.
+  // Under expert parallelism each rank writes its experts, and the group's first rank the
+  // dense parameters (the same on every rank of the group), all at their global offsets.
   std::vector<std::vector<float>> master, m, v;
   std::vector<OptimizerShard> shards;
-  if (!strategy_->replicated() || is_main()) {
+  if (!strategy_->replicated() || strategy_->plan().rank == 0) {
     for (const OwnedRange& o : strategy_->plan().owned) {
       const size_t n = static_cast<size_t>(o.end - o.begin);
       master.emplace_back(n);
       m.emplace_back(n);
       v.emplace_back(n);
       strategy_->read_range(o, master.back().data(), m.back().data(), v.back().data());
-      shards.push_back({o.begin, o.end, master.back().data(), m.back().data(), v.back().data()});
+      for (const LayoutPiece& p : global_pieces(o)) {
+        if (ep_layout_ && !p.expert && ep_rank() != 0) continue;
+        const int64_t at = p.local - o.begin;
+        shards.push_back({p.global, p.global + p.size, master.back().data() + at,
+                          m.back().data() + at, v.back().data() + at});
+      }
     }
   }
   const LoaderState ls = train_loader_->state();
@@ -682,8 +735,10 @@ void Trainer::check_fp8_ranks_agree(const std::vector<float>& state, int step) {
 }
 
 void Trainer::print_sample(int step) {
-  // Only the byte tokenizer decodes here; fsdp never holds the whole model on one rank.
-  if (!is_main() || mcfg_.vocab_size > 256 || !strategy_->full_working().defined()) return;
+  // Only the byte tokenizer decodes here; fsdp never holds the whole model on one rank, nor
+  // does a rank that holds only its experts.
+  if (!is_main() || mcfg_.vocab_size > 256 || !strategy_->full_working().defined() || ep_layout_)
+    return;
   SamplingOptions opts;
   opts.max_new_tokens = cfg_.train.sample_tokens;
   opts.temperature = 0.8f;

@@ -5,8 +5,8 @@ namespace kiln {
 void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_shared) {
   const int64_t E = n_experts(), F = expert_ffn_dim;
   router.declare(b, name + ".router", C, E, false);
-  fc = b.add(name + ".experts.fc.weight", {E, kind == MlpKind::swiglu ? 2 * F : F, C}, true);
-  proj = b.add(name + ".experts.proj.weight", {E, C, F}, true);
+  fc = b.add(name + ".experts.fc.weight", {E, kind == MlpKind::swiglu ? 2 * F : F, C}, true, E);
+  proj = b.add(name + ".experts.proj.weight", {E, C, F}, true, E);
   has_shared = n_shared > 0;
   if (has_shared) {
     shared.kind = kind;
@@ -65,7 +65,8 @@ void Moe::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
 
 Tensor Moe::local(const Params& p, int index) const {
   const Tensor t = param(p, index);
-  if (ep.ranks == 1) return t;
+  // Bound to this rank's experts alone (the trainer's expert-parallel buffers), or to all.
+  if (ep.ranks == 1 || t.dim(0) == local_experts()) return t;
   const int64_t El = local_experts(), per = t.numel() / n_experts();
   return t.slice(ep.rank * El * per, {El, t.dim(1), t.dim(2)});
 }
