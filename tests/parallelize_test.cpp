@@ -51,6 +51,12 @@ TEST(ExpertLocalLayout, KeepsEveryTensorWithTheRanksShareOfTheExperts) {
   }
   EXPECT_GT(expert_numel, 0);
   EXPECT_EQ(local.total, global.total - expert_numel / 2);
+  // The dense ranges: before block 1's experts and after them.
+  const auto dense = dense_ranges(local);
+  ASSERT_EQ(dense.size(), 2u);
+  EXPECT_EQ(dense[0].first, 0);
+  EXPECT_EQ(dense[1].second, local.total);
+  EXPECT_EQ(dense[1].first - dense[0].second, expert_numel / 2);
   EXPECT_THROW(expert_local_layout(global, 3), std::invalid_argument);
 }
 

@@ -43,6 +43,18 @@ ParamLayout expert_local_layout(const ParamLayout& global, int ranks) {
   return b.finish();
 }
 
+std::vector<std::pair<int64_t, int64_t>> dense_ranges(const ParamLayout& layout) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const ParamInfo& t : layout.tensors) {
+    if (t.experts > 0) continue;
+    if (!out.empty() && out.back().second == t.offset)
+      out.back().second += t.numel();
+    else
+      out.emplace_back(t.offset, t.offset + t.numel());
+  }
+  return out;
+}
+
 std::vector<LayoutPiece> local_to_global(const ParamLayout& global, const ParamLayout& local,
                                          int rank, int64_t begin, int64_t end) {
   std::vector<LayoutPiece> out;

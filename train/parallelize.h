@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "dist/strategy.h"
@@ -23,6 +24,9 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks,
 // experts (rank * E/ranks on). Units, decay spans and every other tensor follow in order, so
 // the non-expert parameters have the same offsets on every rank of the group.
 ParamLayout expert_local_layout(const ParamLayout& global, int ranks);
+
+// The ranges of `layout` that hold no expert tensor, merged where they touch.
+std::vector<std::pair<int64_t, int64_t>> dense_ranges(const ParamLayout& layout);
 
 // Where rank `rank`'s local range [begin, end) lies in the global buffer: pieces, each (local
 // offset, global offset, size) and whether it holds expert tensors, cut where the two buffers

@@ -178,15 +178,7 @@ class Trainer {
       const int P = cfg.dist.expert_parallel;
       strategy_ = make_strategy(o, *backend_, replica_comm_.get(), rank.rank / P,
                                 rank.world_size / P, ep_layout_->total, ep_layout_->units);
-      Strategy::Units dense;
-      for (const ParamInfo& t : ep_layout_->tensors) {
-        if (t.experts > 0) continue;
-        if (!dense.empty() && dense.back().second == t.offset)
-          dense.back().second += t.numel();
-        else
-          dense.emplace_back(t.offset, t.offset + t.numel());
-      }
-      strategy_->reduce_dense_over(ep_comm_.get(), dense);
+      strategy_->reduce_dense_over(ep_comm_.get(), dense_ranges(*ep_layout_));
     } else {
       strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
                                 model_->layout().total, model_->layout().units);
