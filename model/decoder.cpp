@@ -127,6 +127,7 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
                                        {&blk.moe.shared.proj, "moe.shared.proj"}});
       for (auto [lin, name] : linears) {
         fp8_.linears.push_back(lin);
+        fp8_.block.push_back(l);
         for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
       }
     }
@@ -450,7 +451,16 @@ void Decoder::fp8_update_scales() {
 }
 
 void Decoder::fp8_cast_weights() {
+  if (fp8_.by_unit) {
+    fp8_.stale.assign(blocks_.size(), true);
+    return;
+  }
+  for (int l = 0; l < cfg_.n_layer; ++l) fp8_cast_block(l);
+}
+
+void Decoder::fp8_cast_block(int l) {
   for (size_t i = 0; i < fp8_.linears.size(); ++i) {
+    if (fp8_.block[i] != l) continue;
     const Fp8Linear& f = fp8_.ops[i];
     backend_.fp8_cast(f.weight8, f.weight8_t, param(weights_, fp8_.linears[i]->weight), f.state,
                       f.layout, f.index + kFp8W);
@@ -475,6 +485,12 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   embed_.forward(k, w, acts_.encoded, tokens);
   for (int l = 0; l < L; ++l) {
     hook(&UnitHooks::before_forward, l + 1);
+    if (fp8_.by_unit && fp8_.stale[static_cast<size_t>(l)]) {
+      fp8_cast_block(l);
+      // An evaluation's casts leave no amax behind (its window is put back), so training
+      // casts again.
+      if (with_backward) fp8_.stale[static_cast<size_t>(l)] = false;
+    }
     const Block& blk = blocks_[static_cast<size_t>(l)];
     const BlockActs a = acts(l);
     if (l == 0) {

@@ -287,13 +287,14 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
 
 // FP8 (the CPU emulation) under ddp and zero1 on 2 ranks. Each rank's amaxes are reduced with
 // MAX before the scale update, so both ranks quantize alike: the run checks at each checkpoint
-// that the ranks' scales and amax histories agree (rank 0 alone writes them). ddp and zero1
-// follow one curve, and resume bit for bit. They stay near the 1-rank FP8 curve, but not within
+// that the ranks' scales and amax histories agree (rank 0 alone writes them). ddp, zero1 and
+// fsdp (which casts each block's FP8 weights when its unit is first gathered in a step, an
+// evaluation in between included) follow one curve, and resume bit for bit. They stay near the 1-rank FP8 curve, but not within
 // float tolerance: a rank's loss is a mean over half the batch, so its gradients are twice the
 // 1-rank ones, and at step 1, before any amax is known, the scale of 1 lets a different share
 // of them underflow E5M2 (from step 2 on, twice the amax gives half the scale and the same
 // bytes). FP8 moves the curve off bf16's, but not far.
-TEST_F(DistTrain, Fp8UnderDdpAndZero1ScalesAlikeOnEveryRank) {
+TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
   const std::string fp8 = "--precision.fp8=true --fp8.amax_history_len=4 --train.max_steps=12";
   const std::string single = train("fp8_single", 1, "ddp", fp8);
   const std::string bf16 = train("fp8_off_single", 1, "ddp", "--train.max_steps=12");
@@ -301,7 +302,7 @@ TEST_F(DistTrain, Fp8UnderDdpAndZero1ScalesAlikeOnEveryRank) {
   EXPECT_NE(losses(single), losses(bf16)) << "FP8 changed nothing";
   expect_same_curve(bf16, single, 0.05);
   std::string ddp;
-  for (const char* strategy : {"ddp", "zero1"}) {
+  for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
     const std::string s = strategy;
     std::string output;
     const std::string full = train(

@@ -498,7 +498,7 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
       {"unknown key", "--train.batchsize=4", "train.batchsize"},
       {"negative batch size", "--train.batch_size=-4", "train.batch_size"},
       {"non-numeric value", "--optim.lr=fast", "optim.lr"},
-      {"fp8 under fsdp", "--precision.fp8=true --dist.strategy=fsdp", "precision.fp8"},
+      {"fp8 format", "--precision.fp8=true --fp8.format=e5m2", "fp8.format"},
       {"fp8 history out of range", "--precision.fp8=true --fp8.amax_history_len=0",
        "fp8.amax_history_len"},
       {"layernorm with another eps", "--model.norm_eps=1e-6", "model.norm_eps"},

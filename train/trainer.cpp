@@ -103,10 +103,6 @@ ModelConfig with_fp8(ModelConfig m, const Config& cfg, const Backend& backend, b
 }
 
 std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
-  if (cfg.precision.fp8 && cfg.dist.strategy == "fsdp")
-    throw InputError("precision.fp8 with dist.strategy=fsdp: not supported yet (the weights' "
-                     "FP8 copies are made from the whole working model once per step); use "
-                     "dist.strategy=ddp or zero1");
   const std::string& device = cfg.train.device;
   if (device == "cuda" || (device == "auto" && cuda_available())) {
     if (!cuda_available())
@@ -183,6 +179,8 @@ class Trainer {
       strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
                                 model_->layout().total, model_->layout().units);
     }
+    // fsdp never holds the whole model: each block's FP8 weights are cast as it is gathered.
+    if (cfg.dist.strategy == "fsdp") model_->fp8_cast_by_unit();
     optimizer_.grad_clip = static_cast<float>(cfg.optim.grad_clip);
     optimizer_.hyper.beta1 = static_cast<float>(cfg.optim.beta1);
     optimizer_.hyper.beta2 = static_cast<float>(cfg.optim.beta2);
