@@ -63,7 +63,11 @@ struct Fp8Linear {
   Tensor state;
   Fp8StateLayout layout;
   int index = 0;
+  // The weight's FP8 copies; with cast_weight_on_use (fsdp, where a unit's weights are not held
+  // between uses) the layer casts them into shared scratch before each use, rather than the
+  // model once per optimizer step.
   Tensor weight8, weight8_t;
+  bool cast_weight_on_use = false;
   Tensor x8, x8_t, g8, g8_t;
 };
 

@@ -127,7 +127,6 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
                                        {&blk.moe.shared.proj, "moe.shared.proj"}});
       for (auto [lin, name] : linears) {
         fp8_.linears.push_back(lin);
-        fp8_.block.push_back(l);
         for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
       }
     }
@@ -287,7 +286,9 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   if (!fp8_.linears.empty()) {
     int64_t weight_bytes = 0, widest = 0;
     for (const Linear* lin : fp8_.linears) {
-      weight_bytes += 2 * lin->in * lin->out;
+      // All the copies, or (cast on use) room for the largest.
+      const int64_t bytes = 2 * lin->in * lin->out;
+      weight_bytes = fp8_.weights_on_use ? std::max(weight_bytes, bytes) : weight_bytes + bytes;
       widest = std::max({widest, lin->in, lin->out});
     }
     const Fp8StateLayout& fl = fp8_.layout;
@@ -398,9 +399,11 @@ void Decoder::fp8_views() {
     f.state = acts_.fp8_state;
     f.layout = fp8_.layout;
     f.index = kFp8Roles * static_cast<int>(i);
+    // Cast on use, every linear's copies share the start of the buffer.
+    f.cast_weight_on_use = fp8_.weights_on_use;
     f.weight8 = acts_.fp8_weights.slice(offset, {lin.out, lin.in});
     f.weight8_t = acts_.fp8_weights.slice(offset + lin.in * lin.out, {lin.in, lin.out});
-    offset += 2 * lin.in * lin.out;
+    if (!fp8_.weights_on_use) offset += 2 * lin.in * lin.out;
     f.x8 = as(acts_.fp8_scratch[0], {N, lin.in}, DType::fp8_e4m3);
     f.x8_t = as(acts_.fp8_scratch[0], {lin.in, N}, DType::fp8_e4m3);
     f.g8 = as(acts_.fp8_scratch[1], {N, lin.out}, grad_type);
@@ -451,16 +454,8 @@ void Decoder::fp8_update_scales() {
 }
 
 void Decoder::fp8_cast_weights() {
-  if (fp8_.by_unit) {
-    fp8_.stale.assign(blocks_.size(), true);
-    return;
-  }
-  for (int l = 0; l < cfg_.n_layer; ++l) fp8_cast_block(l);
-}
-
-void Decoder::fp8_cast_block(int l) {
+  if (fp8_.weights_on_use) return;
   for (size_t i = 0; i < fp8_.linears.size(); ++i) {
-    if (fp8_.block[i] != l) continue;
     const Fp8Linear& f = fp8_.ops[i];
     backend_.fp8_cast(f.weight8, f.weight8_t, param(weights_, fp8_.linears[i]->weight), f.state,
                       f.layout, f.index + kFp8W);
@@ -485,12 +480,6 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   embed_.forward(k, w, acts_.encoded, tokens);
   for (int l = 0; l < L; ++l) {
     hook(&UnitHooks::before_forward, l + 1);
-    if (fp8_.by_unit && fp8_.stale[static_cast<size_t>(l)]) {
-      fp8_cast_block(l);
-      // An evaluation's casts leave no amax behind (its window is put back), so training
-      // casts again.
-      if (with_backward) fp8_.stale[static_cast<size_t>(l)] = false;
-    }
     const Block& blk = blocks_[static_cast<size_t>(l)];
     const BlockActs a = acts(l);
     if (l == 0) {

@@ -46,10 +46,7 @@ class Decoder final : public Model {
   void fp8_start(const float* saved) override;
   void fp8_update_scales() override;
   void fp8_cast_weights() override;
-  void fp8_cast_by_unit() override {
-    fp8_.by_unit = !fp8_.linears.empty();
-    fp8_.stale.assign(blocks_.size(), true);
-  }
+  void fp8_cast_weights_on_use() override { fp8_.weights_on_use = true; }
 
  private:
   struct Block {
@@ -94,12 +91,9 @@ class Decoder final : public Model {
   struct Fp8 {
     Fp8StateLayout layout;
     std::vector<Linear*> linears;
-    std::vector<int> block;          // per linear
     std::vector<std::string> names;  // per state tensor
     std::vector<Fp8Linear> ops;
-    // fp8_cast_by_unit: the blocks whose FP8 weights this step has not cast yet.
-    bool by_unit = false;
-    std::vector<bool> stale;
+    bool weights_on_use = false;  // fp8_cast_weights_on_use
   };
   // How init() fills a tensor.
   enum class Init { normal, residual_normal, embedding, ones, zeros };
@@ -116,8 +110,6 @@ class Decoder final : public Model {
   void recompute_block(int l, const BlockActs& a);
   // Points fp8_.ops at the planned buffers (their addresses exist once the arena is allocated).
   void fp8_views();
-  // Block l's FP8 linears' weight copies from its working weights (which must be bound).
-  void fp8_cast_block(int l);
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
     if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
   }

@@ -150,11 +150,11 @@ class Model {
   virtual void fp8_update_scales() = 0;
   // ... and the weights' FP8 copies, after the optimizer has written the working weights.
   virtual void fp8_cast_weights() = 0;
-  // Under a strategy that never holds the whole model (fsdp), before fp8_start: from then on
-  // fp8_cast_weights() only marks the copies stale, and each block's are cast when the block
-  // first runs in a step's training forward, its unit gathered. The same bytes and amaxes as
-  // casting all at the step's end: no weight or scale changes in between.
-  virtual void fp8_cast_by_unit() = 0;
+  // Under a strategy that never holds the whole model (fsdp), before plan_activations: no FP8
+  // weight copies are kept (fp8_cast_weights does nothing); each FP8 linear casts its weight
+  // into scratch shared by all of them before each forward and backward. The same bytes and
+  // amaxes as the cast once per step, since weights and scales change only between steps.
+  virtual void fp8_cast_weights_on_use() = 0;
 };
 
 // The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.

@@ -324,6 +324,10 @@ TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
     ASSERT_EQ(b.size(), 6u) << s;
     for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[6 + i]) << s;
   }
+  // fsdp's weights cast on use are cast again by full recomputation: the same bytes, the same
+  // losses bit for bit.
+  const auto fsdp = losses((dir_ / "fp8_fsdp").string());
+  EXPECT_EQ(losses(train("fp8_fsdp_recompute", 2, "fsdp", fp8 + " --train.recompute=full")), fsdp);
 }
 
 // train.nvtx wraps the model's unit hooks and the communicator (fsdp uses every kind of hook

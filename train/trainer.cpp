@@ -179,8 +179,8 @@ class Trainer {
       strategy_ = make_strategy(o, *backend_, comm_, rank.rank, rank.world_size,
                                 model_->layout().total, model_->layout().units);
     }
-    // fsdp never holds the whole model: each block's FP8 weights are cast as it is gathered.
-    if (cfg.dist.strategy == "fsdp") model_->fp8_cast_by_unit();
+    // fsdp never holds the whole model: FP8 weights are cast where they are used.
+    if (cfg.dist.strategy == "fsdp") model_->fp8_cast_weights_on_use();
     optimizer_.grad_clip = static_cast<float>(cfg.optim.grad_clip);
     optimizer_.hyper.beta1 = static_cast<float>(cfg.optim.beta1);
     optimizer_.hyper.beta2 = static_cast<float>(cfg.optim.beta2);
