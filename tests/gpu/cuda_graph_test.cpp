@@ -121,6 +121,24 @@ TEST_F(CudaGraphRun, Fp8ReplayMatchesEagerBitForBit) {
               read_file(out("graph") + "/checkpoints/step_00000012/fp8_state.bin"));
 }
 
+// FP8 under fsdp casts each weight where it is used (no copies kept): on one GPU the same bytes
+// meet the same GEMMs as ddp's per-step copies, so the losses agree bit for bit, and the casts
+// replay from a graph like the rest of the step.
+TEST_F(CudaGraphRun, Fp8UnderFsdpMatchesDdpAndReplaysBitForBit) {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  if (major < 9) GTEST_SKIP() << "FP8 GEMMs need sm_89+";
+  const std::string fp8 = "--precision.fp8=true --model.n_layer=3 --train.resume=none";
+  train("ddp", fp8);
+  train("eager", fp8 + " --dist.strategy=fsdp");
+  const std::string log = train("graph", fp8 + " --dist.strategy=fsdp --train.cuda_graphs=true");
+  EXPECT_NE(log.find(kCaptured), std::string::npos) << log;
+  expect_identical("eager", "graph");
+  const auto ddp = testing::read_losses(out("ddp")), fsdp = testing::read_losses(out("eager"));
+  ASSERT_EQ(ddp.size(), fsdp.size());
+  for (size_t i = 0; i < ddp.size(); ++i) EXPECT_EQ(ddp[i].text, fsdp[i].text) << "step " << i + 1;
+}
+
 // A run resumed under graphs from the step-6 checkpoint of a 12-step run (the same schedule)
 // warms up, captures again and ends where the uninterrupted eager run ends.
 TEST_F(CudaGraphRun, ResumeUnderGraphsMatchesTheUninterruptedEagerRun) {
