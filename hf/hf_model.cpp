@@ -200,20 +200,15 @@ MoeConfig read_hf_moe(const ConfigJson& c, const std::string& type, const ModelC
   return moe;
 }
 
-// The HF MoE model_type of a kiln MoE model: Qwen3-MoE (QK-norm) or Mixtral (LLaMA attention,
-// every block routed, renormalized); InputError naming what neither has.
-std::string hf_moe_model_type(const ModelConfig& c) {
+// The HF MoE model_type of a kiln MoE model whose blocks are otherwise `dense`'s (llama or
+// qwen3): Qwen3-MoE (QK-norm) or Mixtral (LLaMA attention, every block routed, renormalized);
+// InputError naming what neither has.
+std::string hf_moe_model_type(const ModelConfig& c, const std::string& dense) {
   const MoeConfig& e = c.moe;
-  const std::string dense =
-      c.norm == NormKind::rmsnorm && c.positions == PositionKind::rope &&
-              c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias
-          ? (c.qk_norm ? "qwen3" : "llama")
-          : "";
   auto refuse = [](const std::string& why) {
     throw InputError("no Hugging Face MoE architecture (Qwen3MoeForCausalLM, "
                      "MixtralForCausalLM) has this model's experts: " + why);
   };
-  if (dense.empty()) refuse("its blocks are not LLaMA's or Qwen3's (rmsnorm, rope, swiglu, no biases)");
   if (e.score != MoeScore::softmax) refuse("moe.score=sigmoid (both route by softmax)");
   if (e.n_shared_experts > 0) refuse("moe.n_shared_experts > 0 (neither has a shared expert)");
   if (e.bias_balance)
@@ -380,20 +375,22 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
 }
 
 std::string hf_model_type(const ModelConfig& c) {
-  if (c.moe.n_experts > 0) return hf_moe_model_type(c);
   const AttentionDims a = c.attention();
   if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
       c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&
-      a.head_dim * a.n_head == c.n_embd)
+      a.head_dim * a.n_head == c.n_embd && c.moe.n_experts == 0)
     return "gpt2";
   if (c.norm == NormKind::rmsnorm && c.positions == PositionKind::rope &&
-      c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias)
-    return c.qk_norm ? "qwen3" : "llama";
+      c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias) {
+    const std::string dense = c.qk_norm ? "qwen3" : "llama";
+    return c.moe.n_experts > 0 ? hf_moe_model_type(c, dense) : dense;
+  }
   throw InputError(std::string("no Hugging Face architecture has this model's layers (norm ") +
                    norm_name(c.norm) + ", positions " + position_name(c.positions) + ", mlp " +
                    mlp_name(c.mlp) + ", bias " + (c.bias ? "true" : "false") + ", qkv_bias " +
                    (c.qkv_bias ? "true" : "false") + ", qk_norm " + (c.qk_norm ? "true" : "false") +
-                   "); GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM are exported");
+                   "); GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM and their MoE kin "
+                   "(Qwen3MoeForCausalLM, MixtralForCausalLM) are exported");
 }
 
 std::vector<HfTensorMap> hf_weight_map(const ModelConfig& c, const std::string& prefix) {
