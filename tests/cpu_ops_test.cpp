@@ -29,6 +29,7 @@
 namespace kiln {
 namespace {
 
+using test::cpu;
 using test::expect_grad_near;
 using test::f32;
 using test::i32;
@@ -37,11 +38,6 @@ using test::random_floats;
 using test::weighted_sum;
 
 constexpr float kStep = 1e-2f;
-
-Backend& cpu() {
-  static std::unique_ptr<Backend> backend = make_cpu_backend();
-  return *backend;
-}
 
 std::vector<float> zeros(size_t n) {
   return std::vector<float>(n, 0.0f);

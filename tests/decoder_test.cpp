@@ -11,9 +11,12 @@
 #include <random>
 
 #include "kernels/arena.h"
+#include "tests/gradcheck.h"
 
 namespace kiln {
 namespace {
+
+using test::cpu;
 
 ModelConfig gpt2_124m() {
   ModelConfig c;  // defaults are GPT-2 124M with the padded vocabulary
@@ -21,10 +24,6 @@ ModelConfig gpt2_124m() {
 }
 
 // The layout, init and FLOP count need no memory: a CPU backend stands by for the constructor.
-Backend& cpu() {
-  static std::unique_ptr<Backend> backend = make_cpu_backend();
-  return *backend;
-}
 ParamLayout layout_of(const ModelConfig& c) {
   return Decoder(c, cpu()).layout();
 }

@@ -1,4 +1,4 @@
-// Test helpers shared by the op tests: seeded random data, Tensors over std::vector storage (the
+// Test helpers shared by the op tests: the CPU reference backend, seeded random data, Tensors over std::vector storage (the
 // cpu backend's memory is host memory), and finite-difference gradient checks. A check builds a
 // scalar loss L = sum(out * R) for a fixed random R, re-runs the f32 forward at x +- h for every
 // element x, and takes central differences in double over the step actually taken after f32
@@ -9,12 +9,20 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/tensor.h"
 
 namespace kiln::test {
+
+// The CPU reference backend, one for the whole test binary.
+inline Backend& cpu() {
+  static std::unique_ptr<Backend> backend = make_cpu_backend();
+  return *backend;
+}
 
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f,
                                         float hi = 1.0f) {

@@ -13,15 +13,11 @@
 namespace kiln {
 namespace {
 
+using test::cpu;
 using test::f32;
 using test::i32;
 using test::random_floats;
 using test::weighted_sum;
-
-Backend& cpu() {
-  static std::unique_ptr<Backend> backend = make_cpu_backend();
-  return *backend;
-}
 
 // Offsets of rows grouped by expert, from the rows per expert.
 std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {

@@ -30,17 +30,13 @@
 namespace kiln {
 namespace {
 
+using test::cpu;
 using test::expect_grad_near;
 using test::f32;
 using test::i32;
 using test::numeric_grad;
 using test::random_floats;
 using test::weighted_sum;
-
-Backend& cpu() {
-  static std::unique_ptr<Backend> backend = make_cpu_backend();
-  return *backend;
-}
 
 MoeRouting routing(int E, int k, MoeScore score = MoeScore::softmax, bool renormalize = true,
                    float aux = 0, float z = 0) {

@@ -9,8 +9,8 @@
 #include <numeric>
 #include <vector>
 
-#include "kernels/backend.h"
 #include "model/model.h"
+#include "tests/gradcheck.h"
 
 namespace kiln {
 namespace {
@@ -28,8 +28,7 @@ ModelConfig moe_config() {
 }
 
 ParamLayout layout_of(const ModelConfig& c) {
-  static std::unique_ptr<Backend> cpu = make_cpu_backend();
-  return make_model(c, *cpu)->layout();
+  return make_model(c, test::cpu())->layout();
 }
 
 TEST(ExpertLocalLayout, KeepsEveryTensorWithTheRanksShareOfTheExperts) {
