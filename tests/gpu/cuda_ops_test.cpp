@@ -845,12 +845,14 @@ class CudaFp8 : public CudaOps {
 };
 
 // The cast kernel against the CPU's: the same bytes (and transposes) and the same window, for
-// full 64x64 tiles, partial ones, and rows too narrow for the packed path, in both formats.
+// full 64x64 tiles, partial ones, rows too narrow for the packed path, and more tiles than one
+// wave of blocks (4096 x 1088: 1088 tiles), in both formats.
 TEST_F(CudaFp8, CastMatchesCpuByteForByte) {
   struct Shape2 {
     int64_t R, C;
   };
-  for (const Shape2 sh : {Shape2{128, 256}, Shape2{130, 72}, Shape2{37, 13}}) {
+  for (const Shape2 sh : {Shape2{128, 256}, Shape2{130, 72}, Shape2{144, 200}, Shape2{37, 13},
+                          Shape2{4096, 1088}}) {
     for (DType d : {DType::fp8_e4m3, DType::fp8_e5m2}) {
       const bool e5m2 = d == DType::fp8_e5m2;
       // Values up to 4, scaled so that those above ~3 clip: the saturation count is exercised.

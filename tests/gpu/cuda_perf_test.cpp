@@ -249,6 +249,28 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     row("swiglu_backward", median_ms(gpu, [&] { gpu.swiglu_backward(dh, dout, h); }), 0,
         5 * f_bytes);
   }
+  {
+    // The FP8 step's casts (each reads bf16 once and writes one byte per copy): a block input
+    // forward (copy only) and backward (transpose only), and the output gradients of qkv and of
+    // the gate/up pair (copy and transpose).
+    Fp8StateLayout l{1, 4};
+    DevTensor state(gpu, {l.total()}, DType::f32, rng, 0.001f, true);
+    for (const int64_t W : {int64_t{C}, int64_t{F}, int64_t{D}, int64_t{2 * F}}) {
+      DevTensor x(gpu, {N, W}, DType::bf16, rng);
+      DevTensor o(gpu, {N, W}, DType::fp8_e4m3, rng), ot(gpu, {N, W}, DType::fp8_e4m3, rng);
+      const double elems = static_cast<double>(N) * W;
+      char name[64];
+      std::snprintf(name, sizeof name, "fp8_cast [%lld,%lld] copy", static_cast<long long>(N),
+                    static_cast<long long>(W));
+      row(name, median_ms(gpu, [&] { gpu.fp8_cast(o, Tensor{}, x, state, l, 0); }), 0, 3 * elems);
+      std::snprintf(name, sizeof name, "fp8_cast [%lld,%lld] transpose", static_cast<long long>(N),
+                    static_cast<long long>(W));
+      row(name, median_ms(gpu, [&] { gpu.fp8_cast(Tensor{}, ot, x, state, l, 0); }), 0, 3 * elems);
+      std::snprintf(name, sizeof name, "fp8_cast [%lld,%lld] both", static_cast<long long>(N),
+                    static_cast<long long>(W));
+      row(name, median_ms(gpu, [&] { gpu.fp8_cast(o, ot, x, state, l, 0); }), 0, 4 * elems);
+    }
+  }
   gpu.synchronize();
 }
 
