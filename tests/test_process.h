@@ -75,6 +75,20 @@ inline std::vector<StepLoss> read_losses(const std::string& out_dir) {
   return out;
 }
 
+// One number of each training step's line in `out_dir`/metrics.jsonl (e.g. "grad_norm").
+inline std::vector<double> read_metric(const std::string& out_dir, const std::string& key) {
+  std::vector<double> out;
+  std::ifstream in(out_dir + "/metrics.jsonl");
+  const std::string field = "\"" + key + "\":";
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto k = line.find(field);
+    if (line.find("\"step\":") == std::string::npos || k == std::string::npos) continue;
+    out.push_back(std::atof(line.c_str() + k + field.size()));
+  }
+  return out;
+}
+
 // prepare_data on the GPL text every Debian system ships (else this repo's README) into `dir`.
 inline CommandResult prepare_corpus(const std::string& bin_dir, const std::string& source_dir,
                                     const std::string& dir) {

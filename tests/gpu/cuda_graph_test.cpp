@@ -121,14 +121,33 @@ TEST_F(CudaGraphRun, Fp8ReplayMatchesEagerBitForBit) {
               read_file(out("graph") + "/checkpoints/step_00000012/fp8_state.bin"));
 }
 
-// FP8 under fsdp casts each weight where it is used (no copies kept): on one GPU the same bytes
-// meet the same GEMMs as ddp's per-step copies, so the losses agree bit for bit, and the casts
-// replay from a graph like the rest of the step.
+// FP8 under fsdp casts each weight where it is used (no copies kept), before its forward and
+// again (with the transpose) before its backward.
+//  - With weights that cannot move (LLaMA's layers have no biases, and lr 1e-30 is below half an
+//    ulp of every weight) the same bytes meet the same GEMMs as ddp's per-step copies: the losses
+//    agree bit for bit, and the gradient norms, which fsdp sums in another order, to 1e-5.
+//  - Training, the two strategies' gradients differ in the last bits (their sums run in other
+//    orders, as in bf16: measured 2e-5 by step 12 on an H100), so the curves agree to 1e-4.
+//  - fsdp's casts replay from a graph bit for bit like the rest of the step.
 TEST_F(CudaGraphRun, Fp8UnderFsdpMatchesDdpAndReplaysBitForBit) {
   int major = 0;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
   if (major < 9) GTEST_SKIP() << "FP8 GEMMs need sm_89+";
   const std::string fp8 = "--precision.fp8=true --model.n_layer=3 --train.resume=none";
+  const std::string still =
+      fp8 + " --model.arch=llama --model.n_kv_head=2 --optim.lr=1e-30 --optim.min_lr=0";
+  train("ddp_still", still);
+  train("fsdp_still", still + " --dist.strategy=fsdp");
+  const auto a = testing::read_losses(out("ddp_still")), b = testing::read_losses(out("fsdp_still"));
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].text, b[i].text) << "step " << i + 1;
+  const auto na = testing::read_metric(out("ddp_still"), "grad_norm"),
+             nb = testing::read_metric(out("fsdp_still"), "grad_norm");
+  ASSERT_EQ(na.size(), a.size());
+  ASSERT_EQ(nb.size(), a.size());
+  for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << "step " << i + 1;
+
   train("ddp", fp8);
   train("eager", fp8 + " --dist.strategy=fsdp");
   const std::string log = train("graph", fp8 + " --dist.strategy=fsdp --train.cuda_graphs=true");
@@ -136,7 +155,8 @@ TEST_F(CudaGraphRun, Fp8UnderFsdpMatchesDdpAndReplaysBitForBit) {
   expect_identical("eager", "graph");
   const auto ddp = testing::read_losses(out("ddp")), fsdp = testing::read_losses(out("eager"));
   ASSERT_EQ(ddp.size(), fsdp.size());
-  for (size_t i = 0; i < ddp.size(); ++i) EXPECT_EQ(ddp[i].text, fsdp[i].text) << "step " << i + 1;
+  for (size_t i = 0; i < ddp.size(); ++i)
+    EXPECT_NEAR(ddp[i].value, fsdp[i].value, 1e-4 * ddp[i].value) << "step " << i + 1;
 }
 
 // A run resumed under graphs from the step-6 checkpoint of a 12-step run (the same schedule)
