@@ -164,6 +164,14 @@ class CudaBackend final : public Backend {
   void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
 
  private:
+  // The grouped GEMMs (grouped_matmul.cu): eager, the group offsets are read to the host (one
+  // small copy and a stream sync per call) and each group runs as a cuBLASLt GEMM (matmul.cu);
+  // while a graph is captured, the device-sized kernel runs instead.
+  bool read_group_offsets(Tensor offsets);
+  void grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight, Tensor pre_gelu);
+  void grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                        Tensor weight, Tensor inp_pre_gelu);
+  std::vector<int> group_offsets_;  // read_group_offsets' copy
   void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);

@@ -1,12 +1,15 @@
 // Grouped GEMM for the MoE experts (reference: kernels/cpu/grouped_matmul.cpp): rows
-// [offsets[e], offsets[e+1]) of the input through expert e's weight, with the group offsets read
-// on the device. cuBLAS 13's grouped GEMM (cublasGemmGroupedBatchedEx) takes the group sizes as
-// host arrays, which would cost a host sync per layer, so this is a kernel of its own: bf16
-// tensor cores (WMMA 16x16x16, f32 accumulation), 64x64 output tiles, 4 warps of 32x32. The
-// grid is planned for the worst case without knowing the sizes: ceil(M/64) + E row tiles
-// cover any split of M rows into E groups; each block walks the offsets to find its group and
-// tile, and surplus blocks exit. Simple before fast: tiles are staged through shared memory
-// with scalar loads, no pipelining.
+// [offsets[e], offsets[e+1]) of the input through expert e's weight.
+//  - Eager (every step unless a graph is being captured): the offsets are copied to the host
+//    (a few bytes and a stream sync per call) and each group runs as a cuBLASLt GEMM
+//    (CudaBackend::grouped_matmul_*_by_group in matmul.cu). cuBLAS 13's grouped GEMM
+//    (cublasGemmGroupedBatchedEx) also takes host sizes and adds nothing over that loop.
+//  - While a CUDA graph is captured, where no host copy can run, the kernel below: the offsets
+//    are read on the device. bf16 tensor cores (WMMA 16x16x16, f32 accumulation), 64x64 output
+//    tiles, 4 warps of 32x32. The grid is planned for the worst case without knowing the sizes:
+//    ceil(M/64) + E row tiles cover any split of M rows into E groups; each block walks the
+//    offsets to find its group and tile, and surplus blocks exit. Simple, not fast: tiles are
+//    staged through shared memory with scalar loads, no pipelining (~40 TFLOP/s on an H100).
 //   forward:  out[m, o] = sum_c inp[m, c] W[e][o, c]            (+ GELU epilogue)
 //   dinp:     dinp[m, c] = sum_o dout[m, o] W[e][o, c]          (* gelu'(pre))
 //   dweight:  dW[e][o, c] += sum_{m in e} dout[m, o] inp[m, c]  (f32, one block per tile)
@@ -187,6 +190,17 @@ void check_grouped(const Tensor& inp, const Tensor& weight, const Tensor& offset
 
 }  // namespace
 
+// The offsets on the host for the group-by-group cuBLASLt path; false while a graph is captured
+// (a host copy cannot be captured).
+bool CudaBackend::read_group_offsets(Tensor offsets) {
+  if (capturing_) return false;
+  group_offsets_.resize(static_cast<size_t>(offsets.numel()));
+  KILN_CUDA_CHECK(cudaMemcpyAsync(group_offsets_.data(), offsets.data, offsets.nbytes(),
+                                  cudaMemcpyDeviceToHost, stream_));
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return true;
+}
+
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
                                          Tensor pre_gelu) {
   const char* op = "grouped_matmul_forward";
@@ -200,6 +214,7 @@ void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, 
     p.pre_gelu = pre_gelu.ptr<bf16>();
   }
   if (p.M == 0) return;
+  if (read_group_offsets(offsets)) return grouped_matmul_forward_by_group(out, inp, weight, pre_gelu);
   p.out = out.ptr<bf16>();
   p.a = inp.ptr<bf16>();
   p.b = weight.ptr<bf16>();
@@ -218,18 +233,22 @@ void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor do
   expect_f32(dweight, op, "dweight");
   expect_numel(dweight, weight.numel(), op, "dweight");
   if (p.M == 0) return;
-  p.a = dout.ptr<bf16>();
   if (dinp.defined()) {
     expect_activation(dinp, op, "dinp");
     expect_numel(dinp, p.M * p.C, op, "dinp");
+  }
+  if (inp_pre_gelu.defined()) {
+    expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
+    expect_numel(inp_pre_gelu, p.M * p.C, op, "inp_pre_gelu");
+  }
+  if (read_group_offsets(offsets))
+    return grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu);
+  p.a = dout.ptr<bf16>();
+  if (dinp.defined()) {
     GemmArgs d = p;
     d.out = dinp.ptr<bf16>();
     d.b = weight.ptr<bf16>();
-    if (inp_pre_gelu.defined()) {
-      expect_activation(inp_pre_gelu, op, "inp_pre_gelu");
-      expect_numel(inp_pre_gelu, p.M * p.C, op, "inp_pre_gelu");
-      d.pre_gelu = inp_pre_gelu.ptr<bf16>();
-    }
+    if (inp_pre_gelu.defined()) d.pre_gelu = inp_pre_gelu.ptr<bf16>();
     const dim3 grid(ceil_div(p.C, kBN), ceil_div(p.M, kBM) + p.E);
     grouped_gemm_kernel<Mode::dinp><<<grid, kThreads, 0, stream_>>>(d);
     KILN_CUDA_LAUNCH_CHECK();

@@ -33,11 +33,12 @@ struct GemmKey {
   int a_type, b_type, c_type;
   bool fast_accum;
   uint32_t align_a, align_b, align_c;
+  bool any_size;  // GemmArgs::any_size: m, n, k are powers of two, the layouts set per call
   bool operator<(const GemmKey& o) const {
     return std::tie(m, n, k, transa, transb, epilogue, a_type, b_type, c_type, fast_accum, align_a,
-                    align_b, align_c) <
+                    align_b, align_c, any_size) <
            std::tie(o.m, o.n, o.k, o.transa, o.transb, o.epilogue, o.a_type, o.b_type, o.c_type,
-                    o.fast_accum, o.align_a, o.align_b, o.align_c);
+                    o.fast_accum, o.align_a, o.align_b, o.align_c, o.any_size);
   }
 };
 
@@ -71,6 +72,11 @@ struct GemmArgs {
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   bool fast_accum = false;  // FP8: accumulate at the tensor cores' precision, no promotion
+  // Shapes that change call to call (the grouped GEMMs' group sizes): one plan per power-of-two
+  // bucket of (m, n, k), its layouts set to the exact shape before each call. A heuristic query
+  // per new shape (tens of microseconds of host time, run while the stream sits drained by the
+  // group offsets' sync) would cost more than the GEMMs.
+  bool any_size = false;
 };
 
 }  // namespace
@@ -107,8 +113,8 @@ const char* epilogue_name(cublasLtEpilogue_t e) {
   }
 }
 
-const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
-                         size_t workspace_bytes) {
+GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const GemmArgs& g,
+                   size_t workspace_bytes) {
   GemmKey key{g.m,
               g.n,
               g.k,
@@ -121,7 +127,8 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
               g.fast_accum,
               alignment_of(g.A),
               alignment_of(g.B),
-              alignment_of(g.D)};
+              alignment_of(g.D),
+              g.any_size};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
 
@@ -202,9 +209,39 @@ const GemmPlan& get_plan(MatmulPlans& cache, cublasLtHandle_t handle, const Gemm
   return cache.plans.emplace(key, plan).first->second;
 }
 
+int64_t pow2_at_least(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// A packed column-major layout of rows x cols (ld = rows).
+void set_layout(cublasLtMatrixLayout_t l, int64_t rows, int64_t cols) {
+  const uint64_t r = static_cast<uint64_t>(rows), c = static_cast<uint64_t>(cols);
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof r));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof c));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_LD, &rows, sizeof rows));
+}
+
 void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t workspace_bytes,
           cudaStream_t stream, const GemmArgs& g) {
-  const GemmPlan& plan = get_plan(cache, handle, g, workspace_bytes);
+  GemmArgs key = g;
+  if (g.any_size) {
+    key.m = pow2_at_least(g.m);
+    key.n = pow2_at_least(g.n);
+    key.k = pow2_at_least(g.k);
+  }
+  GemmPlan& plan = get_plan(cache, handle, key, workspace_bytes);
+  if (g.any_size) {
+    set_layout(plan.a, g.transa ? g.k : g.m, g.transa ? g.m : g.k);
+    set_layout(plan.b, g.transb ? g.n : g.k, g.transb ? g.k : g.n);
+    set_layout(plan.c, g.m, g.n);
+    if (g.aux) {
+      const int64_t ld = g.m;
+      KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld));
+    }
+  }
   if (g.bias)
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias));
@@ -218,9 +255,18 @@ void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t w
     KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_scale, sizeof g.b_scale));
   const float alpha = 1.0f;
-  KILN_CUBLAS_CHECK(cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta,
-                                   g.D, plan.c, g.D, plan.c, &plan.algo, workspace,
-                                   workspace_bytes, stream));
+  const cublasStatus_t st =
+      cublasLtMatmul(handle, plan.desc, &alpha, g.A, plan.a, g.B, plan.b, &g.beta, g.D, plan.c,
+                     g.D, plan.c, &plan.algo, workspace, workspace_bytes, stream);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED && g.any_size) {
+    // The bucket's algorithm does not take this shape: a plan of its own for it.
+    spdlog::debug("cuda matmul: the m={} n={} k={} bucket's algorithm refuses the shape; an "
+                  "exact plan instead", key.m, key.n, key.k);
+    GemmArgs exact = g;
+    exact.any_size = false;
+    return gemm(cache, handle, workspace, workspace_bytes, stream, exact);
+  }
+  KILN_CUBLAS_CHECK(st);
 }
 
 // Whether cuBLASLt runs FP8 GEMM g: the first call of a shape is a trial (the heuristic may
@@ -494,6 +540,61 @@ void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
     expect_numel(dbias, OC, op, "dbias");
     column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
   }
+}
+
+// The grouped GEMMs group by group (group_offsets_ holds the offsets): rows [o[e], o[e+1]) of
+// inp through weight[e], each a cuBLASLt GEMM with the epilogues of matmul_forward/backward.
+// gelu' is applied after all groups' dinp GEMMs, once over their rows: the DGELU epilogue's
+// timing choice (matmul_backward) would be made again for every new group size.
+void CudaBackend::grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight,
+                                                  Tensor pre_gelu) {
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+  auto* w = static_cast<const bf16*>(weight.data);
+  auto* x = static_cast<const bf16*>(inp.data);
+  auto* y = static_cast<bf16*>(out.data);
+  auto* pre = static_cast<bf16*>(pre_gelu.data);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = group_offsets_[e], n = group_offsets_[e + 1] - r0;
+    if (n == 0) continue;
+    GemmArgs g{OC, n, C, true, false, w + e * OC * C, x + r0 * C, y + r0 * OC, CUDA_R_16BF, 0.0f};
+    g.any_size = true;
+    if (pre) {
+      g.epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
+      g.aux = pre + r0 * OC;
+    }
+    gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+  }
+}
+
+void CudaBackend::grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout,
+                                                   Tensor inp, Tensor weight,
+                                                   Tensor inp_pre_gelu) {
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+  auto* w = static_cast<const bf16*>(weight.data);
+  auto* x = static_cast<const bf16*>(inp.data);
+  auto* dy = static_cast<const bf16*>(dout.data);
+  auto* dx = static_cast<bf16*>(dinp.data);
+  auto* dw = static_cast<float*>(dweight.data);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = group_offsets_[e], n = group_offsets_[e + 1] - r0;
+    if (n == 0) continue;
+    if (dx) {
+      GemmArgs g{C, n, OC, false, false, w + e * OC * C, dy + r0 * OC, dx + r0 * C,
+                 CUDA_R_16BF, 0.0f};
+      g.any_size = true;
+      gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
+    }
+    GemmArgs gw{C, OC, n, false, true, x + r0 * C, dy + r0 * OC, dw + e * OC * C, CUDA_R_32F,
+                1.0f};
+    gw.any_size = true;
+    gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
+  }
+  const int64_t rows = group_offsets_[E];
+  if (dx && inp_pre_gelu.defined() && rows > 0)
+    gelu_backward_inplace(dinp.slice(0, {rows, C}), inp_pre_gelu.slice(0, {rows, C}), sm_count_,
+                          stream_);
 }
 
 }  // namespace kiln
