@@ -3,7 +3,8 @@
 // the group sizes: a histogram of the N*k choices (integer atomics), an exclusive scan into the
 // offsets (E is small: one thread), then one block per expert walks the choices in order and
 // ranks its own with warp ballots, which keeps each expert's rows in token order exactly as the
-// CPU does. The gather and the combine are plain row copies and weighted row sums in f32.
+// CPU does. The gather and the combine are plain row copies and weighted row sums in f32, a
+// block per row, 16 bytes a thread.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -55,26 +56,50 @@ __global__ void __launch_bounds__(kRankThreads)
   }
 }
 
+// The row kernels move kVec elements a thread: 8 (one 16-byte access) where C % 8 == 0 and the
+// tensors are 16-byte aligned (every MoE layer of a real model), else 1. A block walks rows.
+// Element by element with a 64-bit division each, they ran at ~0.8 TB/s on an H100.
+template <int kVec>
 __global__ void gather_rows_kernel(bf16* xp, const bf16* x, const int* row_token, int64_t M,
                                    int64_t C) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < M * C;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    xp[i] = x[static_cast<int64_t>(row_token[i / C]) * C + i % C];
+  for (int64_t r = blockIdx.x; r < M; r += gridDim.x) {
+    const bf16* src = x + static_cast<int64_t>(row_token[r]) * C;
+    bf16* dst = xp + r * C;
+    for (int64_t c = threadIdx.x * kVec; c < C; c += static_cast<int64_t>(blockDim.x) * kVec) {
+      if constexpr (kVec == 8)
+        store128(dst + c, load128(src + c));
+      else
+        dst[c] = src[c];
+    }
+  }
 }
 
+template <int kVec>
 __global__ void combine_kernel(bf16* out, const bf16* yp, const int* slot_row, const float* w,
                                int64_t N, int64_t C, int K, bool accumulate) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < N * C;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t n = i / C, c = i % C;
-    float sum = 0;
-    for (int j = 0; j < K; ++j)
-      sum += (w ? w[n * K + j] : 1.0f) * to_float(yp[slot_row[n * K + j] * C + c]);
-    out[i] = from_float<bf16>(accumulate ? to_float(out[i]) + sum : sum);
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    for (int64_t c = threadIdx.x * kVec; c < C; c += static_cast<int64_t>(blockDim.x) * kVec) {
+      float sum[kVec] = {};
+      for (int j = 0; j < K; ++j) {
+        const float wj = w ? w[n * K + j] : 1.0f;
+        float y[kVec];
+        load_vec<kVec>(y, yp + static_cast<int64_t>(slot_row[n * K + j]) * C + c);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sum[k] += wj * y[k];
+      }
+      if (accumulate) {
+        float o[kVec];
+        load_vec<kVec>(o, out + n * C + c);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sum[k] = o[k] + sum[k];
+      }
+      store_vec<kVec>(out + n * C + c, sum);
+    }
   }
 }
 
 // Block n: dyp rows of token n's choices, and dtopk_w as block dot products.
+template <int kVec>
 __global__ void combine_backward_kernel(bf16* dyp, float* dtopk_w, const bf16* dout, const bf16* yp,
                                         const int* slot_row, const float* w, int64_t C, int K) {
   __shared__ float shared[32];
@@ -83,14 +108,27 @@ __global__ void combine_backward_kernel(bf16* dyp, float* dtopk_w, const bf16* d
     const int64_t row = slot_row[n * K + j];
     const float wj = w[n * K + j];
     float dot = 0;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const float g = to_float(dout[n * C + c]);
-      dyp[row * C + c] = from_float<bf16>(wj * g);
-      dot += g * to_float(yp[row * C + c]);
+    for (int64_t c = threadIdx.x * kVec; c < C; c += static_cast<int64_t>(blockDim.x) * kVec) {
+      float g[kVec], y[kVec], d[kVec];
+      load_vec<kVec>(g, dout + n * C + c);
+      load_vec<kVec>(y, yp + row * C + c);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        d[k] = wj * g[k];
+        dot += g[k] * y[k];
+      }
+      store_vec<kVec>(dyp + row * C + c, d);
     }
     dot = block_sum(dot, shared);
     if (threadIdx.x == 0) dtopk_w[n * K + j] = dot;
   }
+}
+
+bool rows_vectorize(int64_t C, std::initializer_list<const void*> ptrs) {
+  if (C % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned(p, 16)) return false;
+  return true;
 }
 
 int grid_for(int64_t n, int threads, int sm_count) {
@@ -134,8 +172,13 @@ void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tens
   rank_kernel<<<E, kRankThreads, 0, stream_>>>(slot_row.ptr<int>(), row_token.ptr<int>(),
                                                topk_idx.ptr<int>(), offsets.ptr<int>(), M, K);
   KILN_CUDA_LAUNCH_CHECK();
-  gather_rows_kernel<<<grid_for(M * C, 256, sm_count_), 256, 0, stream_>>>(
-      xp.ptr<bf16>(), x.ptr<bf16>(), row_token.ptr<int>(), M, C);
+  const int rows = static_cast<int>(std::min<int64_t>(M, int64_t{sm_count_} * 8));
+  if (rows_vectorize(C, {xp.data, x.data}))
+    gather_rows_kernel<8><<<rows, 256, 0, stream_>>>(xp.ptr<bf16>(), x.ptr<bf16>(),
+                                                     row_token.ptr<int>(), M, C);
+  else
+    gather_rows_kernel<1><<<rows, 256, 0, stream_>>>(xp.ptr<bf16>(), x.ptr<bf16>(),
+                                                     row_token.ptr<int>(), M, C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -154,9 +197,15 @@ void CudaBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor t
     expect_f32(topk_w, op, "topk_w");
     expect_numel(topk_w, M, op, "topk_w");
   }
-  combine_kernel<<<grid_for(N * C, 256, sm_count_), 256, 0, stream_>>>(
-      out.ptr<bf16>(), yp.ptr<bf16>(), slot_row.ptr<int>(),
-      topk_w.defined() ? topk_w.ptr<float>() : nullptr, N, C, static_cast<int>(M / N), accumulate);
+  const int rows = static_cast<int>(std::min<int64_t>(N, int64_t{sm_count_} * 8));
+  const float* w = topk_w.defined() ? topk_w.ptr<float>() : nullptr;
+  const int K = static_cast<int>(M / N);
+  if (rows_vectorize(C, {out.data, yp.data}))
+    combine_kernel<8><<<rows, 256, 0, stream_>>>(out.ptr<bf16>(), yp.ptr<bf16>(),
+                                                 slot_row.ptr<int>(), w, N, C, K, accumulate);
+  else
+    combine_kernel<1><<<rows, 256, 0, stream_>>>(out.ptr<bf16>(), yp.ptr<bf16>(),
+                                                 slot_row.ptr<int>(), w, N, C, K, accumulate);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -177,9 +226,15 @@ void CudaBackend::moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout
   expect_numel(topk_w, M, op, "topk_w");
   expect_f32(dtopk_w, op, "dtopk_w");
   expect_numel(dtopk_w, M, op, "dtopk_w");
-  combine_backward_kernel<<<static_cast<unsigned>(N), 128, 0, stream_>>>(
-      dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(), slot_row.ptr<int>(),
-      topk_w.ptr<float>(), C, static_cast<int>(M / N));
+  const int K = static_cast<int>(M / N);
+  if (rows_vectorize(C, {dyp.data, dout.data, yp.data}))
+    combine_backward_kernel<8><<<static_cast<unsigned>(N), 128, 0, stream_>>>(
+        dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(),
+        slot_row.ptr<int>(), topk_w.ptr<float>(), C, K);
+  else
+    combine_backward_kernel<1><<<static_cast<unsigned>(N), 128, 0, stream_>>>(
+        dyp.ptr<bf16>(), dtopk_w.ptr<float>(), dout.ptr<bf16>(), yp.ptr<bf16>(),
+        slot_row.ptr<int>(), topk_w.ptr<float>(), C, K);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
