@@ -6,7 +6,9 @@
 # active FLOPs; issue 17's goal is at least 0.8). Logs and JSON land in $OUT.
 #
 #   bash tools/moe_bench.sh          # from the source root, after a build (tools/gpu_session.sh
-#                                    # or `make build`); env: B (micro-batch), STEPS, WARMUP
+#                                    # or `make build`); env: B (micro-batch), STEPS, WARMUP,
+#                                    # ACCUM (micro-batches a step, default 1: the optimizer's
+#                                    # pass over all 2.85B parameters then weighs on every step)
 # B defaults to 8 (the config's) on a GPU of more than 100 GiB and to 4 below that: at B=8 the
 # plan is ~83 GiB (51 GiB of state, the rest activations), which an H100's 80 does not hold.
 set -uo pipefail
@@ -19,10 +21,11 @@ mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 B=${B:-$([ "${mem_mib:-0}" -gt 102400 ] && echo 8 || echo 4)}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
+ACCUM=${ACCUM:-1}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "commit $(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
-  "B=$B T=2048, $WARMUP warm-up + $STEPS steps"
-run=(--train.batch_size="$B" --train.grad_accum=1 --warmup "$WARMUP" --steps "$STEPS")
+  "B=$B T=2048 accum=$ACCUM, $WARMUP warm-up + $STEPS steps"
+run=(--train.batch_size="$B" --train.grad_accum="$ACCUM" --warmup "$WARMUP" --steps "$STEPS")
 dense=(--moe.n_experts=0 --moe.expert_ffn_dim=0 --moe.z_loss_coef=0 --model.ffn_dim=4096)
 
 echo "=== MoE"
