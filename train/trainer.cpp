@@ -565,7 +565,10 @@ void Trainer::step_work(bool break_capture) {
 
 void Trainer::start_graphs() {
   if (!cfg_.train.cuda_graphs) return;
-  const std::string why_not = backend_->graph_unavailable();
+  std::string why_not = backend_->graph_unavailable();
+  if (why_not.empty() && moe())
+    why_not = "the MoE blocks' grouped GEMMs read their group sizes on the host at every call, "
+              "which a graph cannot replay";
   if (!why_not.empty()) {
     if (is_main())
       spdlog::info("train.cuda_graphs: does not apply here ({}); running eagerly", why_not);

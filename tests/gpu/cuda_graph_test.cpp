@@ -193,6 +193,21 @@ TEST_F(CudaGraphRun, AFailedCaptureFallsBackWithTheEagerLosses) {
   }
 }
 
+// MoE blocks read their group sizes on the host, which a graph cannot replay: the run says so
+// and stays eager, with the eager run's losses bit for bit.
+TEST_F(CudaGraphRun, MoeRunsEagerlyAndSaysWhy) {
+  const std::string moe =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+      "--moe.expert_ffn_dim=64 --train.resume=none";
+  train("eager", moe);
+  const std::string log = train("graph", moe + " --train.cuda_graphs=true");
+  EXPECT_NE(log.find("train.cuda_graphs: does not apply here (the MoE blocks' grouped GEMMs"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find(kCaptured), std::string::npos) << log;
+  expect_identical("eager", "graph");
+}
+
 // The NCCL communicator works through events on its own stream, which a capture follows: its
 // collectives recorded in a graph run again on every replay.
 TEST(CudaGraphNccl, OneRankCollectivesReplayFromAGraph) {
