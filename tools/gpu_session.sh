@@ -11,7 +11,9 @@
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
 # kiln/PyTorch/kiln order). FP8=1: also bench kiln with --precision.fp8=true (bench_<m>_fp8.json,
 # profiled) and PyTorch with torchao's --fp8 tensorwise (torch_<m>_fp8.json); torchao comes from
-# a wheel in .whl/ (the GPU host has no registry: docs/fp8.md says how to fetch it).
+# a wheel in .whl/ (the GPU host has no registry: docs/fp8.md says how to fetch it). MOE=1: also
+# tools/moe_bench.sh (the MoE step against the dense step of the same active FLOPs; its env
+# B, ACCUM, STEPS, WARMUP pass through), logs in $OUT/moe.
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
 # (1-2 min per model), so a short untimed PyTorch run of each model compiles it in the background
@@ -117,6 +119,11 @@ if [ "${FP8:-0}" = 1 ]; then
       --dist.strategy=ddp --precision.fp8=true --warmup "$WARMUP" --steps "$STEPS" \
       --json "$OUT/bench_${m}_fp8.json" --profile-ops
   done
+fi
+
+if [ "${MOE:-0}" = 1 ]; then
+  stage "MoE against dense of the same active FLOPs (tools/moe_bench.sh)"
+  OUT="$OUT/moe" bash tools/moe_bench.sh | grep -E "^(MoE|dense|MoE MFU) "
 fi
 
 [ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""
