@@ -3,8 +3,8 @@
 // read the sizes on the host: grouped_matmul.cu): a histogram of the N*k choices (integer
 // atomics), an exclusive scan into the offsets (E is small: one thread), then one block per
 // expert walks the choices in order and ranks its own with warp ballots, which keeps each
-// expert's rows in token order exactly as the CPU does. The gather and the combine are plain row copies and weighted row sums in f32, a
-// block per row, 16 bytes a thread.
+// expert's rows in token order exactly as the CPU does. The gather and the combine are plain
+// row copies and weighted row sums in f32, a block per row, 16 bytes a thread.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
