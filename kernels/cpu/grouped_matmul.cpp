@@ -1,6 +1,6 @@
 // Grouped GEMM, the reference: each expert's rows through its own weight, one matmul per
-// non-empty group (the CPU reads the group offsets directly; CUDA's kernel reads them on the
-// device). The per-group arithmetic is matmul.cpp's, so an MoE with one expert computes exactly
+// non-empty group (the offsets are host memory here, as they are on CUDA by the time its GEMMs
+// run). The per-group arithmetic is matmul.cpp's, so an MoE with one expert computes exactly
 // what the dense layer does.
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"

@@ -3,12 +3,15 @@
 //   forward:  out[m, o] = sum_c inp[m, c] W[e][o, c]            (+ GELU epilogue)
 //   dinp:     dinp[m, c] = sum_o dout[m, o] W[e][o, c]          (* gelu'(pre))
 //   dweight:  dW[e][o, c] += sum_{m in e} dout[m, o] inp[m, c]  (f32)
-// Each call copies the offsets to the host (E+1 integers and a stream sync) and runs every
-// non-empty group as a cuBLASLt GEMM (CudaBackend::grouped_matmul_*_by_group in matmul.cu).
+// The offsets are read on the host: given on the device, each call copies them (E+1 integers
+// and a stream sync; the MoE layer passes a host copy instead, made once for the pass's two
+// calls). Every non-empty group runs as a cuBLASLt GEMM (grouped_matmul_*_by_group, matmul.cu).
 // cuBLAS 13's grouped GEMM (cublasGemmGroupedBatchedEx) also takes host sizes. A kernel that
 // read the offsets on the device (WMMA, 64x64 tiles, no pipelining) ran the experts at ~40
 // TFLOP/s on an H100, against ~760 for the dense linear; it is gone, and with it the only
 // way to capture these calls in a CUDA graph, so MoE runs ignore train.cuda_graphs (logged).
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -22,7 +25,6 @@ void check_grouped(const Tensor& inp, const Tensor& weight, const Tensor& offset
                    const char* op) {
   expect_activation(inp, op, "inp");
   expect_activation(weight, op, "weight");
-  expect_device(offsets, op, "offsets");
   if (inp.ndim() != 2 || weight.ndim() != 3 || weight.dim(2) != inp.dim(1) ||
       offsets.dtype != DType::i32 || offsets.numel() != weight.dim(0) + 1)
     throw std::invalid_argument(std::string("cuda ") + op + ": inp " + inp.str() + ", weight " +
@@ -37,11 +39,15 @@ void CudaBackend::read_group_offsets(Tensor offsets, int64_t rows, const char* o
     throw std::runtime_error(std::string("cuda ") + op + ": the group sizes are read on the " +
                              "host, which a CUDA graph cannot capture");
   group_offsets_.resize(static_cast<size_t>(offsets.numel()));
-  KILN_CUDA_CHECK(cudaMemcpyAsync(group_offsets_.data(), offsets.data, offsets.nbytes(),
-                                  cudaMemcpyDeviceToHost, stream_));
-  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (offsets.device == Device::cpu) {
+    std::copy_n(offsets.ptr<int>(), offsets.numel(), group_offsets_.begin());
+  } else {
+    KILN_CUDA_CHECK(cudaMemcpyAsync(group_offsets_.data(), offsets.data, offsets.nbytes(),
+                                    cudaMemcpyDeviceToHost, stream_));
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   for (size_t e = 0; e + 1 < group_offsets_.size(); ++e)
-    if (group_offsets_[0] < 0 || group_offsets_[e] > group_offsets_[e + 1] ||
+    if (group_offsets_[0] != 0 || group_offsets_[e] > group_offsets_[e + 1] ||
         group_offsets_[e + 1] > rows)
       throw std::logic_error(std::string("cuda ") + op + ": group offsets " +
                              std::to_string(group_offsets_[e]) + ", " +

@@ -71,8 +71,16 @@ Tensor Moe::local(const Params& p, int index) const {
   return t.slice(ep.rank * El * per, {El, t.dim(1), t.dim(2)});
 }
 
-void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows, Tensor offsets,
-                          Tensor out) const {
+Tensor Moe::on_host(Backend& k, Tensor offsets) const {
+  if (offsets.device == Device::cpu) return offsets;
+  host_offsets_.resize(static_cast<size_t>(offsets.numel()));
+  k.copy_to_host(host_offsets_.data(), offsets);
+  return Tensor{host_offsets_.data(), offsets.shape, DType::i32, Device::cpu};
+}
+
+void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows,
+                          Tensor device_offsets, Tensor out) const {
+  const Tensor offsets = on_host(k, device_offsets);
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_forward(a.act, rows, local(w, fc), offsets, a.pre);
   } else {
@@ -83,8 +91,9 @@ void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor row
 }
 
 void Moe::experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
-                           const Acts& a, Tensor rows, Tensor offsets, Tensor dout,
+                           const Acts& a, Tensor rows, Tensor device_offsets, Tensor dout,
                            Tensor drows) const {
+  const Tensor offsets = on_host(k, device_offsets);
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_backward(s.dpre, local(g, proj), dout, a.act, local(w, proj), offsets, a.pre);
   } else {
