@@ -1,7 +1,7 @@
 // Timings of the CUDA ops at GPT-2 124M shapes (B=16, T=1024, C=768, NH=12, Vp=50304) and of the
 // LLaMA/Qwen3 ops at LLaMA 1.36B shapes (B=8, T=2048, C=2048, 16 heads of 128, F=5504; 8 kv
-// heads as Qwen3 has): not tests (DISABLED_, so ctest skips them), measurements for
-// docs/PERF.md. Run on a GPU host with
+// heads as Qwen3 has; and its FP8 casts), and of the MoE ops at moe-2.9b-a1b's shapes: not
+// tests (DISABLED_, so ctest skips them), measurements for docs/PERF.md. Run on a GPU host with
 //   ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudaPerf.*'
 // Each op: 3 warm-ups, then the median of 20 runs timed with CUDA events on the backend's
 // stream. Inputs are random (never zeros), uploaded from a host pattern.
@@ -271,6 +271,62 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
       row(name, median_ms(gpu, [&] { gpu.fp8_cast(o, ot, x, state, l, 0); }), 0, 4 * elems);
     }
   }
+  gpu.synchronize();
+}
+
+// The MoE ops at moe-2.9b-a1b's shapes (B=4, T=2048, C=2048, 8 experts of 2048, top-2), with
+// a balanced routing (token n's choices are experts 2n and 2n+1 mod 8: 2048 rows an expert).
+// The grouped GEMMs run with the offsets on the device (a sync per call) and on the host (as
+// the MoE layer passes them), to show what the sync costs.
+TEST(CudaPerf, DISABLED_MoeShapes) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  CudaBackend gpu(0);
+  std::mt19937 rng(1234);
+  const int64_t N = 4 * 2048, C = 2048, E = 8, K = 2, F = 2048, M = N * K;
+  std::printf("\n%s, N=%lld C=%lld E=%lld k=%lld F=%lld\n", gpu.name().c_str(),
+              static_cast<long long>(N), static_cast<long long>(C), static_cast<long long>(E),
+              static_cast<long long>(K), static_cast<long long>(F));
+  std::printf("| %-44s | %8s | %8s | %8s |\n", "op", "ms", "TFLOP/s", "GB/s");
+  std::printf("|---|---|---|---|\n");
+  DevTensor x(gpu, {N, C}, DType::bf16, rng), xp(gpu, {M, C}, DType::bf16, rng),
+      yp(gpu, {M, C}, DType::bf16, rng), dyp(gpu, {M, C}, DType::bf16, rng),
+      out(gpu, {N, C}, DType::bf16, rng), topk_w(gpu, {N, K}, DType::f32, rng, 1.0f, true),
+      dtopk_w(gpu, {N, K}, DType::f32, rng), topk_idx(gpu, {N, K}, DType::i32, rng),
+      row_token(gpu, {M}, DType::i32, rng), slot_row(gpu, {M}, DType::i32, rng),
+      offsets(gpu, {E + 1}, DType::i32, rng);
+  std::vector<int32_t> idx(static_cast<size_t>(M));
+  for (int64_t i = 0; i < M; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i % E);
+  gpu.copy_from_host(topk_idx, idx.data());
+  const double row_bytes = static_cast<double>(M) * C * 2;
+  row("moe_permute (sort + gather)",
+      median_ms(gpu, [&] { gpu.moe_permute(xp, row_token, slot_row, offsets, x, topk_idx); }), 0,
+      row_bytes + row_bytes);
+  row("moe_unpermute", median_ms(gpu, [&] { gpu.moe_unpermute(out, yp, slot_row, topk_w, false); }),
+      0, row_bytes + row_bytes / K);
+  row("moe_unpermute_backward",
+      median_ms(gpu, [&] { gpu.moe_unpermute_backward(dyp, dtopk_w, out, yp, slot_row, topk_w); }),
+      0, 2 * row_bytes + row_bytes / K);
+
+  std::vector<int32_t> host(static_cast<size_t>(E + 1));
+  gpu.copy_to_host(host.data(), offsets);
+  const Tensor host_offsets{host.data(), {E + 1}, DType::i32, Device::cpu};
+  DevTensor w_fc(gpu, {E, 2 * F, C}, DType::bf16, rng, 0.02f), h(gpu, {M, 2 * F}, DType::bf16, rng),
+      dh(gpu, {M, 2 * F}, DType::bf16, rng), dw_fc(gpu, {E, 2 * F, C}, DType::f32, rng),
+      dx(gpu, {M, C}, DType::bf16, rng);
+  const double fc_flops = 2.0 * M * C * 2 * F;
+  for (const bool on_host : {false, true}) {
+    const Tensor o = on_host ? host_offsets : static_cast<Tensor>(offsets);
+    row(on_host ? "grouped fc forward (host offsets)" : "grouped fc forward (device offsets)",
+        median_ms(gpu, [&] { gpu.grouped_matmul_forward(h, xp, w_fc, o, Tensor{}); }), fc_flops,
+        0);
+    row(on_host ? "grouped fc backward (host offsets)" : "grouped fc backward (device offsets)",
+        median_ms(gpu, [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, o, Tensor{}); }),
+        2 * fc_flops, 0);
+  }
+  DevTensor w_dense(gpu, {2 * F * 2, C}, DType::bf16, rng, 0.02f),
+      hd(gpu, {N, 2 * F * 2}, DType::bf16, rng);
+  row("dense fc forward, the same FLOPs (reference)",
+      median_ms(gpu, [&] { gpu.matmul_forward(hd, x, w_dense, Tensor{}, Tensor{}); }), fc_flops, 0);
   gpu.synchronize();
 }
 
