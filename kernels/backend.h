@@ -284,10 +284,10 @@ class Backend {
   virtual void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
                                       Tensor slot_row, Tensor topk_w) = 0;
   // Grouped GEMM: rows [offsets[e], offsets[e+1]) of inp[M,C] times weight[e]^T (weight
-  // [E,OC,C]) into out[M,OC]; offsets are i32[E+1], as moe_permute or moe_ep_group write them,
-  // on the backend's device or on the host. CUDA reads them on the host (device offsets cost a
-  // copy and a stream sync per call, and no graph can capture these calls:
-  // kernels/cuda/grouped_matmul.cu says why). They may end before M (moe_ep_group's worst-case
+  // [E,OC,C]) into out[M,OC]; offsets are i32[E+1] in host memory: moe_permute's or
+  // moe_ep_group's, copied once for a pass's calls (the GEMMs are launched per group, so CUDA
+  // needs the sizes on the host, and no graph can capture these calls:
+  // kernels/cuda/grouped_matmul.cu). They may end before M (moe_ep_group's worst-case
   // buffers): rows past offsets[E] of out (and of dinp below) are left as they are.
   // pre_gelu as matmul_forward's.
   virtual void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,

@@ -164,9 +164,9 @@ class CudaBackend final : public Backend {
   void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
 
  private:
-  // The grouped GEMMs (grouped_matmul.cu): the group offsets are read to the host (one small
-  // copy and a stream sync per call; checked to split `rows`; refused while a graph is
-  // captured) and each group runs as a cuBLASLt GEMM (matmul.cu).
+  // The grouped GEMMs (grouped_matmul.cu): the group offsets, in host memory, are copied and
+  // checked to split `rows` (refused while a graph is captured: a replay would keep these
+  // sizes), and each group runs as a cuBLASLt GEMM (matmul.cu).
   void read_group_offsets(Tensor offsets, int64_t rows, const char* op);
   void grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight, Tensor pre_gelu);
   void grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,

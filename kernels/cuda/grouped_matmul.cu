@@ -3,15 +3,14 @@
 //   forward:  out[m, o] = sum_c inp[m, c] W[e][o, c]            (+ GELU epilogue)
 //   dinp:     dinp[m, c] = sum_o dout[m, o] W[e][o, c]          (* gelu'(pre))
 //   dweight:  dW[e][o, c] += sum_{m in e} dout[m, o] inp[m, c]  (f32)
-// The offsets are read on the host: given on the device, each call copies them (E+1 integers
-// and a stream sync; the MoE layer passes a host copy instead, made once for the pass's two
-// calls). Every non-empty group runs as a cuBLASLt GEMM (grouped_matmul_*_by_group, matmul.cu).
+// The offsets come in host memory (the MoE layer copies them once per pass, a stream sync, for
+// its two grouped calls; offsets on the device are refused rather than copied with a hidden sync
+// per call). Every non-empty group runs as a cuBLASLt GEMM (grouped_matmul_*_by_group,
+// matmul.cu).
 // cuBLAS 13's grouped GEMM (cublasGemmGroupedBatchedEx) also takes host sizes. A kernel that
 // read the offsets on the device (WMMA, 64x64 tiles, no pipelining) ran the experts at ~40
 // TFLOP/s on an H100, against ~760 for the dense linear; it is gone, and with it the only
 // way to capture these calls in a CUDA graph, so MoE runs ignore train.cuda_graphs (logged).
-#include <algorithm>
-
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -38,14 +37,10 @@ void CudaBackend::read_group_offsets(Tensor offsets, int64_t rows, const char* o
   if (capturing_)
     throw std::runtime_error(std::string("cuda ") + op + ": the group sizes are read on the " +
                              "host, which a CUDA graph cannot capture");
-  group_offsets_.resize(static_cast<size_t>(offsets.numel()));
-  if (offsets.device == Device::cpu) {
-    std::copy_n(offsets.ptr<int>(), offsets.numel(), group_offsets_.begin());
-  } else {
-    KILN_CUDA_CHECK(cudaMemcpyAsync(group_offsets_.data(), offsets.data, offsets.nbytes(),
-                                    cudaMemcpyDeviceToHost, stream_));
-    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
+  if (offsets.device != Device::cpu)
+    throw std::invalid_argument(std::string("cuda ") + op + ": offsets " + offsets.str() +
+                                " must be in host memory (copy them once for a pass's calls)");
+  group_offsets_.assign(offsets.ptr<int>(), offsets.ptr<int>() + offsets.numel());
   for (size_t e = 0; e + 1 < group_offsets_.size(); ++e)
     if (group_offsets_[0] != 0 || group_offsets_[e] > group_offsets_[e + 1] ||
         group_offsets_[e + 1] > rows)

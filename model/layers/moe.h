@@ -98,9 +98,9 @@ struct Moe {
   void experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                         const Acts& a, Tensor rows, Tensor offsets, Tensor dout,
                         Tensor drows) const;
-  // The offsets as a host tensor, for the two grouped GEMMs of a pass: a device tensor is copied
-  // to host_offsets_ once (CUDA reads device offsets on the host at every call, a stream sync
-  // each); a host one is returned as it is.
+  // The offsets as a host tensor, for the two grouped GEMMs of a pass (which take them in host
+  // memory): a device tensor is copied to host_offsets_ (a stream sync); a host one is returned
+  // as it is.
   Tensor on_host(Backend& k, Tensor offsets) const;
   mutable std::vector<int32_t> host_offsets_;
 };
