@@ -36,6 +36,18 @@ void OpCheck::numel(const char* name, const Tensor& t, int64_t n) const {
   if (t.numel() != n) fail(name, "expected " + std::to_string(n) + " elements, got " + t.str());
 }
 
+void OpCheck::offsets(const char* name, const Tensor& t, int64_t groups, int64_t rows,
+                      bool to_the_end) const {
+  dtype(name, t, DType::i32);
+  numel(name, t, groups + 1);
+  const int* off = t.ptr<int>();
+  if (off[0] != 0 || off[groups] > rows || (to_the_end && off[groups] != rows))
+    fail(name, std::string("must run from 0 to ") + (to_the_end ? "" : "at most ") + "the " +
+                   std::to_string(rows) + " rows");
+  for (int64_t e = 0; e < groups; ++e)
+    if (off[e + 1] < off[e]) fail(name, "must not decrease");
+}
+
 void OpCheck::dim(const char* name, const Tensor& t, int i, int64_t n) const {
   if (t.ndim() == 0 || t.dim(i) != n)
     fail(name,

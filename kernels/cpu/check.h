@@ -26,6 +26,10 @@ struct OpCheck {
   void shape(const char* name, const Tensor& t, const Shape& s) const;
   void numel(const char* name, const Tensor& t, int64_t n) const;
   void dim(const char* name, const Tensor& t, int i, int64_t n) const;  // t.dim(i) == n
+  // t is i32[groups+1] group offsets over `rows` rows: from 0, never decreasing, ending at rows
+  // (or, unless to_the_end, at most there).
+  void offsets(const char* name, const Tensor& t, int64_t groups, int64_t rows,
+               bool to_the_end) const;
   // Every value of the i32 tensor t lies in [0, limit).
   void indices(const char* name, const Tensor& t, int64_t limit) const;
   // v is finite and >= 0 (an epsilon).

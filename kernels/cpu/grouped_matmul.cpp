@@ -19,17 +19,10 @@ int64_t check_groups(const OpCheck& c, const Tensor& rows_in, const Tensor& weig
   c.f32("weight", weight);
   c.ndim("weight", weight, 3);
   c.dim("weight", weight, 2, rows_in.dim(1));
-  c.dtype("offsets", offsets, DType::i32);
   const int64_t E = weight.dim(0);
-  c.numel("offsets", offsets, E + 1);
-  const int* off = offsets.ptr<int>();
   // They may end before the last row (moe_ep_group's worst-case buffers); rows past them
   // are not touched.
-  if (off[0] != 0 || off[E] > rows_in.dim(0))
-    c.fail("offsets",
-           "must run from 0 to at most the rows of inp (" + std::to_string(rows_in.dim(0)) + ")");
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] < off[e]) c.fail("offsets", "must not decrease");
+  c.offsets("offsets", offsets, E, rows_in.dim(0), /*to_the_end=*/false);
   return E;
 }
 

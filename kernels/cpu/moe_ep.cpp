@@ -31,10 +31,7 @@ int64_t check_split(const OpCheck& c, const Tensor& chunks, const Tensor& rows,
   if (P < 1 || E < P || E % P != 0)
     c.fail("offsets", "must hold E+1 values with E a multiple of the " + std::to_string(P) +
                           " ranks (chunks' first dim)");
-  const int* off = offsets.ptr<int>();
-  if (off[0] != 0 || off[E] != M) c.fail("offsets", "must run from 0 to the rows (" + std::to_string(M) + ")");
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] < off[e]) c.fail("offsets", "must not decrease");
+  c.offsets("offsets", offsets, E, M, /*to_the_end=*/true);
   return P;
 }
 
