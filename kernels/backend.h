@@ -324,13 +324,25 @@ class Backend {
   // fp8_encode. The window of tensor `index` records max |inp|, the values clipped and cast.
   virtual void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
                         const Fp8StateLayout& layout, int index) = 0;
+  // SwiGLU fused with the cast of what it produces (the MLP's bf16 round trips between them cost
+  // more than the math). swiglu_forward_fp8: swiglu_forward(out, inp), then fp8_cast(x8, {},
+  // out). swiglu_backward_fp8: the cast of swiglu_backward(dout, inp) into g8 [N,2F] and/or
+  // g8_t [2F,N], as swiglu_backward would store it, without storing it.
+  virtual void swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                                  const Fp8StateLayout& layout, int index) = 0;
+  virtual void swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp, Tensor state,
+                                   const Fp8StateLayout& layout, int index) = 0;
+  // Whether fp8_matmul_backward runs f's GEMMs (N rows, C in, OC out) in FP8. Where it does
+  // not, it falls back to bf16 GEMMs of dout, which then must exist in the activation dtype.
+  virtual bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) = 0;
   // matmul_forward from the casts: out = f.x8 @ f.weight8^T * scale_inv_x * scale_inv_w, + bias,
   // GELU epilogue as matmul_forward. inp and weight are the originals, for a backend that
   // cannot run a shape in FP8 (it says so once and runs it in bf16).
   virtual void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                                   Tensor pre_gelu, const Fp8Linear& f) = 0;
   // matmul_backward from the casts: dinp = f.g8 @ f.weight8 (times gelu'(inp_pre_gelu), in full
-  // precision), dweight += f.g8_t @ f.x8_t^T, dbias += column sums of dout itself.
+  // precision), dweight += f.g8_t @ f.x8_t^T, dbias += column sums of dout itself. dout may be
+  // undefined (the gradient made only in FP8) where there is no dbias and fp8_backward_in_fp8.
   virtual void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
                                    Tensor inp, Tensor weight, Tensor inp_pre_gelu,
                                    const Fp8Linear& f) = 0;

@@ -233,6 +233,52 @@ TEST(Fp8Matmul, CpuEmulationIsTheF32GemmOfTheDecodedOperands) {
     for (int64_t n = 0; n < N; ++n) sum += dout[n * OC + o];
     EXPECT_FLOAT_EQ(db[o], 0.25f + sum);
   }
+  // Without dout (the gradient made in FP8 only, by swiglu_backward_fp8) the GEMMs are the same;
+  // dbias then has nothing to sum and is refused.
+  std::vector<float> dinp2(N * C), dw2(OC * C, 0.5f);
+  cpu->fp8_matmul_backward(f32(dinp2, {N, C}), f32(dw2, {OC, C}), Tensor{}, Tensor{},
+                           f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}), f);
+  EXPECT_EQ(dinp2, dinp_ref);
+  EXPECT_EQ(dw2, dw_ref);
+  EXPECT_THROW(cpu->fp8_matmul_backward(f32(dinp2, {N, C}), f32(dw2, {OC, C}), f32(db, {OC}),
+                                        Tensor{}, f32(x, {N, C}), f32(w, {OC, C}), Tensor{}, f),
+               std::invalid_argument);
+}
+
+// The fused SwiGLU casts on the CPU are the plain op and the cast: the same bytes and window.
+TEST(Fp8Cast, SwigluCastsAreTheOpThenTheCast) {
+  auto cpu = make_cpu_backend();
+  const int64_t N = 5, F = 6;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> pre(N * 2 * F), dact(N * F);
+  for (auto& v : pre) v = 2.0f * g(rng);
+  for (auto& v : dact) v = 0.5f * g(rng);
+  auto f32 = [](std::vector<float>& v, Shape s) { return Tensor{v.data(), s, DType::f32, Device::cpu}; };
+  auto b8 = [](std::vector<uint8_t>& v, Shape s, DType d) { return Tensor{v.data(), s, d, Device::cpu}; };
+  State fused, plain;
+  for (State* st : {&fused, &plain}) {
+    st->at(st->l.scale(), kFp8X) = 100.0f;
+    st->at(st->l.scale(), kFp8G) = 2000.0f;
+  }
+  std::vector<float> act(N * F), act_ref(N * F), dpre(N * 2 * F);
+  std::vector<uint8_t> x8(N * F), x8_ref(N * F), g8(N * 2 * F), g8_t(N * 2 * F),
+      g8_ref(N * 2 * F), g8_t_ref(N * 2 * F);
+  cpu->swiglu_forward_fp8(f32(act, {N, F}), b8(x8, {N, F}, DType::fp8_e4m3), f32(pre, {N, 2 * F}),
+                          fused.tensor(), fused.l, kFp8X);
+  cpu->swiglu_forward(f32(act_ref, {N, F}), f32(pre, {N, 2 * F}));
+  cpu->fp8_cast(b8(x8_ref, {N, F}, DType::fp8_e4m3), Tensor{}, f32(act_ref, {N, F}),
+                plain.tensor(), plain.l, kFp8X);
+  cpu->swiglu_backward_fp8(b8(g8, {N, 2 * F}, DType::fp8_e5m2), b8(g8_t, {2 * F, N}, DType::fp8_e5m2),
+                           f32(dact, {N, F}), f32(pre, {N, 2 * F}), fused.tensor(), fused.l, kFp8G);
+  cpu->swiglu_backward(f32(dpre, {N, 2 * F}), f32(dact, {N, F}), f32(pre, {N, 2 * F}));
+  cpu->fp8_cast(b8(g8_ref, {N, 2 * F}, DType::fp8_e5m2), b8(g8_t_ref, {2 * F, N}, DType::fp8_e5m2),
+                f32(dpre, {N, 2 * F}), plain.tensor(), plain.l, kFp8G);
+  EXPECT_EQ(act, act_ref);
+  EXPECT_EQ(x8, x8_ref);
+  EXPECT_EQ(g8, g8_ref);
+  EXPECT_EQ(g8_t, g8_t_ref);
+  EXPECT_EQ(fused.s, plain.s);
 }
 
 }  // namespace

@@ -86,6 +86,11 @@ class CpuBackend final : public Backend {
 
   void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout,
                 int index) override;
+  void swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                          const Fp8StateLayout& layout, int index) override;
+  void swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp, Tensor state,
+                           const Fp8StateLayout& layout, int index) override;
+  bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override;
   void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu,
                           const Fp8Linear& f) override;
   void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,

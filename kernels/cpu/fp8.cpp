@@ -114,15 +114,19 @@ void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   c.shape("g8", f.g8, {N, OC});
   c.defined("g8_t", f.g8_t);
   c.shape("g8_t", f.g8_t, {OC, N});
-  c.f32("dout", dout);
-  c.numel("dout", dout, N * OC);
+  if (dout.defined()) {
+    c.f32("dout", dout);
+    c.numel("dout", dout, N * OC);
+  } else if (dbias.defined()) {
+    c.fail("dout", "is needed for dbias (the gradient exists only in FP8)");
+  }
   const float* s = f.state.ptr<float>();
   auto inv = [&](int role) { return s[f.layout.scale_inv(f.index + role)]; };
   // g8_t holds g8's bytes transposed (CUDA's wgrad operand); decoding g8 serves both GEMMs.
   std::vector<float> g = decode(f.g8, inv(kFp8G), false);
   std::vector<float> x = decode(f.x8_t, inv(kFp8X), true);
   std::vector<float> w = decode(f.weight8, inv(kFp8W), false);
-  matmul_backward(dinp, dweight, Tensor{}, host_f32(g, dout.shape), host_f32(x, inp.shape),
+  matmul_backward(dinp, dweight, Tensor{}, host_f32(g, {N, OC}), host_f32(x, inp.shape),
                   host_f32(w, {OC, C}), inp_pre_gelu);
   if (dbias.defined()) {
     c.f32("dbias", dbias);
@@ -136,6 +140,25 @@ void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
     }
   }
 }
+
+// The fused SwiGLU casts are, on the CPU, the plain ops and the cast in sequence: the reference
+// that CUDA's one-pass kernels must match byte for byte.
+void CpuBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                                    const Fp8StateLayout& l, int index) {
+  swiglu_forward(out, inp);
+  fp8_cast(x8, Tensor{}, out, state, l, index);
+}
+
+void CpuBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
+                                     Tensor state, const Fp8StateLayout& l, int index) {
+  std::vector<float> dinp(static_cast<size_t>(inp.numel()));
+  const Tensor d = host_f32(dinp, inp.shape);
+  swiglu_backward(d, dout, inp);
+  fp8_cast(g8, g8_t, d, state, l, index);
+}
+
+// The emulation has no GEMM to refuse.
+bool CpuBackend::fp8_backward_in_fp8(const Fp8Linear&, int64_t, int64_t, int64_t) { return true; }
 
 void CpuBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
                                    const Fp8Options& options) {

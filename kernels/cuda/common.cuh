@@ -115,5 +115,16 @@ __device__ inline float gelu_grad(float x) {
          0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
 }
 
+// SwiGLU's value and gradient from gate g, up u (and the output gradient d), in f32 with the
+// accurate expf. One definition for swiglu.cu and the fused FP8 casts of fp8.cu, so that a
+// fused kernel rounds exactly as the plain op followed by a cast does.
+__device__ inline float swiglu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ inline float swiglu(float g, float u) { return g * swiglu_sigmoid(g) * u; }
+__device__ inline void swiglu_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = swiglu_sigmoid(g);
+  dg = d * u * s * (1.0f + g * (1.0f - s));
+  du = d * (g * s);
+}
+
 }  // namespace cuda
 }  // namespace kiln

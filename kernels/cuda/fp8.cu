@@ -29,8 +29,77 @@ __device__ inline uint8_t encode(float x) {
   return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
-// vec: C % 8 == 0 and inp 16-byte and out 8-byte aligned; vec_t: R % 16 == 0 and out_t 16-byte
-// aligned. Partial tiles (at the edges) go element by element.
+// What a cast reads: value (r, c) of an R x C matrix (load1), or 8 consecutive ones from a
+// column that is a multiple of 8 (load8, used only where the cast's `vec` holds).
+//  - Bf16Matrix: a bf16 tensor as it is (fp8_cast).
+//  - SwigluOut: SwiGLU's output [N,F] from its input [N,2F], stored in bf16 on the way (the
+//    layer keeps it for the backward) and cast from the stored value (swiglu_forward_fp8).
+//  - SwigluGrad: SwiGLU's input gradient [N,2F] from dout [N,F] and the input, rounded to bf16
+//    as swiglu_backward stores it and cast from that value; never stored (swiglu_backward_fp8).
+// The fused sources round exactly as the plain op followed by fp8_cast, so the bytes are the same.
+struct Bf16Matrix {
+  const bf16* p;
+  int64_t C;
+  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const { load_vec<8>(v, p + r * C + c); }
+  __device__ float load1(int64_t r, int64_t c) const { return to_float(p[r * C + c]); }
+};
+
+__device__ inline float round_bf16(float x) { return to_float(from_float<bf16>(x)); }
+
+struct SwigluOut {
+  const bf16* inp;
+  bf16* out;
+  int64_t F;
+  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const {
+    float g[8], u[8];
+    load_vec<8>(g, inp + r * 2 * F + c);
+    load_vec<8>(u, inp + r * 2 * F + F + c);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = swiglu(g[k], u[k]);
+    store_vec<8>(out + r * F + c, v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = round_bf16(v[k]);
+  }
+  __device__ float load1(int64_t r, int64_t c) const {
+    const bf16 o = from_float<bf16>(swiglu(to_float(inp[r * 2 * F + c]),
+                                           to_float(inp[r * 2 * F + F + c])));
+    out[r * F + c] = o;
+    return to_float(o);
+  }
+};
+
+struct SwigluGrad {
+  const bf16* dout;
+  const bf16* inp;
+  int64_t F;
+  // Columns [0, F) are the gate's gradient, [F, 2F) the up projection's.
+  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const {
+    const bool up = c >= F;
+    const int64_t f = up ? c - F : c;
+    float g[8], u[8], d[8];
+    load_vec<8>(g, inp + r * 2 * F + f);
+    load_vec<8>(u, inp + r * 2 * F + F + f);
+    load_vec<8>(d, dout + r * F + f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float dg, du;
+      swiglu_grad(g[k], u[k], d[k], dg, du);
+      v[k] = round_bf16(up ? du : dg);
+    }
+  }
+  __device__ float load1(int64_t r, int64_t c) const {
+    const bool up = c >= F;
+    const int64_t f = up ? c - F : c;
+    float dg, du;
+    swiglu_grad(to_float(inp[r * 2 * F + f]), to_float(inp[r * 2 * F + F + f]),
+                to_float(dout[r * F + f]), dg, du);
+    return round_bf16(up ? du : dg);
+  }
+};
+
+// vec: C % 8 == 0 (for the SwiGLU sources F % 8 == 0), the source's tensors 16-byte and out
+// 8-byte aligned; vec_t: R % 16 == 0 and out_t 16-byte aligned. Partial tiles (at the edges)
+// go element by element.
 //  - The grid is one full wave (fp8_cast_grid) walking the tiles with a stride: a second, partial
 //    wave left most SMs idle for its length (measured: 1.9-2.3 TB/s against SwiGLU's 3.0).
 //  - A thread issues both of its 16-byte loads of a tile before it uses either.
@@ -38,11 +107,10 @@ __device__ inline uint8_t encode(float x) {
 //    same-address atomics cost more than the bytes moved.
 //  - The transpose reads the tile back as 4-byte words, 4 rows x 4 columns a thread, and
 //    transposes them in registers with byte permutes (not 16 one-byte shared loads per 16 bytes).
-template <bool kE5M2>
+template <bool kE5M2, class Source>
 __global__ void __launch_bounds__(kCastThreads)
-    fp8_cast_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                    const bf16* __restrict__ inp, int64_t R, int64_t C, float* state,
-                    Fp8StateLayout l, int index, bool vec, bool vec_t) {
+    fp8_cast_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, Source src, int64_t R,
+                    int64_t C, float* state, Fp8StateLayout l, int index, bool vec, bool vec_t) {
   __shared__ uint32_t tile[kTile][kTileWords];
   __shared__ float red[32];
   const float scale = state[l.scale() + index];
@@ -63,13 +131,12 @@ __global__ void __launch_bounds__(kCastThreads)
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
       const int r = threadIdx.x / 8 + j * (kCastThreads / 8);
-      const bf16* src = inp + (r0 + r) * C + c0 + c;
       if (full && vec) {
-        load_vec<8>(v[j], src);
+        src.load8(v[j], r0 + r, c0 + c);
       } else {
 #pragma unroll
         for (int k = 0; k < 8; ++k)
-          v[j][k] = (r < rows && c + k < cols) ? to_float(src[k]) : 0.0f;
+          v[j][k] = (r < rows && c + k < cols) ? src.load1(r0 + r, c0 + c + k) : 0.0f;
       }
     }
 #pragma unroll
@@ -137,16 +204,36 @@ __global__ void __launch_bounds__(kCastThreads)
   }
 }
 
-// One full wave of fp8_cast_kernel<kE5M2> on this GPU (at most `tiles` blocks).
-template <bool kE5M2>
+// One full wave of fp8_cast_kernel<kE5M2, Source> on this GPU (at most `tiles` blocks).
+template <bool kE5M2, class Source>
 int fp8_cast_grid(int64_t tiles, int sm_count) {
   static const int per_sm = [] {
     int n = 0;
-    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fp8_cast_kernel<kE5M2>,
-                                                                  kCastThreads, 0));
+    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, fp8_cast_kernel<kE5M2, Source>, kCastThreads, 0));
     return std::max(n, 1);
   }();
   return static_cast<int>(std::min<int64_t>(tiles, static_cast<int64_t>(per_sm) * sm_count));
+}
+
+// Casts R x C values of `src` into out and/or out_t (their dtype is the format), recording the
+// window of tensor `index`.
+template <class Source>
+void launch_cast(Tensor out, Tensor out_t, Source src, int64_t R, int64_t C, bool src_vec,
+                 float* state, const Fp8StateLayout& l, int index, int sm_count,
+                 cudaStream_t stream) {
+  auto* o = static_cast<uint8_t*>(out.data);
+  auto* ot = static_cast<uint8_t*>(out_t.data);
+  const bool vec = src_vec && C % 8 == 0 && (!o || aligned(o, 8));
+  const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
+  const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
+  if ((out.defined() ? out : out_t).dtype == DType::fp8_e5m2)
+    fp8_cast_kernel<true, Source><<<fp8_cast_grid<true, Source>(tiles, sm_count), kCastThreads,
+                                    0, stream>>>(o, ot, src, R, C, state, l, index, vec, vec_t);
+  else
+    fp8_cast_kernel<false, Source><<<fp8_cast_grid<false, Source>(tiles, sm_count), kCastThreads,
+                                     0, stream>>>(o, ot, src, R, C, state, l, index, vec, vec_t);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
 __global__ void fp8_summary_kernel(float* state, Fp8StateLayout l, Fp8Options o) {
@@ -171,40 +258,72 @@ std::string CudaBackend::fp8_unavailable() const {
          "; FP8 tensor cores need sm_89 (Ada) or newer";
 }
 
-void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
-                           const Fp8StateLayout& l, int index) {
-  const char* op = "fp8_cast";
-  expect_activation(inp, op, "inp");
+namespace {
+
+// Checks the state, the index and the outputs of a cast of R x C values (`what` names them).
+void check_cast(const char* op, Tensor out, Tensor out_t, int64_t R, int64_t C,
+                const std::string& what, const Tensor& state, const Fp8StateLayout& l,
+                int index) {
   check_state(state, l, op);
   if (index < 0 || index >= l.n)
-    throw std::invalid_argument("cuda fp8_cast: index " + std::to_string(index) + " of " +
-                                std::to_string(l.n) + " FP8 tensors");
-  const int64_t C = inp.dim(-1), R = inp.numel() / C;
+    throw std::invalid_argument(std::string("cuda ") + op + ": index " + std::to_string(index) +
+                                " of " + std::to_string(l.n) + " FP8 tensors");
   const Tensor& any = out.defined() ? out : out_t;
-  if (!any.defined()) throw std::invalid_argument("cuda fp8_cast: neither out nor out_t given");
+  if (!any.defined())
+    throw std::invalid_argument(std::string("cuda ") + op + ": no FP8 output given");
   for (const Tensor* t : {&out, &out_t}) {
     if (!t->defined()) continue;
     expect_device(*t, op, t == &out ? "out" : "out_t");
     if ((t->dtype != DType::fp8_e4m3 && t->dtype != DType::fp8_e5m2) || t->numel() != R * C ||
         t->dtype != any.dtype)
-      throw std::invalid_argument("cuda fp8_cast: " + t->str() + " must be fp8 (both outputs " +
-                                  "one format) holding " + inp.str());
+      throw std::invalid_argument(std::string("cuda ") + op + ": " + t->str() +
+                                  " must be fp8 (both outputs one format) holding " + what);
   }
+}
+
+}  // namespace
+
+void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                           const Fp8StateLayout& l, int index) {
+  const char* op = "fp8_cast";
+  expect_activation(inp, op, "inp");
+  const int64_t C = inp.dim(-1), R = inp.numel() / C;
+  check_cast(op, out, out_t, R, C, inp.str(), state, l, index);
   if (R == 0 || C == 0) return;
-  auto* o = static_cast<uint8_t*>(out.data);
-  auto* ot = static_cast<uint8_t*>(out_t.data);
-  const bool vec = C % 8 == 0 && aligned(inp.data, 16) && (!o || aligned(o, 8));
-  const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
-  const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
-  const auto* x = static_cast<const bf16*>(inp.data);
-  float* s = state.ptr<float>();
-  if (any.dtype == DType::fp8_e5m2)
-    fp8_cast_kernel<true><<<fp8_cast_grid<true>(tiles, sm_count_), kCastThreads, 0, stream_>>>(
-        o, ot, x, R, C, s, l, index, vec, vec_t);
-  else
-    fp8_cast_kernel<false><<<fp8_cast_grid<false>(tiles, sm_count_), kCastThreads, 0, stream_>>>(
-        o, ot, x, R, C, s, l, index, vec, vec_t);
-  KILN_CUDA_LAUNCH_CHECK();
+  launch_cast(out, out_t, Bf16Matrix{inp.ptr<bf16>(), C}, R, C, aligned(inp.data, 16),
+              state.ptr<float>(), l, index, sm_count_, stream_);
+}
+
+void CudaBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                                     const Fp8StateLayout& l, int index) {
+  const char* op = "swiglu_forward_fp8";
+  expect_activation(out, op, "out");
+  expect_activation(inp, op, "inp");
+  const int64_t F = out.dim(-1), N = F == 0 ? 0 : out.numel() / F;
+  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
+    throw std::invalid_argument("cuda swiglu_forward_fp8: inp " + inp.str() + " must be out " +
+                                out.str() + " with the last dim doubled (gate then up)");
+  check_cast(op, x8, Tensor{}, N, F, out.str(), state, l, index);
+  if (N == 0 || F == 0) return;
+  launch_cast(x8, Tensor{}, SwigluOut{inp.ptr<bf16>(), out.ptr<bf16>(), F}, N, F,
+              F % 8 == 0 && aligned(inp.data, 16) && aligned(out.data, 16), state.ptr<float>(),
+              l, index, sm_count_, stream_);
+}
+
+void CudaBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
+                                      Tensor state, const Fp8StateLayout& l, int index) {
+  const char* op = "swiglu_backward_fp8";
+  expect_activation(dout, op, "dout");
+  expect_activation(inp, op, "inp");
+  const int64_t F = dout.dim(-1), N = F == 0 ? 0 : dout.numel() / F;
+  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
+    throw std::invalid_argument("cuda swiglu_backward_fp8: inp " + inp.str() + " must be dout " +
+                                dout.str() + " with the last dim doubled (gate then up)");
+  check_cast(op, g8, g8_t, N, 2 * F, inp.str(), state, l, index);
+  if (N == 0 || F == 0) return;
+  launch_cast(g8, g8_t, SwigluGrad{dout.ptr<bf16>(), inp.ptr<bf16>(), F}, N, 2 * F,
+              F % 8 == 0 && aligned(inp.data, 16) && aligned(dout.data, 16), state.ptr<float>(),
+              l, index, sm_count_, stream_);
 }
 
 void CudaBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,

@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -485,44 +486,69 @@ void CudaBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tens
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, g);
 }
 
-void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                      Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                                      const Fp8Linear& f) {
-  const char* op = "fp8_matmul_backward";
-  expect_activation(dout, op, "dout");
-  expect_f32(dweight, op, "dweight");
-  const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
-  check_2d(dweight, OC, C, op, "dweight");
-  check_2d(dout, N, OC, op, "dout");
-  check_fp8(f.weight8_t, C, OC, op, "weight8_t");
-  check_fp8(f.g8, N, OC, op, "g8");
-  check_fp8(f.g8_t, OC, N, op, "g8_t");
-  check_fp8(f.x8_t, C, N, op, "x8_t");
-  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+namespace {
+
+// fp8_matmul_backward's two GEMMs for f (N rows, C in, OC out), writing dinp and dweight:
+// dinp^T[C,N] = weight8_t (stored [C,OC], read transposed) . g8^T; dweight^T[C,OC] += x8_t
+// (stored [C,N], read transposed) . g8_t^T: both TN, as FP8 requires.
+std::pair<GemmArgs, GemmArgs> fp8_backward_gemms(const Fp8Linear& f, int64_t N, int64_t C,
+                                                 int64_t OC, void* dinp, void* dweight) {
   const float* s = f.state.ptr<float>();
   const Fp8StateLayout& l = f.layout;
-  // dinp^T[C,N] = weight8_t (stored [C,OC], read transposed) . g8^T; dweight^T[C,OC] += x8_t
-  // (stored [C,N], read transposed) . g8_t^T: both TN, as FP8 requires.
-  GemmArgs gd{C, N, OC, true, false, f.weight8_t.data, f.g8.data, dinp.data, CUDA_R_16BF, 0.0f};
+  GemmArgs gd{C, N, OC, true, false, f.weight8_t.data, f.g8.data, dinp, CUDA_R_16BF, 0.0f};
   gd.a_type = CUDA_R_8F_E4M3;
   gd.b_type = fp8_type(f.g8);
   gd.a_scale = s + l.scale_inv(f.index + kFp8W);
   gd.b_scale = s + l.scale_inv(f.index + kFp8G);
-  GemmArgs gw{C, OC, N, true, false, f.x8_t.data, f.g8_t.data, dweight.data, CUDA_R_32F, 1.0f};
+  GemmArgs gw{C, OC, N, true, false, f.x8_t.data, f.g8_t.data, dweight, CUDA_R_32F, 1.0f};
   gw.a_type = CUDA_R_8F_E4M3;
   gw.b_type = fp8_type(f.g8_t);
   gw.a_scale = s + l.scale_inv(f.index + kFp8X);
   gw.b_scale = s + l.scale_inv(f.index + kFp8G);
-  // The trials write scratch, not dinp/dweight: dweight accumulates, and dinp may be absent.
+  return {gd, gw};
+}
+
+}  // namespace
+
+// cuBLASLt's verdict on both GEMMs, tried once per shape (fp8_gemm_ok). The trials write
+// scratch, not the real outputs: dweight accumulates, and dinp may be absent.
+bool CudaBackend::fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) {
+  if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
+  auto [gd, gw] = fp8_backward_gemms(f, N, C, OC, nullptr, nullptr);
   auto ok = [&](const GemmArgs& g, size_t bytes) {
     return fp8_gemm_ok(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_,
                        stream_, g, scratch(bytes));
   };
-  if ((dinp.defined() && !ok(gd, static_cast<size_t>(N * C) * 2)) ||
-      !ok(gw, static_cast<size_t>(OC * C) * 4)) {
+  return ok(gd, static_cast<size_t>(N * C) * 2) && ok(gw, static_cast<size_t>(OC * C) * 4);
+}
+
+void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                      Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                      const Fp8Linear& f) {
+  const char* op = "fp8_matmul_backward";
+  expect_f32(dweight, op, "dweight");
+  const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
+  check_2d(dweight, OC, C, op, "dweight");
+  if (dout.defined()) {
+    expect_activation(dout, op, "dout");
+    check_2d(dout, N, OC, op, "dout");
+  } else if (dbias.defined()) {
+    throw std::invalid_argument("cuda fp8_matmul_backward: dbias needs dout (undefined: the "
+                                "gradient exists only in FP8)");
+  }
+  check_fp8(f.weight8_t, C, OC, op, "weight8_t");
+  check_fp8(f.g8, N, OC, op, "g8");
+  check_fp8(f.g8_t, OC, N, op, "g8_t");
+  check_fp8(f.x8_t, C, N, op, "x8_t");
+  if (!fp8_backward_in_fp8(f, N, C, OC)) {
+    if (!dout.defined())
+      throw std::logic_error("cuda fp8_matmul_backward: cuBLASLt refuses this layer's FP8 "
+                             "GEMMs and its gradient exists only in FP8 (the caller should "
+                             "have asked fp8_backward_in_fp8)");
     matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu);
     return;
   }
+  auto [gd, gw] = fp8_backward_gemms(f, N, C, OC, dinp.data, dweight.data);
   if (dinp.defined()) {
     expect_activation(dinp, op, "dinp");
     check_2d(dinp, N, C, op, "dinp");

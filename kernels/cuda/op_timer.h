@@ -107,6 +107,13 @@ namespace kiln {
   X(fp8_cast,                                                                                      \
     (Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout, int index), \
     (out, out_t, inp, state, layout, index))                                                       \
+  X(swiglu_forward_fp8,                                                                            \
+    (Tensor out, Tensor x8, Tensor inp, Tensor state, const Fp8StateLayout& layout, int index),    \
+    (out, x8, inp, state, layout, index))                                                          \
+  X(swiglu_backward_fp8,                                                                           \
+    (Tensor g8, Tensor g8_t, Tensor dout, Tensor inp, Tensor state, const Fp8StateLayout& layout,  \
+     int index),                                                                                   \
+    (g8, g8_t, dout, inp, state, layout, index))                                                   \
   X(fp8_update_scales, (Tensor state, const Fp8StateLayout& layout, const Fp8Options& options),    \
     (state, layout, options))
 
@@ -142,6 +149,9 @@ class OpTimer final : public Backend {
   void set_attention(const std::string& kind) override { inner_.set_attention(kind); }
   std::string attention_name() const override { return inner_.attention_name(); }
   std::string fp8_unavailable() const override { return inner_.fp8_unavailable(); }
+  bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override {
+    return inner_.fp8_backward_in_fp8(f, N, C, OC);
+  }
 
   void* allocate(size_t bytes) override { return inner_.allocate(bytes); }
   void release(void* p) override { inner_.release(p); }

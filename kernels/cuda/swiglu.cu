@@ -19,10 +19,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxRowBlocks = 65535;  // gridDim.y
 
-__device__ inline float sigmoid(float x) {
-  return 1.0f / (1.0f + expf(-x));
-}
-
 // Thread (x, y) handles columns [x * kVec, x * kVec + kVec) of rows y, y + gridDim.y, ...
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -35,7 +31,7 @@ __global__ void __launch_bounds__(kThreads)
     load_vec<kVec>(g, gate);
     load_vec<kVec>(u, gate + F);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) o[k] = g[k] * sigmoid(g[k]) * u[k];
+    for (int k = 0; k < kVec; ++k) o[k] = swiglu(g[k], u[k]);
     store_vec<kVec>(out + n * F + f, o);
   }
 }
@@ -52,12 +48,7 @@ __global__ void __launch_bounds__(kThreads)
     load_vec<kVec>(u, gate + F);
     load_vec<kVec>(d, dout + n * F + f);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float s = sigmoid(g[k]);
-      const float silu = g[k] * s;
-      dg[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
-      du[k] = d[k] * silu;
-    }
+    for (int k = 0; k < kVec; ++k) swiglu_grad(g[k], u[k], d[k], dg[k], du[k]);
     store_vec<kVec>(dinp + n * 2 * F + f, dg);
     store_vec<kVec>(dinp + n * 2 * F + F + f, du);
   }

@@ -10,7 +10,8 @@ void Linear::declare(LayoutBuilder& b, const std::string& name, int64_t in_featu
   bias = with_bias ? b.add(name + ".bias", {out}, false) : -1;
 }
 
-void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu) const {
+void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu,
+                     bool x8_made) const {
   if (!fp8) {
     k.matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu);
     return;
@@ -18,7 +19,7 @@ void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tens
   const Fp8Linear& f = *fp8;
   if (f.cast_weight_on_use)
     k.fp8_cast(f.weight8, Tensor{}, param(w, weight), f.state, f.layout, f.index + kFp8W);
-  k.fp8_cast(f.x8, Tensor{}, inp, f.state, f.layout, f.index + kFp8X);
+  if (!x8_made) k.fp8_cast(f.x8, Tensor{}, inp, f.state, f.layout, f.index + kFp8X);
   k.fp8_matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu, f);
 }
 
@@ -33,7 +34,7 @@ void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp,
   // The weight's scale, like the input's, is the forward's: the same bytes again.
   if (f.cast_weight_on_use)
     k.fp8_cast(f.weight8, f.weight8_t, param(w, weight), f.state, f.layout, f.index + kFp8W);
-  k.fp8_cast(f.g8, f.g8_t, dout, f.state, f.layout, f.index + kFp8G);
+  if (dout.defined()) k.fp8_cast(f.g8, f.g8_t, dout, f.state, f.layout, f.index + kFp8G);
   // The forward's scale is still in place (scales change between optimizer steps only), so this
   // cast gives the forward's bytes, transposed for the weight gradient: no FP8 copy is kept.
   k.fp8_cast(Tensor{}, f.x8_t, inp, f.state, f.layout, f.index + kFp8X);

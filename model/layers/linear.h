@@ -18,8 +18,13 @@ struct Linear {
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t in_features, int64_t out_features,
                bool with_bias);
-  void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {}) const;
-  // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp.
+  // x8_made: the input's FP8 copy (fp8->x8) was made by the op that produced inp
+  // (swiglu_forward_fp8), so the layer does not cast it.
+  void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {},
+               bool x8_made = false) const;
+  // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp. An
+  // undefined dout means the output gradient was made in FP8 only (fp8->g8 and g8_t, by
+  // swiglu_backward_fp8), which the caller may do where the backend's fp8_backward_in_fp8 holds.
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
                 Tensor inp_pre_gelu = {}) const;
 };

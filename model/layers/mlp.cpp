@@ -22,10 +22,18 @@ void Mlp::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
 void Mlp::forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool project) const {
   if (kind == MlpKind::gelu) {
     fc.forward(k, w, a.act, inp, a.pre);
-  } else {
-    fc.forward(k, w, a.pre, inp);
-    k.swiglu_forward(a.act, a.pre);
+    if (project) proj.forward(k, w, a.out, a.act);
+    return;
   }
+  fc.forward(k, w, a.pre, inp);
+  if (project && proj.fp8) {
+    // SwiGLU writes proj's FP8 input in the same pass (the cast would read act back).
+    const Fp8Linear& f = *proj.fp8;
+    k.swiglu_forward_fp8(a.act, f.x8, a.pre, f.state, f.layout, f.index + kFp8X);
+    proj.forward(k, w, a.out, a.act, Tensor{}, /*x8_made=*/true);
+    return;
+  }
+  k.swiglu_forward(a.act, a.pre);
   if (project) proj.forward(k, w, a.out, a.act);
 }
 
@@ -33,10 +41,19 @@ void Mlp::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
                    Tensor dout, Tensor inp, const Acts& a) const {
   if (kind == MlpKind::gelu) {
     proj.backward(k, w, g, s.dpre, dout, a.act, a.pre);
-  } else {
-    proj.backward(k, w, g, s.dact, dout, a.act);
-    k.swiglu_backward(s.dpre, s.dact, a.pre);
+    fc.backward(k, w, g, dinp, s.dpre, inp);
+    return;
   }
+  proj.backward(k, w, g, s.dact, dout, a.act);
+  const int64_t N = inp.numel() / fc.in;
+  if (fc.fp8 && fc.bias < 0 && k.fp8_backward_in_fp8(*fc.fp8, N, fc.in, fc.out)) {
+    // fc's output gradient goes straight to FP8: its bf16 copy is never written or read back.
+    const Fp8Linear& f = *fc.fp8;
+    k.swiglu_backward_fp8(f.g8, f.g8_t, s.dact, a.pre, f.state, f.layout, f.index + kFp8G);
+    fc.backward(k, w, g, dinp, Tensor{}, inp);
+    return;
+  }
+  k.swiglu_backward(s.dpre, s.dact, a.pre);
   fc.backward(k, w, g, dinp, s.dpre, inp);
 }
 

@@ -880,6 +880,42 @@ TEST_F(CudaFp8, CastMatchesCpuByteForByte) {
   }
 }
 
+// SwiGLU fused with the casts (swiglu_forward_fp8, swiglu_backward_fp8) against swiglu_forward /
+// swiglu_backward followed by fp8_cast on CUDA: the same bf16 output, FP8 bytes, transposes and
+// windows. F a multiple of 8 (packed loads) and not (element by element); rows and columns in
+// partial tiles; LLaMA 1.36B's F (5504) in a 2-wave grid.
+TEST_F(CudaFp8, SwigluCastsMatchTheOpThenTheCast) {
+  struct Dims {
+    int64_t N, F;
+  };
+  for (const Dims d : {Dims{256, 192}, Dims{130, 72}, Dims{37, 13}, Dims{512, 5504}}) {
+    const int64_t N = d.N, F = d.F;
+    const std::string what = std::to_string(N) + "x" + std::to_string(F);
+    Buf pre = act({N, 2 * F}, rand(N * 2 * F, 3.0f)), dact = act({N, F}, rand(N * F, 0.5f));
+    // Scales that make the larger values clip, so the saturation counts are compared too.
+    Fp8Pair fused = state({448.0f / 2.0f, 57344.0f / 0.5f}),
+            plain = state({448.0f / 2.0f, 57344.0f / 0.5f});
+    Buf out = poisoned({N, F}, DType::bf16), out_ref = poisoned({N, F}, DType::bf16);
+    Buf x8(*gpu_, {N, F}, DType::fp8_e4m3), x8_ref(*gpu_, {N, F}, DType::fp8_e4m3);
+    gpu_->swiglu_forward_fp8(out, x8, pre, fused.gpu, fused.l, 0);
+    gpu_->swiglu_forward(out_ref, pre);
+    gpu_->fp8_cast(x8_ref, Tensor{}, out_ref, plain.gpu, plain.l, 0);
+    EXPECT_EQ(bytes(*gpu_, out), bytes(*gpu_, out_ref)) << what << " swiglu out";
+    EXPECT_EQ(bytes(*gpu_, x8), bytes(*gpu_, x8_ref)) << what << " x8";
+
+    Buf g8(*gpu_, {N, 2 * F}, DType::fp8_e5m2), g8_t(*gpu_, {2 * F, N}, DType::fp8_e5m2);
+    Buf g8_ref(*gpu_, {N, 2 * F}, DType::fp8_e5m2), g8_t_ref(*gpu_, {2 * F, N}, DType::fp8_e5m2);
+    Buf dpre = poisoned({N, 2 * F}, DType::bf16);
+    gpu_->swiglu_backward_fp8(g8, g8_t, dact, pre, fused.gpu, fused.l, 1);
+    gpu_->swiglu_backward(dpre, dact, pre);
+    gpu_->fp8_cast(g8_ref, g8_t_ref, dpre, plain.gpu, plain.l, 1);
+    EXPECT_EQ(bytes(*gpu_, g8), bytes(*gpu_, g8_ref)) << what << " g8";
+    EXPECT_EQ(bytes(*gpu_, g8_t), bytes(*gpu_, g8_t_ref)) << what << " g8_t";
+    expect_same_floats(host(fused.gpu), host(plain.gpu), what.c_str());
+    EXPECT_GT(host(fused.gpu)[fused.l.saturated() + 1], 0.0f) << what;
+  }
+}
+
 // The update (summary and per-tensor roll and scale) against the CPU, bit for bit, with
 // windows of 0, inf and NaN among ordinary ones.
 TEST_F(CudaFp8, UpdateMatchesCpuBitForBit) {
@@ -974,6 +1010,12 @@ TEST_F(CudaFp8, MatmulMatchesCpuEmulationAndTracksBf16) {
     // E5M2 keeps 2 mantissa bits: the gradient's operand within 2^-3.
     EXPECT_CLOSE(host(gdin), host(rdin), 0.15, "fp8 dinp vs bf16 GEMM" + tag);
     EXPECT_CLOSE(host(gdw), host(rdw), 0.15, "fp8 dweight vs bf16 GEMM" + tag);
+    // Without dout (the gradient made in FP8 only): the same GEMMs, bit for bit.
+    ASSERT_TRUE(gpu_->fp8_backward_in_fp8(gf, N, C, OC));
+    Buf gdin2 = poisoned({N, C}, DType::bf16), gdw2 = gpu({OC, C}, DType::f32, dw0);
+    gpu_->fp8_matmul_backward(gdin2, gdw2, Tensor{}, Tensor{}, gx, gw, gelu ? gp.t : Tensor{}, gf);
+    EXPECT_EQ(bytes(*gpu_, gdin2), bytes(*gpu_, gdin)) << "fp8 dinp without dout" << tag;
+    EXPECT_EQ(bytes(*gpu_, gdw2), bytes(*gpu_, gdw)) << "fp8 dweight without dout" << tag;
   }
 }
 
