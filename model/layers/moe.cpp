@@ -1,5 +1,8 @@
 #include "model/layers/moe.h"
 
+#include <algorithm>
+#include <stdexcept>
+
 namespace kiln {
 
 void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_shared) {
@@ -80,7 +83,7 @@ Tensor Moe::on_host(Backend& k, Tensor offsets) const {
 
 void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows,
                           Tensor device_offsets, Tensor out) const {
-  const Tensor offsets = on_host(k, device_offsets);
+  const Tensor offsets = forward_offsets_ = on_host(k, device_offsets);
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_forward(a.act, rows, local(w, fc), offsets, a.pre);
   } else {
@@ -93,7 +96,14 @@ void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor row
 void Moe::experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                            const Acts& a, Tensor rows, Tensor device_offsets, Tensor dout,
                            Tensor drows) const {
-  const Tensor offsets = on_host(k, device_offsets);
+  const Tensor offsets = forward_offsets_;
+  if (!offsets.defined() || offsets.numel() != device_offsets.numel())
+    throw std::logic_error("Moe::experts_backward: no forward offsets for this micro-batch");
+  // Where the offsets are host memory (the CPU) the reuse is checked: the same values.
+  if (device_offsets.device == Device::cpu &&
+      !std::equal(offsets.ptr<int32_t>(), offsets.ptr<int32_t>() + offsets.numel(),
+                  device_offsets.ptr<int32_t>()))
+    throw std::logic_error("Moe::experts_backward: the offsets differ from the forward's");
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_backward(s.dpre, local(g, proj), dout, a.act, local(w, proj), offsets, a.pre);
   } else {

@@ -98,11 +98,13 @@ struct Moe {
   void experts_backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                         const Acts& a, Tensor rows, Tensor offsets, Tensor dout,
                         Tensor drows) const;
-  // The offsets as a host tensor, for the two grouped GEMMs of a pass (which take them in host
-  // memory): a device tensor is copied to host_offsets_ (a stream sync); a host one is returned
-  // as it is.
+  // The offsets as a host tensor, for the grouped GEMMs (which take them in host memory): a
+  // device tensor is copied to host_offsets_ (a stream sync); a host one is returned as it is.
+  // The forward's copy (forward_offsets_) serves the backward of the same micro-batch, whose
+  // offsets are the same: the backward needs no copy and no sync.
   Tensor on_host(Backend& k, Tensor offsets) const;
   mutable std::vector<int32_t> host_offsets_;
+  mutable Tensor forward_offsets_;
 };
 
 }  // namespace kiln
