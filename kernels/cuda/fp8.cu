@@ -4,6 +4,10 @@
 //    gradient GEMM needs the input and the output gradient transposed: Hopper's FP8 GEMMs take
 //    only the TN layout), and records the window's amax, clipped and cast counts in the same
 //    pass. A block casts 64 x 64 tiles and transposes each through shared memory.
+//  - SwiGLU fused with the casts of what it makes: forward, its output and that output's FP8
+//    copy in one stream; backward, the gate and up gradients of a 64 x 64 tile of the gate from
+//    one read of gate, up and dout, cast with their transposes, never stored in bf16. Both round
+//    through bf16 first, so their bytes are those of the plain op followed by fp8_cast.
 //  - amax is a max over the bits of non-negative floats (atomicMax on int), so it is exact and
 //    order-free; a NaN (bits above +inf) wins and stays, as the CPU keeps it.
 //  - The update is the shared per-tensor code of kernels/fp8.h, a thread per tensor, after a
@@ -29,114 +33,105 @@ __device__ inline uint8_t encode(float x) {
   return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
-// What a cast reads: value (r, c) of an R x C matrix (load1), or 8 consecutive ones from a
-// column that is a multiple of 8 (load8, used only where the cast's `vec` holds).
-//  - Bf16Matrix: a bf16 tensor as it is (fp8_cast).
-//  - SwigluOut: SwiGLU's output [N,F] from its input [N,2F], stored in bf16 on the way (the
-//    layer keeps it for the backward) and cast from the stored value (swiglu_forward_fp8).
-//  - SwigluGrad: SwiGLU's input gradient [N,2F] from dout [N,F] and the input, rounded to bf16
-//    as swiglu_backward stores it and cast from that value; never stored (swiglu_backward_fp8).
-// The fused sources round exactly as the plain op followed by fp8_cast, so the bytes are the same.
-struct Bf16Matrix {
-  const bf16* p;
-  int64_t C;
-  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const { load_vec<8>(v, p + r * C + c); }
-  __device__ float load1(int64_t r, int64_t c) const { return to_float(p[r * C + c]); }
-};
-
 __device__ inline float round_bf16(float x) { return to_float(from_float<bf16>(x)); }
 
-struct SwigluOut {
-  const bf16* inp;
-  bf16* out;
-  int64_t F;
-  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const {
-    float g[8], u[8];
-    load_vec<8>(g, inp + r * 2 * F + c);
-    load_vec<8>(u, inp + r * 2 * F + F + c);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = swiglu(g[k], u[k]);
-    store_vec<8>(out + r * F + c, v);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = round_bf16(v[k]);
-  }
-  __device__ float load1(int64_t r, int64_t c) const {
-    const bf16 o = from_float<bf16>(swiglu(to_float(inp[r * 2 * F + c]),
-                                           to_float(inp[r * 2 * F + F + c])));
-    out[r * F + c] = o;
-    return to_float(o);
-  }
-};
-
-struct SwigluGrad {
-  const bf16* dout;
-  const bf16* inp;
-  int64_t F;
-  // Columns [0, F) are the gate's gradient, [F, 2F) the up projection's.
-  __device__ void load8(float (&v)[8], int64_t r, int64_t c) const {
-    const bool up = c >= F;
-    const int64_t f = up ? c - F : c;
-    float g[8], u[8], d[8];
-    load_vec<8>(g, inp + r * 2 * F + f);
-    load_vec<8>(u, inp + r * 2 * F + F + f);
-    load_vec<8>(d, dout + r * F + f);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      float dg, du;
-      swiglu_grad(g[k], u[k], d[k], dg, du);
-      v[k] = round_bf16(up ? du : dg);
-    }
-  }
-  __device__ float load1(int64_t r, int64_t c) const {
-    const bool up = c >= F;
-    const int64_t f = up ? c - F : c;
-    float dg, du;
-    swiglu_grad(to_float(inp[r * 2 * F + f]), to_float(inp[r * 2 * F + F + f]),
-                to_float(dout[r * F + f]), dg, du);
-    return round_bf16(up ? du : dg);
-  }
-};
-
-// vec: C % 8 == 0 (for the SwiGLU sources F % 8 == 0), the source's tensors 16-byte and out
-// 8-byte aligned; vec_t: R % 16 == 0 and out_t 16-byte aligned. Partial tiles (at the edges)
-// go element by element.
-//  - The grid is one full wave (fp8_cast_grid) walking the tiles with a stride: a second, partial
-//    wave left most SMs idle for its length (measured: 1.9-2.3 TB/s against SwiGLU's 3.0).
-//  - A thread issues both of its 16-byte loads of a tile before it uses either.
-//  - Each block reduces its amax and counts once, at the end: per-tile reductions and
-//    same-address atomics cost more than the bytes moved.
-//  - The transpose reads the tile back as 4-byte words, 4 rows x 4 columns a thread, and
-//    transposes them in registers with byte permutes (not 16 one-byte shared loads per 16 bytes).
-template <bool kE5M2, class Source>
-__global__ void __launch_bounds__(kCastThreads)
-    fp8_cast_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, Source src, int64_t R,
-                    int64_t C, float* state, Fp8StateLayout l, int index, bool vec, bool vec_t) {
-  __shared__ uint32_t tile[kTile][kTileWords];
-  __shared__ float red[32];
-  const float scale = state[l.scale() + index];
-  const float max_value = kE5M2 ? kFp8E5M2Max : kFp8E4M3Max;
-  const int64_t tiles_c = (C + kTile - 1) / kTile;
-  const int64_t tiles = tiles_c * ((R + kTile - 1) / kTile);
+// A thread's share of a window: max |x| (NaN kept apart) and values clipped; `cast`, the
+// values cast, is the block's (every thread of a block counts the same tiles).
+struct Window {
   float amax = 0.0f;
   int nan = 0, saturated = 0;
   int64_t cast = 0;
+
+  // Encodes 8 values scaled by `scale` into q and records them.
+  template <bool kE5M2>
+  __device__ void encode8(const float (&v)[8], float scale, uint8_t (&q)[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float x = v[k], scaled = x * scale;
+      nan |= x != x;
+      amax = fmaxf(amax, fabsf(x));
+      saturated += fabsf(scaled) > (kE5M2 ? kFp8E5M2Max : kFp8E4M3Max);
+      q[k] = encode<kE5M2>(scaled);
+    }
+  }
+
+  // Once per block, at its end (per-tile reductions and same-address atomics cost more than the
+  // bytes moved): amax as a max over the bits of non-negative floats, NaN above them all.
+  __device__ void publish(float* state, const Fp8StateLayout& l, int index, float* red) {
+    const float a = block_max(amax, red);
+    const float clipped = block_sum(static_cast<float>(saturated), red);
+    const int any_nan = __syncthreads_or(nan);
+    if (threadIdx.x == 0) {
+      atomicMax(reinterpret_cast<int*>(state + l.amax() + index),
+                __float_as_int(any_nan ? __int_as_float(0x7fc00000) : a));
+      atomicAdd(state + l.saturated() + index, clipped);
+      atomicAdd(state + l.cast() + index, static_cast<float>(cast));
+    }
+  }
+};
+
+// out_t[C,R] from a 64 x 64 tile of FP8 bytes in shared memory (rows r0.., columns c0..; `ld`
+// is R): thread (g, q) turns tile rows 4q..4q+3 x columns 4g..4g+3 into 4 bytes of out_t rows
+// c0 + 4g + b with byte permutes; the 16 threads of one g write 64 consecutive bytes of each.
+__device__ inline void store_transposed(const uint32_t (&tile)[kTile][kTileWords], uint8_t* out_t,
+                                        int64_t ld, int64_t r0, int64_t c0, int rows, int cols,
+                                        bool packed) {
+  const int q = threadIdx.x % 16, g = threadIdx.x / 16;
+  const uint32_t w0 = tile[4 * q][g], w1 = tile[4 * q + 1][g], w2 = tile[4 * q + 2][g],
+                 w3 = tile[4 * q + 3][g];
+  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362),
+                 lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
+  // col[b]: byte b (tile column 4g + b) of w0..w3, in row order.
+  const uint32_t col[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    uint8_t* dst = out_t + (c0 + 4 * g + b) * ld + r0 + 4 * q;
+    if (packed) {
+      *reinterpret_cast<uint32_t*>(dst) = col[b];
+    } else if (4 * g + b < cols) {
+      for (int k = 0; k < 4; ++k)
+        if (4 * q + k < rows) dst[k] = static_cast<uint8_t>(col[b] >> (8 * k));
+    }
+  }
+}
+
+// vec: C % 8 == 0 and inp 16-byte and out 8-byte aligned; vec_t: R % 16 == 0 and out_t 16-byte
+// aligned. Partial tiles (at the edges) go element by element.
+//  - The grid is one full wave (full_wave) walking the tiles with a stride: a second, partial
+//    wave left most SMs idle for its length (measured: 1.9-2.3 TB/s against SwiGLU's 3.0).
+//  - A thread issues both of its 16-byte loads of a tile before it uses either. (Two tiles a
+//    pass, all four loads first, needed 64 registers, 4 blocks an SM, and ran slower: 18.3 ->
+//    25.0 ms a LLaMA 1.36B step.)
+template <bool kE5M2>
+__global__ void __launch_bounds__(kCastThreads)
+    fp8_cast_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                    const bf16* __restrict__ inp, int64_t R, int64_t C, float* state,
+                    Fp8StateLayout l, int index, bool vec, bool vec_t) {
+  __shared__ uint32_t tile[kTile][kTileWords];
+  __shared__ float red[32];
+  const float scale = state[l.scale() + index];
+  const int64_t tiles_c = (C + kTile - 1) / kTile;
+  const int64_t tiles = tiles_c * ((R + kTile - 1) / kTile);
+  Window win;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t r0 = t / tiles_c * kTile, c0 = t % tiles_c * kTile;
     const int rows = R - r0 < kTile ? static_cast<int>(R - r0) : kTile;
     const int cols = C - c0 < kTile ? static_cast<int>(C - c0) : kTile;
     const bool full = rows == kTile && cols == kTile;
-    cast += rows * cols;
+    win.cast += rows * cols;
     const int c = (threadIdx.x % 8) * 8;
     float v[kRuns][8];
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
       const int r = threadIdx.x / 8 + j * (kCastThreads / 8);
+      const bf16* src = inp + (r0 + r) * C + c0 + c;
       if (full && vec) {
-        src.load8(v[j], r0 + r, c0 + c);
+        load_vec<8>(v[j], src);
       } else {
 #pragma unroll
         for (int k = 0; k < 8; ++k)
-          v[j][k] = (r < rows && c + k < cols) ? src.load1(r0 + r, c0 + c + k) : 0.0f;
+          v[j][k] = (r < rows && c + k < cols) ? to_float(src[k]) : 0.0f;
       }
     }
 #pragma unroll
@@ -146,14 +141,7 @@ __global__ void __launch_bounds__(kCastThreads)
         uint8_t b[8];
         uint2 u;
       } q;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float x = v[j][k], scaled = x * scale;
-        nan |= x != x;
-        amax = fmaxf(amax, fabsf(x));
-        saturated += fabsf(scaled) > max_value;
-        q.b[k] = encode<kE5M2>(scaled);
-      }
+      win.encode8<kE5M2>(v[j], scale, q.b);
       if (out) {
         uint8_t* dst = out + (r0 + r) * C + c0 + c;
         if (full && vec) {
@@ -170,70 +158,133 @@ __global__ void __launch_bounds__(kCastThreads)
     }
     if (out_t) {
       __syncthreads();
-      // out_t[C,R]: thread (g, q) turns tile rows 4q..4q+3 x columns 4g..4g+3 into 4 bytes of
-      // out_t rows c0 + 4g + b; the 16 threads of one g write 64 consecutive bytes of each.
-      const int q = threadIdx.x % 16, g = threadIdx.x / 16;
-      const uint32_t w0 = tile[4 * q][g], w1 = tile[4 * q + 1][g], w2 = tile[4 * q + 2][g],
-                     w3 = tile[4 * q + 3][g];
-      const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362),
-                     lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-      // col[b]: byte b (tile column 4g + b) of w0..w3, in row order.
-      const uint32_t col[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                               __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        uint8_t* dst = out_t + (c0 + 4 * g + b) * R + r0 + 4 * q;
-        if (full && vec_t) {
-          *reinterpret_cast<uint32_t*>(dst) = col[b];
-        } else if (4 * g + b < cols) {
-          for (int k = 0; k < 4; ++k)
-            if (4 * q + k < rows) dst[k] = static_cast<uint8_t>(col[b] >> (8 * k));
-        }
-      }
+      store_transposed(tile, out_t, R, r0, c0, rows, cols, full && vec_t);
       __syncthreads();  // the tile is rewritten by the next iteration
     }
   }
-  amax = block_max(amax, red);
-  const float clipped = block_sum(static_cast<float>(saturated), red);
-  nan = __syncthreads_or(nan);
-  if (threadIdx.x == 0) {
-    const float a = nan ? __int_as_float(0x7fc00000) : amax;
-    atomicMax(reinterpret_cast<int*>(state + l.amax() + index), __float_as_int(a));
-    atomicAdd(state + l.saturated() + index, clipped);
-    atomicAdd(state + l.cast() + index, static_cast<float>(cast));
-  }
+  win.publish(state, l, index, red);
 }
 
-// One full wave of fp8_cast_kernel<kE5M2, Source> on this GPU (at most `tiles` blocks).
-template <bool kE5M2, class Source>
-int fp8_cast_grid(int64_t tiles, int sm_count) {
-  static const int per_sm = [] {
+// SwiGLU's output and its FP8 copy, one stream (no transpose): a thread takes 8 columns of a row
+// at a time. F % 8 == 0 and every pointer 16-byte aligned (the caller checks).
+template <bool kE5M2>
+__global__ void __launch_bounds__(kCastThreads)
+    swiglu_forward_fp8_kernel(bf16* __restrict__ out, uint8_t* __restrict__ x8,
+                              const bf16* __restrict__ inp, int64_t N, int64_t F, float* state,
+                              Fp8StateLayout l, int index) {
+  __shared__ float red[32];
+  const float scale = state[l.scale() + index];
+  const int64_t runs_per_row = F / 8, runs = N * runs_per_row;
+  Window win;
+  // The window's cast count is published per block (publish adds thread 0's): block 0 adds all.
+  win.cast = blockIdx.x == 0 ? N * F : 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < runs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = i / runs_per_row, f = (i - n * runs_per_row) * 8;
+    float g[8], u[8], o[8];
+    load_vec<8>(g, inp + n * 2 * F + f);
+    load_vec<8>(u, inp + n * 2 * F + F + f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = swiglu(g[k], u[k]);
+    store_vec<8>(out + n * F + f, o);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = round_bf16(o[k]);  // the stored value is what is cast
+    union {
+      uint8_t b[8];
+      uint2 u;
+    } q;
+    win.encode8<kE5M2>(o, scale, q.b);
+    *reinterpret_cast<uint2*>(x8 + n * F + f) = q.u;
+  }
+  win.publish(state, l, index, red);
+}
+
+// SwiGLU's input gradient [N,2F] cast into g8 and/or g8_t [2F,N], never stored in bf16. A tile
+// is 64 rows x 64 columns of the gate: one read of gate, up and dout gives the gate's gradient
+// tile (g8 columns f0..) and the up projection's (columns F + f0..), each transposed through its
+// own shared tile. F % 8 == 0 and inp, dout 16-byte and g8 8-byte aligned (the caller checks),
+// so a thread's 8-column run is wholly inside or outside a partial tile; vec_t as fp8_cast's.
+template <bool kE5M2>
+__global__ void __launch_bounds__(kCastThreads)
+    swiglu_backward_fp8_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                               const bf16* __restrict__ dout, const bf16* __restrict__ inp,
+                               int64_t N, int64_t F, float* state, Fp8StateLayout l, int index,
+                               bool vec_t) {
+  __shared__ uint32_t tile[2][kTile][kTileWords];  // the gate's gradient, the up's
+  __shared__ float red[32];
+  const float scale = state[l.scale() + index];
+  const int64_t tiles_f = (F + kTile - 1) / kTile;
+  const int64_t tiles = tiles_f * ((N + kTile - 1) / kTile);
+  Window win;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = t / tiles_f * kTile, f0 = t % tiles_f * kTile;
+    const int rows = N - r0 < kTile ? static_cast<int>(N - r0) : kTile;
+    const int cols = F - f0 < kTile ? static_cast<int>(F - f0) : kTile;
+    win.cast += 2 * rows * cols;
+    const int c = (threadIdx.x % 8) * 8;
+    float g[kRuns][8], u[kRuns][8], d[kRuns][8];
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      const int r = threadIdx.x / 8 + j * (kCastThreads / 8);
+      if (r < rows && c < cols) {
+        const bf16* gate = inp + (r0 + r) * 2 * F + f0 + c;
+        load_vec<8>(g[j], gate);
+        load_vec<8>(u[j], gate + F);
+        load_vec<8>(d[j], dout + (r0 + r) * F + f0 + c);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[j][k] = u[j][k] = d[j][k] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      const int r = threadIdx.x / 8 + j * (kCastThreads / 8);
+      float dg[8], du[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        swiglu_grad(g[j][k], u[j][k], d[j][k], dg[k], du[k]);
+        dg[k] = round_bf16(dg[k]);
+        du[k] = round_bf16(du[k]);
+      }
+      union {
+        uint8_t b[8];
+        uint2 u;
+      } qg, qu;
+      win.encode8<kE5M2>(dg, scale, qg.b);
+      win.encode8<kE5M2>(du, scale, qu.b);
+      if (out && r < rows && c < cols) {
+        uint8_t* row = out + (r0 + r) * 2 * F + f0 + c;
+        *reinterpret_cast<uint2*>(row) = qg.u;
+        *reinterpret_cast<uint2*>(row + F) = qu.u;
+      }
+      if (out_t) {
+        tile[0][r][c / 4] = qg.u.x;
+        tile[0][r][c / 4 + 1] = qg.u.y;
+        tile[1][r][c / 4] = qu.u.x;
+        tile[1][r][c / 4 + 1] = qu.u.y;
+      }
+    }
+    if (out_t) {
+      __syncthreads();
+      const bool packed = rows == kTile && cols == kTile && vec_t;
+      store_transposed(tile[0], out_t, N, r0, f0, rows, cols, packed);
+      store_transposed(tile[1], out_t, N, r0, F + f0, rows, cols, packed);
+      __syncthreads();  // the tiles are rewritten by the next iteration
+    }
+  }
+  win.publish(state, l, index, red);
+}
+
+// One full wave of `kernel` on this GPU (at most `work` blocks): the occupancy is asked once
+// per kernel.
+template <class Kernel>
+int full_wave(Kernel kernel, int64_t work, int sm_count) {
+  static const int per_sm = [kernel] {
     int n = 0;
-    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, fp8_cast_kernel<kE5M2, Source>, kCastThreads, 0));
+    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kCastThreads, 0));
     return std::max(n, 1);
   }();
-  return static_cast<int>(std::min<int64_t>(tiles, static_cast<int64_t>(per_sm) * sm_count));
-}
-
-// Casts R x C values of `src` into out and/or out_t (their dtype is the format), recording the
-// window of tensor `index`.
-template <class Source>
-void launch_cast(Tensor out, Tensor out_t, Source src, int64_t R, int64_t C, bool src_vec,
-                 float* state, const Fp8StateLayout& l, int index, int sm_count,
-                 cudaStream_t stream) {
-  auto* o = static_cast<uint8_t*>(out.data);
-  auto* ot = static_cast<uint8_t*>(out_t.data);
-  const bool vec = src_vec && C % 8 == 0 && (!o || aligned(o, 8));
-  const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
-  const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
-  if ((out.defined() ? out : out_t).dtype == DType::fp8_e5m2)
-    fp8_cast_kernel<true, Source><<<fp8_cast_grid<true, Source>(tiles, sm_count), kCastThreads,
-                                    0, stream>>>(o, ot, src, R, C, state, l, index, vec, vec_t);
-  else
-    fp8_cast_kernel<false, Source><<<fp8_cast_grid<false, Source>(tiles, sm_count), kCastThreads,
-                                     0, stream>>>(o, ot, src, R, C, state, l, index, vec, vec_t);
-  KILN_CUDA_LAUNCH_CHECK();
+  return static_cast<int>(std::min<int64_t>(work, static_cast<int64_t>(per_sm) * sm_count));
 }
 
 __global__ void fp8_summary_kernel(float* state, Fp8StateLayout l, Fp8Options o) {
@@ -281,6 +332,16 @@ void check_cast(const char* op, Tensor out, Tensor out_t, int64_t R, int64_t C,
   }
 }
 
+// inp [..., 2F] against half [..., F]; returns N and F.
+void swiglu_fp8_dims(const char* op, const Tensor& half, const Tensor& inp, int64_t& N,
+                     int64_t& F) {
+  F = half.dim(-1);
+  N = F == 0 ? 0 : half.numel() / F;
+  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
+    throw std::invalid_argument(std::string("cuda ") + op + ": inp " + inp.str() + " must be " +
+                                half.str() + " with the last dim doubled (gate then up)");
+}
+
 }  // namespace
 
 void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
@@ -290,24 +351,50 @@ void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
   const int64_t C = inp.dim(-1), R = inp.numel() / C;
   check_cast(op, out, out_t, R, C, inp.str(), state, l, index);
   if (R == 0 || C == 0) return;
-  launch_cast(out, out_t, Bf16Matrix{inp.ptr<bf16>(), C}, R, C, aligned(inp.data, 16),
-              state.ptr<float>(), l, index, sm_count_, stream_);
+  auto* o = static_cast<uint8_t*>(out.data);
+  auto* ot = static_cast<uint8_t*>(out_t.data);
+  const bool vec = C % 8 == 0 && aligned(inp.data, 16) && (!o || aligned(o, 8));
+  const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
+  const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
+  const auto* x = inp.ptr<bf16>();
+  float* s = state.ptr<float>();
+  if ((out.defined() ? out : out_t).dtype == DType::fp8_e5m2)
+    fp8_cast_kernel<true><<<full_wave(fp8_cast_kernel<true>, tiles, sm_count_), kCastThreads, 0,
+                            stream_>>>(o, ot, x, R, C, s, l, index, vec, vec_t);
+  else
+    fp8_cast_kernel<false><<<full_wave(fp8_cast_kernel<false>, tiles, sm_count_), kCastThreads,
+                             0, stream_>>>(o, ot, x, R, C, s, l, index, vec, vec_t);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
+// Shapes the fused kernels do not take (F % 8 != 0, unaligned views) run the plain op into
+// scratch and the cast: the same bytes, in two passes.
 void CudaBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
                                      const Fp8StateLayout& l, int index) {
   const char* op = "swiglu_forward_fp8";
   expect_activation(out, op, "out");
   expect_activation(inp, op, "inp");
-  const int64_t F = out.dim(-1), N = F == 0 ? 0 : out.numel() / F;
-  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
-    throw std::invalid_argument("cuda swiglu_forward_fp8: inp " + inp.str() + " must be out " +
-                                out.str() + " with the last dim doubled (gate then up)");
+  int64_t N = 0, F = 0;
+  swiglu_fp8_dims(op, out, inp, N, F);
   check_cast(op, x8, Tensor{}, N, F, out.str(), state, l, index);
   if (N == 0 || F == 0) return;
-  launch_cast(x8, Tensor{}, SwigluOut{inp.ptr<bf16>(), out.ptr<bf16>(), F}, N, F,
-              F % 8 == 0 && aligned(inp.data, 16) && aligned(out.data, 16), state.ptr<float>(),
-              l, index, sm_count_, stream_);
+  if (F % 8 != 0 || !aligned(inp.data, 16) || !aligned(out.data, 16) || !aligned(x8.data, 8)) {
+    swiglu_forward(out, inp);
+    fp8_cast(x8, Tensor{}, out, state, l, index);
+    return;
+  }
+  auto* o = out.ptr<bf16>();
+  auto* q = static_cast<uint8_t*>(x8.data);
+  const int64_t blocks = ceil_div(N * (F / 8), static_cast<int64_t>(kCastThreads));
+  if (x8.dtype == DType::fp8_e5m2)
+    swiglu_forward_fp8_kernel<true>
+        <<<full_wave(swiglu_forward_fp8_kernel<true>, blocks, sm_count_), kCastThreads, 0,
+           stream_>>>(o, q, inp.ptr<bf16>(), N, F, state.ptr<float>(), l, index);
+  else
+    swiglu_forward_fp8_kernel<false>
+        <<<full_wave(swiglu_forward_fp8_kernel<false>, blocks, sm_count_), kCastThreads, 0,
+           stream_>>>(o, q, inp.ptr<bf16>(), N, F, state.ptr<float>(), l, index);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
 void CudaBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
@@ -315,15 +402,33 @@ void CudaBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tenso
   const char* op = "swiglu_backward_fp8";
   expect_activation(dout, op, "dout");
   expect_activation(inp, op, "inp");
-  const int64_t F = dout.dim(-1), N = F == 0 ? 0 : dout.numel() / F;
-  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
-    throw std::invalid_argument("cuda swiglu_backward_fp8: inp " + inp.str() + " must be dout " +
-                                dout.str() + " with the last dim doubled (gate then up)");
+  int64_t N = 0, F = 0;
+  swiglu_fp8_dims(op, dout, inp, N, F);
   check_cast(op, g8, g8_t, N, 2 * F, inp.str(), state, l, index);
   if (N == 0 || F == 0) return;
-  launch_cast(g8, g8_t, SwigluGrad{dout.ptr<bf16>(), inp.ptr<bf16>(), F}, N, 2 * F,
-              F % 8 == 0 && aligned(inp.data, 16) && aligned(dout.data, 16), state.ptr<float>(),
-              l, index, sm_count_, stream_);
+  auto* o = static_cast<uint8_t*>(g8.data);
+  auto* ot = static_cast<uint8_t*>(g8_t.data);
+  if (F % 8 != 0 || !aligned(inp.data, 16) || !aligned(dout.data, 16) || (o && !aligned(o, 8))) {
+    Tensor dinp{scratch(static_cast<size_t>(inp.numel()) * 2), inp.shape, DType::bf16,
+                Device::cuda};
+    swiglu_backward(dinp, dout, inp);
+    fp8_cast(g8, g8_t, dinp, state, l, index);
+    return;
+  }
+  const bool vec_t = N % 16 == 0 && (!ot || aligned(ot, 16));
+  const int64_t tiles = static_cast<int64_t>(ceil_div(F, kTile)) * ceil_div(N, kTile);
+  const auto* d = dout.ptr<bf16>();
+  const auto* x = inp.ptr<bf16>();
+  float* s = state.ptr<float>();
+  if ((g8.defined() ? g8 : g8_t).dtype == DType::fp8_e5m2)
+    swiglu_backward_fp8_kernel<true>
+        <<<full_wave(swiglu_backward_fp8_kernel<true>, tiles, sm_count_), kCastThreads, 0,
+           stream_>>>(o, ot, d, x, N, F, s, l, index, vec_t);
+  else
+    swiglu_backward_fp8_kernel<false>
+        <<<full_wave(swiglu_backward_fp8_kernel<false>, tiles, sm_count_), kCastThreads, 0,
+           stream_>>>(o, ot, d, x, N, F, s, l, index, vec_t);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
 void CudaBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
