@@ -9,7 +9,9 @@
 //    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
 //  - Graphs are built once per (B, NH, KV, T, hs) and direction and cached, with every execution
 //    plan cuDNN's heuristics offer; where there are several, the first call times each (on the
-//    real tensors, once) and keeps the fastest, logging the times. The workspace comes from the
+//    real tensors, once) and keeps the fastest, logging the times. Plans round differently, so
+//    the choice must not flip run to run: another plan than the heuristic's first must win by
+//    5%, and below a GFLOP (microseconds, where noise exceeds any margin) none is timed. The workspace comes from the
 //    backend's scratch. The backward is cuDNN's default (fastest, not bit-reproducible) one.
 #include <spdlog/spdlog.h>
 
@@ -157,14 +159,15 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
 }
 
 // Times each of the graph's plans on the real tensors (cuda::median_ms), logs the
-// times, and returns the fastest one's index. Once per graph, at its first call.
+// times, and returns the fastest one's index (the first plan unless beaten by 5%). Once per
+// graph, at its first call.
 int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward,
                     std::unordered_map<int64_t, void*>& pack, void* workspace, cudaStream_t stream) {
   const int64_t count = graph.get_execution_plan_count();
   if (count < 2) return 0;
   std::string report;
   int64_t best = -1;
-  float best_ms = 0;
+  float best_ms = 0, first_ms = -1;
   for (int64_t i = 0; i < count; ++i) {
     std::string name;
     if (graph.get_plan_name_at_index(i, name).is_bad()) name = "plan" + std::to_string(i);
@@ -176,12 +179,14 @@ int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward
       continue;
     }
     report += fmt::format(" {}={:.3f}ms", name, median);
+    if (i == 0) first_ms = median;
     if (best < 0 || median < best_ms) {
       best = i;
       best_ms = median;
     }
   }
   if (best < 0) throw std::runtime_error("attention (cudnn): no plan ran:" + report);
+  if (best != 0 && first_ms >= 0 && best_ms > 0.95f * first_ms) best = 0;
   spdlog::info("attention (cudnn): {} plans timed:{}; chose #{}", backward ? "backward" : "forward",
                report, best);
   return best;
@@ -200,8 +205,12 @@ void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, Cud
   // Sized for the largest plan, so any chosen plan fits.
   void* workspace = backend.scratch(
       static_cast<size_t>(std::max<int64_t>(e.graph->get_autotune_workspace_size(), 1)));
+  // Causal attention's FLOPs, forward (the backward is ~2.5x): the timing threshold's measure.
+  const double flops = 2.0 * d.B * d.NH * static_cast<double>(d.T) * d.T * d.hs;
   if (e.plan < 0)
-    e.plan = choose_plan(state->handle, *e.graph, backward, pack, workspace, backend.stream());
+    e.plan = flops < 1e9 ? 0
+                         : choose_plan(state->handle, *e.graph, backward, pack, workspace,
+                                       backend.stream());
   KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state->handle, pack, workspace, e.plan));
 }
 
