@@ -270,6 +270,18 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
                     static_cast<long long>(W));
       row(name, median_ms(gpu, [&] { gpu.fp8_cast(o, ot, x, state, l, 0); }), 0, 4 * elems);
     }
+    // SwiGLU fused with its casts: forward reads gate|up, writes the output and its E4M3 copy
+    // (7 bytes an output element); backward reads gate|up and dout, writes the E5M2 gradient
+    // and its transpose (10 bytes).
+    DevTensor h(gpu, {N, 2 * F}, DType::bf16, rng), dout(gpu, {N, F}, DType::bf16, rng),
+        out(gpu, {N, F}, DType::bf16, rng), x8(gpu, {N, F}, DType::fp8_e4m3, rng),
+        g8(gpu, {N, 2 * F}, DType::fp8_e5m2, rng), g8t(gpu, {N, 2 * F}, DType::fp8_e5m2, rng);
+    const double f_elems = static_cast<double>(N) * F;
+    row("swiglu_forward_fp8",
+        median_ms(gpu, [&] { gpu.swiglu_forward_fp8(out, x8, h, state, l, 0); }), 0, 7 * f_elems);
+    row("swiglu_backward_fp8",
+        median_ms(gpu, [&] { gpu.swiglu_backward_fp8(g8, g8t, dout, h, state, l, 0); }), 0,
+        10 * f_elems);
   }
   gpu.synchronize();
 }
