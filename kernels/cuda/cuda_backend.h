@@ -169,14 +169,14 @@ class CudaBackend final : public Backend {
   void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
 
  private:
-  // The grouped GEMMs (grouped_matmul.cu): the group offsets, in host memory, are copied and
-  // checked to split `rows` (refused while a graph is captured: a replay would keep these
-  // sizes), and each group runs as a cuBLASLt GEMM (matmul.cu).
-  void read_group_offsets(Tensor offsets, int64_t rows, const char* op);
-  void grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight, Tensor pre_gelu);
+  // The grouped GEMMs (grouped_matmul.cu): the group offsets, in host memory, are checked to
+  // split `rows` (refused while a graph is captured: a replay would keep these sizes), and
+  // each group runs as a cuBLASLt GEMM (matmul.cu), reading them as `o` (E+1 values).
+  const int* host_group_offsets(Tensor offsets, int64_t rows, const char* op) const;
+  void grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight, Tensor pre_gelu,
+                                       const int* o);
   void grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                        Tensor weight, Tensor inp_pre_gelu);
-  std::vector<int> group_offsets_;  // read_group_offsets' copy
+                                        Tensor weight, Tensor inp_pre_gelu, const int* o);
   void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);

@@ -70,6 +70,18 @@ struct Window {
   }
 };
 
+// Tile t of an R x C matrix cut into 64 x 64 tiles, `per_row` of them a tile row: its origin
+// and extent (partial at the right and bottom edges).
+struct TileAt {
+  int64_t r0, c0;
+  int rows, cols;
+  __device__ TileAt(int64_t t, int64_t per_row, int64_t R, int64_t C)
+      : r0(t / per_row * kTile),
+        c0(t % per_row * kTile),
+        rows(R - r0 < kTile ? static_cast<int>(R - r0) : kTile),
+        cols(C - c0 < kTile ? static_cast<int>(C - c0) : kTile) {}
+};
+
 // out_t[C,R] from a 64 x 64 tile of FP8 bytes in shared memory (rows r0.., columns c0..; `ld`
 // is R): thread (g, q) turns tile rows 4q..4q+3 x columns 4g..4g+3 into 4 bytes of out_t rows
 // c0 + 4g + b with byte permutes; the 16 threads of one g write 64 consecutive bytes of each.
@@ -115,9 +127,9 @@ __global__ void __launch_bounds__(kCastThreads)
   const int64_t tiles = tiles_c * ((R + kTile - 1) / kTile);
   Window win;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = t / tiles_c * kTile, c0 = t % tiles_c * kTile;
-    const int rows = R - r0 < kTile ? static_cast<int>(R - r0) : kTile;
-    const int cols = C - c0 < kTile ? static_cast<int>(C - c0) : kTile;
+    const TileAt at(t, tiles_c, R, C);
+    const int64_t r0 = at.r0, c0 = at.c0;
+    const int rows = at.rows, cols = at.cols;
     const bool full = rows == kTile && cols == kTile;
     win.cast += rows * cols;
     const int c = (threadIdx.x % 8) * 8;
@@ -217,9 +229,9 @@ __global__ void __launch_bounds__(kCastThreads)
   const int64_t tiles = tiles_f * ((N + kTile - 1) / kTile);
   Window win;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = t / tiles_f * kTile, f0 = t % tiles_f * kTile;
-    const int rows = N - r0 < kTile ? static_cast<int>(N - r0) : kTile;
-    const int cols = F - f0 < kTile ? static_cast<int>(F - f0) : kTile;
+    const TileAt at(t, tiles_f, N, F);
+    const int64_t r0 = at.r0, f0 = at.c0;
+    const int rows = at.rows, cols = at.cols;
     win.cast += 2 * rows * cols;
     const int c = (threadIdx.x % 8) * 8;
     float g[kRuns][8], u[kRuns][8], d[kRuns][8];

@@ -33,22 +33,21 @@ void check_grouped(const Tensor& inp, const Tensor& weight, const Tensor& offset
 
 }  // namespace
 
-void CudaBackend::read_group_offsets(Tensor offsets, int64_t rows, const char* op) {
+const int* CudaBackend::host_group_offsets(Tensor offsets, int64_t rows, const char* op) const {
   if (capturing_)
     throw std::runtime_error(std::string("cuda ") + op + ": the group sizes are read on the " +
                              "host, which a CUDA graph cannot capture");
   if (offsets.device != Device::cpu)
     throw std::invalid_argument(std::string("cuda ") + op + ": offsets " + offsets.str() +
                                 " must be in host memory (copy them once for a pass's calls)");
-  group_offsets_.assign(offsets.ptr<int>(), offsets.ptr<int>() + offsets.numel());
-  for (size_t e = 0; e + 1 < group_offsets_.size(); ++e)
-    if (group_offsets_[0] != 0 || group_offsets_[e] > group_offsets_[e + 1] ||
-        group_offsets_[e + 1] > rows)
+  const int* o = offsets.ptr<int>();
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e)
+    if (o[0] != 0 || o[e] > o[e + 1] || o[e + 1] > rows)
       throw std::logic_error(std::string("cuda ") + op + ": group offsets " +
-                             std::to_string(group_offsets_[e]) + ", " +
-                             std::to_string(group_offsets_[e + 1]) + " at group " +
-                             std::to_string(e) + " do not split " + std::to_string(rows) +
-                             " rows");
+                             std::to_string(o[e]) + ", " + std::to_string(o[e + 1]) +
+                             " at group " + std::to_string(e) + " do not split " +
+                             std::to_string(rows) + " rows");
+  return o;
 }
 
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
@@ -63,8 +62,8 @@ void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, 
     expect_numel(pre_gelu, M * OC, op, "pre_gelu");
   }
   if (M == 0) return;
-  read_group_offsets(offsets, M, op);
-  grouped_matmul_forward_by_group(out, inp, weight, pre_gelu);
+  grouped_matmul_forward_by_group(out, inp, weight, pre_gelu,
+                                  host_group_offsets(offsets, M, op));
 }
 
 void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
@@ -85,8 +84,8 @@ void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor do
     expect_numel(inp_pre_gelu, M * C, op, "inp_pre_gelu");
   }
   if (M == 0) return;
-  read_group_offsets(offsets, M, op);
-  grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu);
+  grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu,
+                                   host_group_offsets(offsets, M, op));
 }
 
 }  // namespace kiln

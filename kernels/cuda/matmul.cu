@@ -571,12 +571,12 @@ void CudaBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
   }
 }
 
-// The grouped GEMMs group by group (group_offsets_ holds the offsets): rows [o[e], o[e+1]) of
+// The grouped GEMMs group by group (o: the E+1 offsets, in host memory): rows [o[e], o[e+1]) of
 // inp through weight[e], each a cuBLASLt GEMM with the epilogues of matmul_forward/backward.
 // gelu' is applied after all groups' dinp GEMMs, once over their rows: the DGELU epilogue's
 // timing choice (matmul_backward) would be made again for every new group size.
 void CudaBackend::grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor weight,
-                                                  Tensor pre_gelu) {
+                                                  Tensor pre_gelu, const int* o) {
   if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
   const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
   auto* w = static_cast<const bf16*>(weight.data);
@@ -584,7 +584,7 @@ void CudaBackend::grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor
   auto* y = static_cast<bf16*>(out.data);
   auto* pre = static_cast<bf16*>(pre_gelu.data);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = group_offsets_[e], n = group_offsets_[e + 1] - r0;
+    const int64_t r0 = o[e], n = o[e + 1] - r0;
     if (n == 0) continue;
     GemmArgs g{OC, n, C, true, false, w + e * OC * C, x + r0 * C, y + r0 * OC, CUDA_R_16BF, 0.0f};
     g.any_size = true;
@@ -598,7 +598,7 @@ void CudaBackend::grouped_matmul_forward_by_group(Tensor out, Tensor inp, Tensor
 
 void CudaBackend::grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout,
                                                    Tensor inp, Tensor weight,
-                                                   Tensor inp_pre_gelu) {
+                                                   Tensor inp_pre_gelu, const int* o) {
   if (!matmul_plans_) matmul_plans_.reset(new MatmulPlans);
   const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
   auto* w = static_cast<const bf16*>(weight.data);
@@ -607,7 +607,7 @@ void CudaBackend::grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, 
   auto* dx = static_cast<bf16*>(dinp.data);
   auto* dw = static_cast<float*>(dweight.data);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = group_offsets_[e], n = group_offsets_[e + 1] - r0;
+    const int64_t r0 = o[e], n = o[e + 1] - r0;
     if (n == 0) continue;
     if (dx) {
       GemmArgs g{C, n, OC, false, false, w + e * OC * C, dy + r0 * OC, dx + r0 * C,
@@ -620,7 +620,7 @@ void CudaBackend::grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, 
     gw.any_size = true;
     gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
   }
-  const int64_t rows = group_offsets_[E];
+  const int64_t rows = o[E];
   if (dx && inp_pre_gelu.defined() && rows > 0)
     gelu_backward_inplace(dinp.slice(0, {rows, C}), inp_pre_gelu.slice(0, {rows, C}), sm_count_,
                           stream_);
