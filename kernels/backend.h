@@ -299,7 +299,7 @@ class Backend {
   // Expert parallelism (dist.expert_parallel = P ranks; rank q holds the El = E/P experts
   // q*El .. q*El+El-1). Rows travel between ranks in one chunk per rank, each sized for the worst
   // case (all M rows), so that no rank needs another's sizes on the host:
-  // Communicator::all_to_all moves the chunks and the counts. On the CPU only, so far.
+  // Communicator::all_to_all moves the chunks and the counts.
   // rows [M,C] grouped by expert (offsets i32[E+1], moe_permute's) -> chunks [P,M,C]: chunk q
   // holds the rows of rank q's experts, in order, then zeros; counts i32[E] = rows per expert.
   virtual void moe_ep_split(Tensor chunks, Tensor counts, Tensor rows, Tensor offsets) = 0;

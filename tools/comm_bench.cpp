@@ -1,11 +1,13 @@
-// comm_bench: bandwidth of the three collectives kiln's parallelism uses (all_reduce for DDP,
-// reduce_scatter + all_gather for ZeRO-1/FSDP), over the same Communicator the trainer uses.
+// comm_bench: bandwidth of the collectives kiln's parallelism uses (all_reduce for DDP,
+// reduce_scatter + all_gather for ZeRO-1/FSDP, all_to_all for MoE expert parallelism), over the
+// same Communicator the trainer uses.
 // It launches itself exactly like `train` does (launch_workers), so it also checks a node's
 // launcher, store and communicator setup end to end before a long run.
 //
 // Numbers follow the nccl-tests convention: size is the full buffer (reduce_scatter's input,
 // all_gather's output), algbw = size / time, and busbw corrects for the algorithm's traffic:
-// all_reduce 2(n-1)/n, reduce_scatter and all_gather (n-1)/n, comparable to the link speed.
+// all_reduce 2(n-1)/n, reduce_scatter, all_gather and all_to_all (n-1)/n, comparable to the
+// link speed.
 //
 //   comm_bench [--backend gloo|nccl] [--min-bytes 1M] [--max-bytes 1G] [--iters 20]
 //              [--warmup 5] [--nproc-per-node N] [--nnodes M --node-rank K --master-addr H
@@ -282,6 +284,14 @@ void check_results(Communicator& comm, Buffers& buf) {
   out = buf.download(buf.b(full));
   for (int64_t i = 0; i < full; ++i)
     if (out[size_t(i)] != float(i / chunk)) fail("all_gather");
+  // all_to_all: chunk s of rank r's input is r * n + s; chunk s of its output is rank s's chunk r.
+  for (int64_t i = 0; i < full; ++i) v[size_t(i)] = float(r * n + i / chunk);
+  buf.upload(buf.a(full), v);
+  comm.all_to_all(buf.b(full), buf.a(full));
+  comm.wait();
+  out = buf.download(buf.b(full));
+  for (int64_t i = 0; i < full; ++i)
+    if (out[size_t(i)] != float((i / chunk) * n + r)) fail("all_to_all");
   comm.barrier();
 }
 
@@ -324,6 +334,7 @@ int run_worker(const WorkerInfo& w, const Options& o) {
       {"reduce_scatter", (nd - 1) / nd,
        [&](int64_t e) { comm->reduce_scatter_sum(buf.b(e / n), buf.a(e)); }},
       {"all_gather", (nd - 1) / nd, [&](int64_t e) { comm->all_gather(buf.b(e), buf.a(e / n)); }},
+      {"all_to_all", (nd - 1) / nd, [&](int64_t e) { comm->all_to_all(buf.b(e), buf.a(e)); }},
   };
   for (const Collective& c : collectives) {
     for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 2) {

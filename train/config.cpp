@@ -192,7 +192,7 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
       {KILN_FIELD(dist, expert_parallel), positive(),
        "ranks each MoE block's experts are spread over (expert parallelism; dividing the world "
-       "size and moe.n_experts; CPU backend only so far)"},
+       "size and moe.n_experts)"},
       {KILN_FIELD(dist, bucket_mb), non_negative(),
        "DDP gradient bucket size in MiB (0: one bucket where NVLink joins every rank on one "
        "host, else 25)"},
@@ -497,9 +497,6 @@ struct Resolver {
       if (e.n_experts % ep != 0)
         fail(f, "must divide moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
                     std::to_string(ep));
-      if (config.train.device == "cuda")
-        fail(f, "runs on the CPU backend only so far (train.device=cpu); got " +
-                    std::to_string(ep) + " with train.device=cuda");
     }
     // A key that is accepted does what it says: a moe key set away from its default where
     // nothing reads it is refused rather than ignored.

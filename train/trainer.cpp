@@ -332,9 +332,6 @@ class Trainer {
 void Trainer::start_expert_parallel(const CommunicatorFactory& make_comm) {
   const int P = cfg_.dist.expert_parallel;
   const std::string key = "dist.expert_parallel=" + std::to_string(P);
-  if (backend_->device() != Device::cpu)
-    throw InputError(key + ": expert parallelism runs on the CPU backend only so far; this run "
-                     "is on " + backend_->name() + " (set train.device=cpu)");
   if (!make_comm || rank_.world_size % P != 0)
     throw InputError(key + " must divide the world size (" + std::to_string(rank_.world_size) +
                      " ranks): launch a multiple of it, e.g. --nproc-per-node=" +

@@ -3,8 +3,8 @@
 // rows grouped by local expert. The sizes stay on the device, so each destination row finds its
 // source itself: one block per row, whose first thread walks the group counts (E of them, a
 // few hundred at most) and whose threads then copy the row, or zero it where no row lands.
-// Simple before fast, and not yet run on a GPU: the trainer refuses dist.expert_parallel on
-// CUDA until CudaMoe.ExpertParallelOpsMatchTheCpu has passed on one.
+// Simple before fast: CudaMoe.ExpertParallelOpsMatchTheCpu checks each map, and
+// DistNccl.MoeExpertParallelFollowsTheSingleGpuCurve the layer over NCCL on 2 GPUs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 

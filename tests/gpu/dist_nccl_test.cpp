@@ -1,7 +1,8 @@
 // Distributed training over NCCL through the real launcher (label gpu; needs 2+ GPUs): every
 // strategy at 2 (and 4, where present) GPUs follows the 1-GPU loss curve at the same global
 // batch, with gradients summed in f32 and in bf16, and two "nodes" of one GPU each on this host,
-// with NCCL forced onto its socket transport, follow one 2-GPU node. Tolerance 1e-2 relative:
+// with NCCL forced onto its socket transport, follow one 2-GPU node; so does an MoE with its
+// experts spread over the 2 GPUs. Tolerance 1e-2 relative:
 // bf16 activations and a different GEMM M per rank change rounding, and training amplifies it
 // step by step (runs are deterministic; on 2 x H200, 2026-11-21, the largest gap over 20 steps
 // was 0.50%, zero1 at step 18; at a 3e-3 learning rate a loss spike made it 5-8% at one step,
@@ -102,6 +103,31 @@ TEST_F(DistNccl, DdpWithABucketPerUnitFollowsTheSingleGpuCurve) {
                train("buckets_bf16", 2, "ddp", "--dist.bucket_mb=0.05 --dist.reduce_dtype=bf16"));
   expect_close(single,
                train("buckets_ctas4", 2, "ddp", "--dist.bucket_mb=0.05 --dist.overlap_ctas=4"));
+}
+
+// MoE expert parallelism over NCCL: the experts of each block spread over the 2 GPUs, the
+// tokens dispatched and combined by grouped send/recv on the communication stream, follow one
+// GPU holding every expert under each strategy, as does the same MoE without expert parallelism.
+// The balancing bias follows the loads summed over ranks (the aux loss, per rank as in Switch,
+// is left out, as in tests/dist_train_test.cpp).
+TEST_F(DistNccl, MoeExpertParallelFollowsTheSingleGpuCurve) {
+  const std::string moe =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+      "--moe.expert_ffn_dim=64 --moe.n_shared_experts=1 --moe.balance=bias --moe.aux_loss_coef=0 "
+      "--moe.bias_update_rate=0.01 --moe.z_loss_coef=0.001";
+  const std::string single = train("moe_single", 1, "ddp", moe);
+  expect_close(single, train("moe_ddp", 2, "ddp", moe));
+  std::string output;
+  expect_close(single, train("moe_ep_ddp", 2, "ddp", moe + " --dist.expert_parallel=2", &output));
+  EXPECT_NE(output.find("dist.expert_parallel=2: each MoE block's 4 experts spread over groups of "
+                        "2 ranks, 2 a rank"),
+            std::string::npos)
+      << output;
+  for (const char* strategy : {"zero1", "fsdp"})
+    expect_close(single, train(std::string("moe_ep_") + strategy, 2, strategy,
+                               moe + " --dist.expert_parallel=2"));
+  expect_close(single, train("moe_ep_recompute", 2, "ddp",
+                             moe + " --dist.expert_parallel=2 --train.recompute=full"));
 }
 
 // ddp's default bucket size follows the link: one bucket where NVML reports NVLink between the
