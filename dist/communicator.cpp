@@ -21,6 +21,36 @@ void check_collective(const std::string& who, const char* op, const Tensor& out,
     fail("element counts do not match the world size");
 }
 
+size_t check_all_to_all_v(const std::string& who, const Tensor& out,
+                          const std::vector<int64_t>& recv_rows, const Tensor& in,
+                          const std::vector<int64_t>& send_rows, int world_size) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(who + " all_to_all_v(out " + out.str() + ", in " + in.str() +
+                                "): " + why);
+  };
+  if (!out.defined() || !in.defined()) fail("undefined tensor");
+  if (out.dtype != in.dtype || out.device != in.device) fail("dtypes or devices differ");
+  if (in.ndim() < 1 || out.ndim() < 1 || in.data == out.data) fail("out must differ from in");
+  const int64_t row = in.dim(0) > 0 ? in.numel() / in.dim(0) : 0;
+  if (out.dim(0) * row != out.numel()) fail("rows of different sizes");
+  auto total = [&](const std::vector<int64_t>& rows, int64_t have, const char* what) {
+    if (static_cast<int>(rows.size()) != world_size)
+      fail(std::string(what) + ": " + std::to_string(rows.size()) + " sizes for " +
+           std::to_string(world_size) + " ranks");
+    int64_t sum = 0;
+    for (int64_t r : rows) {
+      if (r < 0) fail(std::string(what) + ": a negative size");
+      sum += r;
+    }
+    if (sum > have)
+      fail(std::string(what) + ": " + std::to_string(sum) + " rows, past the buffer's " +
+           std::to_string(have));
+  };
+  total(send_rows, in.dim(0), "send_rows");
+  total(recv_rows, out.dim(0), "recv_rows");
+  return static_cast<size_t>(row) * dtype_size(in.dtype);
+}
+
 #ifndef KILN_WITH_CUDA
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient&, int, int, int, void*, int,
                                                      const std::string&) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/tensor.h"
 
@@ -46,6 +47,13 @@ class Communicator {
   // parallelism dispatches and combines tokens with (counts first, then rows padded to a
   // planned worst case).
   virtual void all_to_all(Tensor out, Tensor in) = 0;
+  // all_to_all with sizes the host knows (MoE dispatch once the counts have been exchanged and
+  // read): from its first row on, `in` holds send_rows[q] rows for rank q, one run after the
+  // other, and `out` receives recv_rows[s] rows from rank s the same way; rows past the totals
+  // are left as they are. A row is in.numel() / in.dim(0) elements. recv_rows[s] must equal
+  // rank s's send_rows[rank()] (a mismatch is not detected here: NCCL hangs or fails).
+  virtual void all_to_all_v(Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                            const std::vector<int64_t>& send_rows) = 0;
   // Collectives run asynchronously to the caller: NCCL on a stream of its own, after the compute
   // work enqueued so far; Gloo not until wait(), so that the CPU tests hold every caller to this
   // contract. Results may be used, and inputs and outputs written, only after wait(): it orders
@@ -84,5 +92,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
 // Shared argument checks; `who` is the communicator's name(). Throw std::invalid_argument.
 void check_collective(const std::string& who, const char* op, const Tensor& out, const Tensor& in,
                       int64_t in_chunks, int64_t out_chunks);
+// all_to_all_v's: a size per rank, none negative, totals within the buffers. Returns a row's
+// bytes.
+size_t check_all_to_all_v(const std::string& who, const Tensor& out,
+                          const std::vector<int64_t>& recv_rows, const Tensor& in,
+                          const std::vector<int64_t>& send_rows, int world_size);
 
 }  // namespace kiln

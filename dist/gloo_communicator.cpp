@@ -16,6 +16,7 @@
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/math.h>
@@ -167,6 +168,24 @@ class GlooCommunicator : public Communicator {
       opts.setOutput(out.ptr<uint8_t>(), out.nbytes());
       configure(opts);
       gloo::alltoall(opts);
+    });
+  }
+
+  void all_to_all_v(Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                    const std::vector<int64_t>& send_rows) override {
+    const size_t row = check_all_to_all_v(name(), out, recv_rows, in, send_rows, world_size());
+    expect_cpu("all_to_all_v", in);
+    auto bytes = [row](const std::vector<int64_t>& rows) {
+      std::vector<int64_t> b;
+      for (int64_t r : rows) b.push_back(r * static_cast<int64_t>(row));
+      return b;
+    };
+    enqueue("all_to_all_v", in, [this, out, in, send = bytes(send_rows), recv = bytes(recv_rows)] {
+      gloo::AlltoallvOptions opts(ctx_);
+      opts.setInput(in.ptr<uint8_t>(), send);
+      opts.setOutput(out.ptr<uint8_t>(), recv);
+      configure(opts);
+      gloo::alltoallv(opts);
     });
   }
 

@@ -146,6 +146,30 @@ class NcclCommunicator : public Communicator {
     end();
   }
 
+  // The same with the host's sizes; a peer with nothing to send or receive gets no call.
+  void all_to_all_v(Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                    const std::vector<int64_t>& send_rows) override {
+    const size_t row = check_all_to_all_v(name(), out, recv_rows, in, send_rows, world_);
+    expect_cuda("all_to_all_v", in);
+    begin();
+    check("all_to_all_v", ncclGroupStart());
+    size_t sent = 0, received = 0;
+    for (int peer = 0; peer < world_; ++peer) {
+      const size_t send = row * static_cast<size_t>(send_rows[peer]);
+      const size_t recv = row * static_cast<size_t>(recv_rows[peer]);
+      if (send > 0)
+        check("all_to_all_v", ncclSend(static_cast<const char*>(in.data) + sent, send, ncclInt8,
+                                       peer, comm_, stream_));
+      if (recv > 0)
+        check("all_to_all_v", ncclRecv(static_cast<char*>(out.data) + received, recv, ncclInt8,
+                                       peer, comm_, stream_));
+      sent += send;
+      received += recv;
+    }
+    check("all_to_all_v", ncclGroupEnd());
+    end();
+  }
+
   void barrier() override {
     begin();
     check("barrier",

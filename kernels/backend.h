@@ -297,20 +297,17 @@ class Backend {
   virtual void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
                                        Tensor weight, Tensor offsets, Tensor inp_pre_gelu) = 0;
   // Expert parallelism (dist.expert_parallel = P ranks; rank q holds the El = E/P experts
-  // q*El .. q*El+El-1). Rows travel between ranks in one chunk per rank, each sized for the worst
-  // case (all M rows), so that no rank needs another's sizes on the host:
-  // Communicator::all_to_all moves the chunks and the counts.
-  // rows [M,C] grouped by expert (offsets i32[E+1], moe_permute's) -> chunks [P,M,C]: chunk q
-  // holds the rows of rank q's experts, in order, then zeros; counts i32[E] = rows per expert.
-  virtual void moe_ep_split(Tensor chunks, Tensor counts, Tensor rows, Tensor offsets) = 0;
-  // Its inverse: rows [M,C] from chunks laid out as moe_ep_split lays them out for `offsets`.
-  virtual void moe_ep_join(Tensor rows, Tensor chunks, Tensor offsets) = 0;
-  // The chunks received [P,M,C] (chunk s from rank s; counts i32[P*El]: chunk s's rows per local
-  // expert) -> local [P*M,C], grouped by local expert and within it by source rank, with
-  // local_offsets i32[El+1] (the grouped GEMM's); rows past local_offsets[El] are zero.
-  virtual void moe_ep_group(Tensor local, Tensor local_offsets, Tensor chunks, Tensor counts) = 0;
-  // Its inverse: chunks [P,M,C] (zeros past each chunk's rows) from local [P*M,C].
-  virtual void moe_ep_ungroup(Tensor chunks, Tensor local, Tensor counts) = 0;
+  // q*El .. q*El+El-1). The routed rows, grouped by expert, hold rank q's as one run, so they
+  // travel as they are (Communicator::all_to_all_v, sizes from the counts exchanged first).
+  // counts i32[E] = the rows per expert of offsets i32[E+1] (moe_permute's).
+  virtual void moe_ep_counts(Tensor counts, Tensor offsets) = 0;
+  // The rows received [R,C], packed by source rank and within a source by local expert (counts
+  // i32[P,El]: source s's rows per local expert) -> local [R,C], grouped by local expert and
+  // within it by source, with local_offsets i32[El+1] (the grouped GEMM's). Rows past the
+  // counts' total are left as they are, in both ops.
+  virtual void moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) = 0;
+  // Its inverse: received [R,C] from local [R,C].
+  virtual void moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) = 0;
   // DeepSeek-V3's auxiliary-loss-free balancing: bias[e] += rate * sign(mean(counts) -
   // counts[e]), counts f32[E] a step's tokens per expert (summed over ranks).
   virtual void moe_bias_update(Tensor bias, Tensor counts, float rate) = 0;

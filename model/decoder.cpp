@@ -413,9 +413,11 @@ void Decoder::fp8_views() {
 
 void Decoder::set_expert_parallel(const ExpertParallel& ep) {
   if (B_ > 0) throw std::logic_error("set_expert_parallel: after the activations were planned");
-  if (ep.ranks < 1 || ep.rank < 0 || ep.rank >= ep.ranks || (ep.ranks > 1 && !ep.all_to_all))
+  if (ep.ranks < 1 || ep.rank < 0 || ep.rank >= ep.ranks ||
+      (ep.ranks > 1 && (!ep.all_to_all || !ep.all_to_all_v)))
     throw std::invalid_argument("set_expert_parallel: rank " + std::to_string(ep.rank) + " of " +
-                                std::to_string(ep.ranks) + " (and an all_to_all past 1 rank)");
+                                std::to_string(ep.ranks) +
+                                " (and all_to_all, all_to_all_v past 1 rank)");
   if (ep.ranks > 1 && (moe_blocks_.empty() || cfg_.moe.n_experts % ep.ranks != 0))
     throw std::invalid_argument("expert parallelism over " + std::to_string(ep.ranks) +
                                 " ranks needs MoE blocks whose experts it divides (" +

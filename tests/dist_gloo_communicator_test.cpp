@@ -130,6 +130,35 @@ TEST_P(DistGloo, CollectivesAreExact) {
         ASSERT_EQ(recv[size_t(k * a2a + j)], k * 1000 + r * 100 + j) << k << " " << j;
     EXPECT_THROW(comm.all_to_all(t_send, t_send), std::invalid_argument);
 
+    // all_to_all_v: rank r sends k + r + 1 rows of 3 values to rank k (rank 0 none to itself),
+    // each row tagged with sender, receiver and index; rows past what arrives keep their values.
+    auto rows_to = [](int from, int to) { return from == 0 && to == 0 ? 0 : to + from + 1; };
+    std::vector<int64_t> send_rows, recv_rows;
+    for (int k = 0; k < n; ++k) {
+      send_rows.push_back(rows_to(r, k));
+      recv_rows.push_back(rows_to(k, r));
+    }
+    std::vector<float> vin, vout(static_cast<size_t>(3 * (4 * n + 2) * n), -7.0f);
+    for (int k = 0; k < n; ++k)
+      for (int j = 0; j < rows_to(r, k); ++j)
+        for (int c = 0; c < 3; ++c) vin.push_back(static_cast<float>(r * 10000 + k * 100 + j));
+    vin.resize(vin.size() + 6, 0.0f);  // two rows more than are sent
+    const int64_t in_rows = static_cast<int64_t>(vin.size() / 3), out_rows = (4 * n + 2) * n;
+    comm.all_to_all_v(Tensor{vout.data(), Shape{out_rows, 3}, DType::f32}, recv_rows,
+                      Tensor{vin.data(), Shape{in_rows, 3}, DType::f32}, send_rows);
+    comm.wait();
+    size_t at = 0;
+    for (int s = 0; s < n; ++s)
+      for (int j = 0; j < rows_to(s, r); ++j)
+        for (int c = 0; c < 3; ++c, ++at)
+          ASSERT_EQ(vout[at], static_cast<float>(s * 10000 + r * 100 + j)) << s << " " << j;
+    for (; at < vout.size(); ++at) ASSERT_EQ(vout[at], -7.0f) << at;
+    std::vector<int64_t> too_many = send_rows;
+    too_many[0] += in_rows;
+    EXPECT_THROW(comm.all_to_all_v(Tensor{vout.data(), Shape{out_rows, 3}, DType::f32}, recv_rows,
+                                   Tensor{vin.data(), Shape{in_rows, 3}, DType::f32}, too_many),
+                 std::invalid_argument);
+
     comm.barrier();
 
     // Misuse is caught locally, before anything is sent.

@@ -1,7 +1,7 @@
 // MoE expert parallelism's data movement on the CPU reference (kernels/cpu/moe_ep.cpp): the
-// chunk layouts by hand, skewed routings (every row to one rank's experts, a rank that gets
-// nothing), exact round trips, and each op the adjoint of its inverse (their gradient check:
-// the ops are linear, so backward of one is the other exactly when <op(x), y> = <x, inv(y)>).
+// layouts by hand, skewed routings (every row to one rank's experts, ranks that send nothing),
+// exact round trips, and group the adjoint of ungroup (their gradient check: the ops are
+// linear, so backward of one is the other exactly when <op(x), y> = <x, inv(y)>).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -19,116 +19,79 @@ using test::i32;
 using test::random_floats;
 using test::weighted_sum;
 
-// Offsets of rows grouped by expert, from the rows per expert.
-std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {
-  std::vector<int32_t> off{0};
-  for (const int32_t n : counts) off.push_back(off.back() + n);
-  return off;
-}
-
-// 2 ranks, 4 experts (2 a rank), C = 3: rows of experts 0..3 = 2, 1, 0, 3 (M = 6).
-TEST(MoeEp, SplitPutsEachRanksExpertsInItsChunkAndJoinUndoesIt) {
-  const int64_t P = 2, M = 6, C = 3;
-  std::vector<int32_t> off = offsets_of({2, 1, 0, 3}), counts(4, -1);
-  std::vector<float> rows(M * C);
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i + 1);
-  std::vector<float> chunks(P * M * C, -1.0f), back(M * C, 0.0f);
-  cpu().moe_ep_split(f32(chunks, {P, M, C}), i32(counts, {4}), f32(rows, {M, C}),
-                     i32(off, {5}));
+// 4 experts, rows per expert 2, 1, 0, 3.
+TEST(MoeEp, CountsAreTheRowsPerExpert) {
+  std::vector<int32_t> off = {0, 2, 3, 3, 6}, counts(4, -1);
+  cpu().moe_ep_counts(i32(counts, {4}), i32(off, {5}));
   EXPECT_EQ(counts, (std::vector<int32_t>{2, 1, 0, 3}));
-  // Chunk 0: rows 0..2 (experts 0, 1), then zeros; chunk 1: rows 3..5 (expert 3), then zeros.
-  for (int64_t q = 0; q < P; ++q)
-    for (int64_t j = 0; j < M; ++j)
-      for (int64_t c = 0; c < C; ++c) {
-        const float want = j < 3 ? rows[static_cast<size_t>((q * 3 + j) * C + c)] : 0.0f;
-        EXPECT_EQ(chunks[static_cast<size_t>((q * M + j) * C + c)], want) << q << " " << j;
-      }
-  cpu().moe_ep_join(f32(back, {M, C}), f32(chunks, {P, M, C}), i32(off, {5}));
-  EXPECT_EQ(back, rows);
+  std::vector<int32_t> falling = {0, 2, 1, 3, 6};
+  EXPECT_THROW(cpu().moe_ep_counts(i32(counts, {4}), i32(falling, {5})), std::exception);
 }
 
 // Rank 1 of 2 receives from rank 0 (counts 1, 2 for its experts) and from itself (0, 1): its
 // local rows are expert 0's (1 from rank 0), then expert 1's (2 from rank 0, 1 from rank 1).
+// Rows past the 4 that arrived are left alone, in both directions.
 TEST(MoeEp, GroupOrdersReceivedRowsByLocalExpertThenSourceAndUngroupUndoesIt) {
-  const int64_t P = 2, M = 4, C = 2;
+  const int64_t R = 6, C = 2;
   std::vector<int32_t> counts = {1, 2, 0, 1}, local_off(3, -1);
-  std::vector<float> chunks(P * M * C, 0.0f);
-  // Chunk s, row j holds 10 * (s + 1) + j in both columns (rows past the count stay 0).
-  for (int64_t s = 0; s < P; ++s)
-    for (int64_t j = 0; j < counts[static_cast<size_t>(s * 2)] + counts[static_cast<size_t>(s * 2 + 1)]; ++j)
-      for (int64_t c = 0; c < C; ++c)
-        chunks[static_cast<size_t>((s * M + j) * C + c)] = static_cast<float>(10 * (s + 1) + j);
-  std::vector<float> local(P * M * C, -1.0f), again(P * M * C, -1.0f);
-  cpu().moe_ep_group(f32(local, {P * M, C}), i32(local_off, {3}), f32(chunks, {P, M, C}),
-                     i32(counts, {4}));
+  // Packed: rank 0's 3 rows (10, 11, 12), then rank 1's one (20); two rows of padding (-5).
+  const std::vector<float> packed_rows = {10, 11, 12, 20, -5, -5};
+  std::vector<float> received;
+  for (const float v : packed_rows) received.insert(received.end(), C, v);
+  std::vector<float> local(R * C, -1.0f), again(R * C, -5.0f);
+  cpu().moe_ep_group(f32(local, {R, C}), i32(local_off, {3}), f32(received, {R, C}),
+                     i32(counts, {2, 2}));
   EXPECT_EQ(local_off, (std::vector<int32_t>{0, 1, 4}));
-  const std::vector<float> want_rows = {10, 11, 12, 20};
-  for (size_t r = 0; r < P * M; ++r)
-    for (int64_t c = 0; c < C; ++c)
-      EXPECT_EQ(local[r * C + static_cast<size_t>(c)], r < 4 ? want_rows[r] : 0.0f) << r;
-  cpu().moe_ep_ungroup(f32(again, {P, M, C}), f32(local, {P * M, C}), i32(counts, {4}));
-  EXPECT_EQ(again, chunks);
+  const std::vector<float> want_rows = {10, 11, 12, 20, -1, -1};
+  for (size_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) EXPECT_EQ(local[r * C + static_cast<size_t>(c)], want_rows[r]) << r;
+  cpu().moe_ep_ungroup(f32(again, {R, C}), f32(local, {R, C}), i32(counts, {2, 2}));
+  EXPECT_EQ(again, received);
 }
 
-// Skewed routings (all rows to the last rank's experts; a rank that sends nothing) round-trip
-// exactly, and each op is the adjoint of its inverse, so backward through the exchange is the
-// exchange the other way.
+// Skewed routings (every row from every rank to the last rank's experts; ranks that send
+// nothing; nothing at all) round-trip exactly, and group is the adjoint of ungroup over the
+// rows that arrived, so backward through the exchange is the exchange the other way.
 TEST(MoeEp, SkewedRoutingsRoundTripAndEachOpIsItsInversesAdjoint) {
-  const int64_t P = 4, El = 2, E = P * El, C = 5;
-  for (const std::vector<int32_t>& per_expert :
-       {std::vector<int32_t>{0, 0, 0, 0, 0, 0, 7, 0}, std::vector<int32_t>{3, 0, 1, 4, 0, 2, 0, 2},
+  const int64_t P = 4, El = 2, C = 5, R = 40;
+  for (std::vector<int32_t> counts :
+       {std::vector<int32_t>{0, 7, 0, 9, 0, 10, 0, 14}, std::vector<int32_t>{3, 0, 1, 4, 0, 2, 0, 2},
         std::vector<int32_t>{0, 0, 0, 0, 0, 0, 0, 0}}) {
-    int64_t M = 0;
-    for (const int32_t n : per_expert) M += n;
-    if (M == 0) M = 1;  // an empty batch still has a row of buffer
-    std::vector<int32_t> off = offsets_of(per_expert), counts(E);
-    off.back() = static_cast<int32_t>(M);  // the one-row case routes its row to the last expert
-    std::vector<float> rows = random_floats(static_cast<size_t>(M * C), 1);
-    std::vector<float> chunks(P * M * C), back(M * C);
-    cpu().moe_ep_split(f32(chunks, {P, M, C}), i32(counts, {E}), f32(rows, {M, C}),
-                       i32(off, {E + 1}));
-    cpu().moe_ep_join(f32(back, {M, C}), f32(chunks, {P, M, C}), i32(off, {E + 1}));
-    EXPECT_EQ(back, rows);
-    // <split(x), y> == <x, join(y)>.
-    std::vector<float> y = random_floats(chunks.size(), 2);
-    std::vector<float> joined(M * C);
-    cpu().moe_ep_join(f32(joined, {M, C}), f32(y, {P, M, C}), i32(off, {E + 1}));
-    EXPECT_NEAR(weighted_sum(chunks, y), weighted_sum(rows, joined), 1e-9);
-
-    // What one rank receives when every rank routed like this: counts El per source.
-    std::vector<int32_t> received;
-    for (int64_t s = 0; s < P; ++s)
-      received.insert(received.end(), counts.begin() + El * s, counts.begin() + El * s + El);
-    std::vector<float> local(P * M * C), regrouped(P * M * C);
-    std::vector<int32_t> local_off(El + 1);
-    cpu().moe_ep_group(f32(local, {P * M, C}), i32(local_off, {El + 1}), f32(chunks, {P, M, C}),
-                       i32(received, {P * El}));
-    cpu().moe_ep_ungroup(f32(regrouped, {P, M, C}), f32(local, {P * M, C}),
-                         i32(received, {P * El}));
-    EXPECT_EQ(regrouped, chunks);
-    // <group(c), z> == <c, ungroup(z)>, over the chunks' real rows (the rest are zero).
-    std::vector<float> z = random_floats(local.size(), 3), ungrouped(P * M * C);
-    cpu().moe_ep_ungroup(f32(ungrouped, {P, M, C}), f32(z, {P * M, C}), i32(received, {P * El}));
-    EXPECT_NEAR(weighted_sum(local, z), weighted_sum(chunks, ungrouped), 1e-9);
+    int64_t total = 0;
+    for (const int32_t n : counts) total += n;
+    std::vector<float> received = random_floats(static_cast<size_t>(R * C), 1);
+    std::vector<float> local(R * C, 0.0f), back(received);
+    std::vector<int32_t> local_off(El + 1, -1);
+    cpu().moe_ep_group(f32(local, {R, C}), i32(local_off, {El + 1}), f32(received, {R, C}),
+                       i32(counts, {P, El}));
+    EXPECT_EQ(local_off.back(), total);
+    std::fill(back.begin(), back.begin() + total * C, 0.0f);
+    cpu().moe_ep_ungroup(f32(back, {R, C}), f32(local, {R, C}), i32(counts, {P, El}));
+    EXPECT_EQ(back, received);
+    // <group(x), z> == <x, ungroup(z)> over the rows that arrived.
+    std::vector<float> x(received.begin(), received.begin() + total * C);
+    x.resize(static_cast<size_t>(R * C), 0.0f);
+    std::vector<float> grouped(R * C, 0.0f), z = random_floats(static_cast<size_t>(R * C), 3);
+    std::fill(z.begin() + total * C, z.end(), 0.0f);
+    std::vector<float> ungrouped(R * C, 0.0f);
+    cpu().moe_ep_group(f32(grouped, {R, C}), i32(local_off, {El + 1}), f32(x, {R, C}),
+                       i32(counts, {P, El}));
+    cpu().moe_ep_ungroup(f32(ungrouped, {R, C}), f32(z, {R, C}), i32(counts, {P, El}));
+    EXPECT_NEAR(weighted_sum(grouped, z), weighted_sum(x, ungrouped), 1e-9);
   }
 }
 
-// Offsets that do not fit the rows, counts past a chunk, and experts that do not split over the
-// ranks are refused, naming the tensor.
+// Counts past the buffers, negative counts and mismatched buffers are refused, naming the tensor.
 TEST(MoeEp, InconsistentLayoutsAreRefused) {
-  const int64_t P = 2, M = 3, C = 2;
-  std::vector<float> rows(M * C), chunks(P * M * C), local(P * M * C);
-  std::vector<int32_t> counts(4), local_off(3);
-  std::vector<int32_t> short_off = {0, 1, 1, 2, 2};  // ends at 2, not M = 3
-  EXPECT_THROW(cpu().moe_ep_split(f32(chunks, {P, M, C}), i32(counts, {4}), f32(rows, {M, C}),
-                                  i32(short_off, {5})),
-               std::exception);
-  std::vector<int32_t> three = {0, 1, 2, 3};  // 3 experts over 2 ranks
-  EXPECT_THROW(cpu().moe_ep_join(f32(rows, {M, C}), f32(chunks, {P, M, C}), i32(three, {4})),
-               std::exception);
-  std::vector<int32_t> too_many = {2, 2, 0, 0};  // 4 rows in a chunk of 3
-  EXPECT_THROW(cpu().moe_ep_group(f32(local, {P * M, C}), i32(local_off, {3}),
-                                  f32(chunks, {P, M, C}), i32(too_many, {4})),
+  const int64_t R = 3, C = 2;
+  std::vector<float> received(R * C), local(R * C), wide(R * 3);
+  std::vector<int32_t> local_off(3);
+  std::vector<int32_t> too_many = {2, 2, 0, 0}, negative = {1, -1, 0, 0}, fine = {1, 1, 0, 1};
+  for (auto* counts : {&too_many, &negative})
+    EXPECT_THROW(cpu().moe_ep_group(f32(local, {R, C}), i32(local_off, {3}),
+                                    f32(received, {R, C}), i32(*counts, {2, 2})),
+                 std::exception);
+  EXPECT_THROW(cpu().moe_ep_ungroup(f32(received, {R, C}), f32(wide, {R, 3}), i32(fine, {2, 2})),
                std::exception);
 }
 

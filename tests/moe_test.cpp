@@ -409,7 +409,8 @@ TEST(MoeLayer, OneExpertWithTopOneIsTheDenseMlpBitForBit) {
 // input, then copies its chunk of everyone's, then waits for all to finish reading.
 class ThreadExchange {
  public:
-  explicit ThreadExchange(int ranks) : ranks_(ranks), ins_(static_cast<size_t>(ranks)) {}
+  explicit ThreadExchange(int ranks)
+      : ranks_(ranks), ins_(static_cast<size_t>(ranks)), sends_(static_cast<size_t>(ranks)) {}
   void all_to_all(int rank, Tensor out, Tensor in) {
     ins_[static_cast<size_t>(rank)] = in;
     arrive();
@@ -417,6 +418,26 @@ class ThreadExchange {
     for (int s = 0; s < ranks_; ++s)
       std::memcpy(static_cast<char*>(out.data) + s * chunk,
                   static_cast<const char*>(ins_[static_cast<size_t>(s)].data) + rank * chunk, chunk);
+    arrive();
+  }
+  void all_to_all_v(int rank, Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                    const std::vector<int64_t>& send_rows) {
+    ins_[static_cast<size_t>(rank)] = in;
+    sends_[static_cast<size_t>(rank)] = send_rows;
+    arrive();
+    const size_t row = in.nbytes() / static_cast<size_t>(in.dim(0));
+    size_t at = 0;
+    for (int s = 0; s < ranks_; ++s) {
+      const std::vector<int64_t>& from = sends_[static_cast<size_t>(s)];
+      int64_t start = 0;  // rows s sends to the ranks before this one
+      for (int q = 0; q < rank; ++q) start += from[static_cast<size_t>(q)];
+      const int64_t n = from[static_cast<size_t>(rank)];
+      EXPECT_EQ(n, recv_rows[static_cast<size_t>(s)]);
+      std::memcpy(static_cast<char*>(out.data) + at,
+                  static_cast<const char*>(ins_[static_cast<size_t>(s)].data) + start * row,
+                  static_cast<size_t>(n) * row);
+      at += static_cast<size_t>(n) * row;
+    }
     arrive();
   }
 
@@ -434,6 +455,7 @@ class ThreadExchange {
   }
   int ranks_, waiting_ = 0, generation_ = 0;
   std::vector<Tensor> ins_;
+  std::vector<std::vector<int64_t>> sends_;
   std::mutex mutex_;
   std::condition_variable cv_;
 };
@@ -453,8 +475,11 @@ TEST(MoeLayer, ExpertParallelLayerMatchesEveryRankAlone) {
     ThreadExchange exchange(P);
     for (int p = 0; p < P; ++p) {
       alone.push_back(std::make_unique<LayerRig>(r, MlpKind::swiglu, 3, 1, false, skewed));
-      ExpertParallel e{P, p, [&exchange, p](Tensor out, Tensor in) {
-                         exchange.all_to_all(p, out, in);
+      ExpertParallel e{P, p,
+                       [&exchange, p](Tensor out, Tensor in) { exchange.all_to_all(p, out, in); },
+                       [&exchange, p](Tensor out, const std::vector<int64_t>& recv_rows,
+                                      Tensor in, const std::vector<int64_t>& send_rows) {
+                         exchange.all_to_all_v(p, out, recv_rows, in, send_rows);
                        }};
       ep.push_back(std::make_unique<LayerRig>(r, MlpKind::swiglu, 3, 1, false, skewed, e));
     }

@@ -80,6 +80,10 @@ class CountingCommunicator : public Communicator {
   void all_gather(Tensor, Tensor) override { calls.push_back("all_gather"); }
   void broadcast(Tensor, int root) override { calls.push_back("broadcast " + std::to_string(root)); }
   void all_to_all(Tensor, Tensor) override { calls.push_back("all_to_all"); }
+  void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,
+                    const std::vector<int64_t>&) override {
+    calls.push_back("all_to_all_v");
+  }
   void wait() override { calls.push_back("wait"); }
   void barrier() override { calls.push_back("barrier"); }
   std::string name() const override { return "counting"; }
@@ -106,11 +110,13 @@ TEST(Nvtx, TheWrappedCommunicatorForwardsEveryCall) {
   c->all_gather(t, t);
   c->broadcast(t, 2);
   c->all_to_all(t, t);
+  c->all_to_all_v(t, {}, t, {});
   c->wait();
   c->barrier();
   EXPECT_EQ(inner.calls, (std::vector<std::string>{
                              "all_reduce_sum", "overlapped", "all_reduce_max", "reduce_scatter_sum",
-                             "all_gather", "broadcast 2", "all_to_all", "wait", "barrier"}));
+                             "all_gather", "broadcast 2", "all_to_all", "all_to_all_v", "wait",
+                             "barrier"}));
   EXPECT_EQ(c->rank(), 1);
   EXPECT_EQ(c->world_size(), 4);
   EXPECT_EQ(c->name(), "counting");

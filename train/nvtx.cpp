@@ -90,6 +90,11 @@ class NvtxCommunicator : public Communicator {
     Scope s("all_to_all " + mib(in));
     inner_.all_to_all(out, in);
   }
+  void all_to_all_v(Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                    const std::vector<int64_t>& send_rows) override {
+    Scope s("all_to_all_v");
+    inner_.all_to_all_v(out, recv_rows, in, send_rows);
+  }
   void wait() override {
     Scope s("collectives wait");
     inner_.wait();

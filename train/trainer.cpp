@@ -345,8 +345,14 @@ void Trainer::start_expert_parallel(const CommunicatorFactory& make_comm) {
         make_comm(*backend_, CommGroup{group, replicas, "replica" + std::to_string(ep_rank())});
   ep_layout_ = expert_local_layout(model_->layout(), P);
   Communicator* c = ep_comm_.get();
-  model_->set_expert_parallel({P, ep_rank(), [c](Tensor out, Tensor in) {
+  model_->set_expert_parallel({P, ep_rank(),
+                               [c](Tensor out, Tensor in) {
                                  c->all_to_all(out, in);
+                                 c->wait();
+                               },
+                               [c](Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                                   const std::vector<int64_t>& send_rows) {
+                                 c->all_to_all_v(out, recv_rows, in, send_rows);
                                  c->wait();
                                }});
   const int64_t El = mcfg_.moe.n_experts / P;

@@ -135,10 +135,9 @@ class CudaBackend final : public Backend {
                               Tensor pre_gelu) override;
   void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
                                Tensor offsets, Tensor inp_pre_gelu) override;
-  void moe_ep_split(Tensor chunks, Tensor counts, Tensor rows, Tensor offsets) override;
-  void moe_ep_join(Tensor rows, Tensor chunks, Tensor offsets) override;
-  void moe_ep_group(Tensor local, Tensor local_offsets, Tensor chunks, Tensor counts) override;
-  void moe_ep_ungroup(Tensor chunks, Tensor local, Tensor counts) override;
+  void moe_ep_counts(Tensor counts, Tensor offsets) override;
+  void moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) override;
+  void moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) override;
   void moe_bias_update(Tensor bias, Tensor counts, float rate) override;
 
   std::string fp8_unavailable() const override;

@@ -83,12 +83,10 @@ namespace kiln {
     (Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor offsets,          \
      Tensor inp_pre_gelu),                                                                         \
     (dinp, dweight, dout, inp, weight, offsets, inp_pre_gelu))                                     \
-  X(moe_ep_split, (Tensor chunks, Tensor counts, Tensor rows, Tensor offsets),                    \
-    (chunks, counts, rows, offsets))                                                             \
-  X(moe_ep_join, (Tensor rows, Tensor chunks, Tensor offsets), (rows, chunks, offsets))          \
-  X(moe_ep_group, (Tensor local, Tensor local_offsets, Tensor chunks, Tensor counts),            \
-    (local, local_offsets, chunks, counts))                                                      \
-  X(moe_ep_ungroup, (Tensor chunks, Tensor local, Tensor counts), (chunks, local, counts))       \
+  X(moe_ep_counts, (Tensor counts, Tensor offsets), (counts, offsets))                           \
+  X(moe_ep_group, (Tensor local, Tensor local_offsets, Tensor received, Tensor counts),          \
+    (local, local_offsets, received, counts))                                                    \
+  X(moe_ep_ungroup, (Tensor received, Tensor local, Tensor counts), (received, local, counts))   \
   X(moe_bias_update, (Tensor bias, Tensor counts, float rate), (bias, counts, rate))               \
   X(softmax_cross_entropy,                                                                         \
     (Tensor losses, Tensor logits, Tensor targets, int vocab_size, float dloss_scale,              \

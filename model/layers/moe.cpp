@@ -55,8 +55,7 @@ void Moe::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
   planner(&s.dpre, "d.experts_fch", {R, kind == MlpKind::swiglu ? 2 * F : F}, act);
   if (kind == MlpKind::swiglu) planner(&s.dact, "d.experts_act", {R, F}, act);
   if (P > 1) {
-    planner(&s.ep_send, "ep.send", {P, M, C}, act);
-    planner(&s.ep_recv, "ep.recv", {P, M, C}, act);
+    planner(&s.ep_recv, "ep.recv", {R, C}, act);
     planner(&s.ep_rows, "ep.rows", {R, C}, act);
     planner(&s.ep_sent, "ep.sent_counts", {E}, DType::i32);
     planner(&s.ep_offsets, "ep.offsets", {local_experts() + 1}, DType::i32);
@@ -79,6 +78,27 @@ Tensor Moe::on_host(Backend& k, Tensor offsets) const {
   host_offsets_.resize(static_cast<size_t>(offsets.numel()));
   k.copy_to_host(host_offsets_.data(), offsets);
   return Tensor{host_offsets_.data(), offsets.shape, DType::i32, Device::cpu};
+}
+
+void Moe::exchange_counts(Backend& k, const Acts& a, const Scratch& s) const {
+  const int64_t P = ep.ranks, El = local_experts();
+  k.moe_ep_counts(s.ep_sent, a.offsets);
+  ep.all_to_all(a.ep_counts, s.ep_sent);
+  std::vector<int32_t> sent(static_cast<size_t>(P * El)), received(sent.size());
+  k.copy_to_host(sent.data(), s.ep_sent);
+  k.copy_to_host(received.data(), a.ep_counts);
+  ep_send_rows_.assign(static_cast<size_t>(P), 0);
+  ep_recv_rows_.assign(static_cast<size_t>(P), 0);
+  ep_local_offsets_.assign(static_cast<size_t>(El + 1), 0);
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t e = 0; e < El; ++e) {
+      const size_t i = static_cast<size_t>(q * El + e);
+      ep_send_rows_[static_cast<size_t>(q)] += sent[i];
+      ep_recv_rows_[static_cast<size_t>(q)] += received[i];
+      ep_local_offsets_[static_cast<size_t>(e + 1)] += received[i];
+    }
+  for (int64_t e = 0; e < El; ++e)
+    ep_local_offsets_[static_cast<size_t>(e + 1)] += ep_local_offsets_[static_cast<size_t>(e)];
 }
 
 void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows,
@@ -125,16 +145,18 @@ void Moe::forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, 
   if (ep.ranks == 1) {
     experts_forward(k, w, a, a.xp, a.offsets, a.yp);
   } else {
-    // Dispatch: each rank's rows to the rank of their expert, counts first; then the combine
-    // sends the outputs back the same way.
-    k.moe_ep_split(s.ep_send, s.ep_sent, a.xp, a.offsets);
-    ep.all_to_all(a.ep_counts, s.ep_sent);
-    ep.all_to_all(s.ep_recv, s.ep_send);
-    k.moe_ep_group(a.xl, a.ep_offsets, s.ep_recv, a.ep_counts);
-    experts_forward(k, w, a, a.xl, a.ep_offsets, s.ep_rows);
-    k.moe_ep_ungroup(s.ep_send, s.ep_rows, a.ep_counts);
-    ep.all_to_all(s.ep_recv, s.ep_send);
-    k.moe_ep_join(a.yp, s.ep_recv, a.offsets);
+    // Dispatch: the rows per expert first, then each rank's run of rows (xp holds rank q's
+    // experts' rows as one run) to it; the combine sends the outputs back the same way, straight
+    // into yp's rows.
+    exchange_counts(k, a, s);
+    const Tensor counts = a.ep_counts.view({ep.ranks, local_experts()});
+    ep.all_to_all_v(s.ep_recv, ep_recv_rows_, a.xp, ep_send_rows_);
+    k.moe_ep_group(a.xl, a.ep_offsets, s.ep_recv, counts);
+    const Tensor local_offsets{ep_local_offsets_.data(), a.ep_offsets.shape, DType::i32,
+                               Device::cpu};
+    experts_forward(k, w, a, a.xl, local_offsets, s.ep_rows);
+    k.moe_ep_ungroup(s.ep_recv, s.ep_rows, counts);
+    ep.all_to_all_v(a.yp, ep_send_rows_, s.ep_recv, ep_recv_rows_);
   }
   if (has_shared) {
     Mlp::Acts sa = a.shared;
@@ -153,14 +175,13 @@ void Moe::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
     experts_backward(k, w, g, s, a, a.xp, a.offsets, s.dyp, s.dxp);
   } else {
     // The output rows' gradients travel to the experts as the rows did, and the input rows'
-    // come back as the outputs did; forward's counts still hold.
-    k.moe_ep_split(s.ep_send, s.ep_sent, s.dyp, a.offsets);
-    ep.all_to_all(s.ep_recv, s.ep_send);
-    k.moe_ep_group(s.ep_rows, s.ep_offsets, s.ep_recv, a.ep_counts);
+    // come back as the outputs did; forward's counts and sizes still hold.
+    const Tensor counts = a.ep_counts.view({ep.ranks, local_experts()});
+    ep.all_to_all_v(s.ep_recv, ep_recv_rows_, s.dyp, ep_send_rows_);
+    k.moe_ep_group(s.ep_rows, s.ep_offsets, s.ep_recv, counts);
     experts_backward(k, w, g, s, a, a.xl, s.ep_offsets, s.ep_rows, s.ep_rows);
-    k.moe_ep_ungroup(s.ep_send, s.ep_rows, a.ep_counts);
-    ep.all_to_all(s.ep_recv, s.ep_send);
-    k.moe_ep_join(s.dxp, s.ep_recv, a.offsets);
+    k.moe_ep_ungroup(s.ep_recv, s.ep_rows, counts);
+    ep.all_to_all_v(s.dxp, ep_send_rows_, s.ep_recv, ep_recv_rows_);
   }
   // Three branches read x: the routed experts (through the permutation), the router and the
   // shared expert. The first writes dinp, the others are added to it.

@@ -30,12 +30,17 @@ namespace kiln {
 
 // dist.expert_parallel, applied to the MoE layers from outside the model: the `ranks` ranks of
 // a group hold the experts in equal runs (rank q: experts q*E/ranks ...), and each computes its
-// experts for the tokens of every rank in the group, which travel through all_to_all
-// (Communicator::all_to_all over the group, finished when it returns). Dispatch and combine
-// each exchange rows twice per pass: counts, then rows in chunks planned for the worst case.
+// experts for the tokens of every rank in the group, which travel through the group's
+// Communicator (all_to_all and all_to_all_v, each finished when it returns). The forward
+// exchanges the rows per expert first and reads them on the host (one copy, a stream sync on
+// the GPU, which the grouped GEMMs need anyway), then sends exactly the rows each rank needs,
+// there and back; the backward reuses those sizes.
 struct ExpertParallel {
   int ranks = 1, rank = 0;
   std::function<void(Tensor out, Tensor in)> all_to_all;
+  std::function<void(Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                     const std::vector<int64_t>& send_rows)>
+      all_to_all_v;
 };
 
 struct Moe {
@@ -57,8 +62,9 @@ struct Moe {
     Tensor slot_row, row_token;  // i32[N*k]
     Tensor xp, pre, act, yp;     // [M,C], [R,2F|F], [R,F], [M,C]; R = M (or P*M: below)
     // Expert parallelism over P ranks: the rows this rank's El experts received from every
-    // rank, grouped by expert (xl [P*M,C], ep_offsets i32[El+1]), and how many each rank sent
-    // per local expert (ep_counts i32[P*El]); the experts' pre and act have xl's rows.
+    // rank, grouped by expert (xl [R,C], R = P*M: every rank may send it all its rows;
+    // ep_offsets i32[El+1]), and how many each rank sent per local expert (ep_counts
+    // i32[P*El]); the experts' pre and act have xl's rows.
     Tensor xl, ep_offsets, ep_counts;
     Mlp::Acts shared;            // pre and act; shared.out is out
     Tensor out;                  // [B,T,C]
@@ -68,9 +74,10 @@ struct Moe {
   };
   struct Scratch {
     Tensor dlogits, dtopk_w, dyp, dact, dpre, dxp, dx;
-    // Expert parallelism, forward and backward: the chunks sent and received ([P,M,C]), the
-    // experts' rows in or out ([P*M,C]), the counts sent (i32[E]) and the local offsets.
-    Tensor ep_send, ep_recv, ep_rows, ep_sent, ep_offsets;
+    // Expert parallelism, forward and backward: the rows received or sent back, packed by rank
+    // ([P*M,C]), the experts' rows in or out ([P*M,C]), the rows per expert sent (i32[E]) and
+    // the local offsets.
+    Tensor ep_recv, ep_rows, ep_sent, ep_offsets;
     Mlp::Scratch shared;
   };
 
@@ -105,6 +112,12 @@ struct Moe {
   Tensor on_host(Backend& k, Tensor offsets) const;
   mutable std::vector<int32_t> host_offsets_;
   mutable Tensor forward_offsets_;
+  // Expert parallelism: exchanges the rows per expert and reads them on the host (the forward's
+  // one sync), setting the sizes below for this micro-batch's forward and backward.
+  void exchange_counts(Backend& k, const Acts& a, const Scratch& s) const;
+  // The rows sent to and received from each rank, and the local experts' offsets in xl.
+  mutable std::vector<int64_t> ep_send_rows_, ep_recv_rows_;
+  mutable std::vector<int32_t> ep_local_offsets_;
 };
 
 }  // namespace kiln
