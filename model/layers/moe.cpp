@@ -34,7 +34,7 @@ void Moe::plan(const Planner& planner, const std::string& name, Acts& a, int64_t
   if (P > 1) {
     planner(&a.xl, name + "ep_experts_in", {R, C}, act);
     planner(&a.ep_offsets, name + "ep_offsets", {local_experts() + 1}, DType::i32);
-    planner(&a.ep_counts, name + "ep_counts", {E}, DType::i32);
+    planner(&a.ep_counts, name + "ep_counts", {2, E}, DType::i32);
   }
   planner(&a.pre, name + "experts_fch", {R, kind == MlpKind::swiglu ? 2 * F : F}, act);
   planner(&a.act, name + "experts_act", {R, F}, act);
@@ -57,7 +57,6 @@ void Moe::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
   if (P > 1) {
     planner(&s.ep_recv, "ep.recv", {R, C}, act);
     planner(&s.ep_rows, "ep.rows", {R, C}, act);
-    planner(&s.ep_sent, "ep.sent_counts", {E}, DType::i32);
     planner(&s.ep_offsets, "ep.offsets", {local_experts() + 1}, DType::i32);
   }
   planner(&s.dxp, "d.experts_in", {M, C}, act);
@@ -80,13 +79,17 @@ Tensor Moe::on_host(Backend& k, Tensor offsets) const {
   return Tensor{host_offsets_.data(), offsets.shape, DType::i32, Device::cpu};
 }
 
-void Moe::exchange_counts(Backend& k, const Acts& a, const Scratch& s) const {
-  const int64_t P = ep.ranks, El = local_experts();
-  k.moe_ep_counts(s.ep_sent, a.offsets);
-  ep.all_to_all(a.ep_counts, s.ep_sent);
-  std::vector<int32_t> sent(static_cast<size_t>(P * El)), received(sent.size());
-  k.copy_to_host(sent.data(), s.ep_sent);
-  k.copy_to_host(received.data(), a.ep_counts);
+Tensor Moe::received_counts(const Acts& a) const {
+  return a.ep_counts.slice(n_experts(), {ep.ranks, local_experts()});
+}
+
+void Moe::exchange_counts(Backend& k, const Acts& a) const {
+  const int64_t P = ep.ranks, El = local_experts(), E = P * El;
+  k.moe_ep_counts(a.ep_counts.slice(0, {E}), a.offsets);
+  ep.all_to_all(received_counts(a), a.ep_counts.slice(0, {E}));
+  std::vector<int32_t> both(static_cast<size_t>(2 * E));  // sent, then received
+  k.copy_to_host(both.data(), a.ep_counts);
+  const int32_t *sent = both.data(), *received = both.data() + E;
   ep_send_rows_.assign(static_cast<size_t>(P), 0);
   ep_recv_rows_.assign(static_cast<size_t>(P), 0);
   ep_local_offsets_.assign(static_cast<size_t>(El + 1), 0);
@@ -148,8 +151,8 @@ void Moe::forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, 
     // Dispatch: the rows per expert first, then each rank's run of rows (xp holds rank q's
     // experts' rows as one run) to it; the combine sends the outputs back the same way, straight
     // into yp's rows.
-    exchange_counts(k, a, s);
-    const Tensor counts = a.ep_counts.view({ep.ranks, local_experts()});
+    exchange_counts(k, a);
+    const Tensor counts = received_counts(a);
     ep.all_to_all_v(s.ep_recv, ep_recv_rows_, a.xp, ep_send_rows_);
     k.moe_ep_group(a.xl, a.ep_offsets, s.ep_recv, counts);
     const Tensor local_offsets{ep_local_offsets_.data(), a.ep_offsets.shape, DType::i32,
@@ -176,7 +179,7 @@ void Moe::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
   } else {
     // The output rows' gradients travel to the experts as the rows did, and the input rows'
     // come back as the outputs did; forward's counts and sizes still hold.
-    const Tensor counts = a.ep_counts.view({ep.ranks, local_experts()});
+    const Tensor counts = received_counts(a);
     ep.all_to_all_v(s.ep_recv, ep_recv_rows_, s.dyp, ep_send_rows_);
     k.moe_ep_group(s.ep_rows, s.ep_offsets, s.ep_recv, counts);
     experts_backward(k, w, g, s, a, a.xl, s.ep_offsets, s.ep_rows, s.ep_rows);

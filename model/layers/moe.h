@@ -63,8 +63,9 @@ struct Moe {
     Tensor xp, pre, act, yp;     // [M,C], [R,2F|F], [R,F], [M,C]; R = M (or P*M: below)
     // Expert parallelism over P ranks: the rows this rank's El experts received from every
     // rank, grouped by expert (xl [R,C], R = P*M: every rank may send it all its rows;
-    // ep_offsets i32[El+1]), and how many each rank sent per local expert (ep_counts
-    // i32[P*El]); the experts' pre and act have xl's rows.
+    // ep_offsets i32[El+1]), and the rows per expert this rank sent (ep_counts[0], i32[E])
+    // and each rank sent it per local expert (ep_counts[1], i32[P*El]: one copy to the host
+    // reads both); the experts' pre and act have xl's rows.
     Tensor xl, ep_offsets, ep_counts;
     Mlp::Acts shared;            // pre and act; shared.out is out
     Tensor out;                  // [B,T,C]
@@ -75,9 +76,8 @@ struct Moe {
   struct Scratch {
     Tensor dlogits, dtopk_w, dyp, dact, dpre, dxp, dx;
     // Expert parallelism, forward and backward: the rows received or sent back, packed by rank
-    // ([P*M,C]), the experts' rows in or out ([P*M,C]), the rows per expert sent (i32[E]) and
-    // the local offsets.
-    Tensor ep_recv, ep_rows, ep_sent, ep_offsets;
+    // ([P*M,C]), the experts' rows in or out ([P*M,C]) and the local offsets.
+    Tensor ep_recv, ep_rows, ep_offsets;
     Mlp::Scratch shared;
   };
 
@@ -114,7 +114,8 @@ struct Moe {
   mutable Tensor forward_offsets_;
   // Expert parallelism: exchanges the rows per expert and reads them on the host (the forward's
   // one sync), setting the sizes below for this micro-batch's forward and backward.
-  void exchange_counts(Backend& k, const Acts& a, const Scratch& s) const;
+  void exchange_counts(Backend& k, const Acts& a) const;
+  Tensor received_counts(const Acts& a) const;  // i32[P,El], a view of a.ep_counts
   // The rows sent to and received from each rank, and the local experts' offsets in xl.
   mutable std::vector<int64_t> ep_send_rows_, ep_recv_rows_;
   mutable std::vector<int32_t> ep_local_offsets_;
