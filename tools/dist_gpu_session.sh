@@ -4,7 +4,9 @@
 # (unless SKIP_COMM_BENCH=1), and gpt2-350m (B=32 per GPU, random tokens, STEPS steps: 25) on
 # 1, 2, ..., N GPUs with each strategy (STRATEGIES), with the train flags in EXTRA added to every
 # run (EXTRA="--dist.bucket_mb=100000 --dist.reduce_dtype=bf16"). Logs and a summary table go
-# to $OUT.
+# to $OUT. MOE=1 also benches configs/moe-2.9b-a1b.yaml (B=4 a GPU, one micro-batch a step) on
+# 1 GPU, then on 2, 4, 8 GPUs with ddp and with its experts spread over all of them
+# (dist.expert_parallel), into $OUT/moe_*.json and a table.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kiln_dist_out}
@@ -86,4 +88,30 @@ for d in dirs:
     print(f"| {s['strategy']} | {n} | {tok:,.0f} | {ms:.1f} | {tok/n:,.0f} | {100*tok/(n*base):.1f}% "
           f"| {mhz(d, n)} | {s['memory_bytes']/2**30:.1f} GiB |")
 print(f"\nScaling efficiency against the median of the 1-GPU runs: {base:,.0f} tok/s.")
+PY
+
+[ -n "${MOE:-}" ] || exit 0
+moe_bench() {  # tag nproc [flags]
+  local tag=$1 n=$2; shift 2
+  ./build/bin/bench configs/moe-2.9b-a1b.yaml --train.batch_size=4 --train.grad_accum=1 \
+    --warmup 3 --steps 8 --nproc-per-node "$n" --json "$OUT/moe_$tag.json" "$@" \
+    >"$OUT/moe_$tag.log" 2>&1 || { echo "moe $tag failed:"; tail -5 "$OUT/moe_$tag.log"; }
+}
+moe_bench 1 1
+for n in 2 4 8; do
+  [ "$n" -le "$NGPU" ] || break
+  moe_bench "ddp_$n" "$n"
+  moe_bench "ep_$n" "$n" --dist.expert_parallel="$n"
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/moe_scaling.md"
+import json, sys, glob, os
+out = sys.argv[1]
+runs = [json.load(open(f)) | {"tag": os.path.basename(f)[4:-5]} for f in glob.glob(f"{out}/moe_*.json")]
+one = next((r["tok_s"] for r in runs if r["tag"] == "1"), None)
+print("| run | GPUs | ms/step | tok/s | scaling eff. | memory/GPU |")
+print("|---|---|---|---|---|---|")
+for r in sorted(runs, key=lambda r: (r["nproc"], r["tag"])):
+    eff = f"{100 * r['tok_s'] / (r['nproc'] * one):.1f}%" if one else "?"
+    print(f"| {r['tag']} | {r['nproc']} | {r['ms']:.1f} | {r['tok_s']:,} | {eff} | "
+          f"{r['memory_bytes'] / 2**30:.1f} GiB |")
 PY
