@@ -172,6 +172,12 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
                           steps + " --dist.expert_parallel=2 --train.batch_size=2 "
                                   "--train.grad_accum=2"),
                     1e-5);
+  // Skewed exchanges: a balancing bias that jumps by 10 a step sends every token to the two
+  // experts it favours (on one rank or on two), so ranks send and receive unequal row counts,
+  // zero among them; the exact-size exchange still follows 1 rank.
+  const std::string skewed = kMoeRun + " --moe.bias_update_rate=10";
+  expect_same_curve(train("ep_skew_single", 1, "ddp", skewed),
+                    train("ep_skew_2", 2, "ddp", skewed + " --dist.expert_parallel=2"), 1e-5);
 }
 
 // Checkpoints hold the experts by their global index: a run saved by 4 ranks with the experts
