@@ -30,7 +30,8 @@ size_t check_all_to_all_v(const std::string& who, const Tensor& out,
   };
   if (!out.defined() || !in.defined()) fail("undefined tensor");
   if (out.dtype != in.dtype || out.device != in.device) fail("dtypes or devices differ");
-  if (in.ndim() < 1 || out.ndim() < 1 || in.data == out.data) fail("out must differ from in");
+  if (in.ndim() < 1 || out.ndim() < 1) fail("tensors of rows need a first dimension");
+  if (in.data == out.data) fail("out must differ from in");
   const int64_t row = in.dim(0) > 0 ? in.numel() / in.dim(0) : 0;
   if (out.dim(0) * row != out.numel()) fail("rows of different sizes");
   auto total = [&](const std::vector<int64_t>& rows, int64_t have, const char* what) {

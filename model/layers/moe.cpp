@@ -87,9 +87,9 @@ void Moe::exchange_counts(Backend& k, const Acts& a) const {
   const int64_t P = ep.ranks, El = local_experts(), E = P * El;
   k.moe_ep_counts(a.ep_counts.slice(0, {E}), a.offsets);
   ep.all_to_all(received_counts(a), a.ep_counts.slice(0, {E}));
-  std::vector<int32_t> both(static_cast<size_t>(2 * E));  // sent, then received
-  k.copy_to_host(both.data(), a.ep_counts);
-  const int32_t *sent = both.data(), *received = both.data() + E;
+  ep_host_counts_.resize(static_cast<size_t>(2 * E));  // sent, then received
+  k.copy_to_host(ep_host_counts_.data(), a.ep_counts);
+  const int32_t *sent = ep_host_counts_.data(), *received = sent + E;
   ep_send_rows_.assign(static_cast<size_t>(P), 0);
   ep_recv_rows_.assign(static_cast<size_t>(P), 0);
   ep_local_offsets_.assign(static_cast<size_t>(El + 1), 0);

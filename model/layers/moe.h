@@ -116,9 +116,10 @@ struct Moe {
   // one sync), setting the sizes below for this micro-batch's forward and backward.
   void exchange_counts(Backend& k, const Acts& a) const;
   Tensor received_counts(const Acts& a) const;  // i32[P,El], a view of a.ep_counts
-  // The rows sent to and received from each rank, and the local experts' offsets in xl.
+  // The rows sent to and received from each rank, and the local experts' offsets in xl; the
+  // counts' host copy (kept, so that no layer allocates in the step).
   mutable std::vector<int64_t> ep_send_rows_, ep_recv_rows_;
-  mutable std::vector<int32_t> ep_local_offsets_;
+  mutable std::vector<int32_t> ep_local_offsets_, ep_host_counts_;
 };
 
 }  // namespace kiln
