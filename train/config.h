@@ -75,7 +75,7 @@ struct TrainSection {
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;
   std::string recompute = "none";  // none | selective | full: activations recomputed in backward
-  bool cuda_graphs = false;  // not implemented yet: warns and runs eagerly
+  bool cuda_graphs = false;  // capture the step as one CUDA graph after the eager warm-up
   double peak_tflops = 0.0;  // 0: from the GPU peak table
   bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)
 };

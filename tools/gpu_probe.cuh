@@ -1,0 +1,32 @@
+// What the standalone GPU measurement programs in tools/ (gemm_attention_sweep.cu,
+// sm_share_probe.cu) share: a check that exits on any failing CUDA/cuBLASLt/cuDNN call, and a
+// fill of bf16 buffers with hashed uniform values (never zeros: zeros run faster than data).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#define PROBE_CHECK(x)                                                             \
+  do {                                                                             \
+    auto probe_e_ = (x);                                                           \
+    if (probe_e_ != 0) {                                                           \
+      std::printf("FAIL %s:%d %s -> %d\n", __FILE__, __LINE__, #x, (int)probe_e_); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+// p[i] uniform in [-0.1, 0.1), from a hash of i and seed.
+__global__ void probe_fill(__nv_bfloat16* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995;
+    x ^= x >> 15;
+    p[i] = __float2bfloat16(((x & 0xffff) / 65535.0f - 0.5f) * 0.2f);
+  }
+}
