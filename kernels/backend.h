@@ -284,14 +284,18 @@ class Backend {
   virtual void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
                                       Tensor slot_row, Tensor topk_w) = 0;
   // Grouped GEMM: rows [offsets[e], offsets[e+1]) of inp[M,C] times weight[e]^T (weight
-  // [E,OC,C]) into out[M,OC]; offsets are i32[E+1] in host memory: moe_permute's or
-  // moe_ep_group's, copied once for a pass's calls (the GEMMs are launched per group, so CUDA
-  // needs the sizes on the host, and no graph can capture these calls:
-  // kernels/cuda/grouped_matmul.cu). They may end before M (moe_ep_group's worst-case
-  // buffers): rows past offsets[E] of out (and of dinp below) are left as they are.
+  // [E,OC,C]) into out[M,OC]; offsets are i32[E+1]: moe_permute's or moe_ep_group's, in
+  // device memory where grouped_reads_device_offsets() (below), else in host memory, copied
+  // once for a pass's calls (the GEMMs are then launched per group from the host, and no graph
+  // can capture these calls: kernels/cuda/grouped_matmul.cu). Host offsets may end before M
+  // (moe_ep_group's worst-case buffers): rows past offsets[E] of out (and of dinp below) are
+  // left as they are.
   // pre_gelu as matmul_forward's.
   virtual void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
                                       Tensor pre_gelu) = 0;
+  // Whether the grouped GEMMs read offsets in device memory without a host sync (CUDA with
+  // CUTLASS on sm_90; the CPU's memory is the host's). Device offsets must cover all M rows.
+  virtual bool grouped_reads_device_offsets() const { return device() == Device::cpu; }
   // dinp[M,C] = per group dout @ weight[e] (times gelu'(inp_pre_gelu) as matmul_backward);
   // dweight[E,OC,C] += per group dout^T @ inp. An empty group adds nothing.
   virtual void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,

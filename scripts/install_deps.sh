@@ -3,11 +3,13 @@
 # Gloo, OpenMP, nlohmann-json), Open MPI's mpirun (CI launches kiln under it), matplotlib for
 # tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json,
 # and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
-# nvidia-cudnn-frontend wheel, unpacked into .deps/). Idempotent; runs as root or with sudo.
+# nvidia-cudnn-frontend wheel) and CUTLASS's headers (from PyPI's nvidia-cutlass wheel: the
+# MoE experts' grouped GEMMs), unpacked into .deps/. Idempotent; runs as root or with sudo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CUDNN_FRONTEND_VERSION=1.32.0
+CUTLASS_VERSION=4.2.0.0
 packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
           libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin)
 
@@ -58,4 +60,18 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
     rm -rf "$tmp"
   fi
   echo "install_deps: cuDNN frontend headers in $dest/include"
+  # CUTLASS is header-only C++ too; its wheel carries the headers under cutlass_library/source.
+  dest=.deps/cutlass
+  if [ ! -f "$dest/include/cutlass/cutlass.h" ]; then
+    echo "install_deps: fetching CUTLASS headers $CUTLASS_VERSION"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
+      "nvidia-cutlass==$CUTLASS_VERSION"
+    unzip -q -o "$tmp"/nvidia_cutlass-*.whl 'cutlass_library/source/include/*' -d "$tmp"
+    rm -rf "$dest"
+    mkdir -p "$dest"
+    mv "$tmp/cutlass_library/source/include" "$dest/include"
+    rm -rf "$tmp"
+  fi
+  echo "install_deps: CUTLASS headers in $dest/include"
 fi

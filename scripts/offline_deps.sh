@@ -2,6 +2,7 @@
 # Packs what the build needs into .deps/ for a GPU host with no package registry:
 #   .deps/offline/root        Debian 12 -dev packages and their runtime libraries, dpkg -x'd
 #   .deps/cudnn-frontend      the cuDNN frontend headers (scripts/install_deps.sh)
+#   .deps/cutlass             CUTLASS's headers (scripts/install_deps.sh)
 # The GPU host brings its own compiler, CMake, CUDA, cuDNN and NCCL. Copy (or `carry`) .deps/
 # there and build with
 #   cmake -S . -B build -DKILN_DEPS=.deps/offline/root
@@ -55,4 +56,4 @@ for f in $(find "$lib" "$root/usr/lib" -maxdepth 1 -name '*.so.*' -type f); do
   done
 done
 [ "$missing" = 0 ] || exit 1
-echo "offline_deps: $(du -sh "$root" | cut -f1) in $root, cuDNN frontend $(du -sh .deps/cudnn-frontend | cut -f1)"
+echo "offline_deps: $(du -sh "$root" | cut -f1) in $root, cuDNN frontend $(du -sh .deps/cudnn-frontend | cut -f1), CUTLASS $(du -sh .deps/cutlass | cut -f1)"

@@ -569,9 +569,16 @@ void Trainer::step_work(bool break_capture) {
 void Trainer::start_graphs() {
   if (!cfg_.train.cuda_graphs) return;
   std::string why_not = backend_->graph_unavailable();
-  if (why_not.empty() && moe())
-    why_not = "the MoE blocks' grouped GEMMs read their group sizes on the host at every call, "
-              "which a graph cannot replay";
+  // The MoE experts' grouped GEMMs read their group sizes on the device where the backend can
+  // (CUTLASS on sm_90) and the experts are not spread over ranks; elsewhere on the host, which
+  // no graph can replay.
+  if (why_not.empty() && moe() &&
+      (cfg_.dist.expert_parallel > 1 || !backend_->grouped_reads_device_offsets()))
+    why_not = std::string("the MoE blocks' grouped GEMMs read their group sizes on the host at "
+                          "every call (") +
+              (cfg_.dist.expert_parallel > 1 ? "dist.expert_parallel"
+                                             : "no CUTLASS on this build or GPU") +
+              "), which a graph cannot replay";
   if (!why_not.empty()) {
     if (is_main())
       spdlog::info("train.cuda_graphs: does not apply here ({}); running eagerly", why_not);

@@ -42,6 +42,11 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 // false (a variant that cannot run). Waits for the GPU: for one-off choices at first use.
 float median_ms(cudaStream_t stream, const std::function<bool()>& run);
 
+// GELU (tanh form) as a pass of its own over bf16 tensors of one shape, where a GEMM has no GELU
+// epilogue (matmul.cu): d *= gelu'(pre) in place, and out = gelu(pre).
+void gelu_backward_inplace(Tensor d, Tensor pre, int sm_count, cudaStream_t stream);
+void gelu_forward(Tensor out, Tensor pre, int sm_count, cudaStream_t stream);
+
 // Every tensor an op touches lives on the GPU; activations must be bf16 (the backend's
 // activation dtype), with a message that says so when f32 comes in.
 void expect_device(const Tensor& t, const char* op, const char* what);

@@ -24,11 +24,15 @@ const char* attention_kind_name(AttentionKind kind);
 
 struct MatmulPlans;      // matmul.cu: cuBLASLt descriptors and algorithms cached per shape
 struct CudnnAttention;   // attention_cudnn.cpp: cuDNN handle and SDPA graphs cached per shape
+struct GroupedGemms;     // grouped_matmul_cutlass.cu: CUTLASS grouped GEMMs per group count
 struct MatmulPlansDeleter {
   void operator()(MatmulPlans* p) const;
 };
 struct CudnnAttentionDeleter {
   void operator()(CudnnAttention* p) const;
+};
+struct GroupedGemmsDeleter {
+  void operator()(GroupedGemms* p) const;
 };
 
 class CudaBackend final : public Backend {
@@ -54,6 +58,7 @@ class CudaBackend final : public Backend {
   enum class GeluBackward { automatic, epilogue, kernel };
   void set_gelu_backward(GeluBackward g) { gelu_backward_ = g; }
   static bool cudnn_built();  // compiled with the cuDNN frontend
+  static bool grouped_device_offsets_built();  // compiled with CUTLASS's grouped GEMM
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
   // when an op needs more: the trainer's warm-up steps size it before any graph capture, and
@@ -135,6 +140,9 @@ class CudaBackend final : public Backend {
                               Tensor pre_gelu) override;
   void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
                                Tensor offsets, Tensor inp_pre_gelu) override;
+  bool grouped_reads_device_offsets() const override {
+    return grouped_device_offsets_built() && compute_capability_ == 90;
+  }
   void moe_ep_counts(Tensor counts, Tensor offsets) override;
   void moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) override;
   void moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) override;
@@ -176,6 +184,15 @@ class CudaBackend final : public Backend {
                                        const int* o);
   void grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
                                         Tensor weight, Tensor inp_pre_gelu, const int* o);
+  // The grouped GEMMs with the offsets in device memory (grouped_matmul_cutlass.cu): whether
+  // CUTLASS's grouped GEMM takes these operands, and the calls (no epilogue).
+  bool grouped_takes_device_offsets(const Tensor& inp, const Tensor& weight,
+                                    const Tensor& out) const;
+  void grouped_matmul_forward_device(Tensor out, Tensor inp, Tensor weight, Tensor offsets);
+  void grouped_matmul_backward_device(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                      Tensor weight, Tensor offsets);
+  // Device offsets the CUTLASS path cannot take: copied to the host (a stream sync, logged once).
+  const int* group_offsets_to_host(Tensor offsets, int64_t rows, const char* op, const char* why);
   void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);
@@ -218,6 +235,9 @@ class CudaBackend final : public Backend {
   bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;
   std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_;
+  std::unique_ptr<GroupedGemms, GroupedGemmsDeleter> grouped_;
+  std::vector<int> grouped_host_offsets_;  // group_offsets_to_host's copy
+  bool grouped_fallback_logged_ = false;
 };
 
 }  // namespace kiln

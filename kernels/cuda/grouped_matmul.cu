@@ -3,14 +3,17 @@
 //   forward:  out[m, o] = sum_c inp[m, c] W[e][o, c]            (+ GELU epilogue)
 //   dinp:     dinp[m, c] = sum_o dout[m, o] W[e][o, c]          (* gelu'(pre))
 //   dweight:  dW[e][o, c] += sum_{m in e} dout[m, o] inp[m, c]  (f32)
-// The offsets come in host memory (the MoE layer copies them once per pass, a stream sync, for
-// its two grouped calls; offsets on the device are refused rather than copied with a hidden sync
-// per call). Every non-empty group runs as a cuBLASLt GEMM (grouped_matmul_*_by_group,
-// matmul.cu).
-// cuBLAS 13's grouped GEMM (cublasGemmGroupedBatchedEx) also takes host sizes. A kernel that
-// read the offsets on the device (WMMA, 64x64 tiles, no pipelining) ran the experts at ~40
-// TFLOP/s on an H100, against ~760 for the dense linear; it is gone, and with it the only
-// way to capture these calls in a CUDA graph, so MoE runs ignore train.cuda_graphs (logged).
+// Offsets in device memory go to CUTLASS's grouped GEMM (grouped_matmul_cutlass.cu), one launch
+// a call that reads the group sizes on the device: no sync, and a graph can capture it. Offsets
+// in host memory (the MoE layer's copy, once per pass, where the backend reads no device
+// offsets: no CUTLASS, expert parallelism) run every non-empty group as a cuBLASLt GEMM
+// (grouped_matmul_*_by_group, matmul.cu). With device offsets GELU is a pass of its own over
+// all M rows after the GEMM (the groups cover them all). Device offsets the CUTLASS path cannot
+// take (unaligned operands, widths not multiples of 8) are copied to the host, warning once.
+// cuBLAS 13.0's grouped GEMM (cublasGemmGroupedBatchedEx) takes host sizes too. A WMMA kernel
+// that read the offsets on the device ran the experts at ~40 TFLOP/s on an H100; it is gone.
+#include <spdlog/spdlog.h>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -19,6 +22,10 @@ namespace kiln {
 using namespace cuda;
 
 namespace {
+
+constexpr const char* kNotTaken =
+    "CUTLASS's grouped GEMM does not take these operands here (sm_90, C and OC multiples of 8, "
+    "16-byte alignment)";
 
 void check_grouped(const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                    const char* op) {
@@ -50,6 +57,19 @@ const int* CudaBackend::host_group_offsets(Tensor offsets, int64_t rows, const c
   return o;
 }
 
+const int* CudaBackend::group_offsets_to_host(Tensor offsets, int64_t rows, const char* op,
+                                              const char* why) {
+  if (!grouped_fallback_logged_) {
+    spdlog::warn("cuda {}: {}; the group offsets are copied to the host (a stream sync a call)",
+                 op, why);
+    grouped_fallback_logged_ = true;
+  }
+  grouped_host_offsets_.resize(static_cast<size_t>(offsets.numel()));
+  copy_to_host(grouped_host_offsets_.data(), offsets);
+  return host_group_offsets(
+      Tensor{grouped_host_offsets_.data(), offsets.shape, DType::i32, Device::cpu}, rows, op);
+}
+
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
                                          Tensor pre_gelu) {
   const char* op = "grouped_matmul_forward";
@@ -62,8 +82,19 @@ void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, 
     expect_numel(pre_gelu, M * OC, op, "pre_gelu");
   }
   if (M == 0) return;
-  grouped_matmul_forward_by_group(out, inp, weight, pre_gelu,
-                                  host_group_offsets(offsets, M, op));
+  if (offsets.device != Device::cuda) {
+    grouped_matmul_forward_by_group(out, inp, weight, pre_gelu,
+                                    host_group_offsets(offsets, M, op));
+  } else if (!grouped_takes_device_offsets(inp, weight, pre_gelu.defined() ? pre_gelu : out)) {
+    grouped_matmul_forward_by_group(out, inp, weight, pre_gelu,
+                                    group_offsets_to_host(offsets, M, op, kNotTaken));
+  } else if (pre_gelu.defined()) {
+    // No GELU epilogue: the GEMM writes pre_gelu, then a pass over all M rows writes out.
+    grouped_matmul_forward_device(pre_gelu, inp, weight, offsets);
+    gelu_forward(out, pre_gelu, sm_count_, stream_);
+  } else {
+    grouped_matmul_forward_device(out, inp, weight, offsets);
+  }
 }
 
 void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
@@ -84,8 +115,18 @@ void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor do
     expect_numel(inp_pre_gelu, M * C, op, "inp_pre_gelu");
   }
   if (M == 0) return;
-  grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu,
-                                   host_group_offsets(offsets, M, op));
+  if (offsets.device != Device::cuda) {
+    grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu,
+                                     host_group_offsets(offsets, M, op));
+  } else if (!grouped_takes_device_offsets(inp, weight, dout) ||
+             (dinp.defined() && !aligned(dinp.data, 16)) || !aligned(dweight.data, 16)) {
+    grouped_matmul_backward_by_group(dinp, dweight, dout, inp, weight, inp_pre_gelu,
+                                     group_offsets_to_host(offsets, M, op, kNotTaken));
+  } else {
+    grouped_matmul_backward_device(dinp, dweight, dout, inp, weight, offsets);
+    if (dinp.defined() && inp_pre_gelu.defined())
+      gelu_backward_inplace(dinp, inp_pre_gelu, sm_count_, stream_);
+  }
 }
 
 }  // namespace kiln

@@ -318,41 +318,56 @@ void check_2d(const Tensor& t, int64_t rows, int64_t cols, const char* op, const
                                 "] (leading dims flattened)");
 }
 
-// d[i] *= gelu'(pre[i]), in place; 8 bf16 per thread and 16-byte accesses when `packed` (both
-// pointers 16-byte aligned), then the < 8 left over one by one.
-__global__ void gelu_backward_kernel(bf16* d, const bf16* pre, int64_t n, bool packed) {
+// kGrad: d[i] *= gelu'(pre[i]), in place (after a GEMM with no DGELU epilogue); else d[i] =
+// gelu(pre[i]) (after one with no GELU epilogue). 8 bf16 per thread and 16-byte accesses when
+// `packed` (both pointers 16-byte aligned), then the < 8 left over one by one.
+template <bool kGrad>
+__global__ void gelu_kernel(bf16* d, const bf16* pre, int64_t n, bool packed) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   int64_t done = 0;
+  auto apply = [](float dk, float pk) { return kGrad ? dk * gelu_grad(pk) : gelu(pk); };
   if (packed) {
     using P = Packed128<bf16>;
     const int64_t packs = n / P::size;
     for (int64_t p = i; p < packs; p += stride) {
-      P dv = load128(d + p * P::size);
+      P dv = kGrad ? load128(d + p * P::size) : P{};
       const P pv = load128cs(pre + p * P::size);
       for (int k = 0; k < P::size; ++k)
-        dv[k] = from_float<bf16>(to_float(dv[k]) * gelu_grad(to_float(pv[k])));
+        dv[k] = from_float<bf16>(apply(to_float(dv[k]), to_float(pv[k])));
       store128(d + p * P::size, dv);
     }
     done = packs * P::size;
   }
   for (int64_t j = done + i; j < n; j += stride)
-    d[j] = from_float<bf16>(to_float(d[j]) * gelu_grad(to_float(pre[j])));
+    d[j] = from_float<bf16>(apply(kGrad ? to_float(d[j]) : 0.0f, to_float(pre[j])));
 }
 
-// d *= gelu'(pre), in place, both bf16 of one shape: after a GEMM with no DGELU epilogue.
-void gelu_backward_inplace(Tensor d, Tensor pre, int sm_count, cudaStream_t stream) {
+template <bool kGrad>
+void launch_gelu(Tensor d, Tensor pre, int sm_count, cudaStream_t stream) {
   const int64_t n = d.numel();
   const int threads = 256;
   const int blocks =
       static_cast<int>(std::min<int64_t>(ceil_div(ceil_div(n, 8), threads), sm_count * 8));
-  gelu_backward_kernel<<<blocks, threads, 0, stream>>>(
-      static_cast<bf16*>(d.data), static_cast<const bf16*>(pre.data), n,
-      aligned(d.data, 16) && aligned(pre.data, 16));
+  if (n == 0) return;
+  gelu_kernel<kGrad><<<blocks, threads, 0, stream>>>(static_cast<bf16*>(d.data),
+                                                      static_cast<const bf16*>(pre.data), n,
+                                                      aligned(d.data, 16) && aligned(pre.data, 16));
   KILN_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
+
+namespace cuda {
+
+void gelu_backward_inplace(Tensor d, Tensor pre, int sm_count, cudaStream_t stream) {
+  launch_gelu<true>(d, pre, sm_count, stream);
+}
+void gelu_forward(Tensor out, Tensor pre, int sm_count, cudaStream_t stream) {
+  launch_gelu<false>(out, pre, sm_count, stream);
+}
+
+}  // namespace cuda
 
 void CudaBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                                  Tensor pre_gelu) {

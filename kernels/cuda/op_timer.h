@@ -147,6 +147,9 @@ class OpTimer final : public Backend {
   void set_attention(const std::string& kind) override { inner_.set_attention(kind); }
   std::string attention_name() const override { return inner_.attention_name(); }
   std::string fp8_unavailable() const override { return inner_.fp8_unavailable(); }
+  bool grouped_reads_device_offsets() const override {
+    return inner_.grouped_reads_device_offsets();
+  }
   bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override {
     return inner_.fp8_backward_in_fp8(f, N, C, OC);
   }

@@ -106,7 +106,12 @@ void Moe::exchange_counts(Backend& k, const Acts& a) const {
 
 void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor rows,
                           Tensor device_offsets, Tensor out) const {
-  const Tensor offsets = forward_offsets_ = on_host(k, device_offsets);
+  // Where the backend's grouped GEMMs read the sizes on the device, the offsets stay there: no
+  // sync. Otherwise (expert parallelism, whose exchange reads its counts on the host anyway; a
+  // CUDA build without CUTLASS) one copy to the host serves this pass's grouped calls and the
+  // backward's.
+  const bool on_device = ep.ranks == 1 && k.grouped_reads_device_offsets();
+  const Tensor offsets = forward_offsets_ = on_device ? device_offsets : on_host(k, device_offsets);
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_forward(a.act, rows, local(w, fc), offsets, a.pre);
   } else {

@@ -195,17 +195,29 @@ TEST_F(CudaGraphRun, AFailedCaptureFallsBackWithTheEagerLosses) {
 
 // MoE blocks read their group sizes on the host, which a graph cannot replay: the run says so
 // and stays eager, with the eager run's losses bit for bit.
-TEST_F(CudaGraphRun, MoeRunsEagerlyAndSaysWhy) {
-  const std::string moe =
-      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
-      "--moe.expert_ffn_dim=64 --train.resume=none";
-  train("eager", moe);
-  const std::string log = train("graph", moe + " --train.cuda_graphs=true");
-  EXPECT_NE(log.find("train.cuda_graphs: does not apply here (the MoE blocks' grouped GEMMs"),
-            std::string::npos)
-      << log;
-  EXPECT_EQ(log.find(kCaptured), std::string::npos) << log;
-  expect_identical("eager", "graph");
+// MoE experts whose grouped GEMMs read the group sizes on the device (CUTLASS on sm_90, no
+// expert parallelism) are captured and replayed, bit for bit against the eager run, SwiGLU and
+// GELU experts alike; elsewhere the run stays eager and says why.
+TEST_F(CudaGraphRun, MoeReplaysWhereItsGroupSizesStayOnTheDevice) {
+  const bool device_sizes = make_cuda_backend(0)->grouped_reads_device_offsets();
+  const std::string experts = " --moe.n_experts=4 --moe.top_k=2 --moe.expert_ffn_dim=64 "
+                              "--train.resume=none";
+  const std::string swiglu = "--model.arch=llama --model.n_kv_head=2" + experts;
+  const std::string gelu = "--model.bias=false" + experts;  // tiny.yaml's GPT-2: GELU experts
+  for (const auto& [tag, moe] : {std::pair{"swiglu", swiglu}, std::pair{"gelu", gelu}}) {
+    const std::string eager = std::string(tag) + "_eager", graph = std::string(tag) + "_graph";
+    train(eager, moe);
+    const std::string log = train(graph, moe + " --train.cuda_graphs=true");
+    if (device_sizes) {
+      EXPECT_NE(log.find(kCaptured), std::string::npos) << tag << "\n" << log;
+    } else {
+      EXPECT_NE(log.find("train.cuda_graphs: does not apply here (the MoE blocks' grouped GEMMs"),
+                std::string::npos)
+          << log;
+      EXPECT_EQ(log.find(kCaptured), std::string::npos) << log;
+    }
+    expect_identical(eager, graph);
+  }
 }
 
 // The NCCL communicator works through events on its own stream, which a capture follows: its

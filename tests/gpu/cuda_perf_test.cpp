@@ -288,8 +288,9 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
 
 // The MoE ops at moe-2.9b-a1b's shapes (B=4, T=2048, C=2048, 8 experts of 2048, top-2), with
 // a balanced routing (token n's choices are experts 2n and 2n+1 mod 8: 2048 rows an expert).
-// The grouped GEMMs take the offsets in host memory, as the MoE layer passes them; the copy that
-// gets them there (a stream sync) is timed on its own.
+// The grouped GEMMs with the offsets in host memory (cuBLASLt group by group, as the MoE layer
+// runs them under expert parallelism or without CUTLASS; the copy that gets them there, a stream
+// sync, is timed on its own) and in device memory (CUTLASS's grouped GEMM, where built).
 TEST(CudaPerf, DISABLED_MoeShapes) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   CudaBackend gpu(0);
@@ -333,6 +334,15 @@ TEST(CudaPerf, DISABLED_MoeShapes) {
       median_ms(gpu,
                 [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, host_offsets, Tensor{}); }),
       2 * fc_flops, 0);
+  if (gpu.grouped_reads_device_offsets()) {
+    row("grouped fc forward, device offsets",
+        median_ms(gpu, [&] { gpu.grouped_matmul_forward(h, xp, w_fc, offsets, Tensor{}); }),
+        fc_flops, 0);
+    row("grouped fc backward, device offsets",
+        median_ms(gpu,
+                  [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, offsets, Tensor{}); }),
+        2 * fc_flops, 0);
+  }
   row("offsets to the host (the layer's sync a pass)",
       median_ms(gpu, [&] { gpu.copy_to_host(host.data(), offsets); }), 0, 0);
   DevTensor w_dense(gpu, {2 * F * 2, C}, DType::bf16, rng, 0.02f),
