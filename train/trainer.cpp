@@ -569,11 +569,8 @@ void Trainer::step_work(bool break_capture) {
 void Trainer::start_graphs() {
   if (!cfg_.train.cuda_graphs) return;
   std::string why_not = backend_->graph_unavailable();
-  // The MoE experts' grouped GEMMs read their group sizes on the device where the backend can
-  // (CUTLASS on sm_90) and the experts are not spread over ranks; elsewhere on the host, which
-  // no graph can replay.
-  if (why_not.empty() && moe() &&
-      (cfg_.dist.expert_parallel > 1 || !backend_->grouped_reads_device_offsets()))
+  // MoE blocks that read their group sizes on the host cannot be replayed from a graph.
+  if (why_not.empty() && moe() && !moe_sizes_on_device(*backend_, cfg_.dist.expert_parallel))
     why_not = std::string("the MoE blocks' grouped GEMMs read their group sizes on the host at "
                           "every call (") +
               (cfg_.dist.expert_parallel > 1 ? "dist.expert_parallel"

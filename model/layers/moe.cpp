@@ -110,8 +110,8 @@ void Moe::experts_forward(Backend& k, const Params& w, const Acts& a, Tensor row
   // sync. Otherwise (expert parallelism, whose exchange reads its counts on the host anyway; a
   // CUDA build without CUTLASS) one copy to the host serves this pass's grouped calls and the
   // backward's.
-  const bool on_device = ep.ranks == 1 && k.grouped_reads_device_offsets();
-  const Tensor offsets = forward_offsets_ = on_device ? device_offsets : on_host(k, device_offsets);
+  const Tensor offsets = forward_offsets_ =
+      moe_sizes_on_device(k, ep.ranks) ? device_offsets : on_host(k, device_offsets);
   if (kind == MlpKind::gelu) {
     k.grouped_matmul_forward(a.act, rows, local(w, fc), offsets, a.pre);
   } else {

@@ -43,6 +43,13 @@ struct ExpertParallel {
       all_to_all_v;
 };
 
+// Whether MoE blocks spread over `expert_parallel` ranks keep their group offsets on the device
+// on backend k (no stream sync, and a CUDA graph can capture them): where k's grouped GEMMs read
+// device offsets, and without expert parallelism, whose exchange reads its counts on the host.
+inline bool moe_sizes_on_device(const Backend& k, int expert_parallel) {
+  return expert_parallel == 1 && k.grouped_reads_device_offsets();
+}
+
 struct Moe {
   MoeRouting routing;
   MlpKind kind = MlpKind::swiglu;  // each expert's MLP
