@@ -5,14 +5,15 @@
 // flight). The fused residual form normalizes the bf16-rounded residual it writes, and sums its
 // squares in the same pass.
 // Backward design choice: deterministic without float atomics. dinp += per row (the residual
-// stream's gradient accumulates). dweight's column sums: for C = kIters * 256 up to 2048 (LLaMA
-// 1.36B's hot size) ONE pass over dout/inp/dinp: a persistent grid of one wave, one warp per row,
-// each warp's running dweight sums in shared memory; the block adds its warps' sums in warp order
-// into one partial, and a final kernel adds the partials in block order (the grid depends only on
-// the GPU's SM count, so results are bit-identical run to run on one GPU model). Other widths (up
-// to any C, 8192 included) take two passes: row-chunk partials of dout * x * rstd, then the dinp
-// kernel.
+// stream's gradient accumulates). dweight's column sums: for C % 256 == 0 up to 4096 (LLaMA
+// 1.36B's and Qwen3's 2048) ONE pass over dout/inp/dinp, a block per row walking a fixed range of
+// rows with its columns' dweight sums in registers (rmsnorm_backward_rows_kernel), then a final
+// kernel adding the blocks' partials in a fixed order (the grid depends only on the GPU's SM
+// count, so results are bit-identical run to run on one GPU model). Other widths (8192 included)
+// take two passes: row-chunk partials of dout * x * rstd, then the dinp kernel.
 #include <algorithm>
+#include <array>
+#include <utility>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -193,124 +194,140 @@ __global__ void rmsnorm_dweight_partials_kernel(float* partials, const bf16* dou
   partials[blockIdx.y * static_cast<int64_t>(C) + c] = dw;
 }
 
-// dweight[c] += the partials' sum, in chunk (block) order.
-__global__ void rmsnorm_dweight_final_kernel(float* dweight, const float* partials, int chunks,
-                                             int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+// dweight[c] += the partials' sum. A block of 32 columns x 8 row lanes: lane y adds chunks y,
+// y + 8, ... of its column, then the 8 lane sums are added in lane order, a fixed order for a
+// given chunk count (hundreds of chunks: one thread per column walking them all would be
+// latency-bound, tens of microseconds a call).
+constexpr int kFinalCols = 32, kFinalLanes = 8;
+__global__ void __launch_bounds__(kFinalCols* kFinalLanes)
+    rmsnorm_dweight_final_kernel(float* dweight, const float* partials, int chunks, int C) {
+  __shared__ float lane_sums[kFinalLanes][kFinalCols + 1];
+  const int x = threadIdx.x % kFinalCols, y = threadIdx.x / kFinalCols;
+  const int c = blockIdx.x * kFinalCols + x;
   float dw = 0.0f;
-  for (int k = 0; k < chunks; ++k) dw += partials[k * static_cast<int64_t>(C) + c];
-  dweight[c] += dw;
+  if (c < C)
+    for (int k = y; k < chunks; k += kFinalLanes) dw += partials[k * static_cast<int64_t>(C) + c];
+  lane_sums[y][x] = dw;
+  __syncthreads();
+  if (y != 0 || c >= C) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kFinalLanes; ++i) total += lane_sums[i][x];
+  dweight[c] += total;
 }
 
-constexpr int kFusedBackwardWarps = 8;
+void launch_dweight_final(cudaStream_t stream, float* dweight, const float* partials, int chunks,
+                          int C) {
+  rmsnorm_dweight_final_kernel<<<ceil_div(C, kFinalCols), kFinalCols * kFinalLanes, 0, stream>>>(
+      dweight, partials, chunks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
 
-// C == kIters * 256: lane `l` of a warp owns columns (i * 32 + l) * 8 + [0, 8) for i < kIters.
-// Two blocks per SM (128 registers a thread). Up to C = 1024 a row's dout and inp stay in
-// registers between the row's reduction and its dinp update; wider rows (kIters > 4) would
-// spill, so the update reads them again, from L1/L2 (the first read keeps them cached), and HBM
-// still sees one read of each. Dynamic shared memory: f32 [kFusedBackwardWarps][C], each warp's
-// running dweight sums.
-template <int kIters>
-__global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
-    rmsnorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
-                                  const bf16* weight, const float* rstd, int64_t N,
-                                  int64_t rows_per_block) {
-  constexpr int C = kIters * 256;
-  constexpr bool kKeepRow = kIters <= 4;
-  extern __shared__ float4 fused_smem[];
-  float* sums = reinterpret_cast<float*>(fused_smem);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float* my_dw = sums + warp * C;
-  for (int c = lane * 4; c < C; c += 32 * 4)
-    *reinterpret_cast<float4*>(my_dw + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  __syncwarp();
+// One-pass backward for C % 256 == 0 up to 4096 (LLaMA 1.36B's and Qwen3's 2048): a block of
+// C / 8 threads per row, thread t owning columns [8t, 8t + 8) of every row, so its dweight sums
+// stay in 8 registers across the block's rows (no shared-memory traffic) and its weight is
+// loaded once. Each block walks a contiguous range of rows with the next row's dout, inp, dinp
+// and rstd loaded before the current row's reduction, so two rows' reads are in flight per
+// thread (the warp-per-row kernel this replaced read dinp only after the row's reduction, one
+// HBM round trip more per row: 2.7 TB/s). The row's sum crosses warps through a double-buffered
+// shared array, one barrier a row. The grid is one wave sized by the GPU (occupancy x SMs), so the
+// partials' order, and with it dweight, is bit-identical run to run on one GPU model.
+// At most 64 registers, so that 1024 threads (two rows each in flight) fit on an SM.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads)
+    rmsnorm_backward_rows_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
+                                 const bf16* weight, const float* rstd, int64_t N,
+                                 int64_t rows_per_block) {
+  constexpr int C = kThreads * 8, kWarps = kThreads / 32;
+  __shared__ float row_sums[2][kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = threadIdx.x * 8;
+  float w[8], dw[8];
+  {
+    const Packed128<bf16> wp = load128(weight + c);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      w[k] = to_float(wp[k]);
+      dw[k] = 0.0f;
+    }
+  }
   const int64_t r0 = blockIdx.x * rows_per_block;
   const int64_t r1 = min(N, r0 + rows_per_block);
-  for (int64_t row = r0 + warp; row < r1; row += kFusedBackwardWarps) {
-    const bf16* dy = dout + row * C;
-    const bf16* x = inp + row * C;
-    bf16* dx = dinp + row * C;
-    Packed128<bf16> g[kIters], v[kIters];
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int c = (i * 32 + lane) * 8;
-      g[i] = kKeepRow ? load128cs(dy + c) : load128(dy + c);
-      v[i] = kKeepRow ? load128cs(x + c) : load128(x + c);
-    }
-    const float rs = rstd[row];
-    float sum_dnorm_xhat = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int c = (i * 32 + lane) * 8;
-      const Packed128<bf16> w = load128(weight + c);
-      float dw[8];
-      *reinterpret_cast<float4*>(dw) = *reinterpret_cast<float4*>(my_dw + c);
-      *reinterpret_cast<float4*>(dw + 4) = *reinterpret_cast<float4*>(my_dw + c + 4);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float gk = to_float(g[i][k]);
-        const float xhat = to_float(v[i][k]) * rs;
-        sum_dnorm_xhat += gk * to_float(w[k]) * xhat;
-        dw[k] += gk * xhat;
-      }
-      *reinterpret_cast<float4*>(my_dw + c) = *reinterpret_cast<float4*>(dw);
-      *reinterpret_cast<float4*>(my_dw + c + 4) = *reinterpret_cast<float4*>(dw + 4);
-    }
-    const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int c = (i * 32 + lane) * 8;
-      const Packed128<bf16> gi = kKeepRow ? g[i] : load128cs(dy + c);
-      const Packed128<bf16> vi = kKeepRow ? v[i] : load128cs(x + c);
-      const Packed128<bf16> w = load128(weight + c);
-      Packed128<bf16> d = load128(dx + c);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float xhat = to_float(vi[k]) * rs;
-        const float dnorm = to_float(gi[k]) * to_float(w[k]);
-        d[k] = __float2bfloat16_rn(to_float(d[k]) + (dnorm - xhat * mean_dnorm_xhat) * rs);
-      }
-      store128(dx + c, d);
-    }
+  Packed128<bf16> g, v, d;
+  float rs = 0.0f;
+  if (r0 < r1) {
+    g = load128cs(dout + r0 * C + c);
+    v = load128cs(inp + r0 * C + c);
+    d = load128cs(dinp + r0 * C + c);
+    rs = rstd[r0];
   }
-  __syncthreads();
-  // The block's partial: the warps' sums added in warp order.
-  float* out = partials + blockIdx.x * static_cast<int64_t>(C);
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float t = sums[c];
+  int parity = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    const Packed128<bf16> gi = g, vi = v;
+    Packed128<bf16> di = d;
+    const float rsi = rs;
+    if (row + 1 < r1) {
+      g = load128cs(dout + (row + 1) * C + c);
+      v = load128cs(inp + (row + 1) * C + c);
+      d = load128cs(dinp + (row + 1) * C + c);
+      rs = rstd[row + 1];
+    }
+    float part = 0.0f;
 #pragma unroll
-    for (int w = 1; w < kFusedBackwardWarps; ++w) t += sums[w * C + c];
-    out[c] = t;
+    for (int k = 0; k < 8; ++k) {
+      const float gk = to_float(gi[k]);
+      const float xhat = to_float(vi[k]) * rsi;
+      part += gk * w[k] * xhat;
+      dw[k] += gk * xhat;
+    }
+    part = warp_sum(part);
+    if (lane == 0) row_sums[parity][warp] = part;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += row_sums[parity][i];
+    parity ^= 1;
+    const float mean_dnorm_xhat = total / C;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float xhat = to_float(vi[k]) * rsi;
+      di[k] = __float2bfloat16_rn(to_float(di[k]) +
+                                  (to_float(gi[k]) * w[k] - xhat * mean_dnorm_xhat) * rsi);
+    }
+    store128(dinp + row * C + c, di);
   }
+  float* out = partials + blockIdx.x * static_cast<int64_t>(C) + c;
+  *reinterpret_cast<float4*>(out) = make_float4(dw[0], dw[1], dw[2], dw[3]);
+  *reinterpret_cast<float4*>(out + 4) = make_float4(dw[4], dw[5], dw[6], dw[7]);
 }
 
-template <int kIters>
-void rmsnorm_backward_fused(CudaBackend& backend, Tensor dinp, Tensor dweight, Tensor dout,
-                            Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
-  constexpr int C = kIters * 256;
-  const int threads = 32 * kFusedBackwardWarps;
-  const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * C * sizeof(float);
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_fused_kernel<kIters>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+template <int kThreads>
+void rmsnorm_backward_rows(CudaBackend& backend, Tensor dinp, Tensor dweight, Tensor dout,
+                           Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
+  constexpr int C = kThreads * 8;
   int per_sm = 0;
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, rmsnorm_backward_fused_kernel<kIters>, threads, smem));
+      &per_sm, rmsnorm_backward_rows_kernel<kThreads>, kThreads, 0));
   // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
   const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
   const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
   const int blocks = ceil_div(N, rows_per_block);
   float* partials =
       static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * C * sizeof(float)));
-  rmsnorm_backward_fused_kernel<kIters><<<blocks, threads, smem, backend.stream()>>>(
+  rmsnorm_backward_rows_kernel<kThreads><<<blocks, kThreads, 0, backend.stream()>>>(
       dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
       rstd.ptr<float>(), N, rows_per_block);
   KILN_CUDA_LAUNCH_CHECK();
-  rmsnorm_dweight_final_kernel<<<ceil_div(C, 128), 128, 0, backend.stream()>>>(dweight.ptr<float>(),
-                                                                               partials, blocks, C);
-  KILN_CUDA_LAUNCH_CHECK();
+  launch_dweight_final(backend.stream(), dweight.ptr<float>(), partials, blocks, C);
 }
+
+// rmsnorm_backward_rows for C = 256, 512, ..., 4096 (index C / 256 - 1).
+using BackwardRows = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                              int64_t);
+template <int... k>
+constexpr std::array<BackwardRows, sizeof...(k)> backward_rows(std::integer_sequence<int, k...>) {
+  return {&rmsnorm_backward_rows<(k + 1) * 32>...};
+}
+constexpr auto kBackwardRows = backward_rows(std::make_integer_sequence<int, 16>{});
 
 void check_eps(float eps, const char* op) {
   if (!(eps >= 0.0f))
@@ -379,26 +396,8 @@ void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Ten
   expect_numel(dweight, C, op, "dweight");
   if (N == 0) return;
 
-  if (C % 256 == 0 && C <= 2048 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data})) {
-    switch (C / 256) {
-      case 1:
-        return rmsnorm_backward_fused<1>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 2:
-        return rmsnorm_backward_fused<2>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 3:
-        return rmsnorm_backward_fused<3>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 4:
-        return rmsnorm_backward_fused<4>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 5:
-        return rmsnorm_backward_fused<5>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 6:
-        return rmsnorm_backward_fused<6>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 7:
-        return rmsnorm_backward_fused<7>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-      case 8:
-        return rmsnorm_backward_fused<8>(*this, dinp, dweight, dout, inp, weight, rstd, N);
-    }
-  }
+  if (C % 256 == 0 && C <= 4096 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
+    return kBackwardRows[C / 256 - 1](*this, dinp, dweight, dout, inp, weight, rstd, N);
 
   const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
   const int64_t rows_per_chunk = ceil_div(N, chunks);
@@ -409,9 +408,7 @@ void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Ten
   rmsnorm_dweight_partials_kernel<<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream_>>>(
       partials, dout.ptr<bf16>(), inp.ptr<bf16>(), rstd.ptr<float>(), N, C, rows_per_chunk);
   KILN_CUDA_LAUNCH_CHECK();
-  rmsnorm_dweight_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(
-      dweight.ptr<float>(), partials, used_chunks, C);
-  KILN_CUDA_LAUNCH_CHECK();
+  launch_dweight_final(stream_, dweight.ptr<float>(), partials, used_chunks, C);
 
   const int blocks = ceil_div(N, kWarpsPerBlock);
   if (vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))

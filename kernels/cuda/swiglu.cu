@@ -19,20 +19,32 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxRowBlocks = 65535;  // gridDim.y
 
-// Thread (x, y) handles columns [x * kVec, x * kVec + kVec) of rows y, y + gridDim.y, ...
+// Thread (x, y) handles columns [x * kVec, x * kVec + kVec) of rows 2y, 2y + 1, then 2y +
+// 2 * gridDim.y, ...: both rows' gate and up are loaded before either is used (64 bytes in flight
+// a thread; one row at a time, 32 bytes, reached 3.7 TB/s where the backward's three loads reach
+// 4.2).
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(bf16* out, const bf16* inp, int64_t N, int F) {
   const int f = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
   if (f >= F) return;
-  for (int64_t n = blockIdx.y; n < N; n += gridDim.y) {
+  for (int64_t n = 2 * static_cast<int64_t>(blockIdx.y); n < N; n += 2 * gridDim.y) {
+    const bool second = n + 1 < N;
     const bf16* gate = inp + n * 2 * F + f;
-    float g[kVec], u[kVec], o[kVec];
-    load_vec<kVec>(g, gate);
-    load_vec<kVec>(u, gate + F);
+    float g[2][kVec], u[2][kVec], o[kVec];
+    load_vec<kVec>(g[0], gate);
+    load_vec<kVec>(u[0], gate + F);
+    if (second) {
+      load_vec<kVec>(g[1], gate + 2 * F);
+      load_vec<kVec>(u[1], gate + 3 * F);
+    }
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) o[k] = swiglu(g[k], u[k]);
-    store_vec<kVec>(out + n * F + f, o);
+    for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !second) break;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) o[k] = swiglu(g[r][k], u[r][k]);
+      store_vec<kVec>(out + (n + r) * F + f, o);
+    }
   }
 }
 
@@ -88,11 +100,11 @@ void CudaBackend::swiglu_forward(Tensor out, Tensor inp) {
   swiglu_dims(out, inp, op, "out", "inp", N, F);
   if (N == 0) return;
   if (vec8_ok(F, {out.data, inp.data})) {
-    swiglu_forward_kernel<8>
-        <<<swiglu_grid(N, F, 8), kThreads, 0, stream_>>>(out.ptr<bf16>(), inp.ptr<bf16>(), N, F);
+    swiglu_forward_kernel<8><<<swiglu_grid(ceil_div(N, 2), F, 8), kThreads, 0, stream_>>>(
+        out.ptr<bf16>(), inp.ptr<bf16>(), N, F);
   } else {
-    swiglu_forward_kernel<1>
-        <<<swiglu_grid(N, F, 1), kThreads, 0, stream_>>>(out.ptr<bf16>(), inp.ptr<bf16>(), N, F);
+    swiglu_forward_kernel<1><<<swiglu_grid(ceil_div(N, 2), F, 1), kThreads, 0, stream_>>>(
+        out.ptr<bf16>(), inp.ptr<bf16>(), N, F);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }

@@ -351,7 +351,7 @@ INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 1024, 100
 class CudaRmsNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
 
 TEST_P(CudaRmsNorm, ForwardBackward) {
-  // 2048 (LLaMA 1.36B) and 768: one-pass backward; 8192: the two-pass path; 100: scalar loads
+  // 2048 (LLaMA 1.36B), 768 and 4096: one-pass backward; 8192: the two-pass path; 100: scalar
   const int C = GetParam(), N = C >= 8192 ? 600 : 2500;
   const float eps = 1e-5f;
   std::vector<float> x = rand(N * C, 2.0f), w = rand(C);
@@ -403,7 +403,7 @@ TEST_P(CudaRmsNorm, ResidualForward) {
   EXPECT_CLOSE(host(gr), host(cr), kBf16Tol, "residual rmsnorm rstd");
 }
 
-INSTANTIATE_TEST_SUITE_P(Widths, CudaRmsNorm, ::testing::Values(2048, 768, 8192, 100));
+INSTANTIATE_TEST_SUITE_P(Widths, CudaRmsNorm, ::testing::Values(2048, 768, 4096, 8192, 100));
 
 // ---- qk_norm, rope (packed qkv, GQA head layouts) ------------------------------------------
 
@@ -727,7 +727,9 @@ TEST_P(CudaSoftmaxCE, LossAndGradInPlace) {
 
 INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCE,
                          ::testing::Values(std::make_pair(1000, 1024), std::make_pair(333, 333),
-                                           std::make_pair(250, 259), std::make_pair(50257, 50304)));
+                                           std::make_pair(250, 259), std::make_pair(50257, 50304),
+                                           std::make_pair(32000, 32000),
+                                           std::make_pair(30001, 32768)));
 
 // ---- reductions and optimizer -------------------------------------------------------------
 

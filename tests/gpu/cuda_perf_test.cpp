@@ -250,6 +250,42 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
         5 * f_bytes);
   }
   {
+    // The loss over LLaMA's 32000-token vocabulary (minimal bytes: logits read, gradient written).
+    const int V = 32000;
+    DevTensor logits(gpu, {N, V}, DType::bf16, rng, 4.0f), losses(gpu, {N}, DType::f32, rng);
+    std::vector<int32_t> tgt(static_cast<size_t>(N));
+    for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
+    Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
+    gpu.copy_from_host(targets, tgt.data());
+    row("softmax_cross_entropy V=32000 (in-place dlogits)",
+        median_ms(gpu,
+                  [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
+        0, 2.0 * N * V * 2);
+    gpu.release(targets.data);
+  }
+  {
+    // The optimizer over LLaMA 1.36B's parameters: 30 bytes a parameter (f32 master, grad, m, v
+    // read; master, m, v and the bf16 copy written); the gradients' norm reads 4.
+    const int64_t P = 1345423360;
+    DevTensor master(gpu, {P}, DType::f32, rng), grads(gpu, {P}, DType::f32, rng),
+        m(gpu, {P}, DType::f32, rng), v(gpu, {P}, DType::f32, rng, 0.01f, true),
+        working(gpu, {P}, DType::bf16, rng), sched(gpu, {kSchedSize}, DType::f32, rng),
+        sumsq(gpu, {1}, DType::f32, rng);
+    gpu.set_schedule(sched, 1e-4f, 10);
+    AdamWHyper hyper;
+    hyper.weight_decay = 0.1f;
+    std::vector<int64_t> spans = {0, P / 2};
+    Tensor sp{gpu.allocate(16), Shape{1, 2}, DType::i64, Device::cuda};
+    gpu.copy_from_host(sp, spans.data());
+    row("sum_squares (1.36B f32 grads)",
+        median_ms(gpu, [&] { gpu.sum_squares(sumsq, grads, false); }), 0, 4.0 * P);
+    row("adamw_update (1.36B params, bf16 copy)",
+        median_ms(gpu,
+                  [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
+        0, P * (4.0 * 7 + 2));
+    gpu.release(sp.data);
+  }
+  {
     // The FP8 step's casts (each reads bf16 once and writes one byte per copy): a block input
     // forward (copy only) and backward (transpose only), and the output gradients of qkv and of
     // the gate/up pair (copy and transpose).
