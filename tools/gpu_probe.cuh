@@ -1,6 +1,7 @@
 // What the standalone GPU measurement programs in tools/ (gemm_attention_sweep.cu,
-// sm_share_probe.cu, swiglu_gemm_probe.cu) share: a check that exits on any failing CUDA/cuBLASLt/cuDNN call, and a
-// fill of bf16 buffers with hashed uniform values (never zeros: zeros run faster than data).
+// sm_share_probe.cu, swiglu_gemm_probe.cu) share: a check that exits on any failing
+// CUDA/cuBLASLt/cuDNN call, and a fill of bf16 buffers with hashed uniform values (never zeros:
+// zeros run faster than data).
 #pragma once
 
 #include <cuda_bf16.h>
