@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -69,6 +70,27 @@ double median_ms(CudaBackend& g, const std::function<void()>& op) {
 
 void row(const char* name, double ms, double flops, double bytes) {
   std::printf("| %-44s | %8.3f | %8.1f | %8.0f |\n", name, ms, flops / ms / 1e9, bytes / ms / 1e6);
+}
+
+// sum_squares and adamw_update over P f32 parameters (with the bf16 working copy): the
+// optimizer's 30 bytes a parameter, the norm's 4.
+void optimizer_rows(CudaBackend& gpu, std::mt19937& rng, int64_t P, const char* size) {
+  DevTensor master(gpu, {P}, DType::f32, rng), grads(gpu, {P}, DType::f32, rng),
+      m(gpu, {P}, DType::f32, rng), v(gpu, {P}, DType::f32, rng, 0.01f, true),
+      working(gpu, {P}, DType::bf16, rng), sched(gpu, {kSchedSize}, DType::f32, rng),
+      sumsq(gpu, {1}, DType::f32, rng);
+  gpu.set_schedule(sched, 1e-4f, 10);
+  AdamWHyper hyper;
+  hyper.weight_decay = 0.1f;
+  std::vector<int64_t> spans = {0, P / 2};
+  Tensor sp{gpu.allocate(16), Shape{1, 2}, DType::i64, Device::cuda};
+  gpu.copy_from_host(sp, spans.data());
+  row((std::string("sum_squares (") + size + " f32 grads)").c_str(),
+      median_ms(gpu, [&] { gpu.sum_squares(sumsq, grads, false); }), 0, 4.0 * P);
+  row((std::string("adamw_update (") + size + " params, bf16 copy)").c_str(),
+      median_ms(gpu, [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
+      0, P * (4.0 * 7 + 2));
+  gpu.release(sp.data);
 }
 
 TEST(CudaPerf, DISABLED_Gpt2Shapes) {
@@ -161,23 +183,7 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
       0, 2.0 * N * Vp * 2);
   gpu.release(targets.data);
 
-  const int64_t P = 124475904;  // GPT-2 124M with Vp=50304
-  DevTensor master(gpu, {P}, DType::f32, rng), grads(gpu, {P}, DType::f32, rng),
-      m(gpu, {P}, DType::f32, rng), v(gpu, {P}, DType::f32, rng, 0.01f, true),
-      working(gpu, {P}, DType::bf16, rng), sched(gpu, {kSchedSize}, DType::f32, rng),
-      sumsq(gpu, {1}, DType::f32, rng);
-  gpu.set_schedule(sched, 1e-4f, 10);
-  AdamWHyper hyper;
-  hyper.weight_decay = 0.1f;
-  std::vector<int64_t> spans = {0, P / 2};
-  Tensor sp{gpu.allocate(16), Shape{1, 2}, DType::i64, Device::cuda};
-  gpu.copy_from_host(sp, spans.data());
-  row("sum_squares (124M f32 grads)", median_ms(gpu, [&] { gpu.sum_squares(sumsq, grads, false); }), 0,
-      4.0 * P);
-  row("adamw_update (124M params, bf16 copy)",
-      median_ms(gpu, [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
-      0, P * (4.0 * 7 + 2));
-  gpu.release(sp.data);
+  optimizer_rows(gpu, rng, 124475904, "124M");  // GPT-2 124M with Vp=50304
   gpu.synchronize();
 }
 
@@ -263,28 +269,7 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
         0, 2.0 * N * V * 2);
     gpu.release(targets.data);
   }
-  {
-    // The optimizer over LLaMA 1.36B's parameters: 30 bytes a parameter (f32 master, grad, m, v
-    // read; master, m, v and the bf16 copy written); the gradients' norm reads 4.
-    const int64_t P = 1345423360;
-    DevTensor master(gpu, {P}, DType::f32, rng), grads(gpu, {P}, DType::f32, rng),
-        m(gpu, {P}, DType::f32, rng), v(gpu, {P}, DType::f32, rng, 0.01f, true),
-        working(gpu, {P}, DType::bf16, rng), sched(gpu, {kSchedSize}, DType::f32, rng),
-        sumsq(gpu, {1}, DType::f32, rng);
-    gpu.set_schedule(sched, 1e-4f, 10);
-    AdamWHyper hyper;
-    hyper.weight_decay = 0.1f;
-    std::vector<int64_t> spans = {0, P / 2};
-    Tensor sp{gpu.allocate(16), Shape{1, 2}, DType::i64, Device::cuda};
-    gpu.copy_from_host(sp, spans.data());
-    row("sum_squares (1.36B f32 grads)",
-        median_ms(gpu, [&] { gpu.sum_squares(sumsq, grads, false); }), 0, 4.0 * P);
-    row("adamw_update (1.36B params, bf16 copy)",
-        median_ms(gpu,
-                  [&] { gpu.adamw_update(master, grads, m, v, working, sp, 0, sched, hyper); }),
-        0, P * (4.0 * 7 + 2));
-    gpu.release(sp.data);
-  }
+  optimizer_rows(gpu, rng, 1345423360, "1.36B");  // LLaMA 1.36B
   {
     // The FP8 step's casts (each reads bf16 once and writes one byte per copy): a block input
     // forward (copy only) and backward (transpose only), and the output gradients of qkv and of
