@@ -76,13 +76,8 @@ double sweep_gemm(const Shape& s, double* best_total) {
   PROBE_CHECK(cublasLtMatrixLayoutCreate(&B, CUDA_R_16BF, s.tb ? s.n : s.k, s.tb ? s.k : s.n,
                                          s.tb ? s.n : s.k));
   PROBE_CHECK(cublasLtMatrixLayoutCreate(&C, s.f32out ? CUDA_R_32F : CUDA_R_16BF, s.m, s.n, s.m));
-  cublasLtMatmulPreference_t pref;
-  PROBE_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  PROBE_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &ws_bytes, sizeof ws_bytes));
-  cublasLtMatmulHeuristicResult_t res[24];
-  int found = 0;
-  PROBE_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, desc, A, B, C, C, pref, 24, res, &found));
+  const auto res = probe_candidates(lt, desc, A, B, C, ws_bytes, 24);
+  const int found = static_cast<int>(res.size());
   void* a = dev(s.m * s.k * 2, 1);
   void* b = dev(s.k * s.n * 2, 2);
   void* d = dev(s.m * s.n * (s.f32out ? 4 : 2), 3);

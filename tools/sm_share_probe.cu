@@ -61,14 +61,7 @@ Gemm make_gemm(int64_t m, int64_t n, int64_t k, int sms) {
   PROBE_CHECK(cublasLtMatrixLayoutCreate(&g.A, CUDA_R_16BF, k, m, k));
   PROBE_CHECK(cublasLtMatrixLayoutCreate(&g.B, CUDA_R_16BF, k, n, k));
   PROBE_CHECK(cublasLtMatrixLayoutCreate(&g.C, CUDA_R_16BF, m, n, m));
-  cublasLtMatmulPreference_t pref;
-  PROBE_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  PROBE_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &ws_bytes, sizeof ws_bytes));
-  cublasLtMatmulHeuristicResult_t r;
-  int found = 0;
-  PROBE_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.A, g.B, g.C, g.C, pref, 1, &r, &found));
-  g.algo = r.algo;
+  g.algo = probe_candidates(lt, g.desc, g.A, g.B, g.C, ws_bytes, 1)[0].algo;
   PROBE_CHECK(cudaMalloc(&g.a, m * k * 2));
   PROBE_CHECK(cudaMalloc(&g.b, k * n * 2));
   PROBE_CHECK(cudaMalloc(&g.d, m * n * 2));

@@ -283,17 +283,11 @@ int main() {
   size_t ws_bytes = 32 << 20;
   void* ws;
   PROBE_CHECK(cudaMalloc(&ws, ws_bytes));
-  cublasLtMatmulPreference_t pref;
-  PROBE_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  PROBE_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &ws_bytes, sizeof ws_bytes));
-  cublasLtMatmulHeuristicResult_t heur;
-  int found = 0;
-  PROBE_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, ld, ld, pref, 1, &heur, &found));
+  const cublasLtMatmulAlgo_t algo = probe_candidates(lt, desc, la, lb, ld, ws_bytes, 1)[0].algo;
   const float one = 1.0f, zero = 0.0f;
   auto cublas_gemm = [&] {
-    PROBE_CHECK(cublasLtMatmul(lt, desc, &one, w, la, dout, lb, &zero, dh, ld, dh, ld, &heur.algo,
-                               ws, ws_bytes, 0));
+    PROBE_CHECK(cublasLtMatmul(lt, desc, &one, w, la, dout, lb, &zero, dh, ld, dh, ld, &algo, ws,
+                               ws_bytes, 0));
   };
   const dim3 grid((F / 8 + 127) / 128, 65535 < M ? 65535 : M);
   auto kernel = [&] { swiglu_backward<<<grid, 128>>>(dgu_ref, dh, gu, M, F); };
