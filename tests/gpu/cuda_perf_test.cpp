@@ -72,6 +72,21 @@ void row(const char* name, double ms, double flops, double bytes) {
   std::printf("| %-44s | %8.3f | %8.1f | %8.0f |\n", name, ms, flops / ms / 1e9, bytes / ms / 1e6);
 }
 
+// softmax_cross_entropy over N rows of Vp logits (V of them real), the gradient written in place.
+// GB/s counts the minimal bytes: the logits read once, the gradient written once (the two-pass
+// kernel reads them twice).
+void loss_row(CudaBackend& gpu, std::mt19937& rng, int64_t N, int V, int Vp, const char* name) {
+  DevTensor logits(gpu, {N, Vp}, DType::bf16, rng, 4.0f), losses(gpu, {N}, DType::f32, rng);
+  std::vector<int32_t> tgt(static_cast<size_t>(N));
+  for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
+  Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
+  gpu.copy_from_host(targets, tgt.data());
+  row(name,
+      median_ms(gpu, [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
+      0, 2.0 * N * Vp * 2);
+  gpu.release(targets.data);
+}
+
 // sum_squares and adamw_update over P f32 parameters (with the bf16 working copy): the
 // optimizer's 30 bytes a parameter, the norm's 4.
 void optimizer_rows(CudaBackend& gpu, std::mt19937& rng, int64_t P, const char* size) {
@@ -171,17 +186,7 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
       median_ms(gpu, [&] { gpu.layernorm_backward(dx, dlnw, dlnb, att, x, lnw, mean, rstd); }), 0,
       4 * act_bytes);
 
-  DevTensor logits(gpu, {B, T, Vp}, DType::bf16, rng, 4.0f), losses(gpu, {N}, DType::f32, rng);
-  std::vector<int32_t> tgt(static_cast<size_t>(N));
-  for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
-  Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
-  gpu.copy_from_host(targets, tgt.data());
-  // GB/s counts the minimal bytes: the logits read once, the gradient written once (the
-  // two-pass kernel reads them twice).
-  row("softmax_cross_entropy (in-place dlogits)",
-      median_ms(gpu, [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
-      0, 2.0 * N * Vp * 2);
-  gpu.release(targets.data);
+  loss_row(gpu, rng, N, V, Vp, "softmax_cross_entropy (in-place dlogits)");
 
   optimizer_rows(gpu, rng, 124475904, "124M");  // GPT-2 124M with Vp=50304
   gpu.synchronize();
@@ -255,20 +260,7 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     row("swiglu_backward", median_ms(gpu, [&] { gpu.swiglu_backward(dh, dout, h); }), 0,
         5 * f_bytes);
   }
-  {
-    // The loss over LLaMA's 32000-token vocabulary (minimal bytes: logits read, gradient written).
-    const int V = 32000;
-    DevTensor logits(gpu, {N, V}, DType::bf16, rng, 4.0f), losses(gpu, {N}, DType::f32, rng);
-    std::vector<int32_t> tgt(static_cast<size_t>(N));
-    for (auto& t : tgt) t = static_cast<int32_t>(rng() % V);
-    Tensor targets{gpu.allocate(tgt.size() * 4), Shape{N}, DType::i32, Device::cuda};
-    gpu.copy_from_host(targets, tgt.data());
-    row("softmax_cross_entropy V=32000 (in-place dlogits)",
-        median_ms(gpu,
-                  [&] { gpu.softmax_cross_entropy(losses, logits, targets, V, 1.0f / N, true); }),
-        0, 2.0 * N * V * 2);
-    gpu.release(targets.data);
-  }
+  loss_row(gpu, rng, N, 32000, 32000, "softmax_cross_entropy V=32000 (in-place dlogits)");
   optimizer_rows(gpu, rng, 1345423360, "1.36B");  // LLaMA 1.36B
   {
     // The FP8 step's casts (each reads bf16 once and writes one byte per copy): a block input
