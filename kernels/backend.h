@@ -246,6 +246,13 @@ class Backend {
   virtual void swiglu_forward(Tensor out, Tensor inp) = 0;
   // dinp[N,2F] = gradient w.r.t. inp (overwritten).
   virtual void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) = 0;
+  // The backward of out = swiglu(pre) @ weight^T (+ bias), act = swiglu(pre): what
+  //   matmul_backward(dact, dweight, dbias, dout, act, weight, {}); swiglu_backward(dpre, dact, pre)
+  // computes, in one op so that a backend can keep dact[N,F] out of memory (CUDA: SwiGLU's
+  // backward in the GEMM's epilogue). dact is scratch for a backend that does not fuse (its
+  // contents afterwards are unspecified); dpre[N,2F] is overwritten.
+  virtual void swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
+                                      Tensor act, Tensor weight, Tensor pre, Tensor dact) = 0;
 
   // Fused softmax + cross-entropy over logits[N,Vp], of which the first `vocab_size` columns
   // are real. losses: f32[N], losses[n] = -log softmax(logits[n])[targets[n]]; targets: i32[N].

@@ -483,6 +483,33 @@ TEST(CpuSwiGlu, GradCheck) {
   expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "swiglu dinp");
 }
 
+// swiglu_matmul_backward: the backward of out = swiglu(pre) @ weight^T + bias, in one op.
+TEST(CpuSwiGlu, MatmulBackwardGradCheck) {
+  const int64_t N = 5, F = 6, C = 4;
+  std::vector<float> pre = random_floats(N * 2 * F, 133, -4.0f, 4.0f);
+  std::vector<float> w = random_floats(C * F, 134), b = random_floats(C, 135);
+  std::vector<float> R = random_floats(N * C, 136), act = zeros(N * F), out = zeros(N * C);
+  auto forward = [&] {
+    cpu().swiglu_forward(f32(act, {N, F}), f32(pre, {N, 2 * F}));
+    cpu().matmul_forward(f32(out, {N, C}), f32(act, {N, F}), f32(w, {C, F}), f32(b, {C}),
+                         Tensor{});
+    return weighted_sum(out, R);
+  };
+  forward();
+  // dweight and dbias start from garbage: they accumulate.
+  std::vector<float> dw0 = random_floats(C * F, 137), db0 = random_floats(C, 138);
+  std::vector<float> dw = dw0, db = db0, dpre = random_floats(N * 2 * F, 139);
+  std::vector<float> dact = random_floats(N * F, 140);  // scratch
+  cpu().swiglu_matmul_backward(f32(dpre, {N, 2 * F}), f32(dw, {C, F}), f32(db, {C}),
+                               f32(R, {N, C}), f32(act, {N, F}), f32(w, {C, F}),
+                               f32(pre, {N, 2 * F}), f32(dact, {N, F}));
+  for (size_t i = 0; i < dw.size(); ++i) dw[i] -= dw0[i];
+  for (size_t i = 0; i < db.size(); ++i) db[i] -= db0[i];
+  expect_grad_near(dpre, numeric_grad(pre, kStep, forward), "swiglu_matmul dpre");
+  expect_grad_near(dw, numeric_grad(w, kStep, forward), "swiglu_matmul dweight");
+  expect_grad_near(db, numeric_grad(b, kStep, forward), "swiglu_matmul dbias");
+}
+
 TEST(CpuSwiGlu, RejectsBadShapesNamingOpAndTensor) {
   SwiGluCase k;
   expect_rejects(

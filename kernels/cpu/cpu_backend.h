@@ -59,6 +59,8 @@ class CpuBackend final : public Backend {
   void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) override;
   void swiglu_forward(Tensor out, Tensor inp) override;
   void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
+  void swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
+                              Tensor weight, Tensor pre, Tensor dact) override;
 
   void moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
                           Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) override;

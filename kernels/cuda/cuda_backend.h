@@ -57,6 +57,9 @@ class CudaBackend final : public Backend {
   // force each to check both against the CPU.
   enum class GeluBackward { automatic, epilogue, kernel };
   void set_gelu_backward(GeluBackward g) { gelu_backward_ = g; }
+  // swiglu_matmul_backward with SwiGLU's backward in the GEMM's epilogue where it can be (the
+  // default), or as matmul_backward + swiglu_backward: tests check both against the CPU.
+  void set_swiglu_fused(bool on) { swiglu_fused_ = on; }
   static bool cudnn_built();  // compiled with the cuDNN frontend
   static bool grouped_device_offsets_built();  // compiled with CUTLASS's grouped GEMM
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
@@ -121,6 +124,8 @@ class CudaBackend final : public Backend {
   void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) override;
   void swiglu_forward(Tensor out, Tensor inp) override;
   void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
+  void swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
+                              Tensor weight, Tensor pre, Tensor dact) override;
   void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
                              float dloss_scale, bool write_dlogits) override;
 
@@ -191,6 +196,11 @@ class CudaBackend final : public Backend {
   void grouped_matmul_forward_device(Tensor out, Tensor inp, Tensor weight, Tensor offsets);
   void grouped_matmul_backward_device(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
                                       Tensor weight, Tensor offsets);
+  // swiglu_matmul_backward's fused input gradient (swiglu_matmul.cu, CUTLASS): whether these
+  // operands can take it (sm_90, C and F multiples of 8, 16-byte aligned), and the GEMM.
+  bool swiglu_dgrad_fusable(const Tensor& dpre, const Tensor& dout, const Tensor& weight,
+                            const Tensor& pre) const;
+  void swiglu_dgrad(Tensor dpre, Tensor dout, Tensor weight, Tensor pre);
   // Device offsets the CUTLASS path cannot take: copied to the host (a stream sync, logged once).
   const int* group_offsets_to_host(Tensor offsets, int64_t rows, const char* op, const char* why);
   void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
@@ -213,6 +223,7 @@ class CudaBackend final : public Backend {
   int sm_count_ = 0;
   int compute_capability_ = 0;  // 90 for sm_90
   GeluBackward gelu_backward_ = GeluBackward::automatic;
+  bool swiglu_fused_ = true;
   std::string name_;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;

@@ -60,6 +60,10 @@ namespace kiln {
     (dinp, dout, a, theta))                                                                        \
   X(swiglu_forward, (Tensor out, Tensor inp), (out, inp))                                          \
   X(swiglu_backward, (Tensor dinp, Tensor dout, Tensor inp), (dinp, dout, inp))                    \
+  X(swiglu_matmul_backward,                                                                        \
+    (Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight, Tensor pre, \
+     Tensor dact),                                                                                 \
+    (dpre, dweight, dbias, dout, act, weight, pre, dact))                                          \
   X(moe_router_forward,                                                                            \
     (Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor stats, Tensor logits,    \
      Tensor bias, const MoeRouting& r),                                                            \

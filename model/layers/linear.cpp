@@ -42,4 +42,10 @@ void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp,
                         inp_pre_gelu, f);
 }
 
+void Linear::backward_through_swiglu(Backend& k, const Params& w, const Params& g, Tensor dpre,
+                                     Tensor dout, Tensor inp, Tensor pre, Tensor dact) const {
+  k.swiglu_matmul_backward(dpre, param(g, weight), param(g, bias), dout, inp, param(w, weight), pre,
+                           dact);
+}
+
 }  // namespace kiln

@@ -27,6 +27,11 @@ struct Linear {
   // swiglu_backward_fp8), which the caller may do where the backend's fp8_backward_in_fp8 holds.
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
                 Tensor inp_pre_gelu = {}) const;
+  // The backward when inp = swiglu(pre) (the SwiGLU MLP's proj, bf16 or f32, not FP8):
+  // dpre = swiglu_backward(dout @ weight, pre), grads += dout^T @ inp; dact is [N,in] scratch for
+  // a backend that does not fuse SwiGLU into the GEMM (Backend::swiglu_matmul_backward).
+  void backward_through_swiglu(Backend& k, const Params& w, const Params& g, Tensor dpre,
+                               Tensor dout, Tensor inp, Tensor pre, Tensor dact) const;
 };
 
 }  // namespace kiln

@@ -44,16 +44,21 @@ void Mlp::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
     fc.backward(k, w, g, dinp, s.dpre, inp);
     return;
   }
-  proj.backward(k, w, g, s.dact, dout, a.act);
   const int64_t N = inp.numel() / fc.in;
   if (fc.fp8 && fc.bias < 0 && k.fp8_backward_in_fp8(*fc.fp8, N, fc.in, fc.out)) {
     // fc's output gradient goes straight to FP8: its bf16 copy is never written or read back.
+    proj.backward(k, w, g, s.dact, dout, a.act);
     const Fp8Linear& f = *fc.fp8;
     k.swiglu_backward_fp8(f.g8, f.g8_t, s.dact, a.pre, f.state, f.layout, f.index + kFp8G);
     fc.backward(k, w, g, dinp, Tensor{}, inp);
     return;
   }
-  k.swiglu_backward(s.dpre, s.dact, a.pre);
+  if (proj.fp8) {
+    proj.backward(k, w, g, s.dact, dout, a.act);
+    k.swiglu_backward(s.dpre, s.dact, a.pre);
+  } else {
+    proj.backward_through_swiglu(k, w, g, s.dpre, dout, a.act, a.pre, s.dact);
+  }
   fc.backward(k, w, g, dinp, s.dpre, inp);
 }
 

@@ -541,6 +541,58 @@ TEST_P(CudaSwiGlu, ForwardBackward) {
 // 5504: LLaMA 1.36B's ffn (16-byte path); 100: F % 8 != 0, the scalar path
 INSTANTIATE_TEST_SUITE_P(Widths, CudaSwiGlu, ::testing::Values(5504, 1024, 100));
 
+// The SwiGLU MLP's proj backward in one op: with SwiGLU's backward in the GEMM's epilogue (sm_90
+// with CUTLASS, F and C multiples of 8) and as the two ops it stands for, each against the CPU.
+struct SwiGluMatmulCase {
+  int T, C, F;
+};
+class CudaSwiGluMatmul : public CudaOps, public ::testing::WithParamInterface<SwiGluMatmulCase> {};
+
+TEST_P(CudaSwiGluMatmul, BackwardMatchesCpuFusedOrNot) {
+  const SwiGluMatmulCase p = GetParam();
+  const int B = 2, T = p.T, C = p.C, F = p.F, N = B * T;
+  std::vector<float> pre = rand(N * 2 * F, 4.0f), a = rand(N * F), w = rand(C * F, 0.1f);
+  std::vector<float> dout = rand(N * C), dw0 = rand(C * F), db0 = rand(C);
+  Buf cpre = cpu({B, T, 2 * F}, pre), cact = cpu({B, T, F}, a), cw = cpu({C, F}, w);
+  Buf cdo = cpu({B, T, C}, dout), cdw = cpu({C, F}, dw0), cdb = cpu({C}, db0);
+  Buf cdpre = cpu({B, T, 2 * F}, std::vector<float>(N * 2 * F));
+  Buf cdact = cpu({B, T, F}, std::vector<float>(N * F));
+  cpu_->swiglu_matmul_backward(cdpre, cdw, cdb, cdo, cact, cw, cpre, cdact);
+  // The CPU op is the two it stands for, bit for bit.
+  Buf rdpre = cpu({B, T, 2 * F}, std::vector<float>(N * 2 * F));
+  Buf rdact = cpu({B, T, F}, std::vector<float>(N * F)), rdw = cpu({C, F}, dw0), rdb = cpu({C}, db0);
+  cpu_->matmul_backward(rdact, rdw, rdb, cdo, cact, cw, Tensor{});
+  cpu_->swiglu_backward(rdpre, rdact, cpre);
+  EXPECT_EQ(host(cdpre), host(rdpre));
+  EXPECT_EQ(host(cdw), host(rdw));
+  EXPECT_EQ(host(cdb), host(rdb));
+
+  Buf gpre = act({B, T, 2 * F}, pre), gact = act({B, T, F}, a), gw = act({C, F}, w);
+  Buf gdo = act({B, T, C}, dout);
+  for (const bool fused : {true, false}) {
+    const std::string what = fused ? " (fused where it can be)" : " (two ops)";
+    gpu_->set_swiglu_fused(fused);
+    Buf gdpre = poisoned({B, T, 2 * F}, DType::bf16), gdact = poisoned({B, T, F}, DType::bf16);
+    Buf gdw = gpu({C, F}, DType::f32, dw0), gdb = gpu({C}, DType::f32, db0);
+    gpu_->swiglu_matmul_backward(gdpre, gdw, gdb, gdo, gact, gw, gpre, gdact);
+    gpu_->set_swiglu_fused(true);
+    EXPECT_CLOSE(host(gdpre), host(cdpre), kBf16Tol, ("dpre" + what).c_str());
+    EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, ("dweight (+=)" + what).c_str());
+    EXPECT_CLOSE(host(gdb), host(cdb), kF32Tol, ("dbias (+=)" + what).c_str());
+  }
+}
+
+// 2048 x 5504: LLaMA 1.36B's proj; 61 rows a sequence: N is no multiple of the 128-row tile;
+// F = 100: no multiple of 8, the two ops.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaSwiGluMatmul,
+                         ::testing::Values(SwiGluMatmulCase{64, 2048, 5504},
+                                           SwiGluMatmulCase{61, 256, 200},
+                                           SwiGluMatmulCase{32, 64, 100}),
+                         [](const ::testing::TestParamInfo<SwiGluMatmulCase>& i) {
+                           return "T" + std::to_string(i.param.T) + "C" +
+                                  std::to_string(i.param.C) + "F" + std::to_string(i.param.F);
+                         });
+
 // ---- matmul -------------------------------------------------------------------------------
 
 struct MatmulCase {

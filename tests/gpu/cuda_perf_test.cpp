@@ -259,6 +259,17 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     row("swiglu_forward", median_ms(gpu, [&] { gpu.swiglu_forward(out, h); }), 0, 3 * f_bytes);
     row("swiglu_backward", median_ms(gpu, [&] { gpu.swiglu_backward(dh, dout, h); }), 0,
         5 * f_bytes);
+    // The proj's backward with SwiGLU's: fused into the input-gradient GEMM, then as two ops.
+    DevTensor dy(gpu, {B, T, C}, DType::bf16, rng), w(gpu, {C, F}, DType::bf16, rng),
+        dw(gpu, {C, F}, DType::f32, rng);
+    const double proj_flops = 4.0 * N * C * F;
+    for (const bool fused : {true, false}) {
+      gpu.set_swiglu_fused(fused);
+      row(fused ? "swiglu_matmul_backward (fused dinp)" : "swiglu_matmul_backward (two ops)",
+          median_ms(gpu, [&] { gpu.swiglu_matmul_backward(dh, dw, Tensor{}, dy, out, w, h, dout); }),
+          proj_flops, 0);
+    }
+    gpu.set_swiglu_fused(true);
   }
   loss_row(gpu, rng, N, 32000, 32000, "softmax_cross_entropy V=32000 (in-place dlogits)");
   optimizer_rows(gpu, rng, 1345423360, "1.36B");  // LLaMA 1.36B
