@@ -122,13 +122,25 @@ struct Nodes {
 
 using RowStride = Stride<int64_t, _1, int64_t>;
 
+// The GEMM kernel around an epilogue: dout[M,K] (K-major) . W[K,N] (N contiguous), CUTLASS's
+// mainloop builder given the shared memory the epilogue leaves.
+template <class TileShape, class KernelSchedule, class Epilogue>
+using KernelFor = cutlass::gemm::kernel::GemmUniversal<
+    Shape<int, int, int, int>,
+    typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, cutlass::layout::RowMajor, 8,
+        Bf16, cutlass::layout::RowMajor, 8, float, TileShape, Shape<_1, _1, _1>,
+        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+            sizeof(typename Epilogue::SharedStorage))>,
+        KernelSchedule>::CollectiveOp,
+    Epilogue>;
+
 // Graph 0: an EVT (tree) that loads gate twice; 1: a DAG (Sm90TopologicalVisitor) that loads
 // it once for both outputs; 2: that DAG with the sigmoid computed once as well. StagesC: the epilogue's load stages (0: the
 // builder's count, 4 here); the aux loads go through the same pipeline, so they share it.
 template <class TileShape, class KernelSchedule, class EpilogueSchedule, class Sig, int Graph,
           int StagesC = 0>
 struct FusedGemm {
-  using ClusterShape = Shape<_1, _1, _1>;
   using EpilogueTile =
       decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
                Bf16, cutlass::epilogue::collective::EpilogueTileAuto, EpilogueSchedule,
@@ -174,14 +186,7 @@ struct FusedGemm {
   using Epilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
       TileShape, EpilogueTile, float, float, void, cutlass::layout::RowMajor, 8, Bf16,
       cutlass::layout::RowMajor, 8, Callbacks, Policy>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, cutlass::layout::RowMajor, 8, Bf16,
-      cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = KernelFor<TileShape, KernelSchedule, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Callbacks::Arguments args(const Bf16* gu, Bf16* dgu, int N) {
@@ -208,14 +213,7 @@ struct PlainGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
       cutlass::layout::RowMajor, 8, Bf16, cutlass::layout::RowMajor, 8,
       EpilogueSchedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, cutlass::layout::RowMajor, 8, Bf16,
-      cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = KernelFor<TileShape, KernelSchedule, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 using PlainCooperative =
