@@ -224,6 +224,7 @@ class CudaBackend final : public Backend {
   int compute_capability_ = 0;  // 90 for sm_90
   GeluBackward gelu_backward_ = GeluBackward::automatic;
   bool swiglu_fused_ = true;
+  bool swiglu_dgrad_ready_ = false;  // swiglu_matmul.cu: the fused kernel's attribute is set
   std::string name_;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;

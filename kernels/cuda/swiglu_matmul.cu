@@ -133,11 +133,20 @@ void CudaBackend::swiglu_dgrad(Tensor dpre, Tensor dout, Tensor weight, Tensor p
        typename G::Kernel::StrideD{2 * F, _1{}, int64_t{0}}}};
   args.hw_info.device_id = device_;
   args.hw_info.sm_count = sm_count_;
-  G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess)
     throw std::logic_error("swiglu_matmul_backward: CUTLASS cannot implement the fused GEMM");
+  if (!swiglu_dgrad_ready_) {  // once a backend, not a call: the kernel's shared memory limit
+    KILN_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<G::Kernel>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         G::Kernel::SharedStorageSize));
+    swiglu_dgrad_ready_ = true;
+  }
+  // A call's own work is its parameters (the TMA descriptors of its tensors) and the launch.
   const size_t bytes = G::Gemm::get_workspace_size(args);
-  const cutlass::Status st = gemm.run(args, bytes ? scratch(bytes) : nullptr, stream_);
+  void* workspace = bytes ? scratch(bytes) : nullptr;
+  cutlass::Status st = G::Kernel::initialize_workspace(args, workspace, stream_);
+  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, workspace);
+  if (st == cutlass::Status::kSuccess) st = G::Gemm::run(params, stream_);
   if (st != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("swiglu_matmul_backward: CUTLASS run failed: ") +
                              cutlassGetStatusString(st));
