@@ -351,20 +351,15 @@ TEST(CudaPerf, DISABLED_MoeShapes) {
       dh(gpu, {M, 2 * F}, DType::bf16, rng), dw_fc(gpu, {E, 2 * F, C}, DType::f32, rng),
       dx(gpu, {M, C}, DType::bf16, rng);
   const double fc_flops = 2.0 * M * C * 2 * F;
-  row("grouped fc forward",
-      median_ms(gpu, [&] { gpu.grouped_matmul_forward(h, xp, w_fc, host_offsets, Tensor{}); }),
-      fc_flops, 0);
-  row("grouped fc backward",
-      median_ms(gpu,
-                [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, host_offsets, Tensor{}); }),
-      2 * fc_flops, 0);
-  if (gpu.grouped_reads_device_offsets()) {
-    row("grouped fc forward, device offsets",
-        median_ms(gpu, [&] { gpu.grouped_matmul_forward(h, xp, w_fc, offsets, Tensor{}); }),
-        fc_flops, 0);
-    row("grouped fc backward, device offsets",
-        median_ms(gpu,
-                  [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, offsets, Tensor{}); }),
+  // The group offsets on the host (cuBLASLt group by group), then on the device (CUTLASS).
+  for (const bool on_device : {false, true}) {
+    if (on_device && !gpu.grouped_reads_device_offsets()) break;
+    const Tensor o = on_device ? Tensor(offsets) : host_offsets;
+    const std::string where = on_device ? ", device offsets" : "";
+    row(("grouped fc forward" + where).c_str(),
+        median_ms(gpu, [&] { gpu.grouped_matmul_forward(h, xp, w_fc, o, Tensor{}); }), fc_flops, 0);
+    row(("grouped fc backward" + where).c_str(),
+        median_ms(gpu, [&] { gpu.grouped_matmul_backward(dx, dw_fc, dh, xp, w_fc, o, Tensor{}); }),
         2 * fc_flops, 0);
   }
   row("offsets to the host (the layer's sync a pass)",
