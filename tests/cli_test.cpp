@@ -73,6 +73,14 @@ TEST(CliParse, HelpNeedsNoConfig) {
   EXPECT_NE(usage.find("docs/config.md"), std::string::npos);
 }
 
+TEST(CliParse, PrintConfigIsAFlagBesideTheConfig) {
+  EXPECT_FALSE(parse({"c.yaml"}).print_config);
+  CommandLine cl = parse({"c.yaml", "--optim.lr=1e-3", "--print-config"});
+  EXPECT_TRUE(cl.print_config);
+  EXPECT_EQ(cl.overrides, std::vector<std::string>{"optim.lr=1e-3"});
+  EXPECT_NE(usage_text().find("--print-config"), std::string::npos);
+}
+
 TEST(CliErrors, NameTheArgumentAtFault) {
   struct Case {
     std::vector<std::string> args;

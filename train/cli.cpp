@@ -62,6 +62,8 @@ CommandLine parse_command_line(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
       cl.help = true;
+    } else if (arg == "--print-config") {
+      cl.print_config = true;
     } else if (arg.rfind("--", 0) == 0 && arg.size() > 2) {
       size_t eq = arg.find('=');
       std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
@@ -112,6 +114,7 @@ launcher flags (one process per GPU; under Slurm or mpirun these come from the e
   --node-rank R        this node's index, 0 <= R < nnodes      (default 0)
   --master-addr HOST   address of node 0's rendezvous          (default 127.0.0.1)
   --master-port P      port of the rendezvous, 1..65535 (default: ephemeral on one node, 29500 across nodes)
+  --print-config       print the resolved config (every key, as the run's config.yaml) and exit
   -h, --help           print this text
 
 A bad config or flag prints one line naming the key and exits with status 2.

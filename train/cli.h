@@ -24,6 +24,7 @@ struct CommandLine {
   std::vector<std::string> overrides;  // "section.key=value", in command-line order
   LaunchOptions launch;
   bool help = false;
+  bool print_config = false;  // print the resolved config and exit
 };
 
 // Throws InputError naming the argument at fault (unknown flag, bad value, a second config path,

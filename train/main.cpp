@@ -67,6 +67,10 @@ int main(int argc, char** argv) {
     }
     // Validate the config before starting anything, in the launcher as in a worker.
     Config config = load_config(cli.config_path, cli.overrides);
+    if (cli.print_config) {
+      std::printf("%s", config_to_yaml(config).c_str());
+      return 0;
+    }
     if (auto worker = worker_from_environment()) return run_worker(config, *worker);
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
       return launch(cli.launch, config, argc, argv);
