@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FP8 against bf16 on real text, from the same init and data: the recorded run of docs/PERF.md.
-# Byte-level text (prepare_data's shards, vocab 256) from the Python sources on the machine (a
-# large local corpus every GPU host has), up to CORPUS_MB (100) MB; gpt2-124m's shape; STEPS
-# (2000) steps of B=16 x T=1024 with no accumulation (~70 s a run on an H100). Prints the validation losses of both runs side by side.
+# Byte-level text (tools/python_corpus.sh: the Python sources on the machine), up to CORPUS_MB
+# (100) MB; gpt2-124m's shape; STEPS (2000) steps of B=16 x T=1024 with no accumulation (~70 s a
+# run on an H100). Prints the validation losses of both runs side by side.
 #   OUT=dir bash tools/fp8_convergence.sh [extra train flags]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -10,12 +10,7 @@ OUT=${OUT:-$PWD/fp8-convergence}
 STEPS=${STEPS:-2000}
 mkdir -p "$OUT"
 data=${TMPDIR:-/tmp}/kiln_fp8_text
-if [ ! -d "$data" ]; then
-  find /usr/lib/python3* /usr/local/lib/python3* -name '*.py' -print0 2>/dev/null | sort -z |
-    xargs -0 cat 2>/dev/null | head -c "$((${CORPUS_MB:-100} * 1024 * 1024))" > "$OUT/corpus.txt"
-  ./build/bin/prepare_data --out "$data" --val-fraction 0.02 "$OUT/corpus.txt" || exit 1
-  rm -f "$OUT/corpus.txt"
-fi
+bash tools/python_corpus.sh "$data" "${CORPUS_MB:-100}" || exit 1
 for p in bf16 fp8; do
   fp8=false
   [ "$p" = fp8 ] && fp8=true
