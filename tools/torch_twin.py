@@ -7,7 +7,8 @@ It reads kiln's resolved config (`train CONFIG [--overrides] --print-config`, or
 config.yaml), so every key means what it means to kiln: model.arch's layer choices (LayerNorm or
 RMSNorm, learned positions or RoPE, GELU or SwiGLU, biases, QK-norm, GQA, tied head), AdamW
 (decoupled decay on the tensors kiln decays), warm-up then cosine/linear/constant to min_lr, global
-norm clipping, windows of T+1 tokens in shard order (data.shuffle must be false), val loss over
+norm clipping, windows of T+1 tokens in kiln's order (data/loader.cpp's seeded shuffle, or shard
+order), val loss over
 train.eval_steps batches from the start of the val split after every train.eval_every steps.
 
 --kiln-numerics emulates kiln's bf16 choices inside the twin, one switch at a time, for ablation:
@@ -75,8 +76,6 @@ if "all" in emulate:
     emulate = set(KNOWN)
 if emulate - KNOWN:
     raise SystemExit(f"--kiln-numerics: unknown {sorted(emulate - KNOWN)}")
-if D.get("shuffle", True):
-    raise SystemExit("torch_twin: data.shuffle must be false (the twin reads windows in shard order)")
 if cfg.get("moe", {}).get("n_experts", 0):
     raise SystemExit("torch_twin: MoE models have no twin")
 if cfg["precision"].get("fp8"):
@@ -314,20 +313,109 @@ def load(pattern):
     return out
 
 
-def batches(shards, size):
-    while True:  # windows [i*T, i*T+T+1) of each shard in turn, epoch after epoch
-        buf = []
-        for s in shards:
-            for i in range((len(s) - 1) // T):
-                buf.append(s[i * T: i * T + T + 1])
-                if len(buf) == size:
-                    yield torch.from_numpy(np.stack(buf).astype(np.int64)).to(dev, non_blocking=True)
-                    buf = []
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class MT19937_64:
+    """std::mt19937_64, which data/loader.cpp shuffles with."""
+
+    def __init__(s, seed):
+        s.mt = [seed & MASK64]
+        for i in range(1, 312):
+            s.mt.append((6364136223846793005 * (s.mt[-1] ^ (s.mt[-1] >> 62)) + i) & MASK64)
+        s.i = 312
+
+    def __call__(s):
+        if s.i == 312:
+            mt = s.mt
+            for k in range(312):
+                x = (mt[k] & 0xFFFFFFFF80000000) | (mt[(k + 1) % 312] & 0x7FFFFFFF)
+                mt[k] = mt[(k + 156) % 312] ^ (x >> 1) ^ (0xB5026F5AA96619E9 if x & 1 else 0)
+            s.i = 0
+        y = s.mt[s.i]
+        s.i += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        return (y ^ (y >> 43)) & MASK64
+
+
+def permutation(n, rng):  # Fisher-Yates with an unbiased bounded draw, as data/loader.cpp
+    p = list(range(n))
+    for i in range(n - 1, 0, -1):
+        bound = i + 1
+        threshold = ((1 << 64) - bound) % bound
+        r = rng()
+        while r < threshold:
+            r = rng()
+        j = r % bound
+        p[i], p[j] = p[j], p[i]
+    return p
+
+
+class Loader:
+    """data/loader.cpp on one rank: windows [w*T, w*T+T+1) of the shards, the shards (and the
+    windows in each) in seeded order per epoch when shuffling; an epoch's remainder that
+    cannot fill a batch is dropped."""
+
+    def __init__(s, shards, size, shuffle, seed):
+        s.shards, s.size, s.shuffle, s.seed = shards, size, shuffle, seed
+        s.windows = [(len(x) - 1) // T for x in shards]
+        s.total = sum(s.windows)
+        if s.total < size:
+            raise SystemExit(f"torch_twin: {s.total} windows, fewer than a batch of {size}")
+        s.epoch, s.cursor, s.orders_epoch = 0, 0, None
+
+    def rng(s, stream):
+        return MT19937_64(splitmix64(splitmix64(splitmix64(s.seed) ^ s.epoch) ^ stream))
+
+    def prepare(s):
+        if s.orders_epoch == s.epoch:
+            return
+        n = len(s.shards)
+        s.order = permutation(n, s.rng(0)) if s.shuffle else list(range(n))
+        s.starts = np.cumsum([0] + [s.windows[i] for i in s.order[:-1]])
+        s.inner = {}
+        s.orders_epoch = s.epoch
+
+    def window(s, shard, index):
+        if not s.shuffle:
+            return index
+        if shard not in s.inner:
+            s.inner[shard] = permutation(s.windows[shard], s.rng(shard + 1))
+        return s.inner[shard][index]
+
+    def next(s):
+        s.prepare()
+        rows = []
+        for b in range(s.size):
+            c = s.cursor + b
+            p = int(np.searchsorted(s.starts, c, side="right")) - 1
+            shard = s.order[p]
+            w = s.window(shard, c - int(s.starts[p]))
+            rows.append(s.shards[shard][w * T: w * T + T + 1])
+        s.cursor += s.size
+        if s.cursor + s.size > s.total:
+            s.epoch, s.cursor = s.epoch + 1, 0
+        return np.stack(rows).astype(np.int64)
+
+
+def batches(loader, micro_batches=1):
+    while True:
+        t = np.concatenate([loader.next() for _ in range(micro_batches)])
+        yield torch.from_numpy(t).to(dev, non_blocking=True)
 
 
 def evaluate():
     m.eval()
-    total, vb = 0.0, batches(val, TR["batch_size"])
+    total, vb = 0.0, batches(Loader(val, TR["batch_size"], False, 0))
     with torch.no_grad(), torch.autocast(AC, dtype=torch.bfloat16, enabled=bool(a.autocast)):
         for _ in range(TR["eval_steps"]):
             t = next(vb)
@@ -342,7 +430,7 @@ def sync():
 
 
 train, val = load(D["train"]), load(D["val"]) if D["val"] else []
-it = batches(train, B)
+it = batches(Loader(train, TR["batch_size"], D["shuffle"], seed), TR["grad_accum"])
 grad_clip = OP["grad_clip"]
 # The clock is read only where the host waits anyway (evaluations) and around steps 0 and 1:
 # step 0 compiles, so it is counted at step 1's time and its excess reported apart.

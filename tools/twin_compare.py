@@ -42,7 +42,7 @@ if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
 seeds = [int(s) for s in a.seeds.split(",")]
 os.makedirs(a.out, exist_ok=True)
-common = ["--" + s.lstrip("-") for s in a.set] + ["--data.shuffle=false", "--train.resume=none",
+common = ["--" + s.lstrip("-") for s in a.set] + ["--train.resume=none",
                                                   "--train.save_checkpoints=false"]
 
 
