@@ -8,6 +8,10 @@
 //  - Activations use the backend's activation dtype (cpu: f32; cuda: bf16). Parameters passed
 //    to ops use the working dtype (same as activations). Parameter *gradients* are always f32.
 //    LayerNorm mean/rstd, attention log-sum-exp and per-token losses are always f32.
+//  - The residual stream (the embedding's output, the sums between blocks, and their gradient)
+//    is f32 or the activation dtype (precision.residual): the ops that read or write it (encoder,
+//    the norms' input, sum and dinp) take either; what they exchange with the GEMMs is
+//    activations.
 //  - Backward ops ACCUMULATE (+=) into parameter gradients (dweight, dbias, dwte, dwpe), so
 //    gradient accumulation over micro-batches is free, and OVERWRITE (=) activation gradients,
 //    except where stated: layernorm_backward and rmsnorm_backward accumulate into the residual
@@ -172,24 +176,29 @@ class Backend {
   virtual std::string graph_replay() { return graph_unavailable(); }
 
   // ---- embedding, norm, linear, attention, loss ---------------------------------------
-  // out[B,T,C] = wte[tokens[b,t]] + wpe[t].  tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or
-  // undefined for a model without learned positions (RoPE): out = wte[tokens[b,t]].
+  // out[B,T,C] = wte[tokens[b,t]] + wpe[t] (the residual stream's dtype; the sum in f32, rounded
+  // once). tokens: i32[B,T]; wte: [Vp,C]; wpe: [maxT,C], or undefined for a model without learned
+  // positions (RoPE): out = wte[tokens[b,t]].
   virtual void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) = 0;
   // dwte[Vp,C] += scatter of dout by token; dwpe[maxT,C] += sum over batch (skipped when dwpe is
-  // undefined). Deterministic.
+  // undefined). dout: the residual stream's gradient. Deterministic.
   virtual void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) = 0;
 
-  // out[N,C] = (inp - mean) * rstd * weight + bias, eps = 1e-5; mean/rstd: f32[N].
-  // inp/out may carry any leading shape; N is the product of all but the last dim.
+  // out[N,C] = (inp - mean) * rstd * weight + bias, eps = 1e-5; mean/rstd: f32[N]. inp: the
+  // residual stream's dtype. inp/out may carry any leading shape; N is the product of all but
+  // the last dim.
   virtual void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
                                  Tensor bias) = 0;
-  // residual = a + b, then out = layernorm(residual): the fused form used between blocks.
+  // residual = a + b (rounded to residual's dtype, a's too), then out = layernorm(residual): the
+  // fused form used between blocks. b (the branch that rejoins) is an activation.
   virtual void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
                                           Tensor a, Tensor b, Tensor weight, Tensor bias) = 0;
-  // dinp += dLN/dinp (ACCUMULATES: dinp is the residual stream's gradient), dweight += ...,
-  // dbias += ...
+  // dinp += dLN/dinp (ACCUMULATES: dinp is the residual stream's gradient, inp's dtype),
+  // dweight += ..., dbias += ... dinp_act (optional, activation dtype): the updated dinp, rounded,
+  // for the GEMMs of the branch before the norm where the stream is wider than activations.
   virtual void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                  Tensor inp, Tensor weight, Tensor mean, Tensor rstd) = 0;
+                                  Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                  Tensor dinp_act) = 0;
 
   // out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (bias optional).
   // With pre_gelu defined ([N,OC]): pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu)
@@ -215,14 +224,16 @@ class Backend {
 
   // ---- LLaMA / Qwen3 ops ----------------------------------------------------------------
   // out[N,C] = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps) (f32[N]), no mean, no bias.
+  // Dtypes as layernorm_forward's.
   virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) = 0;
-  // residual = a + b, then out = rmsnorm(residual): the fused form used between blocks.
+  // residual = a + b, then out = rmsnorm(residual): the fused form used between blocks (dtypes
+  // as residual_layernorm_forward's).
   virtual void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
                                         Tensor b, Tensor weight, float eps) = 0;
   // dinp += d/dinp (ACCUMULATES, as layernorm_backward: dinp is the residual stream's gradient),
-  // dweight += column sums of dout * inp * rstd.
+  // dweight += column sums of dout * inp * rstd; dinp_act as layernorm_backward's.
   virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                Tensor weight, Tensor rstd) = 0;
+                                Tensor weight, Tensor rstd, Tensor dinp_act) = 0;
   // Qwen3's QK-norm: RMSNorm over each head (hs wide) of the query heads (weight q_weight[hs])
   // and of the key heads (k_weight[hs]) of a packed qkv[B,T,qkv_dim]; value heads are copied.
   // rstd: f32[B*T*(NH+KV)], per token the NH query heads' then the KV key heads'. out != inp.

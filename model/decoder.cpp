@@ -219,9 +219,13 @@ size_t field_offset(const S& s, const Tensor* t) {
 //             QK-norm input, the residual after attention, and the fc GEMM's output (and GELU's,
 //             fused into that GEMM). Recomputed: norm outputs, the attention core, SwiGLU.
 //  full:      the block's input alone; backward runs the block's forward again from it.
+DType Decoder::residual_dtype() const {
+  return cfg_.residual_fp32 ? DType::f32 : backend_.activation_dtype();
+}
+
 void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
-  const DType act = backend_.activation_dtype();
+  const DType act = backend_.activation_dtype(), res = residual_dtype();
   acts.blocks.assign(blocks_.size(), {});
   const BlockActs& probe = acts.shared;
   std::vector<size_t> kept;
@@ -252,10 +256,10 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
     // Attention and the norms have the same shapes in every block; the shared set holds a
     // dense block's MLP and a MoE block's buffers where the model has both kinds.
     const Block& blk = blocks_[shared ? 0 : static_cast<size_t>(l)];
-    if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, act);
+    if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, res);
     blk.ln1.plan(pick, p + "ln1", a.ln1, B, T, C, act);
     blk.attn.plan(pick, p, a.attn, B, T, act);
-    pick(&a.residual_mid, p + "residual_mid", {B, T, C}, act);
+    pick(&a.residual_mid, p + "residual_mid", {B, T, C}, res);
     blk.ln2.plan(pick, p + "ln2", a.ln2, B, T, C, act);
     const bool any_dense = moe_blocks_.size() < blocks_.size();
     if (shared ? any_dense : !blk.is_moe)
@@ -263,14 +267,15 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
     if (shared ? !moe_blocks_.empty() : blk.is_moe)
       blocks_[static_cast<size_t>(moe_blocks_.front())].moe.plan(pick, p, a.moe, B, T, act);
   };
-  planner(&acts.encoded, "encoded", {B, T, C}, act);
+  planner(&acts.encoded, "encoded", {B, T, C}, res);
   for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
   if (recompute != Recompute::none) plan_block(-1, acts.shared);
-  planner(&acts.residual_out, "residual_out", {B, T, C}, act);
+  planner(&acts.residual_out, "residual_out", {B, T, C}, res);
   lnf_.plan(planner, "lnf", acts.lnf, B, T, C, act);
   planner(&acts.logits, "logits", {B, T, Vp}, act);
   planner(&acts.losses, "losses", {B * T}, DType::f32);
-  planner(&acts.dresidual, "d.residual", {B, T, C}, act);
+  planner(&acts.dresidual, "d.residual", {B, T, C}, res);
+  if (res != act) planner(&acts.dbranch, "d.branch", {B, T, C}, act);
   planner(&acts.dln, "d.ln", {B, T, C}, act);
   blocks_.front().attn.plan_scratch(planner, acts.attn, B, T, act);
   // Block 0 is dense unless every block is MoE (moe.every 1).
@@ -517,7 +522,9 @@ void Decoder::backward(Tensor tokens) {
   k.matmul_backward(acts_.dlnf, param(g, lm_head_), Tensor{}, acts_.logits, acts_.lnf.out,
                     param(w, lm_head_), Tensor{});
   k.fill_zero(acts_.dresidual);
-  lnf_.backward(k, w, g, acts_.dresidual, acts_.dlnf, acts_.residual_out, acts_.lnf);
+  // dbranch: each norm's backward leaves dresidual's activation copy for the branch below it.
+  const Tensor dbranch = this->dbranch(), copy = acts_.dbranch;
+  lnf_.backward(k, w, g, acts_.dresidual, acts_.dlnf, acts_.residual_out, acts_.lnf, copy);
   // With untied embeddings the head is in the last unit; tied, wte's grad lands in unit 0's.
   hook(&UnitHooks::after_backward, L + 1);
 
@@ -528,13 +535,15 @@ void Decoder::backward(Tensor tokens) {
     if (recompute_ != Recompute::none) recompute_block(l, a);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     if (blk.is_moe)
-      blk.moe.backward(k, w, g, acts_.moe, acts_.dln, acts_.dresidual, a.ln2.out, a.moe,
+      blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe,
                        moe_loss_scale_);
     else
-      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, acts_.dresidual, a.ln2.out, a.mlp);
-    blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2);
-    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, acts_.dresidual, a.ln1.out, a.attn);
-    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(l), a.ln1);
+      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp);
+    blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
+    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn);
+    // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
+    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(l), a.ln1,
+                     l > 0 ? copy : Tensor{});
     hook(&UnitHooks::after_backward, l + 1);
   }
   hook(&UnitHooks::before_backward, 0);

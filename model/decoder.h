@@ -5,6 +5,9 @@
 // in reverse, accumulating parameter grads (+=) and carrying the residual stream's gradient in
 // one buffer (dresidual). Each residual add is fused into the norm that follows it, and that
 // fused op runs in the block that owns the norm, so a block's unit hooks fire inside the block.
+// The residual stream and its gradient are f32 by default (ModelConfig::residual_fp32, as
+// PyTorch's autocast keeps them) while every GEMM reads bf16: each norm's backward also writes
+// the gradient's bf16 copy (dbranch) that the branch below it reads.
 #pragma once
 
 #include <vector>
@@ -75,8 +78,9 @@ class Decoder final : public Model {
     Tensor residual_out;  // the last block's output, input of the final norm
     Norm::Acts lnf;
     Tensor logits, losses;
-    // backward scratch
-    Tensor dresidual, dln, dlnf;
+    // backward scratch; dbranch: dresidual in the activation dtype, for the branches' GEMMs
+    // (undefined, and dresidual read instead, where the stream has the activation dtype)
+    Tensor dresidual, dbranch, dln, dlnf;
     Attention::Scratch attn;
     Mlp::Scratch mlp;
     Moe::Scratch moe;
@@ -108,6 +112,10 @@ class Decoder final : public Model {
   }
   // Before block l's backward: what recompute_ left out of its kept activations.
   void recompute_block(int l, const BlockActs& a);
+  // The residual stream's dtype: f32 where residual_fp32 and activations are narrower.
+  DType residual_dtype() const;
+  // The residual stream's gradient as the branches' GEMMs read it.
+  Tensor dbranch() const { return acts_.dbranch.defined() ? acts_.dbranch : acts_.dresidual; }
   // Points fp8_.ops at the planned buffers (their addresses exist once the arena is allocated).
   void fp8_views();
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {

@@ -61,6 +61,10 @@ struct ModelConfig {
   // GEMMs in FP8 with delayed scaling; the embedding, LM head, norms and attention stay bf16.
   bool fp8 = false;
   Fp8Options fp8_options;
+  // precision.residual: the residual stream (the embedding's output, the sums between blocks) and
+  // its gradient in f32 where activations are bf16, as PyTorch's autocast keeps them; false: in
+  // the activation dtype (half those buffers' bytes; docs/quality.md measures what it costs).
+  bool residual_fp32 = true;
 
   MoeConfig moe;
 

@@ -152,11 +152,12 @@ struct LayerNormCase {
                             f32(inp, {B, T, C}), f32(weight, {C}), f32(bias, {C}));
     return weighted_sum(out, R);
   }
-  // dinp starts as given (it accumulates); dweight/dbias start at zero.
-  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db) {
+  // dinp starts as given (it accumulates); dweight/dbias start at zero. copy: dinp_act.
+  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db,
+                std::vector<float>* copy = nullptr) {
     cpu().layernorm_backward(f32(dinp, {B, T, C}), f32(dw, {C}), f32(db, {C}), f32(R, {B, T, C}),
                              f32(inp, {B, T, C}), f32(weight, {C}), f32(mean, {B, T}),
-                             f32(rstd, {B, T}));
+                             f32(rstd, {B, T}), copy ? f32(*copy, {B, T, C}) : Tensor{});
   }
 };
 
@@ -196,9 +197,10 @@ TEST(CpuLayerNorm, BackwardAccumulatesIntoDinpAndParams) {
   k.backward(dinp, dw, db);
   const auto g_inp = dinp, g_w = dw, g_b = db;
   auto residual = random_floats(k.inp.size(), 14);
-  auto dinp2 = residual;
-  k.backward(dinp2, dw, db);  // second call: params double, dinp adds onto the residual grad
+  auto dinp2 = residual, copy = zeros(k.inp.size());
+  k.backward(dinp2, dw, db, &copy);  // second call: params double, dinp adds onto the residual grad
   for (size_t i = 0; i < dinp2.size(); ++i) ASSERT_EQ(dinp2[i], residual[i] + g_inp[i]) << i;
+  EXPECT_EQ(copy, dinp2) << "dinp_act holds the updated dinp";
   for (int64_t i = 0; i < k.C; ++i) {
     ASSERT_EQ(dw[i], 2 * g_w[i]);
     ASSERT_EQ(db[i], 2 * g_b[i]);
@@ -237,10 +239,12 @@ struct RmsNormCase {
                           f32(weight, {C}), eps);
     return weighted_sum(out, R);
   }
-  // dinp starts as given (it accumulates); so does dweight.
-  void backward(std::vector<float>& dinp, std::vector<float>& dw) {
+  // dinp starts as given (it accumulates); so does dweight. copy: dinp_act.
+  void backward(std::vector<float>& dinp, std::vector<float>& dw,
+                std::vector<float>* copy = nullptr) {
     cpu().rmsnorm_backward(f32(dinp, {B, T, C}), f32(dw, {C}), f32(R, {B, T, C}),
-                           f32(inp, {B, T, C}), f32(weight, {C}), f32(rstd, {B, T}));
+                           f32(inp, {B, T, C}), f32(weight, {C}), f32(rstd, {B, T}),
+                           copy ? f32(*copy, {B, T, C}) : Tensor{});
   }
 };
 
@@ -274,9 +278,10 @@ TEST(CpuRmsNorm, BackwardAccumulatesIntoDinpAndWeight) {
   k.backward(dinp, dw);
   const auto g_inp = dinp, g_w = dw;
   auto residual = random_floats(k.inp.size(), 113);
-  auto dinp2 = residual;
-  k.backward(dinp2, dw);
+  auto dinp2 = residual, copy = zeros(k.inp.size());
+  k.backward(dinp2, dw, &copy);
   for (size_t i = 0; i < dinp2.size(); ++i) ASSERT_EQ(dinp2[i], residual[i] + g_inp[i]) << i;
+  EXPECT_EQ(copy, dinp2) << "dinp_act holds the updated dinp";
   for (int64_t i = 0; i < k.C; ++i) ASSERT_EQ(dw[i], 2 * g_w[i]) << i;
 }
 
@@ -312,7 +317,7 @@ TEST(CpuRmsNorm, ResidualFormGradCheck) {
   forward();
   auto dres = R2, dw = zeros(C);
   cpu().rmsnorm_backward(f32(dres, {B, T, C}), f32(dw, {C}), f32(R, {B, T, C}),
-                         f32(residual, {B, T, C}), f32(w, {C}), f32(rstd, {B, T}));
+                         f32(residual, {B, T, C}), f32(w, {C}), f32(rstd, {B, T}), Tensor{});
   expect_grad_near(dres, numeric_grad(a, kStep, forward), "residual rmsnorm da");
   expect_grad_near(dres, numeric_grad(b, kStep, forward), "residual rmsnorm db");
   expect_grad_near(dw, numeric_grad(w, kStep, forward), "residual rmsnorm dweight");
@@ -333,7 +338,7 @@ TEST(CpuRmsNorm, RejectsBadShapesNamingOpAndTensor) {
         cpu().rmsnorm_backward(f32(k.out, {k.B, k.T, k.C}), f32(dw, {k.C}),
                                f32(k.R, {k.B, k.T, k.C}), f32(k.inp, {k.B, k.T, k.C}),
                                f32(k.weight, {k.C}),
-                               f32(k.rstd, {k.B, k.T}).slice(0, {k.B * k.T - 1}));
+                               f32(k.rstd, {k.B, k.T}).slice(0, {k.B * k.T - 1}), Tensor{});
       },
       "rmsnorm_backward", "rstd");
 }
@@ -1184,7 +1189,7 @@ TEST(CpuDeterminism, EncoderLayerNormAndSumsBitIdenticalAcrossThreads) {
                                 f32(x, {B, T, C}), f32(w, {C}), f32(b, {C}));
         cpu().layernorm_backward(f32(dx, {B, T, C}), f32(dw, {C}), f32(db, {C}),
                                  f32(dout, {B, T, C}), f32(x, {B, T, C}), f32(w, {C}),
-                                 f32(mean, {B, T}), f32(rstd, {B, T}));
+                                 f32(mean, {B, T}), f32(rstd, {B, T}), Tensor{});
         cpu().sum_squares(f32(s, {1}), f32(big, {200003}), false);
         std::vector<float> all;
         for (auto* v : {&dwte, &dwpe, &out, &mean, &rstd, &dx, &dw, &db, &s})
@@ -1227,7 +1232,7 @@ TEST(CpuDeterminism, LlamaOpsBitIdenticalAcrossThreads) {
         cpu().residual_rmsnorm_forward(f32(res, {N, C}), f32(out, {N, C}), f32(rstd, {N}),
                                        f32(x, {N, C}), f32(y, {N, C}), f32(w, {C}), 1e-5f);
         cpu().rmsnorm_backward(f32(dx, {N, C}), f32(dw, {C}), f32(dout, {N, C}), f32(res, {N, C}),
-                               f32(w, {C}), f32(rstd, {N}));
+                               f32(w, {C}), f32(rstd, {N}), Tensor{});
         auto qn = zeros(qkv.size()), qrstd = zeros(B * T * heads), dqn = zeros(qkv.size()),
              dqw = zeros(a.head_dim), dkw = zeros(a.head_dim);
         const Shape qs{B, T, QKV}, hs{a.head_dim}, rs{B * T * heads};

@@ -181,6 +181,9 @@ const std::vector<Field>& schema() {
        "newer; emulated on the CPU; older GPUs say so and run bf16"},
       {KILN_FIELD(precision, attention), one_of({"auto", "cudnn", "flash", "naive"}),
        "attention implementation"},
+      {KILN_FIELD(precision, residual), one_of({"fp32", "bf16"}),
+       "dtype of the residual stream and its gradient where activations are bf16 (fp32: as "
+       "PyTorch's autocast; bf16: half those buffers, worse loss: docs/quality.md)"},
       {KILN_FIELD(fp8, format), one_of({"hybrid", "e4m3"}),
        "hybrid: E4M3 weights and activations, E5M2 output gradients; e4m3: E4M3 for all"},
       {KILN_FIELD(fp8, amax_history_len), range(1, false, 4096, false),

@@ -102,6 +102,7 @@ struct PrecisionSection {
   std::string dtype = "bf16";        // bf16 | fp32 (the CPU backend always computes in fp32)
   bool fp8 = false;
   std::string attention = "auto";    // auto | cudnn | flash | naive
+  std::string residual = "fp32";     // fp32 | bf16: the residual stream and its gradient
 };
 
 // FP8 with delayed scaling (precision.fp8: true); docs/fp8.md.

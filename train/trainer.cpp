@@ -79,9 +79,11 @@ ModelConfig model_config(const ModelSection& m, const MoeSection& e) {
 
 namespace {
 
-// The model's config with precision.fp8 applied where the backend can run it: Hopper and newer
-// run the FP8 GEMMs, the CPU emulates them (for tests), an older GPU says why and runs bf16.
-ModelConfig with_fp8(ModelConfig m, const Config& cfg, const Backend& backend, bool is_main) {
+// The model's config with the precision section applied: the residual stream's dtype, and FP8
+// where the backend can run it (Hopper and newer run the FP8 GEMMs, the CPU emulates them, for
+// tests; an older GPU says why and runs bf16).
+ModelConfig with_precision(ModelConfig m, const Config& cfg, const Backend& backend, bool is_main) {
+  m.residual_fp32 = cfg.precision.residual == "fp32";
   if (!cfg.precision.fp8) return m;
   const std::string why_not = backend.fp8_unavailable();
   if (!why_not.empty()) {
@@ -151,7 +153,7 @@ class Trainer {
       : cfg_(cfg), rank_(rank), observer_(observer), built_backend_(make_backend(cfg, rank)),
         backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                     : built_backend_.get()),
-        mcfg_(with_fp8(model_config(cfg.model, cfg.moe), cfg, *backend_, rank.rank == 0)),
+        mcfg_(with_precision(model_config(cfg.model, cfg.moe), cfg, *backend_, rank.rank == 0)),
         model_(make_model(mcfg_, *backend_)),
         state_arena_(*backend_, "parameters and optimizer"), acts_arena_(*backend_, "activations") {
     nvtx_.enable(cfg.train.nvtx, rank.rank == 0);

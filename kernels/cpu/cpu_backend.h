@@ -35,7 +35,7 @@ class CpuBackend final : public Backend {
   void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd, Tensor a,
                                   Tensor b, Tensor weight, Tensor bias) override;
   void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                          Tensor weight, Tensor mean, Tensor rstd) override;
+                          Tensor weight, Tensor mean, Tensor rstd, Tensor dinp_act) override;
 
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
@@ -49,7 +49,7 @@ class CpuBackend final : public Backend {
   void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a, Tensor b,
                                 Tensor weight, float eps) override;
   void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                        Tensor rstd) override;
+                        Tensor rstd, Tensor dinp_act) override;
   void qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight, Tensor k_weight,
                        const AttentionDims& a, float eps) override;
   void qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout, Tensor inp,

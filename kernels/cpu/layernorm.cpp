@@ -2,8 +2,9 @@
 // are summed in double and mean/rstd are saved as f32; backward normalizes with exactly those
 // saved values, so forward and backward agree bit for bit on x_hat. Backward (llm.c's formula)
 //   dx = rstd * (dy*w - mean(dy*w) - x_hat * mean(dy*w*x_hat))
-// ACCUMULATES into dinp, the residual stream's gradient. dweight/dbias are column sums over all
-// rows: threads split over column blocks, each summing rows in order (deterministic).
+// ACCUMULATES into dinp, the residual stream's gradient (and copies the result into dinp_act when
+// given: f32 here, where activations are f32 too). dweight/dbias are column sums over all rows:
+// threads split over column blocks, each summing rows in order (deterministic).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -88,7 +89,8 @@ void CpuBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor 
 }
 
 void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                    Tensor inp, Tensor weight, Tensor mean, Tensor rstd) {
+                                    Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                    Tensor dinp_act) {
   OpCheck c{"layernorm_backward"};
   c.f32("inp", inp);
   if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
@@ -107,8 +109,13 @@ void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, T
   c.numel("mean", mean, N);
   c.f32("rstd", rstd);
   c.numel("rstd", rstd, N);
+  if (dinp_act.defined()) {
+    c.f32("dinp_act", dinp_act);
+    c.shape("dinp_act", dinp_act, inp.shape);
+  }
 
   const float *x = inp.ptr<float>(), *dy = dout.ptr<float>(), *w = weight.ptr<float>();
+  float* copy = dinp_act.defined() ? dinp_act.ptr<float>() : nullptr;
   const float *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
   float* dx = dinp.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
@@ -128,6 +135,7 @@ void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, T
       const float xhat = (xr[i] - mu[n]) * rs[n];
       dxr[i] += rs[n] * (dyr[i] * w[i] - mean_dyw - xhat * mean_dyw_xhat);
     }
+    if (copy) std::copy(dxr, dxr + C, copy + n * C);
   }
 
   float *dw = dweight.ptr<float>(), *db = dbias.ptr<float>();

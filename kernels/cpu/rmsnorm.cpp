@@ -1,9 +1,12 @@
 // RMSNorm over the last dim (LLaMA/Qwen3: no mean, no bias), forward, the residual-fused forward
 // and backward. The row math lives in rmsnorm_row.h, shared with qk_norm.cpp: the mean square is
 // summed in double, rstd saved as f32, and backward normalizes with exactly that saved rstd.
-// Backward ACCUMULATES into dinp, the residual stream's gradient (as layernorm_backward does).
+// Backward ACCUMULATES into dinp, the residual stream's gradient, and copies it into dinp_act when
+// given (as layernorm_backward does).
 // dweight is a column sum over all rows: threads split over column blocks, each summing rows in
 // order (deterministic).
+
+#include <algorithm>
 
 #include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -64,7 +67,7 @@ void CpuBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rs
 }
 
 void CpuBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                  Tensor weight, Tensor rstd) {
+                                  Tensor weight, Tensor rstd, Tensor dinp_act) {
   OpCheck c{"rmsnorm_backward"};
   c.f32("inp", inp);
   if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
@@ -79,6 +82,10 @@ void CpuBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tens
   c.shape("dweight", dweight, {C});
   c.f32("rstd", rstd);
   c.numel("rstd", rstd, N);
+  if (dinp_act.defined()) {
+    c.f32("dinp_act", dinp_act);
+    c.shape("dinp_act", dinp_act, inp.shape);
+  }
 
   const float* x = inp.ptr<float>();
   const float* dy = dout.ptr<float>();
@@ -89,6 +96,7 @@ void CpuBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tens
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t n = 0; n < N; ++n)
     cpu::rmsnorm_row_backward(dx + n * C, dy + n * C, x + n * C, w, rs[n], C, true);
+  if (dinp_act.defined()) std::copy(dx, dx + N * C, dinp_act.ptr<float>());
 
   cpu::rmsnorm_weight_grad(dweight.ptr<float>(), N, C, parallel, [&](int64_t n) {
     return cpu::RmsRow{x + n * C, dy + n * C, rs[n]};

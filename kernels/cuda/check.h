@@ -52,6 +52,9 @@ void gelu_forward(Tensor out, Tensor pre, int sm_count, cudaStream_t stream);
 void expect_device(const Tensor& t, const char* op, const char* what);
 void expect_activation(const Tensor& t, const char* op, const char* what);
 void expect_f32(const Tensor& t, const char* op, const char* what);
+// The residual stream (precision.residual) and its gradient: f32 or bf16.
+void expect_residual(const Tensor& t, const char* op, const char* what);
+void expect_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* what);
 void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what);
 // True when p is aligned to `bytes` (16 for the packed loads).
 inline bool aligned(const void* p, size_t bytes) {

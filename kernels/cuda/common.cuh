@@ -47,11 +47,44 @@ __device__ inline float from_float<float>(float x) { return x; }
 template <>
 __device__ inline bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
 
-// Loads kVec consecutive bf16 values at p as floats (kVec = 8: one 16-byte load, p aligned).
-template <int kVec>
-__device__ inline void load_vec(float (&dst)[kVec], const bf16* p) {
+// 8 consecutive values of T kept as T: one 16-byte access for bf16, two for f32. The kernels that
+// take the residual stream in either dtype (precision.residual) hold it in these.
+template <class T>
+struct alignas(16) Vec8 {
+  static constexpr int kChunks = static_cast<int>(8 * sizeof(T) / 16);
+  T v[8];
+  __device__ T& operator[](int i) { return v[i]; }
+  __device__ const T& operator[](int i) const { return v[i]; }
+};
+template <class T>
+__device__ inline Vec8<T> load8(const T* p) {
+  Vec8<T> r;
+#pragma unroll
+  for (int i = 0; i < Vec8<T>::kChunks; ++i)
+    reinterpret_cast<int4*>(&r)[i] = reinterpret_cast<const int4*>(p)[i];
+  return r;
+}
+template <class T>
+__device__ inline Vec8<T> load8cs(const T* p) {
+  Vec8<T> r;
+#pragma unroll
+  for (int i = 0; i < Vec8<T>::kChunks; ++i)
+    reinterpret_cast<int4*>(&r)[i] = __ldcs(reinterpret_cast<const int4*>(p) + i);
+  return r;
+}
+template <class T>
+__device__ inline void store8(T* p, const Vec8<T>& v) {
+#pragma unroll
+  for (int i = 0; i < Vec8<T>::kChunks; ++i)
+    reinterpret_cast<int4*>(p)[i] = reinterpret_cast<const int4*>(&v)[i];
+}
+
+// Loads kVec consecutive values of T (bf16 or f32) at p as floats (kVec = 8: 16-byte loads, p
+// 16-byte aligned); store_vec rounds to T.
+template <int kVec, class T>
+__device__ inline void load_vec(float (&dst)[kVec], const T* p) {
   if constexpr (kVec == 8) {
-    Packed128<bf16> v = load128(p);
+    const Vec8<T> v = load8(p);
 #pragma unroll
     for (int k = 0; k < 8; ++k) dst[k] = to_float(v[k]);
   } else {
@@ -59,17 +92,22 @@ __device__ inline void load_vec(float (&dst)[kVec], const bf16* p) {
     for (int k = 0; k < kVec; ++k) dst[k] = to_float(p[k]);
   }
 }
-template <int kVec>
-__device__ inline void store_vec(bf16* p, const float (&src)[kVec]) {
+template <int kVec, class T>
+__device__ inline void store_vec(T* p, const float (&src)[kVec]) {
   if constexpr (kVec == 8) {
-    Packed128<bf16> v;
+    Vec8<T> v;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = __float2bfloat16_rn(src[k]);
-    store128(p, v);
+    for (int k = 0; k < 8; ++k) v[k] = from_float<T>(src[k]);
+    store8(p, v);
   } else {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) p[k] = __float2bfloat16_rn(src[k]);
+    for (int k = 0; k < kVec; ++k) p[k] = from_float<T>(src[k]);
   }
+}
+// The value x takes when stored as T (bf16: rounded; f32: itself).
+template <class T>
+__device__ inline float round_to(float x) {
+  return to_float(from_float<T>(x));
 }
 
 __device__ inline float warp_sum(float x) {

@@ -59,6 +59,17 @@ void expect_activation(const Tensor& t, const char* op, const char* what) {
                                 " must be bf16 (the CUDA backend's activation dtype; f32 "
                                 "activations are the CPU backend's)");
 }
+void expect_residual(const Tensor& t, const char* op, const char* what) {
+  expect_device(t, op, what);
+  if (t.dtype != DType::bf16 && t.dtype != DType::f32)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must be f32 or bf16 (the residual stream's dtype)");
+}
+void expect_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* what) {
+  if (t.dtype != ref.dtype)
+    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
+                                " must have the dtype of " + ref.str());
+}
 void expect_f32(const Tensor& t, const char* op, const char* what) {
   expect_device(t, op, what);
   if (t.dtype != DType::f32)

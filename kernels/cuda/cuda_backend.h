@@ -101,7 +101,7 @@ class CudaBackend final : public Backend {
   void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
                                   Tensor a, Tensor b, Tensor weight, Tensor bias) override;
   void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                          Tensor weight, Tensor mean, Tensor rstd) override;
+                          Tensor weight, Tensor mean, Tensor rstd, Tensor dinp_act) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                       Tensor pre_gelu) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
@@ -114,7 +114,7 @@ class CudaBackend final : public Backend {
   void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a, Tensor b,
                                 Tensor weight, float eps) override;
   void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                        Tensor rstd) override;
+                        Tensor rstd, Tensor dinp_act) override;
   void qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight, Tensor k_weight,
                        const AttentionDims& a, float eps) override;
   void qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout, Tensor inp,
@@ -212,10 +212,6 @@ class CudaBackend final : public Backend {
   void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);
-  // layernorm_backward in one pass for C == kIters * 256 (layernorm.cu).
-  template <int kIters>
-  void layernorm_backward_fused(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                                Tensor weight, Tensor mean, Tensor rstd, int64_t N);
   // Sum (or sum of squares) of x into out[0], deterministic two-pass.
   void reduce(Tensor out, Tensor x, bool squares, bool accumulate, const char* what);
 

@@ -1,5 +1,7 @@
 // Token + position embedding, forward and backward. wpe may be undefined (RoPE models have no
-// learned positions): the forward is then a plain gather of wte rows and dwpe is skipped.
+// learned positions): the forward is then a plain gather of wte rows and dwpe is skipped. The
+// output and its gradient are the residual stream, f32 or bf16 (template R; the sum of the two
+// bf16 embeddings is taken in f32 and rounded once).
 // Design choice (backward): the scatter-add into dwte is made deterministic WITHOUT float
 // atomics by sorting (token, position) pairs with CUB's stable radix sort (deterministic,
 // scratch memory only, no host sync), then letting the first position of each run of equal
@@ -16,37 +18,28 @@ using namespace cuda;
 
 namespace {
 
-// Each thread writes kVec consecutive channels (kVec = 8: one 16-byte load/store).
+// Each thread writes kVec consecutive channels (kVec = 8: 16-byte loads and stores).
 // kPositions: add wpe[t] (GPT-2); without, out is wte's row as it is.
-template <int kVec, bool kPositions>
-__global__ void encoder_forward_kernel(bf16* out, const int* tokens, const bf16* wte,
+template <int kVec, bool kPositions, class R>
+__global__ void encoder_forward_kernel(R* out, const int* tokens, const bf16* wte,
                                        const bf16* wpe, int64_t BT, int T, int C) {
   const int64_t idx = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kVec;
   if (idx >= BT * C) return;
   const int64_t bt = idx / C;
   const int c = static_cast<int>(idx % C);
-  const bf16* e = wte + static_cast<int64_t>(tokens[bt]) * C + c;
-  if constexpr (!kPositions) {
-    if constexpr (kVec == 8)
-      store128(out + idx, load128(e));
-    else
-      out[idx] = *e;
-    return;
-  } else {
-    const int t = static_cast<int>(bt % T);
-    const bf16* p = wpe + static_cast<int64_t>(t) * C + c;
-    if constexpr (kVec == 8) {
-      Packed128<bf16> a = load128(e), b = load128(p), o;
+  float v[kVec];
+  load_vec<kVec>(v, wte + static_cast<int64_t>(tokens[bt]) * C + c);
+  if constexpr (kPositions) {
+    float p[kVec];
+    load_vec<kVec>(p, wpe + static_cast<int64_t>(bt % T) * C + c);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = __float2bfloat16_rn(to_float(a[k]) + to_float(b[k]));
-      store128(out + idx, o);
-    } else {
-      out[idx] = __float2bfloat16_rn(to_float(*e) + to_float(*p));
-    }
+    for (int k = 0; k < kVec; ++k) v[k] += p[k];
   }
+  store_vec<kVec>(out + idx, v);
 }
 
-__global__ void encoder_dwpe_kernel(float* dwpe, const bf16* dout, int B, int T, int C) {
+template <class R>
+__global__ void encoder_dwpe_kernel(float* dwpe, const R* dout, int B, int T, int C) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= static_cast<int64_t>(T) * C) return;
   float acc = 0.0f;
@@ -60,7 +53,8 @@ __global__ void iota_kernel(int* x, int n) {
 }
 
 // blockIdx.x: a position in token-sorted order; only the first of each run of equal tokens works.
-__global__ void encoder_dwte_kernel(float* dwte, const bf16* dout, const int* sorted_tokens,
+template <class R>
+__global__ void encoder_dwte_kernel(float* dwte, const R* dout, const int* sorted_tokens,
                                     const int* sorted_pos, int BT, int C) {
   const int i = blockIdx.x;
   const int token = sorted_tokens[i];
@@ -75,11 +69,35 @@ __global__ void encoder_dwte_kernel(float* dwte, const bf16* dout, const int* so
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
+template <class R>
+void launch_encoder_forward(cudaStream_t stream, Tensor out, Tensor tokens, Tensor wte,
+                            Tensor wpe, int64_t BT, int T, int C) {
+  const int threads = 256;
+  const bool has_wpe = wpe.defined();
+  const bool vec8 = C % 8 == 0 && aligned(out.data, 16) && aligned(wte.data, 16) &&
+                    (!has_wpe || aligned(wpe.data, 16));
+  const int blocks = ceil_div(vec8 ? BT * C / 8 : BT * C, threads);
+  const bf16* wpe_ptr = has_wpe ? wpe.ptr<bf16>() : nullptr;
+#define KILN_ENCODER_FWD(vec, positions)                                                   \
+  encoder_forward_kernel<vec, positions, R><<<blocks, threads, 0, stream>>>(               \
+      out.ptr<R>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C)
+  if (vec8 && has_wpe)
+    KILN_ENCODER_FWD(8, true);
+  else if (vec8)
+    KILN_ENCODER_FWD(8, false);
+  else if (has_wpe)
+    KILN_ENCODER_FWD(1, true);
+  else
+    KILN_ENCODER_FWD(1, false);
+#undef KILN_ENCODER_FWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void CudaBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
   const char* op = "encoder_forward";
-  expect_activation(out, op, "out");
+  expect_residual(out, op, "out");
   expect_activation(wte, op, "wte");
   const bool has_wpe = wpe.defined();
   if (has_wpe) expect_activation(wpe, op, "wpe");
@@ -93,24 +111,11 @@ void CudaBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor 
     throw std::invalid_argument("cuda encoder_forward: wpe " + wpe.str() + " does not cover T=" +
                                 std::to_string(T) + ", C=" + std::to_string(C));
   const int64_t BT = static_cast<int64_t>(B) * T;
-  const int threads = 256;
-  const bool vec8 = C % 8 == 0 && aligned(out.data, 16) && aligned(wte.data, 16) &&
-                    (!has_wpe || aligned(wpe.data, 16));
-  const int blocks = ceil_div(vec8 ? BT * C / 8 : BT * C, threads);
-  const bf16* wpe_ptr = has_wpe ? wpe.ptr<bf16>() : nullptr;
-  if (vec8 && has_wpe)
-    encoder_forward_kernel<8, true><<<blocks, threads, 0, stream_>>>(
-        out.ptr<bf16>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C);
-  else if (vec8)
-    encoder_forward_kernel<8, false><<<blocks, threads, 0, stream_>>>(
-        out.ptr<bf16>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C);
-  else if (has_wpe)
-    encoder_forward_kernel<1, true><<<blocks, threads, 0, stream_>>>(
-        out.ptr<bf16>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C);
+  if (BT == 0) return;
+  if (out.dtype == DType::f32)
+    launch_encoder_forward<float>(stream_, out, tokens, wte, wpe, BT, T, C);
   else
-    encoder_forward_kernel<1, false><<<blocks, threads, 0, stream_>>>(
-        out.ptr<bf16>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C);
-  KILN_CUDA_LAUNCH_CHECK();
+    launch_encoder_forward<bf16>(stream_, out, tokens, wte, wpe, BT, T, C);
 }
 
 void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
@@ -118,7 +123,7 @@ void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor
   expect_f32(dwte, op, "dwte");
   const bool has_dwpe = dwpe.defined();
   if (has_dwpe) expect_f32(dwpe, op, "dwpe");
-  expect_activation(dout, op, "dout");
+  expect_residual(dout, op, "dout");
   expect_device(tokens, op, "tokens");
   expect_dtype(tokens, DType::i32, "cuda encoder_backward: tokens");
   if (tokens.ndim() != 2) throw std::invalid_argument("cuda encoder_backward: tokens must be [B,T]");
@@ -132,8 +137,13 @@ void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor
   const int threads = 256;
 
   if (has_dwpe) {
-    encoder_dwpe_kernel<<<ceil_div(static_cast<int64_t>(T) * C, threads), threads, 0, stream_>>>(
-        dwpe.ptr<float>(), dout.ptr<bf16>(), B, T, C);
+    const int blocks = ceil_div(static_cast<int64_t>(T) * C, threads);
+    if (dout.dtype == DType::f32)
+      encoder_dwpe_kernel<<<blocks, threads, 0, stream_>>>(dwpe.ptr<float>(), dout.ptr<float>(), B,
+                                                           T, C);
+    else
+      encoder_dwpe_kernel<<<blocks, threads, 0, stream_>>>(dwpe.ptr<float>(), dout.ptr<bf16>(), B,
+                                                           T, C);
     KILN_CUDA_LAUNCH_CHECK();
   }
 
@@ -158,8 +168,12 @@ void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor
                                                   end_bit, stream_));
   const int cthreads = 128;
   dim3 grid(BT, ceil_div(C, cthreads));
-  encoder_dwte_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), dout.ptr<bf16>(),
-                                                      sorted_tokens, sorted_pos, BT, C);
+  if (dout.dtype == DType::f32)
+    encoder_dwte_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), dout.ptr<float>(),
+                                                        sorted_tokens, sorted_pos, BT, C);
+  else
+    encoder_dwte_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), dout.ptr<bf16>(),
+                                                        sorted_tokens, sorted_pos, BT, C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

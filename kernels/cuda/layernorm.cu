@@ -1,4 +1,8 @@
 // LayerNorm forward (plain and fused with the residual add) and backward.
+// The residual stream (the norm's input, the fused add's sum, and backward's dinp) is f32 or bf16
+// (precision.residual, template R); the branch added, the output and dout are bf16. Backward can
+// also write a bf16 copy of the updated dinp (dinp_act), the gradient the GEMMs of the branch
+// before the norm read, so an f32 stream costs no extra pass.
 // Forward: one warp per row, f32 math, 16-byte loads when C % 8 == 0; mean and variance in two
 // passes over the row (it stays in L1), so no catastrophic cancellation.
 // Backward design choice: deterministic without float atomics. dinp is per row (one warp per
@@ -22,19 +26,19 @@ namespace {
 constexpr float kLayerNormEps = 1e-5f;
 constexpr int kWarpsPerBlock = 4;
 
-// With kResidual: residual = a + b (rounded to bf16) is written and normalized; else a is.
-template <int kVec, bool kResidual>
-__global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd_out,
-                                         bf16* residual, const bf16* a, const bf16* b,
-                                         const bf16* weight, const bf16* bias, int64_t N, int C) {
+// With kResidual: residual = a + b (rounded to R) is written and normalized; else a is.
+template <int kVec, bool kResidual, class R>
+__global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd_out, R* residual,
+                                         const R* a, const bf16* b, const bf16* weight,
+                                         const bf16* bias, int64_t N, int C) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
-  const bf16* x = kResidual ? residual + row * C : a + row * C;
+  const R* x = kResidual ? residual + row * C : a + row * C;
   if constexpr (kResidual) {
-    const bf16* ra = a + row * C;
+    const R* ra = a + row * C;
     const bf16* rb = b + row * C;
-    bf16* rr = residual + row * C;
+    R* rr = residual + row * C;
     for (int c = lane * kVec; c < C; c += 32 * kVec) {
       float va[kVec], vb[kVec];
       load_vec<kVec>(va, ra + c);
@@ -76,9 +80,10 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd
   }
 }
 
-// dinp[row] += (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight.
-template <int kVec>
-__global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp,
+// dinp[row] += (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight;
+// dinp_act (when not null) = the updated dinp in bf16.
+template <int kVec, class R>
+__global__ void layernorm_dinp_kernel(R* dinp, bf16* dinp_act, const bf16* dout, const R* inp,
                                       const bf16* weight, const float* mean, const float* rstd,
                                       int64_t N, int C) {
   const int lane = threadIdx.x % 32;
@@ -86,7 +91,7 @@ __global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* 
   if (row >= N) return;
   const float mu = mean[row], rs = rstd[row];
   const bf16* dy = dout + row * C;
-  const bf16* x = inp + row * C;
+  const R* x = inp + row * C;
   float sum_dnorm = 0.0f, sum_dnorm_xhat = 0.0f;
   for (int c = lane * kVec; c < C; c += 32 * kVec) {
     float g[kVec], v[kVec], w[kVec];
@@ -111,15 +116,17 @@ __global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* 
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const float xhat = (v[k] - mu) * rs;
-      d[k] += (g[k] * w[k] - mean_dnorm - xhat * mean_dnorm_xhat) * rs;
+      d[k] = round_to<R>(d[k] + (g[k] * w[k] - mean_dnorm - xhat * mean_dnorm_xhat) * rs);
     }
     store_vec<kVec>(dinp + row * C + c, d);
+    if (dinp_act) store_vec<kVec>(dinp_act + row * C + c, d);
   }
 }
 
 // partials[chunk][0][c] = sum dout*xhat, partials[chunk][1][c] = sum dout over the chunk's rows.
+template <class R>
 __global__ void layernorm_dparams_partials_kernel(float* partials, const bf16* dout,
-                                                  const bf16* inp, const float* mean,
+                                                  const R* inp, const float* mean,
                                                   const float* rstd, int64_t N, int C,
                                                   int64_t rows_per_chunk) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -154,11 +161,11 @@ constexpr int kFusedBackwardWarps = 8;
 // C == kIters * 256: lane `l` of a warp owns columns (i * 32 + l) * 8 + [0, 8) for i < kIters.
 // Dynamic shared memory: f32 [kFusedBackwardWarps][2][C], each warp's running dweight/dbias
 // sums (kept there, not in registers, so two blocks fit per SM).
-template <int kIters>
+template <int kIters, class R>
 __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
-    layernorm_backward_fused_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
-                                    const bf16* weight, const float* mean, const float* rstd,
-                                    int64_t N, int64_t rows_per_block) {
+    layernorm_backward_fused_kernel(R* dinp, bf16* dinp_act, float* partials, const bf16* dout,
+                                    const R* inp, const bf16* weight, const float* mean,
+                                    const float* rstd, int64_t N, int64_t rows_per_block) {
   constexpr int C = kIters * 256;
   extern __shared__ float4 fused_smem[];
   float* sums = reinterpret_cast<float*>(fused_smem);
@@ -172,15 +179,16 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
   const int64_t r1 = min(N, r0 + rows_per_block);
   for (int64_t row = r0 + warp; row < r1; row += kFusedBackwardWarps) {
     const bf16* dy = dout + row * C;
-    const bf16* x = inp + row * C;
-    bf16* dx = dinp + row * C;
-    Packed128<bf16> g[kIters], v[kIters], d[kIters];
+    const R* x = inp + row * C;
+    R* dx = dinp + row * C;
+    Packed128<bf16> g[kIters];
+    Vec8<R> v[kIters], d[kIters];
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int c = (i * 32 + lane) * 8;
       g[i] = load128cs(dy + c);
-      v[i] = load128cs(x + c);
-      d[i] = load128(dx + c);
+      v[i] = load8cs(x + c);
+      d[i] = load8(dx + c);
     }
     const float mu = mean[row], rs = rstd[row];
     float sum_dnorm = 0.0f, sum_dnorm_xhat = 0.0f;
@@ -212,15 +220,19 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
     const float mean_dnorm_xhat = warp_sum(sum_dnorm_xhat) / C;
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
-      const Packed128<bf16> w = load128(weight + (i * 32 + lane) * 8);
+      const int c = (i * 32 + lane) * 8;
+      const Packed128<bf16> w = load128(weight + c);
+      Packed128<bf16> copy;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float xhat = (to_float(v[i][k]) - mu) * rs;
         const float dnorm = to_float(g[i][k]) * to_float(w[k]);
-        d[i][k] = __float2bfloat16_rn(to_float(d[i][k]) +
-                                      (dnorm - mean_dnorm - xhat * mean_dnorm_xhat) * rs);
+        d[i][k] = from_float<R>(to_float(d[i][k]) +
+                                (dnorm - mean_dnorm - xhat * mean_dnorm_xhat) * rs);
+        copy[k] = __float2bfloat16_rn(to_float(d[i][k]));
       }
-      store128(dx + (i * 32 + lane) * 8, d[i]);
+      store8(dx + c, d[i]);
+      if (dinp_act) store128(dinp_act + row * C + c, copy);
     }
   }
   __syncthreads();
@@ -234,13 +246,112 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
   }
 }
 
+template <int kIters, class R>
+void layernorm_backward_fused(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
+                              Tensor dbias, Tensor dout, Tensor inp, Tensor weight, Tensor mean,
+                              Tensor rstd, int64_t N) {
+  constexpr int C = kIters * 256;
+  const int threads = 32 * kFusedBackwardWarps;
+  const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * 2 * C * sizeof(float);
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_fused_kernel<kIters, R>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  int per_sm = 0;
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, layernorm_backward_fused_kernel<kIters, R>, threads, smem));
+  // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
+  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
+  const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
+  const int blocks = static_cast<int>(ceil_div(N, rows_per_block));
+  float* partials =
+      static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * 2 * C * sizeof(float)));
+  layernorm_backward_fused_kernel<kIters, R><<<blocks, threads, smem, backend.stream()>>>(
+      dinp.ptr<R>(), dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr, partials,
+      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), N,
+      rows_per_block);
+  KILN_CUDA_LAUNCH_CHECK();
+  layernorm_dparams_final_kernel<<<ceil_div(C, 128), 128, 0, backend.stream()>>>(
+      dweight.ptr<float>(), dbias.ptr<float>(), partials, blocks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <class R>
+void launch_layernorm_forward(cudaStream_t stream, Tensor out, Tensor mean, Tensor rstd,
+                              Tensor residual, Tensor a, Tensor b, Tensor weight, Tensor bias) {
+  const int C = static_cast<int>(a.dim(-1));
+  const int64_t N = a.numel() / C;
+  const int blocks = ceil_div(N, kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
+  const bool vec8 =
+      vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data, bias.data});
+  R* res = residual.defined() ? residual.ptr<R>() : nullptr;
+  const bf16* bp = b.defined() ? b.ptr<bf16>() : nullptr;
+#define KILN_LAYERNORM_FWD(vec, fused)                                                         \
+  layernorm_forward_kernel<vec, fused, R><<<blocks, threads, 0, stream>>>(                     \
+      out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), res, a.ptr<R>(), bp,              \
+      weight.ptr<bf16>(), bias.ptr<bf16>(), N, C)
+  if (res && vec8)
+    KILN_LAYERNORM_FWD(8, true);
+  else if (res)
+    KILN_LAYERNORM_FWD(1, true);
+  else if (vec8)
+    KILN_LAYERNORM_FWD(8, false);
+  else
+    KILN_LAYERNORM_FWD(1, false);
+#undef KILN_LAYERNORM_FWD
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <class R>
+void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
+                               Tensor dbias, Tensor dout, Tensor inp, Tensor weight, Tensor mean,
+                               Tensor rstd) {
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  const bool vec8 = vec8_ok(C, {dinp.data, dinp_act.data, dout.data, inp.data, weight.data});
+  if (C % 256 == 0 && C <= 1024 && vec8) {
+    using Fused = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                           Tensor, Tensor, int64_t);
+    constexpr Fused kFused[] = {&layernorm_backward_fused<1, R>, &layernorm_backward_fused<2, R>,
+                                &layernorm_backward_fused<3, R>, &layernorm_backward_fused<4, R>};
+    return kFused[C / 256 - 1](backend, dinp, dinp_act, dweight, dbias, dout, inp, weight, mean,
+                               rstd, N);
+  }
+  const cudaStream_t stream = backend.stream();
+  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int used_chunks = ceil_div(N, rows_per_chunk);
+  float* partials = static_cast<float*>(
+      backend.scratch(static_cast<size_t>(used_chunks) * 2 * C * sizeof(float)));
+  const int threads = 128;
+  layernorm_dparams_partials_kernel<R>
+      <<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream>>>(
+          partials, dout.ptr<bf16>(), inp.ptr<R>(), mean.ptr<float>(), rstd.ptr<float>(), N, C,
+          rows_per_chunk);
+  KILN_CUDA_LAUNCH_CHECK();
+  layernorm_dparams_final_kernel<<<ceil_div(C, threads), threads, 0, stream>>>(
+      dweight.ptr<float>(), dbias.ptr<float>(), partials, used_chunks, C);
+  KILN_CUDA_LAUNCH_CHECK();
+
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  bf16* copy = dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr;
+  if (vec8)
+    layernorm_dinp_kernel<8, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
+        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  else
+    layernorm_dinp_kernel<1, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
+        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
                                     Tensor weight, Tensor bias) {
   const char* op = "layernorm_forward";
   expect_activation(out, op, "out");
-  expect_activation(inp, op, "inp");
+  expect_residual(inp, op, "inp");
   expect_activation(weight, op, "weight");
   expect_activation(bias, op, "bias");
   expect_same_shape(out, inp, op, "out");
@@ -252,25 +363,21 @@ void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
   expect_numel(rstd, N, op, "rstd");
   expect_numel(weight, C, op, "weight");
   expect_numel(bias, C, op, "bias");
-  const int blocks = ceil_div(N, kWarpsPerBlock);
-  if (vec8_ok(C, {out.data, inp.data, weight.data, bias.data}))
-    layernorm_forward_kernel<8, false><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
-        nullptr, weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  if (N == 0) return;
+  if (inp.dtype == DType::f32)
+    launch_layernorm_forward<float>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
   else
-    layernorm_forward_kernel<1, false><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
-        nullptr, weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
-  KILN_CUDA_LAUNCH_CHECK();
+    launch_layernorm_forward<bf16>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
 }
 
 void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
                                              Tensor rstd, Tensor a, Tensor b, Tensor weight,
                                              Tensor bias) {
   const char* op = "residual_layernorm_forward";
-  expect_activation(residual, op, "residual");
+  expect_residual(residual, op, "residual");
   expect_activation(out, op, "out");
-  expect_activation(a, op, "a");
+  expect_residual(a, op, "a");
+  expect_same_dtype(a, residual, op, "a");
   expect_activation(b, op, "b");
   expect_activation(weight, op, "weight");
   expect_activation(bias, op, "bias");
@@ -285,29 +392,30 @@ void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor
   expect_numel(rstd, N, op, "rstd");
   expect_numel(weight, C, op, "weight");
   expect_numel(bias, C, op, "bias");
-  const int blocks = ceil_div(N, kWarpsPerBlock);
-  if (vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data, bias.data}))
-    layernorm_forward_kernel<8, true><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), residual.ptr<bf16>(),
-        a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
+  if (N == 0) return;
+  if (a.dtype == DType::f32)
+    launch_layernorm_forward<float>(stream_, out, mean, rstd, residual, a, b, weight, bias);
   else
-    layernorm_forward_kernel<1, true><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), residual.ptr<bf16>(),
-        a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), bias.ptr<bf16>(), N, C);
-  KILN_CUDA_LAUNCH_CHECK();
+    launch_layernorm_forward<bf16>(stream_, out, mean, rstd, residual, a, b, weight, bias);
 }
 
 void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                     Tensor inp, Tensor weight, Tensor mean, Tensor rstd) {
+                                     Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                     Tensor dinp_act) {
   const char* op = "layernorm_backward";
-  expect_activation(dinp, op, "dinp");
+  expect_residual(dinp, op, "dinp");
   expect_activation(dout, op, "dout");
-  expect_activation(inp, op, "inp");
+  expect_residual(inp, op, "inp");
+  expect_same_dtype(inp, dinp, op, "inp");
   expect_activation(weight, op, "weight");
   expect_f32(dweight, op, "dweight");
   expect_f32(dbias, op, "dbias");
   expect_same_shape(dinp, inp, op, "dinp");
   expect_same_shape(dout, inp, op, "dout");
+  if (dinp_act.defined()) {
+    expect_activation(dinp_act, op, "dinp_act");
+    expect_same_shape(dinp_act, inp, op, "dinp_act");
+  }
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   expect_f32(mean, op, "mean");
@@ -318,77 +426,12 @@ void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   expect_numel(dweight, C, op, "dweight");
   expect_numel(dbias, C, op, "dbias");
   if (N == 0) return;
-
-  if (C % 256 == 0 && C <= 1024 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data})) {
-    switch (C / 256) {
-      case 1:
-        layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
-        return;
-      case 2:
-        layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
-        return;
-      case 3:
-        layernorm_backward_fused<3>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
-        return;
-      case 4:
-        layernorm_backward_fused<4>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N);
-        return;
-    }
-  }
-
-  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
-  const int64_t rows_per_chunk = ceil_div(N, chunks);
-  const int used_chunks = ceil_div(N, rows_per_chunk);
-  float* partials =
-      static_cast<float*>(scratch(static_cast<size_t>(used_chunks) * 2 * C * sizeof(float)));
-  const int threads = 128;
-  layernorm_dparams_partials_kernel<<<dim3(ceil_div(C, threads), used_chunks), threads, 0,
-                                      stream_>>>(partials, dout.ptr<bf16>(), inp.ptr<bf16>(),
-                                                 mean.ptr<float>(), rstd.ptr<float>(), N, C,
-                                                 rows_per_chunk);
-  KILN_CUDA_LAUNCH_CHECK();
-  layernorm_dparams_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(
-      dweight.ptr<float>(), dbias.ptr<float>(), partials, used_chunks, C);
-  KILN_CUDA_LAUNCH_CHECK();
-
-  const int blocks = ceil_div(N, kWarpsPerBlock);
-  if (vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
-    layernorm_dinp_kernel<8><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
-        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+  if (inp.dtype == DType::f32)
+    launch_layernorm_backward<float>(*this, dinp, dinp_act, dweight, dbias, dout, inp, weight,
+                                     mean, rstd);
   else
-    layernorm_dinp_kernel<1><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
-        mean.ptr<float>(), rstd.ptr<float>(), N, C);
-  KILN_CUDA_LAUNCH_CHECK();
-}
-
-template <int kIters>
-void CudaBackend::layernorm_backward_fused(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                           Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
-                                           int64_t N) {
-  constexpr int C = kIters * 256;
-  const int threads = 32 * kFusedBackwardWarps;
-  const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * 2 * C * sizeof(float);
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_fused_kernel<kIters>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-  int per_sm = 0;
-  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, layernorm_backward_fused_kernel<kIters>, threads, smem));
-  // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
-  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count_;
-  const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
-  const int blocks = static_cast<int>(ceil_div(N, rows_per_block));
-  float* partials =
-      static_cast<float*>(scratch(static_cast<size_t>(blocks) * 2 * C * sizeof(float)));
-  layernorm_backward_fused_kernel<kIters><<<blocks, threads, smem, stream_>>>(
-      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
-      mean.ptr<float>(), rstd.ptr<float>(), N, rows_per_block);
-  KILN_CUDA_LAUNCH_CHECK();
-  layernorm_dparams_final_kernel<<<ceil_div(C, 128), 128, 0, stream_>>>(
-      dweight.ptr<float>(), dbias.ptr<float>(), partials, blocks, C);
-  KILN_CUDA_LAUNCH_CHECK();
+    launch_layernorm_backward<bf16>(*this, dinp, dinp_act, dweight, dbias, dout, inp, weight,
+                                    mean, rstd);
 }
 
 }  // namespace kiln

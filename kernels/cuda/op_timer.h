@@ -36,16 +36,17 @@ namespace kiln {
     (residual, out, mean, rstd, a, b, weight, bias))                                               \
   X(layernorm_backward,                                                                            \
     (Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,            \
-     Tensor mean, Tensor rstd),                                                                    \
-    (dinp, dweight, dbias, dout, inp, weight, mean, rstd))                                         \
+     Tensor mean, Tensor rstd, Tensor dinp_act),                                                   \
+    (dinp, dweight, dbias, dout, inp, weight, mean, rstd, dinp_act))                               \
   X(rmsnorm_forward, (Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps),              \
     (out, rstd, inp, weight, eps))                                                                 \
   X(residual_rmsnorm_forward,                                                                      \
     (Tensor residual, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight, float eps),      \
     (residual, out, rstd, a, b, weight, eps))                                                      \
   X(rmsnorm_backward,                                                                              \
-    (Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd),            \
-    (dinp, dweight, dout, inp, weight, rstd))                                                      \
+    (Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,             \
+     Tensor dinp_act),                                                                             \
+    (dinp, dweight, dout, inp, weight, rstd, dinp_act))                                            \
   X(qk_norm_forward,                                                                               \
     (Tensor out, Tensor rstd, Tensor inp, Tensor q_weight, Tensor k_weight,                        \
      const AttentionDims& a, float eps),                                                           \

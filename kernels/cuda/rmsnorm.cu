@@ -1,9 +1,11 @@
 // RMSNorm forward (plain and fused with the residual add) and backward: LayerNorm without the
 // mean and the bias (LLaMA, Qwen3). out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
+// The residual stream (input, the fused add's sum, backward's dinp) is f32 or bf16 (template R),
+// and backward can write the updated dinp's bf16 copy (dinp_act), as in layernorm.cu.
 // Structure and speed tricks as in layernorm.cu: one warp per row, f32 math, 16-byte loads when
 // C % 8 == 0; up to C = 2048 the forward holds the row in registers (read once, all of it in
-// flight). The fused residual form normalizes the bf16-rounded residual it writes, and sums its
-// squares in the same pass.
+// flight). The fused residual form normalizes the residual as it stores it (rounded to R), and
+// sums its squares in the same pass.
 // Backward design choice: deterministic without float atomics. dinp += per row (the residual
 // stream's gradient accumulates). dweight's column sums: for C % 256 == 0 up to 4096 (LLaMA
 // 1.36B's and Qwen3's 2048) ONE pass over dout/inp/dinp, a block per row walking a fixed range of
@@ -26,28 +28,28 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-// With kResidual: residual = a + b (rounded to bf16) is written and normalized; else a is.
-template <int kVec, bool kResidual>
-__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, bf16* residual, const bf16* a,
+// With kResidual: residual = a + b (rounded to R) is written and normalized; else a is.
+template <int kVec, bool kResidual, class R>
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, R* residual, const R* a,
                                        const bf16* b, const bf16* weight, int64_t N, int C,
                                        float eps) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
-  const bf16* x = kResidual ? residual + row * C : a + row * C;
+  const R* x = kResidual ? residual + row * C : a + row * C;
   float sumsq = 0.0f;
   if constexpr (kResidual) {
-    const bf16* ra = a + row * C;
+    const R* ra = a + row * C;
     const bf16* rb = b + row * C;
-    bf16* rr = residual + row * C;
+    R* rr = residual + row * C;
     for (int c = lane * kVec; c < C; c += 32 * kVec) {
       float va[kVec], vb[kVec];
       load_vec<kVec>(va, ra + c);
       load_vec<kVec>(vb, rb + c);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        // The statistics are those of the residual as stored: bf16.
-        va[k] = __bfloat162float(__float2bfloat16_rn(va[k] + vb[k]));
+        // The statistics are those of the residual as stored.
+        va[k] = round_to<R>(va[k] + vb[k]);
         sumsq += va[k] * va[k];
       }
       store_vec<kVec>(rr + c, va);
@@ -77,19 +79,20 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, bf16* residua
 // registers than occupancy allows), with the row held in registers: lane l owns the 16-byte
 // chunks (i * 32 + l) * 8 (those below C), all loaded before any is used, so a warp has its whole
 // row in flight and HBM is read once (the loop above waits on each load).
-template <int kMaxIters, bool kResidual>
+template <int kMaxIters, bool kResidual, class R>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rmsnorm_forward_rows_kernel(bf16* out, float* rstd_out, bf16* residual, const bf16* a,
+    rmsnorm_forward_rows_kernel(bf16* out, float* rstd_out, R* residual, const R* a,
                                 const bf16* b, const bf16* weight, int64_t N, int C, float eps) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
-  Packed128<bf16> x[kMaxIters], y[kResidual ? kMaxIters : 1];
+  Vec8<R> x[kMaxIters];
+  Packed128<bf16> y[kResidual ? kMaxIters : 1];
 #pragma unroll
   for (int i = 0; i < kMaxIters; ++i) {
     const int c = (i * 32 + lane) * 8;
     if (c < C) {
-      x[i] = load128cs(a + row * C + c);
+      x[i] = load8cs(a + row * C + c);
       if constexpr (kResidual) y[i] = load128cs(b + row * C + c);
     }
   }
@@ -100,9 +103,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     if (c >= C) continue;
     if constexpr (kResidual) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
-        x[i][k] = __float2bfloat16_rn(to_float(x[i][k]) + to_float(y[i][k]));
-      store128(residual + row * C + c, x[i]);
+      for (int k = 0; k < 8; ++k) x[i][k] = from_float<R>(to_float(x[i][k]) + to_float(y[i][k]));
+      store8(residual + row * C + c, x[i]);
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) sumsq += to_float(x[i][k]) * to_float(x[i][k]);
@@ -122,19 +124,29 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   if (lane == 0) rstd_out[row] = rstd;
 }
 
-// Both forward ops: residual == nullptr is the plain one (a normalized), else residual = a + b.
-void launch_rmsnorm_forward(cudaStream_t stream, bf16* out, float* rstd, bf16* residual,
-                            const bf16* a, const bf16* b, const bf16* weight, int64_t N, int C,
-                            float eps, bool vec8) {
+// Both forward ops: residual undefined is the plain one (a normalized), else residual = a + b.
+template <class R>
+void launch_rmsnorm_forward(cudaStream_t stream, Tensor out, Tensor rstd_t, Tensor residual_t,
+                            Tensor a_t, Tensor b_t, Tensor weight_t, float eps) {
+  const int C = static_cast<int>(a_t.dim(-1));
+  const int64_t N = a_t.numel() / C;
+  const bool vec8 =
+      vec8_ok(C, {residual_t.data, out.data, a_t.data, b_t.data, weight_t.data});
+  bf16* o = out.ptr<bf16>();
+  float* rstd = rstd_t.ptr<float>();
+  R* residual = residual_t.defined() ? residual_t.ptr<R>() : nullptr;
+  const R* a = a_t.ptr<R>();
+  const bf16* b = b_t.defined() ? b_t.ptr<bf16>() : nullptr;
+  const bf16* weight = weight_t.ptr<bf16>();
   const int blocks = ceil_div(N, kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
-#define KILN_RMSNORM_FWD(kernel, first)                                                        \
-  do {                                                                                         \
-    if (residual)                                                                              \
-      kernel<first, true>                                                                      \
-          <<<blocks, threads, 0, stream>>>(out, rstd, residual, a, b, weight, N, C, eps);      \
-    else                                                                                       \
-      kernel<first, false>                                                                     \
-          <<<blocks, threads, 0, stream>>>(out, rstd, nullptr, a, nullptr, weight, N, C, eps); \
+#define KILN_RMSNORM_FWD(kernel, first)                                                         \
+  do {                                                                                          \
+    if (residual)                                                                               \
+      kernel<first, true, R>                                                                    \
+          <<<blocks, threads, 0, stream>>>(o, rstd, residual, a, b, weight, N, C, eps);         \
+    else                                                                                        \
+      kernel<first, false, R>                                                                   \
+          <<<blocks, threads, 0, stream>>>(o, rstd, nullptr, a, nullptr, weight, N, C, eps);    \
   } while (0)
   if (vec8 && C <= 4 * 256)
     KILN_RMSNORM_FWD(rmsnorm_forward_rows_kernel, 4);
@@ -148,16 +160,17 @@ void launch_rmsnorm_forward(cudaStream_t stream, bf16* out, float* rstd, bf16* r
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-// dinp[row] += (dnorm - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight, xhat = x * rstd.
-template <int kVec>
-__global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp,
+// dinp[row] += (dnorm - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight, xhat = x * rstd;
+// dinp_act (when not null) = the updated dinp in bf16.
+template <int kVec, class R>
+__global__ void rmsnorm_dinp_kernel(R* dinp, bf16* dinp_act, const bf16* dout, const R* inp,
                                     const bf16* weight, const float* rstd, int64_t N, int C) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
   const float rs = rstd[row];
   const bf16* dy = dout + row * C;
-  const bf16* x = inp + row * C;
+  const R* x = inp + row * C;
   float sum_dnorm_xhat = 0.0f;
   for (int c = lane * kVec; c < C; c += 32 * kVec) {
     float g[kVec], v[kVec], w[kVec];
@@ -175,13 +188,16 @@ __global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* in
     load_vec<kVec>(w, weight + c);
     load_vec<kVec>(d, dinp + row * C + c);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) d[k] += (g[k] * w[k] - v[k] * rs * mean_dnorm_xhat) * rs;
+    for (int k = 0; k < kVec; ++k)
+      d[k] = round_to<R>(d[k] + (g[k] * w[k] - v[k] * rs * mean_dnorm_xhat) * rs);
     store_vec<kVec>(dinp + row * C + c, d);
+    if (dinp_act) store_vec<kVec>(dinp_act + row * C + c, d);
   }
 }
 
 // partials[chunk][c] = sum of dout * x * rstd over the chunk's rows (one thread per column).
-__global__ void rmsnorm_dweight_partials_kernel(float* partials, const bf16* dout, const bf16* inp,
+template <class R>
+__global__ void rmsnorm_dweight_partials_kernel(float* partials, const bf16* dout, const R* inp,
                                                 const float* rstd, int64_t N, int C,
                                                 int64_t rows_per_chunk) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -232,11 +248,12 @@ void launch_dweight_final(cudaStream_t stream, float* dweight, const float* part
 // HBM round trip more per row: 2.7 TB/s). The row's sum crosses warps through a double-buffered
 // shared array, one barrier a row. The grid is one wave sized by the GPU (occupancy x SMs), so the
 // partials' order, and with it dweight, is bit-identical run to run on one GPU model.
-// At most 64 registers, so that 1024 threads (two rows each in flight) fit on an SM.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads, 1024 / kThreads)
-    rmsnorm_backward_rows_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
-                                 const bf16* weight, const float* rstd, int64_t N,
+// At most 64 registers, so that 1024 threads (two rows each in flight) fit on an SM; an f32 stream
+// holds twice the bytes a row, and gets 128 (at 64 it spills).
+template <int kThreads, class R>
+__global__ void __launch_bounds__(kThreads, (sizeof(R) == 2 ? 1024 : 512) / kThreads)
+    rmsnorm_backward_rows_kernel(R* dinp, bf16* dinp_act, float* partials, const bf16* dout,
+                                 const R* inp, const bf16* weight, const float* rstd, int64_t N,
                                  int64_t rows_per_block) {
   constexpr int C = kThreads * 8, kWarps = kThreads / 32;
   __shared__ float row_sums[2][kWarps];
@@ -252,23 +269,25 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   }
   const int64_t r0 = blockIdx.x * rows_per_block;
   const int64_t r1 = min(N, r0 + rows_per_block);
-  Packed128<bf16> g, v, d;
+  Packed128<bf16> g;
+  Vec8<R> v, d;
   float rs = 0.0f;
   if (r0 < r1) {
     g = load128cs(dout + r0 * C + c);
-    v = load128cs(inp + r0 * C + c);
-    d = load128cs(dinp + r0 * C + c);
+    v = load8cs(inp + r0 * C + c);
+    d = load8cs(dinp + r0 * C + c);
     rs = rstd[r0];
   }
   int parity = 0;
   for (int64_t row = r0; row < r1; ++row) {
-    const Packed128<bf16> gi = g, vi = v;
-    Packed128<bf16> di = d;
+    const Packed128<bf16> gi = g;
+    const Vec8<R> vi = v;
+    Vec8<R> di = d;
     const float rsi = rs;
     if (row + 1 < r1) {
       g = load128cs(dout + (row + 1) * C + c);
-      v = load128cs(inp + (row + 1) * C + c);
-      d = load128cs(dinp + (row + 1) * C + c);
+      v = load8cs(inp + (row + 1) * C + c);
+      d = load8cs(dinp + (row + 1) * C + c);
       rs = rstd[row + 1];
     }
     float part = 0.0f;
@@ -287,47 +306,86 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     for (int i = 0; i < kWarps; ++i) total += row_sums[parity][i];
     parity ^= 1;
     const float mean_dnorm_xhat = total / C;
+    Packed128<bf16> copy;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float xhat = to_float(vi[k]) * rsi;
-      di[k] = __float2bfloat16_rn(to_float(di[k]) +
-                                  (to_float(gi[k]) * w[k] - xhat * mean_dnorm_xhat) * rsi);
+      di[k] = from_float<R>(to_float(di[k]) +
+                            (to_float(gi[k]) * w[k] - xhat * mean_dnorm_xhat) * rsi);
+      copy[k] = __float2bfloat16_rn(to_float(di[k]));
     }
-    store128(dinp + row * C + c, di);
+    store8(dinp + row * C + c, di);
+    if (dinp_act) store128(dinp_act + row * C + c, copy);
   }
   float* out = partials + blockIdx.x * static_cast<int64_t>(C) + c;
   *reinterpret_cast<float4*>(out) = make_float4(dw[0], dw[1], dw[2], dw[3]);
   *reinterpret_cast<float4*>(out + 4) = make_float4(dw[4], dw[5], dw[6], dw[7]);
 }
 
-template <int kThreads>
-void rmsnorm_backward_rows(CudaBackend& backend, Tensor dinp, Tensor dweight, Tensor dout,
-                           Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
+template <int kThreads, class R>
+void rmsnorm_backward_rows(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
+                           Tensor dout, Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
   constexpr int C = kThreads * 8;
   int per_sm = 0;
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, rmsnorm_backward_rows_kernel<kThreads>, kThreads, 0));
+      &per_sm, rmsnorm_backward_rows_kernel<kThreads, R>, kThreads, 0));
   // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
   const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
   const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
   const int blocks = ceil_div(N, rows_per_block);
   float* partials =
       static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * C * sizeof(float)));
-  rmsnorm_backward_rows_kernel<kThreads><<<blocks, kThreads, 0, backend.stream()>>>(
-      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(),
-      rstd.ptr<float>(), N, rows_per_block);
+  rmsnorm_backward_rows_kernel<kThreads, R><<<blocks, kThreads, 0, backend.stream()>>>(
+      dinp.ptr<R>(), dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr, partials,
+      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(), rstd.ptr<float>(), N, rows_per_block);
   KILN_CUDA_LAUNCH_CHECK();
   launch_dweight_final(backend.stream(), dweight.ptr<float>(), partials, blocks, C);
 }
 
 // rmsnorm_backward_rows for C = 256, 512, ..., 4096 (index C / 256 - 1).
-using BackwardRows = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+using BackwardRows = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                               int64_t);
-template <int... k>
+template <class R, int... k>
 constexpr std::array<BackwardRows, sizeof...(k)> backward_rows(std::integer_sequence<int, k...>) {
-  return {&rmsnorm_backward_rows<(k + 1) * 32>...};
+  return {&rmsnorm_backward_rows<(k + 1) * 32, R>...};
 }
-constexpr auto kBackwardRows = backward_rows(std::make_integer_sequence<int, 16>{});
+template <class R>
+constexpr auto kBackwardRows = backward_rows<R>(std::make_integer_sequence<int, 16>{});
+
+template <class R>
+void launch_rmsnorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
+                             Tensor dout, Tensor inp, Tensor weight, Tensor rstd) {
+  const int C = static_cast<int>(inp.dim(-1));
+  const int64_t N = inp.numel() / C;
+  const bool vec8 = vec8_ok(C, {dinp.data, dinp_act.data, dout.data, inp.data, weight.data});
+  if (C % 256 == 0 && C <= 4096 && vec8)
+    return kBackwardRows<R>[C / 256 - 1](backend, dinp, dinp_act, dweight, dout, inp, weight,
+                                         rstd, N);
+  const cudaStream_t stream = backend.stream();
+  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
+  const int64_t rows_per_chunk = ceil_div(N, chunks);
+  const int used_chunks = ceil_div(N, rows_per_chunk);
+  float* partials = static_cast<float*>(
+      backend.scratch(static_cast<size_t>(used_chunks) * C * sizeof(float)));
+  const int threads = 128;
+  rmsnorm_dweight_partials_kernel<R>
+      <<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream>>>(
+          partials, dout.ptr<bf16>(), inp.ptr<R>(), rstd.ptr<float>(), N, C, rows_per_chunk);
+  KILN_CUDA_LAUNCH_CHECK();
+  launch_dweight_final(stream, dweight.ptr<float>(), partials, used_chunks, C);
+
+  const int blocks = ceil_div(N, kWarpsPerBlock);
+  bf16* copy = dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr;
+  if (vec8)
+    rmsnorm_dinp_kernel<8, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
+        rstd.ptr<float>(), N, C);
+  else
+    rmsnorm_dinp_kernel<1, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
+        rstd.ptr<float>(), N, C);
+  KILN_CUDA_LAUNCH_CHECK();
+}
 
 void check_eps(float eps, const char* op) {
   if (!(eps >= 0.0f))
@@ -340,7 +398,7 @@ void check_eps(float eps, const char* op) {
 void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
   const char* op = "rmsnorm_forward";
   expect_activation(out, op, "out");
-  expect_activation(inp, op, "inp");
+  expect_residual(inp, op, "inp");
   expect_activation(weight, op, "weight");
   expect_same_shape(out, inp, op, "out");
   check_eps(eps, op);
@@ -350,17 +408,19 @@ void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor we
   expect_numel(rstd, N, op, "rstd");
   expect_numel(weight, C, op, "weight");
   if (N == 0) return;
-  launch_rmsnorm_forward(stream_, out.ptr<bf16>(), rstd.ptr<float>(), nullptr, inp.ptr<bf16>(),
-                         nullptr, weight.ptr<bf16>(), N, C, eps,
-                         vec8_ok(C, {out.data, inp.data, weight.data}));
+  if (inp.dtype == DType::f32)
+    launch_rmsnorm_forward<float>(stream_, out, rstd, {}, inp, {}, weight, eps);
+  else
+    launch_rmsnorm_forward<bf16>(stream_, out, rstd, {}, inp, {}, weight, eps);
 }
 
 void CudaBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
                                            Tensor b, Tensor weight, float eps) {
   const char* op = "residual_rmsnorm_forward";
-  expect_activation(residual, op, "residual");
+  expect_residual(residual, op, "residual");
   expect_activation(out, op, "out");
-  expect_activation(a, op, "a");
+  expect_residual(a, op, "a");
+  expect_same_dtype(a, residual, op, "a");
   expect_activation(b, op, "b");
   expect_activation(weight, op, "weight");
   expect_same_shape(out, a, op, "out");
@@ -373,21 +433,27 @@ void CudaBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor r
   expect_numel(rstd, N, op, "rstd");
   expect_numel(weight, C, op, "weight");
   if (N == 0) return;
-  launch_rmsnorm_forward(stream_, out.ptr<bf16>(), rstd.ptr<float>(), residual.ptr<bf16>(),
-                         a.ptr<bf16>(), b.ptr<bf16>(), weight.ptr<bf16>(), N, C, eps,
-                         vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data}));
+  if (a.dtype == DType::f32)
+    launch_rmsnorm_forward<float>(stream_, out, rstd, residual, a, b, weight, eps);
+  else
+    launch_rmsnorm_forward<bf16>(stream_, out, rstd, residual, a, b, weight, eps);
 }
 
 void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                   Tensor weight, Tensor rstd) {
+                                   Tensor weight, Tensor rstd, Tensor dinp_act) {
   const char* op = "rmsnorm_backward";
-  expect_activation(dinp, op, "dinp");
+  expect_residual(dinp, op, "dinp");
   expect_activation(dout, op, "dout");
-  expect_activation(inp, op, "inp");
+  expect_residual(inp, op, "inp");
+  expect_same_dtype(inp, dinp, op, "inp");
   expect_activation(weight, op, "weight");
   expect_f32(dweight, op, "dweight");
   expect_same_shape(dinp, inp, op, "dinp");
   expect_same_shape(dout, inp, op, "dout");
+  if (dinp_act.defined()) {
+    expect_activation(dinp_act, op, "dinp_act");
+    expect_same_shape(dinp_act, inp, op, "dinp_act");
+  }
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   expect_f32(rstd, op, "rstd");
@@ -395,31 +461,10 @@ void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Ten
   expect_numel(weight, C, op, "weight");
   expect_numel(dweight, C, op, "dweight");
   if (N == 0) return;
-
-  if (C % 256 == 0 && C <= 4096 && vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
-    return kBackwardRows[C / 256 - 1](*this, dinp, dweight, dout, inp, weight, rstd, N);
-
-  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
-  const int64_t rows_per_chunk = ceil_div(N, chunks);
-  const int used_chunks = ceil_div(N, rows_per_chunk);
-  float* partials =
-      static_cast<float*>(scratch(static_cast<size_t>(used_chunks) * C * sizeof(float)));
-  const int threads = 128;
-  rmsnorm_dweight_partials_kernel<<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream_>>>(
-      partials, dout.ptr<bf16>(), inp.ptr<bf16>(), rstd.ptr<float>(), N, C, rows_per_chunk);
-  KILN_CUDA_LAUNCH_CHECK();
-  launch_dweight_final(stream_, dweight.ptr<float>(), partials, used_chunks, C);
-
-  const int blocks = ceil_div(N, kWarpsPerBlock);
-  if (vec8_ok(C, {dinp.data, dout.data, inp.data, weight.data}))
-    rmsnorm_dinp_kernel<8><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(), rstd.ptr<float>(),
-        N, C);
+  if (inp.dtype == DType::f32)
+    launch_rmsnorm_backward<float>(*this, dinp, dinp_act, dweight, dout, inp, weight, rstd);
   else
-    rmsnorm_dinp_kernel<1><<<blocks, 32 * kWarpsPerBlock, 0, stream_>>>(
-        dinp.ptr<bf16>(), dout.ptr<bf16>(), inp.ptr<bf16>(), weight.ptr<bf16>(), rstd.ptr<float>(),
-        N, C);
-  KILN_CUDA_LAUNCH_CHECK();
+    launch_rmsnorm_backward<bf16>(*this, dinp, dinp_act, dweight, dout, inp, weight, rstd);
 }
 
 }  // namespace kiln

@@ -31,12 +31,12 @@ void Norm::residual_forward(Backend& k, const Params& w, const Acts& a, Tensor r
 }
 
 void Norm::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,
-                    Tensor inp, const Acts& a) const {
+                    Tensor inp, const Acts& a, Tensor dinp_act) const {
   if (kind == NormKind::layernorm)
     k.layernorm_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
-                         a.mean, a.rstd);
+                         a.mean, a.rstd, dinp_act);
   else
-    k.rmsnorm_backward(dinp, param(g, weight), dout, inp, param(w, weight), a.rstd);
+    k.rmsnorm_backward(dinp, param(g, weight), dout, inp, param(w, weight), a.rstd, dinp_act);
 }
 
 }  // namespace kiln

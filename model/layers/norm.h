@@ -1,6 +1,8 @@
 // Pre-norm: LayerNorm (weight and bias, eps 1e-5) or RMSNorm (weight only, eps chosen), with
-// the residual add fused in front of it where a block's branch rejoins the stream. Backward
-// ACCUMULATES into dinp, the residual stream's gradient, so the skip connection costs nothing.
+// the residual add fused in front of it where a block's branch rejoins the stream. Its input and
+// the sum are the residual stream (f32 or the activation dtype), its output an activation.
+// Backward ACCUMULATES into dinp, the residual stream's gradient, so the skip connection costs
+// nothing.
 #pragma once
 
 #include <string>
@@ -27,9 +29,10 @@ struct Norm {
   // residual = x + y, then a.out = norm(residual).
   void residual_forward(Backend& k, const Params& w, const Acts& a, Tensor residual, Tensor x,
                         Tensor y) const;
-  // dinp += d/dinp; weight (and bias) grads +=.
+  // dinp += d/dinp; weight (and bias) grads +=; dinp_act (optional) = dinp in the activation
+  // dtype, for the branch below when the residual stream is wider (Backend::layernorm_backward).
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
-                const Acts& a) const;
+                const Acts& a, Tensor dinp_act = {}) const;
 };
 
 }  // namespace kiln

@@ -17,6 +17,8 @@
 #include <iostream>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -226,10 +228,34 @@ TEST_F(CudaOps, RejectsF32Activations) {
   EXPECT_THROW(gpu_->layernorm_forward(x, m, r, x, w, w), std::invalid_argument);
 }
 
-// ---- encoder ------------------------------------------------------------------------------
+// ---- the residual stream: encoder and norms, with it in bf16 or f32 (precision.residual) ----
 
-TEST_F(CudaOps, Encoder) {
-  const int B = 4, T = 64, C = 256, Vp = 96, maxT = 80;
+// The residual stream's dtype is a parameter of these tests; rounding to it is exact for f32.
+using ResidualCase = std::tuple<int, DType>;  // width C, the residual stream's dtype
+std::string residual_name(const ::testing::TestParamInfo<ResidualCase>& info) {
+  return "C" + std::to_string(std::get<0>(info.param)) + "_" +
+         dtype_name(std::get<1>(info.param));
+}
+
+class CudaResidual : public CudaOps, public ::testing::WithParamInterface<ResidualCase> {
+ protected:
+  int width() const { return std::get<0>(GetParam()); }
+  DType res() const { return std::get<1>(GetParam()); }
+  // An output of the stream's dtype from bf16-exact inputs: f32 sums agree to f32 rounding.
+  double res_tol() const { return res() == DType::f32 ? kF32Tol : kBf16Tol; }
+  Buf stream(Shape s, const std::vector<float>& v) { return gpu(s, res(), v); }
+  // dinp_act must be the updated dinp rounded to bf16, element for element.
+  void expect_copy(const std::vector<float>& dinp, const Buf& copy, const char* what) {
+    const std::vector<float> c = host(copy);
+    for (size_t i = 0; i < dinp.size(); ++i)
+      ASSERT_EQ(c[i], bf16_to_f32(f32_to_bf16(dinp[i]))) << what << " element " << i;
+  }
+};
+
+class CudaEncoder : public CudaResidual {};
+
+TEST_P(CudaEncoder, ForwardBackward) {
+  const int B = 4, T = 64, C = width(), Vp = 96, maxT = 80;
   std::vector<int32_t> tok = rand_ints(B * T, Vp);
   tok[0] = tok[1] = tok[5] = 7;  // repeated tokens exercise the dwte runs
   std::vector<float> wte = rand(Vp * C), wpe = rand(maxT * C);
@@ -237,13 +263,13 @@ TEST_F(CudaOps, Encoder) {
   Buf cwte = cpu({Vp, C}, wte), cwpe = cpu({maxT, C}, wpe);
   Buf gwte = act({Vp, C}, wte), gwpe = act({maxT, C}, wpe);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C, 0.0f));
-  Buf gout = poisoned({B, T, C}, DType::bf16);
+  Buf gout = poisoned({B, T, C}, res());
   cpu_->encoder_forward(cout_, ctok, cwte, cwpe);
   gpu_->encoder_forward(gout, gtok, gwte, gwpe);
-  EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, "encoder out");
+  EXPECT_CLOSE(host(gout), host(cout_), res_tol(), "encoder out");
 
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C), dwpe0 = rand(maxT * C);
-  Buf cdout = cpu({B, T, C}, dout), gdout = act({B, T, C}, dout);
+  Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
   Buf cdwte = cpu({Vp, C}, dwte0), cdwpe = cpu({maxT, C}, dwpe0);
   Buf gdwte = gpu({Vp, C}, DType::f32, dwte0), gdwpe = gpu({maxT, C}, DType::f32, dwpe0);
   cpu_->encoder_backward(cdwte, cdwpe, cdout, ctok);
@@ -262,37 +288,42 @@ TEST_F(CudaOps, Encoder) {
 }
 
 // No learned positions (RoPE models): wpe/dwpe undefined, out = wte rows, dwpe skipped.
-TEST_F(CudaOps, EncoderWithoutPositions) {
-  const int B = 2, T = 33, C = 256, Vp = 96;
+TEST_P(CudaEncoder, WithoutPositions) {
+  const int B = 2, T = 33, C = width(), Vp = 96;
   std::vector<int32_t> tok = rand_ints(B * T, Vp);
   tok[0] = tok[1] = 5;
   std::vector<float> wte = rand(Vp * C);
   Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
   Buf cwte = cpu({Vp, C}, wte), gwte = act({Vp, C}, wte);
-  Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)),
-      gout = poisoned({B, T, C}, DType::bf16);
+  Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), gout = poisoned({B, T, C}, res());
   cpu_->encoder_forward(cout_, ctok, cwte, Tensor{});
   gpu_->encoder_forward(gout, gtok, gwte, Tensor{});
   EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows must be exact";
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
-  Buf cdout = cpu({B, T, C}, dout), gdout = act({B, T, C}, dout);
+  Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
   Buf cdwte = cpu({Vp, C}, dwte0), gdwte = gpu({Vp, C}, DType::f32, dwte0);
   cpu_->encoder_backward(cdwte, Tensor{}, cdout, ctok);
   gpu_->encoder_backward(gdwte, Tensor{}, gdout, gtok);
   EXPECT_CLOSE(host(gdwte), host(cdwte), kF32Tol, "encoder dwte (+=), no wpe");
 }
 
+// 256: 16-byte loads; 100: the scalar path.
+INSTANTIATE_TEST_SUITE_P(Residual, CudaEncoder,
+                         ::testing::Combine(::testing::Values(256, 100),
+                                            ::testing::Values(DType::bf16, DType::f32)),
+                         residual_name);
+
 // ---- layernorm ----------------------------------------------------------------------------
 
-class CudaLayerNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
+class CudaLayerNorm : public CudaResidual {};
 
 TEST_P(CudaLayerNorm, ForwardBackward) {
   // 768, 1024: one-pass backward (several rows per warp at N = 2500); 100: scalar path
-  const int N = 2500, C = GetParam();
+  const int N = 2500, C = width();
   std::vector<float> x = rand(N * C, 2.0f), w = rand(C), b = rand(C);
   for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));  // a nonzero mean, still bf16-exact
   Buf cx = cpu({N, C}, x), cw = cpu({C}, w), cb = cpu({C}, b);
-  Buf gx = act({N, C}, x), gw = act({C}, w), gb = act({C}, b);
+  Buf gx = stream({N, C}, x), gw = act({C}, w), gb = act({C}, b);
   Buf co = cpu({N, C}, std::vector<float>(N * C)), cm = cpu({N}, std::vector<float>(N)),
       cr = cpu({N}, std::vector<float>(N));
   Buf go = poisoned({N, C}, DType::bf16), gm = poisoned({N}, DType::f32),
@@ -309,54 +340,59 @@ TEST_P(CudaLayerNorm, ForwardBackward) {
   Buf gm2 = gpu({N}, DType::f32, mean), gr2 = gpu({N}, DType::f32, rstd);
   Buf cdo = cpu({N, C}, dout), gdo = act({N, C}, dout);
   Buf cdi = cpu({N, C}, dinp0), cdw = cpu({C}, dw0), cdb = cpu({C}, db0);
-  Buf gdi = act({N, C}, dinp0), gdw = gpu({C}, DType::f32, dw0), gdb = gpu({C}, DType::f32, db0);
-  cpu_->layernorm_backward(cdi, cdw, cdb, cdo, cx, cw, cm, cr);
-  gpu_->layernorm_backward(gdi, gdw, gdb, gdo, gx, gw, gm2, gr2);
+  Buf gdi = stream({N, C}, dinp0), gdw = gpu({C}, DType::f32, dw0), gdb = gpu({C}, DType::f32, db0);
+  Buf gcopy = poisoned({N, C}, DType::bf16);
+  cpu_->layernorm_backward(cdi, cdw, cdb, cdo, cx, cw, cm, cr, Tensor{});
+  gpu_->layernorm_backward(gdi, gdw, gdb, gdo, gx, gw, gm2, gr2, gcopy);
   const std::vector<float> di1 = host(gdi), dw1 = host(gdw), db1 = host(gdb);
-  EXPECT_CLOSE(di1, host(cdi), kBf16Tol, "layernorm dinp (+=)");
+  EXPECT_CLOSE(di1, host(cdi), res_tol(), "layernorm dinp (+=)");
   EXPECT_CLOSE(dw1, host(cdw), kF32Tol, "layernorm dweight (+=)");
   EXPECT_CLOSE(db1, host(cdb), kF32Tol, "layernorm dbias (+=)");
+  expect_copy(di1, gcopy, "layernorm dinp_act");
 
   upload(*gpu_, gdi, dinp0);
   upload(*gpu_, gdw, dw0);
   upload(*gpu_, gdb, db0);
-  gpu_->layernorm_backward(gdi, gdw, gdb, gdo, gx, gw, gm2, gr2);
+  gpu_->layernorm_backward(gdi, gdw, gdb, gdo, gx, gw, gm2, gr2, Tensor{});
   EXPECT_EQ(0, std::memcmp(di1.data(), host(gdi).data(), di1.size() * 4)) << "dinp not deterministic";
   EXPECT_EQ(0, std::memcmp(dw1.data(), host(gdw).data(), dw1.size() * 4)) << "dweight not deterministic";
   EXPECT_EQ(0, std::memcmp(db1.data(), host(gdb).data(), db1.size() * 4)) << "dbias not deterministic";
 }
 
 TEST_P(CudaLayerNorm, ResidualForward) {
-  const int N = 64, C = GetParam();
+  const int N = 64, C = width();
   std::vector<float> a = rand(N * C), b = rand(N * C), w = rand(C), bias = rand(C);
   Buf ca = cpu({N, C}, a), cb = cpu({N, C}, b), cw = cpu({C}, w), cbias = cpu({C}, bias);
-  Buf ga = act({N, C}, a), gb = act({N, C}, b), gw = act({C}, w), gbias = act({C}, bias);
+  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = act({C}, w), gbias = act({C}, bias);
   Buf cres = cpu({N, C}, std::vector<float>(N * C)), co = cpu({N, C}, std::vector<float>(N * C));
   Buf cm = cpu({N}, std::vector<float>(N)), cr = cpu({N}, std::vector<float>(N));
-  Buf gres = poisoned({N, C}, DType::bf16), go = poisoned({N, C}, DType::bf16);
+  Buf gres = poisoned({N, C}, res()), go = poisoned({N, C}, DType::bf16);
   Buf gm = poisoned({N}, DType::f32), gr = poisoned({N}, DType::f32);
   cpu_->residual_layernorm_forward(cres, co, cm, cr, ca, cb, cw, cbias);
   gpu_->residual_layernorm_forward(gres, go, gm, gr, ga, gb, gw, gbias);
-  EXPECT_CLOSE(host(gres), host(cres), kBf16Tol, "residual");
+  EXPECT_CLOSE(host(gres), host(cres), res_tol(), "residual");
   EXPECT_CLOSE(host(go), host(co), kBf16Tol, "residual layernorm out");
-  // The GPU normalizes the bf16-rounded residual: statistics agree to bf16 rounding.
-  EXPECT_CLOSE(host(gm), host(cm), kBf16Tol, "residual layernorm mean");
-  EXPECT_CLOSE(host(gr), host(cr), kBf16Tol, "residual layernorm rstd");
+  // The GPU normalizes the residual as stored (rounded, in bf16): statistics agree to that.
+  EXPECT_CLOSE(host(gm), host(cm), res_tol(), "residual layernorm mean");
+  EXPECT_CLOSE(host(gr), host(cr), res_tol(), "residual layernorm rstd");
 }
 
-INSTANTIATE_TEST_SUITE_P(Widths, CudaLayerNorm, ::testing::Values(768, 1024, 100));
+INSTANTIATE_TEST_SUITE_P(Residual, CudaLayerNorm,
+                         ::testing::Combine(::testing::Values(768, 1024, 100),
+                                            ::testing::Values(DType::bf16, DType::f32)),
+                         residual_name);
 
 // ---- rmsnorm ------------------------------------------------------------------------------
 
-class CudaRmsNorm : public CudaOps, public ::testing::WithParamInterface<int> {};
+class CudaRmsNorm : public CudaResidual {};
 
 TEST_P(CudaRmsNorm, ForwardBackward) {
   // 2048 (LLaMA 1.36B), 768 and 4096: one-pass backward; 8192: the two-pass path; 100: scalar
-  const int C = GetParam(), N = C >= 8192 ? 600 : 2500;
+  const int C = width(), N = C >= 8192 ? 600 : 2500;
   const float eps = 1e-5f;
   std::vector<float> x = rand(N * C, 2.0f), w = rand(C);
   for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));
-  Buf cx = cpu({N, C}, x), cw = cpu({C}, w), gx = act({N, C}, x), gw = act({C}, w);
+  Buf cx = cpu({N, C}, x), cw = cpu({C}, w), gx = stream({N, C}, x), gw = act({C}, w);
   Buf co = cpu({N, C}, std::vector<float>(N * C)), cr = cpu({N}, std::vector<float>(N));
   Buf go = poisoned({N, C}, DType::bf16), gr = poisoned({N}, DType::f32);
   cpu_->rmsnorm_forward(co, cr, cx, cw, eps);
@@ -369,16 +405,18 @@ TEST_P(CudaRmsNorm, ForwardBackward) {
   Buf gr2 = gpu({N}, DType::f32, host(cr));
   Buf cdo = cpu({N, C}, dout), gdo = act({N, C}, dout);
   Buf cdi = cpu({N, C}, dinp0), cdw = cpu({C}, dw0);
-  Buf gdi = act({N, C}, dinp0), gdw = gpu({C}, DType::f32, dw0);
-  cpu_->rmsnorm_backward(cdi, cdw, cdo, cx, cw, cr);
-  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2);
+  Buf gdi = stream({N, C}, dinp0), gdw = gpu({C}, DType::f32, dw0);
+  Buf gcopy = poisoned({N, C}, DType::bf16);
+  cpu_->rmsnorm_backward(cdi, cdw, cdo, cx, cw, cr, Tensor{});
+  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2, gcopy);
   const std::vector<float> di1 = host(gdi), dw1 = host(gdw);
-  EXPECT_CLOSE(di1, host(cdi), kBf16Tol, "rmsnorm dinp (+=)");
+  EXPECT_CLOSE(di1, host(cdi), res_tol(), "rmsnorm dinp (+=)");
   EXPECT_CLOSE(dw1, host(cdw), kF32Tol, "rmsnorm dweight (+=)");
+  expect_copy(di1, gcopy, "rmsnorm dinp_act");
 
   upload(*gpu_, gdi, dinp0);
   upload(*gpu_, gdw, dw0);
-  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2);
+  gpu_->rmsnorm_backward(gdi, gdw, gdo, gx, gw, gr2, Tensor{});
   EXPECT_EQ(0, std::memcmp(di1.data(), host(gdi).data(), di1.size() * 4))
       << "dinp not deterministic";
   EXPECT_EQ(0, std::memcmp(dw1.data(), host(gdw).data(), dw1.size() * 4))
@@ -386,24 +424,27 @@ TEST_P(CudaRmsNorm, ForwardBackward) {
 }
 
 TEST_P(CudaRmsNorm, ResidualForward) {
-  const int N = 64, C = GetParam();
+  const int N = 64, C = width();
   const float eps = 1e-6f;
   std::vector<float> a = rand(N * C), b = rand(N * C), w = rand(C);
   Buf ca = cpu({N, C}, a), cb = cpu({N, C}, b), cw = cpu({C}, w);
-  Buf ga = act({N, C}, a), gb = act({N, C}, b), gw = act({C}, w);
+  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = act({C}, w);
   Buf cres = cpu({N, C}, std::vector<float>(N * C)), co = cpu({N, C}, std::vector<float>(N * C));
   Buf cr = cpu({N}, std::vector<float>(N));
-  Buf gres = poisoned({N, C}, DType::bf16), go = poisoned({N, C}, DType::bf16);
+  Buf gres = poisoned({N, C}, res()), go = poisoned({N, C}, DType::bf16);
   Buf gr = poisoned({N}, DType::f32);
   cpu_->residual_rmsnorm_forward(cres, co, cr, ca, cb, cw, eps);
   gpu_->residual_rmsnorm_forward(gres, go, gr, ga, gb, gw, eps);
-  EXPECT_CLOSE(host(gres), host(cres), kBf16Tol, "residual");
+  EXPECT_CLOSE(host(gres), host(cres), res_tol(), "residual");
   EXPECT_CLOSE(host(go), host(co), kBf16Tol, "residual rmsnorm out");
-  // The GPU normalizes the bf16-rounded residual: rstd agrees to bf16 rounding.
-  EXPECT_CLOSE(host(gr), host(cr), kBf16Tol, "residual rmsnorm rstd");
+  // The GPU normalizes the residual as stored: rstd agrees to its rounding.
+  EXPECT_CLOSE(host(gr), host(cr), res_tol(), "residual rmsnorm rstd");
 }
 
-INSTANTIATE_TEST_SUITE_P(Widths, CudaRmsNorm, ::testing::Values(2048, 768, 4096, 8192, 100));
+INSTANTIATE_TEST_SUITE_P(Residual, CudaRmsNorm,
+                         ::testing::Combine(::testing::Values(2048, 768, 4096, 8192, 100),
+                                            ::testing::Values(DType::bf16, DType::f32)),
+                         residual_name);
 
 // ---- qk_norm, rope (packed qkv, GQA head layouts) ------------------------------------------
 

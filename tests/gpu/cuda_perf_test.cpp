@@ -183,7 +183,7 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
       median_ms(gpu, [&] { gpu.residual_layernorm_forward(resid, lnout, mean, rstd, x, att, lnw, lnb); }),
       0, 4 * act_bytes);
   row("layernorm_backward",
-      median_ms(gpu, [&] { gpu.layernorm_backward(dx, dlnw, dlnb, att, x, lnw, mean, rstd); }), 0,
+      median_ms(gpu, [&] { gpu.layernorm_backward(dx, dlnw, dlnb, att, x, lnw, mean, rstd, Tensor{}); }), 0,
       4 * act_bytes);
 
   loss_row(gpu, rng, N, V, Vp, "softmax_cross_entropy (in-place dlogits)");
@@ -216,7 +216,7 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
         median_ms(gpu, [&] { gpu.residual_rmsnorm_forward(resid, out, rstd, x, y, w, 1e-5f); }), 0,
         4 * row_bytes);
     // dinp accumulates: read dout, inp, dinp; write dinp.
-    row("rmsnorm_backward", median_ms(gpu, [&] { gpu.rmsnorm_backward(dx, dw, y, x, w, rstd); }), 0,
+    row("rmsnorm_backward", median_ms(gpu, [&] { gpu.rmsnorm_backward(dx, dw, y, x, w, rstd, Tensor{}); }), 0,
         4 * row_bytes);
   }
   {

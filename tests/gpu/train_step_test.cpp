@@ -257,8 +257,17 @@ TEST(CudaTrainStep, LlamaMatchesTheCpuStep) {
   check_step_against_cpu(small_llama());
 }
 
+// precision.residual=bf16: the residual stream and its gradient in bf16 (the default is f32).
+TEST(CudaTrainStep, Bf16ResidualStreamMatchesTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  for (ModelConfig cfg : {small_config(), small_llama()}) {
+    cfg.residual_fp32 = false;
+    check_step_against_cpu(cfg);
+  }
+}
+
 // train.recompute on CUDA: the same step within the parity tolerance of keeping everything
-// (the recomputed norms read the bf16-stored residual where forward fused the add).
+// (the recomputed norms read the stored residual where forward fused the add).
 TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   for (const ModelConfig& cfg : {small_config(), small_qwen3(), small_moe(2)}) {

@@ -1,0 +1,115 @@
+// The PyTorch twin (tools/torch_twin.py) against kiln's CPU reference, where torch is installed
+// (the GPU host; elsewhere it skips): started from the weights of a kiln checkpoint and trained
+// in fp32, the twin's loss at every step and its val losses are kiln's to 1e-5 for GPT-2, LLaMA
+// and Qwen3 layers, with shuffled windows over several shards, gradient accumulation and an epoch
+// boundary. This is what lets the twin's bf16 autocast run stand as the quality reference
+// (tools/twin_compare.py, docs/quality.md): same model, data order, optimizer and schedule.
+// KILN_PYTHON names the interpreter (default python3).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace {
+
+using kiln::testing::run_command;
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+std::string python() {
+  const char* p = std::getenv("KILN_PYTHON");
+  return p && *p ? p : "python3";
+}
+
+class TwinParity : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    has_torch_ = run_command(python() + " -c 'import torch, numpy, yaml'").status == 0;
+    if (!has_torch_) return;
+    dir_ = kiln::testing::make_temp_dir("kiln_twin_");
+    // 8 KB of text in shards of ~50 windows at T=32: an epoch is 27 steps, so 40 cross one.
+    std::string text = "/usr/share/common-licenses/GPL-3";
+    if (!std::filesystem::exists(text)) text = kSrc + "/README.md";
+    auto r = run_command("head -c 8000 " + text + " > " + dir_ + "/text.txt");
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_command(kBin + "/prepare_data --out " + dir_ + "/data --val-fraction 0.1 " +
+                    "--shard-tokens 1700 " + dir_ + "/text.txt");
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  void SetUp() override {
+    if (!has_torch_) GTEST_SKIP() << "torch, numpy or yaml missing for " << python();
+  }
+  static std::string dir_;
+  static bool has_torch_;
+};
+std::string TwinParity::dir_;
+bool TwinParity::has_torch_ = false;
+
+// step -> loss from the twin's JSON lines ("loss" or "val_loss").
+std::map<int, double> twin_values(const std::string& output, const std::string& key) {
+  std::map<int, double> out;
+  std::istringstream in(output);
+  std::string line;
+  const std::string field = "\"" + key + "\": ";
+  while (std::getline(in, line)) {
+    const auto s = line.find("\"step\": "), k = line.find(field);
+    if (s == std::string::npos || k == std::string::npos) continue;
+    out[std::atoi(line.c_str() + s + 8)] = std::atof(line.c_str() + k + field.size());
+  }
+  return out;
+}
+
+TEST_P(TwinParity, FollowsTheCpuReferenceStepForStep) {
+  const std::string arch = GetParam(), run = dir_ + "/" + arch;
+  std::string cfg = kSrc + "/configs/quality/" +
+                    (arch == "gpt2" ? "gpt2-bytes.yaml" : "llama-bytes.yaml") +
+                    " --train.device=cpu --data.train='" + dir_ + "/data/train_*.bin'" +
+                    " --data.val='" + dir_ + "/data/val_*.bin' --model.n_layer=2" +
+                    " --model.n_embd=64 --model.n_head=4 --model.seq_len=32" +
+                    " --train.batch_size=4 --train.grad_accum=2 --train.max_steps=40" +
+                    " --train.eval_every=20 --train.eval_steps=2 --train.log_every=1" +
+                    " --optim.warmup_steps=8 --train.seed=7 --train.resume=none";
+  if (arch != "gpt2") cfg += " --model.n_kv_head=2 --model.ffn_dim=160";
+  if (arch == "qwen3") cfg += " --model.arch=qwen3 --model.head_dim=32 --model.tie_embeddings=true";
+  // The initial weights: one step at a learning rate too small to move an f32 weight.
+  auto r = run_command(kBin + "/train " + cfg + " --train.max_steps=1 --optim.lr=1e-30" +
+                       " --optim.min_lr=0 --train.save_checkpoints=true --train.out_dir=" + run +
+                       "/init");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/train " + cfg + " --train.out_dir=" + run + "/kiln --print-config > " +
+                  run + "/config.yaml");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/train " + cfg + " --train.out_dir=" + run + "/kiln");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto per_epoch = r.output.find(" steps/epoch");
+  ASSERT_NE(per_epoch, std::string::npos) << r.output;
+  // The loader counts micro-batches, two a step here: 40 steps take 80.
+  EXPECT_LT(std::atoi(r.output.c_str() + r.output.rfind(' ', per_epoch - 1) + 1), 80)
+      << "the run should cross an epoch boundary";
+  r = run_command(python() + " " + kSrc + "/tools/torch_twin.py --config " + run +
+                  "/config.yaml --device cpu --compile 0 --autocast 0 --log-every 1" +
+                  " --init-from " + run + "/init/checkpoints/step_00000001");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto twin = twin_values(r.output, "loss"), twin_val = twin_values(r.output, "val_loss");
+  const auto kiln = kiln::testing::read_losses(run + "/kiln");
+  const auto kiln_val = kiln::testing::read_metric(run + "/kiln", "val_loss");
+  ASSERT_EQ(kiln.size(), 40u);
+  for (const auto& s : kiln) {
+    ASSERT_TRUE(twin.count(s.step)) << "the twin has no loss at step " << s.step;
+    EXPECT_NEAR(twin.at(s.step) / s.value, 1.0, 1e-5) << arch << " step " << s.step;
+  }
+  ASSERT_EQ(twin_val.size(), 2u) << r.output;
+  EXPECT_NEAR(twin_val.at(20) / kiln_val.at(0), 1.0, 1e-5) << arch << " val at 20";
+  EXPECT_NEAR(twin_val.at(40) / kiln_val.at(1), 1.0, 1e-5) << arch << " val at 40";
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, TwinParity, ::testing::Values("gpt2", "llama", "qwen3"));
+
+}  // namespace
