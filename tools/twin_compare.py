@@ -1,24 +1,26 @@
 """kiln against its PyTorch twin on the same shards: val-loss curves over seeds and time to loss.
 
-Trains each variant (kiln runs of `train`, PyTorch runs of tools/torch_twin.py) once per seed,
-one run per GPU at a time, then prints, per evaluation step, each variant's mean val loss over
-the seeds and its ratio to the reference (the first twin variant), the final losses seed by seed,
-and the time to loss: the wall time in training steps (evaluations and the twin's compilation
-left out) and the tokens each variant took to first reach the target val loss (--to-loss, by
-default the reference's final mean), linear between evaluations.
+Trains each variant (kiln runs of `train`, PyTorch runs of tools/torch_twin.py) once per seed and
+config, one run per GPU at a time from one queue, then prints for each config: per evaluation
+step, each variant's mean val loss over the seeds and its ratio to the reference (the first twin
+variant); the final losses seed by seed; and the time to loss: the wall time in training steps
+(evaluations and the twin's compilation left out) and the tokens each variant's mean curve took
+to first reach the target val loss (--to-loss, by default the reference's final mean), linear
+between evaluations, and the speed-up over the reference.
 
-  python3 tools/twin_compare.py configs/quality/gpt2-bytes.yaml --seeds 1,2,3 --gpus 0,1,2,3 \\
-      --kiln kiln --twin twin [--kiln 'bf16res=--precision.residual=bf16'] \\
-      [--twin 'resid=--kiln-numerics resid_fwd,resid_bwd'] [--set train.max_steps=500] --out runs/q
+  python3 tools/twin_compare.py configs/quality/gpt2-bytes.yaml configs/quality/llama-bytes.yaml \\
+      --seeds 1,2,3 --gpus 0,1,2,3 --kiln kiln --twin twin \\
+      [--kiln 'bf16res=--precision.residual=bf16'] [--twin 'resid=--kiln-numerics resid_fwd'] \\
+      [--set train.cuda_graphs=true] --out runs/quality
 
 A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). --set
-applies a config override to every run, kiln's and the twin's. --report-only re-reads --out.
+applies a config override to every run, kiln's and the twin's. With several configs each gets
+--out/<config name>. --report-only re-reads --out.
 """
 import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import threading
@@ -26,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("config")
+p.add_argument("configs", nargs="+")
 p.add_argument("--seeds", default="1,2,3")
 p.add_argument("--gpus", default="0", help="GPU indices to spread the runs over")
 p.add_argument("--kiln", action="append", default=[], help="NAME[=train overrides]")
@@ -41,7 +43,6 @@ a = p.parse_args()
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
 seeds = [int(s) for s in a.seeds.split(",")]
-os.makedirs(a.out, exist_ok=True)
 common = ["--" + s.lstrip("-") for s in a.set] + ["--train.resume=none",
                                                   "--train.save_checkpoints=false"]
 
@@ -55,18 +56,24 @@ kilns = [variant(v) for v in a.kiln]
 twins = [variant(v) for v in a.twin]
 
 
-def kiln_job(name, args, seed):
-    run = os.path.join(a.out, f"{name}-s{seed}")
-    cmd = [a.train, a.config, *common, f"--train.seed={seed}", f"--train.out_dir={run}", *args]
+def out_dir(config):
+    if len(a.configs) == 1:
+        return a.out
+    return os.path.join(a.out, os.path.splitext(os.path.basename(config))[0])
+
+
+def kiln_job(config, name, args, seed):
+    run = os.path.join(out_dir(config), f"{name}-s{seed}")
+    cmd = [a.train, config, *common, f"--train.seed={seed}", f"--train.out_dir={run}", *args]
     return name, seed, cmd, run + ".log"
 
 
-def twin_job(name, args, seed):
+def twin_job(config, name, args, seed):
     # The twin reads kiln's resolved config: the same keys, defaults and validation.
-    resolved = os.path.join(a.out, "twin-config.yaml")
+    resolved = os.path.join(out_dir(config), "twin-config.yaml")
     cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config", resolved, "--seed",
            str(seed), *args]
-    return name, seed, cmd, os.path.join(a.out, f"{name}-s{seed}.jsonl")
+    return name, seed, cmd, os.path.join(out_dir(config), f"{name}-s{seed}.jsonl")
 
 
 def run_all(jobs, gpus):
@@ -82,11 +89,10 @@ def run_all(jobs, gpus):
             start = time.time()
             with open(log, "w") as f:
                 rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            print(f"  {name} seed {seed} on GPU {gpu}: rc {rc}, {time.time() - start:.0f} s",
-                  flush=True)
+            print(f"  {log}: GPU {gpu}, rc {rc}, {time.time() - start:.0f} s", flush=True)
             if rc != 0:
                 with lock:
-                    failed.append(f"{name} seed {seed} (log {log})")
+                    failed.append(log)
 
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
@@ -97,118 +103,122 @@ def run_all(jobs, gpus):
 
 
 if not a.report_only:
-    if twins:
-        with open(os.path.join(a.out, "twin-config.yaml"), "w") as f:
-            subprocess.check_call([a.train, a.config, *common, "--print-config"], stdout=f)
-    # The reference first, then kiln's variants, then the other twins: what a comparison needs
-    # most is done first if the runs are cut short.
-    jobs = [twin_job(*twins[0], s) for s in seeds] if twins else []
-    jobs += [kiln_job(n, args, s) for n, args in kilns for s in seeds]
-    jobs += [twin_job(n, args, s) for n, args in twins[1:] for s in seeds]
+    for config in a.configs:
+        os.makedirs(out_dir(config), exist_ok=True)
+        if twins:
+            with open(os.path.join(out_dir(config), "twin-config.yaml"), "w") as f:
+                subprocess.check_call([a.train, config, *common, "--print-config"], stdout=f)
+    # Seed by seed: the reference, then kiln's variants, then the other twins, so what a
+    # comparison needs most is done first if the runs are cut short.
+    jobs = []
+    for s in seeds:
+        for config in a.configs:
+            jobs += [twin_job(config, *twins[0], s)] if twins else []
+            jobs += [kiln_job(config, n, args, s) for n, args in kilns]
+            jobs += [twin_job(config, n, args, s) for n, args in twins[1:]]
     failed = run_all(jobs, a.gpus.split(","))
     if failed:
-        print("failed: " + "; ".join(failed))
-        sys.exit(1)
+        print("failed (see their logs): " + " ".join(failed))
 
 
-def read_kiln(name, seed):
+def read_kiln(out, name, seed):
     """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
-    run = os.path.join(a.out, f"{name}-s{seed}")
+    run = os.path.join(out, f"{name}-s{seed}")
     tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
-    t, out = 0.0, []
+    t, rows = 0.0, []
     for line in open(os.path.join(run, "metrics.jsonl")):
         m = json.loads(line)
         t += m["ms"] / 1e3  # the step's time; evaluations are not in it
         if "val_loss" in m:
-            out.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
-    return out
+            rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
+    return rows
 
 
-def read_twin(name, seed):
-    out = []
-    for line in open(os.path.join(a.out, f"{name}-s{seed}.jsonl")):
+def read_twin(out, name, seed):
+    rows = []
+    for line in open(os.path.join(out, f"{name}-s{seed}.jsonl")):
         if line.startswith("{"):
             m = json.loads(line)
             if "val_loss" in m:
-                out.append((m["step"], m["val_loss"], m["train_s"], m["tokens"]))
-    return out
-
-
-curves = {}
-for n, _ in kilns:
-    curves[n] = {s: read_kiln(n, s) for s in seeds}
-for n, _ in twins:
-    curves[n] = {s: read_twin(n, s) for s in seeds}
-names = [n for n, _ in twins] + [n for n, _ in kilns]
-ref = names[0]
+                rows.append((m["step"], m["val_loss"], m["train_s"], m["tokens"]))
+    return rows
 
 
 def mean(xs):
     return sum(xs) / len(xs)
 
 
-def at_steps(name):
-    """step -> [val loss per seed], steps every seed evaluated."""
-    per = [{s_: v for s_, v, _, _ in curves[name][seed]} for seed in seeds]
-    common_steps = sorted(set.intersection(*(set(d) for d in per)))
-    return {st: [d[st] for d in per] for st in common_steps}
-
-
-table = {n: at_steps(n) for n in names}
-steps = sorted(set.intersection(*(set(t) for t in table.values())))
-print(f"\nval loss, mean of seeds {seeds} (ratio to {ref})")
-print(f"{'step':>6} " + " ".join(f"{n:>18}" for n in names))
-for st in steps:
-    cells = []
+def report(config):
+    out = os.path.dirname(os.path.join(out_dir(config), "x"))
+    curves = {}
+    for names, read in (([n for n, _ in twins], read_twin), ([n for n, _ in kilns], read_kiln)):
+        for n in names:
+            try:
+                curves[n] = {s: read(out, n, s) for s in seeds}
+            except (OSError, KeyError, ValueError) as e:
+                print(f"{config}: {n} left out ({e})")
+    names = [n for n, _ in twins + kilns if n in curves]
+    if not names:
+        return {}
+    ref = names[0]
+    # step -> [val loss per seed], at the steps every seed of every variant evaluated.
+    table = {}
     for n in names:
-        m = mean(table[n][st])
-        cells.append(f"{m:.4f}" + ("" if n == ref else f" ({m / mean(table[ref][st]):.4f})"))
-    print(f"{st:>6} " + " ".join(f"{c:>18}" for c in cells))
+        per = [{r[0]: r for r in curves[n][s]} for s in seeds]
+        table[n] = {st: [d[st] for d in per] for st in set.intersection(*(set(d) for d in per))}
+    steps = sorted(set.intersection(*(set(t) for t in table.values())))
+    if not steps:
+        return {}
+    print(f"\n{config}: val loss, mean of seeds {seeds} (ratio to {ref})")
+    print(f"{'step':>6} " + " ".join(f"{n:>18}" for n in names))
+    for st in steps:
+        cells = []
+        for n in names:
+            m = mean([r[1] for r in table[n][st]])
+            r = m / mean([r[1] for r in table[ref][st]])
+            cells.append(f"{m:.4f}" + ("" if n == ref else f" ({r:.4f})"))
+        print(f"{st:>6} " + " ".join(f"{c:>18}" for c in cells))
 
-final = steps[-1]
-target = a.to_loss if a.to_loss is not None else mean(table[ref][final])
+    final = steps[-1]
+    target = a.to_loss if a.to_loss is not None else mean([r[1] for r in table[ref][final]])
 
+    def reach(n):
+        """(train_s, tokens) where n's mean curve first reaches `target`, linear between
+        evaluations; None if it never does."""
+        prev = None
+        for st in steps:
+            rows = table[n][st]
+            row = (st, mean([r[1] for r in rows]), mean([r[2] for r in rows]), rows[0][3])
+            if row[1] <= target:
+                if prev is None:
+                    return row[2], row[3]
+                f = (prev[1] - target) / (prev[1] - row[1])
+                return prev[2] + f * (row[2] - prev[2]), prev[3] + f * (row[3] - prev[3])
+            prev = row
+        return None
 
-def reach(curve):
-    """(train_s, tokens) where `curve` [(step, val, train_s, tokens)] first reaches `target`,
-    linear between evaluations; None if it never does."""
-    prev = None
-    for row in curve:
-        if row[1] <= target:
-            if prev is None:
-                return row[2], row[3]
-            f = (prev[1] - target) / (prev[1] - row[1])
-            return prev[2] + f * (row[2] - prev[2]), prev[3] + f * (row[3] - prev[3])
-        prev = row
-    return None
-
-
-def mean_curve(name):
-    """The seeds' mean val loss, train time and tokens at each step all of them evaluated."""
-    per = [{r[0]: r for r in curves[name][seed]} for seed in seeds]
-    return [(st, mean([d[st][1] for d in per]), mean([d[st][2] for d in per]), per[0][st][3])
-            for st in table[name]]
-
-
-print(f"\nfinal (step {final}); time to val loss {target:.4f} on each variant's mean curve")
-print(f"{'variant':>12} {'val loss per seed':>26} {'mean':>7} {'spread':>7} {'vs ref':>7} "
-      f"{'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
-summary = {"config": a.config, "seeds": seeds, "target": target, "variants": {}}
-ref_time = None
-for n in names:
-    finals = table[n][final]
-    total_s = mean([curves[n][s][-1][2] for s in seeds])
-    hit = reach(mean_curve(n))
-    if n == ref:
-        ref_time = hit[0] if hit else None
-    speed = ref_time / hit[0] if ref_time and hit else None
-    summary["variants"][n] = {"final": finals, "mean": mean(finals), "train_s": total_s,
-                              "time_to_loss_s": hit[0] if hit else None,
-                              "tokens_to_loss": hit[1] if hit else None,
-                              "speedup_vs_ref": speed}
+    print(f"\n{config}: final (step {final}); time to val loss {target:.4f}")
+    print(f"{'variant':>12} {'val loss per seed':>26} {'mean':>7} {'spread':>7} {'vs ref':>7} "
+          f"{'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
+    summary = {"config": config, "seeds": seeds, "target": target, "variants": {}}
+    ref_time = reach(ref)
     nan = float("nan")
-    print(f"{n:>12} {' / '.join(f'{v:.4f}' for v in finals):>26} {mean(finals):>7.4f} "
-          f"{max(finals) - min(finals):>7.4f} {mean(finals) / mean(table[ref][final]):>7.4f} "
-          f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
-          f"{speed if speed else nan:>8.3f}")
-json.dump(summary, open(os.path.join(a.out, "summary.json"), "w"), indent=1)
+    for n in names:
+        finals = [r[1] for r in table[n][final]]
+        total_s = mean([r[2] for r in table[n][final]])
+        hit = reach(n)
+        speed = ref_time[0] / hit[0] if ref_time and hit else None
+        summary["variants"][n] = {"final": finals, "mean": mean(finals), "train_s": total_s,
+                                  "time_to_loss_s": hit[0] if hit else None,
+                                  "tokens_to_loss": hit[1] if hit else None,
+                                  "speedup_vs_ref": speed}
+        print(f"{n:>12} {' / '.join(f'{v:.4f}' for v in finals):>26} {mean(finals):>7.4f} "
+              f"{max(finals) - min(finals):>7.4f} {mean(finals) / summary['variants'][ref]['mean']:>7.4f} "
+              f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
+              f"{speed if speed else nan:>8.3f}")
+    json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+    return summary
+
+
+for config in a.configs:
+    report(config)

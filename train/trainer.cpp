@@ -124,7 +124,8 @@ std::unique_ptr<Backend> make_backend(const Config& cfg, const RankInfo& rank) {
     return backend;
   }
   if (cfg.precision.dtype == "bf16")
-    spdlog::info("cpu backend: computing in fp32 (the reference); precision.dtype=bf16 applies to CUDA");
+    spdlog::info("cpu backend: computing in fp32 (the reference); precision.dtype=bf16 and "
+                 "precision.residual={} apply to CUDA", cfg.precision.residual);
   return make_cpu_backend();
 }
 

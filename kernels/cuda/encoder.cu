@@ -4,9 +4,12 @@
 // bf16 embeddings is taken in f32 and rounded once).
 // Design choice (backward): the scatter-add into dwte is made deterministic WITHOUT float
 // atomics by sorting (token, position) pairs with CUB's stable radix sort (deterministic,
-// scratch memory only, no host sync), then letting the first position of each run of equal
-// tokens sum the whole run in position order and add it into dwte[token]. dwpe needs no sort:
-// one thread per (t, c) sums over the batch.
+// scratch memory only, no host sync). The sorted positions are cut into chunks of kDwteChunk,
+// a block each, so a frequent token (a byte vocabulary's space: thousands of positions a batch)
+// is summed by many blocks rather than one: a run that starts and ends inside a chunk is added
+// into dwte[token] there; a run that crosses chunks leaves a partial per chunk, and the chunk
+// where it starts adds them in chunk order. dwpe needs no sort: one thread per (t, c) sums over
+// the batch.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/common.cuh"
@@ -53,18 +56,59 @@ __global__ void iota_kernel(int* x, int n) {
 }
 
 // blockIdx.x: a position in token-sorted order; only the first of each run of equal tokens works.
+constexpr int kDwteChunk = 64;
+
+__device__ inline bool run_starts_at(const int* tok, int i) { return i == 0 || tok[i - 1] != tok[i]; }
+__device__ inline bool run_ends_at(const int* tok, int i, int n) {
+  return i + 1 == n || tok[i + 1] != tok[i];
+}
+
+// Chunk k = blockIdx.x of the sorted positions. Its segments (runs of one token within the
+// chunk) that are whole runs go into dwte; the first segment, where it continues a run from an
+// earlier chunk or goes on past this one, into head[k]; the last, where it goes on past this
+// chunk, into tail[k].
 template <class R>
-__global__ void encoder_dwte_kernel(float* dwte, const R* dout, const int* sorted_tokens,
-                                    const int* sorted_pos, int BT, int C) {
-  const int i = blockIdx.x;
-  const int token = sorted_tokens[i];
-  if (i > 0 && sorted_tokens[i - 1] == token) return;
-  for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < C; c += gridDim.y * blockDim.x) {
-    float acc = 0.0f;
-    for (int j = i; j < BT && sorted_tokens[j] == token; ++j)
-      acc += to_float(dout[static_cast<int64_t>(sorted_pos[j]) * C + c]);
-    dwte[static_cast<int64_t>(token) * C + c] += acc;
+__global__ void encoder_dwte_chunks_kernel(float* dwte, float* head, float* tail, const R* dout,
+                                           const int* tok, const int* pos, int BT, int C) {
+  const int k = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int begin = k * kDwteChunk, end = min(BT, begin + kDwteChunk);
+  float acc = 0.0f;
+  int seg = begin;
+  for (int i = begin; i < end; ++i) {
+    acc += to_float(dout[static_cast<int64_t>(pos[i]) * C + c]);
+    if (i + 1 < end && tok[i + 1] == tok[i]) continue;
+    if (run_starts_at(tok, seg) && run_ends_at(tok, i, BT))
+      dwte[static_cast<int64_t>(tok[i]) * C + c] += acc;
+    else if (seg == begin)
+      head[static_cast<int64_t>(k) * C + c] = acc;
+    else
+      tail[static_cast<int64_t>(k) * C + c] = acc;
+    acc = 0.0f;
+    seg = i + 1;
   }
+}
+
+// The runs that cross a chunk boundary, each added once, by the chunk it starts in: its part
+// there (tail, or head when the run fills the chunk from its start), then each later chunk's
+// head, in order, up to the chunk where it ends.
+__global__ void encoder_dwte_crossing_kernel(float* dwte, const float* head, const float* tail,
+                                             const int* tok, int BT, int chunks, int C) {
+  const int k = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int begin = k * kDwteChunk, end = min(BT, begin + kDwteChunk);
+  const int t = tok[end - 1];
+  if (run_ends_at(tok, end - 1, BT)) return;  // the last run of this chunk ends in it
+  const bool fills_chunk = tok[begin] == t;
+  if (fills_chunk && !run_starts_at(tok, begin)) return;  // started in an earlier chunk
+  float total = fills_chunk ? head[static_cast<int64_t>(k) * C + c]
+                            : tail[static_cast<int64_t>(k) * C + c];
+  for (int j = k + 1; j < chunks; ++j) {
+    total += head[static_cast<int64_t>(j) * C + c];
+    const int last = min(BT, (j + 1) * kDwteChunk) - 1;
+    if (tok[last] != t || run_ends_at(tok, last, BT)) break;
+  }
+  dwte[static_cast<int64_t>(t) * C + c] += total;
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
@@ -135,6 +179,7 @@ void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor
     throw std::invalid_argument("cuda encoder_backward: dwpe " + dwpe.str() + " does not cover T");
   const int BT = B * T;
   const int threads = 256;
+  if (BT == 0) return;
 
   if (has_dwpe) {
     const int blocks = ceil_div(static_cast<int64_t>(T) * C, threads);
@@ -155,25 +200,32 @@ void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor
                                                   static_cast<int*>(nullptr),
                                                   static_cast<int*>(nullptr), BT, 0, end_bit,
                                                   stream_));
+  const int chunks = ceil_div(BT, kDwteChunk);
   const size_t ints = align_up(static_cast<size_t>(BT) * sizeof(int));
-  char* base = static_cast<char*>(scratch(3 * ints + align_up(sort_bytes)));
+  const size_t partials = align_up(static_cast<size_t>(chunks) * C * sizeof(float));
+  char* base = static_cast<char*>(scratch(3 * ints + 2 * partials + align_up(sort_bytes)));
   int* sorted_tokens = reinterpret_cast<int*>(base);
   int* positions = reinterpret_cast<int*>(base + ints);
   int* sorted_pos = reinterpret_cast<int*>(base + 2 * ints);
-  void* sort_temp = base + 3 * ints;
+  float* head = reinterpret_cast<float*>(base + 3 * ints);
+  float* tail = reinterpret_cast<float*>(base + 3 * ints + partials);
+  void* sort_temp = base + 3 * ints + 2 * partials;
   iota_kernel<<<ceil_div(BT, threads), threads, 0, stream_>>>(positions, BT);
   KILN_CUDA_LAUNCH_CHECK();
   KILN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_temp, sort_bytes, tokens.ptr<int>(),
                                                   sorted_tokens, positions, sorted_pos, BT, 0,
                                                   end_bit, stream_));
   const int cthreads = 128;
-  dim3 grid(BT, ceil_div(C, cthreads));
+  const dim3 grid(chunks, ceil_div(C, cthreads));
   if (dout.dtype == DType::f32)
-    encoder_dwte_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), dout.ptr<float>(),
-                                                        sorted_tokens, sorted_pos, BT, C);
+    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(
+        dwte.ptr<float>(), head, tail, dout.ptr<float>(), sorted_tokens, sorted_pos, BT, C);
   else
-    encoder_dwte_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), dout.ptr<bf16>(),
-                                                        sorted_tokens, sorted_pos, BT, C);
+    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(
+        dwte.ptr<float>(), head, tail, dout.ptr<bf16>(), sorted_tokens, sorted_pos, BT, C);
+  KILN_CUDA_LAUNCH_CHECK();
+  encoder_dwte_crossing_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), head, tail,
+                                                               sorted_tokens, BT, chunks, C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
