@@ -122,13 +122,18 @@ if not a.report_only:
 
 
 def read_kiln(out, name, seed):
-    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
+    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json.
+    The first step (cuDNN plans, GEMM algorithm choice) counts at the median of the next ten:
+    its excess is one-off start-up, left out as the twin's compilation is."""
     run = os.path.join(out, f"{name}-s{seed}")
     tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
+    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    ms = [m["ms"] for m in steps]  # each step's time; evaluations are not in it
+    if len(ms) > 2:
+        ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]
     t, rows = 0.0, []
-    for line in open(os.path.join(run, "metrics.jsonl")):
-        m = json.loads(line)
-        t += m["ms"] / 1e3  # the step's time; evaluations are not in it
+    for m, step_ms in zip(steps, ms):
+        t += step_ms / 1e3
         if "val_loss" in m:
             rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
     return rows

@@ -169,7 +169,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(optim, warmup_steps), non_negative(), "linear warmup steps"},
       {KILN_FIELD(optim, schedule), one_of({"cosine", "linear", "constant"}),
        "decay from lr to min_lr after warmup"},
-      {KILN_FIELD(optim, weight_decay), non_negative(), "decoupled weight decay (2-D weights)"},
+      {KILN_FIELD(optim, weight_decay), non_negative(), "decoupled weight decay of the matrices (linear layers, wte, an untied head); not of wpe, "
+       "norms or biases"},
       {KILN_FIELD(optim, beta1), range(0, false, 1, true), "Adam first-moment decay"},
       {KILN_FIELD(optim, beta2), range(0, false, 1, true), "Adam second-moment decay"},
       {KILN_FIELD(optim, eps), positive(), "Adam denominator epsilon"},
