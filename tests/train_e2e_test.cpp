@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -465,6 +466,57 @@ TEST_F(TrainE2E, DivergenceStopsTheRunBeforeItCheckpointsTheBadState) {
 }
 
 // Each bad input: exit status 2, and an error line that names the cause.
+// The shipped CPU configs, trained on make demo's corpus (every licence text, scripts/demo.sh)
+// through their warm-up and peak learning rate: no step's loss after the first few may reach
+// chance (ln 256), nor jump by 1 over the best loss so far. Both caught the spikes a 20-step
+// warm-up gave (tiny: loss 8.0 at step 16; qwen3-tiny: 9.97 at step 20); docs/quality.md.
+class ShippedCpuConfig : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = kiln::testing::make_temp_dir("kiln_shipped_");
+    std::set<std::string> texts;  // as demo.sh: the licences, links resolved, each once
+    for (const auto& e : fs::directory_iterator("/usr/share/common-licenses"))
+      if (fs::is_regular_file(e.path())) texts.insert(fs::canonical(e.path()).string());
+    std::string cmd = kBin + "/prepare_data --out " + (dir_ / "data").string() + " --val-fraction 0.1";
+    for (const std::string& t : texts) cmd += " '" + t + "'";
+    if (texts.empty()) cmd += " " + kSrc + "/README.md";
+    const Result r = run(cmd);
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  static fs::path dir_;
+};
+fs::path ShippedCpuConfig::dir_;
+
+TEST_P(ShippedCpuConfig, TrainsWithoutSpikes) {
+  const std::string out = (dir_ / GetParam()).string();
+  // 100 of the config's 200 steps: the warm-up (60) and the peak, where the spikes were.
+  const Result r = run(kBin + "/train " + kSrc + "/configs/" + GetParam() + ".yaml" +
+                       " --train.device=cpu --train.resume=none --train.max_steps=100" +
+                       " --train.save_checkpoints=false --data.val= --train.log_every=1000" +
+                       " --data.train='" + (dir_ / "data").string() + "/train_*.bin'" +
+                       " --train.out_dir=" + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto losses = read_losses(out);
+  ASSERT_EQ(losses.size(), 100u);
+  double best = 1e30;
+  for (const auto& l : losses) {
+    if (l.step > 5) {
+      EXPECT_LT(l.value, std::log(256.0)) << GetParam() << " step " << l.step << ": above chance";
+      EXPECT_LT(l.value, best + 1.0) << GetParam() << " step " << l.step << ": a spike (best "
+                                     << best << ")";
+    }
+    best = std::min(best, l.value);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, ShippedCpuConfig,
+                         ::testing::Values("tiny", "llama-tiny", "qwen3-tiny", "moe-tiny"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
 struct BadInput {
   const char* name;
   std::string args;
