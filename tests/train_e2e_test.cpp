@@ -468,8 +468,8 @@ TEST_F(TrainE2E, DivergenceStopsTheRunBeforeItCheckpointsTheBadState) {
 // Each bad input: exit status 2, and an error line that names the cause.
 // The shipped CPU configs, trained on make demo's corpus (every licence text, scripts/demo.sh)
 // through their warm-up and peak learning rate: no step's loss after the first few may reach
-// chance (ln 256), nor jump by 1 over the best loss so far. Both caught the spikes a 20-step
-// warm-up gave (tiny: loss 8.0 at step 16; qwen3-tiny: 9.97 at step 20); docs/quality.md.
+// chance (ln 256), nor jump by 1 over the best loss so far: what a too-short warm-up does to
+// these configs (docs/quality.md).
 class ShippedCpuConfig : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
