@@ -477,7 +477,8 @@ class ShippedCpuConfig : public ::testing::TestWithParam<std::string> {
     std::set<std::string> texts;  // as demo.sh: the licences, links resolved, each once
     for (const auto& e : fs::directory_iterator("/usr/share/common-licenses"))
       if (fs::is_regular_file(e.path())) texts.insert(fs::canonical(e.path()).string());
-    std::string cmd = kBin + "/prepare_data --out " + (dir_ / "data").string() + " --val-fraction 0.1";
+    std::string cmd =
+        kBin + "/prepare_data --out " + (dir_ / "data").string() + " --val-fraction 0.1";
     for (const std::string& t : texts) cmd += " '" + t + "'";
     if (texts.empty()) cmd += " " + kSrc + "/README.md";
     const Result r = run(cmd);

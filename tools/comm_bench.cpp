@@ -90,8 +90,20 @@ Options parse_args(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       std::printf(
           "usage: comm_bench [--backend gloo|nccl] [--min-bytes 1M] [--max-bytes 1G] "
-          "[--iters 20] [--warmup 5] [--nproc-per-node N] [--nnodes M] [--node-rank K] "
-          "[--master-addr H] [--master-port P] [--timeout S]\n");
+          "[--iters 20] [--warmup 5]\n"
+          "                  [--nproc-per-node N] [--nnodes M --node-rank K --master-addr H "
+          "--master-port P] [--timeout S]\n"
+          "Times all_reduce (DDP), reduce_scatter and all_gather (ZeRO-1, FSDP) and all_to_all\n"
+          "(MoE expert parallelism) over the trainer's communicator, checking each result, at\n"
+          "sizes doubling from --min-bytes to --max-bytes; prints size, time, algbw and busbw\n"
+          "(nccl-tests' convention). It launches itself as train does.\n"
+          "  --backend B         nccl (GPUs; the default where built with CUDA) or gloo\n"
+          "  --min-bytes/--max-bytes  buffer sizes, K/M/G suffixes (default 1M .. 1G, or 64M\n"
+          "                           with gloo)\n"
+          "  --iters N, --warmup N    timed and untimed repetitions a size (default 20, 5)\n"
+          "  --nproc-per-node N  processes on this node (default: the GPUs, or 2 with gloo)\n"
+          "  --nnodes, --node-rank, --master-addr, --master-port  as train's launcher flags\n"
+          "  --timeout S         collectives and rendezvous (default 300)\n");
       std::exit(0);
     }
     if (i + 1 >= argc) throw InputError(flag + ": missing value (or unknown flag)");

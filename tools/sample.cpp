@@ -31,7 +31,9 @@ const char* kUsage =
     "  --prompt-ids I  the prompt as token ids, comma-separated (any model); ids are printed\n"
     "  --tokens N      tokens to generate (default 256)\n"
     "  --temperature T 0 is greedy (default 0.8)\n"
-    "  --top-k K       0 is the whole vocabulary (default 40)\n";
+    "  --top-k K       0 is the whole vocabulary (default 40)\n"
+    "  --seed S        the sampling RNG's seed (default 42): the same seed, the same text\n"
+    "  --device D      auto (a GPU when there is one; default), cpu or cuda\n";
 
 template <class T>
 T parse_number(const std::string& flag, const std::string& text) {

@@ -44,9 +44,11 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--config", required=True, help="kiln's resolved config (YAML)")
 p.add_argument("--seed", type=int, default=None, help="default: the config's train.seed")
 p.add_argument("--steps", type=int, default=None, help="default: the config's train.max_steps")
-p.add_argument("--kiln-numerics", default="", help="comma list: resid_fwd,resid_bwd,norm_params,embed,all")
+p.add_argument("--kiln-numerics", default="",
+               help="comma list: resid_fwd,resid_bwd,norm_params,embed,all")
 p.add_argument("--decay-wpe", type=int, default=0)
-p.add_argument("--init-from", default="", help="a kiln checkpoint directory: start from its weights")
+p.add_argument("--init-from", default="",
+               help="a kiln checkpoint directory: start from its weights")
 p.add_argument("--autocast", type=int, default=1, help="0: train in fp32 (checks the twin "
                "against kiln's CPU reference)")
 p.add_argument("--log-every", type=int, default=50, help="print the train loss every N steps")
@@ -79,7 +81,8 @@ if emulate - KNOWN:
 if cfg.get("moe", {}).get("n_experts", 0):
     raise SystemExit("torch_twin: MoE models have no twin")
 if cfg["precision"].get("fp8"):
-    print(json.dumps({"note": "precision.fp8 is kiln's; the twin trains in bf16 autocast"}), flush=True)
+    print(json.dumps({"note": "precision.fp8 is kiln's; the twin trains in bf16 autocast"}),
+          flush=True)
 if OP["name"] != "adamw":
     raise SystemExit(f"torch_twin: optim.name={OP['name']} has no twin")
 
@@ -256,7 +259,8 @@ def load_kiln_checkpoint(model, path):
         for t in man["tensors"]:
             name = t["name"] if t["name"] in params else t["name"] + ".weight"
             n = int(np.prod(t["shape"]))
-            params.pop(name).copy_(torch.from_numpy(flat[t["offset"]:t["offset"] + n]).view(t["shape"]))
+            values = torch.from_numpy(flat[t["offset"]:t["offset"] + n]).view(t["shape"])
+            params.pop(name).copy_(values)
     if params:
         raise SystemExit(f"torch_twin: {path} has no {sorted(params)}")
 
@@ -438,7 +442,8 @@ train_s, evals, losses, first = 0.0, [], [], []
 sync()
 mark = time.perf_counter()
 for step in range(steps + 1):
-    at_eval = val and TR["eval_every"] and step > 0 and (step % TR["eval_every"] == 0 or step == steps)
+    at_eval = (val and TR["eval_every"] and step > 0 and
+               (step % TR["eval_every"] == 0 or step == steps))
     if at_eval or step == steps:
         sync()
         train_s += time.perf_counter() - mark

@@ -217,8 +217,9 @@ def report(config):
                                   "time_to_loss_s": hit[0] if hit else None,
                                   "tokens_to_loss": hit[1] if hit else None,
                                   "speedup_vs_ref": speed}
+        vs_ref = mean(finals) / summary["variants"][ref]["mean"]
         print(f"{n:>12} {' / '.join(f'{v:.4f}' for v in finals):>26} {mean(finals):>7.4f} "
-              f"{max(finals) - min(finals):>7.4f} {mean(finals) / summary['variants'][ref]['mean']:>7.4f} "
+              f"{max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
               f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
               f"{speed if speed else nan:>8.3f}")
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)

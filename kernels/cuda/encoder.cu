@@ -58,7 +58,9 @@ __global__ void iota_kernel(int* x, int n) {
 // blockIdx.x: a position in token-sorted order; only the first of each run of equal tokens works.
 constexpr int kDwteChunk = 64;
 
-__device__ inline bool run_starts_at(const int* tok, int i) { return i == 0 || tok[i - 1] != tok[i]; }
+__device__ inline bool run_starts_at(const int* tok, int i) {
+  return i == 0 || tok[i - 1] != tok[i];
+}
 __device__ inline bool run_ends_at(const int* tok, int i, int n) {
   return i + 1 == n || tok[i + 1] != tok[i];
 }
