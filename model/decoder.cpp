@@ -213,16 +213,16 @@ size_t field_offset(const S& s, const Tensor* t) {
 
 }  // namespace
 
+DType Decoder::residual_dtype() const {
+  return cfg_.residual_fp32 ? DType::f32 : backend_.activation_dtype();
+}
+
 // Block l's activations are planned per block where `recompute` keeps them, else once in
 // acts.shared. What each mode keeps is what its backward reads and cannot cheaply recompute:
 //  selective: the block's input, the norms' statistics, q/k/v (after QK-norm and RoPE) and the
 //             QK-norm input, the residual after attention, and the fc GEMM's output (and GELU's,
 //             fused into that GEMM). Recomputed: norm outputs, the attention core, SwiGLU.
 //  full:      the block's input alone; backward runs the block's forward again from it.
-DType Decoder::residual_dtype() const {
-  return cfg_.residual_fp32 ? DType::f32 : backend_.activation_dtype();
-}
-
 void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
   const DType act = backend_.activation_dtype(), res = residual_dtype();
