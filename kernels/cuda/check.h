@@ -3,6 +3,8 @@
 // and the failing call) and the argument checks the ops run before launching anything.
 #pragma once
 
+#include <algorithm>
+
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -67,6 +69,16 @@ inline bool vec8_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
     if (p && !aligned(p, 16)) return false;
   return true;
+}
+// The norms' two-pass weight gradients: N rows cut into at most 256 chunks of at least 32 rows,
+// a column sum per chunk, then the chunks' partials added in order (deterministic).
+struct RowChunks {
+  int64_t rows;  // rows per chunk
+  int count;     // chunks
+};
+inline RowChunks row_chunks(int64_t N) {
+  const int64_t rows = ceil_div(N, std::min<int64_t>(ceil_div(N, 32), 256));
+  return {rows, ceil_div(N, rows)};
 }
 // Throws std::invalid_argument unless t has ref's shape.
 inline void expect_same_shape(const Tensor& t, const Tensor& ref, const char* op,

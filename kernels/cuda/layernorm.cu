@@ -317,19 +317,17 @@ void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_ac
                                rstd, N);
   }
   const cudaStream_t stream = backend.stream();
-  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
-  const int64_t rows_per_chunk = ceil_div(N, chunks);
-  const int used_chunks = ceil_div(N, rows_per_chunk);
+  const RowChunks chunks = row_chunks(N);
   float* partials = static_cast<float*>(
-      backend.scratch(static_cast<size_t>(used_chunks) * 2 * C * sizeof(float)));
+      backend.scratch(static_cast<size_t>(chunks.count) * 2 * C * sizeof(float)));
   const int threads = 128;
   layernorm_dparams_partials_kernel<R>
-      <<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream>>>(
+      <<<dim3(ceil_div(C, threads), chunks.count), threads, 0, stream>>>(
           partials, dout.ptr<bf16>(), inp.ptr<R>(), mean.ptr<float>(), rstd.ptr<float>(), N, C,
-          rows_per_chunk);
+          chunks.rows);
   KILN_CUDA_LAUNCH_CHECK();
   layernorm_dparams_final_kernel<<<ceil_div(C, threads), threads, 0, stream>>>(
-      dweight.ptr<float>(), dbias.ptr<float>(), partials, used_chunks, C);
+      dweight.ptr<float>(), dbias.ptr<float>(), partials, chunks.count, C);
   KILN_CUDA_LAUNCH_CHECK();
 
   const int blocks = ceil_div(N, kWarpsPerBlock);

@@ -362,17 +362,15 @@ void launch_rmsnorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act,
     return kBackwardRows<R>[C / 256 - 1](backend, dinp, dinp_act, dweight, dout, inp, weight,
                                          rstd, N);
   const cudaStream_t stream = backend.stream();
-  const int64_t chunks = std::min<int64_t>(ceil_div(N, 32), 256);
-  const int64_t rows_per_chunk = ceil_div(N, chunks);
-  const int used_chunks = ceil_div(N, rows_per_chunk);
-  float* partials = static_cast<float*>(
-      backend.scratch(static_cast<size_t>(used_chunks) * C * sizeof(float)));
+  const RowChunks chunks = row_chunks(N);
+  float* partials =
+      static_cast<float*>(backend.scratch(static_cast<size_t>(chunks.count) * C * sizeof(float)));
   const int threads = 128;
   rmsnorm_dweight_partials_kernel<R>
-      <<<dim3(ceil_div(C, threads), used_chunks), threads, 0, stream>>>(
-          partials, dout.ptr<bf16>(), inp.ptr<R>(), rstd.ptr<float>(), N, C, rows_per_chunk);
+      <<<dim3(ceil_div(C, threads), chunks.count), threads, 0, stream>>>(
+          partials, dout.ptr<bf16>(), inp.ptr<R>(), rstd.ptr<float>(), N, C, chunks.rows);
   KILN_CUDA_LAUNCH_CHECK();
-  launch_dweight_final(stream, dweight.ptr<float>(), partials, used_chunks, C);
+  launch_dweight_final(stream, dweight.ptr<float>(), partials, chunks.count, C);
 
   const int blocks = ceil_div(N, kWarpsPerBlock);
   bf16* copy = dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr;
