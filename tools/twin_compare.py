@@ -16,6 +16,12 @@ between evaluations, and the speed-up over the reference.
 A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). --set
 applies a config override to every run, kiln's and the twin's. With several configs each gets
 --out/<config name>. --report-only re-reads --out.
+
+--paired starts each twin run from the weights kiln's run of the same seed starts from (written by
+a one-step kiln run at a learning rate too small to move an f32 weight), so that kiln and the
+twin differ per seed only in numerics: both already read the same windows in the same order.
+The report then adds each variant's per-seed difference to the reference, with its mean and
+standard error, a much tighter measure of a gap than two independent sets of seeds.
 """
 import argparse
 import json
@@ -39,6 +45,7 @@ p.add_argument("--python", default=sys.executable)
 p.add_argument("--out", default="runs/twin-compare")
 p.add_argument("--to-loss", type=float, default=None)
 p.add_argument("--report-only", action="store_true")
+p.add_argument("--paired", action="store_true", help="the twin starts from kiln's initial weights")
 a = p.parse_args()
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
@@ -73,6 +80,15 @@ def twin_job(config, name, args, seed):
     resolved = os.path.join(out_dir(config), "twin-config.yaml")
     cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config", resolved, "--seed",
            str(seed), *args]
+    if a.paired:
+        # The initial weights: one step at a learning rate too small to move an f32 weight.
+        init = os.path.join(out_dir(config), f"init-s{seed}")
+        make_init = [a.train, config, *common, f"--train.seed={seed}", "--train.max_steps=1",
+                     "--optim.lr=1e-30", "--optim.min_lr=0", "--train.eval_every=0",
+                     "--train.save_checkpoints=true", f"--train.out_dir={init}"]
+        log = shlex.quote(init + ".log")
+        twin = cmd + ["--init-from", os.path.join(init, "checkpoints", "step_00000001")]
+        cmd = ["sh", "-c", f"{shlex.join(make_init)} > {log} 2>&1 && exec {shlex.join(twin)}"]
     return name, seed, cmd, os.path.join(out_dir(config), f"{name}-s{seed}.jsonl")
 
 
@@ -222,6 +238,17 @@ def report(config):
               f"{max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
               f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
               f"{speed if speed else nan:>8.3f}")
+    if a.paired and len(seeds) > 1:
+        # Seed s of each variant started from the same weights and read the same windows as the
+        # reference's seed s: the per-seed ratios hold the numerics' effect alone.
+        print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%)")
+        ref_finals = [r[1] for r in table[ref][final]]
+        for n in names[1:]:
+            d = [100 * (r[1] / f - 1) for r, f in zip(table[n][final], ref_finals)]
+            m = mean(d)
+            se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+            summary["variants"][n]["paired_pct"] = {"per_seed": d, "mean": m, "stderr": se}
+            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d)}  mean {m:+.3f} +- {se:.3f}")
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
     return summary
 
