@@ -65,7 +65,8 @@ void check_token_ids(const TokenShard& shard, const Token* tokens, int vocab_siz
 TokenShard TokenShard::open(const std::string& path, int vocab_size) {
   TokenShard shard;
   shard.path_ = path;
-  Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  // O_NONBLOCK: a FIFO must not hang the open; the fstat below refuses anything but a file.
+  Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
   if (file.fd < 0) fail_errno(path, "cannot open shard");
   struct stat st {};
   if (::fstat(file.fd, &st) != 0) fail_errno(path, "cannot stat shard");
@@ -79,7 +80,8 @@ TokenShard TokenShard::open(const std::string& path, int vocab_size) {
   shard.map_bytes_ = static_cast<size_t>(file_bytes);
 
   const auto* header = static_cast<const int32_t*>(map);
-  if (file_bytes >= kShardHeaderBytes && (header[0] == kShardMagic || header[0] == kShardMagicU32)) {
+  if (file_bytes >= kShardHeaderBytes &&
+      (header[0] == kShardMagic || header[0] == kShardMagicU32)) {
     const bool wide = header[0] == kShardMagicU32;
     const int32_t version = wide ? kShardVersionU32 : kShardVersion;
     if (header[1] != version) {

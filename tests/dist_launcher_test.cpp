@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dist/launcher.h"
+#include "kernels/backend.h"
 #include "kernels/error.h"
 
 extern char** environ;
@@ -335,6 +336,21 @@ TEST(DistLauncher, CommBenchRunsTwoWorkers) {
   for (const char* op : {"all_reduce", "reduce_scatter", "all_gather"})
     EXPECT_NE(c.output().find(std::string(op) + " "), std::string::npos) << op;
   EXPECT_NE(c.output().find("65536"), std::string::npos) << c.output();
+}
+
+// Without a GPU the default is Gloo, and NCCL asked for by name is an input error naming Gloo.
+TEST(DistLauncher, CommBenchWithoutAGpuPicksGloo) {
+  if (cuda_available()) GTEST_SKIP() << "a GPU is visible: NCCL is the default here";
+  Child c({kCommBench, "--min-bytes", "4K", "--max-bytes", "8K", "--iters", "1", "--warmup", "0"});
+  int status = c.wait(25s);
+  ASSERT_TRUE(WIFEXITED(status)) << c.output();
+  EXPECT_EQ(WEXITSTATUS(status), 0) << c.output();
+  EXPECT_NE(c.output().find("gloo rank 0/2"), std::string::npos) << c.output();
+  Child nccl({kCommBench, "--backend", "nccl"});
+  status = nccl.wait(25s);
+  ASSERT_TRUE(WIFEXITED(status)) << nccl.output();
+  EXPECT_EQ(WEXITSTATUS(status), 2) << nccl.output();
+  EXPECT_NE(nccl.output().find("use --backend gloo"), std::string::npos) << nccl.output();
 }
 
 TEST(DistLauncher, DeadWorkerEndsTheRun) {

@@ -4,12 +4,15 @@
 // from the config, and a corrupt safetensors file, exit 2 naming the cause.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <string>
 
+#include "kernels/backend.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -223,6 +226,97 @@ TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {
   EXPECT_NE(r.output.find("a vocabulary of 300 is not byte-level: give the prompt as token ids"),
             std::string::npos)
       << r.output;
+}
+
+// The list of files under `dir` with each one's bytes: what must not change.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) files[e.path().string()] = slurp(e.path().string());
+  return files;
+}
+
+// convert writes OUT whole or not at all: an existing non-empty OUT (another run) is refused with
+// nothing touched, unless --overwrite, which replaces it with exactly the new model; a path under a
+// regular file is an input error.
+TEST_F(HfTools, ConvertNeverOverwritesWhatItWasNotAskedTo) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/train " + kSrc + "/configs/tiny.yaml " + data_flags() +
+                       " --train.device=cpu --train.max_steps=2 --train.batch_size=2"
+                       " --train.eval_every=0 --train.out_dir=" + d + "/other");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto before = snapshot(d + "/other");
+  for (const std::string to : {"kiln", "hf"}) {
+    r = run_command(kBin + "/convert " + d + "/run --to " + to + " " + d + "/other");
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find(d + "/other: exists and is not empty (--overwrite replaces it)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(snapshot(d + "/other"), before) << to;
+  }
+  std::ofstream(d + "/a_file") << "x";
+  r = run_command(kBin + "/convert " + d + "/run --to kiln " + d + "/a_file/run");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find(d + "/a_file/run: cannot be created: " + d + "/a_file is not a directory"),
+            std::string::npos)
+      << r.output;
+  r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/a_file");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("a_file: exists and is not a directory"), std::string::npos) << r.output;
+
+  r = run_command(kBin + "/convert " + d + "/run --to kiln " + d + "/other --overwrite");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(d + "/other"))
+    names.push_back(e.path().lexically_relative(d + "/other").string());
+  std::sort(names.begin(), names.end());
+  ASSERT_GE(names.size(), 3u);
+  EXPECT_EQ(names[0], "checkpoints");
+  EXPECT_EQ(names[1], "checkpoints/step_00000000");
+  EXPECT_EQ(names.back(), "config.yaml");
+  EXPECT_NE(slurp(d + "/other/config.yaml").find("arch: llama"), std::string::npos);
+  r = run_command(kBin + "/eval " + d + "/other --device cpu --batches 1");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const auto& e : std::filesystem::directory_iterator(d))
+    EXPECT_EQ(e.path().filename().string().rfind(".other", 0), std::string::npos)
+        << "a temporary was left behind: " << e.path();
+}
+
+// The tools' numbers are parsed as what they are, and an output they cannot write is refused
+// before any work; each error is one line.
+TEST_F(HfTools, ToolsRefuseBadNumbersAndUnwritableOutputsAtOnce) {
+  const std::string d = dir_;
+  for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--tokens 2.5", "--tokens: expected an integer >= 1, got '2.5'"},
+           {"--seed -1", "--seed: expected an integer in [0, 2^64), got '-1'"},
+           {"--top-k 1e10", "--top-k: expected an integer >= 0, got '1e10'"},
+           {"--temperature inf", "--temperature: expected a finite number, got 'inf'"},
+           {"--bogus 1", "unknown flag '--bogus' (sample --help lists them)"}}) {
+    const auto r = run_command(kBin + "/sample " + d + "/run --device cpu " + flags);
+    EXPECT_EQ(r.status, 2) << flags << ": " << r.output;
+    EXPECT_EQ(r.output, "sample: " + expect + "\n") << flags;
+  }
+  auto r = run_command(kBin + "/sample");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "sample: no run or checkpoint directory given (sample --help)\n");
+  if (!cuda_available()) {
+    r = run_command(kBin + "/sample " + d + "/run --device cuda");
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("--device=cuda: no usable GPU"), std::string::npos) << r.output;
+  }
+  r = run_command(kBin + "/eval " + d + "/run --device cpu --out " + d + "/no/such/dir/x.json");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--out " + d + "/no/such/dir/x.json: cannot be written"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("\"loss\""), std::string::npos) << "eval ran first: " << r.output;
+  r = run_command(kBin + "/bench " + kSrc + "/configs/tiny.yaml --train.device=cpu --history " +
+                  d + "/no/such/dir/h.jsonl");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--history " + d + "/no/such/dir/h.jsonl: cannot be written"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << "bench ran first: " << r.output;
 }
 
 TEST_F(HfTools, BadFlagsExitTwo) {

@@ -5,6 +5,7 @@
 #include "hf/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstring>
@@ -101,6 +102,14 @@ TEST(SafetensorsTest, TooShortFile) {
   const std::string e = open_error(path);
   EXPECT_NE(e.find(path), std::string::npos) << e;
   EXPECT_NE(e.find("too short"), std::string::npos) << e;
+}
+
+TEST(SafetensorsTest, FifoIsRefusedNotAHang) {
+  const std::string path = temp_file("fifo.safetensors");
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  const std::string e = open_error(path);
+  EXPECT_NE(e.find(path), std::string::npos) << e;
+  EXPECT_NE(e.find("not a regular file"), std::string::npos) << e;
 }
 
 TEST(SafetensorsTest, HeaderLengthPastEndOfFile) {

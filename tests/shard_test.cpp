@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -145,6 +146,14 @@ TEST(ShardTest, MissingFileIsInputError) {
   const std::string path = make_temp_dir() + "/nope.bin";
   const std::string msg = input_error([&] { TokenShard::open(path, 256); });
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+// A FIFO given as a shard is refused at once; opening it for reading would wait for a writer.
+TEST(ShardTest, FifoIsInputErrorNotAHang) {
+  const std::string path = make_temp_dir() + "/fifo.bin";
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  const std::string msg = input_error([&] { TokenShard::open(path, 256); });
+  EXPECT_NE(msg.find(path + ": not a regular file"), std::string::npos) << msg;
 }
 
 TEST(ShardTest, TokenOutOfVocabIsInputError) {

@@ -45,6 +45,7 @@
 #include "kernels/backend.h"
 #include "kernels/error.h"
 #include "model/model.h"
+#include "tools/tool_args.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -167,7 +168,10 @@ Options parse_options(int argc, char** argv) {
       throw InputError("a second config path '" + arg + "' (one config per bench)");
     }
   }
-  if (o.config_path.empty()) throw InputError(std::string("no config given\n") + kUsage);
+  if (o.config_path.empty()) throw InputError("no config given (bench --help)");
+  // A run's figures are not lost to an output that cannot be written: refused before it starts.
+  if (!o.json_path.empty()) check_writable("--json", o.json_path);
+  if (!o.history_path.empty()) check_writable("--history", o.history_path);
   if (o.tiers && (o.profile_ops || !o.baseline_path.empty() || !o.history_path.empty()))
     throw InputError("--tiers runs its own ladder: --profile-ops, --baseline and --history apply "
                      "to a single bench");

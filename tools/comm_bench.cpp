@@ -79,11 +79,6 @@ int parse_int(const std::string& flag, const std::string& text, int lo, int hi) 
 
 Options parse_args(int argc, char** argv) {
   Options o;
-#ifdef KILN_WITH_CUDA
-  o.backend = "nccl";
-#else
-  o.backend = "gloo";
-#endif
   bool nproc_given = false;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
@@ -97,7 +92,7 @@ Options parse_args(int argc, char** argv) {
           "(MoE expert parallelism) over the trainer's communicator, checking each result, at\n"
           "sizes doubling from --min-bytes to --max-bytes; prints size, time, algbw and busbw\n"
           "(nccl-tests' convention). It launches itself as train does.\n"
-          "  --backend B         nccl (GPUs; the default where built with CUDA) or gloo\n"
+          "  --backend B         nccl (GPUs; the default where one is visible) or gloo\n"
           "  --min-bytes/--max-bytes  buffer sizes, K/M/G suffixes (default 1M .. 1G, or 64M\n"
           "                           with gloo)\n"
           "  --iters N, --warmup N    timed and untimed repetitions a size (default 20, 5)\n"
@@ -141,21 +136,25 @@ Options parse_args(int argc, char** argv) {
     else
       throw InputError("unknown flag " + flag + " (see --help)");
   }
+  int gpus = 0;
+#ifdef KILN_WITH_CUDA
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+#endif
+  // NCCL where there are GPUs to run it on, else Gloo: the default never fails for want of one.
+  if (o.backend.empty()) o.backend = gpus > 0 ? "nccl" : "gloo";
   if (o.backend != "gloo" && o.backend != "nccl")
     throw InputError("--backend " + o.backend + ": expected gloo or nccl");
 #ifndef KILN_WITH_CUDA
   if (o.backend == "nccl")
     throw InputError("--backend nccl: this comm_bench was built without CUDA; use --backend gloo");
 #endif
+  if (o.backend == "nccl" && gpus == 0)
+    throw InputError("--backend nccl: no GPU is visible; use --backend gloo");
   if (o.max_bytes == 0) o.max_bytes = o.backend == "nccl" ? int64_t(1) << 30 : 64 << 20;
   if (o.min_bytes > o.max_bytes) throw InputError("--min-bytes is larger than --max-bytes");
   if (!nproc_given) {
     o.launch.nproc_per_node = 2;
-#ifdef KILN_WITH_CUDA
-    int gpus = 0;
-    if (o.backend == "nccl" && cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0)
-      o.launch.nproc_per_node = gpus;
-#endif
+    if (o.backend == "nccl") o.launch.nproc_per_node = gpus;
   }
   o.launch.rendezvous_timeout = std::chrono::seconds(o.timeout_s);
   return o;

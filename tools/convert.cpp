@@ -6,10 +6,14 @@
 //             the tokenizer files and bos/eos ids of the model it came from where known.
 //  --to kiln  OUT becomes a run directory (config.yaml, checkpoints/step_00000000/) whose
 //             weights `train --init.from=OUT`, `eval OUT` and `sample OUT` read.
-// Weights only: optimizer moments and the data position stay behind.
+// Weights only: optimizer moments and the data position stay behind. OUT is written whole into a
+// temporary sibling directory and renamed into place: an existing non-empty OUT is refused unless
+// --overwrite, and even then replaced only once the new one is complete, so that a failed write
+// (a full disk) leaves it as it was.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -40,12 +44,70 @@ const char* kUsage =
     "GiB)\n"
     "  --tokenizer DIR    hf: copy the tokenizer files from DIR and take its bos/eos ids "
     "(default:\n"
-    "                     SOURCE's when it is hf:DIR, else the hf:DIR the run started from)\n";
+    "                     SOURCE's when it is hf:DIR, else the hf:DIR the run started from)\n"
+    "  --overwrite        replace OUT when it exists and is not empty (refused otherwise)\n";
+
+namespace fs = std::filesystem;
+
+// OUT, written into a temporary sibling that publish() renames into place; until then OUT is
+// untouched, and a destructor that runs first (an error) removes the temporary.
+class OutputDir {
+ public:
+  OutputDir(const std::string& out, bool overwrite) : out_(out) {
+    fs::path path = fs::path(out).lexically_normal();
+    if (path.filename().empty()) path = path.parent_path();
+    std::error_code ec;
+    for (fs::path up = fs::absolute(path, ec).parent_path(); !up.empty(); up = up.parent_path()) {
+      if (fs::exists(up, ec)) {
+        if (!fs::is_directory(up, ec))
+          throw InputError(out + ": cannot be created: " + up.string() + " is not a directory");
+        break;
+      }
+      if (up == up.parent_path()) break;
+    }
+    if (fs::exists(fs::symlink_status(path, ec))) {
+      if (!fs::is_directory(path, ec)) throw InputError(out + ": exists and is not a directory");
+      if (!fs::is_empty(path, ec) && !overwrite)
+        throw InputError(out + ": exists and is not empty (--overwrite replaces it)");
+    }
+    path_ = path;
+    const std::string suffix = ".tmp-" + std::to_string(::getpid());
+    tmp_ = path.parent_path() / ("." + path.filename().string() + suffix);
+    fs::remove_all(tmp_, ec);
+    fs::create_directories(tmp_, ec);
+    if (ec) throw InputError(out + ": cannot create " + tmp_.string() + ": " + ec.message());
+  }
+  ~OutputDir() {
+    std::error_code ec;
+    if (!published_) fs::remove_all(tmp_, ec);
+  }
+  std::string tmp() const { return tmp_.string(); }
+  void publish() {
+    std::error_code ec;
+    const fs::path old = path_.parent_path() /
+                         ("." + path_.filename().string() + ".old-" + std::to_string(::getpid()));
+    const bool replace = fs::exists(fs::symlink_status(path_, ec));
+    ec.clear();
+    if (replace) fs::rename(path_, old, ec);
+    if (!ec) fs::rename(tmp_, path_, ec);
+    if (ec)
+      throw std::runtime_error(out_ + ": cannot move the new files into place: " + ec.message() +
+                               " (they are in " + tmp_.string() + ")");
+    published_ = true;
+    if (replace) fs::remove_all(old, ec);
+  }
+
+ private:
+  std::string out_;
+  fs::path path_, tmp_;
+  bool published_ = false;
+};
 
 int64_t parse_size(const std::string& text) {
   static const std::pair<const char*, int64_t> kUnits[] = {
-      {"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", int64_t{1} << 30}, {"KB", 1000},
-      {"MB", 1000000},  {"GB", 1000000000}, {"B", 1},                 {"", 1}};
+      {"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", int64_t{1} << 30},
+      {"KB", 1000},     {"MB", 1000000},  {"GB", 1000000000},
+      {"B", 1},         {"", 1}};
   for (const auto& [unit, scale] : kUnits) {
     const size_t n = std::strlen(unit);
     if (text.size() <= n || text.compare(text.size() - n, n, unit) != 0) continue;
@@ -72,7 +134,7 @@ std::string tokenizer_dir(const std::string& flag, const std::string& source,
 // config.json the bos/eos ids `from` gives, so that transformers' tokenizer and generate work on
 // the export as on the original.
 void export_with_tokenizer(const std::string& out, const std::string& from, bool flag,
-                           const LoadedModel& model, HfExportOptions opts) {
+                           const LoadedModel& model, HfExportOptions opts, bool overwrite) {
   const std::vector<std::string> files =
       from.empty() ? std::vector<std::string>{} : hf_tokenizer_files(from);
   if (flag && files.empty())
@@ -83,15 +145,15 @@ void export_with_tokenizer(const std::string& out, const std::string& from, bool
     opts.special_tokens = read_hf_special_tokens(from, model.config.vocab_size);
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
   const ParamLayout layout = make_model(model.config, *cpu)->layout();
+  OutputDir dir(out, overwrite);
   const std::vector<std::string> written =
-      export_hf(out, model.config, layout, model.params.data(), opts);
+      export_hf(dir.tmp(), model.config, layout, model.params.data(), opts);
   for (const std::string& f : files) {
-    const std::filesystem::path src = from + "/" + f, dst = out + "/" + f;
     std::error_code ec;
-    if (std::filesystem::exists(dst) && std::filesystem::equivalent(src, dst, ec)) continue;
-    std::filesystem::copy_file(src, dst, std::filesystem::copy_options::overwrite_existing, ec);
-    if (ec) throw InputError(dst.string() + ": cannot copy the tokenizer file: " + ec.message());
+    fs::copy_file(from + "/" + f, dir.tmp() + "/" + f, ec);
+    if (ec) throw InputError(out + "/" + f + ": cannot copy the tokenizer file: " + ec.message());
   }
+  dir.publish();
   spdlog::info("wrote {} as {} ({}, {} parameters from {}): {} files", out,
                hf_model_type(model.config), opts.dtype, layout.total, model.source,
                written.size() + files.size());
@@ -108,7 +170,7 @@ void export_with_tokenizer(const std::string& out, const std::string& from, bool
         model.source, ids(opts.special_tokens.bos), ids(opts.special_tokens.eos));
 }
 
-void write_kiln_run(const std::string& out, const LoadedModel& model) {
+void write_kiln_run(const std::string& out, const LoadedModel& model, bool overwrite) {
   Config config = model.run_config;
   config.model = model_section(model.config);
   // A converted model has no data yet; the placeholder names what to set.
@@ -117,41 +179,56 @@ void write_kiln_run(const std::string& out, const LoadedModel& model) {
   config.init.from = "";
   const std::string yaml = config_to_yaml(config);
   parse_config(yaml, {}, out + "/config.yaml");  // a config kiln cannot read back is refused here
-  std::filesystem::create_directories(out);
-  std::ofstream(out + "/config.yaml") << yaml;
   const std::vector<float> zeros(model.params.size(), 0.0f);
   OptimizerShard shard{0, static_cast<int64_t>(model.params.size()), model.params.data(),
                        zeros.data(), zeros.data()};
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
   const ParamLayout layout = make_model(model.config, *cpu)->layout();
-  const std::string dir = save_checkpoint(out, TrainingState{}, layout, yaml, "ddp", {shard}, 0, 1,
-                                          1, [] {});
-  spdlog::info("wrote {} ({} parameters from {})", dir, layout.total, model.source);
+  OutputDir dir(out, overwrite);
+  std::ofstream file(dir.tmp() + "/config.yaml");
+  file << yaml;
+  file.close();
+  if (!file) throw std::runtime_error(out + "/config.yaml: write failed");
+  const std::string written =
+      save_checkpoint(dir.tmp(), TrainingState{}, layout, yaml, "ddp", {shard}, 0, 1, 1, [] {});
+  dir.publish();
+  spdlog::info(
+      "wrote {} ({} parameters from {})",
+      (fs::path(out) / fs::path(written).lexically_relative(dir.tmp())).lexically_normal().string(),
+      layout.total, model.source);
 }
 
 int run(int argc, char** argv) {
-  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 2);  // SOURCE, OUT
+  const std::optional<ToolArgs> args =
+      parse_tool_args(argc, argv, kUsage, 2, {"--overwrite"});  // SOURCE, OUT
   if (!args) return 0;
   std::string to, tokenizer;
+  bool overwrite = false;
   HfExportOptions opts;
   for (const auto& [flag, value] : args->flags) {
     if (flag == "--to") {
       to = value;
-      if (to != "hf" && to != "kiln") throw InputError("--to: expected hf or kiln, got '" + to + "'");
+      if (to != "hf" && to != "kiln")
+        throw InputError("--to: expected hf or kiln, got '" + to + "'");
     } else if (flag == "--dtype") {
-      if (value != "bf16" && value != "f32") throw InputError("--dtype: expected bf16 or f32, got '" + value + "'");
+      if (value != "bf16" && value != "f32")
+        throw InputError("--dtype: expected bf16 or f32, got '" + value + "'");
       opts.dtype = value;
     } else if (flag == "--max-shard-size") {
       opts.max_shard_bytes = parse_size(value);
     } else if (flag == "--tokenizer") {
       if (value.empty()) throw InputError("--tokenizer: expected a directory");
       tokenizer = value;
+    } else if (flag == "--overwrite") {
+      if (value != "true" && value != "false")
+        throw InputError("--overwrite: expected true or false, got '" + value + "'");
+      overwrite = value == "true";
     } else {
-      throw InputError("unknown flag '" + flag + "'\n" + kUsage);
+      throw InputError("unknown flag '" + flag + "' (convert --help lists them)");
     }
   }
   if (args->positional.size() < 2 || to.empty())
-    throw InputError(std::string("need SOURCE, --to hf|kiln and OUT\n") + kUsage);
+    throw InputError("need SOURCE, --to hf|kiln and OUT (convert --help)");
   const std::string& source = args->positional[0];
   const std::string& out = args->positional[1];
 
@@ -161,9 +238,9 @@ int run(int argc, char** argv) {
   const LoadedModel model = load_model(source);
   if (to == "hf") {
     export_with_tokenizer(out, tokenizer_dir(tokenizer, source, model), !tokenizer.empty(), model,
-                          opts);
+                          opts, overwrite);
   } else {
-    write_kiln_run(out, model);
+    write_kiln_run(out, model, overwrite);
   }
   return 0;
 }

@@ -53,10 +53,11 @@ int run(int argc, char** argv) {
     } else if (flag == "--out") {
       out_path = value;
     } else {
-      throw InputError("unknown flag '" + flag + "'\n" + kUsage);
+      throw InputError("unknown flag '" + flag + "' (eval --help lists them)");
     }
   }
-  if (args->positional.empty()) throw InputError(std::string("no model given\n") + kUsage);
+  if (args->positional.empty()) throw InputError("no model given (eval --help)");
+  if (!out_path.empty()) check_writable("--out", out_path);
   const std::string& source = args->positional[0];
   if (device != "auto" && device != "cpu" && device != "cuda")
     throw InputError("--device: expected auto, cpu or cuda, got '" + device + "'");
@@ -66,9 +67,11 @@ int run(int argc, char** argv) {
   const LoadedModel model = load_model(source);
   const bool hf = source.rfind("hf:", 0) == 0;
   const ModelConfig& mc = model.config;
-  if (data.empty()) data = model.run_config.data.val.empty() ? model.run_config.data.train
-                                                             : model.run_config.data.val;
-  if (data.empty()) throw InputError(source + ": no data glob known for this model; pass --data GLOB");
+  if (data.empty())
+    data =
+        model.run_config.data.val.empty() ? model.run_config.data.train : model.run_config.data.val;
+  if (data.empty())
+    throw InputError(source + ": no data glob known for this model; pass --data GLOB");
   if (B == 0) B = hf ? 4 : model.run_config.train.batch_size;
   if (T == 0) T = hf ? std::min(mc.seq_len, 1024) : mc.seq_len;
   if (T > mc.seq_len)
@@ -115,9 +118,9 @@ int run(int argc, char** argv) {
   const int64_t count = static_cast<int64_t>(batches) * B * T;
   const double loss = sum / static_cast<double>(count);
   const nlohmann::ordered_json result = {
-      {"source", model.source}, {"data", data},          {"device", backend->name()},
-      {"batches", batches},     {"batch_size", B},       {"seq_len", T},
-      {"tokens", count},        {"loss", loss},          {"perplexity", std::exp(loss)}};
+      {"source", model.source}, {"data", data},    {"device", backend->name()},
+      {"batches", batches},     {"batch_size", B}, {"seq_len", T},
+      {"tokens", count},        {"loss", loss},    {"perplexity", std::exp(loss)}};
   const std::string text = result.dump();
   std::printf("%s\n", text.c_str());
   if (!out_path.empty()) {

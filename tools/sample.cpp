@@ -35,18 +35,6 @@ const char* kUsage =
     "  --seed S        the sampling RNG's seed (default 42): the same seed, the same text\n"
     "  --device D      auto (a GPU when there is one; default), cpu or cuda\n";
 
-template <class T>
-T parse_number(const std::string& flag, const std::string& text) {
-  try {
-    size_t used = 0;
-    double v = std::stod(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return static_cast<T>(v);
-  } catch (const std::exception&) {
-    throw InputError(flag + ": expected a number, got '" + text + "'");
-  }
-}
-
 // "1,2,3" -> ids, each below `vocab_size`.
 std::vector<int> parse_ids(const std::string& text, int vocab_size) {
   std::vector<int> ids;
@@ -84,31 +72,29 @@ int run(int argc, char** argv) {
     } else if (flag == "--prompt-ids") {
       prompt_ids = value;
     } else if (flag == "--tokens") {
-      opts.max_new_tokens = parse_number<int>(flag, value);
+      opts.max_new_tokens = parse_int_flag(flag, value, 1);
     } else if (flag == "--temperature") {
-      opts.temperature = parse_number<float>(flag, value);
+      opts.temperature = static_cast<float>(parse_float_flag(flag, value));
     } else if (flag == "--top-k") {
-      opts.top_k = parse_number<int>(flag, value);
+      opts.top_k = parse_int_flag(flag, value, 0);
     } else if (flag == "--seed") {
-      seed = parse_number<uint64_t>(flag, value);
+      seed = parse_u64_flag(flag, value);
     } else if (flag == "--device") {
       device = value;
     } else {
-      throw InputError("unknown argument '" + flag + "'\n" + kUsage);
+      throw InputError("unknown flag '" + flag + "' (sample --help lists them)");
     }
   }
   if (args->positional.empty())
-    throw InputError(std::string("no run or checkpoint directory given\n") + kUsage);
-  if (opts.max_new_tokens < 1) throw InputError("--tokens must be at least 1");
+    throw InputError("no run or checkpoint directory given (sample --help)");
   if (!(opts.temperature >= 0) || !std::isfinite(opts.temperature))
     throw InputError(fmt::format("--temperature must be a finite number >= 0 (0: greedy), got {}",
                                  opts.temperature));
-  if (opts.top_k < 0)
-    throw InputError("--top-k must be >= 0 (0: the whole vocabulary), got " +
-                     std::to_string(opts.top_k));
   if (prompt.empty()) throw InputError("--prompt must not be empty");
   if (device != "auto" && device != "cpu" && device != "cuda")
     throw InputError("--device: expected auto, cpu or cuda, got '" + device + "'");
+  if (device == "cuda" && !cuda_available())
+    throw InputError("--device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
 
   const LoadedModel model = load_model(args->positional[0]);
   const ModelConfig& mc = model.config;
@@ -125,9 +111,9 @@ int run(int argc, char** argv) {
     tokens = parse_ids(prompt_ids, mc.vocab_size);
   }
 
-  std::unique_ptr<Backend> backend =
-      (device == "cuda" || (device == "auto" && cuda_available())) ? make_cuda_backend(0)
-                                                                   : make_cpu_backend();
+  std::unique_ptr<Backend> backend = (device == "cuda" || (device == "auto" && cuda_available()))
+                                         ? make_cuda_backend(0)
+                                         : make_cpu_backend();
   const int64_t n = static_cast<int64_t>(model.params.size());
   Arena arena(*backend, "weights");
   Tensor weights, master, moe_bias;
