@@ -4,10 +4,11 @@
 # machine can make it without a download), the files in sorted path order with byte-identical
 # copies dropped (one package vendored in several places would otherwise put val text in
 # train), up to MB megabytes; the first 2% is the val split. Idempotent: an existing DIR is kept.
-#   bash tools/python_corpus.sh [DIR (data/pysrc)] [MB (100)]
+#   bash tools/python_corpus.sh [DIR (the repository's data/pysrc)] [MB (100)]
+# DIR is relative to where it is run from; prepare_data is build/bin's (BIN overrides).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-dir=${1:-data/pysrc}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:-$repo/data/pysrc}
 mb=${2:-100}
 if compgen -G "$dir/train_*.bin" > /dev/null; then
   echo "python_corpus: $dir already has shards"
@@ -42,4 +43,4 @@ with open(out, "wb") as f:
 print(f"python_corpus: {kept} distinct files of {len(set(files))}, {size} bytes")
 PY
 [ -s "$text" ] || { echo "python_corpus: no Python sources under /usr/lib/python3*" >&2; exit 2; }
-./build/bin/prepare_data --out "$dir" --val-fraction 0.02 "$text"
+"${BIN:-$repo/build/bin}/prepare_data" --out "$dir" --val-fraction 0.02 "$text"
