@@ -287,10 +287,10 @@ TEST_F(HfTools, ConvertNeverOverwritesWhatItWasNotAskedTo) {
 TEST_F(HfTools, ToolsRefuseBadNumbersAndUnwritableOutputsAtOnce) {
   const std::string d = dir_;
   for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
-           {"--tokens 2.5", "--tokens: expected an integer >= 1, got '2.5'"},
-           {"--seed -1", "--seed: expected an integer in [0, 2^64), got '-1'"},
-           {"--top-k 1e10", "--top-k: expected an integer >= 0, got '1e10'"},
-           {"--temperature inf", "--temperature: expected a finite number, got 'inf'"},
+           {"--tokens 2.5", "--tokens must be >= 1 and a whole number, got '2.5'"},
+           {"--seed -1", "--seed must be a whole number in [0, 2^64), got '-1'"},
+           {"--top-k 1e10", "--top-k must be >= 0 and a whole number, got '1e10'"},
+           {"--temperature inf", "--temperature must be a finite number, got 'inf'"},
            {"--bogus 1", "unknown flag '--bogus' (sample --help lists them)"}}) {
     const auto r = run_command(kBin + "/sample " + d + "/run --device cpu " + flags);
     EXPECT_EQ(r.status, 2) << flags << ": " << r.output;

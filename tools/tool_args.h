@@ -71,7 +71,7 @@ inline int parse_int_flag(const std::string& flag, const std::string& text, int 
     if (used == text.size() && v >= lo && v <= INT32_MAX) return static_cast<int>(v);
   } catch (const std::exception&) {
   }
-  throw InputError(flag + ": expected an integer >= " + std::to_string(lo) + ", got '" + text +
+  throw InputError(flag + " must be >= " + std::to_string(lo) + " and a whole number, got '" + text +
                    "'");
 }
 
@@ -84,7 +84,7 @@ inline uint64_t parse_u64_flag(const std::string& flag, const std::string& text)
       return static_cast<uint64_t>(v);
   } catch (const std::exception&) {
   }
-  throw InputError(flag + ": expected an integer in [0, 2^64), got '" + text + "'");
+  throw InputError(flag + " must be a whole number in [0, 2^64), got '" + text + "'");
 }
 
 // A flag's finite floating-point value.
@@ -95,7 +95,7 @@ inline double parse_float_flag(const std::string& flag, const std::string& text)
     if (used == text.size() && std::isfinite(v)) return v;
   } catch (const std::exception&) {
   }
-  throw InputError(flag + ": expected a finite number, got '" + text + "'");
+  throw InputError(flag + " must be a finite number, got '" + text + "'");
 }
 
 // Refuses an output path that cannot be written before a run spends time making the output: it
