@@ -1,4 +1,4 @@
-// A whole training step on CUDA against the CPU step (DESIGN.md invariant 1), and a 200-step
+// A whole training step on CUDA against the CPU step (docs/design.md invariant 1), and a 200-step
 // run of the real `train` binary on both devices.
 //
 // (a) Model level: one GPT-2 (2 layers, C=128, 2 heads of 64, T=64, B=4, vocab 500 padded to
