@@ -1,5 +1,7 @@
 // Byte-level tokenizer: token id = byte value, vocab 256. It is lossless for any input (UTF-8
-// or not), which makes it the tokenizer for tests and tiny runs; GPT-2 BPE will sit beside it.
+// or not), which makes it the tokenizer for tests and tiny runs. Other vocabularies (GPT-2's BPE,
+// a public model's own) come from a Hugging Face tokenizer.json: prepare_data --tokenizer hands
+// them to the `tokenizers` library (tools/hf_tokenize.py), so kiln carries no BPE of its own.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
-// The flat parameter buffer's table of named tensors (DESIGN invariant 4): where each tensor
-// lives (offset, shape), which FSDP unit it belongs to and whether AdamW decays it. Sharding
+// The flat parameter buffer's table of named tensors (docs/design.md invariant 4): where each
+// tensor lives (offset, shape), which FSDP unit it belongs to and whether AdamW decays it. Sharding
 // strategies and checkpoints see parameters only through this table; layers add their tensors
 // to it by name through a LayoutBuilder, in the order they run.
 #pragma once

@@ -1,7 +1,8 @@
 // Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE
-// (routed every other block) and Mixtral that tools/make_hf_fixtures.py saved with transformers
-// (tests/fixtures/hf/) load into kiln, whose fp32 CPU loss on the committed batch matches transformers' recorded loss (rel 1e-5) and whose
-// greedy decoding gives transformers' 32 tokens. The batch was sampled from each model, so a
+// (routed every other block) and Mixtral that make_hf_fixtures.py (beside them in
+// tests/fixtures/hf/) saved with transformers load into kiln, whose fp32 CPU loss on the
+// committed batch matches transformers' recorded loss (rel 1e-5) and whose greedy decoding gives
+// transformers' 32 tokens. The batch was sampled from each model, so a
 // swapped or mis-transposed tensor moves the loss far past the tolerance (expected.json records
 // by how much). Skips until the fixtures are committed.
 #include <gtest/gtest.h>
@@ -19,8 +20,8 @@ class HfFixtures : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HfFixtures, KilnMatchesTransformersLossAndGreedyTokens) {
   if (!std::filesystem::exists(kFixtures + "/expected.json"))
-    GTEST_SKIP() << kFixtures << " not committed yet: run tools/make_hf_fixtures.py on a host "
-                 << "with torch and transformers";
+    GTEST_SKIP() << kFixtures << " not committed yet: run tests/fixtures/hf/make_hf_fixtures.py "
+                 << "on a host with torch and transformers";
   const std::string arch = GetParam();
   const auto expected = kiln::testing::read_hf_expected(kFixtures, arch);
   const std::unique_ptr<Backend> cpu = make_cpu_backend();

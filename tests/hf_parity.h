@@ -1,6 +1,6 @@
 // kiln's numbers for a Hugging Face model directory, to compare with transformers' (written by
-// tools/make_hf_fixtures.py): the mean next-token loss on a batch of token rows (inputs are a
-// row's first T ids, targets its last T) and the greedy continuation of a prompt.
+// tests/fixtures/hf/make_hf_fixtures.py): the mean next-token loss on a batch of token rows
+// (inputs are a row's first T ids, targets its last T) and the greedy continuation of a prompt.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -69,8 +69,8 @@ inline nlohmann::json read_json_file(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
-// What tools/make_hf_fixtures.py recorded in DIR for one architecture: transformers' numbers
-// (expected.json: loss, swapped_loss, prompt, greedy) and the token batch (tokens.json).
+// What tests/fixtures/hf/make_hf_fixtures.py recorded in DIR for one architecture: transformers'
+// numbers (expected.json: loss, swapped_loss, prompt, greedy) and the token batch (tokens.json).
 struct HfExpected {
   nlohmann::json numbers;
   std::vector<std::vector<int>> rows;

@@ -150,7 +150,8 @@ TEST_F(HfTools, TokenizerFilesAndSpecialIdsTravelWithTheExport) {
   EXPECT_NE(config.find("\"bos_token_id\": 1,"), std::string::npos) << config;
   EXPECT_NE(config.find("\"eos_token_id\": 255,"), std::string::npos) << config;
 
-  // A run that started from hf:tok_copy exports with its tokenizer, the ids now from config.json.
+  // A run that started from hf:tok_copy exports with its tokenizer, the ids this time from
+  // config.json.
   r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
                   " --train.device=cpu --train.max_steps=1 --train.batch_size=2"
                   " --train.eval_every=0 --init.from=hf:" +

@@ -496,7 +496,7 @@ TEST(MoeLayer, ExpertParallelLayerMatchesEveryRankAlone) {
       k.fill_zero(rig.grads);
       rig.moe.forward(k, rig.w, rig.moe_acts, rig.moe_scratch, rig.x, true);
       k.copy_from_host(rig.dx, dy.data());
-      // The input gradient goes to the layer's out, which backward no longer reads.
+      // The input gradient goes to the layer's out, which backward does not read.
       rig.moe.backward(k, rig.w, rig.g, rig.moe_scratch, rig.moe_acts.out, rig.dx, rig.x,
                        rig.moe_acts, 0.5f);
     };
@@ -572,7 +572,7 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
     loss();
     const std::vector<int32_t> routed = rig.route();
     // The upstream gradient lives in the rig's dx; the input gradient goes to the layer's own
-    // out, which backward no longer reads.
+    // out, which backward does not read.
     k.copy_from_host(rig.dx, R.data());
     const Tensor dy = rig.dx, dinp = rig.moe_acts.out;
     k.fill_zero(rig.grads);

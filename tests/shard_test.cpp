@@ -70,7 +70,7 @@ TEST(ShardTest, MovedShardKeepsItsMapping) {
 
 TEST(ShardTest, ForeignMagicIsReadAsRaw) {
   // A raw file whose first int32 looks like a header of another format is just tokens.
-  // (20240801, llm.c's LLaMA-3 magic, is now a format of its own: uint32 shards.)
+  // (Not 20240801: llm.c's LLaMA-3 magic is a format of its own, uint32 shards.)
   const std::string path = make_temp_dir() + "/raw.bin";
   std::vector<int32_t> words(512, 0);
   words[0] = 20240901;

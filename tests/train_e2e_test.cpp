@@ -64,11 +64,11 @@ TEST_F(TrainE2E, LossFallsAndMetricsAreWritten) {
   for (const char* key : {"\"lr\":", "\"grad_norm\":", "\"ms\":", "\"tok_s\":", "\"mfu\":"})
     EXPECT_NE(all.find(key), std::string::npos) << key;
   // Each step is timed as its own work, the last one too (the CPU does a step's work while it
-  // is enqueued; timing it until its values are read charged it the next step's work, and the
-  // steps that finish on the host, evaluation every 10 and the last, read ~0.1 ms). The yardstick
-  // is the fastest ordinary step, this machine's speed with nothing beside it: tests running
-  // alongside slow steps down by up to 40x (OpenMP threads spinning on shared cores) and never
-  // speed one up, so a median can sit far above a step's own work.
+  // is enqueued; timing it until its values are read would charge it the next step's work, and
+  // the steps that finish on the host, evaluation every 10 and the last, would read ~0.1 ms).
+  // The yardstick is the fastest ordinary step, this machine's speed with nothing beside it:
+  // tests running alongside slow steps down by up to 40x (OpenMP threads spinning on shared
+  // cores) and never speed one up, so a median can sit far above a step's own work.
   std::vector<double> ms;
   for (size_t at = all.find("\"ms\":"); at != std::string::npos; at = all.find("\"ms\":", at + 1))
     ms.push_back(std::stod(all.substr(at + 5)));
@@ -490,7 +490,8 @@ fs::path ShippedCpuConfig::dir_;
 
 TEST_P(ShippedCpuConfig, TrainsWithoutSpikes) {
   const std::string out = (dir_ / GetParam()).string();
-  // 100 of the config's 200 steps: the warm-up (60) and the peak, where the spikes were.
+  // 100 of the config's 200 steps: the warm-up (60) and the peak lr, where a recipe that is too
+  // hot spikes (docs/quality.md).
   const Result r = run(kBin + "/train " + kSrc + "/configs/" + GetParam() + ".yaml" +
                        " --train.device=cpu --train.resume=none --train.max_steps=100" +
                        " --train.save_checkpoints=false --data.val= --train.log_every=1000" +

@@ -952,7 +952,7 @@ int Trainer::run() {
     }
     metrics_ = std::make_unique<MetricsLog>(metrics_path);
   }
-  // Invariant 6: an optimization that cannot run says so and falls back.
+  // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   start_graphs();
   // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against
   // the FP8 peak (mfu_fp8).

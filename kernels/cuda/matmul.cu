@@ -271,10 +271,10 @@ void gemm(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace, size_t w
 }
 
 // Whether cuBLASLt runs FP8 GEMM g: the first call of a shape is a trial (the heuristic may
-// offer an algorithm that cublasLtMatmul then refuses); a refusal is logged once (Invariant 6:
-// never a silent fallback) and remembered, and the caller runs the layer in bf16. The trial's
-// output is overwritten by the caller's real call (it runs the same GEMM, with beta = 0, or
-// beta = 1 into scratch of the right size where the GEMM accumulates).
+// offer an algorithm that cublasLtMatmul then refuses); a refusal is logged once (docs/design.md
+// invariant 6: never a silent fallback) and remembered, and the caller runs the layer in bf16.
+// The trial's output is overwritten by the caller's real call (it runs the same GEMM, with
+// beta = 0, or beta = 1 into scratch of the right size where the GEMM accumulates).
 bool fp8_gemm_ok(MatmulPlans& cache, cublasLtHandle_t handle, void* workspace,
                  size_t workspace_bytes, cudaStream_t stream, const GemmArgs& g, void* trial_d) {
   const auto key = std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.epilogue),

@@ -4,8 +4,8 @@
 // with NCCL forced onto its socket transport, follow one 2-GPU node; so does an MoE with its
 // experts spread over the 2 GPUs. Tolerance 1e-2 relative:
 // bf16 activations and a different GEMM M per rank change rounding, and training amplifies it
-// step by step (runs are deterministic; on 2 x H200, 2026-11-21, the largest gap over 20 steps
-// was 0.50%, zero1 at step 18; at a 3e-3 learning rate a loss spike made it 5-8% at one step,
+// step by step (runs are deterministic; on 2 x H200 the largest gap over 20 steps was 0.50%,
+// zero1 at step 18; at a 3e-3 learning rate a loss spike made it 5-8% at one step,
 // hence the moderate rate). The CPU tests (tests/dist_train_test.cpp) hold the same strategies
 // to 1e-5 in fp32.
 #ifdef KILN_WITH_CUDA

@@ -1,6 +1,6 @@
 // Parity with transformers where torch and transformers are installed (the GPU host): fresh
-// tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE and Mixtral are saved by save_pretrained (tools/make_hf_fixtures.py)
-// and imported by kiln. On the same batch (sampled from each model, so a swapped tensor shows),
+// tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE and Mixtral are saved by save_pretrained
+// (tests/fixtures/hf/make_hf_fixtures.py) and imported by kiln. On the same batch (sampled from each model, so a swapped tensor shows),
 // kiln's loss matches transformers' in fp32 on the CPU backend (rel 1e-5) and on CUDA in bf16
 // (rel 1e-2: bf16 activations); greedy decoding agrees for 32 tokens; and a kiln-trained
 // checkpoint exported with `convert --to hf` loads in transformers and gives kiln's loss. Skips
@@ -25,7 +25,8 @@ class HfParity : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
     dir_ = kiln::testing::make_temp_dir("kiln_hf_parity_");
-    const auto r = run_command("python3 " + kSrc + "/tools/make_hf_fixtures.py " + dir_);
+    const auto r =
+        run_command("python3 " + kSrc + "/tests/fixtures/hf/make_hf_fixtures.py " + dir_);
     status_ = r.status;
     output_ = r.output;
   }
@@ -96,8 +97,8 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
   r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/export --dtype f32");
   ASSERT_EQ(r.status, 0) << r.output;
   std::ofstream(d + "/rows.json") << nlohmann::json(rows()).dump();
-  r = run_command("python3 " + kSrc + "/tools/make_hf_fixtures.py --score " + d + "/export " + d +
-                  "/rows.json 2>/dev/null");
+  r = run_command("python3 " + kSrc + "/tests/fixtures/hf/make_hf_fixtures.py --score " + d +
+                  "/export " + d + "/rows.json 2>/dev/null");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto hf = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
   const std::unique_ptr<Backend> cpu = make_cpu_backend();

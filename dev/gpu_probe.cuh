@@ -1,4 +1,4 @@
-// What the standalone GPU measurement programs in tools/ (gemm_attention_sweep.cu,
+// What the standalone GPU measurement programs in dev/ (gemm_attention_sweep.cu,
 // sm_share_probe.cu, swiglu_gemm_probe.cu) share: a check that exits on any failing
 // CUDA/cuBLASLt/cuDNN call, a fill of bf16 buffers with hashed uniform values (never zeros:
 // zeros run faster than data), and cuBLASLt's heuristic candidates for a GEMM.

@@ -1,9 +1,9 @@
-// A measurement program, not part of the build: under a GPU's power cap, how much does a GEMM
-// lose when cuBLASLt plans it for fewer SMs (SM_COUNT_TARGET), how fast does a streaming kernel
-// run on a few SMs, and what does it cost to run the two side by side on two streams (docs/
-// PERF.md, thirteenth session: the question behind running AdamW beside the forward). Build
-// and run on a GPU host:
-//   nvcc -O2 -std=c++17 -arch=sm_90a -I. tools/sm_share_probe.cu -o sm_share_probe -lcublasLt
+// A measurement program (target sm_share_probe, built with -DKILN_DEV=ON): under a GPU's power
+// cap, how much does a GEMM lose when cuBLASLt plans it for fewer SMs (SM_COUNT_TARGET), how fast
+// does a streaming kernel run on a few SMs, and what does it cost to run the two side by side on
+// two streams (docs/perf-history.md, thirteenth session: the question behind running AdamW beside
+// the forward). Run on a GPU host; by hand, the build is
+//   nvcc -O2 -std=c++17 -arch=sm_90a -I. dev/sm_share_probe.cu -o sm_share_probe -lcublasLt
 //   ./sm_share_probe
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -15,7 +15,7 @@
 #include <functional>
 #include <vector>
 
-#include "tools/gpu_probe.cuh"
+#include "dev/gpu_probe.cuh"
 
 // AdamW-like stream: read x, y (f32x4), write y.
 __global__ void axpy(const float4* x, float4* y, size_t n) {

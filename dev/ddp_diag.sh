@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where data-parallel step time goes (docs/PERF.md, "DDP overhead"): on a host of NPROC GPUs
+# Where data-parallel step time goes (docs/perf-history.md, "DDP overhead"): on a host of NPROC GPUs
 # (default 2), gpt2-350m (B=32 per GPU, random tokens) run as
 #   solo      one GPU alone;
 #   indep     NPROC independent one-GPU runs at once, one per GPU (no communication: what sharing
@@ -19,12 +19,12 @@
 # between the others ("vs solo" is against the median of the runs solo, solo.2, ...) after a
 # warm-up.
 # TRACE=1 also records every kernel of every run (build/lib/libkiln_trace.so, a CUPTI injection
-# library) and prints tools/trace_summary.py for one rank of each run against solo: busy,
+# library) and prints dev/trace_summary.py for one rank of each run against solo: busy,
 # overlap, exposed communication, idle gaps, and which kernels got slower.
-# Run after a build (build/bin/train, and build/lib/libkiln_trace.so for TRACE); logs and a
-# table go to $OUT. STEPS (30) per run; the figure is the median of the trainer's per-step ms
-# over steps 6..STEPS. RUNS picks the runs (default: all but ddp_tail, the _ctas and the other _b
-# ones), e.g.
+# Run after a build (build/bin/train, and for TRACE build/lib/libkiln_trace.so, which a build
+# configured with -DKILN_DEV=ON makes); logs and a table go to $OUT. STEPS (30) per run; the
+# figure is the median of the trainer's per-step ms over steps 6..STEPS. RUNS picks the runs
+# (default: all but ddp_tail, the _ctas and the other _b ones), e.g.
 # RUNS="ddp solo ddp_tail solo.2 ddp.2 solo.3".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -32,6 +32,10 @@ OUT=${OUT:-/tmp/kiln_ddp_diag}
 STEPS=${STEPS:-30}
 NPROC=${NPROC:-2}
 mkdir -p "$OUT"
+if [ -n "${TRACE:-}" ] && [ ! -f build/lib/libkiln_trace.so ]; then
+  echo "ddp_diag.sh: TRACE=1 needs build/lib/libkiln_trace.so: configure with -DKILN_DEV=ON" >&2
+  exit 2
+fi
 python3 tools/random_shard.py data/random/train_000000.bin
 args() {  # run name
   echo configs/gpt2-350m.yaml --data.train='data/random/train_*.bin' --data.val= \
@@ -129,6 +133,6 @@ if [ -n "${TRACE:-}" ]; then
   for r in $RUNS; do
     t=$(rank0 "$r"); [ -n "$t" ] || continue
     echo "== trace: $r${base:+ vs solo}"
-    python3 tools/trace_summary.py "$t" ${base:+--vs "$base"}
+    python3 dev/trace_summary.py "$t" ${base:+--vs "$base"}
   done | tee "$OUT/trace.md"
 fi

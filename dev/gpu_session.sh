@@ -4,15 +4,15 @@
 # kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-session-out): session.log
 # (everything), build.log, gpu_tests.log, bench_<model>.json, torch_<model>.json, torch_warm.log.
 #
-#   bash tools/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
-#   MODELS="124m llama" bash tools/gpu_session.sh   # a subset of: 124m 350m llama qwen3
+#   bash dev/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+#   MODELS="124m llama" bash dev/gpu_session.sh   # a subset of: 124m 350m llama qwen3
 # Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_PERF=1 (no op
 # timings), SKIP_TORCH=1 (no
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
 # kiln/PyTorch/kiln order). FP8=1: also bench kiln with --precision.fp8=true (bench_<m>_fp8.json,
 # profiled) and PyTorch with torchao's --fp8 tensorwise (torch_<m>_fp8.json); torchao comes from
 # a wheel in .whl/ (the GPU host has no registry: docs/fp8.md says how to fetch it). MOE=1: also
-# tools/moe_bench.sh (the MoE step against the dense step of the same active FLOPs; its env
+# dev/moe_bench.sh (the MoE step against the dense step of the same active FLOPs; its env
 # B, ACCUM, STEPS, WARMUP pass through), logs in $OUT/moe.
 #
 # Timing hygiene: nothing else runs while a figure is being measured. torch.compile is slow
@@ -122,8 +122,8 @@ if [ "${FP8:-0}" = 1 ]; then
 fi
 
 if [ "${MOE:-0}" = 1 ]; then
-  stage "MoE against dense of the same active FLOPs (tools/moe_bench.sh)"
-  OUT="$OUT/moe" bash tools/moe_bench.sh | grep -E "^(MoE|dense|MoE MFU) "
+  stage "MoE against dense of the same active FLOPs (dev/moe_bench.sh)"
+  OUT="$OUT/moe" bash dev/moe_bench.sh | grep -E "^(MoE|dense|MoE MFU) "
 fi
 
 [ "${SKIP_TORCH:-0}" = 1 ] && TORCH_REF=""

@@ -6,7 +6,7 @@
 // CUPTI's activity API records every kernel's start and end (GPU timestamps, ns), device and
 // stream without serializing kernels (CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL). At exit each
 // process writes $KILN_TRACE_DIR/kernels.<pid>.csv: device,stream,start_ns,end_ns,name.
-// tools/trace_summary.py turns those into per-step busy time, overlap and per-kernel figures.
+// dev/trace_summary.py turns those into per-step busy time, overlap and per-kernel figures.
 #include <cupti.h>
 
 #include <cstdio>

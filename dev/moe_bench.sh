@@ -3,9 +3,9 @@
 # model of the same active FLOPs (same attention, a SwiGLU of two experts' width), each benched
 # with random tokens, then the MoE step once more under --profile-ops for its per-op table.
 # Prints both figures and the MFU ratio (the MoE step's share of the dense step's MFU, counting
-# active FLOPs; issue 17's goal is at least 0.8). Logs and JSON land in $OUT.
+# active FLOPs; the goal is at least 0.8). Logs and JSON land in $OUT.
 #
-#   bash tools/moe_bench.sh          # from the source root, after a build (tools/gpu_session.sh
+#   bash dev/moe_bench.sh            # from the source root, after a build (dev/gpu_session.sh
 #                                    # or `make build`); env: B (micro-batch), STEPS, WARMUP,
 #                                    # ACCUM (micro-batches a step, default 1: the optimizer's
 #                                    # pass over all 2.85B parameters then weighs on every step)

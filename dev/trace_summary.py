@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Per-step figures from kernel traces written by libkiln_trace.so (tools/kernel_trace.cpp).
+"""Per-step figures from kernel traces written by libkiln_trace.so (dev/kernel_trace.cpp).
 
-  python3 tools/trace_summary.py TRACE.csv [--vs BASE.csv] [--skip 5] [--top 15]
+  python3 dev/trace_summary.py TRACE.csv [--vs BASE.csv] [--skip 5] [--top 15]
 
 Steps are cut at the last AdamW kernel of each step. For each step (the first --skip dropped),
 medians over steps of:

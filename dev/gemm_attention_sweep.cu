@@ -1,12 +1,13 @@
-// A measurement program, not part of the build: LLaMA 1.36B's GEMMs as kiln issues them
-// (forward TN, dinp NN, dweight NT into f32 with beta 1) with every candidate cuBLASLt's
-// heuristic offers timed, and cuDNN SDPA's forward and backward plans under heuristic modes A,
-// B and FALLBACK with the fastest engine's knobs swept one at a time (docs/PERF.md, thirteenth
-// session). The design choice: on a power-capped GPU a kernel's speed in a training step is set
-// by its energy, so each candidate runs back to back for ~4 ms and the candidates take turns
-// over 5 rounds; the median over rounds is its time. Build and run on a GPU host:
+// A measurement program (target gemm_attention_sweep, built with -DKILN_DEV=ON): LLaMA 1.36B's
+// GEMMs as kiln issues them (forward TN, dinp NN, dweight NT into f32 with beta 1) with every
+// candidate cuBLASLt's heuristic offers timed, and cuDNN SDPA's forward and backward plans under
+// heuristic modes A, B and FALLBACK with the fastest engine's knobs swept one at a time
+// (docs/perf-history.md, thirteenth session). The design choice: on a power-capped GPU a kernel's
+// speed in a training step is set by its energy, so each candidate runs back to back for ~4 ms
+// and the candidates take turns over 5 rounds; the median over rounds is its time. Run on a GPU
+// host; by hand, the build is
 //   nvcc -O2 -std=c++17 -arch=sm_90a -I. -I.deps/cudnn-frontend/include \
-//     tools/gemm_attention_sweep.cu -o gemm_attention_sweep -lcublasLt -lcudnn -lnvrtc
+//     dev/gemm_attention_sweep.cu -o gemm_attention_sweep -lcublasLt -lcudnn -lnvrtc
 //   ./gemm_attention_sweep [gemm | attn]   (gemm: GEMMs only; attn: attention only)
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -21,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/gpu_probe.cuh"
+#include "dev/gpu_probe.cuh"
 
 static cudaStream_t stream;
 

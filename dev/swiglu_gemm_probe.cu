@@ -1,7 +1,8 @@
-// A measurement program, not part of the build: can a CUTLASS sm90 GEMM with SwiGLU's backward in
-// its epilogue beat cuBLASLt's GEMM followed by kiln's swiglu_backward kernel, at LLaMA 1.36B's
-// down projection? (The question behind fusing SwiGLU and RoPE into GEMM epilogues, which
-// cuBLASLt does not offer.) The GEMM is the MLP's input gradient
+// A measurement program (target swiglu_gemm_probe, built with -DKILN_DEV=ON where CUTLASS's
+// headers are): can a CUTLASS sm90 GEMM with SwiGLU's backward in its epilogue beat cuBLASLt's
+// GEMM followed by kiln's swiglu_backward kernel, at LLaMA 1.36B's down projection? (The
+// question behind fusing SwiGLU and RoPE into GEMM epilogues, which cuBLASLt does not offer.)
+// The GEMM is the MLP's input gradient
 //   dh[M, F] = dout[M, C] . W[C, F]        (M = B*T tokens, C = n_embd, F = ffn_dim)
 // and SwiGLU's backward turns dh and the saved gate|up pair gu[M, 2F] into dgu[M, 2F]:
 //   dgate = dh * up * silu'(gate),  dup = dh * silu(gate).
@@ -9,8 +10,9 @@
 // Fused: an epilogue visitor tree (EVT) loads gate and up beside the accumulator, writes dgate as
 // the GEMM's output (row stride 2F) and dup through an aux store: dh never reaches memory
 // (2 x M x F x 2 bytes, ~8.6 GB a LLaMA 1.36B step).
-// Measured on an H200 (docs/PERF.md, fourteenth and fifteenth sessions), all agreeing with the
-// unfused path (rel L2 2.8e-3, dh unrounded), in ms against cuBLASLt's 0.47 + the kernel's 0.21:
+// Measured on an H200 (docs/perf-history.md, fourteenth and fifteenth sessions), all agreeing
+// with the unfused path (rel L2 2.8e-3, dh unrounded), in ms against cuBLASLt's 0.47 + the
+// kernel's 0.21:
 // - cooperative 128x256, a tree with expf and an IEEE divide in the sigmoid: 2.11. Not the
 //   loads: the divide's slow-path branch puts each element in a basic block of its own, so a
 //   fragment's elements are not interleaved and the epilogue is latency-bound (ncu: 4x the
@@ -21,9 +23,10 @@
 //   sigmoid: 0.59 at full clock (ncu), 0.64-0.70 in bursts against 0.72-0.73 unfused; the
 //   mainloops alone: cooperative 0.50-0.56, pingpong 0.50-0.53. kernels/cuda/swiglu_matmul.cu
 //   is that kernel. Computing the sigmoid once for both outputs changed nothing.
-// Build with -DNDEBUG (CUTLASS's device asserts are calls that serialize the wgmma pipeline):
+// Build with -DNDEBUG (CUTLASS's device asserts are calls that serialize the wgmma pipeline); by
+// hand:
 //   nvcc -O3 -DNDEBUG -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. \
-//     -I.deps/cutlass/include tools/swiglu_gemm_probe.cu -o swiglu_gemm_probe -lcublasLt
+//     -I.deps/cutlass/include dev/swiglu_gemm_probe.cu -o swiglu_gemm_probe -lcublasLt
 //   ./swiglu_gemm_probe        # correctness and timings;  ./swiglu_gemm_probe once  # for ncu
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -43,7 +46,7 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "tools/gpu_probe.cuh"
+#include "dev/gpu_probe.cuh"
 
 using namespace cute;
 using Bf16 = cutlass::bfloat16_t;

@@ -5,7 +5,7 @@
 # 2-rank ddp run), the collectives. Prints the report; exits 0 when every range is there, 1
 # naming those missing, 3 without nsys or a GPU. Run from the source root after the build:
 #
-#   bash tools/nvtx_check.sh                  # env: OUT (default /tmp/kiln_nvtx), NSYS (its path)
+#   bash dev/nvtx_check.sh                  # env: OUT (default /tmp/kiln_nvtx), NSYS (its path)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/kiln_nvtx}
