@@ -8,13 +8,13 @@ namespace kiln {
 
 ParallelPlan make_parallel_plan(int rank, int world, int expert_parallel) {
   if (expert_parallel < 1 || world % expert_parallel != 0)
-    throw InputError(
-        "dist.expert_parallel=" + std::to_string(expert_parallel) +
-        " must divide the world size (" + std::to_string(world) +
-        " ranks): launch a multiple of it, e.g. --nproc-per-node=" + std::to_string(expert_parallel));
+    throw InputError("dist.expert_parallel=" + std::to_string(expert_parallel) +
+                     " must divide the world size (" + std::to_string(world) +
+                     " ranks): launch a multiple of it, e.g. --nproc-per-node=" +
+                     std::to_string(expert_parallel));
   if (rank < 0 || rank >= world)
     throw InputError("rank " + std::to_string(rank) + " outside a world of " +
-                                std::to_string(world));
+                     std::to_string(world));
   return {rank, world, expert_parallel};
 }
 

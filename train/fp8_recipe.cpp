@@ -120,8 +120,10 @@ StepMetrics::Fp8 Fp8Recipe::metrics(const float* f, double tok_s, double flops_p
   x.non_finite = static_cast<int>(f[kFp8NonFinite]);
   x.first_non_finite = name(f[kFp8FirstNonFinite]);
   if (x.non_finite > 0 && is_main_)
-    spdlog::warn("step {}: fp8: {} tensor(s) had a NaN or infinite amax, the first {}; their "
-                 "scales were kept", step, x.non_finite, x.first_non_finite);
+    spdlog::warn(
+        "step {}: fp8: {} tensor(s) had a NaN or infinite amax, the first {}; their "
+        "scales were kept",
+        step, x.non_finite, x.first_non_finite);
   return x;
 }
 

@@ -63,9 +63,15 @@ ModelConfig model_config(const Config& cfg, const Backend& backend, bool log) {
   m.fp8_options.margin = f.margin;
   m.fp8_options.bf16_edges = f.bf16_edges;
   if (log && backend.device() == Device::cpu)
-    spdlog::info("precision.fp8: the CPU emulates FP8 (casts to FP8 bytes, f32 GEMMs over their "
-                 "values): the recipe's numerics, for tests, with no speedup");
+    spdlog::info(
+        "precision.fp8: the CPU emulates FP8 (casts to FP8 bytes, f32 GEMMs over their "
+        "values): the recipe's numerics, for tests, with no speedup");
   return m;
+}
+
+Recompute recompute_mode(const TrainSection& t) {
+  const std::string& r = t.recompute;
+  return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
 }
 
 ModelSection model_section(const ModelConfig& m) {

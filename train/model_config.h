@@ -2,7 +2,8 @@
 // run trains from the model and moe sections (and, for a run, the precision and fp8 sections
 // on its backend); model_section() and moe_section() are its inverse, for a config written
 // around a model that came from elsewhere (init.from=hf:DIR, convert). A key added to the
-// model's sections is mapped here, both ways, and nowhere else.
+// model's sections is mapped here, both ways, and nowhere else; so is train.recompute, the one
+// model choice outside them.
 #pragma once
 
 #include "model/model.h"
@@ -18,6 +19,9 @@ ModelConfig model_config(const ModelSection& model, const MoeSection& moe);
 // residual stream's dtype and FP8 where the backend can run it (Hopper and newer run the FP8
 // GEMMs, the CPU emulates them, for tests; an older GPU says why and runs bf16). `log`: say so.
 ModelConfig model_config(const Config& config, const Backend& backend, bool log);
+
+// train.recompute: which activations backward computes again.
+Recompute recompute_mode(const TrainSection& train);
 
 // The config section that gives `m` (the inverse of model_config()).
 ModelSection model_section(const ModelConfig& m);

@@ -35,7 +35,8 @@ ParamLayout expert_local_layout(const ParamLayout& global, int ranks) {
     if (t.experts > 0) {
       if (t.experts % ranks != 0)
         throw std::invalid_argument(t.name + ": " + std::to_string(t.experts) +
-                                    " experts do not split over " + std::to_string(ranks) + " ranks");
+                                    " experts do not split over " + std::to_string(ranks) +
+                                    " ranks");
       experts = t.experts / ranks;
       shape.dims[0] = experts;
     }
@@ -100,6 +101,19 @@ std::vector<float> RankLayout::to_local(const std::vector<float>& global) const 
   return local_ ? kiln::to_local(global_, *local_, plan_.expert_rank(), global) : global;
 }
 
+std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
+                                            const ParallelPlan& plan, const RankLayout& layout,
+                                            Communicator* data, Communicator* ep) {
+  StrategyOptions o;
+  o.name = dist.strategy;
+  o.bucket_mb = dist.bucket_mb;
+  o.reduce_dtype = dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+  const ParamLayout& flat = layout.local();
+  auto strategy = make_strategy(o, backend, data, plan.data_group(), flat.total, flat.units);
+  if (plan.has_experts_split()) strategy->reduce_dense_over(ep, dense_ranges(flat));
+  return strategy;
+}
+
 void parallelize_experts(Model& model, const RankLayout& layout, const ParallelPlan& plan,
                          Communicator& ep, bool log) {
   const int P = plan.expert_parallel;
@@ -116,12 +130,13 @@ void parallelize_experts(Model& model, const RankLayout& layout, const ParallelP
                              }});
   if (!log) return;
   const int E = model.config().moe.n_experts, El = E / P, replicas = plan.replicas();
-  spdlog::info("dist.expert_parallel={}: each MoE block's {} experts spread over groups of {} "
-               "ranks, {} a rank (rank r holds experts {} * (r mod {}) on, {} of the {} "
-               "parameters); tokens reach them by all-to-all, and expert gradients are summed "
-               "over {} replica{}",
-               P, E, P, El, El, P, layout.local().total, model.layout().total, replicas,
-               replicas > 1 ? "s" : "");
+  spdlog::info(
+      "dist.expert_parallel={}: each MoE block's {} experts spread over groups of {} "
+      "ranks, {} a rank (rank r holds experts {} * (r mod {}) on, {} of the {} "
+      "parameters); tokens reach them by all-to-all, and expert gradients are summed "
+      "over {} replica{}",
+      P, E, P, El, El, P, layout.local().total, model.layout().total, replicas,
+      replicas > 1 ? "s" : "");
 }
 
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const ParamLayout* local) {

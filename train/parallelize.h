@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "dist/parallel_plan.h"
 #include "dist/strategy.h"
 #include "model/model.h"
+#include "train/config.h"
 
 namespace kiln {
 
@@ -68,6 +70,13 @@ class RankLayout {
   ParallelPlan plan_;
   std::optional<ParamLayout> local_;
 };
+
+// The dist section's strategy over the plan's data group (communicator `data`, null for a group
+// of one), holding `layout`'s buffer; under expert parallelism the dense parameters are summed
+// over the expert group (`ep`) besides.
+std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
+                                            const ParallelPlan& plan, const RankLayout& layout,
+                                            Communicator* data, Communicator* ep);
 
 // Expert parallelism: the model's MoE layers exchange tokens over `ep`, the communicator of the
 // plan's expert group. `log`: say how the experts are spread.

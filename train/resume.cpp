@@ -99,10 +99,11 @@ void save_run(const RunParts& run, int step) {
     run.backend.copy_to_host(state.moe_bias.data(), run.model.moe_bias());
   }
   const Config& cfg = run.config;
-  const std::string dir =
-      save_checkpoint(cfg.train.out_dir, state, run.model.layout(), config_to_yaml(cfg),
-                      cfg.dist.strategy, shards, run.rank, run.world_size,
-                      cfg.train.keep_checkpoints, run.barrier);
+  const std::string dir = save_checkpoint(cfg.train.out_dir, state, run.model.layout(),
+                                          config_to_yaml(cfg), cfg.dist.strategy, shards, run.rank,
+                                          run.world_size, cfg.train.keep_checkpoints, [&run] {
+                                            if (run.comm) run.comm->barrier();
+                                          });
   if (run.rank == 0) spdlog::info("checkpoint: {}", dir);
 }
 

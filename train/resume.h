@@ -6,7 +6,6 @@
 // sampling RNG. A resumed run goes on exactly as if it had not stopped.
 #pragma once
 
-#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -31,7 +30,7 @@ struct RunParts {
   Fp8Recipe& fp8;
   DataLoader& train_loader;
   std::mt19937_64& rng;
-  std::function<void()> barrier;
+  Communicator* comm;  // the world's (null for one process): checkpoints' barriers
 };
 
 // The checkpoint train.resume names: the newest in out_dir (auto, if any), none, or a path.

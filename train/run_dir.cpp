@@ -43,8 +43,10 @@ std::string json_quote(const std::string& s) {
   std::string out = "\"";
   for (const char c : s) {
     if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) out += ' ';
-    else out += c;
+    if (static_cast<unsigned char>(c) < 0x20)
+      out += ' ';
+    else
+      out += c;
   }
   return out + "\"";
 }
@@ -56,8 +58,7 @@ void create_run_dir(const Config& cfg) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec)
-    throw InputError("train.out_dir=" + dir + ": cannot create the run directory: " +
-                     ec.message());
+    throw InputError("train.out_dir=" + dir + ": cannot create the run directory: " + ec.message());
   std::ofstream(dir + "/config.yaml") << config_to_yaml(cfg);
 }
 

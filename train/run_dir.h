@@ -20,8 +20,7 @@ void create_run_dir(const Config& config);
 // step) drops the lines past that step; a fresh run in a used out_dir moves an earlier run's
 // metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
 // pruning and to resume).
-std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
-                                         std::optional<int> resumed_at);
+std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
 
 // summary.json's fields: what ran where, and which optimizations ran (fallbacks included).
 struct RunSummary {

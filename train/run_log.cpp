@@ -30,11 +30,12 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
 void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,
                    int world_size, double flops_per_token, double peak) {
   const TrainSection& t = cfg.train;
-  spdlog::info("training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
-               "{:.3g} GFLOP/token, peak {}",
-               steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size,
-               backend.name(), flops_per_token / 1e9,
-               peak > 0 ? std::to_string(peak / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
+  spdlog::info(
+      "training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
+      "{:.3g} GFLOP/token, peak {}",
+      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size,
+      backend.name(), flops_per_token / 1e9,
+      peak > 0 ? std::to_string(peak / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
 }
 
 void log_moe(const Config& cfg, const Model& model) {

@@ -15,8 +15,8 @@ StepGraph::StepGraph(Backend& backend, std::function<void(bool)> step_work,
       forget_placement_(std::move(forget_placement)),
       break_capture_(std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr) {}
 
-void StepGraph::start(bool enabled, const std::string& model_why_not, int start_step,
-                      int max_steps, const std::string& what, bool log) {
+void StepGraph::start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
+                      const std::string& what, bool log) {
   if (!enabled) return;
   what_ = what;
   log_ = log;
@@ -32,13 +32,15 @@ void StepGraph::start(bool enabled, const std::string& model_why_not, int start_
   status_ = "not captured: the run ended within the eager warm-up";
   if (!log) return;
   if (capture_at_ >= max_steps)
-    spdlog::info("train.cuda_graphs: this run of {} steps ends within the {} eager warm-up "
-                 "steps; nothing will be captured",
-                 max_steps - start_step, kWarmupSteps);
+    spdlog::info(
+        "train.cuda_graphs: this run of {} steps ends within the {} eager warm-up "
+        "steps; nothing will be captured",
+        max_steps - start_step, kWarmupSteps);
   else
-    spdlog::info("train.cuda_graphs: {} eager warm-up steps, then step {} is captured as one "
-                 "CUDA graph and replayed",
-                 kWarmupSteps, capture_at_ + 1);
+    spdlog::info(
+        "train.cuda_graphs: {} eager warm-up steps, then step {} is captured as one "
+        "CUDA graph and replayed",
+        kWarmupSteps, capture_at_ + 1);
 }
 
 void StepGraph::run(int step) {
@@ -80,9 +82,10 @@ void StepGraph::capture(int step) {
   status_ = "eager: capture failed: " + why;
   forget_placement_();
   if (log_)
-    spdlog::warn("train.cuda_graphs: step {} could not be captured ({}); running eagerly from "
-                 "here on",
-                 step + 1, why);
+    spdlog::warn(
+        "train.cuda_graphs: step {} could not be captured ({}); running eagerly from "
+        "here on",
+        step + 1, why);
   step_work_(false);
 }
 

@@ -41,7 +41,7 @@ class StepTimer {
  private:
   int start_step_;
   std::optional<Clock::time_point> last_done_;  // when the previous step's values arrived
-  double recent_ms_ = -1;  // moving average of the step time
+  double recent_ms_ = -1;                       // moving average of the step time
 };
 
 }  // namespace kiln

@@ -38,10 +38,6 @@ using Clock = StepTimer::Clock;
 
 namespace {
 
-Recompute recompute_of(const std::string& r) {
-  return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
-}
-
 class Trainer {
  public:
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
@@ -58,8 +54,8 @@ class Trainer {
   }
   size_t memory_bytes() const { return state_arena_.bytes() + acts_arena_.bytes(); }
   RunParts parts() {
-    return {cfg_, rank_.rank, rank_.world_size, *backend_, *model_, *strategy_, layout_, *fp8_,
-            *train_loader_, rng_, [this] { barrier(); }};
+    return {cfg_,    rank_.rank, rank_.world_size, *backend_, *model_, *strategy_,
+            layout_, *fp8_,      *train_loader_,   rng_,      comm_};
   }
   void plan_memory();
   void init_parameters();
@@ -82,9 +78,6 @@ class Trainer {
   bool host_step(int step) const;
   double evaluate();
   void print_sample(int step);
-  void barrier() {
-    if (comm_) comm_->barrier();
-  }
   void all_reduce(Tensor t) {
     if (!comm_ || rank_.world_size == 1) return;
     comm_->all_reduce_sum(t);
@@ -117,7 +110,6 @@ class Trainer {
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
-  std::optional<double> tokens_per_joule_;
   std::mt19937_64 rng_;
   int start_step_ = 0;
   double peak_ = 0, peak_fp8_ = 0;
@@ -127,18 +119,23 @@ class Trainer {
 
 Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
                  const TrainObserver* observer)
-    : cfg_(cfg), rank_(rank), observer_(observer),
+    : cfg_(cfg),
+      rank_(rank),
+      observer_(observer),
       plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel)),
       built_backend_(make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                   : built_backend_.get()),
-      mcfg_(model_config(cfg, *backend_, rank.rank == 0)), model_(make_model(mcfg_, *backend_)),
-      layout_(model_->layout(), plan_), state_arena_(*backend_, "parameters and optimizer"),
+      mcfg_(model_config(cfg, *backend_, rank.rank == 0)),
+      model_(make_model(mcfg_, *backend_)),
+      layout_(model_->layout(), plan_),
+      state_arena_(*backend_, "parameters and optimizer"),
       acts_arena_(*backend_, "activations"),
       optimizer_(optimizer_step(cfg.optim, rank.world_size)),
       inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len),
-      graph_(*backend_, [this](bool break_capture) { step_work(break_capture); },
-             [this] { strategy_->forget_placement(); }) {
+      graph_(
+          *backend_, [this](bool break_capture) { step_work(break_capture); },
+          [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
   if (make_comm) {
     owned_comm_ = make_comm(*backend_, plan_.world_group());
@@ -156,14 +153,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
     data_comm = data_comm_.get();
     parallelize_experts(*model_, layout_, plan_, *expert_comm_, is_main());
   }
-  StrategyOptions o;
-  o.name = cfg.dist.strategy;
-  o.bucket_mb = cfg.dist.bucket_mb;
-  o.reduce_dtype = cfg.dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
-  const ParamLayout& flat = layout_.local();
-  strategy_ = make_strategy(o, *backend_, data_comm, plan_.data_group(), flat.total, flat.units);
-  // Under expert parallelism the dense parameters are summed over the expert group besides.
-  if (plan_.has_experts_split()) strategy_->reduce_dense_over(expert_comm_.get(), dense_ranges(flat));
+  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, data_comm, expert_comm_.get());
   fp8_ = std::make_unique<Fp8Recipe>(*model_, *backend_, comm_, rank.world_size, is_main(),
                                      strategy_->holds_whole_model());
 }
@@ -171,17 +161,19 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
 void Trainer::plan_memory() {
   strategy_->plan_memory(state_arena_);
   const auto& spans = layout_.local().decay_spans;
-  state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2}, DType::i64);
+  state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2},
+                    DType::i64);
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   power_->plan(state_arena_);
   fp8_->plan(state_arena_);
   inputs_.plan(state_arena_);
-  const Recompute recompute = recompute_of(cfg_.train.recompute);
+  const Recompute recompute = recompute_mode(cfg_.train);
   model_->plan_activations(acts_arena_, B(), T(), recompute);
   if (is_main())
-    log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size, recompute);
+    log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,
+                    recompute);
   try {
     state_arena_.allocate();
     acts_arena_.allocate();
@@ -189,7 +181,8 @@ void Trainer::plan_memory() {
     throw InputError(std::string("the memory plan does not fit on ") + backend_->name() + " (" +
                      format_bytes(memory_bytes()) +
                      "): lower train.batch_size (raise train.grad_accum to keep the batch), "
-                     "shard with dist.strategy=zero1|fsdp, or shrink the model. " + e.what());
+                     "shard with dist.strategy=zero1|fsdp, or shrink the model. " +
+                     e.what());
   }
   std::vector<int64_t> flat;
   for (const auto& [b, e] : spans) {
@@ -207,7 +200,8 @@ void Trainer::init_parameters() {
   if (!cfg_.init.from.empty()) {
     strategy_->load_parameters(
         layout_.to_local(load_init_weights(cfg_.init.from, mcfg_, model_->layout())));
-    if (is_main()) spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
+    if (is_main())
+      spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
     return;
   }
   std::vector<float> host(static_cast<size_t>(model_->layout().total));
@@ -304,12 +298,14 @@ bool Trainer::finish_step(const PendingStep& p) {
   sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
   sm.eta_s = timer_.eta_s(t.max_steps - sm.step);
   sm.power = power_->on_step(slot, tokens_per_step());
-  if (fp8_->on()) sm.fp8 = fp8_->metrics(values + 2, sm.tok_s, flops_per_token_, peak_fp8_, sm.step);
+  if (fp8_->on())
+    sm.fp8 = fp8_->metrics(values + 2, sm.tok_s, flops_per_token_, peak_fp8_, sm.step);
   if (moe())
     sm.moe = moe_step_metrics(values + 2 + (fp8_->on() ? Fp8StateLayout::kSummary : 0),
                               model_->moe_blocks(), mcfg_.moe.n_experts);
   if (!std::isfinite(sm.loss)) {
-    spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step, sm.loss);
+    spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step,
+                  sm.loss);
     return false;
   }
   const bool last = sm.step == t.max_steps;
@@ -332,10 +328,9 @@ int Trainer::run() {
   const auto& t = cfg_.train;
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
-  train_loader_ = std::make_unique<DataLoader>(cfg_.data.train, B(), T(), rank_.rank,
-                                               rank_.world_size, mcfg_.vocab_size,
-                                               cfg_.data.shuffle, static_cast<uint64_t>(t.seed),
-                                               cfg_.data.prefetch);
+  train_loader_ = std::make_unique<DataLoader>(
+      cfg_.data.train, B(), T(), rank_.rank, rank_.world_size, mcfg_.vocab_size, cfg_.data.shuffle,
+      static_cast<uint64_t>(t.seed), cfg_.data.prefetch);
   if (!cfg_.data.val.empty() && t.eval_every > 0)
     val_loader_ = std::make_unique<DataLoader>(cfg_.data.val, B(), T(), rank_.rank,
                                                rank_.world_size, mcfg_.vocab_size, false, 0, false);
@@ -355,10 +350,10 @@ int Trainer::run() {
     metrics_ = open_metrics(t.out_dir, ckpt ? std::optional<int>(start_step_) : std::nullopt);
   // Invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
-  graph_.start(t.cuda_graphs, model_->graph_unavailable(), start_step_, t.max_steps,
-               std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") +
-                   cfg_.dist.strategy,
-               is_main());
+  graph_.start(
+      t.cuda_graphs, model_->graph_unavailable(), start_step_, t.max_steps,
+      std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
+      is_main());
   // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against
   // the FP8 peak (mfu_fp8).
   peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), false);
@@ -395,12 +390,12 @@ int Trainer::run() {
       pending.reset();
     }
   }
-  tokens_per_joule_ = power_->finish(tokens_per_step());
+  const std::optional<double> tokens_per_joule = power_->finish(tokens_per_step());
   if (is_main())
     write_summary(t.out_dir, {backend_->name(), backend_->attention_name(), model_->layout().total,
                               memory_bytes(), tokens_per_step(), rank_.world_size,
                               cfg_.dist.strategy, cfg_.dist.reduce_dtype, cfg_.data.prefetch,
-                              graph_.status(), fp8_->status(cfg_), peak_, tokens_per_joule_});
+                              graph_.status(), fp8_->status(cfg_), peak_, tokens_per_joule});
   return 0;
 }
 
