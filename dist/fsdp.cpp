@@ -40,6 +40,7 @@ class Fsdp final : public Strategy {
   }
   void after_update() override { forget_placement(); }
   void forget_placement() override { std::fill(std::begin(held_), std::end(held_), -1); }
+  bool holds_whole_model() const override { return false; }
   void refresh_working() override {
     if (working_shard_.defined()) backend_.copy(working_shard_, master_);
     after_update();

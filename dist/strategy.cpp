@@ -13,8 +13,9 @@ std::unique_ptr<Strategy> make_fsdp(const StrategyOptions&, Backend&, Communicat
                                     int64_t, const Strategy::Units&);
 
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& o, Backend& backend,
-                                        Communicator* comm, int rank, int world, int64_t total,
+                                        Communicator* comm, const CommGroup& group, int64_t total,
                                         const Strategy::Units& units) {
+  const int rank = group.rank, world = group.size;
   if (o.name == "ddp") return make_ddp(o, backend, comm, rank, world, total, units);
   if (o.name == "zero1") return make_zero1(o, backend, comm, rank, world, total, units);
   if (o.name == "fsdp") return make_fsdp(o, backend, comm, rank, world, total, units);

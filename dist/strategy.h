@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dist/communicator.h"
+#include "dist/parallel_plan.h"
 #include "dist/sharding.h"
 #include "kernels/arena.h"
 
@@ -103,6 +104,9 @@ class Strategy {
   virtual bool replicated() const { return false; }
   // Weights in the working dtype for sampling; undefined under fsdp (never held whole).
   virtual Tensor full_working() const { return Tensor{}; }
+  // Whether a rank ever holds every unit's working parameters at once (fsdp never does: it
+  // gathers a unit at a time), so whatever is kept per weight (FP8 copies) can be kept whole.
+  virtual bool holds_whole_model() const { return true; }
 
  protected:
   bool reduce_bf16() const { return reduce_dtype_ == DType::bf16 && plan_.world > 1; }
@@ -142,9 +146,11 @@ class Strategy {
   Tensor ep_sumsq_;
 };
 
-// Throws std::invalid_argument for an unknown strategy name.
+// The strategy over `group`, the parallel plan's data group (dist/parallel_plan.h), whose
+// communicator is `comm` (null for a group of one). Throws std::invalid_argument for an unknown
+// strategy name.
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,
-                                        Communicator* comm, int rank, int world, int64_t total,
+                                        Communicator* comm, const CommGroup& group, int64_t total,
                                         const Strategy::Units& units);
 
 }  // namespace kiln

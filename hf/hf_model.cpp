@@ -2,7 +2,6 @@
 #include "hf/hf_model.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -89,15 +88,6 @@ double read_rope_theta(const ConfigJson& c, double fallback) {
       return p["rope_theta"].get<double>();
   }
   return c.get_number("rope_theta", fallback);
-}
-
-// A float that prints as the short decimal it was written as (1e-06, not 9.99999997e-07).
-double float_as_written(float v) {
-  char buf[32];
-  auto r = std::to_chars(buf, buf + sizeof buf, v);
-  double d = 0;
-  std::from_chars(buf, r.ptr, d);
-  return d;
 }
 
 std::string join_shape(const std::vector<int64_t>& s) {
@@ -257,18 +247,11 @@ ModelConfig read_hf_config(const std::string& dir) {
   // The MoE models are their dense architecture's decoder with routed experts.
   const bool moe = type == "qwen3_moe" || type == "mixtral";
   const std::string base = type == "qwen3_moe" ? "qwen3" : type == "mixtral" ? "llama" : type;
-  ModelConfig m;
-  m.arch = base;
-  const ArchDefaults* arch = moe || find_arch(type) ? find_arch(base) : nullptr;
-  if (!arch)
+  if (!(moe || find_arch(type)))
     c.fail("model_type", "'" + type + "' is not supported (kiln imports gpt2, llama, qwen3, "
                          "qwen3_moe and mixtral)");
-  m.norm = arch->norm;
-  m.positions = arch->positions;
-  m.mlp = arch->mlp;
-  m.bias = arch->bias;
-  m.qkv_bias = arch->qkv_bias;
-  m.qk_norm = arch->qk_norm;
+  // The arch row's layer choices; config.json gives the sizes, eps, RoPE base and the head.
+  ModelConfig m = arch_config(base);
   m.vocab_size = c.get_int("vocab_size");
   if (type == "gpt2") {
     m.n_layer = c.get_int("n_layer");

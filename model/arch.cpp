@@ -1,5 +1,10 @@
 #include "model/arch.h"
 
+#include <charconv>
+#include <stdexcept>
+
+#include "model/model.h"
+
 namespace kiln {
 
 namespace {
@@ -33,6 +38,31 @@ const ArchDefaults* find_arch(const std::string& name) {
   for (const ArchDefaults& a : kArchs)
     if (name == a.name) return &a;
   return nullptr;
+}
+
+ModelConfig arch_config(const std::string& name) {
+  const ArchDefaults* a = find_arch(name);
+  if (!a) throw std::invalid_argument("model.arch: unknown architecture '" + name + "'");
+  ModelConfig m;
+  m.arch = a->name;
+  m.norm = a->norm;
+  m.norm_eps = static_cast<float>(a->norm_eps);
+  m.positions = a->positions;
+  m.rope_theta = static_cast<float>(a->rope_theta);
+  m.mlp = a->mlp;
+  m.bias = a->bias;
+  m.qkv_bias = a->qkv_bias;
+  m.qk_norm = a->qk_norm;
+  m.tie_embeddings = a->tie_embeddings;
+  return m;
+}
+
+double float_as_written(float v) {
+  char buf[32];
+  const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+  double d = 0;
+  std::from_chars(buf, end, d);
+  return d;
 }
 
 std::vector<std::string> arch_names() {

@@ -9,6 +9,8 @@
 
 namespace kiln {
 
+struct ModelConfig;  // model/model.h
+
 enum class NormKind { layernorm, rmsnorm };
 enum class PositionKind { learned, rope };
 enum class MlpKind { gelu, swiglu };
@@ -33,5 +35,15 @@ struct ArchDefaults {
 // nullptr for an unknown name.
 const ArchDefaults* find_arch(const std::string& name);
 std::vector<std::string> arch_names();
+
+// A ModelConfig of the row's layer choices (arch, norm, eps, positions, RoPE base, MLP, biases,
+// QK-norm, tied head) over ModelConfig's sizes: where a model built outside the config (a test,
+// a Hugging Face config.json) starts, so the rows are stated once. Throws std::invalid_argument
+// for an unknown name.
+ModelConfig arch_config(const std::string& name);
+
+// ModelConfig keeps eps and the RoPE base as floats; written back into a config or config.json
+// they are the short decimal they were given as (1e-06, not 9.99999997e-07).
+double float_as_written(float v);
 
 }  // namespace kiln

@@ -430,6 +430,16 @@ void Decoder::set_expert_parallel(const ExpertParallel& ep) {
   for (const int l : moe_blocks_) blocks_[static_cast<size_t>(l)].moe.ep = ep;
 }
 
+std::string Decoder::graph_unavailable() const {
+  if (moe_blocks_.empty()) return "";
+  const int ranks = blocks_[static_cast<size_t>(moe_blocks_[0])].moe.ep.ranks;
+  if (moe_sizes_on_device(backend_, ranks)) return "";
+  return std::string("the MoE blocks' grouped GEMMs read their group sizes on the host at every "
+                     "call (") +
+         (ranks > 1 ? "dist.expert_parallel" : "no CUTLASS on this build or GPU") +
+         "), which a graph cannot replay";
+}
+
 void Decoder::moe_update_bias() {
   if (!acts_.moe_bias.defined()) return;
   const int64_t E = cfg_.moe.n_experts;

@@ -46,6 +46,7 @@ class Decoder final : public Model {
   Tensor moe_bias() const override { return acts_.moe_bias; }
   void moe_update_bias() override;
   void set_expert_parallel(const ExpertParallel& ep) override;
+  std::string graph_unavailable() const override;
   void fp8_start(const float* saved) override;
   void fp8_update_scales() override;
   void fp8_cast_weights() override;

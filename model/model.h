@@ -15,11 +15,10 @@
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "model/arch.h"
+#include "model/expert_parallel.h"
 #include "model/param_layout.h"
 
 namespace kiln {
-
-struct ExpertParallel;  // model/layers/moe.h
 
 // model.moe (train/config.h's moe section): which blocks' feed-forward is a Mixture-of-Experts
 // layer (model/layers/moe.h) and how it routes and balances. n_experts 0: a dense model.
@@ -135,9 +134,12 @@ class Model {
   virtual Tensor moe_bias() const = 0;
   // Once per optimizer step, after moe_stats is summed over ranks: the bias update.
   virtual void moe_update_bias() = 0;
-  // dist.expert_parallel (model/layers/moe.h), before plan_activations; throws
+  // dist.expert_parallel (model/expert_parallel.h), before plan_activations; throws
   // std::invalid_argument where the experts do not split evenly over the ranks.
   virtual void set_expert_parallel(const ExpertParallel& ep) = 0;
+  // Why a CUDA graph cannot replay this model's step on its backend, "" where it can: MoE
+  // blocks whose grouped GEMMs read their group sizes on the host at every call.
+  virtual std::string graph_unavailable() const = 0;
 
   // ---- FP8 (ModelConfig::fp8; with it off, fp8_layout().n == 0 and the rest do nothing) ----
   // The delayed-scaling state (kernels/fp8.h), planned with the activations at a fixed address,

@@ -198,29 +198,26 @@ TEST(Gpt2Gradient, AccumulatesAcrossMicroBatches) {
   for (size_t i = 0; i < once.size(); ++i) ASSERT_FLOAT_EQ(twice[i], 2 * once[i]) << i;
 }
 
+// An arch row's layers (model/arch.cpp) at gpt2_tiny's sizes, with a SwiGLU width of 12.
+ModelConfig tiny_of_arch(const std::string& arch) {
+  ModelConfig c = arch_config(arch);
+  const ModelConfig s = TinyModel::gpt2_tiny();
+  c.n_layer = s.n_layer, c.n_head = s.n_head, c.n_embd = s.n_embd, c.ffn_dim = 12;
+  c.vocab_size = s.vocab_size, c.padded_vocab_size = s.padded_vocab_size, c.seq_len = s.seq_len;
+  return c;
+}
+
 ModelConfig llama_tiny() {
-  ModelConfig c = TinyModel::gpt2_tiny();
-  c.arch = "llama";
+  ModelConfig c = tiny_of_arch("llama");
   c.n_kv_head = 1;  // GQA: both query heads share one kv head
-  c.ffn_dim = 12;
-  c.norm = NormKind::rmsnorm;
-  c.positions = PositionKind::rope;
-  c.mlp = MlpKind::swiglu;
-  c.bias = c.qkv_bias = false;
-  c.tie_embeddings = false;
   return c;
 }
 
 ModelConfig qwen3_tiny() {
-  ModelConfig c = llama_tiny();
-  c.arch = "qwen3";
+  ModelConfig c = tiny_of_arch("qwen3");
   c.n_head = 4;
   c.n_kv_head = 2;
   c.head_dim = 4;  // 4 x 4 query heads on an 8-wide residual: head_dim independent of n_embd
-  c.qk_norm = true;
-  c.norm_eps = 1e-6f;
-  c.rope_theta = 1e6f;
-  c.tie_embeddings = true;
   return c;
 }
 

@@ -36,8 +36,7 @@ ModelConfig tiny_gpt2(bool tied = true) {
 ModelConfig tiny_rope(const std::string& name) {
   const bool mixtral = name == "mixtral", qwen_moe = name == "qwen3_moe";
   const std::string arch = mixtral ? "llama" : qwen_moe ? "qwen3" : name;
-  ModelConfig c;
-  c.arch = arch;
+  ModelConfig c = arch_config(arch);  // the row's layers, eps, RoPE base and tied head
   if (mixtral || qwen_moe) {
     c.moe.n_experts = 4;
     c.moe.top_k = 2;
@@ -48,14 +47,7 @@ ModelConfig tiny_rope(const std::string& name) {
   }
   c.n_layer = 2, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 32, c.ffn_dim = 48;
   c.vocab_size = 300, c.padded_vocab_size = 384, c.seq_len = 64;
-  c.norm = NormKind::rmsnorm, c.positions = PositionKind::rope, c.mlp = MlpKind::swiglu;
-  c.bias = c.qkv_bias = false;
-  if (arch == "qwen3") {
-    c.head_dim = 16, c.qk_norm = true, c.tie_embeddings = true, c.norm_eps = 1e-6f,
-    c.rope_theta = 1e6f;
-  } else {
-    c.head_dim = 0, c.tie_embeddings = false, c.norm_eps = 1e-5f, c.rope_theta = 10000.0f;
-  }
+  c.head_dim = arch == "qwen3" ? 16 : 0;
   return c;
 }
 

@@ -25,7 +25,7 @@
 #include "tests/gradcheck.h"
 #include "train/config.h"
 #include "train/metrics.h"
-#include "train/trainer.h"
+#include "train/model_config.h"
 
 namespace kiln {
 namespace {

@@ -17,12 +17,9 @@ namespace {
 
 // A LLaMA of 3 blocks whose block 1 (every 2nd) routes over 4 experts.
 ModelConfig moe_config() {
-  ModelConfig c;
-  c.arch = "llama";
+  ModelConfig c = arch_config("llama");
   c.n_layer = 3, c.n_head = 2, c.n_kv_head = 2, c.n_embd = 16, c.ffn_dim = 32;
   c.vocab_size = 64, c.padded_vocab_size = 128, c.seq_len = 8;
-  c.norm = NormKind::rmsnorm, c.positions = PositionKind::rope, c.mlp = MlpKind::swiglu;
-  c.bias = c.qkv_bias = false, c.tie_embeddings = false;
   c.moe.n_experts = 4, c.moe.top_k = 2, c.moe.expert_ffn_dim = 8, c.moe.every = 2;
   return c;
 }

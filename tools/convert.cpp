@@ -27,7 +27,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/init_from.h"
-#include "train/trainer.h"
+#include "train/model_config.h"
 
 using namespace kiln;
 

@@ -120,7 +120,7 @@ struct DistSection {
   std::string reduce_dtype = "fp32";  // fp32 | bf16: the dtype gradients are summed across ranks in
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
   int timeout_s = 300;           // collectives and rendezvous
-  int expert_parallel = 1;       // ranks the experts are spread over (only 1 for now)
+  int expert_parallel = 1;       // ranks a MoE block's experts spread over (parallel_plan.h)
 };
 
 struct Config {

@@ -17,7 +17,8 @@ struct LoadedModel {
   ModelConfig config;
   std::vector<float> params;
   std::string source;  // the checkpoint directory, or hf:DIR
-  // The run's resolved config (kiln checkpoints); for hf:DIR, defaults around model_section().
+  // The run's resolved config (kiln checkpoints); for hf:DIR, defaults around model_section()
+  // (train/model_config.h).
   Config run_config;
   // moe.balance=bias: the checkpoint's balancing bias (Model::moe_bias), which routing uses.
   std::vector<float> moe_bias;
@@ -30,10 +31,5 @@ LoadedModel load_model(const std::string& spec);
 // listing every key that differs) a source whose model differs from the run's.
 std::vector<float> load_init_weights(const std::string& spec, const ModelConfig& run,
                                      const ParamLayout& layout);
-
-// The config section that gives `m` (the inverse of model_config()).
-ModelSection model_section(const ModelConfig& m);
-// The moe section of `e` (every key at its default for a dense model).
-MoeSection moe_section(const MoeConfig& e);
 
 }  // namespace kiln

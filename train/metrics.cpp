@@ -6,6 +6,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "kernels/backend.h"
 #include "kernels/error.h"
 
 namespace kiln {
@@ -29,6 +30,23 @@ double peak_flops(const std::string& device_name, bool fp8) {
     if (device_name.find(e.name_part) != std::string::npos)
       return (fp8 ? e.fp8_tflops : e.bf16_tflops) * 1e12;
   return 0.0;
+}
+
+std::vector<StepMetrics::MoeBlock> moe_step_metrics(const float* stats,
+                                                    const std::vector<int>& blocks, int E) {
+  std::vector<StepMetrics::MoeBlock> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const float* s = stats + i * static_cast<size_t>(E + kMoeStats);
+    StepMetrics::MoeBlock b;
+    b.block = blocks[i];
+    b.load.assign(s, s + E);
+    const double tokens = std::max(1.0f, s[E + kMoeTokens]);
+    b.aux = s[E + kMoeAux] / tokens;
+    b.z = s[E + kMoeZ] / tokens;
+    b.entropy = s[E + kMoeEntropy] / tokens;
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 double load_gini(const std::vector<float>& load) {

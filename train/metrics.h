@@ -55,6 +55,11 @@ struct StepMetrics {
   std::vector<MoeBlock> moe;
 };
 
+// Each MoE block's routing telemetry from the step's statistics read back from the model
+// (Model::moe_stats: per block, the loads of its n_experts experts, then kMoeStats sums).
+std::vector<StepMetrics::MoeBlock> moe_step_metrics(const float* stats,
+                                                    const std::vector<int>& blocks, int n_experts);
+
 // Gini coefficient of the expert loads: 0 when every expert gets the same tokens, (E-1)/E when
 // one gets them all. sum_i sum_j |x_i - x_j| / (2 E^2 mean).
 double load_gini(const std::vector<float>& load);

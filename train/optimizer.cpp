@@ -15,4 +15,15 @@ void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<Owned
   }
 }
 
+OptimizerStep optimizer_step(const OptimSection& optim, int world) {
+  OptimizerStep s;
+  s.grad_clip = static_cast<float>(optim.grad_clip);
+  s.hyper.beta1 = static_cast<float>(optim.beta1);
+  s.hyper.beta2 = static_cast<float>(optim.beta2);
+  s.hyper.eps = static_cast<float>(optim.eps);
+  s.hyper.weight_decay = static_cast<float>(optim.weight_decay);
+  s.grad_scale = 1.0f / static_cast<float>(world);
+  return s;
+}
+
 }  // namespace kiln

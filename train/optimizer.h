@@ -10,6 +10,7 @@
 #include "dist/sharding.h"
 #include "dist/strategy.h"
 #include "kernels/backend.h"
+#include "train/config.h"
 
 namespace kiln {
 
@@ -23,6 +24,8 @@ struct OptimizerStep {
   float grad_scale = 1;
   AdamWHyper hyper;
 };
+// The optim section's clip and AdamW hyperparameters, the gradient averaged over `world` ranks.
+OptimizerStep optimizer_step(const OptimSection& optim, int world);
 
 // Clips by the global norm (sched[kSchedGradNorm] gets it) and applies AdamW to each owned range
 // of the shard with sched[kSchedLr] and sched[kSchedStep]; decay_spans: i64[S,2] of global

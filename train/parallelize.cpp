@@ -1,5 +1,7 @@
 #include "train/parallelize.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -33,7 +35,8 @@ ParamLayout expert_local_layout(const ParamLayout& global, int ranks) {
     if (t.experts > 0) {
       if (t.experts % ranks != 0)
         throw std::invalid_argument(t.name + ": " + std::to_string(t.experts) +
-                                    " experts do not split over " + std::to_string(ranks) + " ranks");
+                                    " experts do not split over " + std::to_string(ranks) +
+                                    " ranks");
       experts = t.experts / ranks;
       shape.dims[0] = experts;
     }
@@ -82,6 +85,58 @@ std::vector<float> to_local(const ParamLayout& global, const ParamLayout& local,
   for (const LayoutPiece& p : local_to_global(global, local, rank, 0, local.total))
     std::copy_n(params.begin() + p.global, p.size, out.begin() + p.local);
   return out;
+}
+
+RankLayout::RankLayout(const ParamLayout& global, const ParallelPlan& plan)
+    : global_(global), plan_(plan) {
+  if (plan.has_experts_split()) local_ = expert_local_layout(global, plan.expert_parallel);
+}
+
+std::vector<LayoutPiece> RankLayout::global_pieces(int64_t begin, int64_t end) const {
+  if (!local_) return {{begin, begin, end - begin, false}};
+  return local_to_global(global_, *local_, plan_.expert_rank(), begin, end);
+}
+
+std::vector<float> RankLayout::to_local(const std::vector<float>& global) const {
+  return local_ ? kiln::to_local(global_, *local_, plan_.expert_rank(), global) : global;
+}
+
+std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
+                                            const ParallelPlan& plan, const RankLayout& layout,
+                                            Communicator* data, Communicator* ep) {
+  StrategyOptions o;
+  o.name = dist.strategy;
+  o.bucket_mb = dist.bucket_mb;
+  o.reduce_dtype = dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+  const ParamLayout& flat = layout.local();
+  auto strategy = make_strategy(o, backend, data, plan.data_group(), flat.total, flat.units);
+  if (plan.has_experts_split()) strategy->reduce_dense_over(ep, dense_ranges(flat));
+  return strategy;
+}
+
+void parallelize_experts(Model& model, const RankLayout& layout, const ParallelPlan& plan,
+                         Communicator& ep, bool log) {
+  const int P = plan.expert_parallel;
+  Communicator* c = &ep;
+  model.set_expert_parallel({P, plan.expert_rank(),
+                             [c](Tensor out, Tensor in) {
+                               c->all_to_all(out, in);
+                               c->wait();
+                             },
+                             [c](Tensor out, const std::vector<int64_t>& recv_rows, Tensor in,
+                                 const std::vector<int64_t>& send_rows) {
+                               c->all_to_all_v(out, recv_rows, in, send_rows);
+                               c->wait();
+                             }});
+  if (!log) return;
+  const int E = model.config().moe.n_experts, El = E / P, replicas = plan.replicas();
+  spdlog::info(
+      "dist.expert_parallel={}: each MoE block's {} experts spread over groups of {} "
+      "ranks, {} a rank (rank r holds experts {} * (r mod {}) on, {} of the {} "
+      "parameters); tokens reach them by all-to-all, and expert gradients are summed "
+      "over {} replica{}",
+      P, E, P, El, El, P, layout.local().total, model.layout().total, replicas,
+      replicas > 1 ? "s" : "");
 }
 
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const ParamLayout* local) {

@@ -1,15 +1,21 @@
-// Parallelism applied to a model from outside it: the model's parameters and gradients are
-// pointed at the strategy's buffers (each tensor at its offset inside its unit's current place:
-// the full flat buffers, or an FSDP gather slot, re-pointed whenever the strategy moves units),
-// and the model's unit hooks call the strategy's. Neither side knows the other's type.
+// The parallel plan (dist/parallel_plan.h) applied to a model from outside it: the model's
+// parameters and gradients are pointed at the strategy's buffers (each tensor at its offset
+// inside its unit's current place: the full flat buffers, or an FSDP gather slot, re-pointed
+// whenever the strategy moves units), the model's unit hooks call the strategy's, and under
+// expert parallelism the MoE layers exchange tokens over the expert group while this rank's
+// flat buffer holds only its experts (RankLayout). Neither side knows the other's type.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "dist/parallel_plan.h"
 #include "dist/strategy.h"
 #include "model/model.h"
+#include "train/config.h"
 
 namespace kiln {
 
@@ -40,5 +46,41 @@ std::vector<LayoutPiece> local_to_global(const ParamLayout& global, const ParamL
 // The global parameters (host, global.total) -> rank `rank`'s local buffer (host, local.total).
 std::vector<float> to_local(const ParamLayout& global, const ParamLayout& local, int rank,
                             const std::vector<float>& params);
+
+// The flat buffer as this rank holds it under `plan`: the model's layout, or under expert
+// parallelism the rank's own (its run of each expert tensor), and the way between it and the
+// global (the model's) buffer that initialization and checkpoints read and write.
+class RankLayout {
+ public:
+  // Throws std::invalid_argument where the experts do not split over the expert group.
+  RankLayout(const ParamLayout& global, const ParallelPlan& plan);
+  const ParamLayout& local() const { return local_ ? *local_ : global_; }
+  // The local layout where it differs from the model's (expert parallelism), else null.
+  const ParamLayout* expert_local() const { return local_ ? &*local_ : nullptr; }
+  // The local range [begin, end) as global pieces (one piece without expert parallelism).
+  std::vector<LayoutPiece> global_pieces(int64_t begin, int64_t end) const;
+  // The global parameters (host) in the local buffer's layout.
+  std::vector<float> to_local(const std::vector<float>& global) const;
+  // Whether this rank writes piece `p` to a checkpoint: its experts always; the dense
+  // parameters, the same on every rank of an expert group, from the group's first rank alone.
+  bool writes(const LayoutPiece& p) const { return p.expert || plan_.writes_dense(); }
+
+ private:
+  const ParamLayout& global_;
+  ParallelPlan plan_;
+  std::optional<ParamLayout> local_;
+};
+
+// The dist section's strategy over the plan's data group (communicator `data`, null for a group
+// of one), holding `layout`'s buffer; under expert parallelism the dense parameters are summed
+// over the expert group (`ep`) besides.
+std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
+                                            const ParallelPlan& plan, const RankLayout& layout,
+                                            Communicator* data, Communicator* ep);
+
+// Expert parallelism: the model's MoE layers exchange tokens over `ep`, the communicator of the
+// plan's expert group. `log`: say how the experts are spread.
+void parallelize_experts(Model& model, const RankLayout& layout, const ParallelPlan& plan,
+                         Communicator& ep, bool log);
 
 }  // namespace kiln

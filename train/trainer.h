@@ -1,6 +1,10 @@
-// Trainer: the recipe. Build the backend and model, plan all memory once (printing the table),
-// initialize or resume, then loop: grad_accum micro-steps of forward+backward, gradient sync
-// (the dist strategy), global-norm clipping, AdamW; log every step, evaluate, checkpoint.
+// Trainer: the recipe. Build the backend (train/device.h) and the model (train/model_config.h),
+// split the world by the parallel plan and apply it (train/parallelize.h), plan all memory once
+// (train/run_log.h prints the table), initialize or resume (train/resume.h), then loop:
+// stage the step's inputs (train/step_inputs.h), run its device work eagerly or as a CUDA graph
+// (train/step_graph.h): grad_accum micro-steps of forward+backward, gradient sync (the dist
+// strategy), FP8 scaling (train/fp8_recipe.h), global-norm clipping, AdamW; then log, evaluate,
+// sample and checkpoint, keeping the run directory (train/run_dir.h).
 // Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
 #pragma once
 
@@ -8,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "dist/parallel_plan.h"
 #include "model/model.h"
 #include "train/config.h"
 
@@ -15,12 +20,6 @@ namespace kiln {
 
 class Backend;
 class Communicator;
-// The ranks a communicator spans: this rank's place among them, their number, and a name
-// unique among the run's groups ("" for the world; dist.expert_parallel's are "ep<g>").
-struct CommGroup {
-  int rank = 0, size = 1;
-  std::string name;
-};
 // Builds this rank's communicator over `group` once the backend exists (NCCL needs its device
 // and stream). Every rank of the group calls it, in the same order as its other groups.
 using CommunicatorFactory =
@@ -32,10 +31,6 @@ struct RankInfo {
   int local_rank = 0;
   int world_size = 1;
 };
-
-ModelConfig model_config(const ModelSection& model);
-// With the moe section's MoE blocks (the one-argument form builds a dense model).
-ModelConfig model_config(const ModelSection& model, const MoeSection& moe);
 
 // Instrumentation for tools (bench --profile-ops): wrap_backend returns the backend the trainer
 // runs on in place of the one it built (which outlives every use of the wrapper); on_step is

@@ -80,31 +80,28 @@ ModelConfig small_config() {
   return c;
 }
 
+// An arch row's layers (model/arch.cpp) at small_config's sizes, with a SwiGLU width of 256.
+ModelConfig small_of_arch(const std::string& arch) {
+  ModelConfig c = arch_config(arch);
+  const ModelConfig s = small_config();
+  c.n_layer = s.n_layer, c.n_embd = s.n_embd, c.ffn_dim = 256, c.vocab_size = s.vocab_size;
+  c.padded_vocab_size = s.padded_vocab_size, c.seq_len = s.seq_len;
+  return c;
+}
+
 ModelConfig small_llama() {
-  ModelConfig c = small_config();
-  c.arch = "llama";
+  ModelConfig c = small_of_arch("llama");
   c.n_head = 4;
   c.n_kv_head = 2;
   c.head_dim = 64;
-  c.ffn_dim = 256;
-  c.norm = NormKind::rmsnorm;
-  c.positions = PositionKind::rope;
-  c.mlp = MlpKind::swiglu;
-  c.bias = c.qkv_bias = false;
-  c.tie_embeddings = false;
   return c;
 }
 
 ModelConfig small_qwen3() {
-  ModelConfig c = small_llama();
-  c.arch = "qwen3";
+  ModelConfig c = small_of_arch("qwen3");
   c.n_head = 2;
   c.n_kv_head = 1;
   c.head_dim = 128;
-  c.qk_norm = true;
-  c.norm_eps = 1e-6f;
-  c.rope_theta = 1e6f;
-  c.tie_embeddings = true;
   return c;
 }
 

@@ -1,0 +1,30 @@
+#include "dist/parallel_plan.h"
+
+#include <string>
+
+#include "kernels/error.h"
+
+namespace kiln {
+
+ParallelPlan make_parallel_plan(int rank, int world, int expert_parallel) {
+  if (expert_parallel < 1 || world % expert_parallel != 0)
+    throw InputError("dist.expert_parallel=" + std::to_string(expert_parallel) +
+                     " must divide the world size (" + std::to_string(world) +
+                     " ranks): launch a multiple of it, e.g. --nproc-per-node=" +
+                     std::to_string(expert_parallel));
+  if (rank < 0 || rank >= world)
+    throw InputError("rank " + std::to_string(rank) + " outside a world of " +
+                     std::to_string(world));
+  return {rank, world, expert_parallel};
+}
+
+CommGroup ParallelPlan::expert_group() const {
+  return {expert_rank(), expert_parallel, "ep" + std::to_string(expert_group_index())};
+}
+
+CommGroup ParallelPlan::data_group() const {
+  if (!has_experts_split()) return world_group();
+  return {expert_group_index(), replicas(), "replica" + std::to_string(expert_rank())};
+}
+
+}  // namespace kiln

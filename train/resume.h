@@ -1,0 +1,46 @@
+// What a checkpoint holds of a run beyond the file format (train/checkpoint.h), written at a
+// checkpoint and read back on resume, in one place so the two cannot drift apart: the
+// strategy's owned ranges of master weights and AdamW moments at their global offsets (under
+// expert parallelism, each rank its experts and each expert group's first rank the dense
+// parameters), the FP8 scaling state, the MoE balancing bias, the loader's position and the
+// sampling RNG. A resumed run goes on exactly as if it had not stopped.
+#pragma once
+
+#include <optional>
+#include <random>
+#include <string>
+
+#include "data/loader.h"
+#include "dist/strategy.h"
+#include "model/model.h"
+#include "train/config.h"
+#include "train/fp8_recipe.h"
+#include "train/parallelize.h"
+
+namespace kiln {
+
+// The parts of a running trainer a checkpoint reads and writes.
+struct RunParts {
+  const Config& config;
+  int rank, world_size;
+  Backend& backend;
+  Model& model;
+  Strategy& strategy;
+  const RankLayout& layout;
+  Fp8Recipe& fp8;
+  DataLoader& train_loader;
+  std::mt19937_64& rng;
+  Communicator* comm;  // the world's (null for one process): checkpoints' barriers
+};
+
+// The checkpoint train.resume names: the newest in out_dir (auto, if any), none, or a path.
+std::optional<std::string> checkpoint_to_resume(const TrainSection& train);
+
+// Restores the run from checkpoint `dir`; returns its step. Under train.resume=auto an
+// InputError also says how to start afresh instead.
+int resume_run(const RunParts& run, const std::string& dir);
+
+// Writes the checkpoint of step `step` (collective: every rank calls it).
+void save_run(const RunParts& run, int step);
+
+}  // namespace kiln

@@ -1,0 +1,91 @@
+#include "train/run_dir.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/error.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Renames `path` to the first free `path.prev`, `path.prev2`, ... if it exists.
+void set_aside(const std::string& path) {
+  if (!fs::exists(path)) return;
+  std::string dest = path + ".prev";
+  for (int i = 2; fs::exists(dest); ++i) dest = path + ".prev" + std::to_string(i);
+  fs::rename(path, dest);
+  spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
+}
+
+// Drops the metrics lines past `last_step`, so the log of a resumed run reads as one run.
+void truncate_metrics(const std::string& path, int last_step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    const auto pos = line.find("\"step\":");
+    if (pos != std::string::npos && std::atoi(line.c_str() + pos + 7) > last_step) continue;
+    kept += line + "\n";
+  }
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << kept;
+  fs::rename(tmp, path);
+}
+
+// JSON string literal of s (quotes, backslashes and control characters escaped).
+std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20)
+      out += ' ';
+    else
+      out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+void create_run_dir(const Config& cfg) {
+  const std::string& dir = cfg.train.out_dir;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw InputError("train.out_dir=" + dir + ": cannot create the run directory: " + ec.message());
+  std::ofstream(dir + "/config.yaml") << config_to_yaml(cfg);
+}
+
+std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
+                                         std::optional<int> resumed_at) {
+  const std::string path = out_dir + "/metrics.jsonl";
+  if (resumed_at) {
+    truncate_metrics(path, *resumed_at);
+  } else {
+    set_aside(path);
+    set_aside(out_dir + "/checkpoints");
+  }
+  return std::make_unique<MetricsLog>(path);
+}
+
+void write_summary(const std::string& out_dir, const RunSummary& s) {
+  std::ofstream out(out_dir + "/summary.json");
+  out << "{\"backend\":\"" << s.backend << "\",\"attention\":\"" << s.attention
+      << "\",\"params\":" << s.params << ",\"memory_bytes\":" << s.memory_bytes
+      << ",\"tokens_per_step\":" << s.tokens_per_step << ",\"world_size\":" << s.world_size
+      << ",\"strategy\":\"" << s.strategy << "\",\"reduce_dtype\":\"" << s.reduce_dtype
+      << "\",\"commit\":\"" << KILN_COMMIT << "\""
+      << ",\"prefetch\":" << (s.prefetch ? "true" : "false")
+      << ",\"cuda_graphs\":" << json_quote(s.cuda_graphs) << ",\"fp8\":" << json_quote(s.fp8);
+  if (s.peak_flops > 0) out << ",\"peak_tflops\":" << s.peak_flops / 1e12;
+  if (s.tokens_per_joule) out << ",\"tokens_per_joule\":" << *s.tokens_per_joule;
+  out << "}\n";
+}
+
+}  // namespace kiln

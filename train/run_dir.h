@@ -1,0 +1,40 @@
+// The run directory (train.out_dir) as rank 0 keeps it: the resolved config.yaml, metrics.jsonl
+// (one JSON object a step, reading as one run across resumes), and summary.json at the end
+// (what ran where, for tools such as bench that read a finished run). Checkpoints live below it
+// too (train/checkpoint.h).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "train/config.h"
+#include "train/metrics.h"
+
+namespace kiln {
+
+// Creates out_dir and writes the resolved config into it. InputError where it cannot.
+void create_run_dir(const Config& config);
+
+// out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's
+// step) drops the lines past that step; a fresh run in a used out_dir moves an earlier run's
+// metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
+// pruning and to resume).
+std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
+
+// summary.json's fields: what ran where, and which optimizations ran (fallbacks included).
+struct RunSummary {
+  std::string backend, attention;
+  int64_t params = 0;
+  size_t memory_bytes = 0;
+  int64_t tokens_per_step = 0;
+  int world_size = 1;
+  std::string strategy, reduce_dtype;
+  bool prefetch = true;
+  std::string cuda_graphs, fp8;  // StepGraph::status, Fp8Recipe::status
+  double peak_flops = 0;         // 0: not known (no MFU), and absent from the file
+  std::optional<double> tokens_per_joule;
+};
+void write_summary(const std::string& out_dir, const RunSummary& s);
+
+}  // namespace kiln

@@ -1,0 +1,56 @@
+#include "train/run_log.h"
+
+#include <spdlog/spdlog.h>
+
+namespace kiln {
+
+void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
+                     const Arena& state, const Arena& acts, int world_size, Recompute recompute) {
+  const int B = cfg.train.batch_size, T = model.config().seq_len;
+  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
+               backend.name(), model.layout().total, cfg.dist.strategy, world_size,
+               world_size > 1 ? ", gradients summed in " + cfg.dist.reduce_dtype : "");
+  for (const auto& e : state.entries())
+    if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
+        e.name.rfind("adamw", 0) == 0)
+      spdlog::info("  {:<24} {:>6} {:>14}  {}", e.name, dtype_name(e.dtype), e.shape.str(),
+                   format_bytes(e.bytes));
+  spdlog::info("  {:<24} B={} T={}  {} in {} buffers", "activations", B, T,
+               format_bytes(acts.bytes()), acts.entries().size());
+  if (recompute != Recompute::none) {
+    const int64_t kept = model.activation_bytes(B, T, recompute);
+    const int64_t all = model.activation_bytes(B, T, Recompute::none);
+    spdlog::info("  {:<24} train.recompute={} saves {} of {} (backward recomputes the rest)", "",
+                 cfg.train.recompute, format_bytes(static_cast<size_t>(all - kept)),
+                 format_bytes(static_cast<size_t>(all)));
+  }
+  spdlog::info("  {:<24} {}", "total", format_bytes(state.bytes() + acts.bytes()));
+}
+
+void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,
+                   int world_size, double flops_per_token, double peak) {
+  const TrainSection& t = cfg.train;
+  spdlog::info(
+      "training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
+      "{:.3g} GFLOP/token, peak {}",
+      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size,
+      backend.name(), flops_per_token / 1e9,
+      peak > 0 ? std::to_string(peak / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
+}
+
+void log_moe(const Config& cfg, const Model& model) {
+  const ModelConfig& mc = model.config();
+  const MoeConfig& m = mc.moe;
+  const size_t blocks = model.moe_blocks().size();
+  const int64_t per_expert =
+      (mc.mlp == MlpKind::swiglu ? 3 : 2) * int64_t{mc.n_embd} * m.expert_ffn_dim;
+  const int64_t idle = static_cast<int64_t>(blocks) * (m.n_experts - m.top_k) * per_expert;
+  spdlog::info(
+      "moe: {} of {} blocks route each token to {} of {} experts ({} wide{}, {} "
+      "scores, balance {}); {} parameters, {} active per token (MFU counts those)",
+      blocks, mc.n_layer, m.top_k, m.n_experts, m.expert_ffn_dim,
+      m.n_shared_experts > 0 ? ", " + std::to_string(m.n_shared_experts) + " shared" : "",
+      cfg.moe.score, cfg.moe.balance, model.layout().total, model.layout().total - idle);
+}
+
+}  // namespace kiln

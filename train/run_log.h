@@ -1,0 +1,22 @@
+// What rank 0 says before step 0, beyond each part's own line: the memory plan as a table
+// (docs/design.md invariant 3: every buffer planned once, printed before anything is allocated) and the
+// shape of the MoE blocks, with the active parameters MFU counts.
+#pragma once
+
+#include "kernels/arena.h"
+#include "model/model.h"
+#include "train/config.h"
+
+namespace kiln {
+
+void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
+                     const Arena& state, const Arena& acts, int world_size, Recompute recompute);
+
+// The run about to start: its steps, the tokens a step and how they are made, the FLOPs a token
+// and the peak MFU is against (`peak_flops` 0: not known).
+void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,
+                   int world_size, double flops_per_token, double peak_flops);
+
+void log_moe(const Config& cfg, const Model& model);
+
+}  // namespace kiln

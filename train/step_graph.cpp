@@ -1,0 +1,92 @@
+#include "train/step_graph.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
+#include <exception>
+#include <utility>
+
+namespace kiln {
+
+StepGraph::StepGraph(Backend& backend, std::function<void(bool)> step_work,
+                     std::function<void()> forget_placement)
+    : backend_(backend),
+      step_work_(std::move(step_work)),
+      forget_placement_(std::move(forget_placement)),
+      break_capture_(std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr) {}
+
+void StepGraph::start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
+                      const std::string& what, bool log) {
+  if (!enabled) return;
+  what_ = what;
+  log_ = log;
+  std::string why_not = backend_.graph_unavailable();
+  if (why_not.empty()) why_not = model_why_not;
+  if (!why_not.empty()) {
+    if (log) spdlog::info("train.cuda_graphs: does not apply here ({}); running eagerly", why_not);
+    status_ = "n/a: " + why_not;
+    return;
+  }
+  mode_ = Mode::warming;
+  capture_at_ = start_step + kWarmupSteps;
+  status_ = "not captured: the run ended within the eager warm-up";
+  if (!log) return;
+  if (capture_at_ >= max_steps)
+    spdlog::info(
+        "train.cuda_graphs: this run of {} steps ends within the {} eager warm-up "
+        "steps; nothing will be captured",
+        max_steps - start_step, kWarmupSteps);
+  else
+    spdlog::info(
+        "train.cuda_graphs: {} eager warm-up steps, then step {} is captured as one "
+        "CUDA graph and replayed",
+        kWarmupSteps, capture_at_ + 1);
+}
+
+void StepGraph::run(int step) {
+  if (mode_ == Mode::off || step < capture_at_) {
+    step_work_(false);
+    return;
+  }
+  if (mode_ == Mode::replaying) {
+    const std::string moved = backend_.graph_replay();
+    if (moved.empty()) return;
+    if (log_) spdlog::info("train.cuda_graphs: capturing again at step {}: {}", step + 1, moved);
+  }
+  capture(step);
+}
+
+void StepGraph::capture(int step) {
+  // The capture records every unit's gather (fsdp), whatever an eval left in place.
+  forget_placement_();
+  std::string why;
+  backend_.capture_begin();
+  try {
+    step_work_(break_capture_);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  const std::string ended = backend_.capture_end();
+  if (why.empty()) why = ended;
+  if (why.empty()) why = backend_.graph_replay();  // the capture recorded the step; run it
+  if (why.empty()) {
+    if (mode_ == Mode::warming && log_)
+      spdlog::info("train.cuda_graphs: step {} captured ({}); replaying it every step", step + 1,
+                   what_);
+    mode_ = Mode::replaying;
+    status_ = "replayed";
+    return;
+  }
+  // Nothing the capture recorded ran: the step runs now, eagerly, from the same state.
+  mode_ = Mode::off;
+  status_ = "eager: capture failed: " + why;
+  forget_placement_();
+  if (log_)
+    spdlog::warn(
+        "train.cuda_graphs: step {} could not be captured ({}); running eagerly from "
+        "here on",
+        step + 1, why);
+  step_work_(false);
+}
+
+}  // namespace kiln

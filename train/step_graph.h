@@ -1,0 +1,53 @@
+// train.cuda_graphs: the step's device work captured once as a CUDA graph after an eager
+// warm-up, then replayed every step. The step reads everything that changes per step (batches,
+// lr, step number) from device memory, so one capture serves every later step. A capture that
+// fails runs that step eagerly from the same state and the run goes on eagerly (docs/design.md invariant 6);
+// a replay the backend refuses (its scratch moved) is captured again.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "kernels/backend.h"
+
+namespace kiln {
+
+class StepGraph {
+ public:
+  // `step_work(break_capture)` enqueues one step's device work (`break_capture`, for tests: do
+  // what no capture can hold); `forget_placement` makes the next step gather every FSDP unit
+  // itself (Strategy::forget_placement), as a capture must record.
+  StepGraph(Backend& backend, std::function<void(bool break_capture)> step_work,
+            std::function<void()> forget_placement);
+
+  // At the run's start: whether graphs apply (`model_why_not`: Model::graph_unavailable), and
+  // which step is captured. `what` describes the captured step for the log ("1 micro-batch,
+  // ddp"); `log`: this rank speaks.
+  void start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
+             const std::string& what, bool log);
+  // Step `step`'s device work: eager, captured, or replayed.
+  void run(int step);
+  // What train.cuda_graphs did, for summary.json: off, n/a (why), warm-up only, replayed, or
+  // eager after a failed capture (why).
+  const std::string& status() const { return status_; }
+
+ private:
+  void capture(int step);
+
+  // This many steps run eagerly first (cuDNN plans, GEMM algorithms, the FP8 GEMM trial and the
+  // backend's scratch size are settled in them), then one step is captured.
+  static constexpr int kWarmupSteps = 2;
+  enum class Mode { off, warming, replaying };
+
+  Backend& backend_;
+  std::function<void(bool)> step_work_;
+  std::function<void()> forget_placement_;
+  Mode mode_ = Mode::off;
+  int capture_at_ = 0;
+  std::string what_;
+  bool log_ = false;
+  std::string status_ = "off";
+  bool break_capture_;
+};
+
+}  // namespace kiln

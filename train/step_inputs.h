@@ -1,0 +1,54 @@
+// A step's inputs on the device: the tokens and targets of all grad_accum micro-batches
+// ([accum, B, T] i32 each) and the step's lr and number (in the optimizer's sched tensor),
+// copied from pinned host memory (Backend::copy_from_host_async) before the step's work is
+// enqueued and outside any graph, so a captured step reads them at fixed addresses. The host
+// fills one upload slot while the stream may still copy from the other.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "data/loader.h"
+#include "kernels/arena.h"
+#include "train/nvtx.h"
+
+namespace kiln {
+
+class StepInputs {
+ public:
+  StepInputs(Backend& backend, int grad_accum, int B, int T);
+  StepInputs(const StepInputs&) = delete;
+  StepInputs& operator=(const StepInputs&) = delete;
+  ~StepInputs();
+
+  // The device buffers, into the state arena; allocate_staging() once it is allocated.
+  void plan(Arena& arena);
+  void allocate_staging();
+  // Copies step `step`'s batches from `loader` and its lr and 1-based number into
+  // sched[kSchedLr, kSchedStep]. `wait`: the host waits until the stream has made the copies
+  // (data.prefetch=false, the loader without overlap).
+  void stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx, bool wait);
+
+  // Micro-batch `micro`'s [B, T] view of the tokens and targets (evaluation writes micro 0).
+  Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }
+  Tensor targets(int micro) const { return micro_batch(targets_, micro); }
+
+ private:
+  Tensor micro_batch(Tensor all, int micro) const {
+    return all.slice(micro * static_cast<int64_t>(B_) * T_, {B_, T_});
+  }
+  // Per upload slot, one Backend::allocate_host block: tokens, targets, then lr and step.
+  struct Staging {
+    void* memory = nullptr;
+    int32_t* tokens = nullptr;
+    int32_t* targets = nullptr;
+    float* sched = nullptr;
+  };
+
+  Backend& backend_;
+  int accum_, B_, T_;
+  Tensor tokens_, targets_;
+  Staging staging_[Backend::kUploadSlots];
+};
+
+}  // namespace kiln
