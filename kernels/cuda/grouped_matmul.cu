@@ -10,8 +10,9 @@
 // (grouped_matmul_*_by_group, matmul.cu). With device offsets GELU is a pass of its own over
 // all M rows after the GEMM (the groups cover them all). Device offsets the CUTLASS path cannot
 // take (unaligned operands, widths not multiples of 8) are copied to the host, warning once.
-// cuBLAS 13.0's grouped GEMM (cublasGemmGroupedBatchedEx) takes host sizes too. A WMMA kernel
-// that read the offsets on the device ran the experts at ~40 TFLOP/s on an H100; it is gone.
+// cuBLAS 13.0's grouped GEMM (cublasGemmGroupedBatchedEx) takes host sizes too. Device offsets
+// go to CUTLASS, not a kernel of our own: a WMMA kernel reading them ran the experts at only
+// ~40 TFLOP/s on an H100.
 #include <spdlog/spdlog.h>
 
 #include "kernels/cuda/common.cuh"

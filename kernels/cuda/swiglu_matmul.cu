@@ -10,7 +10,7 @@
 // the approximate exp and divide: the IEEE divide's slow-path branch split each element into a
 // basic block of its own and made the epilogue latency-bound (2.1 ms against 0.6, measured).
 // H200, LLaMA 1.36B's proj (N=16384, C=2048, F=5504): 0.59 ms against cuBLASLt's 0.47 +
-// swiglu_backward's 0.21 (docs/PERF.md, fifteenth session; tools/swiglu_gemm_probe.cu).
+// swiglu_backward's 0.21 (docs/PERF.md; tools/swiglu_gemm_probe.cu).
 // Elsewhere (no CUTLASS, not sm_90, unaligned shapes, a dtype other than bf16) the op is the
 // two calls it replaces, through the dact scratch.
 #include "kernels/cuda/cuda_backend.h"
