@@ -1,18 +1,12 @@
 #include "kernels/backend.h"
 
-#include <cstdlib>
-#include <new>
 #include <stdexcept>
 
 namespace kiln {
 
-void* Backend::allocate_host(size_t bytes) {
-  void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
-  if (!p) throw std::bad_alloc();
-  return p;
+OpCheck Backend::op_check(const char* op) const {
+  return OpCheck{op, device(), activation_dtype()};
 }
-
-void Backend::release_host(void* p) { std::free(p); }
 
 #ifndef KILN_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int) {

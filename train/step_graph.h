@@ -1,8 +1,8 @@
 // train.cuda_graphs: the step's device work captured once as a CUDA graph after an eager
 // warm-up, then replayed every step. The step reads everything that changes per step (batches,
 // lr, step number) from device memory, so one capture serves every later step. A capture that
-// fails runs that step eagerly from the same state and the run goes on eagerly (docs/design.md invariant 6);
-// a replay the backend refuses (its scratch moved) is captured again.
+// fails runs that step eagerly from the same state and the run goes on eagerly
+// (docs/design.md invariant 6); a replay the backend refuses (its scratch moved) is captured again.
 #pragma once
 
 #include <functional>

@@ -12,13 +12,10 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
-
-using cpu::OpCheck;
 
 namespace {
 
@@ -31,8 +28,7 @@ struct AttnDims {
   int64_t v_off;  // offset of the v part, (NH + KV) * hs
 };
 
-AttnDims check_qkv(const OpCheck& c, Tensor qkv, const AttentionDims& a) {
-  c.packed_qkv("qkv", qkv, a);
+AttnDims attn_dims(Tensor qkv, const AttentionDims& a) {
   const int64_t NH = a.n_head, KV = a.n_kv_head, hs = a.head_dim;
   return {qkv.dim(0), qkv.dim(1), NH, KV, hs, NH / KV, a.qkv_dim(), a.q_dim(), (NH + KV) * hs};
 }
@@ -45,13 +41,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-void CpuBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
-  OpCheck c{"attention_forward"};
-  const AttnDims d = check_qkv(c, qkv, a);
-  c.f32("out", out);
-  c.shape("out", out, {d.B, d.T, d.q_dim});
-  c.f32("lse", lse);
-  c.shape("lse", lse, {d.B, d.NH, d.T});
+void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
+  const AttnDims d = attn_dims(qkv, a);
 
   const int64_t T = d.T, NH = d.NH, hs = d.hs, row = d.row, Q = d.q_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -92,19 +83,9 @@ void CpuBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const Att
   }
 }
 
-void CpuBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                    const AttentionDims& a) {
-  OpCheck c{"attention_backward"};
-  const AttnDims d = check_qkv(c, qkv, a);
-  c.f32("dqkv", dqkv);
-  c.shape("dqkv", dqkv, qkv.shape);
-  c.f32("dout", dout);
-  c.shape("dout", dout, {d.B, d.T, d.q_dim});
-  c.f32("out", out);
-  c.shape("out", out, {d.B, d.T, d.q_dim});
-  c.f32("lse", lse);
-  c.shape("lse", lse, {d.B, d.NH, d.T});
-
+void CpuBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                        Tensor lse, const AttentionDims& a) {
+  const AttnDims d = attn_dims(qkv, a);
   const int64_t T = d.T, NH = d.NH, KV = d.KV, hs = d.hs, row = d.row, Q = d.q_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float *qkv_p = qkv.ptr<float>(), *dout_p = dout.ptr<float>(), *out_p = out.ptr<float>();

@@ -7,28 +7,15 @@
 #include <cmath>
 #include <string>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
-void CpuBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
-                                       float dloss_scale, bool write_dlogits) {
-  OpCheck c{"softmax_cross_entropy"};
-  c.f32("logits", logits);
-  if (logits.ndim() == 0) c.fail("logits", "needs at least one dim");
-  const int64_t N = cpu::rows(logits), Vp = logits.dim(-1), V = vocab_size;
-  if (V <= 0 || V > Vp)
-    c.fail("logits", "vocab_size=" + std::to_string(V) + " must be in [1, " + std::to_string(Vp) +
-                         "] for " + logits.str());
-  c.f32("losses", losses);
-  c.numel("losses", losses, N);
-  c.dtype("targets", targets, DType::i32);
-  c.numel("targets", targets, N);
-  c.indices("targets", targets, V);
+void CpuBackend::run_softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
+                                           int vocab_size, float dloss_scale, bool write_dlogits) {
+  const int64_t N = matrix_rows(logits), Vp = logits.dim(-1), V = vocab_size;
+  op_check("softmax_cross_entropy").indices("targets", targets, V);
 
   float* x = logits.ptr<float>();
   float* loss = losses.ptr<float>();

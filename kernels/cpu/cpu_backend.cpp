@@ -10,7 +10,6 @@
 #include <string>
 
 #include "kernels/bf16.h"
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
@@ -44,17 +43,17 @@ void CpuBackend::release(void* p) {
 }
 
 void CpuBackend::copy_from_host(Tensor dst, const void* src) {
-  cpu::OpCheck{"copy_from_host"}.defined("dst", dst);
+  op_check("copy_from_host").defined("dst", dst);
   std::memcpy(dst.data, src, dst.nbytes());
 }
 
 void CpuBackend::copy_to_host(void* dst, Tensor src) {
-  cpu::OpCheck{"copy_to_host"}.defined("src", src);
+  op_check("copy_to_host").defined("src", src);
   std::memcpy(dst, src.data, src.nbytes());
 }
 
 void CpuBackend::copy(Tensor dst, Tensor src) {
-  cpu::OpCheck c{"copy"};
+  const OpCheck c = op_check("copy");
   c.defined("dst", dst);
   c.defined("src", src);
   c.numel("dst", dst, src.numel());
@@ -78,7 +77,7 @@ void CpuBackend::copy(Tensor dst, Tensor src) {
 }
 
 void CpuBackend::fill_zero(Tensor t) {
-  cpu::OpCheck{"fill_zero"}.defined("t", t);
+  op_check("fill_zero").defined("t", t);
   std::memset(t.data, 0, t.nbytes());
 }
 

@@ -7,31 +7,14 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
-void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
-  OpCheck c{"encoder_forward"};
-  c.dtype("tokens", tokens, DType::i32);
-  c.ndim("tokens", tokens, 2);
-  c.f32("wte", wte);
-  c.ndim("wte", wte, 2);
+void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), Vp = wte.dim(0);
-  if (wpe.defined()) {
-    c.f32("wpe", wpe);
-    c.ndim("wpe", wpe, 2);
-    c.dim("wpe", wpe, 1, C);
-    if (wpe.dim(0) < T)
-      c.fail("wpe", "has " + std::to_string(wpe.dim(0)) + " positions < T=" + std::to_string(T));
-  }
-  c.f32("out", out);
-  c.shape("out", out, {B, T, C});
-  c.indices("tokens", tokens, Vp);
+  op_check("encoder_forward").indices("tokens", tokens, Vp);
 
   const int32_t* tok = tokens.ptr<int32_t>();
   const float* wte_p = wte.ptr<float>();
@@ -50,23 +33,9 @@ void CpuBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor w
   }
 }
 
-void CpuBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
-  OpCheck c{"encoder_backward"};
-  c.dtype("tokens", tokens, DType::i32);
-  c.ndim("tokens", tokens, 2);
-  c.f32("dwte", dwte);
-  c.ndim("dwte", dwte, 2);
+void CpuBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), Vp = dwte.dim(0);
-  if (dwpe.defined()) {
-    c.f32("dwpe", dwpe);
-    c.ndim("dwpe", dwpe, 2);
-    c.dim("dwpe", dwpe, 1, C);
-    if (dwpe.dim(0) < T)
-      c.fail("dwpe", "has " + std::to_string(dwpe.dim(0)) + " positions < T=" + std::to_string(T));
-  }
-  c.f32("dout", dout);
-  c.shape("dout", dout, {B, T, C});
-  c.indices("tokens", tokens, Vp);
+  op_check("encoder_backward").indices("tokens", tokens, Vp);
 
   const int32_t* tok = tokens.ptr<int32_t>();
   const float* g = dout.ptr<float>();

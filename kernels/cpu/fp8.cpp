@@ -6,24 +6,11 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 
 namespace kiln {
 
 namespace {
-
-bool is_fp8(const Tensor& t) {
-  return t.dtype == DType::fp8_e4m3 || t.dtype == DType::fp8_e5m2;
-}
-
-void check_state(const cpu::OpCheck& c, const Tensor& state, const Fp8StateLayout& l, int index) {
-  c.f32("state", state);
-  c.numel("state", state, l.total());
-  if (index < 0 || index >= l.n)
-    c.fail("index", std::to_string(index) + " is not one of the " + std::to_string(l.n) +
-                        " FP8 tensors");
-}
 
 // m[R,C] (row-major) decoded and multiplied by scale_inv, or, from a transposed copy mt[C,R],
 // the same matrix [R,C].
@@ -43,22 +30,9 @@ Tensor host_f32(std::vector<float>& v, Shape shape) { return Tensor{v.data(), sh
 
 }  // namespace
 
-void CpuBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
-                          const Fp8StateLayout& l, int index) {
-  cpu::OpCheck c{"fp8_cast"};
-  c.f32("inp", inp);
-  check_state(c, state, l, index);
-  const int64_t C = inp.dim(-1), R = cpu::rows(inp);
-  if (!out.defined() && !out_t.defined()) c.fail("out", "neither out nor out_t is given");
-  if (out.defined()) {
-    if (!is_fp8(out)) c.fail("out", "expected an fp8 dtype, got " + out.str());
-    c.shape("out", out, {R, C});
-  }
-  if (out_t.defined()) {
-    if (!is_fp8(out_t)) c.fail("out_t", "expected an fp8 dtype, got " + out_t.str());
-    c.shape("out_t", out_t, {C, R});
-    if (out.defined() && out.dtype != out_t.dtype) c.fail("out_t", "out and out_t differ in format");
-  }
+void CpuBackend::run_fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                              const Fp8StateLayout& l, int index) {
+  const int64_t C = inp.dim(-1), R = matrix_rows(inp);
   const bool e5m2 = (out.defined() ? out : out_t).dtype == DType::fp8_e5m2;
   float* s = state.ptr<float>();
   const float scale = s[l.scale() + index], max_value = fp8_max(e5m2);
@@ -85,41 +59,18 @@ void CpuBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
   s[l.cast() + index] += static_cast<float>(R * C);
 }
 
-void CpuBackend::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                                    Tensor pre_gelu, const Fp8Linear& f) {
-  cpu::OpCheck c{"fp8_matmul_forward"};
-  check_state(c, f.state, f.layout, f.index);
-  c.dtype("x8", f.x8, DType::fp8_e4m3);
-  c.dtype("weight8", f.weight8, DType::fp8_e4m3);
-  c.shape("weight8", f.weight8, weight.shape);
-  c.shape("x8", f.x8, {cpu::rows(inp), inp.dim(-1)});
-  (void)inp;
+void CpuBackend::run_fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                        Tensor pre_gelu, const Fp8Linear& f) {
   const float* s = f.state.ptr<float>();
   std::vector<float> x = decode(f.x8, s[f.layout.scale_inv(f.index + kFp8X)], false);
   std::vector<float> w = decode(f.weight8, s[f.layout.scale_inv(f.index + kFp8W)], false);
   matmul_forward(out, host_f32(x, f.x8.shape), host_f32(w, weight.shape), bias, pre_gelu);
 }
 
-void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                     Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                                     const Fp8Linear& f) {
-  cpu::OpCheck c{"fp8_matmul_backward"};
-  check_state(c, f.state, f.layout, f.index);
-  const int64_t OC = weight.dim(0), C = weight.dim(1), N = cpu::rows(inp);
-  c.dtype("weight8", f.weight8, DType::fp8_e4m3);
-  c.shape("weight8", f.weight8, {OC, C});
-  c.dtype("x8_t", f.x8_t, DType::fp8_e4m3);
-  c.shape("x8_t", f.x8_t, {C, N});
-  c.defined("g8", f.g8);
-  c.shape("g8", f.g8, {N, OC});
-  c.defined("g8_t", f.g8_t);
-  c.shape("g8_t", f.g8_t, {OC, N});
-  if (dout.defined()) {
-    c.f32("dout", dout);
-    c.numel("dout", dout, N * OC);
-  } else if (dbias.defined()) {
-    c.fail("dout", "is needed for dbias (the gradient exists only in FP8)");
-  }
+void CpuBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                         Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                         const Fp8Linear& f) {
+  const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
   const float* s = f.state.ptr<float>();
   auto inv = [&](int role) { return s[f.layout.scale_inv(f.index + role)]; };
   // g8_t holds g8's bytes transposed (CUDA's wgrad operand); decoding g8 serves both GEMMs.
@@ -129,8 +80,6 @@ void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   matmul_backward(dinp, dweight, Tensor{}, host_f32(g, {N, OC}), host_f32(x, inp.shape),
                   host_f32(w, {OC, C}), inp_pre_gelu);
   if (dbias.defined()) {
-    c.f32("dbias", dbias);
-    c.shape("dbias", dbias, {OC});
     const float* d = dout.ptr<float>();
     float* db = dbias.ptr<float>();
     for (int64_t o = 0; o < OC; ++o) {
@@ -143,14 +92,14 @@ void CpuBackend::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
 
 // The fused SwiGLU casts are, on the CPU, the plain ops and the cast in sequence: the reference
 // that CUDA's one-pass kernels must match byte for byte.
-void CpuBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
-                                    const Fp8StateLayout& l, int index) {
+void CpuBackend::run_swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                                        const Fp8StateLayout& l, int index) {
   swiglu_forward(out, inp);
   fp8_cast(x8, Tensor{}, out, state, l, index);
 }
 
-void CpuBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
-                                     Tensor state, const Fp8StateLayout& l, int index) {
+void CpuBackend::run_swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
+                                         Tensor state, const Fp8StateLayout& l, int index) {
   std::vector<float> dinp(static_cast<size_t>(inp.numel()));
   const Tensor d = host_f32(dinp, inp.shape);
   swiglu_backward(d, dout, inp);
@@ -160,11 +109,8 @@ void CpuBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor
 // The emulation has no GEMM to refuse.
 bool CpuBackend::fp8_backward_in_fp8(const Fp8Linear&, int64_t, int64_t, int64_t) { return true; }
 
-void CpuBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
-                                   const Fp8Options& options) {
-  cpu::OpCheck c{"fp8_update_scales"};
-  c.f32("state", state);
-  c.numel("state", state, l.total());
+void CpuBackend::run_fp8_update_scales(Tensor state, const Fp8StateLayout& l,
+                                       const Fp8Options& options) {
   float* s = state.ptr<float>();
   fp8_summarize(s, l, options);
   for (int i = 0; i < l.n; ++i) fp8_update_tensor(s, l, i, options);

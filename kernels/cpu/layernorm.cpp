@@ -9,35 +9,15 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
 namespace {
 
 constexpr double kEps = 1e-5;
 constexpr int64_t kColBlock = 64;  // columns per thread task in the dweight/dbias sums
-
-void check_forward(const OpCheck& c, Tensor out, Tensor mean, Tensor rstd, Tensor inp,
-                   Tensor weight, Tensor bias) {
-  c.f32("inp", inp);
-  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
-  const int64_t C = inp.dim(-1);
-  c.f32("out", out);
-  c.shape("out", out, inp.shape);
-  c.f32("weight", weight);
-  c.shape("weight", weight, {C});
-  c.f32("bias", bias);
-  c.shape("bias", bias, {C});
-  c.f32("mean", mean);
-  c.numel("mean", mean, cpu::rows(inp));
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, cpu::rows(inp));
-}
 
 void layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
                    const float* b, int64_t C) {
@@ -55,27 +35,19 @@ void layernorm_row(float* out, float* mean, float* rstd, const float* x, const f
 
 }  // namespace
 
-void CpuBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
-                                   Tensor bias) {
-  OpCheck c{"layernorm_forward"};
-  check_forward(c, out, mean, rstd, inp, weight, bias);
-  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
+void CpuBackend::run_layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
+                                       Tensor weight, Tensor bias) {
+  const int64_t N = matrix_rows(inp), C = inp.dim(-1);
   const float *x = inp.ptr<float>(), *w = weight.ptr<float>(), *b = bias.ptr<float>();
   float *o = out.ptr<float>(), *mu = mean.ptr<float>(), *rs = rstd.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
   for (int64_t n = 0; n < N; ++n) layernorm_row(o + n * C, mu + n, rs + n, x + n * C, w, b, C);
 }
 
-void CpuBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
-                                            Tensor a, Tensor b, Tensor weight, Tensor bias) {
-  OpCheck c{"residual_layernorm_forward"};
-  c.f32("a", a);
-  c.f32("b", b);
-  c.shape("b", b, a.shape);
-  c.f32("residual", residual);
-  c.shape("residual", residual, a.shape);
-  check_forward(c, out, mean, rstd, residual, weight, bias);
-  const int64_t N = cpu::rows(a), C = a.dim(-1);
+void CpuBackend::run_residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
+                                                Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                                Tensor bias) {
+  const int64_t N = matrix_rows(a), C = a.dim(-1);
   const float *ap = a.ptr<float>(), *bp = b.ptr<float>();
   const float *w = weight.ptr<float>(), *bi = bias.ptr<float>();
   float *res = residual.ptr<float>(), *o = out.ptr<float>();
@@ -88,31 +60,10 @@ void CpuBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor 
   }
 }
 
-void CpuBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                    Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
-                                    Tensor dinp_act) {
-  OpCheck c{"layernorm_backward"};
-  c.f32("inp", inp);
-  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
-  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
-  c.f32("dinp", dinp);
-  c.shape("dinp", dinp, inp.shape);
-  c.f32("dout", dout);
-  c.shape("dout", dout, inp.shape);
-  c.f32("weight", weight);
-  c.shape("weight", weight, {C});
-  c.f32("dweight", dweight);
-  c.shape("dweight", dweight, {C});
-  c.f32("dbias", dbias);
-  c.shape("dbias", dbias, {C});
-  c.f32("mean", mean);
-  c.numel("mean", mean, N);
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, N);
-  if (dinp_act.defined()) {
-    c.f32("dinp_act", dinp_act);
-    c.shape("dinp_act", dinp_act, inp.shape);
-  }
+void CpuBackend::run_layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                        Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                        Tensor dinp_act) {
+  const int64_t N = matrix_rows(inp), C = inp.dim(-1);
 
   const float *x = inp.ptr<float>(), *dy = dout.ptr<float>(), *w = weight.ptr<float>();
   float* copy = dinp_act.defined() ? dinp_act.ptr<float>() : nullptr;

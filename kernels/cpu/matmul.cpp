@@ -11,13 +11,10 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
-
-using cpu::OpCheck;
 
 namespace {
 
@@ -70,26 +67,9 @@ inline void axpy_rows(float* __restrict dst, const float* __restrict coef, int64
 
 }  // namespace
 
-void CpuBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                                Tensor pre_gelu) {
-  OpCheck c{"matmul_forward"};
-  c.f32("weight", weight);
-  c.ndim("weight", weight, 2);
-  const int64_t OC = weight.dim(0), C = weight.dim(1);
-  c.f32("inp", inp);
-  c.dim("inp", inp, -1, C);
-  const int64_t N = cpu::rows(inp);
-  c.f32("out", out);
-  c.dim("out", out, -1, OC);
-  c.numel("out", out, N * OC);
-  if (bias.defined()) {
-    c.f32("bias", bias);
-    c.shape("bias", bias, {OC});
-  }
-  if (pre_gelu.defined()) {
-    c.f32("pre_gelu", pre_gelu);
-    c.shape("pre_gelu", pre_gelu, out.shape);
-  }
+void CpuBackend::run_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                    Tensor pre_gelu) {
+  const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
 
   const float *x = inp.ptr<float>(), *w = weight.ptr<float>();
   const float* b = bias.defined() ? bias.ptr<float>() : nullptr;
@@ -112,32 +92,9 @@ void CpuBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bi
   }
 }
 
-void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                                 Tensor weight, Tensor inp_pre_gelu) {
-  OpCheck c{"matmul_backward"};
-  c.f32("weight", weight);
-  c.ndim("weight", weight, 2);
-  const int64_t OC = weight.dim(0), C = weight.dim(1);
-  c.f32("inp", inp);
-  c.dim("inp", inp, -1, C);
-  const int64_t N = cpu::rows(inp);
-  c.f32("dout", dout);
-  c.dim("dout", dout, -1, OC);
-  c.numel("dout", dout, N * OC);
-  c.f32("dweight", dweight);
-  c.shape("dweight", dweight, weight.shape);
-  if (dinp.defined()) {
-    c.f32("dinp", dinp);
-    c.shape("dinp", dinp, inp.shape);
-  }
-  if (dbias.defined()) {
-    c.f32("dbias", dbias);
-    c.shape("dbias", dbias, {OC});
-  }
-  if (inp_pre_gelu.defined()) {
-    c.f32("inp_pre_gelu", inp_pre_gelu);
-    c.shape("inp_pre_gelu", inp_pre_gelu, inp.shape);
-  }
+void CpuBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                     Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+  const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
 
   const float *x = inp.ptr<float>(), *w = weight.ptr<float>(), *g = dout.ptr<float>();
 

@@ -8,25 +8,15 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
 namespace {
 
-// The received layout: rows [R,C] packed by source, counts i32[P,El] (source s's rows per local
-// expert) summing to at most R; local [R,C]. Returns the rows that arrived.
-int64_t check_received(const OpCheck& c, const Tensor& received, const Tensor& local,
-                       const Tensor& counts) {
-  c.f32("received", received);
-  c.ndim("received", received, 2);
-  c.f32("local", local);
-  c.shape("local", local, received.shape);
-  c.dtype("counts", counts, DType::i32);
-  c.ndim("counts", counts, 2);
+// The counts i32[P,El] (source s's rows per local expert) are not negative and sum to at most
+// the R rows of the received buffer [R,C].
+void check_counts(const OpCheck& c, const Tensor& received, const Tensor& counts) {
   int64_t total = 0;
   for (int64_t i = 0; i < counts.numel(); ++i) {
     if (counts.ptr<int>()[i] < 0) c.fail("counts", "must not be negative");
@@ -35,7 +25,6 @@ int64_t check_received(const OpCheck& c, const Tensor& received, const Tensor& l
   if (total > received.dim(0))
     c.fail("counts", "sum to " + std::to_string(total) + " rows, past the buffers' " +
                          std::to_string(received.dim(0)));
-  return total;
 }
 
 // For each (local expert e, source s), in that order: the row where s's rows of e start in the
@@ -59,11 +48,8 @@ void each_run(const Tensor& counts, Visit visit) {
 
 }  // namespace
 
-void CpuBackend::moe_ep_counts(Tensor counts, Tensor offsets) {
-  OpCheck c{"moe_ep_counts"};
-  c.dtype("counts", counts, DType::i32);
-  c.dtype("offsets", offsets, DType::i32);
-  c.numel("offsets", offsets, counts.numel() + 1);
+void CpuBackend::run_moe_ep_counts(Tensor counts, Tensor offsets) {
+  const OpCheck c = op_check("moe_ep_counts");
   const int* off = offsets.ptr<int>();
   for (int64_t e = 0; e < counts.numel(); ++e) {
     if (off[e + 1] < off[e]) c.fail("offsets", "must not decrease");
@@ -71,12 +57,10 @@ void CpuBackend::moe_ep_counts(Tensor counts, Tensor offsets) {
   }
 }
 
-void CpuBackend::moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) {
-  OpCheck c{"moe_ep_group"};
-  check_received(c, received, local, counts);
+void CpuBackend::run_moe_ep_group(Tensor local, Tensor local_offsets, Tensor received,
+                                  Tensor counts) {
+  check_counts(op_check("moe_ep_group"), received, counts);
   const int64_t El = counts.dim(1), P = counts.dim(0), C = local.dim(1);
-  c.dtype("local_offsets", local_offsets, DType::i32);
-  c.numel("local_offsets", local_offsets, El + 1);
   int* off = local_offsets.ptr<int>();
   int64_t row = 0, run = 0;
   each_run(counts, [&](int64_t start, int64_t rows) {
@@ -89,9 +73,8 @@ void CpuBackend::moe_ep_group(Tensor local, Tensor local_offsets, Tensor receive
   off[El] = static_cast<int>(row);
 }
 
-void CpuBackend::moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) {
-  OpCheck c{"moe_ep_ungroup"};
-  check_received(c, received, local, counts);
+void CpuBackend::run_moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) {
+  check_counts(op_check("moe_ep_ungroup"), received, counts);
   const int64_t C = local.dim(1);
   int64_t row = 0;
   each_run(counts, [&](int64_t start, int64_t rows) {

@@ -5,51 +5,16 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
-namespace {
-
-// The combine's shared arguments: tokens [N,C] (out or dout), rows yp [N*k,C] and slot_row
-// i32[N*k]. Returns k.
-int64_t check_combine(const OpCheck& c, const Tensor& tokens, const Tensor& yp,
-                      const Tensor& slot_row) {
-  c.f32("out", tokens);
-  c.f32("yp", yp);
-  c.ndim("yp", yp, 2);
-  const int64_t N = cpu::rows(tokens), M = yp.dim(0);
-  c.dim("yp", yp, 1, tokens.dim(-1));
-  if (N == 0 || M % N != 0) c.fail("yp", "rows must be a multiple of " + std::to_string(N));
-  c.dtype("slot_row", slot_row, DType::i32);
-  c.numel("slot_row", slot_row, M);
-  c.indices("slot_row", slot_row, M);
-  return M / N;
-}
-
-}  // namespace
-
-void CpuBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
-                             Tensor topk_idx) {
-  OpCheck c{"moe_permute"};
-  c.f32("x", x);
-  c.dtype("topk_idx", topk_idx, DType::i32);
-  c.ndim("topk_idx", topk_idx, 2);
-  c.dtype("offsets", offsets, DType::i32);
-  const int64_t N = cpu::rows(x), C = x.dim(-1), K = topk_idx.dim(1), M = N * K;
+void CpuBackend::run_moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
+                                 Tensor x, Tensor topk_idx) {
+  const int64_t N = matrix_rows(x), C = x.dim(-1), K = topk_idx.dim(1), M = N * K;
   const int64_t E = offsets.numel() - 1;
-  c.dim("topk_idx", topk_idx, 0, N);
-  c.indices("topk_idx", topk_idx, E);
-  c.f32("xp", xp);
-  c.shape("xp", xp, {M, C});
-  c.dtype("row_token", row_token, DType::i32);
-  c.numel("row_token", row_token, M);
-  c.dtype("slot_row", slot_row, DType::i32);
-  c.numel("slot_row", slot_row, M);
+  op_check("moe_permute").indices("topk_idx", topk_idx, E);
   const int* idx = topk_idx.ptr<int>();
   int *off = offsets.ptr<int>(), *rt = row_token.ptr<int>(), *sr = slot_row.ptr<int>();
   std::fill(off, off + E + 1, 0);
@@ -67,15 +32,10 @@ void CpuBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tenso
   for (int64_t m = 0; m < M; ++m) std::copy(xs + rt[m] * C, xs + (rt[m] + 1) * C, out + m * C);
 }
 
-void CpuBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
-                               bool accumulate) {
-  OpCheck c{"moe_unpermute"};
-  const int64_t N = cpu::rows(out), C = out.dim(-1), M = yp.dim(0);
-  const int64_t K = check_combine(c, out, yp, slot_row);
-  if (topk_w.defined()) {
-    c.f32("topk_w", topk_w);
-    c.numel("topk_w", topk_w, M);
-  }
+void CpuBackend::run_moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                                   bool accumulate) {
+  const int64_t N = matrix_rows(out), C = out.dim(-1), M = yp.dim(0), K = M / N;
+  op_check("moe_unpermute").indices("slot_row", slot_row, M);
   const float* y = yp.ptr<float>();
   const float* w = topk_w.defined() ? topk_w.ptr<float>() : nullptr;
   const int* sr = slot_row.ptr<int>();
@@ -91,17 +51,10 @@ void CpuBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor to
   }
 }
 
-void CpuBackend::moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
-                                        Tensor slot_row, Tensor topk_w) {
-  OpCheck c{"moe_unpermute_backward"};
-  const int64_t N = cpu::rows(dout), C = dout.dim(-1), M = yp.dim(0);
-  const int64_t K = check_combine(c, dout, yp, slot_row);
-  c.f32("dyp", dyp);
-  c.shape("dyp", dyp, yp.shape);
-  c.f32("dtopk_w", dtopk_w);
-  c.numel("dtopk_w", dtopk_w, M);
-  c.f32("topk_w", topk_w);
-  c.numel("topk_w", topk_w, M);
+void CpuBackend::run_moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
+                                            Tensor slot_row, Tensor topk_w) {
+  const int64_t N = matrix_rows(dout), C = dout.dim(-1), M = yp.dim(0), K = M / N;
+  op_check("moe_unpermute_backward").indices("slot_row", slot_row, M);
   const float *y = yp.ptr<float>(), *w = topk_w.ptr<float>(), *g = dout.ptr<float>();
   const int* sr = slot_row.ptr<int>();
   float *dy = dyp.ptr<float>(), *dw = dtopk_w.ptr<float>();

@@ -11,31 +11,12 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
 namespace {
-
-// The routing and the tensors both router ops take: logits and scores [N,E] and topk_idx
-// i32[N,k].
-void check_routing(const OpCheck& c, const MoeRouting& r, const Tensor& logits,
-                   const Tensor& scores, const Tensor& topk_idx) {
-  if (r.n_experts <= 0 || r.top_k <= 0 || r.top_k > r.n_experts)
-    c.fail("r", "needs 0 < top_k <= n_experts, got top_k " + std::to_string(r.top_k) + " of " +
-                    std::to_string(r.n_experts));
-  c.f32("logits", logits);
-  if (logits.ndim() != 2 || logits.dim(1) != r.n_experts)
-    c.fail("logits", "expected [N, " + std::to_string(r.n_experts) + "], got " + logits.str());
-  c.f32("scores", scores);
-  c.shape("scores", scores, logits.shape);
-  c.dtype("topk_idx", topk_idx, DType::i32);
-  c.shape("topk_idx", topk_idx, {logits.dim(0), r.top_k});
-}
 
 // softmax(l) into p, returning logsumexp(l).
 float softmax_row(const float* l, float* p, int E) {
@@ -53,24 +34,11 @@ inline float sigmoid(float x) {
 
 }  // namespace
 
-void CpuBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
-                                    Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) {
-  OpCheck c{"moe_router_forward"};
-  check_routing(c, r, logits, scores, topk_idx);
+void CpuBackend::run_moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w,
+                                        Tensor counts, Tensor stats, Tensor logits, Tensor bias,
+                                        const MoeRouting& r) {
   const int64_t N = logits.dim(0);
   const int E = r.n_experts, K = r.top_k;
-  c.f32("topk_w", topk_w);
-  c.shape("topk_w", topk_w, {N, K});
-  c.f32("counts", counts);
-  c.numel("counts", counts, E);
-  if (bias.defined()) {
-    c.f32("bias", bias);
-    c.numel("bias", bias, E);
-  }
-  if (stats.defined()) {
-    c.f32("stats", stats);
-    c.numel("stats", stats, E + kMoeStats);
-  }
   const float* l = logits.ptr<float>();
   const float* b = bias.defined() ? bias.ptr<float>() : nullptr;
   float* s = scores.ptr<float>();
@@ -137,20 +105,12 @@ void CpuBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_
   st[E + kMoeTokens] += static_cast<float>(N);
 }
 
-void CpuBackend::moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
-                                     Tensor topk_idx, Tensor counts, const MoeRouting& r,
-                                     float loss_scale) {
-  OpCheck c{"moe_router_backward"};
-  check_routing(c, r, logits, scores, topk_idx);
+void CpuBackend::run_moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits,
+                                         Tensor scores, Tensor topk_idx, Tensor counts,
+                                         const MoeRouting& r, float loss_scale) {
   const int64_t N = logits.dim(0);
   const int E = r.n_experts, K = r.top_k;
-  c.f32("dlogits", dlogits);
-  c.shape("dlogits", dlogits, logits.shape);
-  c.f32("dtopk_w", dtopk_w);
-  c.shape("dtopk_w", dtopk_w, {N, K});
-  c.indices("topk_idx", topk_idx, E);
-  c.f32("counts", counts);
-  c.numel("counts", counts, E);
+  op_check("moe_router_backward").indices("topk_idx", topk_idx, E);
   const float *l = logits.ptr<float>(), *s = scores.ptr<float>(), *g = dtopk_w.ptr<float>(),
               *cnt = counts.ptr<float>();
   const int* idx = topk_idx.ptr<int>();
@@ -201,11 +161,7 @@ void CpuBackend::moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logi
   }
 }
 
-void CpuBackend::moe_bias_update(Tensor bias, Tensor counts, float rate) {
-  OpCheck c{"moe_bias_update"};
-  c.f32("bias", bias);
-  c.f32("counts", counts);
-  c.numel("counts", counts, bias.numel());
+void CpuBackend::run_moe_bias_update(Tensor bias, Tensor counts, float rate) {
   const int64_t E = bias.numel();
   float* b = bias.ptr<float>();
   const float* cnt = counts.ptr<float>();

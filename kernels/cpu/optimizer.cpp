@@ -4,19 +4,15 @@
 // header's formula; the decay spans are walked once to split [offset, offset+n) into runs with
 // and without weight decay. Per-step scalars (lr, step, gradient scale) are read from `sched`.
 #include <algorithm>
-#include <stdexcept>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "kernels/bf16.h"
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
-
-using cpu::OpCheck;
 
 namespace {
 
@@ -37,12 +33,6 @@ double chunked_sum(const float* x, int64_t n, Term term) {
   return total;
 }
 
-void check_reduction(const OpCheck& c, Tensor out, Tensor x) {
-  c.f32("out", out);
-  c.numel("out", out, 1);
-  c.f32("x", x);
-}
-
 void store(Tensor out, double value, bool accumulate) {
   float* o = out.ptr<float>();
   o[0] = static_cast<float>(accumulate ? static_cast<double>(o[0]) + value : value);
@@ -58,9 +48,6 @@ std::vector<DecayRun> decay_runs(const OpCheck& c, Tensor spans, int64_t offset,
   std::vector<DecayRun> runs;
   int64_t pos = 0;  // local index covered so far
   if (spans.defined()) {
-    c.dtype("decay_spans", spans, DType::i64);
-    c.ndim("decay_spans", spans, 2);
-    c.dim("decay_spans", spans, 1, 2);
     const int64_t* s = spans.ptr<int64_t>();
     int64_t prev_end = 0;
     for (int64_t k = 0; k < spans.dim(0); ++k) {
@@ -82,25 +69,16 @@ std::vector<DecayRun> decay_runs(const OpCheck& c, Tensor spans, int64_t offset,
 
 }  // namespace
 
-void CpuBackend::reduce_sum(Tensor out, Tensor x, bool accumulate) {
-  OpCheck c{"reduce_sum"};
-  check_reduction(c, out, x);
+void CpuBackend::run_reduce_sum(Tensor out, Tensor x, bool accumulate) {
   store(out, chunked_sum(x.ptr<float>(), x.numel(), [](float v) { return double{v}; }), accumulate);
 }
 
-void CpuBackend::sum_squares(Tensor out, Tensor x, bool accumulate) {
-  OpCheck c{"sum_squares"};
-  check_reduction(c, out, x);
+void CpuBackend::run_sum_squares(Tensor out, Tensor x, bool accumulate) {
   store(out, chunked_sum(x.ptr<float>(), x.numel(), [](float v) { return double{v} * v; }),
         accumulate);
 }
 
-void CpuBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
-  OpCheck c{"grad_norm_clip"};
-  c.f32("sched", sched);
-  c.numel("sched", sched, kSchedSize);
-  c.f32("sumsq", sumsq);
-  c.numel("sumsq", sumsq, 1);
+void CpuBackend::run_grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) {
   float* s = sched.ptr<float>();
   const float norm = grad_scale * std::sqrt(sumsq.ptr<float>()[0]);
   s[kSchedGradNorm] = norm;
@@ -108,36 +86,16 @@ void CpuBackend::grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, floa
       grad_scale * (max_norm > 0.0f ? std::min(1.0f, max_norm / (norm + 1e-6f)) : 1.0f);
 }
 
-void CpuBackend::set_schedule(Tensor sched, float lr, int step) {
-  OpCheck c{"set_schedule"};
-  c.f32("sched", sched);
-  c.numel("sched", sched, kSchedSize);
-  if (step < 1)
-    c.fail("step", "must be >= 1 (1-based for bias correction), got " + std::to_string(step));
+void CpuBackend::run_set_schedule(Tensor sched, float lr, int step) {
   sched.ptr<float>()[kSchedLr] = lr;
   sched.ptr<float>()[kSchedStep] = static_cast<float>(step);
 }
 
-void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
-                              Tensor decay_spans, int64_t offset, Tensor sched,
-                              const AdamWHyper& hyper) {
-  OpCheck c{"adamw_update"};
-  c.f32("master", master);
+void CpuBackend::run_adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
+                                  Tensor decay_spans, int64_t offset, Tensor sched,
+                                  const AdamWHyper& hyper) {
+  const OpCheck c = op_check("adamw_update");
   const int64_t n = master.numel();
-  c.f32("grads", grads);
-  c.numel("grads", grads, n);
-  c.f32("m", m);
-  c.numel("m", m, n);
-  c.f32("v", v);
-  c.numel("v", v, n);
-  c.f32("sched", sched);
-  c.numel("sched", sched, kSchedSize);
-  if (working.defined()) {
-    c.defined("working", working);
-    if (working.dtype != DType::f32 && working.dtype != DType::bf16)
-      c.fail("working", "expected dtype f32 or bf16, got " + working.str());
-    c.numel("working", working, n);
-  }
   const std::vector<DecayRun> runs = decay_runs(c, decay_spans, offset, n);
   const float* s = sched.ptr<float>();
   const float lr = s[kSchedLr], step = s[kSchedStep], grad_scale = s[kSchedGradScale];
@@ -168,12 +126,7 @@ void CpuBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, T
   }
 }
 
-void CpuBackend::add(Tensor dst, Tensor src) {
-  OpCheck c{"add"};
-  c.f32("dst", dst);
-  c.f32("src", src);
-  if (dst.numel() != src.numel())
-    throw std::invalid_argument("add: dst " + dst.str() + " and src " + src.str() + " differ in size");
+void CpuBackend::run_add(Tensor dst, Tensor src) {
   float* d = dst.ptr<float>();
   const float* s = src.ptr<float>();
   const int64_t n = dst.numel();

@@ -7,30 +7,15 @@
 // all (token, head) rows in order, threads over column blocks (deterministic).
 #include <algorithm>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/rmsnorm_row.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
-void CpuBackend::qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
-                                 Tensor k_weight, const AttentionDims& a, float eps) {
-  OpCheck c{"qk_norm_forward"};
-  c.packed_qkv("inp", inp, a);
-  c.f32("out", out);
-  c.shape("out", out, inp.shape);
-  if (out.data == inp.data) c.fail("out", "must not alias inp");
-  c.f32("q_weight", q_weight);
-  c.shape("q_weight", q_weight, {a.head_dim});
-  c.f32("k_weight", k_weight);
-  c.shape("k_weight", k_weight, {a.head_dim});
+void CpuBackend::run_qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
+                                     Tensor k_weight, const AttentionDims& a, float eps) {
   const int64_t N = inp.dim(0) * inp.dim(1), heads = a.n_head + a.n_kv_head;
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, N * heads);
-  c.non_negative("eps", eps);
 
   const int64_t hs = a.head_dim, row = a.qkv_dim(), NH = a.n_head;
   const float* x = inp.ptr<float>();
@@ -47,27 +32,10 @@ void CpuBackend::qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_w
   }
 }
 
-void CpuBackend::qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
-                                  Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
-                                  const AttentionDims& a) {
-  OpCheck c{"qk_norm_backward"};
-  c.packed_qkv("inp", inp, a);
-  c.f32("dinp", dinp);
-  c.shape("dinp", dinp, inp.shape);
-  c.f32("dout", dout);
-  c.shape("dout", dout, inp.shape);
-  if (dinp.data == dout.data) c.fail("dinp", "must not alias dout");
-  c.f32("q_weight", q_weight);
-  c.shape("q_weight", q_weight, {a.head_dim});
-  c.f32("k_weight", k_weight);
-  c.shape("k_weight", k_weight, {a.head_dim});
-  c.f32("dq_weight", dq_weight);
-  c.shape("dq_weight", dq_weight, {a.head_dim});
-  c.f32("dk_weight", dk_weight);
-  c.shape("dk_weight", dk_weight, {a.head_dim});
+void CpuBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
+                                      Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                                      const AttentionDims& a) {
   const int64_t N = inp.dim(0) * inp.dim(1), heads = a.n_head + a.n_kv_head;
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, N * heads);
 
   const int64_t hs = a.head_dim, row = a.qkv_dim(), NH = a.n_head, KV = a.n_kv_head;
   const float* x = inp.ptr<float>();

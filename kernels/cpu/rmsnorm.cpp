@@ -8,36 +8,15 @@
 
 #include <algorithm>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/rmsnorm_row.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
-namespace {
-
-void check_forward(const OpCheck& c, Tensor out, Tensor rstd, Tensor inp, Tensor weight,
-                   float eps) {
-  c.f32("inp", inp);
-  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
-  c.f32("out", out);
-  c.shape("out", out, inp.shape);
-  c.f32("weight", weight);
-  c.shape("weight", weight, {inp.dim(-1)});
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, cpu::rows(inp));
-  c.non_negative("eps", eps);
-}
-
-}  // namespace
-
-void CpuBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
-  OpCheck c{"rmsnorm_forward"};
-  check_forward(c, out, rstd, inp, weight, eps);
-  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
+void CpuBackend::run_rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight,
+                                     float eps) {
+  const int64_t N = matrix_rows(inp), C = inp.dim(-1);
   const float* x = inp.ptr<float>();
   const float* w = weight.ptr<float>();
   float* o = out.ptr<float>();
@@ -46,16 +25,9 @@ void CpuBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor wei
   for (int64_t n = 0; n < N; ++n) rs[n] = cpu::rmsnorm_row_forward(o + n * C, x + n * C, w, C, eps);
 }
 
-void CpuBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
-                                          Tensor b, Tensor weight, float eps) {
-  OpCheck c{"residual_rmsnorm_forward"};
-  c.f32("a", a);
-  c.f32("b", b);
-  c.shape("b", b, a.shape);
-  c.f32("residual", residual);
-  c.shape("residual", residual, a.shape);
-  check_forward(c, out, rstd, residual, weight, eps);
-  const int64_t N = cpu::rows(a), C = a.dim(-1);
+void CpuBackend::run_residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
+                                              Tensor b, Tensor weight, float eps) {
+  const int64_t N = matrix_rows(a), C = a.dim(-1);
   const float *ap = a.ptr<float>(), *bp = b.ptr<float>(), *w = weight.ptr<float>();
   float *res = residual.ptr<float>(), *o = out.ptr<float>(), *rs = rstd.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * C))
@@ -66,26 +38,9 @@ void CpuBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rs
   }
 }
 
-void CpuBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                  Tensor weight, Tensor rstd, Tensor dinp_act) {
-  OpCheck c{"rmsnorm_backward"};
-  c.f32("inp", inp);
-  if (inp.ndim() == 0) c.fail("inp", "needs at least one dim");
-  const int64_t N = cpu::rows(inp), C = inp.dim(-1);
-  c.f32("dinp", dinp);
-  c.shape("dinp", dinp, inp.shape);
-  c.f32("dout", dout);
-  c.shape("dout", dout, inp.shape);
-  c.f32("weight", weight);
-  c.shape("weight", weight, {C});
-  c.f32("dweight", dweight);
-  c.shape("dweight", dweight, {C});
-  c.f32("rstd", rstd);
-  c.numel("rstd", rstd, N);
-  if (dinp_act.defined()) {
-    c.f32("dinp_act", dinp_act);
-    c.shape("dinp_act", dinp_act, inp.shape);
-  }
+void CpuBackend::run_rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                      Tensor weight, Tensor rstd, Tensor dinp_act) {
+  const int64_t N = matrix_rows(inp), C = inp.dim(-1);
 
   const float* x = inp.ptr<float>();
   const float* dy = dout.ptr<float>();

@@ -11,26 +11,12 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
 namespace {
-
-void check_rope(const OpCheck& c, const char* out_name, Tensor out, const char* inp_name,
-                Tensor inp, const AttentionDims& a, float theta) {
-  c.packed_qkv(inp_name, inp, a);
-  c.f32(out_name, out);
-  c.shape(out_name, out, inp.shape);
-  if (a.head_dim % 2 != 0)
-    c.fail("dims", "head_dim must be even, got " + std::to_string(a.head_dim));
-  if (!std::isfinite(theta) || theta <= 0.0f)
-    c.fail("theta", "must be finite and > 0, got " + std::to_string(theta));
-}
 
 // Rotates the query and key heads of every token by +angle (forward) or -angle (backward).
 void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, float theta, bool inverse) {
@@ -65,13 +51,11 @@ void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, float theta, boo
 
 }  // namespace
 
-void CpuBackend::rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
-  check_rope(OpCheck{"rope_forward"}, "out", out, "inp", inp, a, theta);
+void CpuBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
   rope_apply(out, inp, a, theta, false);
 }
 
-void CpuBackend::rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
-  check_rope(OpCheck{"rope_backward"}, "dinp", dinp, "dout", dout, a, theta);
+void CpuBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
   rope_apply(dinp, dout, a, theta, true);
 }
 

@@ -6,25 +6,12 @@
 //   dgate = dout * up * s * (1 + gate * (1 - s)),  dup = dout * gate * s.
 #include <cmath>
 
-#include "kernels/cpu/check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
 
 namespace kiln {
 
-using cpu::OpCheck;
-
 namespace {
-
-// The shape of out for inp [..., 2F]: [..., F]. Checks inp.
-Shape check_swiglu_inp(const OpCheck& c, Tensor inp) {
-  c.f32("inp", inp);
-  if (inp.ndim() == 0 || inp.dim(-1) % 2 != 0)
-    c.fail("inp", "last dim must be 2*F (gate then up), got " + inp.str());
-  Shape half = inp.shape;
-  half.dims[static_cast<size_t>(half.ndim - 1)] /= 2;
-  return half;
-}
 
 inline float sigmoid(float x) {
   return 1.0f / (1.0f + std::exp(-x));
@@ -32,12 +19,8 @@ inline float sigmoid(float x) {
 
 }  // namespace
 
-void CpuBackend::swiglu_forward(Tensor out, Tensor inp) {
-  OpCheck c{"swiglu_forward"};
-  const Shape out_shape = check_swiglu_inp(c, inp);
-  c.f32("out", out);
-  c.shape("out", out, out_shape);
-  const int64_t N = cpu::rows(inp), F = out_shape[-1];
+void CpuBackend::run_swiglu_forward(Tensor out, Tensor inp) {
+  const int64_t N = matrix_rows(inp), F = inp.dim(-1) / 2;
   const float* x = inp.ptr<float>();
   float* o = out.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * F))
@@ -47,14 +30,8 @@ void CpuBackend::swiglu_forward(Tensor out, Tensor inp) {
   }
 }
 
-void CpuBackend::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
-  OpCheck c{"swiglu_backward"};
-  const Shape out_shape = check_swiglu_inp(c, inp);
-  c.f32("dinp", dinp);
-  c.shape("dinp", dinp, inp.shape);
-  c.f32("dout", dout);
-  c.shape("dout", dout, out_shape);
-  const int64_t N = cpu::rows(inp), F = out_shape[-1];
+void CpuBackend::run_swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
+  const int64_t N = matrix_rows(inp), F = inp.dim(-1) / 2;
   const float *x = inp.ptr<float>(), *dy = dout.ptr<float>();
   float* dx = dinp.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * F))
@@ -69,10 +46,10 @@ void CpuBackend::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
   }
 }
 
-// The reference is the two ops it stands for, in that order, so a CPU step is what it was
-// before the op existed (dact holds dout @ weight afterwards).
-void CpuBackend::swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
-                                        Tensor act, Tensor weight, Tensor pre, Tensor dact) {
+// The reference is the two ops it stands for, in that order, so that it computes exactly what
+// they do (dact holds dout @ weight afterwards).
+void CpuBackend::run_swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
+                                            Tensor act, Tensor weight, Tensor pre, Tensor dact) {
   matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{});
   swiglu_backward(dpre, dact, pre);
 }

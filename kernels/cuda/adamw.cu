@@ -117,34 +117,14 @@ __global__ void adamw_kernel(float* master, const float* grads, float* m, float*
 
 }  // namespace
 
-void CudaBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
-                               Tensor decay_spans, int64_t offset, Tensor sched,
-                               const AdamWHyper& hyper) {
-  const char* op = "adamw_update";
-  expect_f32(master, op, "master");
+void CudaBackend::run_adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
+                                   Tensor decay_spans, int64_t offset, Tensor sched,
+                                   const AdamWHyper& hyper) {
   const int64_t n = master.numel();
-  expect_f32(grads, op, "grads");
-  expect_f32(m, op, "m");
-  expect_f32(v, op, "v");
-  expect_numel(grads, n, op, "grads");
-  expect_numel(m, n, op, "m");
-  expect_numel(v, n, op, "v");
-  expect_f32(sched, op, "sched");
-  expect_numel(sched, kSchedSize, op, "sched");
-  int64_t nspans = 0;
-  const int64_t* spans = nullptr;
-  if (decay_spans.defined()) {
-    expect_device(decay_spans, op, "decay_spans");
-    if (decay_spans.dtype != DType::i64 || decay_spans.ndim() != 2 || decay_spans.dim(1) != 2)
-      throw std::invalid_argument("cuda adamw_update: decay_spans " + decay_spans.str() +
-                                  " must be i64[S,2]");
-    nspans = decay_spans.dim(0);
-    spans = decay_spans.ptr<int64_t>();
-  }
-  if (working.defined()) {
-    expect_activation(working, op, "working");
-    expect_numel(working, n, op, "working");
-  }
+  const int64_t nspans = decay_spans.defined() ? decay_spans.dim(0) : 0;
+  const int64_t* spans = decay_spans.defined() ? decay_spans.ptr<int64_t>() : nullptr;
+  // The kernels write the working copy in bf16 only.
+  if (working.defined()) op_check("adamw_update").activation_dtype("working", working);
   if (n == 0) return;
   const int threads = 256;
   const bool vec4 = aligned(master.data, 16) && aligned(grads.data, 16) && aligned(m.data, 16) &&
@@ -167,9 +147,9 @@ void CudaBackend::adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, 
     if (done == n) return;
     // The tail (< 4 elements) through the scalar kernel, on the sub-range's views.
     const Shape tail{n - done};
-    adamw_update(master.slice(done, tail), grads.slice(done, tail), m.slice(done, tail),
-                 v.slice(done, tail), working.defined() ? working.slice(done, tail) : Tensor(),
-                 decay_spans, offset + done, sched, hyper);
+    run_adamw_update(master.slice(done, tail), grads.slice(done, tail), m.slice(done, tail),
+                     v.slice(done, tail), working.defined() ? working.slice(done, tail) : Tensor(),
+                     decay_spans, offset + done, sched, hyper);
     return;
   }
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), sm_count_ * 16));

@@ -27,17 +27,7 @@ using namespace cuda;
 
 namespace cuda {
 
-AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a, const char* op) {
-  const std::string where = std::string("cuda ") + op + ": ";
-  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.head_dim <= 0 || a.n_head % a.n_kv_head != 0)
-    throw std::invalid_argument(where + "n_head=" + std::to_string(a.n_head) +
-                                ", n_kv_head=" + std::to_string(a.n_kv_head) +
-                                ", head_dim=" + std::to_string(a.head_dim) +
-                                ": need positive sizes and n_kv_head dividing n_head");
-  if (qkv.ndim() != 3 || qkv.dim(2) != a.qkv_dim())
-    throw std::invalid_argument(where + "qkv " + qkv.str() + " must be [B,T," +
-                                std::to_string(a.qkv_dim()) +
-                                "] ((n_head + 2 n_kv_head) head_dim)");
+AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a) {
   AttentionShape d;
   d.B = static_cast<int>(qkv.dim(0));
   d.T = static_cast<int>(qkv.dim(1));
@@ -215,15 +205,6 @@ __global__ void naive_dkv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, 
   }
 }
 
-void check_attention_io(const AttentionShape& d, const Tensor& out, const Tensor& lse,
-                        const Tensor& qkv, const char* op) {
-  expect_activation(qkv, op, "qkv");
-  expect_activation(out, op, "out");
-  expect_shape(out, Shape{d.B, d.T, d.out_stride}, (std::string("cuda ") + op + ": out").c_str());
-  expect_f32(lse, op, "lse");
-  expect_numel(lse, static_cast<int64_t>(d.B) * d.NH * d.T, op, "lse");
-}
-
 // Shared memory of the naive kernels: floats of [hs] vectors and of [T] rows.
 size_t naive_shared_bytes(const AttentionShape& d, int hs_vectors, int t_rows) {
   return (static_cast<size_t>(hs_vectors) * d.hs + static_cast<size_t>(t_rows) * d.T) *
@@ -259,9 +240,9 @@ void CudaBackend::set_attention(const std::string& kind) {
   spdlog::info("attention: {} (requested)", attention_kind_name(attention_));
 }
 
-void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
-  check_attention_io(d, out, lse, qkv, "attention_forward");
+void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv,
+                                        const AttentionDims& a) {
+  const AttentionShape d = attention_shape(qkv, a);
   switch (attention_) {
     case AttentionKind::naive:
       attention_forward_naive(out, lse, qkv, a);
@@ -287,14 +268,8 @@ void CudaBackend::attention_forward(Tensor out, Tensor lse, Tensor qkv, const At
   }
 }
 
-void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                     const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
-  check_attention_io(d, out, lse, qkv, "attention_backward");
-  expect_activation(dqkv, "attention_backward", "dqkv");
-  expect_activation(dout, "attention_backward", "dout");
-  expect_shape(dqkv, qkv.shape, "cuda attention_backward: dqkv");
-  expect_shape(dout, out.shape, "cuda attention_backward: dout");
+void CudaBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                         Tensor lse, const AttentionDims& a) {
   switch (attention_) {
     case AttentionKind::naive:
       attention_backward_naive(dqkv, dout, qkv, out, lse, a);
@@ -310,7 +285,7 @@ void CudaBackend::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tenso
 
 void CudaBackend::attention_forward_naive(Tensor out, Tensor lse, Tensor qkv,
                                           const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
+  const AttentionShape d = attention_shape(qkv, a);
   const size_t shmem = naive_shared_bytes(d, 1, 1);
   if (shmem > 48 * 1024)
     throw std::invalid_argument("cuda attention (naive): T=" + std::to_string(d.T) +
@@ -322,7 +297,7 @@ void CudaBackend::attention_forward_naive(Tensor out, Tensor lse, Tensor qkv,
 
 void CudaBackend::attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                            Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
+  const AttentionShape d = attention_shape(qkv, a);
   const size_t shmem = naive_shared_bytes(d, 4, 2);
   if (shmem > 48 * 1024)
     throw std::invalid_argument("cuda attention (naive): T=" + std::to_string(d.T) +

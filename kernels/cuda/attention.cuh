@@ -19,8 +19,8 @@ struct AttentionShape {
   float scale = 1.0f;  // 1 / sqrt(hs)
 };
 
-// Validates qkv against `a` (std::invalid_argument naming the op) and derives the shape.
-AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a, const char* op);
+// The shape of qkv as `a` splits it (the op's contract has checked that they agree).
+AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a);
 // delta f32[B,NH,T] in the backend's scratch (valid until the next op that uses scratch).
 float* attention_delta(CudaBackend& backend, const AttentionShape& d, const Tensor& dout,
                        const Tensor& out);

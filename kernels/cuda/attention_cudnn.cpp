@@ -218,7 +218,7 @@ void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, Cud
 
 void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
                                           const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
+  const AttentionShape d = attention_shape(qkv, a);
   char* base = qkv.ptr<char>();
   const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);
   const size_t v_bytes = static_cast<size_t>(d.v_offset) * sizeof(uint16_t);
@@ -229,7 +229,7 @@ void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                            Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
+  const AttentionShape d = attention_shape(qkv, a);
   char* base = qkv.ptr<char>();
   char* dbase = dqkv.ptr<char>();
   const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);

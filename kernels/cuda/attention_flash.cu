@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
 
 void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
                                           const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_forward");
+  const AttentionShape d = attention_shape(qkv, a);
   dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
 #define KILN_FLASH_FWD(HS) \
   flash_forward_kernel<HS> \
@@ -249,7 +249,7 @@ void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
 
 void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                            Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a, "attention_backward");
+  const AttentionShape d = attention_shape(qkv, a);
   if (d.hs != 32 && d.hs != 64 && d.hs != 128) unsupported_head_size(d.hs);
   const float* delta = attention_delta(*this, d, dout, out);
   const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.T, kTile), d.KV, d.B);

@@ -1,6 +1,7 @@
 // Host-side checks shared by every file of the CUDA backend (.cu and .cpp): the check macros
 // (every CUDA / cuBLASLt call is checked; a failure throws std::runtime_error naming file:line
-// and the failing call) and the argument checks the ops run before launching anything.
+// and the failing call), and the small host helpers the launchers share. The ops' arguments are
+// checked before they get here, by their contracts (kernels/contracts.cpp).
 #pragma once
 
 #include <algorithm>
@@ -49,15 +50,6 @@ float median_ms(cudaStream_t stream, const std::function<bool()>& run);
 void gelu_backward_inplace(Tensor d, Tensor pre, int sm_count, cudaStream_t stream);
 void gelu_forward(Tensor out, Tensor pre, int sm_count, cudaStream_t stream);
 
-// Every tensor an op touches lives on the GPU; activations must be bf16 (the backend's
-// activation dtype), with a message that says so when f32 comes in.
-void expect_device(const Tensor& t, const char* op, const char* what);
-void expect_activation(const Tensor& t, const char* op, const char* what);
-void expect_f32(const Tensor& t, const char* op, const char* what);
-// The residual stream (precision.residual) and its gradient: f32 or bf16.
-void expect_residual(const Tensor& t, const char* op, const char* what);
-void expect_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* what);
-void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what);
 // True when p is aligned to `bytes` (16 for the packed loads).
 inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
@@ -79,13 +71,6 @@ struct RowChunks {
 inline RowChunks row_chunks(int64_t N) {
   const int64_t rows = ceil_div(N, std::min<int64_t>(ceil_div(N, 32), 256));
   return {rows, ceil_div(N, rows)};
-}
-// Throws std::invalid_argument unless t has ref's shape.
-inline void expect_same_shape(const Tensor& t, const Tensor& ref, const char* op,
-                              const char* what) {
-  if (t.shape != ref.shape)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must have the shape of " + ref.str());
 }
 
 }  // namespace cuda

@@ -45,43 +45,6 @@ float median_ms(cudaStream_t stream, const std::function<bool()>& run) {
   return ms[ms.size() / 2];
 }
 
-void expect_device(const Tensor& t, const char* op, const char* what) {
-  if (!t.defined())
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " is undefined");
-  if (t.device != Device::cuda)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " is not in GPU memory");
-}
-void expect_activation(const Tensor& t, const char* op, const char* what) {
-  expect_device(t, op, what);
-  if (t.dtype != DType::bf16)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must be bf16 (the CUDA backend's activation dtype; f32 "
-                                "activations are the CPU backend's)");
-}
-void expect_residual(const Tensor& t, const char* op, const char* what) {
-  expect_device(t, op, what);
-  if (t.dtype != DType::bf16 && t.dtype != DType::f32)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must be f32 or bf16 (the residual stream's dtype)");
-}
-void expect_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* what) {
-  if (t.dtype != ref.dtype)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must have the dtype of " + ref.str());
-}
-void expect_f32(const Tensor& t, const char* op, const char* what) {
-  expect_device(t, op, what);
-  if (t.dtype != DType::f32)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must be f32");
-}
-void expect_numel(const Tensor& t, int64_t n, const char* op, const char* what) {
-  if (t.numel() != n)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must have " + std::to_string(n) + " elements");
-}
-
 }  // namespace cuda
 
 using namespace cuda;
@@ -204,13 +167,13 @@ void CudaBackend::release(void* p) {
 }
 
 void CudaBackend::copy_from_host(Tensor dst, const void* src) {
-  expect_device(dst, "copy_from_host", "dst");
+  op_check("copy_from_host").defined("dst", dst);
   KILN_CUDA_CHECK(
       cudaMemcpyAsync(dst.data, src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
 }
 
 void CudaBackend::copy_to_host(void* dst, Tensor src) {
-  expect_device(src, "copy_to_host", "src");
+  op_check("copy_to_host").defined("src", src);
   KILN_CUDA_CHECK(
       cudaMemcpyAsync(dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_));
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -233,7 +196,7 @@ void CudaBackend::release_host(void* p) {
 }
 
 void CudaBackend::copy_from_host_async(Tensor dst, const void* src) {
-  expect_device(dst, "copy_from_host_async", "dst");
+  op_check("copy_from_host_async").defined("dst", dst);
   KILN_CUDA_CHECK(
       cudaMemcpyAsync(dst.data, src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
 }
@@ -293,7 +256,7 @@ void CudaBackend::read_async(int slot, const std::vector<Tensor>& srcs) {
   check_readback(slot, srcs);
   float* dst = readback_pinned_ + slot * kReadbackFloats;
   for (const Tensor& t : srcs) {
-    expect_device(t, "read_async", "src");
+    op_check("read_async").defined("src", t);
     KILN_CUDA_CHECK(
         cudaMemcpyAsync(dst, t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
     dst += t.numel();
@@ -323,9 +286,10 @@ const float* CudaBackend::read_wait(int slot) {
 }
 
 void CudaBackend::copy(Tensor dst, Tensor src) {
-  expect_device(dst, "copy", "dst");
-  expect_device(src, "copy", "src");
-  expect_numel(dst, src.numel(), "copy", "dst");
+  const OpCheck c = op_check("copy");
+  c.defined("dst", dst);
+  c.defined("src", src);
+  c.numel("dst", dst, src.numel());
   const int64_t n = src.numel();
   if (dst.dtype == src.dtype) {
     KILN_CUDA_CHECK(
@@ -340,14 +304,14 @@ void CudaBackend::copy(Tensor dst, Tensor src) {
   } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
     convert_kernel<<<blocks, threads, 0, stream_>>>(dst.ptr<float>(), src.ptr<bf16>(), n);
   } else {
-    throw std::invalid_argument(std::string("cuda copy: no conversion from ") +
-                                dtype_name(src.dtype) + " to " + dtype_name(dst.dtype));
+    c.fail("dst", std::string("cannot convert ") + src.str() + " to " + dst.str() +
+                      " (only f32 <-> bf16 converts)");
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
 
 void CudaBackend::fill_zero(Tensor t) {
-  expect_device(t, "fill_zero", "t");
+  op_check("fill_zero").defined("t", t);
   KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream_));
 }
 

@@ -3,10 +3,11 @@
 // allocated once. Every op is issued on stream() in call order and none synchronizes with the
 // host (copy_to_host, read_wait and synchronize excepted), so a whole step can be captured in a
 // CUDA graph.
-// The ops are member functions defined next to their kernels, one file per op family
-// (encoder.cu, layernorm.cu, matmul.cu, fp8.cu, attention*.cu, softmax_cross_entropy.cu, reduce.cu,
-// adamw.cu, moe_*.cu, grouped_matmul.cu); this header is the only one other layers (trainer, NCCL)
-// need.
+// The ops are member functions (run_<op>, called once the op's contract has checked the
+// arguments: kernels/contracts.cpp) defined next to their kernels, one file per op family
+// (encoder.cu, layernorm.cu, rmsnorm.cu, qk_norm.cu, rope.cu, matmul.cu, swiglu*.cu, fp8.cu,
+// attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, moe_*.cu, grouped_matmul*.cu);
+// this header is the only one other layers (trainer, NCCL) need.
 #pragma once
 
 #include <cublasLt.h>
@@ -68,10 +69,9 @@ class CudaBackend final : public Backend {
   // growing during a capture throws (the capture fails and the step runs eagerly).
   void* scratch(size_t bytes);
 
-  // ---- Backend --------------------------------------------------------------------------
+  // ---- DeviceRuntime (cuda_backend.cu) ---------------------------------------------------
   Device device() const override { return Device::cuda; }
   std::string name() const override { return name_; }
-  DType activation_dtype() const override { return DType::bf16; }
 
   void* allocate(size_t bytes) override;
   void release(void* p) override;
@@ -94,91 +94,21 @@ class CudaBackend final : public Backend {
   std::string capture_end() override;
   std::string graph_replay() override;
 
-  void encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) override;
-  void encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) override;
-  void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
-                         Tensor bias) override;
-  void residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean, Tensor rstd,
-                                  Tensor a, Tensor b, Tensor weight, Tensor bias) override;
-  void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                          Tensor weight, Tensor mean, Tensor rstd, Tensor dinp_act) override;
-  void matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                      Tensor pre_gelu) override;
-  void matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                       Tensor weight, Tensor inp_pre_gelu) override;
-  void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) override;
-  void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                          const AttentionDims& a) override;
-
-  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
-  void residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a, Tensor b,
-                                Tensor weight, float eps) override;
-  void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                        Tensor rstd, Tensor dinp_act) override;
-  void qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight, Tensor k_weight,
-                       const AttentionDims& a, float eps) override;
-  void qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout, Tensor inp,
-                        Tensor q_weight, Tensor k_weight, Tensor rstd,
-                        const AttentionDims& a) override;
-  void rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) override;
-  void rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) override;
-  void swiglu_forward(Tensor out, Tensor inp) override;
-  void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
-  void swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
-                              Tensor weight, Tensor pre, Tensor dact) override;
-  void softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets, int vocab_size,
-                             float dloss_scale, bool write_dlogits) override;
-
-  // Mixture-of-Experts: moe_router.cu, moe_permute.cu, grouped_matmul.cu.
-  void moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
-                          Tensor stats, Tensor logits, Tensor bias, const MoeRouting& r) override;
-  void moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
-                           Tensor topk_idx, Tensor counts, const MoeRouting& r,
-                           float loss_scale) override;
-  void moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets, Tensor x,
-                   Tensor topk_idx) override;
-  void moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
-                     bool accumulate) override;
-  void moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp, Tensor slot_row,
-                              Tensor topk_w) override;
-  void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor offsets,
-                              Tensor pre_gelu) override;
-  void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                               Tensor offsets, Tensor inp_pre_gelu) override;
+  // ---- Backend ----------------------------------------------------------------------------
+  DType activation_dtype() const override { return DType::bf16; }
   bool grouped_reads_device_offsets() const override {
     return grouped_device_offsets_built() && compute_capability_ == 90;
   }
-  void moe_ep_counts(Tensor counts, Tensor offsets) override;
-  void moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) override;
-  void moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) override;
-  void moe_bias_update(Tensor bias, Tensor counts, float rate) override;
-
   std::string fp8_unavailable() const override;
-  void fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state, const Fp8StateLayout& layout,
-                int index) override;
-  void swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
-                          const Fp8StateLayout& layout, int index) override;
-  void swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp, Tensor state,
-                           const Fp8StateLayout& layout, int index) override;
   bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override;
-  void fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu,
-                          const Fp8Linear& f) override;
-  void fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                           Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f) override;
-  void fp8_update_scales(Tensor state, const Fp8StateLayout& layout,
-                         const Fp8Options& options) override;
-
-  void reduce_sum(Tensor out, Tensor x, bool accumulate) override;
-  void sum_squares(Tensor out, Tensor x, bool accumulate) override;
-  void grad_norm_clip(Tensor sched, Tensor sumsq, float max_norm, float grad_scale) override;
-  void set_schedule(Tensor sched, float lr, int step) override;
-  void adamw_update(Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
-                    Tensor decay_spans, int64_t offset, Tensor sched,
-                    const AdamWHyper& hyper) override;
-  void add(Tensor dst, Tensor src) override;
 
   // Deterministic column sums of a bf16 [N,C] matrix added into f32 out[C] (bias gradients).
   void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
+
+ protected:
+  // The ops, one file per op family (see above).
+#define KILN_OP KILN_OP_OVERRIDE
+#include "kernels/ops.def"
 
  private:
   // The grouped GEMMs (grouped_matmul.cu): the group offsets, in host memory, are checked to
@@ -213,7 +143,7 @@ class CudaBackend final : public Backend {
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);
   // Sum (or sum of squares) of x into out[0], deterministic two-pass.
-  void reduce(Tensor out, Tensor x, bool squares, bool accumulate, const char* what);
+  void reduce(Tensor out, Tensor x, bool squares, bool accumulate);
 
   int device_ = 0;
   int sm_count_ = 0;

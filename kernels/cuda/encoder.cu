@@ -141,21 +141,9 @@ void launch_encoder_forward(cudaStream_t stream, Tensor out, Tensor tokens, Tens
 
 }  // namespace
 
-void CudaBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
-  const char* op = "encoder_forward";
-  expect_residual(out, op, "out");
-  expect_activation(wte, op, "wte");
-  const bool has_wpe = wpe.defined();
-  if (has_wpe) expect_activation(wpe, op, "wpe");
-  expect_device(tokens, op, "tokens");
-  expect_dtype(tokens, DType::i32, "cuda encoder_forward: tokens");
-  if (tokens.ndim() != 2) throw std::invalid_argument("cuda encoder_forward: tokens must be [B,T]");
+void CudaBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
   const int B = static_cast<int>(tokens.dim(0)), T = static_cast<int>(tokens.dim(1));
   const int C = static_cast<int>(wte.dim(-1));
-  expect_shape(out, Shape{B, T, C}, "cuda encoder_forward: out");
-  if (has_wpe && (wpe.dim(-1) != C || wpe.dim(0) < T))
-    throw std::invalid_argument("cuda encoder_forward: wpe " + wpe.str() + " does not cover T=" +
-                                std::to_string(T) + ", C=" + std::to_string(C));
   const int64_t BT = static_cast<int64_t>(B) * T;
   if (BT == 0) return;
   if (out.dtype == DType::f32)
@@ -164,26 +152,15 @@ void CudaBackend::encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor 
     launch_encoder_forward<bf16>(stream_, out, tokens, wte, wpe, BT, T, C);
 }
 
-void CudaBackend::encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
-  const char* op = "encoder_backward";
-  expect_f32(dwte, op, "dwte");
-  const bool has_dwpe = dwpe.defined();
-  if (has_dwpe) expect_f32(dwpe, op, "dwpe");
-  expect_residual(dout, op, "dout");
-  expect_device(tokens, op, "tokens");
-  expect_dtype(tokens, DType::i32, "cuda encoder_backward: tokens");
-  if (tokens.ndim() != 2) throw std::invalid_argument("cuda encoder_backward: tokens must be [B,T]");
+void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
   const int B = static_cast<int>(tokens.dim(0)), T = static_cast<int>(tokens.dim(1));
   const int C = static_cast<int>(dwte.dim(-1));
   const int Vp = static_cast<int>(dwte.dim(0));
-  expect_shape(dout, Shape{B, T, C}, "cuda encoder_backward: dout");
-  if (has_dwpe && (dwpe.dim(-1) != C || dwpe.dim(0) < T))
-    throw std::invalid_argument("cuda encoder_backward: dwpe " + dwpe.str() + " does not cover T");
   const int BT = B * T;
   const int threads = 256;
   if (BT == 0) return;
 
-  if (has_dwpe) {
+  if (dwpe.defined()) {
     const int blocks = ceil_div(static_cast<int64_t>(T) * C, threads);
     if (dout.dtype == DType::f32)
       encoder_dwpe_kernel<<<blocks, threads, 0, stream_>>>(dwpe.ptr<float>(), dout.ptr<float>(), B,

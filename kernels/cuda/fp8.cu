@@ -308,11 +308,6 @@ __global__ void fp8_update_kernel(float* state, Fp8StateLayout l, Fp8Options o) 
   if (i < l.n) fp8_update_tensor(state, l, i, o);
 }
 
-void check_state(const Tensor& state, const Fp8StateLayout& l, const char* op) {
-  expect_f32(state, op, "state");
-  expect_numel(state, l.total(), op, "state");
-}
-
 }  // namespace
 
 std::string CudaBackend::fp8_unavailable() const {
@@ -321,47 +316,9 @@ std::string CudaBackend::fp8_unavailable() const {
          "; FP8 tensor cores need sm_89 (Ada) or newer";
 }
 
-namespace {
-
-// Checks the state, the index and the outputs of a cast of R x C values (`what` names them).
-void check_cast(const char* op, Tensor out, Tensor out_t, int64_t R, int64_t C,
-                const std::string& what, const Tensor& state, const Fp8StateLayout& l,
-                int index) {
-  check_state(state, l, op);
-  if (index < 0 || index >= l.n)
-    throw std::invalid_argument(std::string("cuda ") + op + ": index " + std::to_string(index) +
-                                " of " + std::to_string(l.n) + " FP8 tensors");
-  const Tensor& any = out.defined() ? out : out_t;
-  if (!any.defined())
-    throw std::invalid_argument(std::string("cuda ") + op + ": no FP8 output given");
-  for (const Tensor* t : {&out, &out_t}) {
-    if (!t->defined()) continue;
-    expect_device(*t, op, t == &out ? "out" : "out_t");
-    if ((t->dtype != DType::fp8_e4m3 && t->dtype != DType::fp8_e5m2) || t->numel() != R * C ||
-        t->dtype != any.dtype)
-      throw std::invalid_argument(std::string("cuda ") + op + ": " + t->str() +
-                                  " must be fp8 (both outputs one format) holding " + what);
-  }
-}
-
-// inp [..., 2F] against half [..., F]; returns N and F.
-void swiglu_fp8_dims(const char* op, const Tensor& half, const Tensor& inp, int64_t& N,
-                     int64_t& F) {
-  F = half.dim(-1);
-  N = F == 0 ? 0 : half.numel() / F;
-  if (inp.numel() != 2 * N * F || inp.dim(-1) != 2 * F)
-    throw std::invalid_argument(std::string("cuda ") + op + ": inp " + inp.str() + " must be " +
-                                half.str() + " with the last dim doubled (gate then up)");
-}
-
-}  // namespace
-
-void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
-                           const Fp8StateLayout& l, int index) {
-  const char* op = "fp8_cast";
-  expect_activation(inp, op, "inp");
+void CudaBackend::run_fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
+                               const Fp8StateLayout& l, int index) {
   const int64_t C = inp.dim(-1), R = inp.numel() / C;
-  check_cast(op, out, out_t, R, C, inp.str(), state, l, index);
   if (R == 0 || C == 0) return;
   auto* o = static_cast<uint8_t*>(out.data);
   auto* ot = static_cast<uint8_t*>(out_t.data);
@@ -381,14 +338,9 @@ void CudaBackend::fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
 
 // Shapes the fused kernels do not take (F % 8 != 0, unaligned views) run the plain op into
 // scratch and the cast: the same bytes, in two passes.
-void CudaBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
-                                     const Fp8StateLayout& l, int index) {
-  const char* op = "swiglu_forward_fp8";
-  expect_activation(out, op, "out");
-  expect_activation(inp, op, "inp");
-  int64_t N = 0, F = 0;
-  swiglu_fp8_dims(op, out, inp, N, F);
-  check_cast(op, x8, Tensor{}, N, F, out.str(), state, l, index);
+void CudaBackend::run_swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor state,
+                                         const Fp8StateLayout& l, int index) {
+  const int64_t F = out.dim(-1), N = F == 0 ? 0 : out.numel() / F;
   if (N == 0 || F == 0) return;
   if (F % 8 != 0 || !aligned(inp.data, 16) || !aligned(out.data, 16) || !aligned(x8.data, 8)) {
     swiglu_forward(out, inp);
@@ -409,14 +361,9 @@ void CudaBackend::swiglu_forward_fp8(Tensor out, Tensor x8, Tensor inp, Tensor s
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
-                                      Tensor state, const Fp8StateLayout& l, int index) {
-  const char* op = "swiglu_backward_fp8";
-  expect_activation(dout, op, "dout");
-  expect_activation(inp, op, "inp");
-  int64_t N = 0, F = 0;
-  swiglu_fp8_dims(op, dout, inp, N, F);
-  check_cast(op, g8, g8_t, N, 2 * F, inp.str(), state, l, index);
+void CudaBackend::run_swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
+                                          Tensor state, const Fp8StateLayout& l, int index) {
+  const int64_t F = dout.dim(-1), N = F == 0 ? 0 : dout.numel() / F;
   if (N == 0 || F == 0) return;
   auto* o = static_cast<uint8_t*>(g8.data);
   auto* ot = static_cast<uint8_t*>(g8_t.data);
@@ -443,9 +390,8 @@ void CudaBackend::swiglu_backward_fp8(Tensor g8, Tensor g8_t, Tensor dout, Tenso
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::fp8_update_scales(Tensor state, const Fp8StateLayout& l,
-                                    const Fp8Options& options) {
-  check_state(state, l, "fp8_update_scales");
+void CudaBackend::run_fp8_update_scales(Tensor state, const Fp8StateLayout& l,
+                                        const Fp8Options& options) {
   if (l.n == 0) return;
   fp8_summary_kernel<<<1, 1, 0, stream_>>>(state.ptr<float>(), l, options);
   KILN_CUDA_LAUNCH_CHECK();

@@ -13,8 +13,8 @@
 // cover all M rows (offsets[E] == M, as moe_permute's do), C and OC must be multiples of 8 and
 // the tensors 16-byte aligned (TMA); GELU is a pass of its own (grouped_matmul.cu). Measured on an
 // H200 at moe-2.9b-a1b's shapes: forward ~670, dinp ~610, dweight ~450 TFLOP/s, where cuBLASLt
-// group by group (with the sizes on the host) gives ~630-760, ~600-680 and ~530-750 (docs/PERF.md,
-// thirteenth session; CudaPerf.DISABLED_MoeShapes times both paths).
+// group by group (with the sizes on the host) gives ~630-760, ~600-680 and ~530-750 (docs/PERF.md;
+// CudaPerf.DISABLED_MoeShapes times both paths).
 #include "kernels/cuda/cuda_backend.h"
 
 #ifdef KILN_WITH_CUTLASS

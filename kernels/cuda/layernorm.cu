@@ -345,22 +345,10 @@ void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_ac
 
 }  // namespace
 
-void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
-                                    Tensor weight, Tensor bias) {
-  const char* op = "layernorm_forward";
-  expect_activation(out, op, "out");
-  expect_residual(inp, op, "inp");
-  expect_activation(weight, op, "weight");
-  expect_activation(bias, op, "bias");
-  expect_same_shape(out, inp, op, "out");
+void CudaBackend::run_layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
+                                        Tensor weight, Tensor bias) {
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
-  expect_f32(mean, op, "mean");
-  expect_f32(rstd, op, "rstd");
-  expect_numel(mean, N, op, "mean");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
-  expect_numel(bias, C, op, "bias");
   if (N == 0) return;
   if (inp.dtype == DType::f32)
     launch_layernorm_forward<float>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
@@ -368,28 +356,11 @@ void CudaBackend::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor
     launch_layernorm_forward<bf16>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
 }
 
-void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
-                                             Tensor rstd, Tensor a, Tensor b, Tensor weight,
-                                             Tensor bias) {
-  const char* op = "residual_layernorm_forward";
-  expect_residual(residual, op, "residual");
-  expect_activation(out, op, "out");
-  expect_residual(a, op, "a");
-  expect_same_dtype(a, residual, op, "a");
-  expect_activation(b, op, "b");
-  expect_activation(weight, op, "weight");
-  expect_activation(bias, op, "bias");
-  expect_same_shape(out, a, op, "out");
-  expect_same_shape(b, a, op, "b");
-  expect_same_shape(residual, a, op, "residual");
+void CudaBackend::run_residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
+                                                 Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                                 Tensor bias) {
   const int C = static_cast<int>(a.dim(-1));
   const int64_t N = a.numel() / C;
-  expect_f32(mean, op, "mean");
-  expect_f32(rstd, op, "rstd");
-  expect_numel(mean, N, op, "mean");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
-  expect_numel(bias, C, op, "bias");
   if (N == 0) return;
   if (a.dtype == DType::f32)
     launch_layernorm_forward<float>(stream_, out, mean, rstd, residual, a, b, weight, bias);
@@ -397,32 +368,11 @@ void CudaBackend::residual_layernorm_forward(Tensor residual, Tensor out, Tensor
     launch_layernorm_forward<bf16>(stream_, out, mean, rstd, residual, a, b, weight, bias);
 }
 
-void CudaBackend::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                     Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
-                                     Tensor dinp_act) {
-  const char* op = "layernorm_backward";
-  expect_residual(dinp, op, "dinp");
-  expect_activation(dout, op, "dout");
-  expect_residual(inp, op, "inp");
-  expect_same_dtype(inp, dinp, op, "inp");
-  expect_activation(weight, op, "weight");
-  expect_f32(dweight, op, "dweight");
-  expect_f32(dbias, op, "dbias");
-  expect_same_shape(dinp, inp, op, "dinp");
-  expect_same_shape(dout, inp, op, "dout");
-  if (dinp_act.defined()) {
-    expect_activation(dinp_act, op, "dinp_act");
-    expect_same_shape(dinp_act, inp, op, "dinp_act");
-  }
+void CudaBackend::run_layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
+                                         Tensor inp, Tensor weight, Tensor mean, Tensor rstd,
+                                         Tensor dinp_act) {
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
-  expect_f32(mean, op, "mean");
-  expect_f32(rstd, op, "rstd");
-  expect_numel(mean, N, op, "mean");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
-  expect_numel(dweight, C, op, "dweight");
-  expect_numel(dbias, C, op, "dbias");
   if (N == 0) return;
   if (inp.dtype == DType::f32)
     launch_layernorm_backward<float>(*this, dinp, dinp_act, dweight, dbias, dout, inp, weight,

@@ -63,25 +63,6 @@ __global__ void local_offsets_kernel(int* local_offsets, const int* counts, int 
   local_offsets[El] = sum;
 }
 
-void expect_i32(const Tensor& t, const char* op, const char* what, int64_t numel) {
-  expect_device(t, op, what);
-  if (t.dtype != DType::i32)
-    throw std::invalid_argument(std::string("cuda ") + op + ": " + what + " " + t.str() +
-                                " must be i32");
-  expect_numel(t, numel, op, what);
-}
-
-void expect_regroup(const char* op, const Tensor& received, const Tensor& local,
-                    const Tensor& counts) {
-  expect_activation(received, op, "received");
-  expect_activation(local, op, "local");
-  if (received.ndim() != 2 || local.shape != received.shape || counts.ndim() != 2)
-    throw std::invalid_argument(std::string("cuda ") + op + ": received " + received.str() +
-                                ", local " + local.str() + " and counts " + counts.str() +
-                                " must be [R,C], [R,C] and i32[P,El]");
-  expect_i32(counts, op, "counts", counts.numel());
-}
-
 void regroup(cudaStream_t stream, Tensor out, Tensor in, Tensor counts, bool grouped) {
   const int64_t rows = out.dim(0), C = out.dim(1);
   if (rows == 0) return;
@@ -93,17 +74,14 @@ void regroup(cudaStream_t stream, Tensor out, Tensor in, Tensor counts, bool gro
 
 }  // namespace
 
-void CudaBackend::moe_ep_counts(Tensor counts, Tensor offsets) {
-  expect_i32(counts, "moe_ep_counts", "counts", counts.numel());
-  expect_i32(offsets, "moe_ep_counts", "offsets", counts.numel() + 1);
+void CudaBackend::run_moe_ep_counts(Tensor counts, Tensor offsets) {
   counts_kernel<<<1, kThreads, 0, stream_>>>(counts.ptr<int>(), offsets.ptr<int>(),
                                              static_cast<int>(counts.numel()));
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::moe_ep_group(Tensor local, Tensor local_offsets, Tensor received, Tensor counts) {
-  expect_regroup("moe_ep_group", received, local, counts);
-  expect_i32(local_offsets, "moe_ep_group", "local_offsets", counts.dim(1) + 1);
+void CudaBackend::run_moe_ep_group(Tensor local, Tensor local_offsets, Tensor received,
+                                   Tensor counts) {
   local_offsets_kernel<<<1, 1, 0, stream_>>>(local_offsets.ptr<int>(), counts.ptr<int>(),
                                              static_cast<int>(counts.dim(0)),
                                              static_cast<int>(counts.dim(1)));
@@ -111,8 +89,7 @@ void CudaBackend::moe_ep_group(Tensor local, Tensor local_offsets, Tensor receiv
   regroup(stream_, local, received, counts, true);
 }
 
-void CudaBackend::moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) {
-  expect_regroup("moe_ep_ungroup", received, local, counts);
+void CudaBackend::run_moe_ep_ungroup(Tensor received, Tensor local, Tensor counts) {
   regroup(stream_, received, local, counts, false);
 }
 

@@ -137,28 +137,11 @@ int grid_for(int64_t n, int threads, int sm_count) {
 
 }  // namespace
 
-void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
-                              Tensor x, Tensor topk_idx) {
-  const char* op = "moe_permute";
-  expect_activation(x, op, "x");
-  expect_activation(xp, op, "xp");
-  for (auto [t, what] : {std::pair{&row_token, "row_token"},
-                         {&slot_row, "slot_row"},
-                         {&offsets, "offsets"},
-                         {&topk_idx, "topk_idx"}}) {
-    expect_device(*t, op, what);
-    if (t->dtype != DType::i32)
-      throw std::invalid_argument(std::string("cuda moe_permute: ") + what + " " + t->str() +
-                                  " must be i32");
-  }
-  const int64_t C = x.dim(-1), N = x.numel() / C, M = topk_idx.numel();
+void CudaBackend::run_moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
+                                  Tensor x, Tensor topk_idx) {
+  const int64_t C = x.dim(-1), M = topk_idx.numel();
   const int E = static_cast<int>(offsets.numel() - 1);
-  if (topk_idx.ndim() != 2 || topk_idx.dim(0) != N)
-    throw std::invalid_argument("cuda moe_permute: topk_idx " + topk_idx.str() + " must be [N, k]");
   const int K = static_cast<int>(topk_idx.dim(1));
-  expect_numel(xp, M * C, op, "xp");
-  expect_numel(row_token, M, op, "row_token");
-  expect_numel(slot_row, M, op, "slot_row");
   int* counts = static_cast<int*>(scratch(E * sizeof(int)));
   KILN_CUDA_CHECK(cudaMemsetAsync(counts, 0, E * sizeof(int), stream_));
   if (M > 0) {
@@ -182,21 +165,9 @@ void CudaBackend::moe_permute(Tensor xp, Tensor row_token, Tensor slot_row, Tens
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
-                                bool accumulate) {
-  const char* op = "moe_unpermute";
-  expect_activation(out, op, "out");
-  expect_activation(yp, op, "yp");
-  expect_device(slot_row, op, "slot_row");
+void CudaBackend::run_moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
+                                    bool accumulate) {
   const int64_t C = out.dim(-1), N = out.numel() / C, M = yp.numel() / C;
-  if (N == 0 || M % N != 0 || yp.dim(-1) != C)
-    throw std::invalid_argument("cuda moe_unpermute: yp " + yp.str() +
-                                " must be [N*k, C] for out " + out.str());
-  expect_numel(slot_row, M, op, "slot_row");
-  if (topk_w.defined()) {
-    expect_f32(topk_w, op, "topk_w");
-    expect_numel(topk_w, M, op, "topk_w");
-  }
   const int rows = static_cast<int>(std::min<int64_t>(N, int64_t{sm_count_} * 8));
   const float* w = topk_w.defined() ? topk_w.ptr<float>() : nullptr;
   const int K = static_cast<int>(M / N);
@@ -209,23 +180,9 @@ void CudaBackend::moe_unpermute(Tensor out, Tensor yp, Tensor slot_row, Tensor t
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
-                                         Tensor slot_row, Tensor topk_w) {
-  const char* op = "moe_unpermute_backward";
-  expect_activation(dout, op, "dout");
-  expect_activation(yp, op, "yp");
-  expect_activation(dyp, op, "dyp");
-  expect_same_shape(dyp, yp, op, "dyp");
-  expect_device(slot_row, op, "slot_row");
+void CudaBackend::run_moe_unpermute_backward(Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
+                                             Tensor slot_row, Tensor topk_w) {
   const int64_t C = dout.dim(-1), N = dout.numel() / C, M = yp.numel() / C;
-  if (N == 0 || M % N != 0 || yp.dim(-1) != C)
-    throw std::invalid_argument("cuda moe_unpermute_backward: yp " + yp.str() +
-                                " must be [N*k, C] for dout " + dout.str());
-  expect_numel(slot_row, M, op, "slot_row");
-  expect_f32(topk_w, op, "topk_w");
-  expect_numel(topk_w, M, op, "topk_w");
-  expect_f32(dtopk_w, op, "dtopk_w");
-  expect_numel(dtopk_w, M, op, "dtopk_w");
   const int K = static_cast<int>(M / N);
   if (rows_vectorize(C, {dyp.data, dout.data, yp.data}))
     combine_backward_kernel<8><<<static_cast<unsigned>(N), 128, 0, stream_>>>(

@@ -200,45 +200,22 @@ __global__ void bias_update_kernel(float* bias, const float* counts, int E, floa
     bias[e] += counts[e] < mean ? rate : counts[e] > mean ? -rate : 0.0f;
 }
 
-void check_routing(const MoeRouting& r, const Tensor& logits, const Tensor& scores,
-                   const Tensor& topk_idx, const char* op) {
-  if (r.n_experts <= 0 || r.n_experts > 32 * kMaxPerLane || r.top_k <= 0 || r.top_k > 32 ||
-      r.top_k > r.n_experts)
-    throw std::invalid_argument(std::string("cuda ") + op + ": needs 0 < top_k <= min(32, " +
-                                "n_experts) and n_experts <= 256, got top_k " +
-                                std::to_string(r.top_k) + " of " + std::to_string(r.n_experts));
-  expect_activation(logits, op, "logits");
-  expect_f32(scores, op, "scores");
-  expect_same_shape(scores, logits, op, "scores");
-  expect_device(topk_idx, op, "topk_idx");
-  if (logits.ndim() != 2 || logits.dim(1) != r.n_experts || topk_idx.dtype != DType::i32 ||
-      topk_idx.numel() != logits.dim(0) * r.top_k)
-    throw std::invalid_argument(std::string("cuda ") + op + ": logits " + logits.str() +
-                                " must be [N, n_experts] and topk_idx " + topk_idx.str() +
-                                " i32[N, top_k]");
+// The kernels hold a token's scores in a warp (kMaxPerLane a lane) and its top-k in lanes.
+void check_routing(const OpCheck& c, const MoeRouting& r) {
+  if (r.n_experts > 32 * kMaxPerLane || r.top_k > 32)
+    c.fail("r", "needs top_k <= 32 and n_experts <= " + std::to_string(32 * kMaxPerLane) +
+                    ", got top_k " + std::to_string(r.top_k) + " of " +
+                    std::to_string(r.n_experts));
 }
 
 }  // namespace
 
-void CudaBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w, Tensor counts,
-                                     Tensor stats, Tensor logits, Tensor bias,
-                                     const MoeRouting& r) {
-  const char* op = "moe_router_forward";
-  check_routing(r, logits, scores, topk_idx, op);
+void CudaBackend::run_moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk_w,
+                                         Tensor counts, Tensor stats, Tensor logits, Tensor bias,
+                                         const MoeRouting& r) {
+  check_routing(op_check("moe_router_forward"), r);
   const int64_t N = logits.dim(0);
   const int E = r.n_experts, K = r.top_k;
-  expect_f32(topk_w, op, "topk_w");
-  expect_numel(topk_w, N * K, op, "topk_w");
-  expect_f32(counts, op, "counts");
-  expect_numel(counts, E, op, "counts");
-  if (bias.defined()) {
-    expect_f32(bias, op, "bias");
-    expect_numel(bias, E, op, "bias");
-  }
-  if (stats.defined()) {
-    expect_f32(stats, op, "stats");
-    expect_numel(stats, E + kMoeStats, op, "stats");
-  }
   if (N == 0) return;
   float* sums = nullptr;
   if (stats.defined()) {
@@ -258,19 +235,12 @@ void CudaBackend::moe_router_forward(Tensor scores, Tensor topk_idx, Tensor topk
   }
 }
 
-void CudaBackend::moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits, Tensor scores,
-                                      Tensor topk_idx, Tensor counts, const MoeRouting& r,
-                                      float loss_scale) {
-  const char* op = "moe_router_backward";
-  check_routing(r, logits, scores, topk_idx, op);
+void CudaBackend::run_moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor logits,
+                                          Tensor scores, Tensor topk_idx, Tensor counts,
+                                          const MoeRouting& r, float loss_scale) {
+  check_routing(op_check("moe_router_backward"), r);
   const int64_t N = logits.dim(0);
   const int E = r.n_experts, K = r.top_k;
-  expect_activation(dlogits, op, "dlogits");
-  expect_same_shape(dlogits, logits, op, "dlogits");
-  expect_f32(dtopk_w, op, "dtopk_w");
-  expect_numel(dtopk_w, N * K, op, "dtopk_w");
-  expect_f32(counts, op, "counts");
-  expect_numel(counts, E, op, "counts");
   if (N == 0) return;
   // d(loss_scale * coef * aux) / dp[n,e] = aux_scale * counts[e].
   const float aux_scale = loss_scale * r.aux_loss_coef * static_cast<float>(E) /
@@ -283,10 +253,7 @@ void CudaBackend::moe_router_backward(Tensor dlogits, Tensor dtopk_w, Tensor log
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::moe_bias_update(Tensor bias, Tensor counts, float rate) {
-  expect_f32(bias, "moe_bias_update", "bias");
-  expect_f32(counts, "moe_bias_update", "counts");
-  expect_numel(counts, bias.numel(), "moe_bias_update", "counts");
+void CudaBackend::run_moe_bias_update(Tensor bias, Tensor counts, float rate) {
   bias_update_kernel<<<1, 256, 0, stream_>>>(bias.ptr<float>(), counts.ptr<float>(),
                                              static_cast<int>(bias.numel()), rate);
   KILN_CUDA_LAUNCH_CHECK();

@@ -72,43 +72,40 @@ void OpTimer::fill_zero(Tensor t) {
   timed(fmt::format("fill_zero {}", dtype_name(t.dtype)), [&] { inner_.fill_zero(t); });
 }
 
-void OpTimer::matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor pre_gelu) {
+std::string OpTimer::key(OpTag<Op::matmul_forward>, Tensor out, Tensor inp, Tensor weight,
+                         Tensor bias, Tensor pre_gelu) const {
   std::string key = "matmul_forward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (bias.defined()) key += " +bias";
   if (pre_gelu.defined()) key += " +gelu";
-  timed(std::move(key), [&] { inner_.matmul_forward(out, inp, weight, bias, pre_gelu); });
+  return key;
 }
-void OpTimer::matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                              Tensor weight, Tensor inp_pre_gelu) {
+std::string OpTimer::key(OpTag<Op::matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
+                         Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu) const {
   std::string key = "matmul_backward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (dbias.defined()) key += " +dbias";
   if (inp_pre_gelu.defined()) key += " +dgelu";
-  timed(std::move(key),
-        [&] { inner_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu); });
+  return key;
 }
-void OpTimer::fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                                 Tensor pre_gelu, const Fp8Linear& f) {
+std::string OpTimer::key(OpTag<Op::fp8_matmul_forward>, Tensor out, Tensor inp, Tensor weight,
+                         Tensor bias, Tensor pre_gelu, const Fp8Linear& f) const {
   std::string key = "fp8_matmul_forward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (pre_gelu.defined()) key += " +gelu";
-  timed(std::move(key), [&] { inner_.fp8_matmul_forward(out, inp, weight, bias, pre_gelu, f); });
+  return key;
 }
-void OpTimer::fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                  Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                                  const Fp8Linear& f) {
+std::string OpTimer::key(OpTag<Op::fp8_matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
+                         Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                         const Fp8Linear& f) const {
   std::string key = "fp8_matmul_backward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (inp_pre_gelu.defined()) key += " +gelu";
-  timed(std::move(key), [&] {
-    inner_.fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu, f);
-  });
+  return key;
 }
-void OpTimer::attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
-  timed("attention_forward " + inner_.attention_name(),
-        [&] { inner_.attention_forward(out, lse, qkv, a); });
+std::string OpTimer::key(OpTag<Op::attention_forward>, Tensor out, Tensor lse, Tensor qkv,
+                         const AttentionDims& a) const {
+  return "attention_forward " + inner_.attention_name();
 }
-void OpTimer::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                 const AttentionDims& a) {
-  timed("attention_backward " + inner_.attention_name(),
-        [&] { inner_.attention_backward(dqkv, dout, qkv, out, lse, a); });
+std::string OpTimer::key(OpTag<Op::attention_backward>, Tensor dqkv, Tensor dout, Tensor qkv,
+                         Tensor out, Tensor lse, const AttentionDims& a) const {
+  return "attention_backward " + inner_.attention_name();
 }
 
 }  // namespace kiln

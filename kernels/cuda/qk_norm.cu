@@ -160,20 +160,13 @@ __global__ void qk_norm_dweight_final_kernel(float* dq_weight, float* dk_weight,
     dk_weight[c - hs] += t;
 }
 
-[[noreturn]] void unsupported(const char* op, const std::string& why) {
-  throw std::invalid_argument(std::string("cuda ") + op + ": " + why);
-}
-
-// Checks the packed layout and returns N (tokens) and the kernel's shape.
-QkShape qk_shape(const Tensor& inp, const AttentionDims& a, const char* op, int64_t& N) {
-  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0)
-    unsupported(op, "n_head=" + std::to_string(a.n_head) + ", n_kv_head=" +
-                        std::to_string(a.n_kv_head) + ": n_kv_head must divide n_head");
+// The kernels' shape of the packed layout, and N (tokens). Refuses the head widths and the
+// alignment the kernels do not take (one warp lane per 8 channels of a head).
+QkShape qk_shape(const OpCheck& c, const Tensor& inp, const AttentionDims& a, int64_t& N,
+                 std::initializer_list<const void*> ptrs) {
   if (a.head_dim != 32 && a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256)
-    unsupported(op, "head_dim " + std::to_string(a.head_dim) + " not supported (32, 64, 128, 256)");
-  if (inp.ndim() < 2 || inp.dim(-1) != a.qkv_dim())
-    unsupported(op, "inp " + inp.str() + " must be [..., " + std::to_string(a.qkv_dim()) +
-                        "] ((n_head + 2 n_kv_head) head_dim)");
+    c.fail("dims", "head_dim " + std::to_string(a.head_dim) + " not supported (32, 64, 128, 256)");
+  if (!vec8_ok(a.head_dim, ptrs)) c.fail("inp", "tensors must be 16-byte aligned");
   N = inp.numel() / a.qkv_dim();
   QkShape s;
   s.heads = a.n_head + 2 * a.n_kv_head;
@@ -185,25 +178,12 @@ QkShape qk_shape(const Tensor& inp, const AttentionDims& a, const char* op, int6
 
 }  // namespace
 
-void CudaBackend::qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
-                                  Tensor k_weight, const AttentionDims& a, float eps) {
-  const char* op = "qk_norm_forward";
-  expect_activation(out, op, "out");
-  expect_activation(inp, op, "inp");
-  expect_activation(q_weight, op, "q_weight");
-  expect_activation(k_weight, op, "k_weight");
-  expect_f32(rstd, op, "rstd");
+void CudaBackend::run_qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
+                                      Tensor k_weight, const AttentionDims& a, float eps) {
   int64_t N = 0;
-  QkShape s = qk_shape(inp, a, op, N);
+  QkShape s = qk_shape(op_check("qk_norm_forward"), inp, a, N,
+                       {out.data, inp.data, q_weight.data, k_weight.data});
   s.eps = eps;
-  expect_same_shape(out, inp, op, "out");
-  if (out.data == inp.data) unsupported(op, "out must not be inp");
-  expect_numel(rstd, N * (a.n_head + a.n_kv_head), op, "rstd");
-  expect_numel(q_weight, a.head_dim, op, "q_weight");
-  expect_numel(k_weight, a.head_dim, op, "k_weight");
-  if (!vec8_ok(a.head_dim, {out.data, inp.data, q_weight.data, k_weight.data}))
-    unsupported(op, "tensors must be 16-byte aligned");
-  if (!(eps >= 0.0f)) unsupported(op, "eps must be >= 0");
   if (N == 0) return;
   const int lanes = a.head_dim / 8;
   const int blocks = ceil_div(s.units * lanes, kThreads);
@@ -229,30 +209,12 @@ void CudaBackend::qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
-                                   Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
-                                   const AttentionDims& a) {
-  const char* op = "qk_norm_backward";
-  expect_activation(dinp, op, "dinp");
-  expect_activation(dout, op, "dout");
-  expect_activation(inp, op, "inp");
-  expect_activation(q_weight, op, "q_weight");
-  expect_activation(k_weight, op, "k_weight");
-  expect_f32(dq_weight, op, "dq_weight");
-  expect_f32(dk_weight, op, "dk_weight");
-  expect_f32(rstd, op, "rstd");
+void CudaBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
+                                       Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                                       const AttentionDims& a) {
   int64_t N = 0;
-  const QkShape s = qk_shape(inp, a, op, N);
-  expect_same_shape(dinp, inp, op, "dinp");
-  expect_same_shape(dout, inp, op, "dout");
-  if (dinp.data == dout.data) unsupported(op, "dinp must not be dout");
-  expect_numel(rstd, N * (a.n_head + a.n_kv_head), op, "rstd");
-  expect_numel(q_weight, a.head_dim, op, "q_weight");
-  expect_numel(k_weight, a.head_dim, op, "k_weight");
-  expect_numel(dq_weight, a.head_dim, op, "dq_weight");
-  expect_numel(dk_weight, a.head_dim, op, "dk_weight");
-  if (!vec8_ok(a.head_dim, {dinp.data, dout.data, inp.data, q_weight.data, k_weight.data}))
-    unsupported(op, "tensors must be 16-byte aligned");
+  const QkShape s = qk_shape(op_check("qk_norm_backward"), inp, a, N,
+                             {dinp.data, dout.data, inp.data, q_weight.data, k_weight.data});
   if (N == 0) return;
   const int hs = a.head_dim, lanes = hs / 8, slots = kThreads / lanes;
   // One full wave: the grid depends only on the GPU (and the kernel), so does the sum order.

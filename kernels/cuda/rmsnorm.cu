@@ -385,26 +385,12 @@ void launch_rmsnorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act,
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void check_eps(float eps, const char* op) {
-  if (!(eps >= 0.0f))
-    throw std::invalid_argument(std::string("cuda ") + op + ": eps=" + std::to_string(eps) +
-                                " must be >= 0");
-}
-
 }  // namespace
 
-void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
-  const char* op = "rmsnorm_forward";
-  expect_activation(out, op, "out");
-  expect_residual(inp, op, "inp");
-  expect_activation(weight, op, "weight");
-  expect_same_shape(out, inp, op, "out");
-  check_eps(eps, op);
+void CudaBackend::run_rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight,
+                                      float eps) {
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
-  expect_f32(rstd, op, "rstd");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
   if (N == 0) return;
   if (inp.dtype == DType::f32)
     launch_rmsnorm_forward<float>(stream_, out, rstd, {}, inp, {}, weight, eps);
@@ -412,24 +398,10 @@ void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor we
     launch_rmsnorm_forward<bf16>(stream_, out, rstd, {}, inp, {}, weight, eps);
 }
 
-void CudaBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
-                                           Tensor b, Tensor weight, float eps) {
-  const char* op = "residual_rmsnorm_forward";
-  expect_residual(residual, op, "residual");
-  expect_activation(out, op, "out");
-  expect_residual(a, op, "a");
-  expect_same_dtype(a, residual, op, "a");
-  expect_activation(b, op, "b");
-  expect_activation(weight, op, "weight");
-  expect_same_shape(out, a, op, "out");
-  expect_same_shape(b, a, op, "b");
-  expect_same_shape(residual, a, op, "residual");
-  check_eps(eps, op);
+void CudaBackend::run_residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
+                                               Tensor b, Tensor weight, float eps) {
   const int C = static_cast<int>(a.dim(-1));
   const int64_t N = a.numel() / C;
-  expect_f32(rstd, op, "rstd");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
   if (N == 0) return;
   if (a.dtype == DType::f32)
     launch_rmsnorm_forward<float>(stream_, out, rstd, residual, a, b, weight, eps);
@@ -437,27 +409,10 @@ void CudaBackend::residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor r
     launch_rmsnorm_forward<bf16>(stream_, out, rstd, residual, a, b, weight, eps);
 }
 
-void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                                   Tensor weight, Tensor rstd, Tensor dinp_act) {
-  const char* op = "rmsnorm_backward";
-  expect_residual(dinp, op, "dinp");
-  expect_activation(dout, op, "dout");
-  expect_residual(inp, op, "inp");
-  expect_same_dtype(inp, dinp, op, "inp");
-  expect_activation(weight, op, "weight");
-  expect_f32(dweight, op, "dweight");
-  expect_same_shape(dinp, inp, op, "dinp");
-  expect_same_shape(dout, inp, op, "dout");
-  if (dinp_act.defined()) {
-    expect_activation(dinp_act, op, "dinp_act");
-    expect_same_shape(dinp_act, inp, op, "dinp_act");
-  }
+void CudaBackend::run_rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
+                                       Tensor weight, Tensor rstd, Tensor dinp_act) {
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
-  expect_f32(rstd, op, "rstd");
-  expect_numel(rstd, N, op, "rstd");
-  expect_numel(weight, C, op, "weight");
-  expect_numel(dweight, C, op, "dweight");
   if (N == 0) return;
   if (inp.dtype == DType::f32)
     launch_rmsnorm_backward<float>(*this, dinp, dinp_act, dweight, dout, inp, weight, rstd);

@@ -81,25 +81,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void rope(cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a, float theta,
-          bool backward, const char* op) {
-  const char* out_name = backward ? "dinp" : "out";
-  const char* inp_name = backward ? "dout" : "inp";
-  expect_activation(out, op, out_name);
-  expect_activation(inp, op, inp_name);
-  expect_same_shape(out, inp, op, out_name);
-  const std::string where = std::string("cuda ") + op + ": ";
-  if (a.n_head <= 0 || a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0)
-    throw std::invalid_argument(where + "n_kv_head=" + std::to_string(a.n_kv_head) +
-                                " must divide n_head=" + std::to_string(a.n_head));
-  if (a.head_dim <= 0 || a.head_dim % 2 != 0 || a.head_dim > 2 * kMaxHalf)
-    throw std::invalid_argument(where + "head_dim " + std::to_string(a.head_dim) +
-                                " must be even and at most " + std::to_string(2 * kMaxHalf));
-  if (inp.ndim() != 3 || inp.dim(2) != a.qkv_dim())
-    throw std::invalid_argument(where + inp_name + " " + inp.str() + " must be [B,T," +
-                                std::to_string(a.qkv_dim()) + "]");
-  if (!(theta > 0.0f))
-    throw std::invalid_argument(where + "theta=" + std::to_string(theta) + " must be positive");
+// The kernel's frequency table holds kMaxHalf pairs: wider heads are refused, and so are more
+// tokens than a grid's x dimension (a block per token).
+void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a,
+          float theta, bool backward) {
+  if (a.head_dim > 2 * kMaxHalf)
+    c.fail("dims",
+           "head_dim " + std::to_string(a.head_dim) + " is over " + std::to_string(2 * kMaxHalf));
   RopeShape s;
   s.T = static_cast<int>(inp.dim(1));
   s.hs = a.head_dim;
@@ -114,7 +102,7 @@ void rope(cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a, f
         1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(a.head_dim));
   const int64_t tokens = inp.numel() / a.qkv_dim();
   if (tokens == 0) return;
-  if (tokens > 0x7fffffff) throw std::invalid_argument(where + "too many tokens");
+  if (tokens > 0x7fffffff) c.fail(backward ? "dout" : "inp", "too many tokens");
   const int blocks = static_cast<int>(tokens);
   if ((a.head_dim / 2) % 8 == 0 && vec8_ok(a.qkv_dim(), {out.data, inp.data}))
     rope_kernel<8><<<blocks, kThreads, 0, stream>>>(out.ptr<bf16>(), inp.ptr<bf16>(), s, f);
@@ -125,12 +113,12 @@ void rope(cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a, f
 
 }  // namespace
 
-void CudaBackend::rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
-  rope(stream_, out, inp, a, theta, false, "rope_forward");
+void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
+  rope(op_check("rope_forward"), stream_, out, inp, a, theta, false);
 }
 
-void CudaBackend::rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
-  rope(stream_, dinp, dout, a, theta, true, "rope_backward");
+void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
+  rope(op_check("rope_backward"), stream_, dinp, dout, a, theta, true);
 }
 
 }  // namespace kiln

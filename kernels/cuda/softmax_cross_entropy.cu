@@ -71,21 +71,10 @@ __global__ void softmax_cross_entropy_kernel(float* losses, bf16* logits, const 
 
 }  // namespace
 
-void CudaBackend::softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
-                                        int vocab_size, float dloss_scale, bool write_dlogits) {
-  const char* op = "softmax_cross_entropy";
-  expect_activation(logits, op, "logits");
-  expect_f32(losses, op, "losses");
-  expect_device(targets, op, "targets");
-  expect_dtype(targets, DType::i32, "cuda softmax_cross_entropy: targets");
+void CudaBackend::run_softmax_cross_entropy(Tensor losses, Tensor logits, Tensor targets,
+                                            int vocab_size, float dloss_scale, bool write_dlogits) {
   const int Vp = static_cast<int>(logits.dim(-1));
   const int64_t N = logits.numel() / Vp;
-  expect_numel(losses, N, op, "losses");
-  expect_numel(targets, N, op, "targets");
-  if (vocab_size <= 0 || vocab_size > Vp)
-    throw std::invalid_argument("cuda softmax_cross_entropy: vocab_size " +
-                                std::to_string(vocab_size) + " outside (0, " +
-                                std::to_string(Vp) + "]");
   if (N == 0) return;
   if (Vp % 8 == 0 && aligned(logits.data, 16))
     softmax_cross_entropy_kernel<8><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(

@@ -66,22 +66,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Checks inp[...,2F] against out[...,F] and returns N and F.
-void swiglu_dims(const Tensor& half, const Tensor& full, const char* op, const char* half_name,
-                 const char* full_name, int64_t& N, int& F) {
-  const std::string where = std::string("cuda ") + op + ": ";
-  if (full.ndim() < 1 || full.dim(-1) % 2 != 0)
-    throw std::invalid_argument(where + full_name + " " + full.str() +
-                                " must be [..., 2F] (gate then up)");
-  const int64_t F64 = full.dim(-1) / 2;
-  Shape want = full.shape;
-  want.dims[static_cast<size_t>(want.ndim - 1)] = F64;
-  if (half.shape != want)
-    throw std::invalid_argument(where + half_name + " " + half.str() + " must be " + full.str() +
-                                " with the last dim halved");
-  if (F64 > 0x7fffffff) throw std::invalid_argument(where + "F too large");
+// N rows and F of inp [..., 2F]; the kernels index a row's F with an int.
+void swiglu_dims(const OpCheck& c, const Tensor& inp, int64_t& N, int& F) {
+  const int64_t F64 = inp.dim(-1) / 2;
+  if (F64 > 0x7fffffff) c.fail("inp", "F too large");
   F = static_cast<int>(F64);
-  N = F64 == 0 ? 0 : full.numel() / (2 * F64);
+  N = F64 == 0 ? 0 : inp.numel() / (2 * F64);
 }
 
 dim3 swiglu_grid(int64_t N, int F, int vec) {
@@ -91,13 +81,10 @@ dim3 swiglu_grid(int64_t N, int F, int vec) {
 
 }  // namespace
 
-void CudaBackend::swiglu_forward(Tensor out, Tensor inp) {
-  const char* op = "swiglu_forward";
-  expect_activation(out, op, "out");
-  expect_activation(inp, op, "inp");
+void CudaBackend::run_swiglu_forward(Tensor out, Tensor inp) {
   int64_t N = 0;
   int F = 0;
-  swiglu_dims(out, inp, op, "out", "inp", N, F);
+  swiglu_dims(op_check("swiglu_forward"), inp, N, F);
   if (N == 0) return;
   if (vec8_ok(F, {out.data, inp.data})) {
     swiglu_forward_kernel<8><<<swiglu_grid(ceil_div(N, 2), F, 8), kThreads, 0, stream_>>>(
@@ -109,15 +96,10 @@ void CudaBackend::swiglu_forward(Tensor out, Tensor inp) {
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
-  const char* op = "swiglu_backward";
-  expect_activation(dinp, op, "dinp");
-  expect_activation(dout, op, "dout");
-  expect_activation(inp, op, "inp");
-  expect_same_shape(dinp, inp, op, "dinp");
+void CudaBackend::run_swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
   int64_t N = 0;
   int F = 0;
-  swiglu_dims(dout, inp, op, "dout", "inp", N, F);
+  swiglu_dims(op_check("swiglu_backward"), inp, N, F);
   if (N == 0) return;
   if (vec8_ok(F, {dinp.data, dout.data, inp.data})) {
     swiglu_backward_kernel<8><<<swiglu_grid(N, F, 8), kThreads, 0, stream_>>>(

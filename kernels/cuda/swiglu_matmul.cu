@@ -10,7 +10,7 @@
 // the approximate exp and divide: the IEEE divide's slow-path branch split each element into a
 // basic block of its own and made the epilogue latency-bound (2.1 ms against 0.6, measured).
 // H200, LLaMA 1.36B's proj (N=16384, C=2048, F=5504): 0.59 ms against cuBLASLt's 0.47 +
-// swiglu_backward's 0.21 (docs/PERF.md, fifteenth session; dev/swiglu_gemm_probe.cu).
+// swiglu_backward's 0.21 (docs/perf-history.md; dev/swiglu_gemm_probe.cu).
 // Elsewhere (no CUTLASS, not sm_90, unaligned shapes, a dtype other than bf16) the op is the
 // two calls it replaces, through the dact scratch.
 #include "kernels/cuda/cuda_backend.h"
@@ -174,22 +174,15 @@ namespace kiln {
 
 using namespace cuda;
 
-void CudaBackend::swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
-                                         Tensor act, Tensor weight, Tensor pre, Tensor dact) {
-  const char* op = "swiglu_matmul_backward";
-  expect_activation(dpre, op, "dpre");
-  expect_activation(pre, op, "pre");
-  expect_same_shape(dpre, pre, op, "dpre");
+void CudaBackend::run_swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
+                                             Tensor act, Tensor weight, Tensor pre, Tensor dact) {
   if (!swiglu_fused_ || !swiglu_dgrad_fusable(dpre, dout, weight, pre)) {
     matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{});
     swiglu_backward(dpre, dact, pre);
     return;
   }
-  // The weight's gradient first (it checks dout, act and weight), then the fused input gradient.
+  // The weight's gradient first, then the fused input gradient.
   matmul_backward(Tensor{}, dweight, dbias, dout, act, weight, Tensor{});
-  const int64_t F = weight.dim(1);
-  if (pre.dim(-1) != 2 * F || pre.numel() / (2 * F) != dout.numel() / weight.dim(0))
-    throw std::invalid_argument(std::string(op) + ": pre must be [N, 2F] with N rows of dout");
   if (pre.numel() == 0) return;
   swiglu_dgrad(dpre, dout, weight, pre);
 }
