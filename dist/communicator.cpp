@@ -1,5 +1,5 @@
-// Argument checks shared by every Communicator, and the NCCL factory's stand-in for builds
-// without CUDA (nccl_communicator.cpp compiles to nothing there).
+// Argument checks shared by every Communicator, the planning communicator, and the NCCL
+// factory's stand-in for builds without CUDA (nccl_communicator.cpp compiles to nothing there).
 #include "dist/communicator.h"
 
 #include <stdexcept>
@@ -7,6 +7,47 @@
 #include "kernels/error.h"
 
 namespace kiln {
+
+namespace {
+
+class PlanCommunicator final : public Communicator {
+ public:
+  PlanCommunicator(int rank, int world) : rank_(rank), world_(world) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  void all_reduce_sum(Tensor) override { unplanned("all_reduce_sum"); }
+  void all_reduce_max(Tensor) override { unplanned("all_reduce_max"); }
+  void reduce_scatter_sum(Tensor, Tensor) override { unplanned("reduce_scatter_sum"); }
+  void all_gather(Tensor, Tensor) override { unplanned("all_gather"); }
+  void broadcast(Tensor, int) override { unplanned("broadcast"); }
+  void all_to_all(Tensor, Tensor) override { unplanned("all_to_all"); }
+  void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,
+                    const std::vector<int64_t>&) override {
+    unplanned("all_to_all_v");
+  }
+  void wait() override {}
+  void barrier() override {}
+  std::string name() const override {
+    return "plan rank " + std::to_string(rank_) + "/" + std::to_string(world_);
+  }
+  bool nvlink_joined(std::string* why) const override {
+    if (why) *why = "planned for one NVLink host";
+    return true;
+  }
+
+ private:
+  [[noreturn]] static void unplanned(const char* op) {
+    throw std::logic_error(std::string("plan communicator: ") + op +
+                           " needs peers; this communicator only plans");
+  }
+  int rank_, world_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_plan_communicator(int rank, int world_size) {
+  return std::make_unique<PlanCommunicator>(rank, world_size);
+}
 
 void check_collective(const std::string& who, const char* op, const Tensor& out, const Tensor& in,
                       int64_t in_chunks, int64_t out_chunks) {

@@ -89,6 +89,11 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
                                                      int overlap_ctas = 0,
                                                      const std::string& prefix = "nccl");
 
+// A communicator that only knows its place in the group (rank, size) for `train --plan`, which
+// lays a run out without starting its processes: every collective is a std::logic_error.
+// nvlink_joined() says yes, the single-node NVLink host a plan is made for.
+std::unique_ptr<Communicator> make_plan_communicator(int rank, int world_size);
+
 // Shared argument checks; `who` is the communicator's name(). Throw std::invalid_argument.
 void check_collective(const std::string& who, const char* op, const Tensor& out, const Tensor& in,
                       int64_t in_chunks, int64_t out_chunks);

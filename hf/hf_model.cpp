@@ -71,23 +71,54 @@ struct ConfigJson {
   }
 };
 
-// RoPE base: top-level rope_theta (transformers 4.x) or rope_parameters.rope_theta (5.x). Any
-// rope scaling (LLaMA-3.1's, YaRN, linear) is refused: kiln's RoPE is the plain one.
-double read_rope_theta(const ConfigJson& c, double fallback) {
-  if (c.has("rope_scaling")) {
-    const json& s = c.j["rope_scaling"];
-    const std::string type = s.is_object() ? s.value("rope_type", s.value("type", "")) : "";
-    if (type != "default") c.fail("rope_scaling", s.dump() + " is not supported (plain RoPE only)");
-  }
+// A rope_scaling (transformers 4.x) or rope_parameters (5.x) object: "default" is plain RoPE,
+// "llama3" Llama 3.1's frequency scaling; any other type (YaRN, linear, dynamic) is refused.
+RopeScaling read_rope_scaling_object(const ConfigJson& c, const char* key) {
+  const json& s = c.j[key];
+  if (!s.is_object()) c.fail(key, "expected an object, got " + s.dump());
+  const std::string type = s.value("rope_type", s.value("type", std::string("default")));
+  if (type == "default") return {};
+  if (type != "llama3")
+    c.fail(key, s.dump() + " is not supported (rope_type default or llama3 only)");
+  auto number = [&](const char* field) {
+    if (!s.contains(field) || !s[field].is_number())
+      c.fail(key, std::string("llama3 scaling needs a number ") + field + ", got " + s.dump());
+    return s[field].get<double>();
+  };
+  RopeScaling r;
+  r.type = "llama3";
+  r.factor = static_cast<float>(number("factor"));
+  r.low_freq_factor = static_cast<float>(number("low_freq_factor"));
+  r.high_freq_factor = static_cast<float>(number("high_freq_factor"));
+  const double orig = number("original_max_position_embeddings");
+  if (orig != std::floor(orig) || orig < 1 || orig > 1e9)
+    c.fail(key, "original_max_position_embeddings must be a positive integer, got " + s.dump());
+  r.original_max_position = static_cast<int>(orig);
+  const std::string why = rope_error({1.0f, r});
+  if (!why.empty()) c.fail(key, why);
+  return r;
+}
+
+// RoPE base and scaling: top-level rope_theta and rope_scaling (transformers 4.x), or
+// rope_parameters holding both (5.x).
+Rope read_rope(const ConfigJson& c, double fallback_theta) {
+  Rope r;
+  r.theta = static_cast<float>(c.get_number("rope_theta", fallback_theta));
+  if (c.has("rope_scaling") && !c.j["rope_scaling"].is_null())
+    r.scaling = read_rope_scaling_object(c, "rope_scaling");
   if (c.has("rope_parameters")) {
+    r.scaling = read_rope_scaling_object(c, "rope_parameters");
     const json& p = c.j["rope_parameters"];
-    if (!p.is_object()) c.fail("rope_parameters", "expected an object");
-    if (p.value("rope_type", "default") != "default")
-      c.fail("rope_parameters", p.dump() + " is not supported (plain RoPE only)");
-    if (p.contains("rope_theta") && p["rope_theta"].is_number())
-      return p["rope_theta"].get<double>();
+    if (p.contains("rope_theta")) {
+      if (!p["rope_theta"].is_number())
+        c.fail("rope_parameters", "rope_theta must be a number, got " + p.dump());
+      r.theta = static_cast<float>(p["rope_theta"].get<double>());
+    }
   }
-  return c.get_number("rope_theta", fallback);
+  if (!(r.theta > 0.0f) || !std::isfinite(r.theta))
+    c.fail(c.has("rope_parameters") ? "rope_parameters" : "rope_theta",
+           "rope_theta must be finite and > 0, got " + std::to_string(r.theta));
+  return r;
 }
 
 std::string join_shape(const std::vector<int64_t>& s) {
@@ -281,7 +312,11 @@ ModelConfig read_hf_config(const std::string& dir) {
     if (m.head_dim * m.n_head == m.n_embd) m.head_dim = 0;  // kiln's "n_embd / n_head"
     m.seq_len = c.get_int("max_position_embeddings");
     m.norm_eps = static_cast<float>(c.get_number("rms_norm_eps", 1e-6));
-    m.rope_theta = static_cast<float>(read_rope_theta(c, base == "qwen3" ? 1e6 : 1e4));
+    if (!(m.norm_eps > 0.0f) || !std::isfinite(m.norm_eps))
+      c.fail("rms_norm_eps", "must be finite and > 0, got " + c.j["rms_norm_eps"].dump());
+    const Rope rope = read_rope(c, base == "qwen3" ? 1e6 : 1e4);
+    m.rope_theta = rope.theta;
+    m.rope_scaling = rope.scaling;
     m.tie_embeddings = c.get_bool("tie_word_embeddings", false);
     const std::string act = c.get_string("hidden_act", "silu");
     if (act != "silu") c.fail("hidden_act", "'" + act + "' is not supported (SwiGLU uses silu)");
@@ -333,7 +368,17 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
   if (hf.positions == PositionKind::learned)
     check("seq_len", std::to_string(run.seq_len), std::to_string(hf.seq_len));
   else
+  {
     check("rope_theta", num(run.rope_theta), num(hf.rope_theta));
+    auto scaling = [&](const RopeScaling& s) {
+      return s.type.empty() ? std::string("none")
+                            : s.type + " (factor " + num(s.factor) + ", low_freq_factor " +
+                                  num(s.low_freq_factor) + ", high_freq_factor " +
+                                  num(s.high_freq_factor) + ", original_max_position " +
+                                  std::to_string(s.original_max_position) + ")";
+    };
+    check("rope_scaling", scaling(run.rope_scaling), scaling(hf.rope_scaling));
+  }
   check("mlp", mlp_name(run.mlp), mlp_name(hf.mlp));
   check("bias", str(run.bias), str(hf.bias));
   check("qkv_bias", str(run.qkv_bias || run.bias), str(hf.qkv_bias || hf.bias));
@@ -462,6 +507,11 @@ std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cf
                          info->shape_str() + ", config.json's sizes give " + join_shape(piece.shape));
       buf.resize(static_cast<size_t>(info->numel()));
       file->read_f32(*info, buf.data());
+      const int64_t bad = std::count_if(buf.begin(), buf.end(), [](float v) { return !std::isfinite(v); });
+      if (bad > 0)
+        throw InputError(file->path() + ": tensor '" + piece.name + "' holds " +
+                         std::to_string(bad) + " NaN or infinite values of " +
+                         std::to_string(buf.size()) + " (a weight must be finite)");
       float* dst = params.data() + p.offset + piece.row * cols;
       if (piece.transpose) {  // [in, out] -> rows of out, each `in` wide
         const int64_t in = piece.shape[0], out = piece.shape[1];
@@ -702,6 +752,12 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
          {"bos_token_id", nullptr},
          {"eos_token_id", nullptr}};
     if (type == "llama" || type == "mixtral") j["mlp_bias"] = false;
+    if (const RopeScaling& s = cfg.rope_scaling; !s.type.empty())
+      j["rope_scaling"] = {{"rope_type", s.type},
+                           {"factor", float_as_written(s.factor)},
+                           {"low_freq_factor", float_as_written(s.low_freq_factor)},
+                           {"high_freq_factor", float_as_written(s.high_freq_factor)},
+                           {"original_max_position_embeddings", s.original_max_position}};
     if (type == "qwen3" || type == "qwen3_moe") {
       j["use_sliding_window"] = false;
       j["sliding_window"] = nullptr;

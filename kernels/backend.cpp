@@ -14,6 +14,7 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
 }
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
+bool cuda_device_memory(int, std::string*, size_t*) { return false; }
 #endif
 
 }  // namespace kiln

@@ -31,6 +31,7 @@
 #include "kernels/fp8.h"
 #include "kernels/op_check.h"
 #include "kernels/ops.h"
+#include "kernels/rope_freq.h"
 #include "kernels/tensor.h"
 
 namespace kiln {
@@ -146,5 +147,8 @@ std::unique_ptr<Backend> make_cpu_backend();
 std::unique_ptr<Backend> make_cuda_backend(int device_index);
 bool cuda_available();    // built with CUDA and at least one GPU visible
 int cuda_device_count();  // GPUs visible (0 without CUDA)
+// GPU `index`'s name and total memory in bytes, without creating a backend on it; false where
+// there is no such GPU.
+bool cuda_device_memory(int index, std::string* name, size_t* total_bytes);
 
 }  // namespace kiln

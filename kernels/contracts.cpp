@@ -113,15 +113,15 @@ void check_qk_norm(const OpCheck& c, const Tensor& inp, const Tensor& q_weight,
   c.numel("rstd", rstd, inp.dim(0) * inp.dim(1) * (a.n_head + a.n_kv_head));
 }
 
-// rope's input (packed qkv) and output, the head width and theta.
+// rope's input (packed qkv) and output, the head width, theta and the scaling.
 void check_rope(const OpCheck& c, const char* out_name, const Tensor& out, const char* inp_name,
-                const Tensor& inp, const AttentionDims& a, float theta) {
+                const Tensor& inp, const AttentionDims& a, const Rope& rope) {
   c.packed_qkv(inp_name, inp, a);
   c.activation_dtype(out_name, out, inp.shape);
   if (a.head_dim % 2 != 0)
     c.fail("dims", "head_dim must be even, got " + std::to_string(a.head_dim));
-  if (!std::isfinite(theta) || theta <= 0.0f)
-    c.fail("theta", "must be finite and > 0, got " + std::to_string(theta));
+  const std::string why = rope_error(rope);
+  if (!why.empty()) c.fail("rope", why);
 }
 
 // The routing both router ops take: logits [N,E] (activations), scores f32[N,E], topk_idx
@@ -315,13 +315,14 @@ void qk_norm_backward(const OpCheck& c, Tensor dinp, Tensor dq_weight, Tensor dk
   c.f32("dk_weight", dk_weight, {a.head_dim});
 }
 
-void rope_forward(const OpCheck& c, Tensor out, Tensor inp, const AttentionDims& a, float theta) {
-  check_rope(c, "out", out, "inp", inp, a, theta);
+void rope_forward(const OpCheck& c, Tensor out, Tensor inp, const AttentionDims& a,
+                  const Rope& rope) {
+  check_rope(c, "out", out, "inp", inp, a, rope);
 }
 
 void rope_backward(const OpCheck& c, Tensor dinp, Tensor dout, const AttentionDims& a,
-                   float theta) {
-  check_rope(c, "dinp", dinp, "dout", dout, a, theta);
+                   const Rope& rope) {
+  check_rope(c, "dinp", dinp, "dout", dout, a, rope);
 }
 
 void swiglu_forward(const OpCheck& c, Tensor out, Tensor inp) {

@@ -31,6 +31,9 @@ class DeviceRuntime {
   virtual void copy(Tensor dst, Tensor src) = 0;
   virtual void fill_zero(Tensor t) = 0;
   virtual void synchronize() = 0;
+  // Bytes in use on the device now, by every process on it (what nvidia-smi shows): the CUDA
+  // context, libraries' workspaces and every allocation. -1 where not known (the CPU).
+  virtual int64_t memory_in_use() const { return -1; }
   // Scalar reads that do not stall the stream, so the trainer logs step N's loss while step
   // N+1 runs. read_async(slot, srcs) enqueues a copy of the f32 tensors `srcs` (in all at most
   // kReadbackFloats values) into staging slot `slot` and returns at once; read_wait(slot) waits

@@ -6,25 +6,31 @@
 
 namespace kiln {
 
-std::vector<float> rope_inv_freq(int head_dim, float theta, const RopeScaling& s) {
+std::string rope_error(const Rope& rope) {
+  if (!std::isfinite(rope.theta) || !(rope.theta > 0.0f))
+    return "theta must be finite and > 0, got " + std::to_string(rope.theta);
+  const RopeScaling& s = rope.scaling;
+  if (s.type.empty()) return "";
+  if (s.type != "llama3") return "scaling type must be llama3, got '" + s.type + "'";
+  for (float f : {s.factor, s.low_freq_factor, s.high_freq_factor})
+    if (!std::isfinite(f) || !(f > 0.0f)) return "llama3 scaling's factors must be finite and > 0";
+  if (!(s.high_freq_factor > s.low_freq_factor) || s.original_max_position <= 0)
+    return "llama3 scaling needs high_freq_factor > low_freq_factor and original_max_position > 0";
+  return "";
+}
+
+std::vector<float> rope_inv_freq(int head_dim, const Rope& rope) {
   if (head_dim <= 0 || head_dim % 2 != 0)
     throw std::invalid_argument("rope: head_dim must be even and positive, got " +
                                 std::to_string(head_dim));
-  if (!std::isfinite(theta) || !(theta > 0.0f))
-    throw std::invalid_argument("rope: theta must be finite and > 0, got " + std::to_string(theta));
+  const std::string why = rope_error(rope);
+  if (!why.empty()) throw std::invalid_argument("rope: " + why);
+  const float theta = rope.theta;
+  const RopeScaling& s = rope.scaling;
   std::vector<float> inv(static_cast<size_t>(head_dim / 2));
   for (size_t i = 0; i < inv.size(); ++i)
     inv[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
   if (s.type.empty()) return inv;
-  if (s.type != "llama3")
-    throw std::invalid_argument("rope: scaling type must be llama3, got '" + s.type + "'");
-  for (float f : {s.factor, s.low_freq_factor, s.high_freq_factor})
-    if (!std::isfinite(f) || !(f > 0.0f))
-      throw std::invalid_argument("rope: llama3 scaling's factors must be finite and > 0");
-  if (!(s.high_freq_factor > s.low_freq_factor) || s.original_max_position <= 0)
-    throw std::invalid_argument(
-        "rope: llama3 scaling needs high_freq_factor > low_freq_factor and "
-        "original_max_position > 0");
   // As torch evaluates transformers' expressions on f32 tensors: a scalar divided by a tensor is
   // the tensor's reciprocal times the scalar, and Python's double scalars enter as f32.
   const float old_len = static_cast<float>(s.original_max_position);

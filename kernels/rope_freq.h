@@ -24,9 +24,19 @@ struct RopeScaling {
   }
 };
 
-// head_dim / 2 values. std::invalid_argument for an odd head_dim, theta <= 0, or a scaling whose
-// factors are not finite and positive, high_freq_factor <= low_freq_factor, or a type other than
-// "" and "llama3".
-std::vector<float> rope_inv_freq(int head_dim, float theta, const RopeScaling& scaling = {});
+// What the rope ops rotate by: the base and the scaling of its frequencies.
+struct Rope {
+  float theta = 10000.0f;
+  RopeScaling scaling;
+  bool operator==(const Rope& o) const { return theta == o.theta && scaling == o.scaling; }
+};
+
+// Why `rope` cannot be used ("" if it can): theta not finite and positive, a scaling type other
+// than "" and "llama3", or llama3 factors that are not finite and positive, high_freq_factor <=
+// low_freq_factor, or original_max_position <= 0.
+std::string rope_error(const Rope& rope);
+
+// head_dim / 2 values. std::invalid_argument for an odd head_dim or what rope_error names.
+std::vector<float> rope_inv_freq(int head_dim, const Rope& rope);
 
 }  // namespace kiln

@@ -54,7 +54,7 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
     blk.ln1 = blk.ln2 = Norm{cfg.norm, cfg.norm_eps};
     blk.attn.dims = cfg.attention();
     blk.attn.rope = cfg.positions == PositionKind::rope;
-    blk.attn.rope_theta = cfg.rope_theta;
+    blk.attn.rope_params = {cfg.rope_theta, cfg.rope_scaling};
     blk.attn.qk_norm = cfg.qk_norm;
     blk.attn.norm_eps = cfg.norm_eps;
     blk.mlp.kind = cfg.mlp;

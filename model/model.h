@@ -52,6 +52,7 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   PositionKind positions = PositionKind::learned;
   float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;  // Llama 3.1's "llama3" frequency scaling, or none
   MlpKind mlp = MlpKind::gelu;
   bool bias = true;      // linear layers
   bool qkv_bias = true;  // the qkv projection (true when bias is)

@@ -1,6 +1,7 @@
 // Tests for train/config.cpp: defaults, parsing, overrides, derived fields, every error path
 // (each must throw InputError naming the key), config_to_yaml round-trip, and docs/config.md.
 #include "train/config.h"
+#include "train/model_config.h"
 
 #include <gtest/gtest.h>
 
@@ -356,7 +357,18 @@ TEST(ConfigArch, ArchSetsTheLayerChoicesAndKeysOverrideThem) {
   const Config o = parse_config(kMinimal, {"--model.arch=llama", "--model.mlp=gelu"});
   EXPECT_EQ(o.model.norm, "rmsnorm");
   EXPECT_EQ(o.model.mlp, "gelu");
+  // Llama 3.1's scaling: the keys reach ModelConfig.
+  const Config r = parse_config(kMinimal + "model: {arch: llama, rope_theta: 500000, "
+                                           "rope_scaling: llama3, rope_original_max_position: 4096}\n",
+                                {});
+  const ModelConfig rm = model_config(r.model);
+  EXPECT_EQ(rm.rope_scaling, (RopeScaling{"llama3", 8.0f, 1.0f, 4.0f, 4096}));
+  EXPECT_EQ(rm.rope_theta, 500000.0f);
+  EXPECT_EQ(model_config(l.model).rope_scaling, RopeScaling{});
+  EXPECT_TRUE(model_section(rm).rope_scaling == "llama3");
+  EXPECT_EQ(model_section(rm).rope_original_max_position, 4096);
   // The resolved config reads back to itself.
+  EXPECT_TRUE(parse_config(config_to_yaml(r), {}) == r);
   EXPECT_TRUE(parse_config(config_to_yaml(q), {}) == q);
   EXPECT_TRUE(parse_config(config_to_yaml(o), {}) == o);
 }
@@ -371,6 +383,16 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
       {"model: {arch: llama, n_head: 4, n_embd: 20}", "model.n_embd: RoPE rotates pairs"},
       {"model: {arch: llama, head_dim: 7}", "model.head_dim: RoPE rotates pairs"},
       {"model: {n_embd: 100, head_dim: 64}", ""},  // head_dim set: n_embd need not divide
+      {"model: {rope_scaling: llama3}", "model.rope_scaling: llama3 scales RoPE, but"},
+      {"model: {arch: llama, rope_scaling: yarn}", "model.rope_scaling: must be one of none, llama3"},
+      {"model: {arch: llama, rope_factor: 8}", ""},  // the default: nothing is changed
+      {"model: {arch: llama, rope_factor: 16}",
+       "model.rope_factor: is used only with model.rope_scaling: llama3"},
+      {"model: {arch: llama, rope_original_max_position: 4096}",
+       "model.rope_original_max_position: is used only with model.rope_scaling: llama3"},
+      {"model: {arch: llama, rope_scaling: llama3, rope_low_freq_factor: 4}",
+       "model.rope_high_freq_factor: must be > model.rope_low_freq_factor (4), got 4"},
+      {"model: {arch: llama, rope_scaling: llama3, rope_factor: 0}", "model.rope_factor"},
   };
   for (const auto& [yaml, expect] : cases) {
     if (expect.empty()) {

@@ -794,7 +794,7 @@ TEST(CpuQkNorm, RejectsBadShapesAndAliasingNamingOpAndTensor) {
 struct RopeCase {
   int64_t B, T;
   AttentionDims a;
-  float theta = 10000.0f;
+  Rope rope{10000.0f};
   std::vector<float> inp, R, out;
   explicit RopeCase(int64_t b = 2, int64_t t = 6, AttentionDims dims = {4, 2, 8})
       : B(b), T(t), a(dims) {
@@ -804,7 +804,7 @@ struct RopeCase {
   }
   Shape qkv_shape() const { return {B, T, a.qkv_dim()}; }
   double forward() {
-    cpu().rope_forward(f32(out, qkv_shape()), f32(inp, qkv_shape()), a, theta);
+    cpu().rope_forward(f32(out, qkv_shape()), f32(inp, qkv_shape()), a, rope);
     return weighted_sum(out, R);
   }
 };
@@ -833,7 +833,7 @@ TEST(CpuRope, ForwardMatchesDirectDouble) {
   k.forward();
   const double hs = static_cast<double>(k.a.head_dim);
   const auto y = rope_direct(k, [&](int64_t t, int64_t i) {
-    return static_cast<double>(t) * std::pow(static_cast<double>(k.theta), -2.0 * i / hs);
+    return static_cast<double>(t) * std::pow(static_cast<double>(k.rope.theta), -2.0 * i / hs);
   });
   const int64_t v_begin = (k.a.n_head + k.a.n_kv_head) * k.a.head_dim, row = k.a.qkv_dim();
   for (size_t j = 0; j < y.size(); ++j) {
@@ -853,11 +853,11 @@ TEST(CpuRope, AnglesAreF32AsHuggingFace) {
   const int64_t hs = k.a.head_dim;
   const auto hf = rope_direct(k, [&](int64_t t, int64_t i) {
     const float inv_freq =
-        1.0f / std::pow(k.theta, static_cast<float>(2 * i) / static_cast<float>(hs));
+        1.0f / std::pow(k.rope.theta, static_cast<float>(2 * i) / static_cast<float>(hs));
     return static_cast<double>(static_cast<float>(t) * inv_freq);
   });
   const auto exact = rope_direct(k, [&](int64_t t, int64_t i) {
-    return static_cast<double>(t) * std::pow(static_cast<double>(k.theta), -2.0 * i / hs);
+    return static_cast<double>(t) * std::pow(static_cast<double>(k.rope.theta), -2.0 * i / hs);
   });
   double max_hf = 0.0, max_exact = 0.0;
   for (size_t j = 0; j < hf.size(); ++j) {
@@ -874,20 +874,44 @@ TEST(CpuRope, BackwardUndoesForwardAndInPlaceMatches) {
   RopeCase k;
   k.forward();
   auto back = zeros(k.inp.size());
-  cpu().rope_backward(f32(back, k.qkv_shape()), f32(k.out, k.qkv_shape()), k.a, k.theta);
+  cpu().rope_backward(f32(back, k.qkv_shape()), f32(k.out, k.qkv_shape()), k.a, k.rope);
   for (size_t j = 0; j < back.size(); ++j) ASSERT_NEAR(back[j], k.inp[j], 1e-6) << j;
 
   auto x = k.inp;
-  cpu().rope_forward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.theta);
+  cpu().rope_forward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope);
   EXPECT_TRUE(bit_identical(x, k.out));
-  cpu().rope_backward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.theta);
+  cpu().rope_backward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope);
   EXPECT_TRUE(bit_identical(x, back));
 }
 
 TEST(CpuRope, GradCheck) {
   RopeCase k;
   auto dinp = random_floats(k.inp.size(), 153);  // garbage: dinp is overwritten
-  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.theta);
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope);
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
+}
+
+// Llama 3.1's scaling: each pair rotates by t * rope_inv_freq(hs, rope)[i], the scaled table,
+// and the scaled rotation differs from the plain one (the low frequencies are slowed).
+TEST(CpuRope, Llama3ScalingRotatesByTheScaledFrequencies) {
+  RopeCase k(2, 40, {2, 1, 16});
+  k.rope.scaling = {"llama3", 4.0f, 1.0f, 4.0f, 32};
+  k.forward();
+  const std::vector<float> inv = rope_inv_freq(k.a.head_dim, k.rope);
+  const auto y = rope_direct(k, [&](int64_t t, int64_t i) {
+    return static_cast<double>(static_cast<float>(t) * inv[i]);
+  });
+  for (size_t j = 0; j < y.size(); ++j) ASSERT_NEAR(k.out[j], y[j], 1e-6) << j;
+  RopeCase plain(2, 40, {2, 1, 16});
+  plain.forward();
+  EXPECT_FALSE(bit_identical(plain.out, k.out));
+}
+
+TEST(CpuRope, GradCheckWithLlama3Scaling) {
+  RopeCase k;
+  k.rope.scaling = {"llama3", 8.0f, 1.0f, 4.0f, 16};
+  auto dinp = random_floats(k.inp.size(), 154);
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope);
   expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
 }
 
@@ -895,20 +919,33 @@ TEST(CpuRope, RejectsBadShapesNamingOpAndTensor) {
   RopeCase k;
   expect_rejects(
       [&] {
-        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {4, 2, 8}, 0.0f);
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {4, 2, 8},
+                           Rope{0.0f});
       },
       "rope_forward", "theta");
   expect_rejects(
       [&] {
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a,
+                           Rope{1e4f, {"llama3", 8.0f, 4.0f, 1.0f, 64}});
+      },
+      "rope_forward", "high_freq_factor");
+  expect_rejects(
+      [&] {
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a,
+                           Rope{1e4f, {"yarn", 8.0f, 1.0f, 4.0f, 64}});
+      },
+      "rope_forward", "yarn");
+  expect_rejects(
+      [&] {
         // (62 + 2) * 1 matches the qkv width of 64, but a head of 1 has no pairs to rotate.
         cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {62, 1, 1},
-                           k.theta);
+                           k.rope);
       },
       "rope_forward", "dims");
   expect_rejects(
       [&] {
         cpu().rope_backward(f32(k.out, k.qkv_shape()), f32(k.inp, {k.B * k.T, k.a.qkv_dim()}), k.a,
-                            k.theta);
+                            k.rope);
       },
       "rope_backward", "dout");
 }
@@ -1241,8 +1278,8 @@ TEST(CpuDeterminism, LlamaOpsBitIdenticalAcrossThreads) {
         cpu().qk_norm_backward(f32(dqn, qs), f32(dqw, hs), f32(dkw, hs), f32(dqkv_out, qs),
                                f32(qkv, qs), f32(qw, hs), f32(kw, hs), f32(qrstd, rs), a);
         auto roped = zeros(qkv.size()), droped = zeros(qkv.size());
-        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, 1e6f);
-        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, 1e6f);
+        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, Rope{1e6f});
+        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, Rope{1e6f});
         auto act = zeros(N * C), dgu = zeros(N * 2 * C);
         cpu().swiglu_forward(f32(act, {N, C}), f32(gu, {N, 2 * C}));
         cpu().swiglu_backward(f32(dgu, {N, 2 * C}), f32(dout, {N, C}), f32(gu, {N, 2 * C}));

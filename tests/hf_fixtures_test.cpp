@@ -1,4 +1,5 @@
-// Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA, Qwen3, Qwen3-MoE
+// Parity with transformers in CI, without torch: the tiny random GPT-2, LLaMA (plain and with
+// Llama 3.1's RoPE scaling), Qwen3, Qwen3-MoE
 // (routed every other block) and Mixtral that make_hf_fixtures.py (beside them in
 // tests/fixtures/hf/) saved with transformers load into kiln, whose fp32 CPU loss on the
 // committed batch matches transformers' recorded loss (rel 1e-5) and whose greedy decoding gives
@@ -31,7 +32,8 @@ TEST_P(HfFixtures, KilnMatchesTransformersLossAndGreedyTokens) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfFixtures,
-                         ::testing::Values("gpt2", "llama", "qwen3", "qwen3_moe", "mixtral"));
+                         ::testing::Values("gpt2", "llama", "llama31", "qwen3", "qwen3_moe",
+                                           "mixtral"));
 
 }  // namespace
 }  // namespace kiln

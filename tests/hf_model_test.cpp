@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -35,7 +36,8 @@ ModelConfig tiny_gpt2(bool tied = true) {
 // block (renormalized) and in every other block (not renormalized).
 ModelConfig tiny_rope(const std::string& name) {
   const bool mixtral = name == "mixtral", qwen_moe = name == "qwen3_moe";
-  const std::string arch = mixtral ? "llama" : qwen_moe ? "qwen3" : name;
+  const bool llama31 = name == "llama31";  // LLaMA with Llama 3.1's RoPE scaling
+  const std::string arch = mixtral || llama31 ? "llama" : qwen_moe ? "qwen3" : name;
   ModelConfig c = arch_config(arch);  // the row's layers, eps, RoPE base and tied head
   if (mixtral || qwen_moe) {
     c.moe.n_experts = 4;
@@ -48,6 +50,7 @@ ModelConfig tiny_rope(const std::string& name) {
   c.n_layer = 2, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 32, c.ffn_dim = 48;
   c.vocab_size = 300, c.padded_vocab_size = 384, c.seq_len = 64;
   c.head_dim = arch == "qwen3" ? 16 : 0;
+  if (llama31) c.rope_scaling = {"llama3", 4.0f, 1.0f, 4.0f, 32};
   return c;
 }
 
@@ -145,8 +148,8 @@ TEST_P(HfRoundTrip, Bf16ShardedExportImportRoundsOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfRoundTrip,
-                         ::testing::Values("gpt2", "gpt2_untied", "llama", "qwen3", "qwen3_moe",
-                                           "mixtral"));
+                         ::testing::Values("gpt2", "gpt2_untied", "llama", "llama31", "qwen3",
+                                           "qwen3_moe", "mixtral"));
 
 float at(const SafetensorsFile& f, const std::string& name, int64_t i) {
   const SafeTensorInfo* t = f.find(name);
@@ -266,14 +269,61 @@ TEST(HfConfig, ReadsBothTransformersGenerations) {
   EXPECT_EQ(c.padded_vocab_size, 1024);
 }
 
+// Llama 3.1's config.json in both generations: rope_scaling beside rope_theta (4.x), and
+// rope_parameters holding both (5.x).
+TEST(HfConfig, ReadsLlama31RopeScalingInBothGenerations) {
+  const std::string dir = temp_dir();
+  const std::string base = R"("model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": false)";
+  const RopeScaling want{"llama3", 8.0f, 1.0f, 4.0f, 8192};
+  write_text(dir + "/config.json", "{" + base + R"(, "rope_theta": 500000.0, "rope_scaling":
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192, "rope_type": "llama3"}})");
+  ModelConfig c = read_hf_config(dir);
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(c.rope_scaling, want);
+  write_text(dir + "/config.json", "{" + base + R"(, "rope_parameters": {"rope_theta": 500000.0,
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}})");
+  c = read_hf_config(dir);
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(c.rope_scaling, want);
+}
+
 TEST(HfConfig, RefusesWhatKilnDoesNotImplement) {
   const std::string dir = temp_dir();
   const std::string base = R"("vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128)";
-  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_scaling": {"rope_type": "llama3",
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_scaling": {"rope_type": "yarn",
     "factor": 8.0}, )" + base + "}");
   std::string e = input_error([&] { read_hf_config(dir); });
   EXPECT_NE(e.find(dir + "/config.json: rope_scaling"), std::string::npos) << e;
+  // llama3 without the numbers that define it
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_scaling": {"rope_type": "llama3",
+    "factor": 8.0}, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: rope_scaling: llama3 scaling needs a number low_freq_factor"),
+            std::string::npos)
+      << e;
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_parameters": {"rope_type":
+    "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192}, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: rope_parameters: llama3 scaling needs high_freq_factor"),
+            std::string::npos)
+      << e;
+  // Numbers an op would fail on later are refused here, naming config.json's key.
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rms_norm_eps": -1e-5, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: rms_norm_eps: must be finite and > 0"), std::string::npos)
+      << e;
+  write_text(dir + "/config.json", R"({"model_type": "llama", "rope_theta": -10000, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: rope_theta: rope_theta must be finite and > 0"),
+            std::string::npos)
+      << e;
   write_text(dir + "/config.json", R"({"model_type": "mistral", )" + base + "}");
   e = input_error([&] { read_hf_config(dir); });
   EXPECT_NE(e.find("model_type: 'mistral' is not supported"), std::string::npos) << e;
@@ -300,6 +350,12 @@ TEST(HfConfig, MismatchesNameEveryKey) {
   ASSERT_EQ(d.size(), 2u);
   EXPECT_EQ(d[0], "model.n_layer: 2 in the config, 3 in D/config.json");
   EXPECT_NE(d[1].find("model.rope_theta: 10000 in the config, 500000"), std::string::npos) << d[1];
+  hf = run;
+  hf.rope_scaling = {"llama3", 8.0f, 1.0f, 4.0f, 8192};
+  const std::vector<std::string> s = hf_config_mismatches(run, hf, "D");
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_NE(s[0].find("model.rope_scaling: none in the config, llama3 (factor 8"), std::string::npos)
+      << s[0];
   ModelConfig g = tiny_gpt2(), g2 = g;
   g2.seq_len = 32;  // learned positions: wpe's rows
   EXPECT_EQ(hf_config_mismatches(g, g2, "D").size(), 1u);
@@ -357,6 +413,18 @@ TEST(HfImport, MissingMisshapenAndUnexpectedTensorsAreNamed) {
   e = input_error([&] { load_hf_weights(dir, c, l); });
   EXPECT_NE(e.find("model.safetensors: tensor 'transformer.h.1.ln_2.bias' has shape [16], "
                    "config.json's sizes give [32]"),
+            std::string::npos) << e;
+
+  // A NaN or an infinity in a weight is refused at import, naming the tensor.
+  std::vector<float> poisoned(32, 0.5f);
+  poisoned[3] = std::nanf("");
+  poisoned[7] = INFINITY;
+  rewrite(dir, [&](std::vector<SafeTensorWrite>& t, const float*) {
+    for (SafeTensorWrite& w : t)
+      if (w.name == "transformer.h.1.ln_2.bias") w = {w.name, {32}, poisoned.data()};
+  });
+  e = input_error([&] { load_hf_weights(dir, c, l); });
+  EXPECT_NE(e.find("tensor 'transformer.h.1.ln_2.bias' holds 2 NaN or infinite values of 32"),
             std::string::npos) << e;
 }
 

@@ -112,6 +112,18 @@ TEST_F(PrepareDataHf, VocabularyOver65536WritesUint32Shards) {
   ASSERT_FALSE(ids.empty());
   EXPECT_EQ(ids[0], 70400u);  // <|endoftext|>, above 65,535, added after the reserved tokens
   EXPECT_EQ(ids, reference_ids(tok));
+  // And a LLaMA trains on them on the CPU, its embedding 70,401 rows tall, with falling loss.
+  const auto t = run_command(
+      kBin + "/train " + kSrc + "/configs/llama-tiny.yaml --train.device=cpu" +
+      " --model.vocab_size=70401 --data.train='" + out + "/train_*.bin' --data.val='" + out +
+      "/val_*.bin' --train.max_steps=6 --train.eval_every=6 --train.eval_steps=1" +
+      " --train.log_every=1 --train.batch_size=2 --model.seq_len=64 --optim.warmup_steps=0" +
+      " --train.out_dir=" + dir_ + "/wide_run");
+  ASSERT_EQ(t.status, 0) << t.output;
+  const auto losses = kiln::testing::read_losses(dir_ + "/wide_run");
+  ASSERT_EQ(losses.size(), 6u);
+  EXPECT_GT(losses.front().value, 10.0);  // ~ln(70401) = 11.16 at the start
+  EXPECT_LT(losses.back().value, losses.front().value);
 }
 
 TEST_F(PrepareDataHf, BadEosOrTokenizerExitsTwo) {

@@ -25,7 +25,7 @@ TEST(RopeFreq, Llama3ScalingMatchesTransformersInEveryBand) {
   const RopeScaling s{"llama3", 8.0f, 1.0f, 4.0f, 64};
   const std::vector<uint32_t> want = {0x3f800000, 0x3e7a3ff4, 0x3c55af30, 0x3b8186e3,
                                       0x3aa3d70a, 0x39cf3e38, 0x3903126f, 0x3825cb60};
-  EXPECT_EQ(bits(rope_inv_freq(16, 10000.0f, s)), want);
+  EXPECT_EQ(bits(rope_inv_freq(16, Rope{10000.0f, s})), want);
 }
 
 // Llama-3.1-8B's own parameters: head_dim 128, theta 5e5, factor 8, 1 / 4, 8192.
@@ -42,23 +42,23 @@ TEST(RopeFreq, Llama31EightBMatchesTransformers) {
       0x36b5b687, 0x369406cb, 0x36712b80, 0x36447610, 0x36200a69, 0x36025f34, 0x35d46808,
       0x35ad07a7, 0x358cf400, 0x3565a54d, 0x353b12c7, 0x351864a7, 0x34f848c2, 0x34ca41b0,
       0x34a4c2ff};
-  EXPECT_EQ(bits(rope_inv_freq(128, 500000.0f, s)), want);
+  EXPECT_EQ(bits(rope_inv_freq(128, Rope{500000.0f, s})), want);
 }
 
 TEST(RopeFreq, NoScalingIsTheDefaultFormula) {
-  const std::vector<float> f = rope_inv_freq(8, 10000.0f);
+  const std::vector<float> f = rope_inv_freq(8, Rope{10000.0f});
   ASSERT_EQ(f.size(), 4u);
   EXPECT_EQ(f[0], 1.0f);
   EXPECT_EQ(f[2], 1.0f / std::pow(10000.0f, 0.5f));
 }
 
 TEST(RopeFreq, BadParametersAreRefused) {
-  EXPECT_THROW(rope_inv_freq(7, 10000.0f), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, 0.0f), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, 1e4f, {"yarn", 8, 1, 4, 64}), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, 1e4f, {"llama3", 8, 4, 1, 64}), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, 1e4f, {"llama3", -1, 1, 4, 64}), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, 1e4f, {"llama3", 8, 1, 4, 0}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(7, Rope{10000.0f}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{0.0f}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"yarn", 8, 1, 4, 64}}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"llama3", 8, 4, 1, 64}}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"llama3", -1, 1, 4, 64}}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"llama3", 8, 1, 4, 0}}), std::invalid_argument);
 }
 
 }  // namespace

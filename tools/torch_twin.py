@@ -154,6 +154,15 @@ class Norm(nn.Module):
 
 def rope_tables():
     inv = torch.pow(torch.tensor(float(M["rope_theta"])), -torch.arange(0, HS, 2).float() / HS)
+    if M.get("rope_scaling", "none") == "llama3":  # Llama 3.1's, as transformers computes it
+        f, lo, hi = (float(M[k]) for k in ("rope_factor", "rope_low_freq_factor",
+                                            "rope_high_freq_factor"))
+        old = float(M["rope_original_max_position"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / f + smooth * scaled
+        inv = torch.where((wavelen >= old / hi) & (wavelen <= old / lo), blended, scaled)
     ang = torch.arange(T).float()[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dev), ang.sin().to(dev)

@@ -64,6 +64,16 @@ CommandLine parse_command_line(int argc, char** argv) {
       cl.help = true;
     } else if (arg == "--print-config") {
       cl.print_config = true;
+    } else if (arg == "--plan") {
+      cl.plan = true;
+    } else if (arg == "--plan-gpu-memory" || arg.rfind("--plan-gpu-memory=", 0) == 0) {
+      if (arg.size() > 17) {
+        cl.plan_gpu_memory = arg.substr(18);
+      } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+        cl.plan_gpu_memory = argv[++i];
+      }
+      if (cl.plan_gpu_memory.empty())
+        throw InputError("--plan-gpu-memory: missing value (a size such as 80GiB, or a GPU name)");
     } else if (arg.rfind("--", 0) == 0 && arg.size() > 2) {
       size_t eq = arg.find('=');
       std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
@@ -96,6 +106,8 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (cl.launch.node_rank >= cl.launch.nnodes)
     throw InputError("--node-rank: must be < --nnodes (" + std::to_string(cl.launch.nnodes) +
                      "), got " + std::to_string(cl.launch.node_rank));
+  if (!cl.plan_gpu_memory.empty() && !cl.plan)
+    throw InputError("--plan-gpu-memory: applies to --plan only");
   if (cl.config_path.empty() && !cl.help)
     throw InputError("missing config file: usage: train CONFIG.yaml [--section.key=value ...]");
   return cl;
@@ -115,6 +127,10 @@ launcher flags (one process per GPU; under Slurm or mpirun these come from the e
   --master-addr HOST   address of node 0's rendezvous          (default 127.0.0.1)
   --master-port P      port of the rendezvous, 1..65535 (default: ephemeral on one node, 29500 across nodes)
   --print-config       print the resolved config (every key, as the run's config.yaml) and exit
+  --plan               print each GPU's memory plan for this config and launch (no GPU needed)
+                       and exit: 0 if it fits, 2 if not, naming what to shrink
+  --plan-gpu-memory M  the GPU to plan for: a size (80GiB, 141GB) or h100, h200, a100,
+                       a100-40gb, l40s, b200 (default: GPU 0, else an H100 80GB)
   -h, --help           print this text
 
 A bad config or flag prints one line naming the key and exits with status 2.

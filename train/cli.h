@@ -25,6 +25,8 @@ struct CommandLine {
   LaunchOptions launch;
   bool help = false;
   bool print_config = false;  // print the resolved config and exit
+  bool plan = false;          // print the memory plan for the launch's world size and exit
+  std::string plan_gpu_memory;  // --plan-gpu-memory: the GPU the plan is for (train/plan.h)
 };
 
 // Throws InputError naming the argument at fault (unknown flag, bad value, a second config path,

@@ -104,6 +104,18 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(model, positions), one_of({"learned", "rope"}),
        "learned position embeddings (wpe) or rotary embeddings on q and k"},
       {KILN_FIELD(model, rope_theta), positive(), "RoPE base (positions: rope)"},
+      {KILN_FIELD(model, rope_scaling), one_of({"none", "llama3"}),
+       "RoPE frequency scaling: none, or llama3 (Llama 3.1's, set by the four rope_ keys below)"},
+      {KILN_FIELD(model, rope_factor), positive(),
+       "llama3 scaling: how much the low frequencies are slowed"},
+      {KILN_FIELD(model, rope_low_freq_factor), positive(),
+       "llama3 scaling: wavelengths past rope_original_max_position / this are divided by "
+       "rope_factor"},
+      {KILN_FIELD(model, rope_high_freq_factor), positive(),
+       "llama3 scaling: wavelengths below rope_original_max_position / this are kept; those "
+       "between are blended (> rope_low_freq_factor)"},
+      {KILN_FIELD(model, rope_original_max_position), positive(),
+       "llama3 scaling: the context the model was first trained at"},
       {KILN_FIELD(model, mlp), one_of({"gelu", "swiglu"}),
        "feed-forward: gelu (2 matrices) or swiglu (3 matrices)"},
       {KILN_FIELD(model, bias), any(), "biases on every linear layer"},
@@ -551,6 +563,25 @@ struct Resolver {
     if (m.positions == "rope" && head_dim % 2 != 0)
       fail(field(m.head_dim > 0 ? "model.head_dim" : "model.n_embd"),
            "RoPE rotates pairs: the head width must be even, got " + std::to_string(head_dim));
+    const ModelSection defaults;
+    if (m.rope_scaling == "llama3") {
+      if (m.positions != "rope")
+        fail(field("model.rope_scaling"), "llama3 scales RoPE, but model.positions is " +
+                                              m.positions);
+      if (!(m.rope_high_freq_factor > m.rope_low_freq_factor))
+        fail(field("model.rope_high_freq_factor"),
+             "must be > model.rope_low_freq_factor (" + format_double(m.rope_low_freq_factor) +
+                 "), got " + format_double(m.rope_high_freq_factor));
+    } else {
+      for (const auto& [key, differs] :
+           {std::pair<const char*, bool>{"model.rope_factor", m.rope_factor != defaults.rope_factor},
+            {"model.rope_low_freq_factor", m.rope_low_freq_factor != defaults.rope_low_freq_factor},
+            {"model.rope_high_freq_factor",
+             m.rope_high_freq_factor != defaults.rope_high_freq_factor},
+            {"model.rope_original_max_position",
+             m.rope_original_max_position != defaults.rope_original_max_position}})
+        if (differs) fail(field(key), "is used only with model.rope_scaling: llama3");
+    }
     if (m.norm == "layernorm" && m.norm_eps != 1e-5)
       fail(field("model.norm_eps"), "layernorm's epsilon is fixed at 1e-5, got " +
                                         format_double(m.norm_eps) + " (rmsnorm takes any)");

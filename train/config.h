@@ -29,6 +29,13 @@ struct ModelSection {
   double norm_eps = 1e-5;
   std::string positions = "learned";  // learned | rope
   double rope_theta = 10000.0;
+  // Llama 3.1's RoPE frequency scaling (rope_type "llama3" in transformers); the four numbers
+  // below are used only with it.
+  std::string rope_scaling = "none";  // none | llama3
+  double rope_factor = 8.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int rope_original_max_position = 8192;
   std::string mlp = "gelu";  // gelu | swiglu
   bool bias = true;          // biases on the linear layers
   bool qkv_bias = true;      // a bias on the qkv projection (set when bias is)

@@ -8,19 +8,23 @@
 
 namespace kiln {
 
+void check_cuda_config(const Config& cfg) {
+  if (cfg.precision.dtype == "fp32")
+    throw InputError(
+        "precision.dtype=fp32: the CUDA backend computes in bf16 only; "
+        "train.device=cpu computes in fp32");
+  // The router's kernel keeps a token's k picks in registers (kernels/cuda/moe_router.cu).
+  if (cfg.moe.n_experts > 0 && cfg.moe.top_k > 32)
+    throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(cfg.moe.top_k));
+}
+
 std::unique_ptr<Backend> make_run_backend(const Config& cfg, int local_rank) {
   const std::string& device = cfg.train.device;
   if (device == "cuda" || (device == "auto" && cuda_available())) {
     if (!cuda_available())
       throw InputError(
           "train.device=cuda: no usable GPU (none visible, or kiln built without CUDA)");
-    if (cfg.precision.dtype == "fp32")
-      throw InputError(
-          "precision.dtype=fp32: the CUDA backend computes in bf16 only; "
-          "train.device=cpu computes in fp32");
-    // The router's kernel keeps a token's k picks in registers (kernels/cuda/moe_router.cu).
-    if (cfg.moe.n_experts > 0 && cfg.moe.top_k > 32)
-      throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(cfg.moe.top_k));
+    check_cuda_config(cfg);
     std::unique_ptr<Backend> backend = make_cuda_backend(local_rank);
     try {
       backend->set_attention(cfg.precision.attention);

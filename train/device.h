@@ -14,4 +14,8 @@ namespace kiln {
 // `local_rank` picks this process's GPU on its node. InputError naming the key it refuses.
 std::unique_ptr<Backend> make_run_backend(const Config& cfg, int local_rank);
 
+// What CUDA refuses in a config, before any GPU is touched (train --plan checks it too):
+// InputError naming the key.
+void check_cuda_config(const Config& cfg);
+
 }  // namespace kiln

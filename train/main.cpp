@@ -12,6 +12,8 @@
 #include "kernels/error.h"
 #include "train/cli.h"
 #include "train/config.h"
+#include "train/device.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 
 using namespace kiln;
@@ -70,6 +72,13 @@ int main(int argc, char** argv) {
     if (cli.print_config) {
       std::printf("%s", config_to_yaml(config).c_str());
       return 0;
+    }
+    if (cli.plan) {
+      if (config.train.device == "cpu")
+        throw InputError("--plan: plans a CUDA run, but train.device is cpu");
+      check_cuda_config(config);
+      return plan_training(config, cli.launch.nproc_per_node * cli.launch.nnodes,
+                           plan_target(cli.plan_gpu_memory));
     }
     if (auto worker = worker_from_environment()) return run_worker(config, *worker);
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)

@@ -21,6 +21,10 @@ ModelConfig model_config(const ModelSection& m) {
   c.norm_eps = static_cast<float>(m.norm_eps);
   c.positions = m.positions == "rope" ? PositionKind::rope : PositionKind::learned;
   c.rope_theta = static_cast<float>(m.rope_theta);
+  if (m.rope_scaling == "llama3")
+    c.rope_scaling = {"llama3", static_cast<float>(m.rope_factor),
+                      static_cast<float>(m.rope_low_freq_factor),
+                      static_cast<float>(m.rope_high_freq_factor), m.rope_original_max_position};
   c.mlp = m.mlp == "swiglu" ? MlpKind::swiglu : MlpKind::gelu;
   c.bias = m.bias;
   c.qkv_bias = m.qkv_bias;
@@ -91,6 +95,13 @@ ModelSection model_section(const ModelConfig& m) {
   s.norm_eps = float_as_written(m.norm_eps);
   s.positions = position_name(m.positions);
   s.rope_theta = float_as_written(m.rope_theta);
+  if (const RopeScaling& r = m.rope_scaling; !r.type.empty()) {
+    s.rope_scaling = r.type;
+    s.rope_factor = float_as_written(r.factor);
+    s.rope_low_freq_factor = float_as_written(r.low_freq_factor);
+    s.rope_high_freq_factor = float_as_written(r.high_freq_factor);
+    s.rope_original_max_position = r.original_max_position;
+  }
   s.mlp = mlp_name(m.mlp);
   s.bias = m.bias;
   s.qkv_bias = m.qkv_bias;

@@ -85,6 +85,7 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
       << ",\"cuda_graphs\":" << json_quote(s.cuda_graphs) << ",\"fp8\":" << json_quote(s.fp8);
   if (s.peak_flops > 0) out << ",\"peak_tflops\":" << s.peak_flops / 1e12;
   if (s.tokens_per_joule) out << ",\"tokens_per_joule\":" << *s.tokens_per_joule;
+  if (s.device_memory_bytes >= 0) out << ",\"device_memory_bytes\":" << s.device_memory_bytes;
   out << "}\n";
 }
 

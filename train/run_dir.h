@@ -34,6 +34,7 @@ struct RunSummary {
   std::string cuda_graphs, fp8;  // StepGraph::status, Fp8Recipe::status
   double peak_flops = 0;         // 0: not known (no MFU), and absent from the file
   std::optional<double> tokens_per_joule;
+  int64_t device_memory_bytes = -1;  // the most memory_in_use() seen; -1: not known (the CPU)
 };
 void write_summary(const std::string& out_dir, const RunSummary& s);
 

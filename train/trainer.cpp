@@ -14,6 +14,7 @@
 #include "dist/strategy.h"
 #include "kernels/arena.h"
 #include "kernels/error.h"
+#include "kernels/plan_backend.h"
 #include "train/device.h"
 #include "train/fp8_recipe.h"
 #include "train/init_from.h"
@@ -22,6 +23,7 @@
 #include "train/nvtx.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
+#include "train/plan.h"
 #include "train/power.h"
 #include "train/resume.h"
 #include "train/run_dir.h"
@@ -40,9 +42,13 @@ namespace {
 
 class Trainer {
  public:
+  // `backend`: the one to run on (train --plan's planning backend); null: train.device's.
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-          const TrainObserver* observer);
+          const TrainObserver* observer, std::unique_ptr<Backend> backend = nullptr);
   int run();
+  // Lays out every buffer and prints the plan and its verdict against `target`, allocating
+  // nothing. Returns the exit status.
+  int plan_only(const PlanTarget& target);
 
  private:
   bool is_main() const { return rank_.rank == 0; }
@@ -57,7 +63,8 @@ class Trainer {
     return {cfg_,    rank_.rank, rank_.world_size, *backend_, *model_, *strategy_,
             layout_, *fp8_,      *train_loader_,   rng_,      comm_};
   }
-  void plan_memory();
+  void plan_buffers();  // every buffer into the two arenas, then the table on rank 0
+  void plan_memory();   // plan_buffers(), then allocate and bind them
   void init_parameters();
   // The step's device work, which reads everything that changes per step from device memory:
   // micro-batches, gradient sync, FP8 scaling, clipping, AdamW. `break_capture` (tests only)
@@ -115,15 +122,16 @@ class Trainer {
   double peak_ = 0, peak_fp8_ = 0;
   double flops_per_token_ = 0;
   StepTimer timer_;
+  int64_t device_peak_ = -1;  // the most memory_in_use() seen at a finished step
 };
 
 Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer)
+                 const TrainObserver* observer, std::unique_ptr<Backend> backend)
     : cfg_(cfg),
       rank_(rank),
       observer_(observer),
       plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel)),
-      built_backend_(make_run_backend(cfg, rank.local_rank)),
+      built_backend_(backend ? std::move(backend) : make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                   : built_backend_.get()),
       mcfg_(model_config(cfg, *backend_, rank.rank == 0)),
@@ -158,7 +166,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
                                      strategy_->holds_whole_model());
 }
 
-void Trainer::plan_memory() {
+void Trainer::plan_buffers() {
   strategy_->plan_memory(state_arena_);
   const auto& spans = layout_.local().decay_spans;
   state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2},
@@ -166,7 +174,7 @@ void Trainer::plan_memory() {
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
-  power_->plan(state_arena_);
+  if (power_) power_->plan(state_arena_);
   fp8_->plan(state_arena_);
   inputs_.plan(state_arena_);
   const Recompute recompute = recompute_mode(cfg_.train);
@@ -174,6 +182,15 @@ void Trainer::plan_memory() {
   if (is_main())
     log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,
                     recompute);
+}
+
+int Trainer::plan_only(const PlanTarget& target) {
+  plan_buffers();
+  return report_plan(cfg_, state_arena_, acts_arena_, rank_.world_size, target);
+}
+
+void Trainer::plan_memory() {
+  plan_buffers();
   try {
     state_arena_.allocate();
     acts_arena_.allocate();
@@ -185,7 +202,7 @@ void Trainer::plan_memory() {
                      e.what());
   }
   std::vector<int64_t> flat;
-  for (const auto& [b, e] : spans) {
+  for (const auto& [b, e] : layout_.local().decay_spans) {
     flat.push_back(b);
     flat.push_back(e);
   }
@@ -308,6 +325,13 @@ bool Trainer::finish_step(const PendingStep& p) {
                   sm.loss);
     return false;
   }
+  const int64_t in_use = backend_->memory_in_use();
+  if (in_use > device_peak_) {
+    if (device_peak_ < 0 && is_main())
+      spdlog::info("device memory in use after step {}: {} (the plan: {} in the arenas)", sm.step,
+                   format_bytes(static_cast<size_t>(in_use)), format_bytes(memory_bytes()));
+    device_peak_ = in_use;
+  }
   const bool last = sm.step == t.max_steps;
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
   if (is_main()) {
@@ -395,7 +419,8 @@ int Trainer::run() {
     write_summary(t.out_dir, {backend_->name(), backend_->attention_name(), model_->layout().total,
                               memory_bytes(), tokens_per_step(), rank_.world_size,
                               cfg_.dist.strategy, cfg_.dist.reduce_dtype, cfg_.data.prefetch,
-                              graph_.status(), fp8_->status(cfg_), peak_, tokens_per_joule});
+                              graph_.status(), fp8_->status(cfg_), peak_, tokens_per_joule,
+                              device_peak_});
   return 0;
 }
 
@@ -405,6 +430,16 @@ int run_training(const Config& config, const RankInfo& rank, const CommunicatorF
                  const TrainObserver* observer) {
   Trainer trainer(config, rank, make_comm, observer);
   return trainer.run();
+}
+
+int plan_training(const Config& config, int world_size, const PlanTarget& target) {
+  const std::string gpus =
+      world_size > 1 ? std::to_string(world_size) + " x " + target.gpu : target.gpu;
+  Trainer trainer(
+      config, RankInfo{0, 0, world_size},
+      [](Backend&, const CommGroup& g) { return make_plan_communicator(g.rank, g.size); },
+      nullptr, make_plan_backend(gpus));
+  return trainer.plan_only(target);
 }
 
 }  // namespace kiln

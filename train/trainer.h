@@ -45,4 +45,9 @@ struct TrainObserver {
 int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
                  const TrainObserver* observer = nullptr);
 
+struct PlanTarget;
+// `train CONFIG --plan`: rank 0's memory plan for a run of `world_size` ranks, made without a GPU
+// (train/plan.h), and whether it fits `target`. Returns the exit status (0 fits, 2 not).
+int plan_training(const Config& config, int world_size, const PlanTarget& target);
+
 }  // namespace kiln

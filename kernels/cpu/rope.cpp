@@ -1,7 +1,7 @@
 // Rotary position embedding on the query and key heads of a packed qkv, in Hugging Face's
 // LLaMA/Qwen3 convention (rotate_half: element i pairs with i + hs/2, not with i + 1), the value
 // heads passed through. The angles are computed in f32 exactly as transformers does,
-//   inv_freq[i] = 1.0f / powf(theta, float(2i) / float(hs));  angle = float(t) * inv_freq[i]
+//   inv_freq = rope_inv_freq(hs, rope) (kernels/rope_freq.h);  angle = float(t) * inv_freq[i]
 // then cosf/sinf of that f32 angle, once per call into a [T, hs/2] table. At large t the f32
 // angle is off from the exact one by ~t * 2^-24 rad: that rounding is part of the convention, so
 // it is kept rather than computed in double. Backward is the inverse rotation (the transpose),
@@ -19,15 +19,14 @@ namespace kiln {
 namespace {
 
 // Rotates the query and key heads of every token by +angle (forward) or -angle (backward).
-void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, float theta, bool inverse) {
+void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, const Rope& rope, bool inverse) {
   const int64_t B = inp.dim(0), T = inp.dim(1), hs = a.head_dim, half = hs / 2;
   const int64_t row = a.qkv_dim(), rotated = (a.n_head + a.n_kv_head) * hs;
   std::vector<float> cos_t(static_cast<size_t>(T * half)), sin_t(cos_t.size());
+  const std::vector<float> inv_freq = rope_inv_freq(a.head_dim, rope);
   for (int64_t i = 0; i < half; ++i) {
-    const float inv_freq =
-        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hs));
     for (int64_t t = 0; t < T; ++t) {
-      const float angle = static_cast<float>(t) * inv_freq;
+      const float angle = static_cast<float>(t) * inv_freq[i];
       cos_t[t * half + i] = std::cos(angle);
       sin_t[t * half + i] = inverse ? -std::sin(angle) : std::sin(angle);
     }
@@ -51,12 +50,14 @@ void rope_apply(Tensor out, Tensor inp, const AttentionDims& a, float theta, boo
 
 }  // namespace
 
-void CpuBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
-  rope_apply(out, inp, a, theta, false);
+void CpuBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a,
+                                  const Rope& rope) {
+  rope_apply(out, inp, a, rope, false);
 }
 
-void CpuBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
-  rope_apply(dinp, dout, a, theta, true);
+void CpuBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a,
+                                   const Rope& rope) {
+  rope_apply(dinp, dout, a, rope, true);
 }
 
 }  // namespace kiln

@@ -333,4 +333,25 @@ int cuda_device_count() {
 
 bool cuda_available() { return cuda_device_count() > 0; }
 
+bool cuda_device_memory(int index, std::string* name, size_t* total_bytes) {
+  if (index < 0 || index >= cuda_device_count()) return false;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *name = prop.name;
+  *total_bytes = prop.totalGlobalMem;
+  return true;
+}
+
+int64_t CudaBackend::memory_in_use() const {
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return static_cast<int64_t>(total_b - free_b);
+}
+
 }  // namespace kiln

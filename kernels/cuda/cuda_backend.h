@@ -80,6 +80,7 @@ class CudaBackend final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override;
+  int64_t memory_in_use() const override;
   void read_async(int slot, const std::vector<Tensor>& srcs) override;
   const float* read_wait(int slot) override;
   void mark_step_start(int slot) override;

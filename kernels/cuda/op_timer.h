@@ -56,6 +56,7 @@ class OpTimer final : public Backend {
   void copy(Tensor dst, Tensor src) override;
   void fill_zero(Tensor t) override;
   void synchronize() override { inner_.synchronize(); }
+  int64_t memory_in_use() const override { return inner_.memory_in_use(); }
   void read_async(int slot, const std::vector<Tensor>& srcs) override {
     inner_.read_async(slot, srcs);
   }

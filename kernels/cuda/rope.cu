@@ -2,15 +2,18 @@
 // with i + hs/2) on the query and key heads of a packed qkv[B,T,(NH+2KV)*hs]; value heads are
 // copied (nothing to do in place). Backward is the same kernel rotating by -angle.
 // Design choices:
-//  - inv_freq is computed on the host in f32 exactly as HF does (1 / theta^(float(2i)/hs)) and
-//    passed by value as a kernel parameter: no device buffer, nothing to keep in sync.
+//  - inv_freq is computed on the host in f32 exactly as HF does (rope_inv_freq, with any llama3
+//    scaling) and passed by value as a kernel parameter: no device buffer, nothing to keep in
+//    sync.
 //  - angle = float(t) * inv_freq[i] in f32, then ACCURATE sincosf (not __sincosf: angles reach
 //    T radians, thousands, where the fast intrinsic's error is large). One block per token
 //    computes its hs/2 (cos, sin) pairs once into shared memory, then every query and key head
 //    of the token reuses them: the sincosf cost is amortized over NH + KV heads, and the kernel
 //    is a memory-bound stream of 16-byte loads and stores (8 pairs per thread).
 //  - Each thread reads both halves of its pairs before writing them, so out may be inp.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -84,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
 // The kernel's frequency table holds kMaxHalf pairs: wider heads are refused, and so are more
 // tokens than a grid's x dimension (a block per token).
 void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a,
-          float theta, bool backward) {
+          const Rope& rope, bool backward) {
   if (a.head_dim > 2 * kMaxHalf)
     c.fail("dims",
            "head_dim " + std::to_string(a.head_dim) + " is over " + std::to_string(2 * kMaxHalf));
@@ -95,11 +98,9 @@ void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const A
   s.copied = out.data == inp.data ? 0 : a.n_kv_head;
   s.row = static_cast<int>(a.qkv_dim());
   s.sin_sign = backward ? -1.0f : 1.0f;
-  // Hugging Face: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in f32.
   RopeFreqs f{};
-  for (int i = 0; i < a.head_dim / 2; ++i)
-    f.inv_freq[i] =
-        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(a.head_dim));
+  const std::vector<float> inv_freq = rope_inv_freq(a.head_dim, rope);
+  std::copy(inv_freq.begin(), inv_freq.end(), f.inv_freq);
   const int64_t tokens = inp.numel() / a.qkv_dim();
   if (tokens == 0) return;
   if (tokens > 0x7fffffff) c.fail(backward ? "dout" : "inp", "too many tokens");
@@ -113,12 +114,14 @@ void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const A
 
 }  // namespace
 
-void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a, float theta) {
-  rope(op_check("rope_forward"), stream_, out, inp, a, theta, false);
+void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a,
+                                   const Rope& r) {
+  rope(op_check("rope_forward"), stream_, out, inp, a, r, false);
 }
 
-void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, float theta) {
-  rope(op_check("rope_backward"), stream_, dinp, dout, a, theta, true);
+void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a,
+                                    const Rope& r) {
+  rope(op_check("rope_backward"), stream_, dinp, dout, a, r, true);
 }
 
 }  // namespace kiln

@@ -36,7 +36,7 @@ void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) 
   if (qk_norm)
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
-  if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_theta);
+  if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params);
   k.attention_forward(a.y, a.lse, a.qkv, dims);
   proj.forward(k, w, a.out, a.y);
 }
@@ -45,7 +45,7 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a) const {
   proj.backward(k, w, g, s.dy, dout, a.y);
   k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims);
-  if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_theta);
+  if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_params);
   Tensor dqkv = s.dqkv;
   if (qk_norm) {
     k.qk_norm_backward(s.dqkv_raw, param(g, q_norm), param(g, k_norm), s.dqkv, a.qkv_raw,

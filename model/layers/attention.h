@@ -17,7 +17,7 @@ namespace kiln {
 struct Attention {
   AttentionDims dims;
   bool rope = false;
-  float rope_theta = 10000.0f;
+  Rope rope_params;  // theta and scaling (kernels/rope_freq.h)
   bool qk_norm = false;
   float norm_eps = 1e-6f;
   Linear qkv, proj;

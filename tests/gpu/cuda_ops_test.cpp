@@ -517,6 +517,7 @@ struct RopeCase {
   HeadsCase heads;
   int B, T;
   float theta;
+  RopeScaling scaling = {};
 };
 
 class CudaRope : public CudaOps, public ::testing::WithParamInterface<RopeCase> {};
@@ -526,24 +527,25 @@ TEST_P(CudaRope, ForwardBackwardInPlace) {
   const RopeCase rc = GetParam();
   const AttentionDims a{rc.heads.NH, rc.heads.KV, rc.heads.hs};
   const int B = rc.B, T = rc.T;
+  const Rope rope{rc.theta, rc.scaling};
   const int64_t D = a.qkv_dim(), n = int64_t{B} * T * D;
   std::vector<float> x = rand(n, 2.0f), dout = rand(n);
   Buf cx = cpu({B, T, D}, x), gx = act({B, T, D}, x);
   Buf co = cpu({B, T, D}, std::vector<float>(n)), go = poisoned({B, T, D}, DType::bf16);
-  cpu_->rope_forward(co, cx, a, rc.theta);
-  gpu_->rope_forward(go, gx, a, rc.theta);
+  cpu_->rope_forward(co, cx, a, rope);
+  gpu_->rope_forward(go, gx, a, rope);
   const std::vector<float> out = host(go);
   EXPECT_CLOSE(out, host(co), kBf16Tol, "rope out");
-  gpu_->rope_forward(gx, gx, a, rc.theta);
+  gpu_->rope_forward(gx, gx, a, rope);
   EXPECT_EQ(out, host(gx)) << "in-place forward differs";
 
   Buf cdo = cpu({B, T, D}, dout), gdo = act({B, T, D}, dout);
   Buf cdi = cpu({B, T, D}, std::vector<float>(n)), gdi = poisoned({B, T, D}, DType::bf16);
-  cpu_->rope_backward(cdi, cdo, a, rc.theta);
-  gpu_->rope_backward(gdi, gdo, a, rc.theta);
+  cpu_->rope_backward(cdi, cdo, a, rope);
+  gpu_->rope_backward(gdi, gdo, a, rope);
   const std::vector<float> din = host(gdi);
   EXPECT_CLOSE(din, host(cdi), kBf16Tol, "rope dinp");
-  gpu_->rope_backward(gdo, gdo, a, rc.theta);
+  gpu_->rope_backward(gdo, gdo, a, rope);
   EXPECT_EQ(din, host(gdo)) << "in-place backward differs";
   for (int64_t t = 0; t < int64_t{B} * T; ++t)  // value heads: copied bit for bit
     for (int64_t i = (a.n_head + a.n_kv_head) * a.head_dim; i < D; ++i)
@@ -555,10 +557,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(RopeCase{{8, 2, 64}, 2, 100, 1e4f}, RopeCase{{16, 8, 128}, 2, 64, 1e6f},
                       // T = 2048: angles up to ~2047 rad, where a fast sin/cos would be off
                       RopeCase{{4, 1, 128}, 1, 2048, 1e4f}, RopeCase{{2, 2, 64}, 1, 2048, 1e6f},
-                      RopeCase{{2, 1, 24}, 2, 50, 1e4f}),  // hs/2 = 12: the scalar path
+                      RopeCase{{2, 1, 24}, 2, 50, 1e4f},  // hs/2 = 12: the scalar path
+                      // Llama 3.1's scaling at its own numbers (head 128, theta 5e5)
+                      RopeCase{{4, 1, 128}, 1, 2048, 5e5f, {"llama3", 8.0f, 1.0f, 4.0f, 8192}}),
     [](const ::testing::TestParamInfo<RopeCase>& i) {
       return heads_name(i.param.heads) + "_T" + std::to_string(i.param.T) + "_theta" +
-             std::to_string(static_cast<int>(i.param.theta));
+             std::to_string(static_cast<int>(i.param.theta)) + i.param.scaling.type;
     });
 
 // ---- swiglu -------------------------------------------------------------------------------

@@ -85,8 +85,18 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
           " --moe.renormalize=" + (c.moe.renormalize ? "true" : "false") +
           " --model.tie_embeddings=" + (c.tie_embeddings ? "true" : "false") +
           " --model.rope_theta=" + std::to_string(c.rope_theta);
+  const RopeScaling& rs = c.rope_scaling;
+  const std::string rope =
+      rs.type.empty() ? ""
+                      : " --model.rope_scaling=" + rs.type +
+                            " --model.rope_factor=" + std::to_string(rs.factor) +
+                            " --model.rope_low_freq_factor=" + std::to_string(rs.low_freq_factor) +
+                            " --model.rope_high_freq_factor=" +
+                            std::to_string(rs.high_freq_factor) +
+                            " --model.rope_original_max_position=" +
+                            std::to_string(rs.original_max_position);
   auto r = run_command(
-      kBin + "/train " + config + " --train.device=cpu --train.max_steps=1 --train.batch_size=1" +
+      kBin + "/train " + config + " --train.device=cpu --train.max_steps=1 --train.batch_size=1" + rope +
       " --train.eval_every=0 --data.val= --data.train=" + d + "/train_000000.bin" +
       " --model.n_layer=" + std::to_string(c.n_layer) + " --model.n_head=" + std::to_string(c.n_head) +
       " --model.n_kv_head=" + std::to_string(c.attention().n_kv_head) +
@@ -109,7 +119,8 @@ TEST_P(HfParity, ExportOfAKilnTrainedModelLoadsInTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, HfParity,
-                         ::testing::Values("gpt2", "llama", "qwen3", "qwen3_moe", "mixtral"));
+                         ::testing::Values("gpt2", "llama", "llama31", "qwen3", "qwen3_moe",
+                                           "mixtral"));
 
 }  // namespace
 }  // namespace kiln

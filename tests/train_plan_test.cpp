@@ -1,0 +1,78 @@
+// `train CONFIG --plan`: the memory plan of a run laid out without a GPU, with its verdict, from
+// outside through the real binary.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace {
+
+const std::string kBin = KILN_BIN_DIR;
+const std::string kSrc = KILN_SOURCE_DIR;
+
+kiln::testing::CommandResult plan(const std::string& config, const std::string& flags) {
+  return kiln::testing::run_command(kBin + "/train " + kSrc + "/configs/" + config + " --plan " +
+                                    flags);
+}
+
+// Llama-3.1-8B under fsdp on 4 GPUs: the plan names its 8.03B parameters and each rank's shard,
+// and it fits a GPU of ample memory.
+TEST(TrainPlan, EightBOnFourGpusIsLaidOutWithoutAGpu) {
+  const auto r = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 1000GiB");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("8030261248 parameters, dist.strategy=fsdp over 4 ranks"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("(shard)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("plan: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("a GPU of 1000.00 GiB (1000GiB): fits"), std::string::npos) << r.output;
+  const auto q = plan("qwen3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 1000GiB");
+  EXPECT_EQ(q.status, 0) << q.output;
+  EXPECT_NE(q.output.find("8190735360 parameters"), std::string::npos) << q.output;
+}
+
+// One GPU cannot hold 8B parameters with their AdamW state: exit 2, one line naming the largest
+// buffers and the keys that shrink them.
+TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
+  const auto r = plan("llama3-8b.yaml", "--plan-gpu-memory h100");
+  EXPECT_EQ(r.status, 2) << r.output;
+  const size_t at = r.output.find("plan: does not fit: ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+  EXPECT_NE(line.find("on NVIDIA H100 80GB HBM3; largest: "), std::string::npos) << line;
+  EXPECT_NE(line.find("adamw"), std::string::npos) << line;
+  EXPECT_NE(line.find("more GPUs (--nproc-per-node, --nnodes)"), std::string::npos) << line;
+  // Activations past the GPU: a smaller batch or more recompute.
+  const auto a = plan("llama3-8b.yaml",
+                      "--nproc-per-node 4 --plan-gpu-memory 80GiB --train.batch_size=16 "
+                      "--train.recompute=none");
+  EXPECT_EQ(a.status, 2) << a.output;
+  EXPECT_NE(a.output.find("a lower train.batch_size (16; raise train.grad_accum"),
+            std::string::npos)
+      << a.output;
+  EXPECT_NE(a.output.find("train.recompute=selective or full"), std::string::npos) << a.output;
+}
+
+TEST(TrainPlan, BadFlagsExitWithStatus2) {
+  struct Case {
+    std::string flags, expect;
+  };
+  for (const Case& c :
+       {Case{"--plan-gpu-memory lots", "--plan-gpu-memory: expected a size such as 80GiB"},
+        Case{"--plan-gpu-memory 0GiB", "--plan-gpu-memory: expected a size"},
+        Case{"--plan-gpu-memory", "--plan-gpu-memory: missing value"},
+        Case{"--train.device=cpu", "--plan: plans a CUDA run, but train.device is cpu"},
+        Case{"--precision.dtype=fp32", "precision.dtype=fp32: the CUDA backend computes in bf16"}}) {
+    const auto r = plan("llama3-8b.yaml", c.flags);
+    EXPECT_EQ(r.status, 2) << c.flags << ":\n" << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << ":\n" << r.output;
+  }
+  const auto r = kiln::testing::run_command(kBin + "/train " + kSrc +
+                                            "/configs/tiny.yaml --plan-gpu-memory 80GiB");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--plan-gpu-memory: applies to --plan only"), std::string::npos)
+      << r.output;
+}
+
+}  // namespace

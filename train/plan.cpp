@@ -1,0 +1,132 @@
+#include "train/plan.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/error.h"
+
+namespace kiln {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// cudaGetDeviceProperties' totalGlobalMem of each part.
+struct KnownGpu {
+  const char* key;
+  const char* name;
+  double gib;
+};
+constexpr KnownGpu kGpus[] = {
+    {"h100", "NVIDIA H100 80GB HBM3", 79.19},   {"h200", "NVIDIA H200", 139.80},
+    {"a100", "NVIDIA A100-SXM4-80GB", 79.25},   {"a100-40gb", "NVIDIA A100-SXM4-40GB", 39.39},
+    {"l40s", "NVIDIA L40S", 44.42},             {"b200", "NVIDIA B200", 178.36},
+};
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+PlanTarget plan_target(const std::string& text) {
+  if (text.empty()) {
+    std::string name;
+    size_t total = 0;
+    if (cuda_device_memory(0, &name, &total)) return {name, total};
+    return {kGpus[0].name, static_cast<size_t>(kGpus[0].gib * kGiB)};
+  }
+  const std::string t = lower(text);
+  for (const KnownGpu& g : kGpus)
+    if (t == g.key) return {g.name, static_cast<size_t>(g.gib * kGiB)};
+  // A number and a unit: GiB / GB / MiB / MB.
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(t, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = used > 0 ? t.substr(used) : "";
+  const double scale = unit == "gib"   ? kGiB
+                       : unit == "gb"  ? 1e9
+                       : unit == "mib" ? 1024.0 * 1024.0
+                       : unit == "mb"  ? 1e6
+                                       : 0.0;
+  if (used == 0 || scale == 0 || !std::isfinite(v) || v <= 0 || v * scale > 1e15) {
+    std::string names;
+    for (const KnownGpu& g : kGpus) names += std::string(names.empty() ? "" : ", ") + g.key;
+    throw InputError("--plan-gpu-memory: expected a size such as 80GiB, 141GB or 81559MiB, or "
+                     "one of " + names + ", got '" + text + "'");
+  }
+  return {text, static_cast<size_t>(v * scale)};
+}
+
+size_t plan_overhead_bytes(int world_size) {
+  // The CUDA context with cuBLASLt, cuDNN and the kernels loaded, and the backend's workspace
+  // and first scratch; NCCL's buffers where there are peers.
+  const double gib = 1.0 + (world_size > 1 ? 0.5 : 0.0);
+  return static_cast<size_t>(gib * kGiB);
+}
+
+int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
+                const PlanTarget& target) {
+  const size_t overhead = plan_overhead_bytes(world_size);
+  const size_t total = state.bytes() + acts.bytes() + overhead;
+  spdlog::info("  {:<24} {}", "outside the arenas", format_bytes(overhead));
+  const std::string per = world_size > 1 ? " a GPU" : "";
+  if (total <= target.bytes) {
+    spdlog::info("plan: {}{} of {} ({}): fits, {} to spare", format_bytes(total), per,
+                 format_bytes(target.bytes), target.gpu, format_bytes(target.bytes - total));
+    return 0;
+  }
+  // The three largest buffers, and what shrinks each kind.
+  struct Big {
+    std::string name;
+    size_t bytes;
+    bool activation;
+  };
+  std::vector<Big> big;
+  for (const auto& e : state.entries()) big.push_back({e.name, e.bytes, false});
+  for (const auto& e : acts.entries()) big.push_back({e.name, e.bytes, true});
+  std::sort(big.begin(), big.end(), [](const Big& a, const Big& b) { return a.bytes > b.bytes; });
+  big.resize(std::min<size_t>(big.size(), 3));
+  std::string largest;
+  bool acts_big = false, state_big = false;
+  for (const Big& b : big) {
+    largest += (largest.empty() ? "" : ", ") + b.name + " " + format_bytes(b.bytes);
+    (b.activation ? acts_big : state_big) = true;
+  }
+  // A kind of buffer that holds a quarter of the arenas is worth shrinking too.
+  const size_t quarter = (state.bytes() + acts.bytes()) / 4;
+  std::vector<std::string> keys;
+  if (acts_big || acts.bytes() >= quarter) {
+    keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
+                   "; raise train.grad_accum to keep the batch)");
+    if (cfg.train.recompute != "full")
+      keys.push_back("train.recompute=" +
+                     std::string(cfg.train.recompute == "none" ? "selective or full" : "full"));
+  }
+  if (state_big || state.bytes() >= quarter) {
+    if (cfg.dist.strategy != "fsdp")
+      keys.push_back("dist.strategy=fsdp (now " + cfg.dist.strategy + ")");
+    keys.push_back("more GPUs (--nproc-per-node, --nnodes)");
+  }
+  std::string shrink;
+  for (size_t i = 0; i < keys.size(); ++i)
+    shrink += (i == 0 ? "" : i + 1 == keys.size() ? " or " : ", ") + keys[i];
+  std::fprintf(stderr,
+               "plan: does not fit: %s%s needed, %s on %s; largest: %s; to shrink it: %s\n",
+               format_bytes(total).c_str(), per.c_str(), format_bytes(target.bytes).c_str(),
+               target.gpu.c_str(), largest.c_str(), shrink.c_str());
+  return 2;
+}
+
+}  // namespace kiln
