@@ -407,7 +407,8 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",
-                           "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b"}) {
+                           "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b", "llama3-8b",
+                           "qwen3-8b"}) {
     const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }
@@ -415,6 +416,12 @@ TEST(ConfigArch, ShippedConfigsLoad) {
   EXPECT_EQ(q.model.head_dim, 128);
   EXPECT_EQ(q.model.n_kv_head, 8);
   EXPECT_TRUE(q.model.qk_norm);
+  // Llama-3.1-8B's RoPE: theta 5e5 and its llama3 scaling reach the model.
+  const Config l = load_config(std::string(KILN_SOURCE_DIR) + "/configs/llama3-8b.yaml", {});
+  const ModelConfig lm = model_config(l.model);
+  EXPECT_EQ(lm.rope_theta, 500000.0f);
+  EXPECT_EQ(lm.rope_scaling, (RopeScaling{"llama3", 8.0f, 1.0f, 4.0f, 8192}));
+  EXPECT_EQ(lm.seq_len, 8192);
 }
 
 // docs/config.md embeds config_reference_markdown() between two markers. To regenerate after
