@@ -741,7 +741,7 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
          {"num_attention_heads", a.n_head},
          {"num_key_value_heads", a.n_kv_head},
          {"head_dim", a.head_dim},
-         {"max_position_embeddings", cfg.seq_len},
+         {"max_position_embeddings", std::max(cfg.seq_len, opts.max_position)},
          {"rms_norm_eps", float_as_written(cfg.norm_eps)},
          {"rope_theta", float_as_written(cfg.rope_theta)},
          {"rope_scaling", nullptr},

@@ -83,6 +83,10 @@ struct HfExportOptions {
   std::string dtype = "bf16";                       // bf16 | f32
   int64_t max_shard_bytes = 5'000'000'000;  // above this (5GB, save_pretrained's), shards + index
   HfSpecialTokens special_tokens;           // config.json's bos/eos_token_id (null when empty)
+  // A RoPE model's declared context (max_position_embeddings) when it is longer than the run's
+  // seq_len: the model it came from could read that much, and training shorter does not change
+  // it. 0: seq_len. (GPT-2's is the rows of wpe, always seq_len.)
+  int max_position = 0;
 };
 
 // Writes DIR/config.json and the weights (model.safetensors, or model-0000i-of-0000n.safetensors

@@ -186,6 +186,43 @@ TEST_F(HfTools, TokenizerFilesAndSpecialIdsTravelWithTheExport) {
   convert_with("hf", "tok_big", 2, "tokenizer_config.json: eos_token '<eos>' is not a token of");
 }
 
+// hf -> kiln -> hf, and hf -> a training run -> hf, give back config.json's bos/eos ids and the
+// declared context (max_position_embeddings 512, where the run trained at 128).
+TEST_F(HfTools, AnHfRoundTripGivesBackWhatItWasGiven) {
+  const std::string d = dir_;
+  auto r = run_command(kBin + "/convert " + d + "/run --to hf " + d + "/rt_src --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::string config = slurp(d + "/rt_src/config.json");
+  for (const auto& [from, to] :
+       {std::pair<std::string, std::string>{"\"bos_token_id\": null", "\"bos_token_id\": 1"},
+        {"\"eos_token_id\": null", "\"eos_token_id\": 2"},
+        {"\"max_position_embeddings\": 128", "\"max_position_embeddings\": 512"}}) {
+    const size_t at = config.find(from);
+    ASSERT_NE(at, std::string::npos) << from << " in " << config;
+    config.replace(at, from.size(), to);
+  }
+  std::ofstream(d + "/rt_src/config.json") << config;
+  auto expect_kept = [&](const std::string& out) {
+    const std::string back = slurp(out + "/config.json");
+    EXPECT_NE(back.find("\"bos_token_id\": 1,"), std::string::npos) << out << ": " << back;
+    EXPECT_NE(back.find("\"eos_token_id\": 2"), std::string::npos) << out << ": " << back;
+    EXPECT_NE(back.find("\"max_position_embeddings\": 512,"), std::string::npos) << out << ": " << back;
+  };
+  r = run_command(kBin + "/convert hf:" + d + "/rt_src --to kiln " + d + "/rt_kiln");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert " + d + "/rt_kiln --to hf " + d + "/rt_back");
+  ASSERT_EQ(r.status, 0) << r.output;
+  expect_kept(d + "/rt_back");
+  r = run_command(kBin + "/train " + kSrc + "/configs/llama-tiny.yaml " + data_flags() +
+                  " --train.device=cpu --train.max_steps=1 --train.batch_size=2"
+                  " --train.eval_every=0 --init.from=hf:" + d + "/rt_src --train.out_dir=" + d +
+                  "/rt_run");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command(kBin + "/convert " + d + "/rt_run --to hf " + d + "/rt_run_hf");
+  ASSERT_EQ(r.status, 0) << r.output;
+  expect_kept(d + "/rt_run_hf");
+}
+
 // sample reads a run and its hf export alike (the same greedy continuation, as text or as ids),
 // takes ids where the vocabulary is not byte-level, and refuses ids outside the vocabulary.
 TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {

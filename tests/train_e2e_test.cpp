@@ -424,6 +424,31 @@ TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   EXPECT_EQ(fs::file_size(out + "/metrics.jsonl"), size_before);
 }
 
+// A resume that cannot write (a full disk, here a file-size limit of 0 with SIGXFSZ ignored, so
+// every write fails as on a full disk) fails without replacing config.yaml or metrics.jsonl.
+TEST_F(TrainE2E, AResumeThatCannotWriteLosesNothing) {
+  const std::string out = (dir_ / "run_full_disk").string();
+  const std::string args = "--train.max_steps=4 --train.checkpoint_every=2 --train.keep_checkpoints=2";
+  ASSERT_EQ(run(train_cmd(out, args)).status, 0);
+  fs::remove_all(out + "/checkpoints/step_00000004");  // resume at 2: lines 3 and 4 would go
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string metrics = slurp(out + "/metrics.jsonl"), config = slurp(out + "/config.yaml");
+  ASSERT_FALSE(metrics.empty());
+  // The same command: config.yaml is unchanged (so not rewritten), metrics.jsonl must be cut.
+  const Result r = run("trap '' XFSZ; ulimit -f 0; " + train_cmd(out, args));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_EQ(slurp(out + "/metrics.jsonl"), metrics) << r.output;
+  EXPECT_EQ(slurp(out + "/config.yaml"), config) << r.output;
+  EXPECT_FALSE(fs::exists(out + "/config.yaml.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/metrics.jsonl.tmp"));
+  // With room again, the resume goes on from step 2 as if nothing had happened.
+  ASSERT_EQ(run(train_cmd(out, args)).status, 0);
+  EXPECT_EQ(read_losses(out).size(), 4u);
+}
+
 TEST_F(TrainE2E, AFreshRunSetsTheEarlierRunAsideInsteadOfMixingWithIt) {
   const std::string out = (dir_ / "run_reused").string();
   ASSERT_EQ(run(train_cmd(out, "--train.max_steps=8 --train.checkpoint_every=4 --train.keep_checkpoints=5")).status, 0);
@@ -548,7 +573,10 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
       {"wrong magic", "--data.train=" + (bad / "magic.bin").string(), "magic"},
       {"token id >= vocab", "--data.train=" + good + " --model.vocab_size=100", "vocab"},
       {"glob matches nothing", "--data.train='" + (bad / "nothing_*.bin").string() + "'",
-       "nothing_"},
+       "data.train: no files match '"},
+      {"val glob matches nothing",
+       "--data.train=" + good + " --data.val='" + (bad / "nothing_*.bin").string() + "'",
+       "data.val: no files match '"},
       {"unknown key", "--train.batchsize=4", "train.batchsize"},
       {"negative batch size", "--train.batch_size=-4", "train.batch_size"},
       {"non-numeric value", "--optim.lr=fast", "optim.lr"},
@@ -564,6 +592,13 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.name << ":\n" << r.output;
     EXPECT_EQ(r.output.find("fatal"), std::string::npos) << c.name << ":\n" << r.output;
   }
+  // Data that cannot be read leaves a fresh out_dir untouched: no config.yaml behind.
+  const fs::path fresh = dir_ / "run_bad_fresh";
+  const Result r = run(kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu " +
+                       "--train.out_dir=" + fresh.string() + " --data.train='" +
+                       (bad / "nothing_*.bin").string() + "'");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_FALSE(fs::exists(fresh / "config.yaml")) << r.output;
 }
 
 // Bad input as a new user meets it from outside: whole command lines, the same contract.

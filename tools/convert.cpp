@@ -141,8 +141,12 @@ void export_with_tokenizer(const std::string& out, const std::string& from, bool
     throw InputError("--tokenizer " + from +
                      ": no tokenizer files there (tokenizer.json, "
                      "tokenizer_config.json, vocab.json + merges.txt, tokenizer.model, ...)");
-  if (!from.empty() && std::filesystem::is_directory(from))
+  if (!from.empty() && std::filesystem::is_directory(from)) {
     opts.special_tokens = read_hf_special_tokens(from, model.config.vocab_size);
+    if (std::filesystem::is_regular_file(from + "/config.json") &&
+        model.config.positions == PositionKind::rope)
+      opts.max_position = read_hf_config(from).seq_len;
+  }
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
   const ParamLayout layout = make_model(model.config, *cpu)->layout();
   OutputDir dir(out, overwrite);
@@ -176,7 +180,9 @@ void write_kiln_run(const std::string& out, const LoadedModel& model, bool overw
   // A converted model has no data yet; the placeholder names what to set.
   if (config.data.train.empty()) config.data.train = "set-data.train";
   config.train.out_dir = out;
-  config.init.from = "";
+  // Where it came from stays known (an export takes its tokenizer, bos/eos ids and declared
+  // context from there); the run resumes from its own checkpoint, so it loads nothing from it.
+  config.init.from = hf_dir_of(model.source) ? model.source : "";
   const std::string yaml = config_to_yaml(config);
   parse_config(yaml, {}, out + "/config.yaml");  // a config kiln cannot read back is refused here
   const std::vector<float> zeros(model.params.size(), 0.0f);

@@ -95,6 +95,22 @@ void write_file_synced(const std::string& path, const std::vector<std::pair<cons
   std::fclose(f);
 }
 
+}  // namespace
+
+void replace_file_synced(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  try {
+    write_file_synced(tmp, {{text.data(), text.size()}});
+  } catch (...) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail_io("cannot rename into place", path);
+}
+
+namespace {
+
 void write_shard(const std::string& path, const OptimizerShard& s) {
   ShardHeader h{};
   std::memcpy(h.magic, kShardMagic, sizeof kShardMagic);

@@ -17,6 +17,11 @@
 
 namespace kiln {
 
+// Writes `text` to path.tmp, fsyncs it and renames it over `path`, so `path` holds either its
+// old contents or the new ones, never a partial write: on a full disk it is left as it was and
+// std::runtime_error names the file and the cause.
+void replace_file_synced(const std::string& path, const std::string& text);
+
 struct TrainingState {
   int step = 0;  // optimizer steps completed
   uint64_t loader_epoch = 0;

@@ -2,11 +2,15 @@
 
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "kernels/error.h"
+#include "train/checkpoint.h"
 
 namespace kiln {
 
@@ -33,9 +37,7 @@ void truncate_metrics(const std::string& path, int last_step) {
     if (pos != std::string::npos && std::atoi(line.c_str() + pos + 7) > last_step) continue;
     kept += line + "\n";
   }
-  const std::string tmp = path + ".tmp";
-  std::ofstream(tmp) << kept;
-  fs::rename(tmp, path);
+  replace_file_synced(path, kept);
 }
 
 // JSON string literal of s (quotes, backslashes and control characters escaped).
@@ -53,13 +55,30 @@ std::string json_quote(const std::string& s) {
 
 }  // namespace
 
+void check_run_dir(const Config& cfg) {
+  const std::string& dir = cfg.train.out_dir;
+  fs::path p = fs::absolute(dir);
+  std::error_code ec;
+  while (!fs::exists(p, ec) && p.has_parent_path() && p != p.parent_path()) p = p.parent_path();
+  const char* why = !fs::is_directory(p, ec)             ? " is not a directory"
+                    : ::access(p.c_str(), W_OK | X_OK) != 0 ? " is not writable"
+                                                           : nullptr;
+  if (why)
+    throw InputError("train.out_dir=" + dir + ": cannot create the run directory: " +
+                     p.string() + why);
+}
+
 void create_run_dir(const Config& cfg) {
   const std::string& dir = cfg.train.out_dir;
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec)
     throw InputError("train.out_dir=" + dir + ": cannot create the run directory: " + ec.message());
-  std::ofstream(dir + "/config.yaml") << config_to_yaml(cfg);
+  // Written only when it changes: a resume with the same config writes nothing here.
+  const std::string path = dir + "/config.yaml", text = config_to_yaml(cfg);
+  std::ifstream in(path);
+  if (in && std::string(std::istreambuf_iterator<char>(in), {}) == text) return;
+  replace_file_synced(path, text);
 }
 
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,

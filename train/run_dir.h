@@ -13,7 +13,11 @@
 
 namespace kiln {
 
-// Creates out_dir and writes the resolved config into it. InputError where it cannot.
+// InputError naming train.out_dir where it cannot be created (a path under a regular file, a
+// folder not writable); creates nothing.
+void check_run_dir(const Config& config);
+// Creates out_dir and writes the resolved config into it (only if it changed). InputError where
+// it cannot.
 void create_run_dir(const Config& config);
 
 // out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's

@@ -2,7 +2,20 @@
 
 #include <cstring>
 
+#include "kernels/error.h"
+
 namespace kiln {
+
+std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, int B, int T,
+                                      int rank, int world_size, int vocab_size, bool shuffle,
+                                      uint64_t seed, bool prefetch) {
+  try {
+    return std::make_unique<DataLoader>(glob, B, T, rank, world_size, vocab_size, shuffle, seed,
+                                        prefetch);
+  } catch (const InputError& e) {
+    throw InputError(std::string(key) + ": " + e.what());
+  }
+}
 
 StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T)
     : backend_(backend), accum_(grad_accum), B_(B), T_(T) {}

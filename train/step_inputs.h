@@ -7,12 +7,19 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "data/loader.h"
 #include "kernels/arena.h"
 #include "train/nvtx.h"
 
 namespace kiln {
+
+// The loader of the data section's `key` (data.train, data.val) for this rank: a glob or shard
+// it cannot read is an InputError naming the key.
+std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, int B, int T,
+                                      int rank, int world_size, int vocab_size, bool shuffle,
+                                      uint64_t seed, bool prefetch);
 
 class StepInputs {
  public:

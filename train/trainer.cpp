@@ -350,14 +350,16 @@ bool Trainer::finish_step(const PendingStep& p) {
 
 int Trainer::run() {
   const auto& t = cfg_.train;
+  // Refused before the run directory is touched: an out_dir that cannot be made, then data that
+  // cannot be read.
+  if (is_main()) check_run_dir(cfg_);
+  const int R = rank_.rank, W = rank_.world_size, V = mcfg_.vocab_size;
+  train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
+                            static_cast<uint64_t>(t.seed), cfg_.data.prefetch);
+  if (!cfg_.data.val.empty() && t.eval_every > 0)
+    val_loader_ = open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false);
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
-  train_loader_ = std::make_unique<DataLoader>(
-      cfg_.data.train, B(), T(), rank_.rank, rank_.world_size, mcfg_.vocab_size, cfg_.data.shuffle,
-      static_cast<uint64_t>(t.seed), cfg_.data.prefetch);
-  if (!cfg_.data.val.empty() && t.eval_every > 0)
-    val_loader_ = std::make_unique<DataLoader>(cfg_.data.val, B(), T(), rank_.rank,
-                                               rank_.world_size, mcfg_.vocab_size, false, 0, false);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
   plan_memory();
