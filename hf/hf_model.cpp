@@ -367,8 +367,7 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
   check("positions", position_name(run.positions), position_name(hf.positions));
   if (hf.positions == PositionKind::learned)
     check("seq_len", std::to_string(run.seq_len), std::to_string(hf.seq_len));
-  else
-  {
+  else {
     check("rope_theta", num(run.rope_theta), num(hf.rope_theta));
     auto scaling = [&](const RopeScaling& s) {
       return s.type.empty() ? std::string("none")
@@ -507,7 +506,8 @@ std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cf
                          info->shape_str() + ", config.json's sizes give " + join_shape(piece.shape));
       buf.resize(static_cast<size_t>(info->numel()));
       file->read_f32(*info, buf.data());
-      const int64_t bad = std::count_if(buf.begin(), buf.end(), [](float v) { return !std::isfinite(v); });
+      const int64_t bad =
+          std::count_if(buf.begin(), buf.end(), [](float v) { return !std::isfinite(v); });
       if (bad > 0)
         throw InputError(file->path() + ": tensor '" + piece.name + "' holds " +
                          std::to_string(bad) + " NaN or infinite values of " +

@@ -39,8 +39,10 @@ class PlanBackend final : public Backend {
   }
 
  protected:
-#define KILN_OP(name, ...) \
-  void run_##name(KILN_OP_PARAMS(__VA_ARGS__)) override { unplanned(#name); }
+#define KILN_OP(name, ...)                                \
+  void run_##name(KILN_OP_PARAMS(__VA_ARGS__)) override { \
+    unplanned(#name);                                     \
+  }
 #include "kernels/ops.def"
 
  private:

@@ -63,7 +63,8 @@ TEST(TrainPlan, BadFlagsExitWithStatus2) {
         Case{"--plan-gpu-memory 0GiB", "--plan-gpu-memory: expected a size"},
         Case{"--plan-gpu-memory", "--plan-gpu-memory: missing value"},
         Case{"--train.device=cpu", "--plan: plans a CUDA run, but train.device is cpu"},
-        Case{"--precision.dtype=fp32", "precision.dtype=fp32: the CUDA backend computes in bf16"}}) {
+        Case{"--precision.dtype=fp32",
+             "precision.dtype=fp32: the CUDA backend computes in bf16"}}) {
     const auto r = plan("llama3-8b.yaml", c.flags);
     EXPECT_EQ(r.status, 2) << c.flags << ":\n" << r.output;
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << ":\n" << r.output;

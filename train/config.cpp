@@ -573,13 +573,15 @@ struct Resolver {
              "must be > model.rope_low_freq_factor (" + format_double(m.rope_low_freq_factor) +
                  "), got " + format_double(m.rope_high_freq_factor));
     } else {
+      using Set = std::pair<const char*, bool>;
       for (const auto& [key, differs] :
-           {std::pair<const char*, bool>{"model.rope_factor", m.rope_factor != defaults.rope_factor},
-            {"model.rope_low_freq_factor", m.rope_low_freq_factor != defaults.rope_low_freq_factor},
-            {"model.rope_high_freq_factor",
-             m.rope_high_freq_factor != defaults.rope_high_freq_factor},
-            {"model.rope_original_max_position",
-             m.rope_original_max_position != defaults.rope_original_max_position}})
+           {Set{"model.rope_factor", m.rope_factor != defaults.rope_factor},
+            Set{"model.rope_low_freq_factor",
+                m.rope_low_freq_factor != defaults.rope_low_freq_factor},
+            Set{"model.rope_high_freq_factor",
+                m.rope_high_freq_factor != defaults.rope_high_freq_factor},
+            Set{"model.rope_original_max_position",
+                m.rope_original_max_position != defaults.rope_original_max_position}})
         if (differs) fail(field(key), "is used only with model.rope_scaling: llama3");
     }
     if (m.norm == "layernorm" && m.norm_eps != 1e-5)

@@ -24,9 +24,9 @@ struct KnownGpu {
   double gib;
 };
 constexpr KnownGpu kGpus[] = {
-    {"h100", "NVIDIA H100 80GB HBM3", 79.19},   {"h200", "NVIDIA H200", 139.80},
-    {"a100", "NVIDIA A100-SXM4-80GB", 79.25},   {"a100-40gb", "NVIDIA A100-SXM4-40GB", 39.39},
-    {"l40s", "NVIDIA L40S", 44.42},             {"b200", "NVIDIA B200", 178.36},
+    {"h100", "NVIDIA H100 80GB HBM3", 79.19}, {"h200", "NVIDIA H200", 139.80},
+    {"a100", "NVIDIA A100-SXM4-80GB", 79.25}, {"a100-40gb", "NVIDIA A100-SXM4-40GB", 39.39},
+    {"l40s", "NVIDIA L40S", 44.42},           {"b200", "NVIDIA B200", 178.36},
 };
 
 std::string lower(std::string s) {
@@ -63,8 +63,10 @@ PlanTarget plan_target(const std::string& text) {
   if (used == 0 || scale == 0 || !std::isfinite(v) || v <= 0 || v * scale > 1e15) {
     std::string names;
     for (const KnownGpu& g : kGpus) names += std::string(names.empty() ? "" : ", ") + g.key;
-    throw InputError("--plan-gpu-memory: expected a size such as 80GiB, 141GB or 81559MiB, or "
-                     "one of " + names + ", got '" + text + "'");
+    throw InputError(
+        "--plan-gpu-memory: expected a size such as 80GiB, 141GB or 81559MiB, or "
+        "one of " +
+        names + ", got '" + text + "'");
   }
   return {text, static_cast<size_t>(v * scale)};
 }
@@ -122,8 +124,7 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
   std::string shrink;
   for (size_t i = 0; i < keys.size(); ++i)
     shrink += (i == 0 ? "" : i + 1 == keys.size() ? " or " : ", ") + keys[i];
-  std::fprintf(stderr,
-               "plan: does not fit: %s%s needed, %s on %s; largest: %s; to shrink it: %s\n",
+  std::fprintf(stderr, "plan: does not fit: %s%s needed, %s on %s; largest: %s; to shrink it: %s\n",
                format_bytes(total).c_str(), per.c_str(), format_bytes(target.bytes).c_str(),
                target.gpu.c_str(), largest.c_str(), shrink.c_str());
   return 2;

@@ -24,8 +24,8 @@ struct PlanTarget {
 PlanTarget plan_target(const std::string& text);
 
 // What a CUDA rank holds beyond its two arenas: the CUDA context, cuBLASLt's workspace, the
-// backend's scratch, cuDNN's and NCCL's buffers (a calibration measured on H100s,
-// docs/PERF.md).
+// backend's scratch, cuDNN's and NCCL's buffers. An estimate until a real run's
+// device_memory_bytes has been compared with it (docs/distributed.md).
 size_t plan_overhead_bytes(int world_size);
 
 // The verdict after the plan's table (train/run_log.h) was printed: the total a rank needs
