@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <stdexcept>
 
 namespace kiln {
@@ -137,8 +136,29 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
   }
 }
 
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Element j of a tensor whose draws are keyed by `key`: a standard normal (Box-Muller over the
+// two 32-bit halves of one counter-based draw). Each element is a function of (key, j) alone,
+// so a tensor is drawn in parallel, identically for any thread count, and any part of it can
+// be drawn without the rest.
+float normal_at(uint64_t key, int64_t j) {
+  const uint64_t r = splitmix64(key ^ splitmix64(static_cast<uint64_t>(j)));
+  const double u1 = (static_cast<double>(r >> 32) + 1.0) / 4294967296.0;  // (0, 1]
+  const double u2 = static_cast<double>(r & 0xffffffffu) / 4294967296.0;  // [0, 1)
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+}  // namespace
+
 void Decoder::init(uint64_t seed, float* params) const {
-  std::mt19937_64 rng(seed);
   const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const ParamInfo& t = layout_.tensors[i];
@@ -153,10 +173,12 @@ void Decoder::init(uint64_t seed, float* params) const {
       case Init::normal:
       case Init::residual_normal:
       case Init::embedding: {
-        // A fresh distribution per tensor: the draws of one tensor never depend on another's.
-        std::normal_distribution<float> normal(
-            0.0f, init_[i] == Init::residual_normal ? residual_std : 0.02f);
-        for (int64_t j = 0; j < t.numel(); ++j) p[j] = normal(rng);
+        // Keyed by the seed and the tensor's index: one tensor's draws never depend on another's.
+        const uint64_t key = splitmix64(seed ^ splitmix64(0x5eed0000ull + i));
+        const float sigma = init_[i] == Init::residual_normal ? residual_std : 0.02f;
+        const int64_t n = t.numel();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+        for (int64_t j = 0; j < n; ++j) p[j] = sigma * normal_at(key, j);
         // Padded vocab rows are never looked up or predicted: keep them zero.
         if (init_[i] == Init::embedding)
           std::fill(p + static_cast<int64_t>(cfg_.vocab_size) * cfg_.n_embd, p + t.numel(), 0.0f);

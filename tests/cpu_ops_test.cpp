@@ -794,7 +794,7 @@ TEST(CpuQkNorm, RejectsBadShapesAndAliasingNamingOpAndTensor) {
 struct RopeCase {
   int64_t B, T;
   AttentionDims a;
-  Rope rope{10000.0f};
+  Rope rope{10000.0f, {}};
   std::vector<float> inp, R, out;
   explicit RopeCase(int64_t b = 2, int64_t t = 6, AttentionDims dims = {4, 2, 8})
       : B(b), T(t), a(dims) {
@@ -920,7 +920,7 @@ TEST(CpuRope, RejectsBadShapesNamingOpAndTensor) {
   expect_rejects(
       [&] {
         cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {4, 2, 8},
-                           Rope{0.0f});
+                           Rope{0.0f, {}});
       },
       "rope_forward", "theta");
   expect_rejects(
@@ -1278,8 +1278,8 @@ TEST(CpuDeterminism, LlamaOpsBitIdenticalAcrossThreads) {
         cpu().qk_norm_backward(f32(dqn, qs), f32(dqw, hs), f32(dkw, hs), f32(dqkv_out, qs),
                                f32(qkv, qs), f32(qw, hs), f32(kw, hs), f32(qrstd, rs), a);
         auto roped = zeros(qkv.size()), droped = zeros(qkv.size());
-        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, Rope{1e6f});
-        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, Rope{1e6f});
+        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, Rope{1e6f, {}});
+        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, Rope{1e6f, {}});
         auto act = zeros(N * C), dgu = zeros(N * 2 * C);
         cpu().swiglu_forward(f32(act, {N, C}), f32(gu, {N, 2 * C}));
         cpu().swiglu_backward(f32(dgu, {N, 2 * C}), f32(dout, {N, C}), f32(gu, {N, 2 * C}));

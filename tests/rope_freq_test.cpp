@@ -46,15 +46,15 @@ TEST(RopeFreq, Llama31EightBMatchesTransformers) {
 }
 
 TEST(RopeFreq, NoScalingIsTheDefaultFormula) {
-  const std::vector<float> f = rope_inv_freq(8, Rope{10000.0f});
+  const std::vector<float> f = rope_inv_freq(8, Rope{10000.0f, {}});
   ASSERT_EQ(f.size(), 4u);
   EXPECT_EQ(f[0], 1.0f);
   EXPECT_EQ(f[2], 1.0f / std::pow(10000.0f, 0.5f));
 }
 
 TEST(RopeFreq, BadParametersAreRefused) {
-  EXPECT_THROW(rope_inv_freq(7, Rope{10000.0f}), std::invalid_argument);
-  EXPECT_THROW(rope_inv_freq(8, Rope{0.0f}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(7, Rope{10000.0f, {}}), std::invalid_argument);
+  EXPECT_THROW(rope_inv_freq(8, Rope{0.0f, {}}), std::invalid_argument);
   EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"yarn", 8, 1, 4, 64}}), std::invalid_argument);
   EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"llama3", 8, 4, 1, 64}}), std::invalid_argument);
   EXPECT_THROW(rope_inv_freq(8, Rope{1e4f, {"llama3", -1, 1, 4, 64}}), std::invalid_argument);

@@ -233,11 +233,11 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     row("qk_norm_backward",
         median_ms(gpu, [&] { gpu.qk_norm_backward(dqkv, dwq, dwk, out, qkv, wq, wk, rstd, a); }), 0,
         3 * qkv_bytes);
-    row("rope_forward (in place)", median_ms(gpu, [&] { gpu.rope_forward(out, out, a, Rope{1e6f}); }), 0,
+    row("rope_forward (in place)", median_ms(gpu, [&] { gpu.rope_forward(out, out, a, Rope{1e6f, {}}); }), 0,
         2 * rot_bytes);
-    row("rope_forward (out of place)", median_ms(gpu, [&] { gpu.rope_forward(out, qkv, a, Rope{1e6f}); }),
+    row("rope_forward (out of place)", median_ms(gpu, [&] { gpu.rope_forward(out, qkv, a, Rope{1e6f, {}}); }),
         0, 2 * qkv_bytes);
-    row("rope_backward (in place)", median_ms(gpu, [&] { gpu.rope_backward(dqkv, dqkv, a, Rope{1e6f}); }),
+    row("rope_backward (in place)", median_ms(gpu, [&] { gpu.rope_backward(dqkv, dqkv, a, Rope{1e6f, {}}); }),
         0, 2 * rot_bytes);
     if (CudaBackend::cudnn_built()) {
       DevTensor att(gpu, {B, T, a.q_dim()}, DType::bf16, rng),
