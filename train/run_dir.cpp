@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 
 #include "kernels/error.h"
 #include "train/checkpoint.h"
@@ -94,7 +95,7 @@ std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
 }
 
 void write_summary(const std::string& out_dir, const RunSummary& s) {
-  std::ofstream out(out_dir + "/summary.json");
+  std::ostringstream out;
   out << "{\"backend\":\"" << s.backend << "\",\"attention\":\"" << s.attention
       << "\",\"params\":" << s.params << ",\"memory_bytes\":" << s.memory_bytes
       << ",\"tokens_per_step\":" << s.tokens_per_step << ",\"world_size\":" << s.world_size
@@ -106,6 +107,7 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
   if (s.tokens_per_joule) out << ",\"tokens_per_joule\":" << *s.tokens_per_joule;
   if (s.device_memory_bytes >= 0) out << ",\"device_memory_bytes\":" << s.device_memory_bytes;
   out << "}\n";
+  replace_file_synced(out_dir + "/summary.json", out.str());
 }
 
 }  // namespace kiln
