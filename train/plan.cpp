@@ -110,8 +110,9 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
   const size_t quarter = (state.bytes() + acts.bytes()) / 4;
   std::vector<std::string> keys;
   if (acts_big || acts.bytes() >= quarter) {
-    keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
-                   "; raise train.grad_accum to keep the batch)");
+    if (cfg.train.batch_size > 1)
+      keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
+                     "; raise train.grad_accum to keep the batch)");
     if (cfg.train.recompute != "full")
       keys.push_back("train.recompute=" +
                      std::string(cfg.train.recompute == "none" ? "selective or full" : "full"));
