@@ -100,7 +100,7 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
       << "\",\"params\":" << s.params << ",\"memory_bytes\":" << s.memory_bytes
       << ",\"tokens_per_step\":" << s.tokens_per_step << ",\"world_size\":" << s.world_size
       << ",\"strategy\":\"" << s.strategy << "\",\"reduce_dtype\":\"" << s.reduce_dtype
-      << "\",\"commit\":\"" << KILN_COMMIT << "\""
+      << "\",\"commit\":\"" << build_commit() << "\""
       << ",\"prefetch\":" << (s.prefetch ? "true" : "false")
       << ",\"cuda_graphs\":" << json_quote(s.cuda_graphs) << ",\"fp8\":" << json_quote(s.fp8);
   if (s.peak_flops > 0) out << ",\"peak_tflops\":" << s.peak_flops / 1e12;

@@ -26,6 +26,10 @@ void create_run_dir(const Config& config);
 // pruning and to resume).
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
 
+// The git commit this binary was built from ("26cfa85", "26cfa85-dirty" with uncommitted
+// changes; generated at build time by cmake/build_commit.cmake).
+const char* build_commit();
+
 // summary.json's fields: what ran where, and which optimizations ran (fallbacks included).
 struct RunSummary {
   std::string backend, attention;
