@@ -144,15 +144,16 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
   const std::string single = train("ep_single", 1, "ddp", steps);
   ASSERT_EQ(losses(single).size(), 12u);
   std::string output;
-  expect_same_curve(single, train("ep_ddp_2", 2, "ddp", steps + " --dist.expert_parallel=2", &output),
-                    1e-5);
+  expect_same_curve(
+      single, train("ep_ddp_2", 2, "ddp", steps + " --dist.expert_parallel=2", &output), 1e-5);
   EXPECT_NE(output.find("dist.expert_parallel=2: each MoE block's 4 experts spread over groups of "
                         "2 ranks, 2 a rank"),
             std::string::npos)
       << output;
   // A rank holds only its experts: fewer parameters than the model's.
   std::smatch held;
-  ASSERT_TRUE(std::regex_search(output, held, std::regex("on, ([0-9]+) of the ([0-9]+) parameters")))
+  ASSERT_TRUE(
+      std::regex_search(output, held, std::regex("on, ([0-9]+) of the ([0-9]+) parameters")))
       << output;
   EXPECT_LT(std::stoll(held[1]), std::stoll(held[2]));
   for (const char* strategy : {"zero1", "fsdp"})
@@ -163,10 +164,10 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
   expect_same_curve(single, train("ep_ddp_4", 4, "ddp", steps + " --dist.expert_parallel=4"), 1e-5);
   expect_same_curve(single, train("ep_groups", 4, "zero1", steps + " --dist.expert_parallel=2"),
                     1e-5);
-  expect_same_curve(single,
-                    train("ep_recompute", 2, "ddp",
-                          steps + " --dist.expert_parallel=2 --train.recompute=full"),
-                    1e-5);
+  expect_same_curve(
+      single,
+      train("ep_recompute", 2, "ddp", steps + " --dist.expert_parallel=2 --train.recompute=full"),
+      1e-5);
   expect_same_curve(single,
                     train("ep_accum", 2, "ddp",
                           steps + " --dist.expert_parallel=2 --train.batch_size=2 "
@@ -247,9 +248,8 @@ TEST_F(DistTrain, DdpWithABucketPerUnitFollowsTheCurve) {
     EXPECT_NE(output.find("in 0.01 MiB buckets while backward runs (dist.bucket_mb=0.01)"),
               std::string::npos)
         << output;
-    expect_same_curve(single,
-                      train("buckets_bf16" + tag, 2, "ddp", steps + " --dist.reduce_dtype=bf16"),
-                      5e-4);
+    expect_same_curve(
+        single, train("buckets_bf16" + tag, 2, "ddp", steps + " --dist.reduce_dtype=bf16"), 5e-4);
   }
   ::unsetenv("KILN_GLOO_EAGER");
 }
@@ -295,11 +295,11 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
 // MAX before the scale update, so both ranks quantize alike: the run checks at each checkpoint
 // that the ranks' scales and amax histories agree (rank 0 alone writes them). ddp, zero1 and
 // fsdp (which casts each block's FP8 weights when its unit is first gathered in a step, an
-// evaluation in between included) follow one curve, and resume bit for bit. They stay near the 1-rank FP8 curve, but not within
-// float tolerance: a rank's loss is a mean over half the batch, so its gradients are twice the
-// 1-rank ones, and at step 1, before any amax is known, the scale of 1 lets a different share
-// of them underflow E5M2 (from step 2 on, twice the amax gives half the scale and the same
-// bytes). FP8 moves the curve off bf16's, but not far.
+// evaluation in between included) follow one curve, and resume bit for bit. They stay near the
+// 1-rank FP8 curve, but not within float tolerance: a rank's loss is a mean over half the batch, so
+// its gradients are twice the 1-rank ones, and at step 1, before any amax is known, the scale of 1
+// lets a different share of them underflow E5M2 (from step 2 on, twice the amax gives half the
+// scale and the same bytes). FP8 moves the curve off bf16's, but not far.
 TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
   const std::string fp8 = "--precision.fp8=true --fp8.amax_history_len=4 --train.max_steps=12";
   const std::string single = train("fp8_single", 1, "ddp", fp8);
@@ -386,24 +386,6 @@ TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
                 1e-5 * std::stod(a[6 + i].second));
 }
 
-std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> out;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(e.path() / "stat");
-    std::string text;
-    std::getline(stat, text);
-    const auto close = text.rfind(')');
-    if (close == std::string::npos) continue;
-    char state;
-    int ppid = 0;
-    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
-      out.push_back(std::stoi(name));
-  }
-  return out;
-}
-
 // Strangers at a live run's rendezvous store, while its workers meet there: a client with the
 // wrong token, garbage for a first frame, and a frame header announcing 3 GiB. Each is dropped
 // (and logged), and the run goes on to the same losses, bit for bit, as an undisturbed one.
@@ -459,7 +441,7 @@ TEST_F(DistTrain, AKilledWorkerEndsTheRunWithinThirtySeconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (losses(out).size() < 2 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const std::vector<pid_t> workers = children_of(launcher);
+  const std::vector<pid_t> workers = kiln::testing::children_of(launcher);
   ASSERT_EQ(workers.size(), 2u);
   const auto killed_at = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(workers[1], SIGKILL), 0);

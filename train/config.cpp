@@ -217,7 +217,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, overlap_ctas), range(0, false, 64, false),
        "NCCL: most SMs (CTAs) ddp's bucket all-reduces take while backward runs, on a second "
        "communicator (0: NCCL's choice, one communicator)"},
-      {KILN_FIELD(dist, timeout_s), at_least(1), "collective and rendezvous timeout (seconds)"},
+      {KILN_FIELD(dist, timeout_s), at_least(1),
+       "collective and rendezvous timeout (seconds); a rank stuck this long in a collective ends "
+       "the job, naming who did not arrive"},
   };
   return fields;
 }

@@ -4,11 +4,14 @@
 // mpirun) finds its rank in the environment, joins the rendezvous and trains its shard.
 #include <spdlog/spdlog.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 
 #include "dist/communicator.h"
 #include "dist/launcher.h"
+#include "dist/store.h"
+#include "dist/watchdog.h"
 #include "kernels/error.h"
 #include "train/cli.h"
 #include "train/config.h"
@@ -24,26 +27,54 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
   const auto timeout = std::chrono::seconds(config.dist.timeout_s);
-  spdlog::info("{} ranks ({} per node), identities from the {} environment; rendezvous store "
-               "at {}:{}",
-               worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
-               worker.master_port);
+  spdlog::info(
+      "{} ranks ({} per node), identities from the {} environment; rendezvous store "
+      "at {}:{}",
+      worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
+      worker.master_port);
   Rendezvous rendezvous(worker, timeout);
+  Watchdog::Options dog;
+  dog.rank = worker.rank;
+  dog.world_size = worker.world_size;
+  dog.timeout = timeout;
+  Watchdog watchdog(
+      std::make_unique<StoreClient>(worker.master_addr, worker.master_port, worker.run_token,
+                                    timeout, std::chrono::seconds(10)),
+      dog);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
   CommunicatorFactory make_comm = [&](Backend& backend,
                                       const CommGroup& group) -> std::unique_ptr<Communicator> {
     const std::string at = group.name.empty() ? "" : group.name + "/";
     if (backend.device() == Device::cuda)
-      return make_nccl_communicator(rendezvous.store(), group.rank, group.size,
-                                    worker.local_rank, backend.native_stream(),
-                                    config.dist.overlap_ctas, at + "nccl");
+      return watchdog.watch(
+          make_nccl_communicator(rendezvous.store(), group.rank, group.size, worker.local_rank,
+                                 backend.native_stream(), config.dist.overlap_ctas, at + "nccl"),
+          true);
     if (config.dist.overlap_ctas > 0 && worker.rank == 0 && group.name.empty())
       spdlog::warn("dist.overlap_ctas={} applies to NCCL; over gloo it changes nothing",
                    config.dist.overlap_ctas);
-    return make_gloo_communicator(rendezvous.store(), group.rank, group.size, timeout,
-                                  at + "gloo");
+    return watchdog.watch(
+        make_gloo_communicator(rendezvous.store(), group.rank, group.size, timeout, at + "gloo"),
+        false);
   };
-  return run_training(config, rank, make_comm);
+  TrainObserver observer;
+  observer.on_progress = [&](int steps_done, bool host_work) {
+    watchdog.progress(steps_done, host_work);
+  };
+  try {
+    return run_training(config, rank, make_comm, &observer);
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // A collective that timed out (Gloo) names only this rank's side: add who did not arrive.
+    std::string what = e.what();
+    std::string lower = what;
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (lower.find("timed out") == std::string::npos && lower.find("timeout") == std::string::npos)
+      throw;
+    watchdog.disarm();
+    throw std::runtime_error(what + "; " + watchdog.describe_peers());
+  }
 }
 
 int launch(const LaunchOptions& opts, const Config& config, int argc, char** argv) {

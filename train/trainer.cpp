@@ -339,6 +339,8 @@ bool Trainer::finish_step(const PendingStep& p) {
     device_peak_ = in_use;
   }
   const bool last = sm.step == t.max_steps;
+  const bool host = host_step(sm.step);
+  if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, host);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
   if (is_main()) {
     metrics_->write(sm);
@@ -350,7 +352,10 @@ bool Trainer::finish_step(const PendingStep& p) {
     save_run(parts(), sm.step);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
-  if (host_step(sm.step)) timer_.host_work_done();
+  if (host) {
+    timer_.host_work_done();
+    if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, false);
+  }
   return true;
 }
 
