@@ -92,7 +92,10 @@ class Watchdog::Watched : public Communicator {
   }
   void barrier() override {
     note("barrier");
+    dog_.barrier_ns_ = now_ns();
     inner_->barrier();
+    dog_.barrier_ns_ = 0;
+    dog_.progress_ns_ = now_ns();
   }
   std::string name() const override { return inner_->name(); }
   bool nvlink_joined(std::string* why) const override { return inner_->nvlink_joined(why); }
@@ -200,8 +203,7 @@ std::string Watchdog::describe_peers() {
       absent.emplace_back(buf);
     } else if (b.steps < most || b.state == "host") {
       std::snprintf(buf, sizeof(buf), "rank %d (alive, %s after step %d)", r,
-                    b.state == "host" ? "in host work (evaluation or checkpoint)" : "still",
-                    b.steps);
+                    b.state == "host" ? "writing a checkpoint" : "still", b.steps);
       behind.emplace_back(buf);
     }
   }
@@ -249,8 +251,11 @@ void Watchdog::run() {
     }
     if (!async.empty()) fail("a collective failed: " + async + "; " + describe_peers());
     // Two beats past the timeout: slack for a step that just finished.
+    const int64_t barrier = barrier_ns_.load();
     const auto idle = std::chrono::nanoseconds(now_ns() - progress_ns_.load());
-    if (armed_ && on_device_ > 0 && !host_work_ && idle > opt_.timeout + 2 * opt_.beat)
+    const auto in_barrier = std::chrono::nanoseconds(barrier != 0 ? now_ns() - barrier : 0);
+    const auto limit = opt_.timeout + 2 * opt_.beat;
+    if (armed_ && on_device_ > 0 && ((!host_work_ && idle > limit) || in_barrier > limit))
       fail("no progress for " +
            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(idle).count()) +
            " s (dist.timeout_s; the last collective issued: " + last_collective() + "); " +

@@ -6,16 +6,16 @@
 // rank's side it can only name its own collective. Both questions are answered the same way:
 // each rank's watchdog thread publishes a heartbeat ("<beat> <steps done> <step|host>") to the
 // rendezvous store every second, over a store connection of its own. When this rank has made no
-// progress for the timeout (no step finished, no collective issued, no wait() returned), outside
-// host work (evaluation, checkpoints), the watchdog reads every rank's heartbeat twice, a few beats
-// apart: a rank whose beat did not move is stopped or dead, one that is alive but behind is stuck
-// elsewhere. It logs that verdict with the collective this rank issued last, aborts its NCCL
-// communicators (ncclCommAbort, from this thread, as NCCL documents) and ends the process with
-// status 1, which makes the launcher stop the job. A Gloo timeout that reaches the worker first
-// gets the same verdict appended (describe_peers). NCCL's asynchronous errors (a peer's transport
-// failing) are polled every beat and end the job the same way. The whole path is bounded: the
-// timeout + 2 beats, then about 2 beats for the verdict and at most 3 s for the aborts (timeout + 7
-// s at the default beat of 1 s).
+// progress for the timeout (no step finished, no collective issued, no wait() returned) outside
+// a checkpoint's file writes, or has been in one barrier that long, the watchdog reads every
+// rank's heartbeat twice, a few beats apart: a rank whose beat did not move is stopped or dead,
+// one that is alive but behind is stuck elsewhere. It logs that verdict with the collective this
+// rank issued last, aborts its NCCL communicators (ncclCommAbort, from this thread, as NCCL
+// documents) and ends the process with status 1, which makes the launcher stop the job. A Gloo
+// timeout that reaches the worker first gets the same verdict appended (describe_peers). NCCL's
+// asynchronous errors (a peer's transport failing) are polled every beat and end the job the
+// same way. The whole path is bounded: the timeout + 2 beats, then about 2 beats for the verdict
+// and at most 3 s for the aborts (timeout + 7 s at the default beat of 1 s).
 #pragma once
 
 #include <atomic>
@@ -58,9 +58,9 @@ class Watchdog {
   std::unique_ptr<Communicator> watch(std::unique_ptr<Communicator> inner, bool on_device);
 
   // The trainer's progress (every collective issued and every wait() returned counts too):
-  // `steps_done` optimizer steps have finished; `host_work` while it
-  // evaluates, samples or checkpoints (the clock stops: those take as long as they take).
-  // The clock starts at the first call, after start-up.
+  // `steps_done` optimizer steps have finished; `host_work` while it writes a checkpoint (the
+  // clock stops: files take as long as they take; the checkpoint's barriers are still timed,
+  // as every barrier is). The clock starts at the first call, after start-up.
   void progress(int steps_done, bool host_work);
 
   // The clock stops for good: the worker is reporting an error of its own.
@@ -91,6 +91,7 @@ class Watchdog {
   std::atomic<bool> host_work_{false};
   std::atomic<bool> armed_{false};
   std::atomic<int64_t> progress_ns_{0};  // steady_clock at the last progress
+  std::atomic<int64_t> barrier_ns_{0};   // steady_clock when a barrier began; 0: in none
 };
 
 }  // namespace kiln

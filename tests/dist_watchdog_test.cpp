@@ -3,6 +3,8 @@
 // error names that rank; a peer that beats on is not named.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -95,9 +97,83 @@ TEST(DistWatchdog, HeartbeatsTellStoppedFromBehindFromAbsent) {
   EXPECT_NE(verdict.find("rank 2 (no heartbeat"), std::string::npos) << verdict;
   EXPECT_NE(verdict.find("last finished step 4"), std::string::npos) << verdict;
   EXPECT_NE(verdict.find("rank 3 (no heartbeat ever"), std::string::npos) << verdict;
-  EXPECT_NE(verdict.find("rank 1 (alive, in host work"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("rank 1 (alive, writing a checkpoint"), std::string::npos) << verdict;
   EXPECT_EQ(verdict.rfind("rank 0 in step 6: ", 0), 0u) << verdict;
   EXPECT_EQ(verdict.find("rank 0 ("), std::string::npos) << verdict;
 }
 
 }  // namespace
+
+// A communicator whose collectives run on the device and never finish: the watchdog, not the
+// communicator, must end the process, naming the collective and the rank that stopped beating.
+class DeviceCommunicator : public kiln::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 2; }
+  void all_reduce_sum(kiln::Tensor) override {}
+  void all_reduce_max(kiln::Tensor) override {}
+  void reduce_scatter_sum(kiln::Tensor, kiln::Tensor) override {}
+  void all_gather(kiln::Tensor, kiln::Tensor) override {}
+  void broadcast(kiln::Tensor, int) override {}
+  void all_to_all(kiln::Tensor, kiln::Tensor) override {}
+  void all_to_all_v(kiln::Tensor, const std::vector<int64_t>&, kiln::Tensor,
+                    const std::vector<int64_t>&) override {}
+  void wait() override {}
+  void barrier() override {}
+  std::string name() const override { return "device rank 0/2"; }
+  bool nvlink_joined(std::string*) const override { return false; }
+};
+
+// Its barrier blocks, as NCCL's does while a peer is missing.
+class HangingBarrier : public DeviceCommunicator {
+ public:
+  void barrier() override { std::this_thread::sleep_for(std::chrono::seconds(10)); }
+};
+
+TEST(DistWatchdogDeathTest, ADeviceCollectiveThatNeverFinishesEndsTheProcess) {
+  const std::string token = kiln::make_run_token();
+  kiln::StoreServer server(token, 0, "127.0.0.1");
+  EXPECT_EXIT(
+      {
+        spdlog::set_default_logger(spdlog::stderr_color_st("stderr"));  // what death tests read
+        kiln::Watchdog::Options o;
+        o.world_size = 2;
+        o.timeout = std::chrono::milliseconds(1000);
+        o.beat = std::chrono::milliseconds(200);
+        kiln::Watchdog dog(
+            std::make_unique<kiln::StoreClient>("127.0.0.1", server.port(), token,
+                                                std::chrono::seconds(5), std::chrono::seconds(5)),
+            o);
+        auto comm = dog.watch(std::make_unique<DeviceCommunicator>(), true);
+        comm->all_gather(kiln::Tensor{}, kiln::Tensor{});
+        dog.progress(3, false);
+        std::this_thread::sleep_for(std::chrono::seconds(10));  // "blocked on the device"
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(1),
+      "no progress for 1 s.*all_gather #1 on device rank 0/2.*rank 0 in step 4: did not arrive: "
+      "rank 1 \\(no heartbeat ever");
+}
+
+// A barrier is timed even while the trainer writes a checkpoint (the clock is otherwise stopped).
+TEST(DistWatchdogDeathTest, ABarrierThatNeverEndsEndsTheProcessDuringACheckpoint) {
+  const std::string token = kiln::make_run_token();
+  kiln::StoreServer server(token, 0, "127.0.0.1");
+  EXPECT_EXIT(
+      {
+        spdlog::set_default_logger(spdlog::stderr_color_st("stderr"));
+        kiln::Watchdog::Options o;
+        o.world_size = 2;
+        o.timeout = std::chrono::milliseconds(1000);
+        o.beat = std::chrono::milliseconds(200);
+        kiln::Watchdog dog(
+            std::make_unique<kiln::StoreClient>("127.0.0.1", server.port(), token,
+                                                std::chrono::seconds(5), std::chrono::seconds(5)),
+            o);
+        auto comm = dog.watch(std::make_unique<HangingBarrier>(), true);
+        dog.progress(7, true);
+        comm->barrier();
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(1), "barrier #1 on device rank 0/2.*rank 0 in step 8");
+}

@@ -339,8 +339,10 @@ bool Trainer::finish_step(const PendingStep& p) {
     device_peak_ = in_use;
   }
   const bool last = sm.step == t.max_steps;
-  const bool host = host_step(sm.step);
-  if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, host);
+  auto progress = [&](bool checkpointing) {
+    if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, checkpointing);
+  };
+  progress(false);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
   if (is_main()) {
     metrics_->write(sm);
@@ -348,14 +350,14 @@ bool Trainer::finish_step(const PendingStep& p) {
       spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
   }
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
+  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last)) {
+    progress(true);
     save_run(parts(), sm.step);
+    progress(false);
+  }
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
-  if (host) {
-    timer_.host_work_done();
-    if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, false);
-  }
+  if (host_step(sm.step)) timer_.host_work_done();
   return true;
 }
 

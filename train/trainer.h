@@ -36,8 +36,7 @@ struct RankInfo {
 // runs on in place of the one it built (which outlives every use of the wrapper); on_step is
 // called after each optimizer step, once the step's work is done, with the number of steps done.
 // on_progress (the collective watchdog, dist/watchdog.h) is told each finished step without
-// making it a host step, and host_work true while the trainer evaluates, samples or
-// checkpoints after it.
+// making it a host step, and host_work true while the trainer writes a checkpoint after it.
 struct TrainObserver {
   std::function<Backend&(Backend& built)> wrap_backend;
   std::function<void(int steps_done)> on_step;
