@@ -2,7 +2,9 @@
 // rendezvous store, and what one poll costs; the handlers' flag; then the real binaries: a run
 // sent SIGTERM, SIGINT or SIGUSR1 saves a checkpoint at the step it names, exits 128 + signal,
 // says so in summary.json, and resumes to the losses of an uninterrupted run bit for bit; a
-// second SIGINT exits at once and a stuck step is bounded by train.term_grace_s.
+// second SIGINT exits at once and a stuck step is bounded by train.term_grace_s; two ranks under
+// the launcher save one step together, whether the launcher or one worker got the signal, and so
+// do two nodes' when only one node's launcher got it.
 #include "train/stop.h"
 
 #include <gtest/gtest.h>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "dist/store.h"
+#include "tests/store_peer.h"
 #include "tests/test_process.h"
 
 namespace {
@@ -227,6 +230,7 @@ class StopOnSignal : public ::testing::Test {
               std::string::npos);
     expect_resume_matches_uninterrupted(name, step, flags);
   }
+  static void stop_two_ranks(int sig, bool only_rank1, const std::string& name);
   static fs::path dir_;
 };
 fs::path StopOnSignal::dir_;
@@ -289,6 +293,109 @@ TEST_F(StopOnSignal, AStepThatDoesNotEndWithinTheGraceExitsWithoutACheckpoint) {
             std::string::npos)
       << text;
   EXPECT_TRUE(checkpoints(out).empty()) << text;
+}
+
+// KILN_RANK of a process, from its environment (-1 if not found).
+int kiln_rank_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::string var;
+  while (std::getline(in, var, '\0'))
+    if (var.rfind("KILN_RANK=", 0) == 0) return std::stoi(var.substr(10));
+  return -1;
+}
+
+// Two Gloo ranks under kiln's launcher (zero1, so each rank writes its own shard): the signal
+// reaches the launcher, which forwards it, or only rank 1's process (as Kubernetes or Slurm may
+// send it). Either way both ranks save one step together, the job exits 128 + signal with no
+// worker reported as failed, and the checkpoint resumes to the uninterrupted run's losses.
+void StopOnSignal::stop_two_ranks(int sig, bool only_rank1, const std::string& name) {
+  SCOPED_TRACE(name);
+  const std::string out = (dir_ / name).string(), log = out + ".log";
+  const std::string flags = "--train.batch_size=4 --dist.strategy=zero1 --nproc-per-node=2";
+  const auto run =
+      kiln::testing::start_command(train_cmd(out, flags + " --train.max_steps=10000"), log);
+  ASSERT_TRUE(wait_for_steps(out, 2)) << kiln::testing::read_file(log);
+  pid_t target = run.pid;
+  if (only_rank1) {
+    // run.pid is the launcher (`sh -c exec train ...`); its children are the workers.
+    target = -1;
+    for (pid_t w : kiln::testing::children_of(run.pid))
+      if (kiln_rank_of(w) == 1) target = w;
+    ASSERT_GT(target, 0) << "no rank 1 among the launcher's children";
+  }
+  ASSERT_EQ(::kill(target, sig), 0);
+  const int status = kiln::testing::wait_command(run, 60s);
+  const std::string text = kiln::testing::read_file(log);
+  ASSERT_EQ(status, 128 + sig) << text;
+  const std::string sig_name = kiln::stop_signal_name(sig);
+  const int step = stopped_at(text, sig_name);
+  ASSERT_GE(step, 2) << text;
+  EXPECT_NE(text.find(sig_name + " (rank " + (only_rank1 ? "1" : "0") +
+                      "): every rank saves at step " + std::to_string(step)),
+            std::string::npos)
+      << text;
+  // One checkpoint, both ranks' shards in it; no worker reported as a failure.
+  EXPECT_EQ(checkpoints(out), std::vector<std::string>{step_dir(step)}) << text;
+  const std::string ckpt = out + "/checkpoints/" + step_dir(step);
+  EXPECT_TRUE(fs::exists(ckpt + "/rank_00000_000.bin")) << text;
+  EXPECT_TRUE(fs::exists(ckpt + "/rank_00001_000.bin")) << text;
+  EXPECT_NE(kiln::testing::read_file(ckpt + "/manifest.yaml").find("world_size: 2"),
+            std::string::npos);
+  EXPECT_EQ(text.find("] error"), std::string::npos) << text;
+  const std::string stopped = "exited with status " + std::to_string(128 + sig) + ": stopped by";
+  size_t reported = 0;
+  for (size_t at = text.find(stopped); at != std::string::npos; at = text.find(stopped, at + 1))
+    ++reported;
+  EXPECT_EQ(reported, 2u) << text;
+  EXPECT_EQ(text.find("stopping the other workers"), std::string::npos) << text;
+  expect_resume_matches_uninterrupted(name, step, flags);
+}
+
+TEST_F(StopOnSignal, TwoRanksSaveOneStepWhenTheLauncherIsSentSigterm) {
+  stop_two_ranks(SIGTERM, false, "ranks_sigterm_launcher");
+}
+
+TEST_F(StopOnSignal, TwoRanksSaveOneStepWhenOnlyRankOneIsSentSigusr1) {
+  stop_two_ranks(SIGUSR1, true, "ranks_sigusr1_rank1");
+}
+
+// Two nodes on one host (a launcher each, one worker each) and the signal to node 1's launcher
+// only, as when Kubernetes stops one pod: node 1's worker asks, rank 0 on node 0 decides, both
+// save one step; node 0's launcher learns from the store that the job is stopping, not failing,
+// and gives its worker the time to save. Both launchers exit 128 + SIGTERM.
+TEST_F(StopOnSignal, TwoNodesSaveOneStepWhenOneNodesLauncherIsSentSigterm) {
+  const std::string out = (dir_ / "nodes").string();
+  const int port = kiln::testing::free_port();
+  ASSERT_GT(port, 0);
+  auto node = [&](int rank) {
+    return "env KILN_RUN_TOKEN=stop-test " +
+           train_cmd(out,
+                     "--train.batch_size=4 --dist.strategy=zero1 --train.max_steps=10000 "
+                     "--nproc-per-node=1 --nnodes=2 --master-addr=127.0.0.1 --node-rank=" +
+                         std::to_string(rank) + " --master-port=" + std::to_string(port));
+  };
+  const auto node0 = kiln::testing::start_command(node(0), out + ".node0.log");
+  const auto node1 = kiln::testing::start_command(node(1), out + ".node1.log");
+  ASSERT_TRUE(wait_for_steps(out, 2)) << kiln::testing::read_file(out + ".node0.log");
+  ASSERT_EQ(::kill(node1.pid, SIGTERM), 0);
+  const int s1 = kiln::testing::wait_command(node1, 60s),
+            s0 = kiln::testing::wait_command(node0, 30s);
+  const std::string log0 = kiln::testing::read_file(out + ".node0.log");
+  const std::string log1 = kiln::testing::read_file(out + ".node1.log");
+  EXPECT_EQ(s1, 128 + SIGTERM) << log1;
+  ASSERT_EQ(s0, 128 + SIGTERM) << log0;
+  const int step = stopped_at(log0, "SIGTERM");
+  ASSERT_GE(step, 2) << log0;
+  EXPECT_NE(log0.find("SIGTERM (rank 1): every rank saves at step " + std::to_string(step)),
+            std::string::npos)
+      << log0;
+  EXPECT_NE(log0.find("the job is stopping on signal 15"), std::string::npos) << log0;
+  EXPECT_EQ(checkpoints(out), std::vector<std::string>{step_dir(step)}) << log0 << log1;
+  const std::string ckpt = out + "/checkpoints/" + step_dir(step);
+  EXPECT_TRUE(fs::exists(ckpt + "/rank_00000_000.bin")) << log0;
+  EXPECT_TRUE(fs::exists(ckpt + "/rank_00001_000.bin")) << log1;
+  for (const std::string* log : {&log0, &log1})
+    EXPECT_EQ(log->find("] error"), std::string::npos) << *log;
 }
 
 }  // namespace

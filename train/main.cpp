@@ -76,6 +76,8 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   launch.master_addr = opts.master_addr;
   launch.master_port = opts.master_port;
   launch.rendezvous_timeout = std::chrono::seconds(config.dist.timeout_s);
+  // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
+  launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
   return launch_workers(launch, argc, argv);
 }
 
