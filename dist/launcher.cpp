@@ -40,7 +40,7 @@ void on_signal(int sig) {
   g_signal_count = g_signal_count + 1;
 }
 
-// Installs SIGINT/SIGTERM handlers for the launcher's lifetime and restores the old ones.
+// Installs SIGINT/SIGTERM/SIGUSR1 handlers for the launcher's lifetime and restores the old ones.
 class SignalGuard {
  public:
   SignalGuard() {
@@ -51,16 +51,26 @@ class SignalGuard {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_int_);
     sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGUSR1, &sa, &old_usr1_);
   }
   ~SignalGuard() {
     sigaction(SIGINT, &old_int_, nullptr);
     sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGUSR1, &old_usr1_, nullptr);
   }
 
  private:
   struct sigaction old_int_ {
-  }, old_term_{};
+  }, old_term_{}, old_usr1_{};
 };
+
+// A worker's exit after a stop signal (train/stop.h: 128 + SIGINT, SIGTERM or SIGUSR1): the
+// signal, else 0.
+int stop_signal_of(int status) {
+  if (!WIFEXITED(status)) return 0;
+  const int sig = WEXITSTATUS(status) - 128;
+  return sig == SIGINT || sig == SIGTERM || sig == SIGUSR1 ? sig : 0;
+}
 
 struct Worker {
   int rank = 0, local_rank = 0;
@@ -157,20 +167,25 @@ class Supervisor {
       if (g_signal_count > signals_seen_) {
         int sig = g_signal;
         if (signals_seen_ == 0 && !stopping_) {
-          spdlog::warn("launcher node {}: got signal {} ({}); forwarding to workers",
-                       cfg_.node_rank, sig, strsignal(sig));
+          spdlog::warn(
+              "launcher node {}: got signal {} ({}); forwarding to workers, SIGKILL in "
+              "{} s",
+              cfg_.node_rank, sig, strsignal(sig), cfg_.stop_grace.count());
           start_teardown(128 + sig,
                          "node " + std::to_string(cfg_.node_rank) +
                              ": launcher interrupted by signal " + std::to_string(sig),
-                         sig);
-        } else if (!killed_) {
+                         sig, true);
+        } else if (!killed_ && sig != SIGUSR1) {
           kill_all(SIGKILL);  // asked twice: stop now
         }
         signals_seen_ = g_signal_count;
       }
-      if (stopping_ && !killed_ && Clock::now() - stop_started_ > cfg_.grace) {
-        spdlog::warn("launcher node {}: workers still running {} s after SIGTERM; sending SIGKILL",
-                     cfg_.node_rank, cfg_.grace.count());
+      const std::chrono::seconds grace = stop_ ? cfg_.stop_grace : cfg_.grace;
+      if (stopping_ && !killed_ && Clock::now() - stop_started_ > grace) {
+        spdlog::warn(
+            "launcher node {}: workers still running {} s after the stop began; sending "
+            "SIGKILL",
+            cfg_.node_rank, grace.count());
         kill_all(SIGKILL);
       }
       if (!stopping_ && cfg_.nnodes > 1 && Clock::now() - last_poll >= 1s) {
@@ -212,6 +227,13 @@ class Supervisor {
     for (const auto& [w, status] : exited) {
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
       const std::string what = describe_exit(*w, status);
+      if (const int sig = stop_signal_of(status)) {
+        spdlog::info("launcher node {}: {}: stopped by {}", cfg_.node_rank, what, strsignal(sig));
+        if (!stopping_)  // its siblings stop at the same step by themselves: only bound them
+          start_teardown(WEXITSTATUS(status),
+                         "node " + std::to_string(cfg_.node_rank) + ": " + what, 0, true);
+        continue;
+      }
       if (stopping_ && WIFSIGNALED(status) && sent_.count(WTERMSIG(status))) {
         spdlog::info("launcher node {}: {}", cfg_.node_rank, what);
         continue;
@@ -236,13 +258,19 @@ class Supervisor {
     ::poll(fds.data(), fds.size(), 50);
   }
 
-  void start_teardown(int code, const std::string& reason, int sig) {
+  // Sends `sig` (0: none) to the workers and SIGKILL after the grace. `stop`: a stop signal
+  // (`code` 128 + it), not a failure: the workers get stop_grace to checkpoint, and so do other
+  // nodes' (the "stopped" key, set before "failed"; their workers stop at the same step).
+  void start_teardown(int code, const std::string& reason, int sig, bool stop = false) {
     stopping_ = true;
+    stop_ = stop;
     stop_started_ = Clock::now();
     result_ = code;
-    if (any_alive()) spdlog::warn("launcher node {}: stopping the other workers", cfg_.node_rank);
-    kill_all(sig);
+    if (any_alive() && !stop)
+      spdlog::warn("launcher node {}: stopping the other workers", cfg_.node_rank);
+    if (sig != 0) kill_all(sig);
     try {
+      if (stop) store_.set("stopped", std::to_string(code - 128));
       store_.set("failed", reason);
     } catch (const std::exception& e) {
       if (cfg_.nnodes > 1)
@@ -251,19 +279,29 @@ class Supervisor {
   }
 
   void poll_failed_key() {
+    int stop_sig = 0;
     try {
       if (!store_.check({"failed"})) return;
       std::string why = store_.get("failed", 5s);
-      spdlog::error("launcher node {}: the job failed elsewhere ({}); stopping workers",
-                    cfg_.node_rank, why);
+      if (store_.check({"stopped"})) {
+        stop_sig = std::stoi(store_.get("stopped", 5s));
+        spdlog::warn(
+            "launcher node {}: the job is stopping on signal {} ({}); its workers "
+            "checkpoint and exit, SIGKILL in {} s",
+            cfg_.node_rank, stop_sig, why, cfg_.stop_grace.count());
+      } else {
+        spdlog::error("launcher node {}: the job failed elsewhere ({}); stopping workers",
+                      cfg_.node_rank, why);
+      }
     } catch (const std::exception& e) {
       spdlog::error("launcher node {}: lost the rendezvous store ({}); stopping workers",
                     cfg_.node_rank, e.what());
     }
     stopping_ = true;
+    stop_ = stop_sig != 0;
     stop_started_ = Clock::now();
-    result_ = 1;
-    kill_all(SIGTERM);
+    result_ = stop_ ? 128 + stop_sig : 1;
+    if (!stop_) kill_all(SIGTERM);
   }
 
   void kill_all(int sig) {
@@ -276,7 +314,7 @@ class Supervisor {
   const LaunchConfig& cfg_;
   StoreClient& store_;
   std::vector<Worker> workers_;
-  bool stopping_ = false, killed_ = false;
+  bool stopping_ = false, killed_ = false, stop_ = false;
   Clock::time_point stop_started_;
   int result_ = 0;
   int signals_seen_ = 0;

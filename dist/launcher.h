@@ -9,6 +9,9 @@
 // job. A worker that exits non-zero or dies by a signal makes its launcher terminate its
 // siblings (SIGTERM, SIGKILL after a grace period) and set the store's "failed" key, which every
 // other node's launcher polls once a second. Workers die with their launcher (PDEATHSIG).
+// A stop is not a failure: SIGINT, SIGTERM or SIGUSR1 to a launcher is forwarded to its workers
+// (and, through the store's "stopped" key, to every node's), which checkpoint and exit with
+// 128 + signal (train/stop.h) within stop_grace; a worker that exits so is logged as stopped.
 #pragma once
 
 #include <chrono>
@@ -55,8 +58,11 @@ struct LaunchConfig {
   int master_port = 0;
   // Bounds the meeting of the node launchers and the workers' store ops.
   std::chrono::seconds rendezvous_timeout{300};
-  // Between SIGTERM and SIGKILL when tearing workers down.
+  // Between SIGTERM and SIGKILL when tearing workers down after a failure.
   std::chrono::seconds grace{5};
+  // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
+  // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
+  std::chrono::seconds stop_grace{5};
 };
 
 // Runs the job's processes on this node and supervises them; returns the exit status for the

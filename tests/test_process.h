@@ -1,19 +1,24 @@
 // Helpers for tests that drive kiln's real binaries: run a command and collect its output and
-// exit status, read the losses a run wrote to metrics.jsonl, shard a small English corpus, and
-// make temp directories that are gone when the test process ends.
+// exit status (or start it in the background and wait for it), read the losses a run wrote to
+// metrics.jsonl, shard a small English corpus, and make temp directories that are gone when the
+// test process ends.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 namespace kiln::testing {
@@ -53,6 +58,66 @@ inline CommandResult run_command(const std::string& cmd) {
   const int st = ::pclose(p);
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   return r;
+}
+
+// A command running in the background, in a process group of its own, its stdout and stderr
+// going to `log_path`: for tests that signal a run while it trains.
+struct Background {
+  pid_t pid = -1;
+  std::string log_path;
+};
+
+inline Background start_command(const std::string& cmd, const std::string& log_path) {
+  Background b{-1, log_path};
+  const std::string line = "exec " + cmd + " >'" + log_path + "' 2>&1";  // before fork()
+  b.pid = ::fork();
+  if (b.pid == 0) {
+    ::setpgid(0, 0);
+    ::execl("/bin/sh", "sh", "-c", line.c_str(), nullptr);
+    ::_exit(127);
+  }
+  return b;
+}
+
+// Waits up to `within` for it to exit and returns its status (128 + signal for a signal); at the
+// deadline kills its process group and returns -1.
+inline int wait_command(const Background& b, std::chrono::steady_clock::duration within) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  int st = 0;
+  pid_t done = 0;
+  while ((done = ::waitpid(b.pid, &st, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (done != b.pid) {
+    ::kill(-b.pid, SIGKILL);
+    ::waitpid(b.pid, &st, 0);
+    return -1;
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// The processes whose parent is `parent` (from /proc).
+inline std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string text;
+    std::getline(stat, text);
+    const auto close = text.rfind(')');
+    if (close == std::string::npos) continue;
+    char state;
+    int ppid = 0;
+    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
+      out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 struct StepLoss {

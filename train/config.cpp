@@ -162,6 +162,11 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
       {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
+      {KILN_FIELD(train, term_grace_s), at_least(1),
+       "on SIGTERM, SIGINT or SIGUSR1: seconds to reach the next step boundary and save a "
+       "checkpoint there before exiting with status 128 + signal; past them the process exits "
+       "without one (a second SIGINT or SIGTERM exits at once). kiln's launcher waits this + 10 s "
+       "before SIGKILL"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
       {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),

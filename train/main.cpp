@@ -2,6 +2,8 @@
 // launcher flags it trains in this process; with --nproc-per-node/--nnodes it becomes the
 // launcher and re-executes itself once per worker; a worker (started by kiln's launcher, srun or
 // mpirun) finds its rank in the environment, joins the rendezvous and trains its shard.
+// A training process (a worker, or the single process) stops on SIGTERM, SIGINT or SIGUSR1 with a
+// checkpoint (train/stop.h); the launcher forwards those signals to its workers.
 #include <spdlog/spdlog.h>
 
 #include <cctype>
@@ -17,13 +19,31 @@
 #include "train/config.h"
 #include "train/device.h"
 #include "train/plan.h"
+#include "train/stop.h"
 #include "train/trainer.h"
 
 using namespace kiln;
 
 namespace {
 
-int run_worker(const Config& config, const WorkerInfo& worker) {
+// run_training() with the stop signals' rules: an error after a stop signal (a collective whose
+// peer has already exited, as when the launcher tears a failed job down) ends the process as
+// that signal would have, 128 + signal, saying so, rather than as a crash.
+int train_with_stop(const Config& config, const RankInfo& rank,
+                    const CommunicatorFactory& make_comm, StopAgreement& stop,
+                    const TrainObserver* observer = nullptr) {
+  try {
+    return run_training(config, rank, make_comm, observer, &stop);
+  } catch (const std::exception& e) {
+    const int sig = stop_signal_received();
+    if (sig == 0) throw;
+    std::fprintf(stderr, "train: stopped by %s without a checkpoint: %s\n",
+                 stop_signal_name(sig).c_str(), e.what());
+    return 128 + sig;
+  }
+}
+
+int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& signals) {
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
   const auto timeout = std::chrono::seconds(config.dist.timeout_s);
@@ -61,8 +81,10 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
   observer.on_progress = [&](int steps_done, bool host_work) {
     watchdog.progress(steps_done, host_work);
   };
+  StopAgreement stop(&rendezvous.store(), worker.rank, worker.world_size);
+  int status = 0;
   try {
-    return run_training(config, rank, make_comm, &observer);
+    status = train_with_stop(config, rank, make_comm, stop, &observer);
   } catch (const InputError&) {
     throw;
   } catch (const std::exception& e) {
@@ -75,6 +97,8 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
     watchdog.disarm();
     throw std::runtime_error(what + "; " + watchdog.describe_peers());
   }
+  signals.disarm();  // Rendezvous' destructor may wait for the other ranks
+  return status;
 }
 
 int launch(const LaunchOptions& opts, const Config& config, int argc, char** argv) {
@@ -85,6 +109,8 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   launch.master_addr = opts.master_addr;
   launch.master_port = opts.master_port;
   launch.rendezvous_timeout = std::chrono::seconds(config.dist.timeout_s);
+  // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
+  launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
   return launch_workers(launch, argc, argv);
 }
 
@@ -111,9 +137,17 @@ int main(int argc, char** argv) {
       return plan_training(config, cli.launch.nproc_per_node * cli.launch.nnodes,
                            plan_target(cli.plan_gpu_memory));
     }
-    if (auto worker = worker_from_environment()) return run_worker(config, *worker);
+    const std::chrono::seconds grace(config.train.term_grace_s);
+    if (auto worker = worker_from_environment()) {
+      // Under kiln's launcher a Ctrl-C reaches a worker twice (the terminal's, the launcher's);
+      // the launcher escalates a second one.
+      StopSignals signals(grace, worker->source != "kiln");
+      return run_worker(config, *worker, signals);
+    }
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
       return launch(cli.launch, config, argc, argv);
-    return run_training(config, RankInfo{}, nullptr);
+    StopSignals signals(grace, true);
+    StopAgreement stop(nullptr, 0, 1);
+    return train_with_stop(config, RankInfo{}, nullptr, stop);
   });
 }

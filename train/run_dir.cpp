@@ -106,6 +106,10 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
   if (s.peak_flops > 0) out << ",\"peak_tflops\":" << s.peak_flops / 1e12;
   if (s.tokens_per_joule) out << ",\"tokens_per_joule\":" << *s.tokens_per_joule;
   if (s.device_memory_bytes >= 0) out << ",\"device_memory_bytes\":" << s.device_memory_bytes;
+  if (!s.stop_signal.empty())
+    out << ",\"stopped\":{\"signal\":" << json_quote(s.stop_signal)
+        << ",\"step\":" << s.stopped_at_step
+        << ",\"checkpoint\":" << (s.stop_checkpoint ? "true" : "false") << "}";
   out << "}\n";
   replace_file_synced(out_dir + "/summary.json", out.str());
 }

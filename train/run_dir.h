@@ -1,6 +1,7 @@
 // The run directory (train.out_dir) as rank 0 keeps it: the resolved config.yaml, metrics.jsonl
 // (one JSON object a step, reading as one run across resumes), and summary.json at the end
-// (what ran where, for tools such as bench that read a finished run). Checkpoints live below it
+// (what ran where, for tools such as bench that read a finished run; a run stopped by a signal
+// says so: "stopped":{"signal":"SIGTERM","step":S,"checkpoint":true}). Checkpoints live below it
 // too (train/checkpoint.h).
 #pragma once
 
@@ -43,6 +44,11 @@ struct RunSummary {
   double peak_flops = 0;         // 0: not known (no MFU), and absent from the file
   std::optional<double> tokens_per_joule;
   int64_t device_memory_bytes = -1;  // the most memory_in_use() seen; -1: not known (the CPU)
+  // A run stopped by a signal before train.max_steps (train/stop.h): which, at which step, and
+  // whether a checkpoint was saved there. Empty: the run finished.
+  std::string stop_signal;
+  int stopped_at_step = 0;
+  bool stop_checkpoint = false;
 };
 void write_summary(const std::string& out_dir, const RunSummary& s);
 

@@ -33,6 +33,7 @@
 #include "train/step_graph.h"
 #include "train/step_inputs.h"
 #include "train/step_timer.h"
+#include "train/stop.h"
 
 namespace kiln {
 
@@ -44,7 +45,8 @@ class Trainer {
  public:
   // `backend`: the one to run on (train --plan's planning backend); null: train.device's.
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-          const TrainObserver* observer, std::unique_ptr<Backend> backend = nullptr);
+          const TrainObserver* observer, StopAgreement* stop = nullptr,
+          std::unique_ptr<Backend> backend = nullptr);
   int run();
   // Lays out every buffer and prints the plan and its verdict against `target`, allocating
   // nothing. Returns the exit status.
@@ -81,8 +83,15 @@ class Trainer {
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
-  // the last step, an observer), rather than one step late.
+  // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
+  bool stop_step(int step) const { return stop_at_ && stop_at_->step == step; }
+  // At a step boundary, `enqueued` steps in: whether a stop has been agreed on (train/stop.h).
+  void poll_stop(int enqueued);
+  // After the agreed stop's checkpoint: summary.json and the one line saying how to resume.
+  // Returns the exit status, 128 + the signal.
+  int report_stop(std::optional<double> tokens_per_joule);
+  RunSummary summary(std::optional<double> tokens_per_joule);
   double evaluate();
   void print_sample(int step);
   void all_reduce(Tensor t) {
@@ -94,6 +103,8 @@ class Trainer {
   const Config& cfg_;
   RankInfo rank_;
   const TrainObserver* observer_;
+  StopAgreement* stop_;
+  std::optional<StopPoint> stop_at_;
   ParallelPlan plan_;
   std::unique_ptr<Backend> built_backend_;
   Backend* backend_;  // the built one, or an observer's wrapper of it
@@ -126,10 +137,12 @@ class Trainer {
 };
 
 Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer, std::unique_ptr<Backend> backend)
+                 const TrainObserver* observer, StopAgreement* stop,
+                 std::unique_ptr<Backend> backend)
     : cfg_(cfg),
       rank_(rank),
       observer_(observer),
+      stop_(stop),
       plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel)),
       built_backend_(backend ? std::move(backend) : make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
@@ -302,7 +315,7 @@ bool Trainer::host_step(int step) const {
   return step == t.max_steps || (val_loader_ && step % t.eval_every == 0) ||
          (t.sample_every > 0 && step % t.sample_every == 0) ||
          (t.save_checkpoints && t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
-         (observer_ && observer_->on_step);
+         stop_step(step) || (observer_ && observer_->on_step);
 }
 
 bool Trainer::finish_step(const PendingStep& p) {
@@ -350,7 +363,8 @@ bool Trainer::finish_step(const PendingStep& p) {
       spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
   }
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last)) {
+  if (t.save_checkpoints &&
+      ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last || stop_step(sm.step))) {
     progress(true);
     save_run(parts(), sm.step);
     progress(false);
@@ -422,28 +436,81 @@ int Trainer::run() {
     if (moe()) readback.push_back(model_->moe_stats());
     backend_->read_async(slot, readback);
     const Clock::time_point enqueue_end = Clock::now();
+    // While the device runs the step just enqueued: off its critical path.
+    if (stop_ && !stop_at_) poll_stop(step + 1);
     if (pending && !finish_step(*pending)) return 1;
     pending = PendingStep{step, lr, enqueued, enqueue_end};
     if (host_step(step + 1)) {
       if (!finish_step(*pending)) return 1;
       pending.reset();
     }
+    if (stop_step(step + 1) && step + 1 < t.max_steps)
+      return report_stop(power_->finish(tokens_per_step()));
   }
   const std::optional<double> tokens_per_joule = power_->finish(tokens_per_step());
-  if (is_main())
-    write_summary(t.out_dir,
-                  {backend_->name(), backend_->attention_name(), model_->layout().total,
-                   memory_bytes(), tokens_per_step(), rank_.world_size, cfg_.dist.strategy,
-                   cfg_.dist.reduce_dtype, cfg_.data.prefetch, graph_.status(), fp8_->status(cfg_),
-                   peak_, tokens_per_joule, device_peak_});
+  if (is_main()) write_summary(t.out_dir, summary(tokens_per_joule));
   return 0;
+}
+
+void Trainer::poll_stop(int enqueued) {
+  stop_at_ = stop_->poll(enqueued);
+  if (!stop_at_ || !is_main()) return;
+  const std::string what =
+      stop_signal_name(stop_at_->signal) +
+      (rank_.world_size > 1 ? " (rank " + std::to_string(stop_at_->rank) + ")" : std::string());
+  if (stop_at_->step >= cfg_.train.max_steps)
+    spdlog::info("{}: the run ends at step {} (train.max_steps) before it could stop; finishing it",
+                 what, cfg_.train.max_steps);
+  else if (rank_.world_size > 1)
+    spdlog::info("{}: every rank saves at step {} and stops", what, stop_at_->step);
+}
+
+RunSummary Trainer::summary(std::optional<double> tokens_per_joule) {
+  RunSummary s;
+  s.backend = backend_->name();
+  s.attention = backend_->attention_name();
+  s.params = model_->layout().total;
+  s.memory_bytes = memory_bytes();
+  s.tokens_per_step = tokens_per_step();
+  s.world_size = rank_.world_size;
+  s.strategy = cfg_.dist.strategy;
+  s.reduce_dtype = cfg_.dist.reduce_dtype;
+  s.prefetch = cfg_.data.prefetch;
+  s.cuda_graphs = graph_.status();
+  s.fp8 = fp8_->status(cfg_);
+  s.peak_flops = peak_;
+  s.tokens_per_joule = tokens_per_joule;
+  s.device_memory_bytes = device_peak_;
+  return s;
+}
+
+int Trainer::report_stop(std::optional<double> tokens_per_joule) {
+  const auto& t = cfg_.train;
+  const std::string sig = stop_signal_name(stop_at_->signal);
+  if (is_main()) {
+    RunSummary s = summary(tokens_per_joule);
+    s.stop_signal = sig;
+    s.stopped_at_step = stop_at_->step;
+    s.stop_checkpoint = t.save_checkpoints;
+    write_summary(t.out_dir, s);
+    if (!t.save_checkpoints)
+      spdlog::warn("stopped by {} at step {} of {}: no checkpoint (train.save_checkpoints=false)",
+                   sig, stop_at_->step, t.max_steps);
+    else
+      spdlog::warn("stopped by {} at step {} of {}: checkpoint saved in {}/checkpoints; {}", sig,
+                   stop_at_->step, t.max_steps, t.out_dir,
+                   t.resume == "auto"
+                       ? "run the same command to resume from it"
+                       : "resume with --train.resume=auto (train.resume is " + t.resume + ")");
+  }
+  return 128 + stop_at_->signal;
 }
 
 }  // namespace
 
 int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer) {
-  Trainer trainer(config, rank, make_comm, observer);
+                 const TrainObserver* observer, StopAgreement* stop) {
+  Trainer trainer(config, rank, make_comm, observer, stop);
   return trainer.run();
 }
 
@@ -453,7 +520,7 @@ int plan_training(const Config& config, int world_size, const PlanTarget& target
   Trainer trainer(
       config, RankInfo{0, 0, world_size},
       [](Backend&, const CommGroup& g) { return make_plan_communicator(g.rank, g.size); }, nullptr,
-      make_plan_backend(gpus));
+      nullptr, make_plan_backend(gpus));
   return trainer.plan_only(target);
 }
 

@@ -4,7 +4,8 @@
 // stage the step's inputs (train/step_inputs.h), run its device work eagerly or as a CUDA graph
 // (train/step_graph.h): grad_accum micro-steps of forward+backward, gradient sync (the dist
 // strategy), FP8 scaling (train/fp8_recipe.h), global-norm clipping, AdamW; then log, evaluate,
-// sample and checkpoint, keeping the run directory (train/run_dir.h).
+// sample and checkpoint, keeping the run directory (train/run_dir.h); on a stop signal, agree on
+// a step with the other ranks, checkpoint there and stop (train/stop.h).
 // Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
 #pragma once
 
@@ -43,10 +44,13 @@ struct TrainObserver {
   std::function<void(int steps_done, bool host_work)> on_progress;
 };
 
+class StopAgreement;
 // Runs the whole training job described by `config` on this rank. `make_comm` is empty for a
-// single process. Returns the process exit status.
+// single process. `stop` (train/stop.h), where given, is polled at each step boundary: on an
+// agreed stop every rank saves a checkpoint at the agreed step and returns 128 + the signal.
+// Returns the process exit status.
 int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer = nullptr);
+                 const TrainObserver* observer = nullptr, StopAgreement* stop = nullptr);
 
 struct PlanTarget;
 // `train CONFIG --plan`: rank 0's memory plan for a run of `world_size` ranks, made without a GPU
