@@ -101,7 +101,8 @@ void save_run(const RunParts& run, int step) {
   const Config& cfg = run.config;
   const std::string dir = save_checkpoint(cfg.train.out_dir, state, run.model.layout(),
                                           config_to_yaml(cfg), cfg.dist.strategy, shards, run.rank,
-                                          run.world_size, cfg.train.keep_checkpoints, [&run] {
+                                          run.world_size, cfg.train.keep_checkpoints,
+                                          cfg.dist.timeout_s, [&run] {
                                             if (run.comm) run.comm->barrier();
                                           });
   if (run.rank == 0) spdlog::info("checkpoint: {}", dir);
