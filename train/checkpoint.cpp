@@ -286,14 +286,15 @@ void write_rank_files(const std::string& out_dir, int step, int rank,
                       const std::vector<OptimizerShard>& shards,
                       const std::function<bool()>& abandoned) {
   const std::string tmp_dir = out_dir + "/checkpoints/" + step_name(step) + ".tmp";
+  std::vector<CheckpointFile> files;
+  std::string writing;
   try {
-    std::vector<CheckpointFile> files;
     for (size_t i = 0; i < shards.size(); ++i) {
       check_abandoned(abandoned, tmp_dir);
       if (shards[i].end <= shards[i].begin) continue;
-      const std::string name = shard_file(rank, i);
-      files.push_back(
-          {name, shards[i].begin, shards[i].end, write_shard(tmp_dir + "/" + name, shards[i])});
+      writing = shard_file(rank, i);
+      files.push_back({writing, shards[i].begin, shards[i].end,
+                       write_shard(tmp_dir + "/" + writing, shards[i])});
     }
     if (test_crash_here(step, rank)) std::raise(SIGKILL);
     // Renamed into place whole, so rank 0 never reads half a marker.
@@ -304,6 +305,10 @@ void write_rank_files(const std::string& out_dir, int step, int rank,
       fail_io("cannot rename into place", done);
     fsync_path(tmp_dir);
   } catch (const std::exception& e) {
+    // This rank's files go (a full disk gets its room back); the marker says why.
+    std::error_code ec;
+    for (const CheckpointFile& f : files) fs::remove(tmp_dir + "/" + f.file, ec);
+    if (!writing.empty()) fs::remove(tmp_dir + "/" + writing, ec);
     try {
       const std::string why = e.what();
       write_file_synced(tmp_dir + "/" + rank_marker(rank, "failed"), {{why.data(), why.size()}});

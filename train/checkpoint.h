@@ -90,8 +90,8 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
 //    step `step`'s .tmp directory, stale markers included, and creates it.
 void begin_checkpoint(const std::string& out_dir, int step);
 // 2. Every rank: writes its ranges (each file fsynced), then its marker rank_RRRRR.done listing
-//    them. On failure it leaves rank_RRRRR.failed naming the cause (where it can) and rethrows,
-//    so rank 0 stops waiting at once.
+//    them. On failure it removes the files it wrote, leaves rank_RRRRR.failed naming the cause
+//    (where it can) so rank 0 stops waiting at once, and rethrows.
 void write_rank_files(const std::string& out_dir, int step, int rank,
                       const std::vector<OptimizerShard>& shards,
                       const std::function<bool()>& abandoned = {});

@@ -161,6 +161,9 @@ const std::vector<Field>& schema() {
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
       {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
+      {KILN_FIELD(train, checkpoint_async), any(),
+       "copy a checkpoint's state to host memory and write it on a background thread while "
+       "training goes on (3 x fp32 of host memory per owned parameter)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},

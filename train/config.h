@@ -78,6 +78,7 @@ struct TrainSection {
   int checkpoint_every = 0;  // 0: only at the end of the run
   int keep_checkpoints = 2;  // newest N kept
   bool save_checkpoints = true;  // false: write none (benchmarks)
+  bool checkpoint_async = false;  // write checkpoints on a background thread (docs/distributed.md)
   std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;
