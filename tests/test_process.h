@@ -162,25 +162,6 @@ inline CommandResult prepare_corpus(const std::string& bin_dir, const std::strin
   return run_command(bin_dir + "/prepare_data --out " + dir + " --val-fraction 0.1 " + corpus);
 }
 
-// The processes whose parent is `parent` (from /proc): a launcher's workers.
-inline std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(e.path() / "stat");
-    std::string text;
-    std::getline(stat, text);
-    const auto close = text.rfind(')');
-    if (close == std::string::npos) continue;
-    char state;
-    int ppid = 0;
-    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
-      out.push_back(std::stoi(name));
-  }
-  return out;
-}
-
 // The value of variable `name` in process `pid`'s environment ("" if absent).
 inline std::string environment_of(pid_t pid, const std::string& name) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/environ");

@@ -161,6 +161,9 @@ const std::vector<Field>& schema() {
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
       {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
+      {KILN_FIELD(train, checkpoint_async), any(),
+       "copy a checkpoint's state to host memory and write it on a background thread while "
+       "training goes on (3 x fp32 of host memory per owned parameter)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
       {KILN_FIELD(train, term_grace_s), at_least(1),
        "on SIGTERM, SIGINT or SIGUSR1: seconds to reach the next step boundary and save a "

@@ -15,6 +15,7 @@
 #include "kernels/arena.h"
 #include "kernels/error.h"
 #include "kernels/plan_backend.h"
+#include "train/async_checkpoint.h"
 #include "train/device.h"
 #include "train/fp8_recipe.h"
 #include "train/init_from.h"
@@ -94,6 +95,12 @@ class Trainer {
   RunSummary summary(std::optional<double> tokens_per_joule);
   double evaluate();
   void print_sample(int step);
+  // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
+  // written and published first, and its failure thrown. Returns `status`.
+  int wait_for_checkpoint(int status) {
+    if (async_checkpoints_) async_checkpoints_->wait();
+    return status;
+  }
   void all_reduce(Tensor t) {
     if (!comm_ || rank_.world_size == 1) return;
     comm_->all_reduce_sum(t);
@@ -134,6 +141,9 @@ class Trainer {
   double flops_per_token_ = 0;
   StepTimer timer_;
   int64_t device_peak_ = -1;  // the most memory_in_use() seen at a finished step
+  // train.checkpoint_async's writer thread and host snapshot. Last: destroyed first, so the
+  // save in flight is done with the backend and model before they go.
+  std::unique_ptr<AsyncCheckpointer> async_checkpoints_;
 };
 
 Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
@@ -194,7 +204,7 @@ void Trainer::plan_buffers() {
   model_->plan_activations(acts_arena_, B(), T(), recompute);
   if (is_main())
     log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,
-                    recompute);
+                    recompute, checkpoint_snapshot_bytes(cfg_.train, *strategy_));
 }
 
 int Trainer::plan_only(const PlanTarget& target) {
@@ -320,6 +330,7 @@ bool Trainer::host_step(int step) const {
 
 bool Trainer::finish_step(const PendingStep& p) {
   const auto& t = cfg_.train;
+  if (async_checkpoints_) async_checkpoints_->check();  // a background save that failed stops here
   const int slot = p.step % Backend::kReadbackSlots;
   const float* values = backend_->read_wait(slot);
   StepMetrics sm;
@@ -357,18 +368,16 @@ bool Trainer::finish_step(const PendingStep& p) {
   };
   progress(false);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
-  if (is_main()) {
-    metrics_->write(sm);
-    if (sm.step % t.log_every == 0 || last || sm.val_loss)
-      spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
-  }
+  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss))
+    spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-  if (t.save_checkpoints &&
-      ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last || stop_step(sm.step))) {
+  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
+                             last || stop_step(sm.step))) {
     progress(true);
-    save_run(parts(), sm.step);
+    sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
+  if (is_main()) metrics_->write(sm);  // after the save: the line holds its stall
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
@@ -390,6 +399,8 @@ int Trainer::run() {
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
   plan_memory();
+  if (t.save_checkpoints && t.checkpoint_async)
+    async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);
 
   const std::optional<std::string> ckpt = checkpoint_to_resume(t);
   if (ckpt) {
@@ -438,15 +449,18 @@ int Trainer::run() {
     const Clock::time_point enqueue_end = Clock::now();
     // While the device runs the step just enqueued: off its critical path.
     if (stop_ && !stop_at_) poll_stop(step + 1);
-    if (pending && !finish_step(*pending)) return 1;
+    if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
     pending = PendingStep{step, lr, enqueued, enqueue_end};
     if (host_step(step + 1)) {
-      if (!finish_step(*pending)) return 1;
+      if (!finish_step(*pending)) return wait_for_checkpoint(1);
       pending.reset();
     }
-    if (stop_step(step + 1) && step + 1 < t.max_steps)
+    if (stop_step(step + 1) && step + 1 < t.max_steps) {
+      wait_for_checkpoint(0);  // the stop's checkpoint is published before it is reported
       return report_stop(power_->finish(tokens_per_step()));
+    }
   }
+  wait_for_checkpoint(0);  // the last checkpoint is on disk when train exits
   const std::optional<double> tokens_per_joule = power_->finish(tokens_per_step());
   if (is_main()) write_summary(t.out_dir, summary(tokens_per_joule));
   return 0;
