@@ -250,11 +250,10 @@ void Watchdog::run() {
         if (async.empty()) async = w->async_error();
     }
     if (!async.empty()) fail("a collective failed: " + async + "; " + describe_peers());
-    // Two beats past the timeout: slack for a step that just finished.
     const int64_t barrier = barrier_ns_.load();
     const auto idle = std::chrono::nanoseconds(now_ns() - progress_ns_.load());
     const auto in_barrier = std::chrono::nanoseconds(barrier != 0 ? now_ns() - barrier : 0);
-    const auto limit = opt_.timeout + 2 * opt_.beat;
+    const auto limit = opt_.timeout;
     if (armed_ && on_device_ > 0 && ((!host_work_ && idle > limit) || in_barrier > limit))
       fail("no progress for " +
            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(idle).count()) +

@@ -14,8 +14,8 @@
 // documents) and ends the process with status 1, which makes the launcher stop the job. A Gloo
 // timeout that reaches the worker first gets the same verdict appended (describe_peers). NCCL's
 // asynchronous errors (a peer's transport failing) are polled every beat and end the job the
-// same way. The whole path is bounded: the timeout + 2 beats, then about 2 beats for the verdict
-// and at most 3 s for the aborts (timeout + 7 s at the default beat of 1 s).
+// same way. The whole path is bounded: the timeout + a beat, then about 2 beats for the verdict
+// and at most 3 s for the aborts (timeout + 6 s at the default beat of 1 s).
 #pragma once
 
 #include <atomic>
