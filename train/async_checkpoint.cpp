@@ -37,8 +37,10 @@ void AsyncCheckpointer::loop() {
       job([this] { return abandon_.load(); });
     } catch (const std::exception& e) {
       error = e.what();
-      if (!abandon_) spdlog::error("{} (the run stops at its next step)", error);
+    } catch (...) {
+      error = "checkpoint: the writer thread failed (not a std::exception)";
     }
+    if (!error.empty() && !abandon_) spdlog::error("{} (the run stops at its next step)", error);
     lock.lock();
     if (!error.empty() && error_.empty()) error_ = error;
     busy_ = false;
