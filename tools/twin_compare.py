@@ -72,7 +72,7 @@ def out_dir(config):
 def kiln_job(config, name, args, seed):
     run = os.path.join(out_dir(config), f"{name}-s{seed}")
     cmd = [a.train, config, *common, f"--train.seed={seed}", f"--train.out_dir={run}", *args]
-    return name, seed, cmd, run + ".log"
+    return name, seed, cmd, run + ".log", None
 
 
 def twin_job(config, name, args, seed):
@@ -86,25 +86,43 @@ def twin_job(config, name, args, seed):
         make_init = [a.train, config, *common, f"--train.seed={seed}", "--train.max_steps=1",
                      "--optim.lr=1e-30", "--optim.min_lr=0", "--train.eval_every=0",
                      "--train.save_checkpoints=true", f"--train.out_dir={init}"]
-        log = shlex.quote(init + ".log")
-        twin = cmd + ["--init-from", os.path.join(init, "checkpoints", "step_00000001")]
-        cmd = ["sh", "-c", f"{shlex.join(make_init)} > {log} 2>&1 && exec {shlex.join(twin)}"]
-    return name, seed, cmd, os.path.join(out_dir(config), f"{name}-s{seed}.jsonl")
+        ckpt = os.path.join(init, "checkpoints", "step_00000001")
+        # Every twin variant of a seed starts from the same weights, made once (run_all).
+        return name, seed, cmd + ["--init-from", ckpt], \
+            os.path.join(out_dir(config), f"{name}-s{seed}.jsonl"), (make_init, init, ckpt)
+    return name, seed, cmd, os.path.join(out_dir(config), f"{name}-s{seed}.jsonl"), None
 
 
 def run_all(jobs, gpus):
     queue, lock, failed = list(jobs), threading.Lock(), []
+    init_locks = {}  # an init directory -> the lock its one writer holds
+
+    def make_init(init, env):
+        """The paired twins' initial weights, made by the first job that needs them; the
+        others wait for it. Returns the make's exit status."""
+        make, path, ckpt = init
+        with lock:
+            init_lock = init_locks.setdefault(path, threading.Lock())
+        with init_lock:
+            if os.path.exists(os.path.join(ckpt, "manifest.yaml")):
+                return 0
+            with open(path + ".log", "w") as f:
+                return subprocess.call(make, stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def worker(gpu):
         while True:
             with lock:
                 if not queue:
                     return
-                name, seed, cmd, log = queue.pop(0)
+                name, seed, cmd, log, init = queue.pop(0)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1")
             start = time.time()
             with open(log, "w") as f:
-                rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+                rc = make_init(init, env) if init else 0
+                if rc != 0:
+                    f.write(f"twin_compare: the initial weights were not made (see {init[1]}.log)\n")
+                else:
+                    rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             print(f"  {log}: GPU {gpu}, rc {rc}, {time.time() - start:.0f} s", flush=True)
             if rc != 0:
                 with lock:
