@@ -1,10 +1,12 @@
 // `train CONFIG.yaml [--section.key=value ...] [launcher flags]`: the one entry point. Without
-// launcher flags it trains in this process; with --nproc-per-node/--nnodes it becomes the
-// launcher and re-executes itself once per worker; a worker (started by kiln's launcher, srun or
-// mpirun) finds its rank in the environment, joins the rendezvous and trains its shard.
+// launcher flags it trains in this process; with --nproc-per-node/--nnodes (or restarts to
+// supervise: dist.max_restarts, --max-restarts) it becomes the launcher and re-executes itself
+// once per worker; a worker (started by kiln's launcher, srun or mpirun) finds its rank in the
+// environment, joins the rendezvous and trains its shard.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 
 #include "dist/communicator.h"
@@ -28,6 +30,11 @@ int run_worker(const Config& config, const WorkerInfo& worker) {
                "at {}:{}",
                worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
                worker.master_port);
+  if (config.dist.max_restarts > 0 && worker.source != "kiln")
+    spdlog::warn(
+        "dist.max_restarts={}: not applied: {} started these processes, and only kiln's "
+        "own launcher restarts the workers it starts",
+        config.dist.max_restarts, worker.source);
   Rendezvous rendezvous(worker, timeout);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
   CommunicatorFactory make_comm = [&](Backend& backend,
@@ -54,6 +61,9 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   launch.master_addr = opts.master_addr;
   launch.master_port = opts.master_port;
   launch.rendezvous_timeout = std::chrono::seconds(config.dist.timeout_s);
+  launch.max_restarts = config.dist.max_restarts;
+  launch.restart_backoff =
+      std::chrono::milliseconds(std::llround(config.dist.restart_backoff_s * 1000.0));
   return launch_workers(launch, argc, argv);
 }
 
@@ -68,6 +78,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     // Validate the config before starting anything, in the launcher as in a worker.
+    // --max-restarts is dist.max_restarts set after every override: the flag wins.
+    if (cli.launch.max_restarts >= 0)
+      cli.overrides.push_back("dist.max_restarts=" + std::to_string(cli.launch.max_restarts));
     Config config = load_config(cli.config_path, cli.overrides);
     if (cli.print_config) {
       std::printf("%s", config_to_yaml(config).c_str());
@@ -81,7 +94,8 @@ int main(int argc, char** argv) {
                            plan_target(cli.plan_gpu_memory));
     }
     if (auto worker = worker_from_environment()) return run_worker(config, *worker);
-    if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
+    // Restarts need a launcher to supervise, even for one process.
+    if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1 || config.dist.max_restarts > 0)
       return launch(cli.launch, config, argc, argv);
     return run_training(config, RankInfo{}, nullptr);
   });

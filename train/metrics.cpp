@@ -99,7 +99,11 @@ MetricsLog::~MetricsLog() {
 }
 
 void MetricsLog::write(const StepMetrics& m) {
-  std::fprintf(file_, "%s\n", metrics_json(m).c_str());
+  write_line(metrics_json(m));
+}
+
+void MetricsLog::write_line(const std::string& json) {
+  std::fprintf(file_, "%s\n", json.c_str());
   std::fflush(file_);
 }
 

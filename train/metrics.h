@@ -72,6 +72,8 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const StepMetrics& m);
+  // One line of JSON that is not a step's (an event: train/run_dir.h).
+  void write_line(const std::string& json);
 
  private:
   std::FILE* file_ = nullptr;

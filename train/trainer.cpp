@@ -16,6 +16,7 @@
 #include "kernels/error.h"
 #include "kernels/plan_backend.h"
 #include "train/device.h"
+#include "train/fault_hook.h"
 #include "train/fp8_recipe.h"
 #include "train/init_from.h"
 #include "train/metrics.h"
@@ -343,6 +344,7 @@ bool Trainer::finish_step(const PendingStep& p) {
   if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
     save_run(parts(), sm.step);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
+  fault_hook_after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
   return true;
