@@ -386,24 +386,6 @@ TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
                 1e-5 * std::stod(a[6 + i].second));
 }
 
-std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> out;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(e.path() / "stat");
-    std::string text;
-    std::getline(stat, text);
-    const auto close = text.rfind(')');
-    if (close == std::string::npos) continue;
-    char state;
-    int ppid = 0;
-    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
-      out.push_back(std::stoi(name));
-  }
-  return out;
-}
-
 // Strangers at a live run's rendezvous store, while its workers meet there: a client with the
 // wrong token, garbage for a first frame, and a frame header announcing 3 GiB. Each is dropped
 // (and logged), and the run goes on to the same losses, bit for bit, as an undisturbed one.
@@ -459,7 +441,7 @@ TEST_F(DistTrain, AKilledWorkerEndsTheRunWithinThirtySeconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (losses(out).size() < 2 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const std::vector<pid_t> workers = children_of(launcher);
+  const std::vector<pid_t> workers = kiln::testing::children_of(launcher);
   ASSERT_EQ(workers.size(), 2u);
   const auto killed_at = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(workers[1], SIGKILL), 0);

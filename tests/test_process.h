@@ -1,12 +1,15 @@
 // Helpers for tests that drive kiln's real binaries: run a command and collect its output and
-// exit status, read the losses a run wrote to metrics.jsonl, shard a small English corpus, and
-// make temp directories that are gone when the test process ends.
+// exit status, start one in the background and find its children, read the losses a run wrote
+// to metrics.jsonl, shard a small English corpus, and make temp directories that are gone when
+// the test process ends.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -53,6 +56,58 @@ inline CommandResult run_command(const std::string& cmd) {
   const int st = ::pclose(p);
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   return r;
+}
+
+// Starts `cmd` (through sh; it may begin with VAR=value assignments) in a process group of its
+// own, its stdout and stderr appended to `log`. Returns the pid, which is the command's own (sh
+// execs it) and the group's: kill(-pid, SIGKILL) ends it with all it started.
+inline pid_t start_process(const std::string& cmd, const std::string& log) {
+  const std::string line = "exec env " + cmd + " >>" + log + " 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::execl("/bin/sh", "sh", "-c", line.c_str(), nullptr);
+    ::_exit(127);
+  }
+  if (pid > 0) ::setpgid(pid, pid);  // also here: the caller may signal the group at once
+  return pid;
+}
+
+// Waits up to `limit` for `pid` to exit; its exit status (128 + signal for a signal), or -1
+// when it is still running.
+inline int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    int status = 0;
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (r < 0 || std::chrono::steady_clock::now() > deadline) return -1;
+    ::usleep(20 * 1000);
+  }
+}
+
+// The pids whose parent is `parent` (from /proc).
+inline std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string text;
+    std::getline(stat, text);
+    const auto close = text.rfind(')');
+    if (close == std::string::npos) continue;
+    char state;
+    int ppid = 0;
+    if (std::sscanf(text.c_str() + close + 2, "%c %d", &state, &ppid) == 2 && ppid == parent)
+      out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+inline std::string read_text_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 struct StepLoss {
