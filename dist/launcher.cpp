@@ -507,10 +507,9 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     if (end.kind == GenerationEnd::kInterrupted) return end.code;
     if (end.kind == GenerationEnd::kLostStore) {
       if (cfg.max_restarts > 0)
-        spdlog::error(
-            "{}: cannot restart: the store is gone with node 0's launcher, which hosts "
-            "it ({})",
-            me, end.cause);
+        spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
+                      "hosts; with it gone the job cannot go on ({})",
+                      me, end.cause);
       return end.code;
     }
     // The generation's recorded cause is the same on every node: the first failure published.
@@ -523,7 +522,9 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
       }
       if (auto recorded = group.failure(g)) cause = *recorded;
     } catch (const std::exception& e) {
-      spdlog::error("{}: lost the rendezvous store ({}); cannot restart", me, e.what());
+      spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
+                    "hosts; with it gone the job cannot go on ({})",
+                    me, e.what());
       return end.code;
     }
     if (g >= cfg.max_restarts) {

@@ -1,7 +1,7 @@
 // Who am I? worker_from_environment() reads a worker's identity from kiln's launcher (KILN_*,
-// with the generation of a restarted job),
-// an srun step (SLURM_*) or Open MPI (OMPI_COMM_WORLD_*), in that order, and Rendezvous
-// connects it to the store, hosting the store on global rank 0 when no kiln launcher does.
+// a restarted job's generation among them), an srun step (SLURM_*) or Open MPI
+// (OMPI_COMM_WORLD_*), in that order, and Rendezvous connects it to the store (under its
+// generation's key prefix), hosting the store on global rank 0 when no kiln launcher does.
 // Every value is validated: a malformed variable is an InputError naming it, not a hang later.
 #include <arpa/inet.h>
 #include <spdlog/spdlog.h>

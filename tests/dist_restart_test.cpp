@@ -2,7 +2,8 @@
 // backend through the real launcher and Gloo: a rank that kills itself mid-run (KILN_FAULT) is
 // restarted from the newest checkpoint and the run ends with the uninterrupted run's losses, bit
 // for bit, its restart in metrics.jsonl and summary.json; a fault in every generation spends the
-// budget and ends the run naming the last cause; SIGTERM to the launcher restarts nothing; runs
+// budget and ends the run naming the last cause; SIGTERM to the launcher restarts nothing; nor
+// can anything restart once node 0's launcher (the store's host) is gone; runs
 // whose workers, or a node's whole launcher, are SIGKILLed at random times (the launcher
 // replaced as a scheduler would) still end with the uninterrupted losses. Bad input exits 2.
 //
@@ -166,6 +167,35 @@ TEST_F(DistRestart, SigtermToTheLauncherRestartsNothing) {
   EXPECT_EQ(status, 128 + SIGTERM) << read_text_file(log);
   EXPECT_EQ(read_text_file(log).find("restart 1"), std::string::npos) << read_text_file(log);
   EXPECT_TRUE(restart_lines(out).empty());
+}
+
+// Node 0's launcher hosts the store: when it dies, the other nodes stop and say they cannot
+// restart.
+TEST_F(DistRestart, NoRestartWithoutNodeZero) {
+  const std::string out = (dir_ / "node0").string();
+  const std::string log = out + ".log";
+  const int port = kiln::testing::free_port();
+  std::vector<pid_t> nodes;
+  for (int n = 0; n < 2; ++n)
+    nodes.push_back(kiln::testing::start_process(
+        "KILN_RUN_TOKEN=node0-test " +
+            command(out, 100000,
+                    micro(2) + " --max-restarts=5 --nnodes=2 --master-port=" +
+                        std::to_string(port) + " --node-rank=" + std::to_string(n)),
+        log));
+  const auto deadline = Clock::now() + 60s;
+  while (losses(out).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
+  ::kill(nodes[0], SIGKILL);
+  ::waitpid(nodes[0], nullptr, 0);
+  const int status = kiln::testing::wait_exit(nodes[1], 30s);
+  if (status < 0) ::kill(-nodes[1], SIGKILL), ::waitpid(nodes[1], nullptr, 0);
+  ::kill(-nodes[0], SIGKILL);  // its worker, should PDEATHSIG not have taken it yet
+  ASSERT_GE(losses(out).size(), 2u) << read_text_file(log);
+  EXPECT_EQ(status, 1) << read_text_file(log);
+  EXPECT_NE(read_text_file(log).find("launcher node 1: cannot restart: lost the rendezvous "
+                                     "store, which node 0's launcher hosts"),
+            std::string::npos)
+      << read_text_file(log);
 }
 
 // Refused before anything starts, in one line: a restart that could not resume the run.
