@@ -66,6 +66,13 @@ class Communicator {
   // Whether every rank is on one host and NVLink joins every pair of their GPUs (what ddp's
   // default bucket size rests on); the same answer on every rank, and *why what was found.
   virtual bool nvlink_joined(std::string* why) const = 0;
+  // An error the backend found on its own, outside any call (NCCL's asynchronous errors: a
+  // peer's transport failed), or "" (none, or a backend without them). Thread-safe.
+  virtual std::string async_error() { return ""; }
+  // Ends the collectives in flight so that a rank blocked in one returns (ncclCommAbort); called
+  // from another thread (dist/watchdog.h) just before the process exits. A no-op for backends
+  // whose collectives time out by themselves (Gloo).
+  virtual void abort() {}
 };
 
 // Gloo over TCP. Each rank opens a transport device on the address of its interface that routes

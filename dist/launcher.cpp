@@ -43,7 +43,7 @@ void on_signal(int sig) {
   g_signal_count = g_signal_count + 1;
 }
 
-// Installs SIGINT/SIGTERM handlers for the launcher's lifetime and restores the old ones.
+// Installs SIGINT/SIGTERM/SIGUSR1 handlers for the launcher's lifetime and restores the old ones.
 class SignalGuard {
  public:
   SignalGuard() {
@@ -54,16 +54,26 @@ class SignalGuard {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_int_);
     sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGUSR1, &sa, &old_usr1_);
   }
   ~SignalGuard() {
     sigaction(SIGINT, &old_int_, nullptr);
     sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGUSR1, &old_usr1_, nullptr);
   }
 
  private:
   struct sigaction old_int_ {
-  }, old_term_{};
+  }, old_term_{}, old_usr1_{};
 };
+
+// A worker's exit after a stop signal (train/stop.h: 128 + SIGINT, SIGTERM or SIGUSR1): the
+// signal, else 0.
+int stop_signal_of(int status) {
+  if (!WIFEXITED(status)) return 0;
+  const int sig = WEXITSTATUS(status) - 128;
+  return sig == SIGINT || sig == SIGTERM || sig == SIGUSR1 ? sig : 0;
+}
 
 struct Worker {
   int rank = 0, local_rank = 0;
@@ -149,9 +159,10 @@ void validate(const LaunchConfig& cfg) {
     throw InputError("--max-restarts " + std::to_string(cfg.max_restarts) + " is negative");
 }
 
-// How one generation of this node's workers ended.
+// How one generation of this node's workers ended. kStopped: a stop signal (to a launcher or a
+// worker, here or on another node), which nothing restarts after.
 struct GenerationEnd {
-  enum Kind { kSucceeded, kFailed, kInterrupted, kLostStore } kind = kSucceeded;
+  enum Kind { kSucceeded, kFailed, kStopped, kLostStore } kind = kSucceeded;
   int code = 0;       // the launcher's exit status if nothing follows
   std::string cause;  // kFailed: what failed, as this node saw it
 };
@@ -173,29 +184,29 @@ class Supervisor {
       if (g_signal_count > signals_seen_) {
         int sig = g_signal;
         if (signals_seen_ == 0 && !stopping_) {
-          spdlog::warn("launcher node {}: got signal {} ({}); forwarding to workers",
-                       cfg_.node_rank, sig, strsignal(sig));
-          start_stopping();
-          end_ = {GenerationEnd::kInterrupted, 128 + sig, ""};
+          spdlog::warn(
+              "launcher node {}: got signal {} ({}); forwarding to workers, SIGKILL in "
+              "{} s",
+              cfg_.node_rank, sig, strsignal(sig), cfg_.stop_grace.count());
+          start_stopping(true);
           kill_all(sig);
-        } else if (!killed_) {
-          kill_all(SIGKILL);  // asked twice, or while stopping: stop now
+          stop(128 + sig, "node " + std::to_string(cfg_.node_rank) +
+                              ": launcher interrupted by signal " + std::to_string(sig));
+        } else if (!killed_ && sig != SIGUSR1) {
+          kill_all(SIGKILL);  // asked twice, or while stopping a failure: stop now
         }
         // Whoever asked us to stop asked for no restart, here or on any other node.
-        if (end_.kind != GenerationEnd::kInterrupted) end_.kind = GenerationEnd::kInterrupted;
-        if (!stop_published_) {
-          stop_published_ = true;
-          tell_others([&] {
-            group_.publish_stop(generation_, "node " + std::to_string(cfg_.node_rank) +
-                                                 ": launcher interrupted by signal " +
-                                                 std::to_string(sig));
-          });
-        }
+        if (end_.kind != GenerationEnd::kStopped)
+          stop(128 + sig, "node " + std::to_string(cfg_.node_rank) +
+                              ": launcher interrupted by signal " + std::to_string(sig));
         signals_seen_ = g_signal_count;
       }
-      if (stopping_ && !killed_ && Clock::now() - stop_started_ > cfg_.grace) {
-        spdlog::warn("launcher node {}: workers still running {} s after SIGTERM; sending SIGKILL",
-                     cfg_.node_rank, cfg_.grace.count());
+      const std::chrono::seconds grace = stop_ ? cfg_.stop_grace : cfg_.grace;
+      if (stopping_ && !killed_ && Clock::now() - stop_started_ > grace) {
+        spdlog::warn(
+            "launcher node {}: workers still running {} s after the stop began; sending "
+            "SIGKILL",
+            cfg_.node_rank, grace.count());
         kill_all(SIGKILL);
       }
       if (!stopping_ && cfg_.nnodes > 1) {
@@ -251,6 +262,14 @@ class Supervisor {
     for (const auto& [w, status] : exited) {
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
       const std::string what = describe_exit(*w, status);
+      if (const int sig = stop_signal_of(status)) {
+        spdlog::info("launcher node {}: {}: stopped by {}", cfg_.node_rank, what, strsignal(sig));
+        if (!stopping_) {  // its siblings stop at the same step by themselves: only bound them
+          start_stopping(true);
+          stop(WEXITSTATUS(status), "node " + std::to_string(cfg_.node_rank) + ": " + what);
+        }
+        continue;
+      }
       if (stopping_ && WIFSIGNALED(status) && sent_.count(WTERMSIG(status))) {
         spdlog::info("launcher node {}: {}", cfg_.node_rank, what);
         continue;
@@ -294,10 +313,20 @@ class Supervisor {
     ::poll(fds.data(), fds.size(), 50);
   }
 
-  void start_stopping() {
+  // `stop`: for a stop signal, not a failure: the workers get stop_grace to checkpoint.
+  void start_stopping(bool stop = false) {
     stopping_ = true;
+    stop_ = stop;
     stop_started_ = Clock::now();
-    if (any_alive()) spdlog::warn("launcher node {}: stopping the other workers", cfg_.node_rank);
+    if (any_alive() && !stop)
+      spdlog::warn("launcher node {}: stopping the other workers", cfg_.node_rank);
+  }
+
+  // This generation ends by a stop: recorded for the other nodes ("stopped", set before
+  // "failed": their workers stop at the same step, and nobody restarts).
+  void stop(int code, const std::string& cause) {
+    end_ = {GenerationEnd::kStopped, code, cause};
+    tell_others([&] { group_.publish_stop(generation_, code - 128, cause); });
   }
 
   template <class F>
@@ -314,6 +343,15 @@ class Supervisor {
     try {
       const std::optional<std::string> why = group_.failure(generation_);
       if (!why) return;
+      if (const int sig = group_.stop_signal(generation_)) {
+        spdlog::warn(
+            "launcher node {}: the job is stopping on signal {} ({}); its workers "
+            "checkpoint and exit, SIGKILL in {} s",
+            cfg_.node_rank, sig, *why, cfg_.stop_grace.count());
+        start_stopping(true);
+        end_ = {GenerationEnd::kStopped, 128 + sig, *why};
+        return;
+      }
       spdlog::error("launcher node {}: the job failed elsewhere ({}); stopping workers",
                     cfg_.node_rank, *why);
       start_stopping();
@@ -343,7 +381,7 @@ class Supervisor {
   NodeGroup& group_;
   const int generation_;
   std::vector<Worker> workers_;
-  bool stopping_ = false, killed_ = false, stop_published_ = false;
+  bool stopping_ = false, killed_ = false, stop_ = false;
   Clock::time_point stop_started_;
   Clock::time_point publish_after_{};  // a failure of ours not yet published (see reap)
   GenerationEnd end_;
@@ -478,7 +516,8 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
       spdlog::warn("{}: interrupted by signal {} while waiting for the nodes; stopping", me,
                    int(g_signal));
       try {
-        group.publish_stop(g, me + ": launcher interrupted by signal " + std::to_string(g_signal));
+        group.publish_stop(g, g_signal,
+                           me + ": launcher interrupted by signal " + std::to_string(g_signal));
       } catch (const std::exception&) {
       }
       return 128 + g_signal;
@@ -504,7 +543,7 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     } else {
       end = {GenerationEnd::kFailed, 1, ""};  // a node went before the generation started
     }
-    if (end.kind == GenerationEnd::kInterrupted) return end.code;
+    if (end.kind == GenerationEnd::kStopped) return end.code;
     if (end.kind == GenerationEnd::kLostStore) {
       if (cfg.max_restarts > 0)
         spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
@@ -515,12 +554,11 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     // The generation's recorded cause is the same on every node: the first failure published.
     std::string cause = end.cause;
     try {
-      if (group.stopped()) {
-        spdlog::error("{}: the job was stopped ({}); not restarting", me,
-                      store.get("launcher/stopped", 5s));
-        return end.code;
-      }
       if (auto recorded = group.failure(g)) cause = *recorded;
+      if (const int sig = group.stop_signal(g)) {
+        spdlog::warn("{}: the job was stopped ({}); not restarting", me, cause);
+        return 128 + sig;
+      }
     } catch (const std::exception& e) {
       spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
                     "hosts; with it gone the job cannot go on ({})",
@@ -539,7 +577,8 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     if (!backoff(delay)) {
       spdlog::warn("{}: interrupted by signal {} before restarting; stopping", me, int(g_signal));
       try {
-        group.publish_stop(g, me + ": launcher interrupted by signal " + std::to_string(g_signal));
+        group.publish_stop(g, g_signal,
+                           me + ": launcher interrupted by signal " + std::to_string(g_signal));
       } catch (const std::exception&) {
       }
       return 128 + g_signal;

@@ -12,6 +12,10 @@
 // launcher (PDEATHSIG). With max_restarts > 0 the launchers then start a new generation of
 // workers, which resume from the newest checkpoint; how the nodes agree on that is
 // dist/node_group.h.
+// A stop is not a failure: SIGINT, SIGTERM or SIGUSR1 to a launcher is forwarded to its workers
+// (and, through the store's "stopped" key, to every node's), which checkpoint and exit with
+// 128 + signal (train/stop.h) within stop_grace; a worker that exits so is logged as stopped.
+// Nothing restarts after a stop.
 #pragma once
 
 #include <chrono>
@@ -82,8 +86,11 @@ struct LaunchConfig {
   int master_port = 0;
   // Bounds the meeting of the node launchers and the workers' store ops.
   std::chrono::seconds rendezvous_timeout{300};
-  // Between SIGTERM and SIGKILL when tearing workers down.
+  // Between SIGTERM and SIGKILL when tearing workers down after a failure.
   std::chrono::seconds grace{5};
+  // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
+  // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
+  std::chrono::seconds stop_grace{5};
   // Supervised restarts: how often a failed generation of workers is replaced by a new one
   // (which resumes from the newest checkpoint), and the wait before the first restart, doubling
   // for each later one up to kMaxRestartBackoff (or restart_backoff itself, if longer).
@@ -99,7 +106,7 @@ constexpr std::chrono::seconds kMaxRestartBackoff{60};
 // Runs the job's processes on this node and supervises them; returns the exit status for the
 // launcher: 0 when every worker on every node succeeded (in the last generation), else the
 // failing worker's exit status (128 + signal for a signal), 1 when another node failed, once no
-// restart is left. A launcher interrupted by SIGINT/SIGTERM forwards it and restarts nothing
+// restart is left. A launcher or worker stopped by SIGINT, SIGTERM or SIGUSR1 restarts nothing
 // (128 + signal). argv is re-executed as is (from /proc/self/exe). Throws InputError for a bad
 // config or a missing KILN_RUN_TOKEN when nnodes > 1 (single-node runs make a fresh token).
 int launch_workers(const LaunchConfig& cfg, int argc, char** argv);

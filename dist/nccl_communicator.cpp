@@ -16,6 +16,7 @@
 #include <nccl.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -170,6 +171,22 @@ class NcclCommunicator : public Communicator {
     end();
   }
 
+  std::string async_error() override {
+    ncclResult_t r = ncclSuccess;
+    for (ncclComm_t c : {comm_, overlap_comm_}) {
+      if (c == nullptr || aborted_) continue;
+      if (ncclCommGetAsyncError(c, &r) != ncclSuccess) continue;
+      if (r != ncclSuccess && r != ncclInProgress)
+        return name() + ": " + ncclGetErrorString(r) + " (" + ncclGetLastError(c) + ")";
+    }
+    return "";
+  }
+  void abort() override {
+    if (aborted_.exchange(true)) return;
+    if (overlap_comm_) ncclCommAbort(overlap_comm_);
+    ncclCommAbort(comm_);
+  }
+
   void barrier() override {
     begin();
     check("barrier",
@@ -198,6 +215,7 @@ class NcclCommunicator : public Communicator {
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
     if (stream_) cudaStreamDestroy(stream_);
     if (barrier_buf_) cudaFree(barrier_buf_);
+    if (aborted_) return;  // an aborted communicator is already released
     if (overlap_comm_) ncclCommDestroy(overlap_comm_);
     ncclCommDestroy(comm_);
   }
@@ -227,6 +245,7 @@ class NcclCommunicator : public Communicator {
   bool nvlink_joined_;
   std::string nvlink_why_;
   float* barrier_buf_ = nullptr;
+  std::atomic<bool> aborted_{false};
 };
 
 // Rank 0 reads every rank's GPU site and decides whether NVLink joins them all; every rank reads

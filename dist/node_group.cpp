@@ -139,8 +139,9 @@ int NodeGroup::join() {
   if (!ended || !store_.check({P + "failed"}))
     throw InputError("node " + std::to_string(n) + ": the job's generation " + std::to_string(g) +
                      (ended ? " has finished: nothing to rejoin" : " did not end: cannot rejoin"));
-  if (stopped())
-    throw InputError("the job was stopped (" + store_.get("launcher/stopped", 5s) + ")");
+  if (stop_signal(g) != 0)
+    throw InputError("node " + std::to_string(n) + ": the job was stopped (" +
+                     store_.get(P + "failed", 5s) + "): nothing to rejoin");
   return g + 1;
 }
 
@@ -189,8 +190,8 @@ void NodeGroup::publish_failure(int g, const std::string& cause) {
   if (store_.add(P + "failures", 1) == 1) store_.set(P + "failed", cause);
 }
 
-void NodeGroup::publish_stop(int g, const std::string& cause) {
-  store_.set("launcher/stopped", cause);
+void NodeGroup::publish_stop(int g, int signal, const std::string& cause) {
+  store_.set(generation_prefix(g) + "stopped", std::to_string(signal));
   publish_failure(g, cause);
 }
 
@@ -200,8 +201,9 @@ std::optional<std::string> NodeGroup::failure(int g) {
   return store_.get(key, 5s);
 }
 
-bool NodeGroup::stopped() {
-  return store_.check({"launcher/stopped"});
+int NodeGroup::stop_signal(int g) {
+  const std::string key = generation_prefix(g) + "stopped";
+  return store_.check({key}) ? std::stoi(store_.get(key, 5s)) : 0;
 }
 
 std::vector<RestartRecord> NodeGroup::restarts_before(int g) {

@@ -18,10 +18,11 @@
 //                                 "stale" when node 0 saw no beat for heartbeat_timeout
 //   launcher/gen_of/N/C           the latest generation claim C joined
 //   launcher/nproc_per_node/N, launcher/max_restarts/N   checked against node 0's
-//   launcher/stopped              a launcher was interrupted (SIGINT/SIGTERM): nobody restarts
 //   launcher/bye                  nodes that saw the job end (node 0 serves until all have)
 //   P launcher/joined, P launcher/joined/N, P launcher/all_joined     the generation's meeting
 //   P failures, P failed          the generation's first failure: its cause
+//   P stopped                     the signal of a stop (SIGINT, SIGTERM, SIGUSR1 to a launcher
+//                                 or a worker), set before failed: nobody restarts
 //   P launcher/done, P launcher/done/N, P launcher/all_done           whose workers succeeded
 #pragma once
 
@@ -62,11 +63,12 @@ class NodeGroup {
 
   // Records `cause` as g's failure unless another was recorded first.
   void publish_failure(int g, const std::string& cause);
-  // Records that this launcher was told to stop: no node restarts the job.
-  void publish_stop(int g, const std::string& cause);
+  // Records that generation g was stopped by `signal` (then its failure): no node restarts it.
+  void publish_stop(int g, int signal, const std::string& cause);
   // g's recorded failure, if any (throws where the store is lost).
   std::optional<std::string> failure(int g);
-  bool stopped();
+  // The signal that stopped generation g, 0 if none did.
+  int stop_signal(int g);
   // The restarts before generation g: restart k+1 is generation k's failure.
   std::vector<RestartRecord> restarts_before(int g);
 

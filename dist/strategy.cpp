@@ -112,10 +112,9 @@ void Strategy::reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tens
   if (accumulate) backend_.add(out, sum);
 }
 
-void Strategy::load_parameters(const std::vector<float>& host_params) {
+void Strategy::load_parameters(const FillRange& fill) {
   std::vector<float> shard(static_cast<size_t>(plan_.shard_size), 0.0f);
-  for (const auto& o : plan_.owned)
-    std::copy(host_params.begin() + o.begin, host_params.begin() + o.end, shard.begin() + o.local);
+  for (const auto& o : plan_.owned) fill(o.begin, o.end, shard.data() + o.local);
   backend_.copy_from_host(master_, shard.data());
   backend_.fill_zero(m_);
   backend_.fill_zero(v_);

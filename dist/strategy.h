@@ -93,8 +93,11 @@ class Strategy {
   // adds every group rank's experts.
   void reduce_dense_over(Communicator* ep, const Units& dense);
 
-  // Full f32 parameters (host, `total` of them) -> this rank's state; moments zero.
-  void load_parameters(const std::vector<float>& host_params);
+  // This rank's master weights from `fill`, called once per owned range [begin, end) of the
+  // flat buffer with a zeroed host f32 buffer of end - begin values; moments zero. A rank never
+  // needs the whole model on the host.
+  using FillRange = std::function<void(int64_t begin, int64_t end, float* out)>;
+  void load_parameters(const FillRange& fill);
   // State in and out: host f32 ranges of the global buffer, one owned range at a time.
   void load_range(const OwnedRange& o, const float* master, const float* m, const float* v);
   void read_range(const OwnedRange& o, float* master, float* m, float* v);

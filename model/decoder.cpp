@@ -158,17 +158,22 @@ float normal_at(uint64_t key, int64_t j) {
 
 }  // namespace
 
-void Decoder::init(uint64_t seed, float* params) const {
+void Decoder::init_range(uint64_t seed, int64_t begin, int64_t end, float* out) const {
+  // Padding between tensors (layout alignment) stays zero.
+  std::fill(out, out + (end - begin), 0.0f);
   const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const ParamInfo& t = layout_.tensors[i];
-    float* p = params + t.offset;
+    // The part of tensor i inside [begin, end), as element indices into the tensor.
+    const int64_t lo = std::max<int64_t>(begin, t.offset) - t.offset;
+    const int64_t hi = std::min<int64_t>(end, t.offset + t.numel()) - t.offset;
+    if (lo >= hi) continue;
+    float* p = out + (t.offset + lo - begin);  // element lo of the tensor
     switch (init_[i]) {
       case Init::ones:
-        std::fill(p, p + t.numel(), 1.0f);
+        std::fill(p, p + (hi - lo), 1.0f);
         break;
       case Init::zeros:
-        std::fill(p, p + t.numel(), 0.0f);
         break;
       case Init::normal:
       case Init::residual_normal:
@@ -176,12 +181,13 @@ void Decoder::init(uint64_t seed, float* params) const {
         // Keyed by the seed and the tensor's index: one tensor's draws never depend on another's.
         const uint64_t key = splitmix64(seed ^ splitmix64(0x5eed0000ull + i));
         const float sigma = init_[i] == Init::residual_normal ? residual_std : 0.02f;
-        const int64_t n = t.numel();
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-        for (int64_t j = 0; j < n; ++j) p[j] = sigma * normal_at(key, j);
-        // Padded vocab rows are never looked up or predicted: keep them zero.
-        if (init_[i] == Init::embedding)
-          std::fill(p + static_cast<int64_t>(cfg_.vocab_size) * cfg_.n_embd, p + t.numel(), 0.0f);
+        // Padded vocab rows are never looked up or predicted: they stay zero.
+        const int64_t drawn =
+            init_[i] == Init::embedding
+                ? std::min<int64_t>(hi, static_cast<int64_t>(cfg_.vocab_size) * cfg_.n_embd)
+                : hi;
+#pragma omp parallel for schedule(static) if (drawn - lo > (1 << 16))
+        for (int64_t j = lo; j < drawn; ++j) p[j - lo] = sigma * normal_at(key, j);
         break;
       }
     }
@@ -222,9 +228,9 @@ namespace {
 
 // A MoE block's buffers beside its output and the shared expert's (Moe::Acts).
 constexpr Tensor Moe::Acts::*kMoeActs[] = {
-    &Moe::Acts::logits, &Moe::Acts::scores,  &Moe::Acts::topk_idx, &Moe::Acts::topk_w,
-    &Moe::Acts::counts, &Moe::Acts::offsets, &Moe::Acts::slot_row, &Moe::Acts::row_token,
-    &Moe::Acts::xp,     &Moe::Acts::pre,     &Moe::Acts::act,      &Moe::Acts::yp,
+    &Moe::Acts::logits, &Moe::Acts::scores,     &Moe::Acts::topk_idx, &Moe::Acts::topk_w,
+    &Moe::Acts::counts, &Moe::Acts::offsets,    &Moe::Acts::slot_row, &Moe::Acts::row_token,
+    &Moe::Acts::xp,     &Moe::Acts::pre,        &Moe::Acts::act,      &Moe::Acts::yp,
     &Moe::Acts::xl,     &Moe::Acts::ep_offsets, &Moe::Acts::ep_counts};
 
 // A block activation's place inside BlockActs-like structs, to tell fields apart by identity.
@@ -456,8 +462,9 @@ std::string Decoder::graph_unavailable() const {
   if (moe_blocks_.empty()) return "";
   const int ranks = blocks_[static_cast<size_t>(moe_blocks_[0])].moe.ep.ranks;
   if (moe_sizes_on_device(backend_, ranks)) return "";
-  return std::string("the MoE blocks' grouped GEMMs read their group sizes on the host at every "
-                     "call (") +
+  return std::string(
+             "the MoE blocks' grouped GEMMs read their group sizes on the host at every "
+             "call (") +
          (ranks > 1 ? "dist.expert_parallel" : "no CUTLASS on this build or GPU") +
          "), which a graph cannot replay";
 }
@@ -567,8 +574,7 @@ void Decoder::backward(Tensor tokens) {
     if (recompute_ != Recompute::none) recompute_block(l, a);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     if (blk.is_moe)
-      blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe,
-                       moe_loss_scale_);
+      blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe, moe_loss_scale_);
     else
       blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);

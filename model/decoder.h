@@ -32,7 +32,7 @@ class Decoder final : public Model {
   void bind_weights(const Locate& locate) override { bind(locate, weights_); }
   void bind_grads(const Locate& locate) override { bind(locate, grads_); }
   void set_hooks(const UnitHooks* hooks) override { hooks_ = hooks; }
-  void init(uint64_t seed, float* params) const override;
+  void init_range(uint64_t seed, int64_t begin, int64_t end, float* out) const override;
   double flops_per_token(int T) const override;
   void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) override;
   void backward(Tensor tokens) override;

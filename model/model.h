@@ -109,8 +109,12 @@ class Model {
   virtual void bind_weights(const Locate& locate) = 0;
   virtual void bind_grads(const Locate& locate) = 0;
   virtual void set_hooks(const UnitHooks* hooks) = 0;
-  // Initial parameters into a host f32 buffer of layout().total. Deterministic in `seed`.
-  virtual void init(uint64_t seed, float* params) const = 0;
+  // Initial parameters [begin, end) of the flat layout into host f32 `out` (end - begin of
+  // them). Each value depends only on `seed` and its position, so a rank draws only the range it
+  // owns and gets what a whole-model init would have given it.
+  virtual void init_range(uint64_t seed, int64_t begin, int64_t end, float* out) const = 0;
+  // The whole model: a host f32 buffer of layout().total.
+  void init(uint64_t seed, float* params) const { init_range(seed, 0, layout().total, params); }
   // Training FLOPs per token at sequence length T (docs/models.md has the formula).
   virtual double flops_per_token(int T) const = 0;
 

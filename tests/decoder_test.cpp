@@ -125,6 +125,40 @@ TEST(DecoderInit, NormalDrawsIndependentOfThreadCount) {
   EXPECT_NEAR(sd, 0.01, 1e-4);  // 0.02 / sqrt(2 * 2)
 }
 
+// A rank draws only the range it owns (Model::init_range): any cut of the flat buffer, through
+// a tensor, a padded vocab row or the padding between tensors, gives the whole init's values.
+TEST(DecoderInit, AnyRangeDrawsWhatTheWholeInitDraws) {
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_embd = 32;
+  c.ffn_dim = 96;
+  c.vocab_size = 100;
+  c.padded_vocab_size = 128;
+  c.seq_len = 16;
+  const Decoder model(c, cpu());
+  const int64_t total = model.layout().total;
+  std::vector<float> whole(static_cast<size_t>(total));
+  model.init(5, whole.data());
+  const ParamInfo& wte = model.layout().find("wte");
+  const int64_t cuts[] = {0,
+                          1,
+                          100 * 32 - 3,
+                          100 * 32 + 5,
+                          wte.offset + wte.numel() + 1,
+                          total / 3,
+                          total / 2 + 7,
+                          total - 1,
+                          total};
+  for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+    const int64_t b = cuts[i], e = cuts[i + 1];
+    std::vector<float> part(static_cast<size_t>(e - b), -1.0f);
+    model.init_range(5, b, e, part.data());
+    EXPECT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + b))
+        << "[" << b << ", " << e << ")";
+  }
+}
+
 // Mean cross-entropy of the model at `params` (f32 host) on fixed tokens.
 struct TinyModel {
   ModelConfig cfg;

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +35,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 using kiln::testing::children_of;
-using kiln::testing::read_text_file;
+using kiln::testing::read_file;
 using kiln::testing::run_command;
 
 const std::string kBin = KILN_BIN_DIR;
@@ -64,13 +65,14 @@ class DistRestart : public ::testing::Test {
     const auto r = kiln::testing::prepare_corpus(kBin, kSrc, (dir_ / "data").string());
     ASSERT_EQ(r.status, 0) << r.output;
   }
-  // A 2-layer model at global batch 8 x 64 tokens, a checkpoint every 2 steps; `extra` adds
-  // flags (the launcher's among them). Without --nproc-per-node it runs 2 ranks.
+  // A 2-layer model, a checkpoint every 2 steps; `extra` adds flags (the launcher's, the
+  // micro-batch: micro() keeps the global batch at 8 x 64 tokens). Through env(1), so that it may
+  // be started by exec with variables of its own before it.
   static std::string command(const std::string& out, int steps, const std::string& extra) {
     // One OpenMP thread a rank: the CPU reference is bit-identical for any thread count, and
     // ranks spinning on each other's cores would only slow the test down.
     std::string cmd =
-        "OMP_NUM_THREADS=1 " + kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
+        "env OMP_NUM_THREADS=1 " + kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
         " --data.train='" + (dir_ / "data").string() + "/train_*.bin' --data.val=" +
         " --model.n_layer=2 --model.n_embd=64 --model.n_head=4 --model.seq_len=64" +
         " --train.batch_size=4 --train.max_steps=" + std::to_string(steps) +
@@ -109,13 +111,13 @@ TEST_F(DistRestart, AKilledRankIsRestartedFromTheNewestCheckpointBitForBit) {
   ASSERT_EQ(losses(out).size(), 12u);
   EXPECT_NE(r.output.find("restart 1 of 2"), std::string::npos) << r.output;
   const auto events = restart_lines(out);
-  ASSERT_EQ(events.size(), 1u) << read_text_file(out + "/metrics.jsonl");
+  ASSERT_EQ(events.size(), 1u) << read_file(out + "/metrics.jsonl");
   EXPECT_NE(events[0].find("\"restart\":1,\"cause\":\"node 0: rank 1 (pid "), std::string::npos)
       << events[0];
   EXPECT_NE(events[0].find("was killed by signal 9 (Killed)\",\"resumed_from_step\":4}"),
             std::string::npos)
       << events[0];
-  const std::string summary = read_text_file(out + "/summary.json");
+  const std::string summary = read_file(out + "/summary.json");
   EXPECT_NE(summary.find("\"restart_count\":1,\"restarts\":[{\"restart\":1,\"cause\":\"node 0: "
                          "rank 1 (pid "),
             std::string::npos)
@@ -148,7 +150,7 @@ TEST_F(DistRestart, AFaultInEveryGenerationSpendsTheBudget) {
                           "node 0: rank 1 (pid "),
             std::string::npos)
       << r.output;
-  EXPECT_EQ(restart_lines(out).size(), 2u) << read_text_file(out + "/metrics.jsonl");
+  EXPECT_EQ(restart_lines(out).size(), 2u) << read_file(out + "/metrics.jsonl");
   EXPECT_FALSE(fs::exists(out + "/summary.json"));
 }
 
@@ -156,16 +158,15 @@ TEST_F(DistRestart, AFaultInEveryGenerationSpendsTheBudget) {
 TEST_F(DistRestart, SigtermToTheLauncherRestartsNothing) {
   const std::string out = (dir_ / "sigterm").string();
   const std::string log = out + ".log";
-  const pid_t launcher = kiln::testing::start_process(
+  const auto launcher = kiln::testing::start_command(
       command(out, 100000, micro(2) + " --nproc-per-node=2 --max-restarts=5"), log);
   const auto deadline = Clock::now() + 60s;
   while (losses(out).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
-  ::kill(launcher, SIGTERM);
-  const int status = kiln::testing::wait_exit(launcher, 30s);
-  if (status < 0) ::kill(-launcher, SIGKILL), ::waitpid(launcher, nullptr, 0);
-  ASSERT_GE(losses(out).size(), 2u) << read_text_file(log);
-  EXPECT_EQ(status, 128 + SIGTERM) << read_text_file(log);
-  EXPECT_EQ(read_text_file(log).find("restart 1"), std::string::npos) << read_text_file(log);
+  ::kill(launcher.pid, SIGTERM);
+  const int status = kiln::testing::wait_command(launcher, 60s);
+  ASSERT_GE(losses(out).size(), 2u) << read_file(log);
+  EXPECT_EQ(status, 128 + SIGTERM) << read_file(log);
+  EXPECT_EQ(read_file(log).find("restart 1"), std::string::npos) << read_file(log);
   EXPECT_TRUE(restart_lines(out).empty());
 }
 
@@ -173,29 +174,28 @@ TEST_F(DistRestart, SigtermToTheLauncherRestartsNothing) {
 // restart.
 TEST_F(DistRestart, NoRestartWithoutNodeZero) {
   const std::string out = (dir_ / "node0").string();
-  const std::string log = out + ".log";
   const int port = kiln::testing::free_port();
-  std::vector<pid_t> nodes;
+  std::vector<kiln::testing::Background> nodes;
   for (int n = 0; n < 2; ++n)
-    nodes.push_back(kiln::testing::start_process(
-        "KILN_RUN_TOKEN=node0-test " +
+    nodes.push_back(kiln::testing::start_command(
+        "env KILN_RUN_TOKEN=node0-test " +
             command(out, 100000,
                     micro(2) + " --max-restarts=5 --nnodes=2 --master-port=" +
                         std::to_string(port) + " --node-rank=" + std::to_string(n)),
-        log));
+        out + "." + std::to_string(n) + ".log"));
   const auto deadline = Clock::now() + 60s;
   while (losses(out).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
-  ::kill(nodes[0], SIGKILL);
-  ::waitpid(nodes[0], nullptr, 0);
-  const int status = kiln::testing::wait_exit(nodes[1], 30s);
-  if (status < 0) ::kill(-nodes[1], SIGKILL), ::waitpid(nodes[1], nullptr, 0);
-  ::kill(-nodes[0], SIGKILL);  // its worker, should PDEATHSIG not have taken it yet
-  ASSERT_GE(losses(out).size(), 2u) << read_text_file(log);
-  EXPECT_EQ(status, 1) << read_text_file(log);
-  EXPECT_NE(read_text_file(log).find("launcher node 1: cannot restart: lost the rendezvous "
-                                     "store, which node 0's launcher hosts"),
+  ::kill(nodes[0].pid, SIGKILL);
+  ::waitpid(nodes[0].pid, nullptr, 0);
+  const int status = kiln::testing::wait_command(nodes[1], 30s);
+  ::kill(-nodes[0].pid, SIGKILL);  // its worker, should PDEATHSIG not have taken it yet
+  const std::string log = read_file(nodes[1].log_path);
+  ASSERT_GE(losses(out).size(), 2u) << log;
+  EXPECT_EQ(status, 1) << log;
+  EXPECT_NE(log.find("launcher node 1: cannot restart: lost the rendezvous store, which node 0's "
+                     "launcher hosts"),
             std::string::npos)
-      << read_text_file(log);
+      << log;
 }
 
 // Refused before anything starts, in one line: a restart that could not resume the run.
@@ -225,35 +225,45 @@ void DistRestart::random_kills(const std::string& name, int nproc, int nnodes, i
   const int per_node = nproc / nnodes, steps = 12 + 3 * kills;
   const std::string clean = reference(nproc, steps);
   const std::string out = (dir_ / name).string();
-  std::string launch =
+  const std::string launch =
       micro(nproc) + " --max-restarts=30 --nproc-per-node=" + std::to_string(per_node);
   std::vector<std::string> node_cmds;
-  std::string env;
   if (nnodes == 1) {
     node_cmds.push_back(command(out, steps, launch));
   } else {
     const int port = kiln::testing::free_port();
-    env = "KILN_RUN_TOKEN=restart-" + name + " ";
     for (int n = 0; n < nnodes; ++n)
-      node_cmds.push_back(env + command(out, steps,
-                                        launch + " --nnodes=" + std::to_string(nnodes) +
-                                            " --node-rank=" + std::to_string(n) +
-                                            " --master-port=" + std::to_string(port)));
+      node_cmds.push_back("env KILN_RUN_TOKEN=restart-" + name + " " +
+                          command(out, steps,
+                                  launch + " --nnodes=" + std::to_string(nnodes) +
+                                      " --node-rank=" + std::to_string(n) +
+                                      " --master-port=" + std::to_string(port)));
   }
-  const std::string log = out + ".log";
-  std::vector<pid_t> launchers;
-  for (const std::string& cmd : node_cmds)
-    launchers.push_back(kiln::testing::start_process(cmd, log));
+  // Every launcher that ran, each with a log of its own; launchers[n] is node n's current one.
+  std::vector<kiln::testing::Background> launchers, all;
+  auto start = [&](int n) {
+    all.push_back(kiln::testing::start_command(
+        node_cmds[static_cast<size_t>(n)],
+        out + ".node" + std::to_string(n) + "." + std::to_string(all.size()) + ".log"));
+    return all.back();
+  };
+  auto logs = [&] {
+    std::string text;
+    for (const auto& b : all) text += "---- " + b.log_path + "\n" + read_file(b.log_path);
+    return text;
+  };
+  for (int n = 0; n < nnodes; ++n) launchers.push_back(start(n));
   std::vector<int> status(launchers.size(), -1);
   // Whatever happens below, nothing of the run outlives the test.
+  std::set<pid_t> reaped;
   struct Reaper {
-    std::vector<pid_t>& pids;
-    std::vector<int>& status;
+    std::vector<kiln::testing::Background>& all;
+    std::set<pid_t>& reaped;
     ~Reaper() {
-      for (size_t i = 0; i < pids.size(); ++i)
-        if (status[i] < 0) ::kill(-pids[i], SIGKILL), ::waitpid(pids[i], nullptr, 0);
+      for (const auto& b : all)
+        if (!reaped.count(b.pid)) ::kill(-b.pid, SIGKILL), ::waitpid(b.pid, nullptr, 0);
     }
-  } reaper{launchers, status};
+  } reaper{all, reaped};
   std::mt19937 rng(static_cast<unsigned>(std::random_device{}()));
   int killed = 0, launchers_killed = 0;
   for (int k = 0; k < kills && status[0] < 0; ++k) {
@@ -266,16 +276,20 @@ void DistRestart::random_kills(const std::string& name, int nproc, int nnodes, i
         if (!line.empty()) last = line;
       if (static_cast<int>(restart_lines(out).size()) == k && last.rfind("{\"step\":", 0) == 0)
         break;
-      if ((status[0] = kiln::testing::wait_exit(launchers[0], 0ms)) >= 0) break;  // ended first
-      ASSERT_LT(Clock::now(), deadline) << "kill " << k << ": no progress\n" << read_text_file(log);
+      if ((status[0] = kiln::testing::poll_command(launchers[0])) >= 0) {  // it ended first
+        reaped.insert(launchers[0].pid);
+        break;
+      }
+      ASSERT_LT(Clock::now(), deadline) << "kill " << k << ": no progress\n" << logs();
       std::this_thread::sleep_for(20ms);
     }
     if (status[0] >= 0) break;
     // The victim: a worker of any node, or (across nodes) node 1..M-1's launcher itself.
     std::vector<std::pair<pid_t, int>> victims;  // pid, node whose launcher it is (-1: a worker)
     for (int n = 0; n < nnodes; ++n) {
-      for (pid_t w : children_of(launchers[static_cast<size_t>(n)])) victims.emplace_back(w, -1);
-      if (n > 0) victims.emplace_back(launchers[static_cast<size_t>(n)], n);
+      const pid_t launcher = launchers[static_cast<size_t>(n)].pid;
+      for (pid_t w : children_of(launcher)) victims.emplace_back(w, -1);
+      if (n > 0) victims.emplace_back(launcher, n);
     }
     ASSERT_FALSE(victims.empty());
     // Across nodes the first victim is a launcher, so that every run replaces one.
@@ -286,18 +300,18 @@ void DistRestart::random_kills(const std::string& name, int nproc, int nnodes, i
     if (node > 0) {  // a scheduler starts the node's launcher again
       ++launchers_killed;
       ::waitpid(victim, nullptr, 0);
-      std::ofstream(log, std::ios::app) << "test: killed node " << node << "'s launcher\n";
-      launchers[static_cast<size_t>(node)] =
-          kiln::testing::start_process(node_cmds[static_cast<size_t>(node)], log);
+      reaped.insert(victim);
+      launchers[static_cast<size_t>(node)] = start(node);
     }
   }
   for (size_t i = 0; i < launchers.size(); ++i) {
-    if (status[i] < 0) status[i] = kiln::testing::wait_exit(launchers[i], 120s);
-    EXPECT_EQ(status[i], 0) << "node " << i << "\n" << read_text_file(log);
+    if (status[i] < 0) status[i] = kiln::testing::wait_command(launchers[i], 120s);
+    reaped.insert(launchers[i].pid);  // wait_command reaps it, or kills its group and does
+    EXPECT_EQ(status[i], 0) << "node " << i << "\n" << logs();
   }
-  EXPECT_EQ(losses(out), losses(clean)) << read_text_file(log);
+  EXPECT_EQ(losses(out), losses(clean)) << logs();
   EXPECT_EQ(losses(out).size(), static_cast<size_t>(steps));
-  const std::string summary = read_text_file(out + "/summary.json");
+  const std::string summary = read_file(out + "/summary.json");
   const size_t at = summary.find("\"restart_count\":");
   ASSERT_NE(at, std::string::npos) << summary;
   const int restarts = std::atoi(summary.c_str() + at + 16);

@@ -1,6 +1,7 @@
 // Distributed training on the CPU backend through the real launcher and Gloo: N ranks at global
 // batch G follow the single-process loss curve at global batch G for every strategy; each
-// strategy resumes bit for bit from its own checkpoints (and from another strategy's); strangers
+// strategy resumes bit for bit from its own checkpoints (and from another strategy's), written
+// synchronously or in the background, and a rank killed mid-write loses nothing; strangers
 // at the run's rendezvous store are refused while the run goes on; a worker that dies takes the
 // whole run down, non-zero, within 30 s.
 #include <gtest/gtest.h>
@@ -8,12 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <string>
 #include <thread>
@@ -23,6 +26,7 @@
 #include "kernels/error.h"
 #include "tests/store_peer.h"
 #include "tests/test_process.h"
+#include "train/checkpoint.h"
 
 namespace {
 
@@ -49,6 +53,14 @@ class DistTrain : public ::testing::Test {
   // `output`, if given, receives everything the run printed.
   static std::string train(const std::string& name, int nproc, const std::string& strategy,
                            const std::string& extra = "", std::string* output = nullptr) {
+    const std::string cmd = train_command(name, nproc, strategy, extra);
+    const auto r = kiln::testing::run_command(cmd);
+    EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
+    if (output) *output = r.output;
+    return (dir_ / name).string();
+  }
+  static std::string train_command(const std::string& name, int nproc, const std::string& strategy,
+                                   const std::string& extra) {
     const std::string out = (dir_ / name).string();
     const int micro = 8 / nproc;
     std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
@@ -59,10 +71,7 @@ class DistTrain : public ::testing::Test {
                       " --train.eval_every=10 --train.eval_steps=2 --optim.warmup_steps=5" +
                       " --dist.strategy=" + strategy + " --train.out_dir=" + out + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
-    const auto r = kiln::testing::run_command(cmd);
-    EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
-    if (output) *output = r.output;
-    return out;
+    return cmd;
   }
   static void expect_same_curve(const std::string& a, const std::string& b, double rel) {
     const auto la = losses(a), lb = losses(b);
@@ -144,15 +153,16 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
   const std::string single = train("ep_single", 1, "ddp", steps);
   ASSERT_EQ(losses(single).size(), 12u);
   std::string output;
-  expect_same_curve(single, train("ep_ddp_2", 2, "ddp", steps + " --dist.expert_parallel=2", &output),
-                    1e-5);
+  expect_same_curve(
+      single, train("ep_ddp_2", 2, "ddp", steps + " --dist.expert_parallel=2", &output), 1e-5);
   EXPECT_NE(output.find("dist.expert_parallel=2: each MoE block's 4 experts spread over groups of "
                         "2 ranks, 2 a rank"),
             std::string::npos)
       << output;
   // A rank holds only its experts: fewer parameters than the model's.
   std::smatch held;
-  ASSERT_TRUE(std::regex_search(output, held, std::regex("on, ([0-9]+) of the ([0-9]+) parameters")))
+  ASSERT_TRUE(
+      std::regex_search(output, held, std::regex("on, ([0-9]+) of the ([0-9]+) parameters")))
       << output;
   EXPECT_LT(std::stoll(held[1]), std::stoll(held[2]));
   for (const char* strategy : {"zero1", "fsdp"})
@@ -163,10 +173,10 @@ TEST_F(DistTrain, MoeExpertParallelFollowsTheSingleProcessCurve) {
   expect_same_curve(single, train("ep_ddp_4", 4, "ddp", steps + " --dist.expert_parallel=4"), 1e-5);
   expect_same_curve(single, train("ep_groups", 4, "zero1", steps + " --dist.expert_parallel=2"),
                     1e-5);
-  expect_same_curve(single,
-                    train("ep_recompute", 2, "ddp",
-                          steps + " --dist.expert_parallel=2 --train.recompute=full"),
-                    1e-5);
+  expect_same_curve(
+      single,
+      train("ep_recompute", 2, "ddp", steps + " --dist.expert_parallel=2 --train.recompute=full"),
+      1e-5);
   expect_same_curve(single,
                     train("ep_accum", 2, "ddp",
                           steps + " --dist.expert_parallel=2 --train.batch_size=2 "
@@ -247,9 +257,8 @@ TEST_F(DistTrain, DdpWithABucketPerUnitFollowsTheCurve) {
     EXPECT_NE(output.find("in 0.01 MiB buckets while backward runs (dist.bucket_mb=0.01)"),
               std::string::npos)
         << output;
-    expect_same_curve(single,
-                      train("buckets_bf16" + tag, 2, "ddp", steps + " --dist.reduce_dtype=bf16"),
-                      5e-4);
+    expect_same_curve(
+        single, train("buckets_bf16" + tag, 2, "ddp", steps + " --dist.reduce_dtype=bf16"), 5e-4);
   }
   ::unsetenv("KILN_GLOO_EAGER");
 }
@@ -295,11 +304,11 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
 // MAX before the scale update, so both ranks quantize alike: the run checks at each checkpoint
 // that the ranks' scales and amax histories agree (rank 0 alone writes them). ddp, zero1 and
 // fsdp (which casts each block's FP8 weights when its unit is first gathered in a step, an
-// evaluation in between included) follow one curve, and resume bit for bit. They stay near the 1-rank FP8 curve, but not within
-// float tolerance: a rank's loss is a mean over half the batch, so its gradients are twice the
-// 1-rank ones, and at step 1, before any amax is known, the scale of 1 lets a different share
-// of them underflow E5M2 (from step 2 on, twice the amax gives half the scale and the same
-// bytes). FP8 moves the curve off bf16's, but not far.
+// evaluation in between included) follow one curve, and resume bit for bit. They stay near the
+// 1-rank FP8 curve, but not within float tolerance: a rank's loss is a mean over half the batch, so
+// its gradients are twice the 1-rank ones, and at step 1, before any amax is known, the scale of 1
+// lets a different share of them underflow E5M2 (from step 2 on, twice the amax gives half the
+// scale and the same bytes). FP8 moves the curve off bf16's, but not far.
 TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
   const std::string fp8 = "--precision.fp8=true --fp8.amax_history_len=4 --train.max_steps=12";
   const std::string single = train("fp8_single", 1, "ddp", fp8);
@@ -368,6 +377,52 @@ TEST_F(DistTrain, EachStrategyResumesBitForBit) {
     ASSERT_EQ(b.size(), 6u) << s;
     for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[6 + i]) << s;
   }
+}
+
+// train.checkpoint_async on 2 ranks that each write their own ranges (fsdp: a file per unit),
+// publishing through marker files (the writer threads never use the communicator): the same
+// losses and checkpoint bytes as synchronous checkpoints. Rank 1 killed mid-write (its files of
+// the last checkpoint written, its marker not, while rank 0 waits for it at the end of the run)
+// takes the run down and leaves the previous checkpoint the newest; resumed from it, the run
+// follows the uninterrupted one bit for bit.
+TEST_F(DistTrain, AsyncCheckpointsMatchSynchronousOnesAndSurviveARankKilledMidWrite) {
+  const std::string args =
+      "--train.max_steps=8 --train.checkpoint_every=4 --train.keep_checkpoints=5";
+  const std::string async = " --train.checkpoint_async=true";
+  const std::string sync_run = train("async_ref_sync", 2, "fsdp", args);
+  const std::string async_run = train("async_run", 2, "fsdp", args + async);
+  const auto expected = losses(sync_run);
+  ASSERT_EQ(expected.size(), 8u);
+  EXPECT_EQ(losses(async_run), expected);
+  for (const char* step : {"step_00000004", "step_00000008"}) {
+    int shards = 0;
+    for (const auto& e : fs::directory_iterator(fs::path(sync_run) / "checkpoints" / step)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("rank_", 0) != 0) continue;
+      ++shards;
+      const fs::path other = fs::path(async_run) / "checkpoints" / step / name;
+      ASSERT_TRUE(fs::exists(other)) << other;
+      std::ifstream a(e.path(), std::ios::binary), b(other, std::ios::binary);
+      EXPECT_TRUE(
+          std::equal(std::istreambuf_iterator<char>(a), {}, std::istreambuf_iterator<char>(b), {}))
+          << other;
+    }
+    EXPECT_GT(shards, 2) << "fsdp: a file per unit from each rank";
+  }
+
+  const std::string crashed = (dir_ / "async_crashed").string();
+  const auto r = kiln::testing::run_command(
+      "KILN_TEST_CHECKPOINT_CRASH=8:1 " + train_command("async_crashed", 2, "fsdp", args + async));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
+  EXPECT_EQ(kiln::find_latest_checkpoint(crashed), crashed + "/checkpoints/step_00000004");
+  EXPECT_FALSE(fs::exists(crashed + "/checkpoints/step_00000008"));
+  std::string output;
+  train("async_crashed", 2, "fsdp", args + async, &output);
+  EXPECT_NE(output.find("resumed from " + crashed + "/checkpoints/step_00000004 at step 4"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(losses(crashed), expected);
 }
 
 TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {

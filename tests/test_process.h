@@ -1,7 +1,7 @@
 // Helpers for tests that drive kiln's real binaries: run a command and collect its output and
-// exit status, start one in the background and find its children, read the losses a run wrote
-// to metrics.jsonl, shard a small English corpus, and make temp directories that are gone when
-// the test process ends.
+// exit status (or start it in the background and wait for it), read the losses a run wrote to
+// metrics.jsonl, shard a small English corpus, and make temp directories that are gone when the
+// test process ends.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -14,9 +14,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 namespace kiln::testing {
@@ -58,35 +60,50 @@ inline CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
-// Starts `cmd` (through sh; it may begin with VAR=value assignments) in a process group of its
-// own, its stdout and stderr appended to `log`. Returns the pid, which is the command's own (sh
-// execs it) and the group's: kill(-pid, SIGKILL) ends it with all it started.
-inline pid_t start_process(const std::string& cmd, const std::string& log) {
-  const std::string line = "exec env " + cmd + " >>" + log + " 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
+// A command running in the background, in a process group of its own, its stdout and stderr
+// going to `log_path`: for tests that signal a run while it trains.
+struct Background {
+  pid_t pid = -1;
+  std::string log_path;
+};
+
+inline Background start_command(const std::string& cmd, const std::string& log_path) {
+  Background b{-1, log_path};
+  const std::string line = "exec " + cmd + " >'" + log_path + "' 2>&1";  // before fork()
+  b.pid = ::fork();
+  if (b.pid == 0) {
     ::setpgid(0, 0);
     ::execl("/bin/sh", "sh", "-c", line.c_str(), nullptr);
     ::_exit(127);
   }
-  if (pid > 0) ::setpgid(pid, pid);  // also here: the caller may signal the group at once
-  return pid;
+  return b;
 }
 
-// Waits up to `limit` for `pid` to exit; its exit status (128 + signal for a signal), or -1
-// when it is still running.
-inline int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    int status = 0;
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (r < 0 || std::chrono::steady_clock::now() > deadline) return -1;
-    ::usleep(20 * 1000);
+// Waits up to `within` for it to exit and returns its status (128 + signal for a signal); at the
+// deadline kills its process group and returns -1.
+inline int wait_command(const Background& b, std::chrono::steady_clock::duration within) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  int st = 0;
+  pid_t done = 0;
+  while ((done = ::waitpid(b.pid, &st, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (done != b.pid) {
+    ::kill(-b.pid, SIGKILL);
+    ::waitpid(b.pid, &st, 0);
+    return -1;
   }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-// The pids whose parent is `parent` (from /proc).
+// Its status (128 + signal for a signal) if it has exited, else -1 at once.
+inline int poll_command(const Background& b) {
+  int st = 0;
+  if (::waitpid(b.pid, &st, WNOHANG) != b.pid) return -1;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// The processes whose parent is `parent` (from /proc).
 inline std::vector<pid_t> children_of(pid_t parent) {
   std::vector<pid_t> out;
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
@@ -105,7 +122,7 @@ inline std::vector<pid_t> children_of(pid_t parent) {
   return out;
 }
 
-inline std::string read_text_file(const std::string& path) {
+inline std::string read_file(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
@@ -150,6 +167,15 @@ inline CommandResult prepare_corpus(const std::string& bin_dir, const std::strin
   std::string corpus = "/usr/share/common-licenses/GPL-3";
   if (!std::filesystem::exists(corpus)) corpus = source_dir + "/README.md";
   return run_command(bin_dir + "/prepare_data --out " + dir + " --val-fraction 0.1 " + corpus);
+}
+
+// The value of variable `name` in process `pid`'s environment ("" if absent).
+inline std::string environment_of(pid_t pid, const std::string& name) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+  std::string entry;
+  while (std::getline(in, entry, '\0'))
+    if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+  return "";
 }
 
 }  // namespace kiln::testing

@@ -1,7 +1,9 @@
 // End to end through the real binaries: prepare_data shards a text, `train` trains on the CPU
-// with loss clearly falling, resuming from a checkpoint reproduces the uninterrupted run's
-// losses bit for bit, and every kind of bad input exits with status 2 and a one-line error.
+// with loss clearly falling, resuming from a checkpoint (written synchronously or in the
+// background) reproduces the uninterrupted run's losses bit for bit, and every kind of bad input
+// exits with status 2 and a one-line error.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "tests/test_process.h"
+#include "train/checkpoint.h"
 
 namespace {
 
@@ -447,6 +450,103 @@ TEST_F(TrainE2E, AResumeThatCannotWriteLosesNothing) {
   // With room again, the resume goes on from step 2 as if nothing had happened.
   ASSERT_EQ(run(train_cmd(out, args)).status, 0);
   EXPECT_EQ(read_losses(out).size(), 4u);
+}
+
+// The steps whose metrics.jsonl line carries a field `key`.
+std::vector<int> steps_with(const std::string& out_dir, const std::string& key) {
+  std::vector<int> steps;
+  std::ifstream in(out_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.find("\"" + key + "\":") != std::string::npos)
+      steps.push_back(std::atoi(line.c_str() + line.find("\"step\":") + 7));
+  return steps;
+}
+
+// train.checkpoint_async: the same losses as synchronous checkpoints and the same bytes in
+// every checkpoint, the stall in metrics.jsonl and the log; a crash of the writer mid-write
+// (after its shard file, before its marker and the manifest) leaves the previous checkpoint the
+// newest, and the run resumed from it follows the uninterrupted run bit for bit.
+TEST_F(TrainE2E, AsyncCheckpointsMatchSynchronousOnesAndSurviveACrashMidWrite) {
+  const std::string args =
+      "--train.max_steps=8 --train.checkpoint_every=4 --train.keep_checkpoints=5";
+  const std::string async = " --train.checkpoint_async=true";
+  const std::string sync_run = (dir_ / "ckpt_sync").string();
+  const std::string async_run = (dir_ / "ckpt_async").string();
+  const std::string crashed = (dir_ / "ckpt_crashed").string();
+  Result r = run(train_cmd(sync_run, args));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint step 4: stall "), std::string::npos) << r.output;
+  r = run(train_cmd(async_run, args + async));
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* line :
+       {"checkpoint step 4: stall ", "checkpoint step 4: writer ", "checkpoint step 8: stall ",
+        "checkpoint step 8: writer ", "checkpoint snapshot      1.4 MiB of host memory"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  const auto expected = read_losses(sync_run);
+  ASSERT_EQ(expected.size(), 8u);
+  const auto same_losses = [&](const std::string& out) {
+    const auto got = read_losses(out);
+    ASSERT_EQ(got.size(), expected.size()) << out;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].step, expected[i].step) << out;
+      EXPECT_EQ(got[i].text, expected[i].text) << out << " step " << got[i].step;
+    }
+  };
+  same_losses(async_run);
+  for (const char* step : {"step_00000004", "step_00000008"}) {
+    const fs::path file = fs::path("checkpoints") / step / "rank_00000_000.bin";
+    ASSERT_TRUE(fs::exists(fs::path(async_run) / file)) << file;
+    EXPECT_EQ(file_bytes(fs::path(async_run) / file), file_bytes(fs::path(sync_run) / file))
+        << file;
+  }
+  EXPECT_EQ(steps_with(sync_run, "checkpoint_stall_ms"), (std::vector<int>{4, 8}));
+  EXPECT_EQ(steps_with(async_run, "checkpoint_stall_ms"), (std::vector<int>{4, 8}));
+
+  r = run("KILN_TEST_CHECKPOINT_CRASH=8:0 " + train_cmd(crashed, args + async));
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.output;
+  EXPECT_EQ(kiln::find_latest_checkpoint(crashed), crashed + "/checkpoints/step_00000004");
+  EXPECT_TRUE(fs::exists(crashed + "/checkpoints/step_00000008.tmp/rank_00000_000.bin"));
+  EXPECT_FALSE(fs::exists(crashed + "/checkpoints/step_00000008.tmp/manifest.yaml"));
+  r = run(train_cmd(crashed, args + async));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + crashed + "/checkpoints/step_00000004 at step 4"),
+            std::string::npos)
+      << r.output;
+  same_losses(crashed);
+}
+
+// An asynchronous checkpoint that cannot be written (a file-size limit below its shard's size,
+// with SIGXFSZ ignored, so the write fails as on a full disk) stops the run at its next step
+// with one line naming the step, the rank and the cause, non-zero; the previous checkpoint stays
+// the newest and the lines already in metrics.jsonl stay as they were. With room again, the run
+// resumes from it.
+TEST_F(TrainE2E, AnAsyncCheckpointThatCannotBeWrittenStopsTheRun) {
+  const std::string out = (dir_ / "ckpt_async_full_disk").string();
+  const std::string args = " --train.checkpoint_every=2 --train.checkpoint_async=true";
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4" + args)).status, 0);
+  const std::string before = file_bytes(out + "/metrics.jsonl");
+  // Room for config.yaml and metrics.jsonl, not for a 1.4 MiB shard.
+  Result r = run("trap '' XFSZ; ulimit -f 256; " + train_cmd(out, "--train.max_steps=8" + args));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("train: fatal: checkpoint step 6 failed on rank 0 "
+                          "(train.checkpoint_async): cannot write " +
+                          out + "/checkpoints/step_00000006.tmp/rank_00000_000.bin"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(kiln::find_latest_checkpoint(out), out + "/checkpoints/step_00000004");
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000006"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000006.tmp/rank_00000_000.bin"))
+      << "the failed shard still takes room";
+  EXPECT_EQ(file_bytes(out + "/metrics.jsonl").substr(0, before.size()), before);
+  const auto m = read_losses(out);
+  ASSERT_GE(m.size(), 6u);
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m[i].step, static_cast<int>(i) + 1);
+  r = run(train_cmd(out, "--train.max_steps=8" + args));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + out + "/checkpoints/step_00000004"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(read_losses(out).size(), 8u);
 }
 
 TEST_F(TrainE2E, AFreshRunSetsTheEarlierRunAsideInsteadOfMixingWithIt) {

@@ -196,7 +196,7 @@ void write_kiln_run(const std::string& out, const LoadedModel& model, bool overw
   file.close();
   if (!file) throw std::runtime_error(out + "/config.yaml: write failed");
   const std::string written =
-      save_checkpoint(dir.tmp(), TrainingState{}, layout, yaml, "ddp", {shard}, 0, 1, 1, [] {});
+      save_checkpoint(dir.tmp(), TrainingState{}, layout, yaml, "ddp", {shard}, 0, 1, 1, 0, [] {});
   dir.publish();
   spdlog::info(
       "wrote {} ({} parameters from {})",

@@ -8,11 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "kernels/error.h"
 
@@ -64,6 +68,14 @@ std::string shard_file(int rank, size_t part) {
   return buf;
 }
 
+// A rank's marker in the .tmp directory: `.done` lists its files, `.failed` says why there are
+// none.
+std::string rank_marker(int rank, const char* suffix) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank_%05d.%s", rank, suffix);
+  return buf;
+}
+
 [[noreturn]] void fail_io(const std::string& what, const std::string& path) {
   throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
 }
@@ -111,7 +123,8 @@ void replace_file_synced(const std::string& path, const std::string& text) {
 
 namespace {
 
-void write_shard(const std::string& path, const OptimizerShard& s) {
+// Returns the file's checksum.
+uint64_t write_shard(const std::string& path, const OptimizerShard& s) {
   ShardHeader h{};
   std::memcpy(h.magic, kShardMagic, sizeof kShardMagic);
   h.version = kFormatVersion;
@@ -124,21 +137,49 @@ void write_shard(const std::string& path, const OptimizerShard& s) {
   sum = fnv1a(sum, s.m, n);
   sum = fnv1a(sum, s.v, n);
   write_file_synced(path, {{&h, sizeof h}, {s.master, n}, {s.m, n}, {s.v, n}, {&sum, sizeof sum}});
+  return sum;
 }
 
-// Reads a shard's header and trailing checksum without reading its payload.
-CheckpointFile inspect_shard(const std::string& dir, const std::string& name) {
-  const std::string path = dir + "/" + name;
+// A .done marker: one line per file, "name begin end checksum".
+std::string marker_text(const std::vector<CheckpointFile>& files) {
+  std::ostringstream out;
+  for (const auto& f : files)
+    out << f.file << ' ' << f.begin << ' ' << f.end << ' ' << f.checksum << '\n';
+  return out.str();
+}
+
+std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  ShardHeader h{};
-  if (!in.read(reinterpret_cast<char*>(&h), sizeof h) ||
-      std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
-    throw InputError(path + ": not a kiln checkpoint shard");
-  CheckpointFile f{name, h.begin, h.end, 0};
-  in.seekg(-static_cast<std::streamoff>(sizeof(uint64_t)), std::ios::end);
-  in.read(reinterpret_cast<char*>(&f.checksum), sizeof f.checksum);
-  if (!in) throw InputError(path + ": truncated checkpoint shard");
-  return f;
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<CheckpointFile> read_marker(const std::string& path) {
+  std::istringstream in(read_text(path));
+  std::vector<CheckpointFile> files;
+  CheckpointFile f;
+  while (in >> f.file >> f.begin >> f.end >> f.checksum) files.push_back(f);
+  if (!in.eof()) throw std::runtime_error(path + ": malformed checkpoint marker");
+  return files;
+}
+
+std::string seconds(double s) {
+  std::ostringstream out;
+  out << s << " s";
+  return out.str();
+}
+
+void check_abandoned(const std::function<bool()>& abandoned, const std::string& dir) {
+  if (abandoned && abandoned()) throw std::runtime_error(dir + ": abandoned (the run is stopping)");
+}
+
+// Tests only (tests/train_e2e_test.cpp, tests/dist_train_test.cpp): KILN_TEST_CHECKPOINT_CRASH=
+// STEP:RANK kills that rank once its shard files of step STEP are written and before its marker,
+// as a crash mid-write would.
+bool test_crash_here(int step, int rank) {
+  const char* spec = std::getenv("KILN_TEST_CHECKPOINT_CRASH");
+  int at_step = -1, at_rank = -1;
+  return spec && std::sscanf(spec, "%d:%d", &at_step, &at_rank) == 2 && at_step == step &&
+         at_rank == rank;
 }
 
 std::string manifest_yaml(const CheckpointManifest& m) {
@@ -220,53 +261,129 @@ std::vector<float> read_floats(const std::string& dir, const YAML::Node& node, c
 
 }  // namespace
 
+CheckpointManifest checkpoint_manifest(const TrainingState& state, const ParamLayout& layout,
+                                       const std::string& config_yaml, const std::string& strategy,
+                                       int world_size) {
+  CheckpointManifest m;
+  m.state = state;
+  m.world_size = world_size;
+  m.strategy = strategy;
+  m.param_count = layout.total;
+  m.config_yaml = config_yaml;
+  m.tensors = layout.tensors;
+  return m;
+}
+
+void begin_checkpoint(const std::string& out_dir, int step) {
+  const std::string root = out_dir + "/checkpoints";
+  const std::string tmp_dir = root + "/" + step_name(step) + ".tmp";
+  fs::create_directories(root);
+  fs::remove_all(tmp_dir);  // left by a crash mid-write, with its markers
+  fs::create_directory(tmp_dir);
+}
+
+void write_rank_files(const std::string& out_dir, int step, int rank,
+                      const std::vector<OptimizerShard>& shards,
+                      const std::function<bool()>& abandoned) {
+  const std::string tmp_dir = out_dir + "/checkpoints/" + step_name(step) + ".tmp";
+  std::vector<CheckpointFile> files;
+  std::string writing;
+  try {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      check_abandoned(abandoned, tmp_dir);
+      if (shards[i].end <= shards[i].begin) continue;
+      writing = shard_file(rank, i);
+      files.push_back({writing, shards[i].begin, shards[i].end,
+                       write_shard(tmp_dir + "/" + writing, shards[i])});
+    }
+    if (test_crash_here(step, rank)) std::raise(SIGKILL);
+    // Renamed into place whole, so rank 0 never reads half a marker.
+    const std::string done = tmp_dir + "/" + rank_marker(rank, "done");
+    const std::string text = marker_text(files);
+    write_file_synced(done + ".tmp", {{text.data(), text.size()}});
+    if (std::rename((done + ".tmp").c_str(), done.c_str()) != 0)
+      fail_io("cannot rename into place", done);
+    fsync_path(tmp_dir);
+  } catch (const std::exception& e) {
+    // This rank's files go (a full disk gets its room back); the marker says why.
+    std::error_code ec;
+    for (const CheckpointFile& f : files) fs::remove(tmp_dir + "/" + f.file, ec);
+    if (!writing.empty()) fs::remove(tmp_dir + "/" + writing, ec);
+    try {
+      const std::string why = e.what();
+      write_file_synced(tmp_dir + "/" + rank_marker(rank, "failed"), {{why.data(), why.size()}});
+    } catch (const std::exception&) {
+      // No room even for the marker: rank 0 waits out its timeout instead.
+    }
+    throw;
+  }
+}
+
+std::string publish_checkpoint(const std::string& out_dir, CheckpointManifest m, int keep,
+                               double timeout_s, const std::function<bool()>& abandoned) {
+  const std::string root = out_dir + "/checkpoints";
+  const std::string name = step_name(m.state.step);
+  const std::string final_dir = root + "/" + name;
+  const std::string tmp_dir = final_dir + ".tmp";
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  m.files.clear();
+  for (int r = 0; r < m.world_size; ++r) {
+    const std::string done = tmp_dir + "/" + rank_marker(r, "done");
+    const std::string failed = tmp_dir + "/" + rank_marker(r, "failed");
+    std::chrono::milliseconds pause(1);
+    while (!fs::exists(done)) {
+      if (fs::exists(failed))
+        throw std::runtime_error("checkpoint " + name + " not published: rank " +
+                                 std::to_string(r) +
+                                 " could not write its part: " + read_text(failed));
+      check_abandoned(abandoned, tmp_dir);
+      if (Clock::now() > deadline)
+        throw std::runtime_error("checkpoint " + name + " not published: rank " +
+                                 std::to_string(r) + " did not finish writing to " + tmp_dir +
+                                 " within dist.timeout_s (" + seconds(timeout_s) + ")");
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+    for (const CheckpointFile& f : read_marker(done)) m.files.push_back(f);
+  }
+  std::sort(m.files.begin(), m.files.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.file < b.file; });
+  const TrainingState& state = m.state;
+  if (!state.fp8_names.empty())
+    write_file_synced(tmp_dir + "/" + kFp8File,
+                      {{state.fp8_state.data(), state.fp8_state.size() * sizeof(float)}});
+  if (!state.moe_bias.empty())
+    write_file_synced(tmp_dir + "/" + kMoeBiasFile,
+                      {{state.moe_bias.data(), state.moe_bias.size() * sizeof(float)}});
+  const std::string text = manifest_yaml(m);
+  write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
+  // The manifest lists every file: a published checkpoint holds what it names, no markers.
+  for (int r = 0; r < m.world_size; ++r) fs::remove(tmp_dir + "/" + rank_marker(r, "done"));
+  fsync_path(tmp_dir);
+  if (fs::exists(final_dir)) fs::remove_all(final_dir);
+  fs::rename(tmp_dir, final_dir);
+  fsync_path(root);
+  prune_checkpoints(root, keep);
+  return final_dir;
+}
+
 std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
                             const ParamLayout& layout, const std::string& config_yaml,
-                            const std::string& strategy, const std::vector<OptimizerShard>& shards, int rank,
-                            int world_size, int keep, const std::function<void()>& barrier) {
-  const std::string root = out_dir + "/checkpoints";
-  const std::string final_dir = root + "/" + step_name(state.step);
-  const std::string tmp_dir = final_dir + ".tmp";
-  if (rank == 0) {
-    fs::create_directories(root);
-    fs::remove_all(tmp_dir);  // left by a crash mid-write
-    fs::create_directory(tmp_dir);
-  }
+                            const std::string& strategy, const std::vector<OptimizerShard>& shards,
+                            int rank, int world_size, int keep, double timeout_s,
+                            const std::function<void()>& barrier) {
+  if (rank == 0) begin_checkpoint(out_dir, state.step);
   barrier();
-  for (size_t i = 0; i < shards.size(); ++i)
-    if (shards[i].end > shards[i].begin) write_shard(tmp_dir + "/" + shard_file(rank, i), shards[i]);
+  write_rank_files(out_dir, state.step, rank, shards);
+  std::string dir = out_dir + "/checkpoints/" + step_name(state.step);
+  if (rank == 0)
+    dir = publish_checkpoint(out_dir,
+                             checkpoint_manifest(state, layout, config_yaml, strategy, world_size),
+                             keep, timeout_s);
   barrier();
-  if (rank == 0) {
-    CheckpointManifest m;
-    m.state = state;
-    m.world_size = world_size;
-    m.strategy = strategy;
-    m.param_count = layout.total;
-    m.config_yaml = config_yaml;
-    m.tensors = layout.tensors;
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(tmp_dir)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("rank_", 0) == 0) names.push_back(name);
-    }
-    std::sort(names.begin(), names.end());
-    for (const auto& name : names) m.files.push_back(inspect_shard(tmp_dir, name));
-    if (!state.fp8_names.empty())
-      write_file_synced(tmp_dir + "/" + kFp8File,
-                        {{state.fp8_state.data(), state.fp8_state.size() * sizeof(float)}});
-    if (!state.moe_bias.empty())
-      write_file_synced(tmp_dir + "/" + kMoeBiasFile,
-                        {{state.moe_bias.data(), state.moe_bias.size() * sizeof(float)}});
-    const std::string text = manifest_yaml(m);
-    write_file_synced(tmp_dir + "/manifest.yaml", {{text.data(), text.size()}});
-    fsync_path(tmp_dir);
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);
-    fs::rename(tmp_dir, final_dir);
-    fsync_path(root);
-    prune_checkpoints(root, keep);
-  }
-  barrier();
-  return final_dir;
+  return dir;
 }
 
 std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {

@@ -5,6 +5,11 @@
 // fsynced), and rank 0 renames the directory into place last: a crash mid-write leaves the
 // previous checkpoint untouched and loadable. Because files carry ranges, a checkpoint can be
 // read back by any world size or sharding strategy.
+// The ranks publish through files, not collectives: each rank ends its part with a marker
+// (rank_RRRRR.done, listing its files), and rank 0 writes the manifest once every rank's marker
+// is there. So the writing can run on a thread of its own (train/async_checkpoint.h), which must
+// never use the training communicator. Every rank writes into the same directory and rank 0
+// renames it: across nodes, out_dir must be one shared filesystem.
 #pragma once
 
 #include <cstdint>
@@ -71,10 +76,38 @@ struct OptimizerShard {
 // Collective: every rank calls it with the ranges it owns (together they must tile
 // [0, param_count) across ranks; under DDP only rank 0 passes any). `barrier` synchronizes all ranks
 // (a no-op for one process). Returns the final directory. Keeps the newest `keep` checkpoints.
+// Rank 0 waits up to `timeout_s` for the other ranks' files (dist.timeout_s). It runs the three
+// steps below in order.
 std::string save_checkpoint(const std::string& out_dir, const TrainingState& state,
                             const ParamLayout& layout, const std::string& config_yaml,
-                            const std::string& strategy, const std::vector<OptimizerShard>& shards, int rank,
-                            int world_size, int keep, const std::function<void()>& barrier);
+                            const std::string& strategy, const std::vector<OptimizerShard>& shards,
+                            int rank, int world_size, int keep, double timeout_s,
+                            const std::function<void()>& barrier);
+
+// The three steps of a save, none of them collective. `abandoned`, where given, is asked between
+// files and while waiting: true stops the step with an exception, publishing nothing.
+// 1. Rank 0, before any rank writes (a barrier follows): clears what a crash mid-write left in
+//    step `step`'s .tmp directory, stale markers included, and creates it.
+void begin_checkpoint(const std::string& out_dir, int step);
+// 2. Every rank: writes its ranges (each file fsynced), then its marker rank_RRRRR.done listing
+//    them. On failure it removes the files it wrote, leaves rank_RRRRR.failed naming the cause
+//    (where it can) so rank 0 stops waiting at once, and rethrows.
+void write_rank_files(const std::string& out_dir, int step, int rank,
+                      const std::vector<OptimizerShard>& shards,
+                      const std::function<bool()>& abandoned = {});
+// 3. Rank 0: waits for the markers of ranks 0 .. manifest.world_size - 1, for at most
+//    `timeout_s` (a rank's .failed marker, or none in time, throws std::runtime_error naming the
+//    rank: nothing is published, the previous checkpoint stays the newest). Then writes the FP8
+//    and MoE state and manifest.yaml (its files are the markers'), renames the directory into
+//    place, prunes to the newest `keep`, and returns the final directory.
+//    `manifest.files` and `manifest.dir` are filled here.
+std::string publish_checkpoint(const std::string& out_dir, CheckpointManifest manifest, int keep,
+                               double timeout_s, const std::function<bool()>& abandoned = {});
+
+// The manifest of a checkpoint of `layout` (its files are the ranks' markers').
+CheckpointManifest checkpoint_manifest(const TrainingState& state, const ParamLayout& layout,
+                                       const std::string& config_yaml, const std::string& strategy,
+                                       int world_size);
 
 // The newest complete checkpoint directory under out_dir/checkpoints, if any.
 std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);

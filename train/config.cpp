@@ -161,7 +161,15 @@ const std::vector<Field>& schema() {
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
       {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
+      {KILN_FIELD(train, checkpoint_async), any(),
+       "copy a checkpoint's state to host memory and write it on a background thread while "
+       "training goes on (3 x fp32 of host memory per owned parameter)"},
       {KILN_FIELD(train, resume), any(), "auto (latest in out_dir, if any), none, or a path"},
+      {KILN_FIELD(train, term_grace_s), at_least(1),
+       "on SIGTERM, SIGINT or SIGUSR1: seconds to reach the next step boundary and save a "
+       "checkpoint there before exiting with status 128 + signal; past them the process exits "
+       "without one (a second SIGINT or SIGTERM exits at once). kiln's launcher waits this + 10 s "
+       "before SIGKILL"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
       {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
@@ -217,7 +225,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, overlap_ctas), range(0, false, 64, false),
        "NCCL: most SMs (CTAs) ddp's bucket all-reduces take while backward runs, on a second "
        "communicator (0: NCCL's choice, one communicator)"},
-      {KILN_FIELD(dist, timeout_s), at_least(1), "collective and rendezvous timeout (seconds)"},
+      {KILN_FIELD(dist, timeout_s), at_least(1),
+       "collective and rendezvous timeout (seconds); a rank stuck this long in a collective ends "
+       "the job, naming who did not arrive"},
       {KILN_FIELD(dist, max_restarts), range(0, false, 10000, false),
        "times the launcher starts a failed job again, from its newest checkpoint (the flag "
        "--max-restarts sets it too); needs train.resume: auto and train.checkpoint_every > 0"},

@@ -78,7 +78,11 @@ struct TrainSection {
   int checkpoint_every = 0;  // 0: only at the end of the run
   int keep_checkpoints = 2;  // newest N kept
   bool save_checkpoints = true;  // false: write none (benchmarks)
+  bool checkpoint_async = false;  // write checkpoints on a background thread (docs/distributed.md)
   std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
+  // SIGTERM, SIGINT or SIGUSR1: checkpoint at the next step boundary and exit 128 + signal,
+  // within this many seconds, else exit without one (train/stop.h).
+  int term_grace_s = 120;
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;
   std::string recompute = "none";  // none | selective | full: activations recomputed in backward

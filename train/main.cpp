@@ -3,54 +3,110 @@
 // supervise: dist.max_restarts, --max-restarts) it becomes the launcher and re-executes itself
 // once per worker; a worker (started by kiln's launcher, srun or mpirun) finds its rank in the
 // environment, joins the rendezvous and trains its shard.
+// A training process (a worker, or the single process) stops on SIGTERM, SIGINT or SIGUSR1 with a
+// checkpoint (train/stop.h); the launcher forwards those signals to its workers.
 #include <spdlog/spdlog.h>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 
 #include "dist/communicator.h"
 #include "dist/launcher.h"
+#include "dist/store.h"
+#include "dist/watchdog.h"
 #include "kernels/error.h"
 #include "train/cli.h"
 #include "train/config.h"
 #include "train/device.h"
 #include "train/plan.h"
+#include "train/stop.h"
 #include "train/trainer.h"
 
 using namespace kiln;
 
 namespace {
 
-int run_worker(const Config& config, const WorkerInfo& worker) {
+// run_training() with the stop signals' rules: an error after a stop signal (a collective whose
+// peer has already exited, as when the launcher tears a failed job down) ends the process as
+// that signal would have, 128 + signal, saying so, rather than as a crash.
+int train_with_stop(const Config& config, const RankInfo& rank,
+                    const CommunicatorFactory& make_comm, StopAgreement& stop,
+                    const TrainObserver* observer = nullptr) {
+  try {
+    return run_training(config, rank, make_comm, observer, &stop);
+  } catch (const std::exception& e) {
+    const int sig = stop_signal_received();
+    if (sig == 0) throw;
+    std::fprintf(stderr, "train: stopped by %s without a checkpoint: %s\n",
+                 stop_signal_name(sig).c_str(), e.what());
+    return 128 + sig;
+  }
+}
+
+int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& signals) {
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
   const auto timeout = std::chrono::seconds(config.dist.timeout_s);
-  spdlog::info("{} ranks ({} per node), identities from the {} environment; rendezvous store "
-               "at {}:{}",
-               worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
-               worker.master_port);
+  spdlog::info(
+      "{} ranks ({} per node), identities from the {} environment; rendezvous store "
+      "at {}:{}",
+      worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
+      worker.master_port);
   if (config.dist.max_restarts > 0 && worker.source != "kiln")
     spdlog::warn(
         "dist.max_restarts={}: not applied: {} started these processes, and only kiln's "
         "own launcher restarts the workers it starts",
         config.dist.max_restarts, worker.source);
   Rendezvous rendezvous(worker, timeout);
+  Watchdog::Options dog;
+  dog.rank = worker.rank;
+  dog.world_size = worker.world_size;
+  dog.timeout = timeout;
+  auto dog_store = std::make_unique<StoreClient>(worker.master_addr, worker.master_port,
+                                                 worker.run_token, timeout,
+                                                 std::chrono::seconds(10));
+  dog_store->set_key_prefix(rendezvous.store().key_prefix());  // this generation's keys
+  Watchdog watchdog(std::move(dog_store), dog);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
   CommunicatorFactory make_comm = [&](Backend& backend,
                                       const CommGroup& group) -> std::unique_ptr<Communicator> {
     const std::string at = group.name.empty() ? "" : group.name + "/";
     if (backend.device() == Device::cuda)
-      return make_nccl_communicator(rendezvous.store(), group.rank, group.size,
-                                    worker.local_rank, backend.native_stream(),
-                                    config.dist.overlap_ctas, at + "nccl");
+      return watchdog.watch(
+          make_nccl_communicator(rendezvous.store(), group.rank, group.size, worker.local_rank,
+                                 backend.native_stream(), config.dist.overlap_ctas, at + "nccl"),
+          true);
     if (config.dist.overlap_ctas > 0 && worker.rank == 0 && group.name.empty())
       spdlog::warn("dist.overlap_ctas={} applies to NCCL; over gloo it changes nothing",
                    config.dist.overlap_ctas);
-    return make_gloo_communicator(rendezvous.store(), group.rank, group.size, timeout,
-                                  at + "gloo");
+    return watchdog.watch(
+        make_gloo_communicator(rendezvous.store(), group.rank, group.size, timeout, at + "gloo"),
+        false);
   };
-  return run_training(config, rank, make_comm);
+  TrainObserver observer;
+  observer.on_progress = [&](int steps_done, bool host_work) {
+    watchdog.progress(steps_done, host_work);
+  };
+  StopAgreement stop(&rendezvous.store(), worker.rank, worker.world_size);
+  int status = 0;
+  try {
+    status = train_with_stop(config, rank, make_comm, stop, &observer);
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // A collective that timed out (Gloo) names only this rank's side: add who did not arrive.
+    std::string what = e.what();
+    std::string lower = what;
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (lower.find("timed out") == std::string::npos && lower.find("timeout") == std::string::npos)
+      throw;
+    watchdog.disarm();
+    throw std::runtime_error(what + "; " + watchdog.describe_peers());
+  }
+  signals.disarm();  // Rendezvous' destructor may wait for the other ranks
+  return status;
 }
 
 int launch(const LaunchOptions& opts, const Config& config, int argc, char** argv) {
@@ -64,6 +120,8 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   launch.max_restarts = config.dist.max_restarts;
   launch.restart_backoff =
       std::chrono::milliseconds(std::llround(config.dist.restart_backoff_s * 1000.0));
+  // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
+  launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
   return launch_workers(launch, argc, argv);
 }
 
@@ -93,10 +151,18 @@ int main(int argc, char** argv) {
       return plan_training(config, cli.launch.nproc_per_node * cli.launch.nnodes,
                            plan_target(cli.plan_gpu_memory));
     }
-    if (auto worker = worker_from_environment()) return run_worker(config, *worker);
+    const std::chrono::seconds grace(config.train.term_grace_s);
+    if (auto worker = worker_from_environment()) {
+      // Under kiln's launcher a Ctrl-C reaches a worker twice (the terminal's, the launcher's);
+      // the launcher escalates a second one.
+      StopSignals signals(grace, worker->source != "kiln");
+      return run_worker(config, *worker, signals);
+    }
     // Restarts need a launcher to supervise, even for one process.
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1 || config.dist.max_restarts > 0)
       return launch(cli.launch, config, argc, argv);
-    return run_training(config, RankInfo{}, nullptr);
+    StopSignals signals(grace, true);
+    StopAgreement stop(nullptr, 0, 1);
+    return train_with_stop(config, RankInfo{}, nullptr, stop);
   });
 }

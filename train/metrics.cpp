@@ -118,6 +118,10 @@ std::string metrics_json(const StepMetrics& m) {
     std::snprintf(buf, sizeof buf, ",\"val_loss\":%.6f", *m.val_loss);
     s += buf;
   }
+  if (m.checkpoint_stall_ms) {
+    std::snprintf(buf, sizeof buf, ",\"checkpoint_stall_ms\":%.3f", *m.checkpoint_stall_ms);
+    s += buf;
+  }
   if (m.power) {
     std::snprintf(buf, sizeof buf, ",\"power_w\":%.1f,\"energy_kj\":%.4f", m.power->watts,
                   m.power->energy_j / 1000.0);

@@ -31,6 +31,9 @@ struct StepMetrics {
   double tok_s = 0;
   double mfu = 0;  // fraction, 0..1; 0 where no peak is known
   std::optional<double> val_loss;
+  // At a checkpoint: the milliseconds the step loop spent in it (synchronous: the whole save;
+  // train.checkpoint_async: waiting for the previous save and copying the state to the host).
+  std::optional<double> checkpoint_stall_ms;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
   std::optional<PowerMetrics> power;
   // precision.fp8: the scaling state after the step's update (kernels/fp8.h, Fp8Summary).

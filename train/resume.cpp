@@ -2,9 +2,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 
+#include "kernels/arena.h"
 #include "kernels/error.h"
+#include "train/async_checkpoint.h"
 #include "train/checkpoint.h"
 
 namespace kiln {
@@ -68,25 +72,73 @@ int resume_run(const RunParts& run, const std::string& dir) {
   }
 }
 
-void save_run(const RunParts& run, int step) {
-  // Replicated state is written by the strategy's rank 0 alone; sharded state by every rank,
-  // each piece at its global offset.
-  const Strategy& strategy = run.strategy;
-  std::vector<std::vector<float>> master, m, v;
+namespace {
+
+// The ranges this rank copies out at a checkpoint: replicated state is written by the strategy's
+// rank 0 alone; sharded state by every rank.
+std::vector<OwnedRange> ranges_to_save(const Strategy& strategy) {
+  if (strategy.replicated() && strategy.plan().rank != 0) return {};
+  return strategy.plan().owned;
+}
+
+}  // namespace
+
+size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& strategy) {
+  if (!train.save_checkpoints || !train.checkpoint_async) return 0;
+  size_t floats = 0;
+  for (const OwnedRange& o : ranges_to_save(strategy))
+    floats += static_cast<size_t>(o.end - o.begin);
+  return 3 * floats * sizeof(float);
+}
+
+double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
+  using Clock = std::chrono::steady_clock;
+  const auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  const Clock::time_point begin = Clock::now();
+  const bool is_main = run.rank == 0;
+  // The snapshot's buffers are the previous save's until it is written.
+  const double waited = async ? async->wait() : 0.0;
+  if (is_main && waited > 1000)
+    spdlog::warn(
+        "checkpoint step {}: waited {:.1f} s for the previous save to be written "
+        "(it takes longer than train.checkpoint_every steps)",
+        step, waited / 1000);
+  // Each range is copied out whole (master, m, v); each piece written at its global offset.
+  const std::vector<OwnedRange> owned = ranges_to_save(run.strategy);
+  std::vector<float*> host(owned.size());
+  std::vector<std::vector<float>> sync_copy;  // synchronous: for this save only
+  const size_t held_before = async ? async->snapshot_bytes() : 0;
+  const Clock::time_point alloc_begin = Clock::now();
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const size_t n = static_cast<size_t>(owned[i].end - owned[i].begin);
+    if (async) {
+      host[i] = async->snapshot_buffer(i, n);
+    } else {
+      sync_copy.emplace_back(3 * n);
+      host[i] = sync_copy.back().data();
+    }
+  }
+  if (async && is_main && async->snapshot_bytes() > held_before)
+    spdlog::info(
+        "train.checkpoint_async: {} of {} host memory for the checkpoint snapshot "
+        "(3 x fp32 per owned parameter), allocated in {:.1f} ms and kept for the run",
+        format_bytes(async->snapshot_bytes()),
+        async->snapshot_page_locked() ? "page-locked" : "pageable", ms_since(alloc_begin));
+  const Clock::time_point copy_begin = Clock::now();
   std::vector<OptimizerShard> shards;
-  if (!strategy.replicated() || strategy.plan().rank == 0) {
-    for (const OwnedRange& o : strategy.plan().owned) {
-      const size_t n = static_cast<size_t>(o.end - o.begin);
-      master.emplace_back(n);
-      m.emplace_back(n);
-      v.emplace_back(n);
-      run.strategy.read_range(o, master.back().data(), m.back().data(), v.back().data());
-      for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
-        if (!run.layout.writes(p)) continue;
-        const int64_t at = p.local - o.begin;
-        shards.push_back({p.global, p.global + p.size, master.back().data() + at,
-                          m.back().data() + at, v.back().data() + at});
-      }
+  size_t bytes = 0;
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const OwnedRange& o = owned[i];
+    const size_t n = static_cast<size_t>(o.end - o.begin);
+    float *master = host[i], *m = master + n, *v = m + n;
+    run.strategy.read_range(o, master, m, v);
+    for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
+      if (!run.layout.writes(p)) continue;
+      const int64_t at = p.local - o.begin;
+      shards.push_back({p.global, p.global + p.size, master + at, m + at, v + at});
+      bytes += 3 * static_cast<size_t>(p.size) * sizeof(float);
     }
   }
   const LoaderState ls = run.train_loader.state();
@@ -99,12 +151,61 @@ void save_run(const RunParts& run, int step) {
     run.backend.copy_to_host(state.moe_bias.data(), run.model.moe_bias());
   }
   const Config& cfg = run.config;
-  const std::string dir = save_checkpoint(cfg.train.out_dir, state, run.model.layout(),
-                                          config_to_yaml(cfg), cfg.dist.strategy, shards, run.rank,
-                                          run.world_size, cfg.train.keep_checkpoints, [&run] {
-                                            if (run.comm) run.comm->barrier();
-                                          });
-  if (run.rank == 0) spdlog::info("checkpoint: {}", dir);
+  const std::string& out_dir = cfg.train.out_dir;
+  const int rank = run.rank, keep = cfg.train.keep_checkpoints;
+  const double timeout_s = cfg.dist.timeout_s;
+  const auto barrier = [&run] {
+    if (run.comm) run.comm->barrier();
+  };
+  if (!async) {
+    const std::string dir =
+        save_checkpoint(out_dir, state, run.model.layout(), config_to_yaml(cfg), cfg.dist.strategy,
+                        shards, rank, run.world_size, keep, timeout_s, barrier);
+    const double stall = ms_since(begin);
+    if (is_main)
+      spdlog::info(
+          "checkpoint step {}: stall {:.1f} ms (synchronous: the whole save, {} from "
+          "rank 0) -> {}",
+          step, stall, format_bytes(bytes), dir);
+    return stall;
+  }
+  const double copy_ms = ms_since(copy_begin);
+  // The writer thread never meets the other ranks: this barrier, on the step loop's thread, is
+  // the only collective, so that no rank writes before the .tmp directory is fresh.
+  if (is_main) begin_checkpoint(out_dir, step);
+  barrier();
+  CheckpointManifest manifest;
+  if (is_main)
+    manifest = checkpoint_manifest(state, run.model.layout(), config_to_yaml(cfg),
+                                   cfg.dist.strategy, run.world_size);
+  async->start([=, manifest = std::move(manifest),
+                shards = std::move(shards)](const std::function<bool()>& abandoned) {
+    try {
+      const Clock::time_point write_begin = Clock::now();
+      write_rank_files(out_dir, step, rank, shards, abandoned);
+      if (rank != 0) return;
+      const double write_ms = ms_since(write_begin);
+      const Clock::time_point publish_begin = Clock::now();
+      const std::string dir = publish_checkpoint(out_dir, manifest, keep, timeout_s, abandoned);
+      spdlog::info(
+          "checkpoint step {}: writer {:.1f} ms ({} from rank 0 in {:.1f} ms, {:.0f} MiB/s; "
+          "then {:.1f} ms for every rank's marker and the publication) -> {}",
+          step, ms_since(write_begin), format_bytes(bytes), write_ms,
+          static_cast<double>(bytes) / (1 << 20) / std::max(write_ms / 1000, 1e-9),
+          ms_since(publish_begin), dir);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint step " + std::to_string(step) + " failed on rank " +
+                               std::to_string(rank) + " (train.checkpoint_async): " + e.what() +
+                               "; the checkpoint before it is still the newest");
+    }
+  });
+  const double stall = ms_since(begin);
+  if (is_main)
+    spdlog::info(
+        "checkpoint step {}: stall {:.1f} ms (asynchronous: waited {:.1f} ms for the "
+        "previous save, copied {} in {:.1f} ms)",
+        step, stall, waited, format_bytes(bytes), copy_ms);
+  return stall;
 }
 
 }  // namespace kiln

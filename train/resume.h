@@ -19,6 +19,8 @@
 
 namespace kiln {
 
+class AsyncCheckpointer;
+
 // The parts of a running trainer a checkpoint reads and writes.
 struct RunParts {
   const Config& config;
@@ -30,7 +32,8 @@ struct RunParts {
   Fp8Recipe& fp8;
   DataLoader& train_loader;
   std::mt19937_64& rng;
-  Communicator* comm;  // the world's (null for one process): checkpoints' barriers
+  Communicator* comm;  // the world's (null for one process): checkpoints' barriers, on the
+                       // step loop's thread only
 };
 
 // The checkpoint train.resume names: the newest in out_dir (auto, if any), none, or a path.
@@ -40,7 +43,14 @@ std::optional<std::string> checkpoint_to_resume(const TrainSection& train);
 // InputError also says how to start afresh instead.
 int resume_run(const RunParts& run, const std::string& dir);
 
-// Writes the checkpoint of step `step` (collective: every rank calls it).
-void save_run(const RunParts& run, int step);
+// The host memory train.checkpoint_async's snapshot takes on this rank (0 where it is off):
+// 3 x fp32 per parameter of the ranges the strategy has this rank write.
+size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& strategy);
+
+// Writes the checkpoint of step `step` (collective: every rank calls it): the whole save here,
+// or, with `async` (train.checkpoint_async), after waiting for its save in flight, a copy of the
+// state into its host buffers that its thread writes and publishes. Returns the milliseconds
+// the caller spent in it (the step loop's stall), which rank 0 also logs.
+double save_run(const RunParts& run, int step, AsyncCheckpointer* async);
 
 }  // namespace kiln

@@ -145,12 +145,16 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
       << "\",\"params\":" << s.params << ",\"memory_bytes\":" << s.memory_bytes
       << ",\"tokens_per_step\":" << s.tokens_per_step << ",\"world_size\":" << s.world_size
       << ",\"strategy\":\"" << s.strategy << "\",\"reduce_dtype\":\"" << s.reduce_dtype
-      << "\",\"commit\":\"" << KILN_COMMIT << "\""
+      << "\",\"commit\":\"" << build_commit() << "\""
       << ",\"prefetch\":" << (s.prefetch ? "true" : "false")
       << ",\"cuda_graphs\":" << json_quote(s.cuda_graphs) << ",\"fp8\":" << json_quote(s.fp8);
   if (s.peak_flops > 0) out << ",\"peak_tflops\":" << s.peak_flops / 1e12;
   if (s.tokens_per_joule) out << ",\"tokens_per_joule\":" << *s.tokens_per_joule;
   if (s.device_memory_bytes >= 0) out << ",\"device_memory_bytes\":" << s.device_memory_bytes;
+  if (!s.stop_signal.empty())
+    out << ",\"stopped\":{\"signal\":" << json_quote(s.stop_signal)
+        << ",\"step\":" << s.stopped_at_step
+        << ",\"checkpoint\":" << (s.stop_checkpoint ? "true" : "false") << "}";
   const std::vector<std::string> restarts = recorded_restarts(out_dir);
   out << ",\"restart_count\":" << restarts.size() << ",\"restarts\":[";
   for (size_t i = 0; i < restarts.size(); ++i) out << (i ? "," : "") << restarts[i];

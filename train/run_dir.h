@@ -1,7 +1,9 @@
 // The run directory (train.out_dir) as rank 0 keeps it: the resolved config.yaml, metrics.jsonl
 // (one JSON object a step, reading as one run across resumes, and an event line for each
 // supervised restart), and summary.json at the end (what ran where, for tools such as bench that
-// read a finished run, and the restarts). Checkpoints live below it too (train/checkpoint.h).
+// read a finished run, and the restarts; a run stopped by a signal says so:
+// "stopped":{"signal":"SIGTERM","step":S,"checkpoint":true}). Checkpoints live below it too
+// (train/checkpoint.h).
 //
 // A restart's line has no "step" (readers of steps skip it) and survives the cut of a resume:
 // {"event":"restart","restart":1,"cause":"node 0: rank 1 (pid 4242) was killed by signal 9
@@ -36,6 +38,10 @@ std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::option
 // The restarts recorded in out_dir/metrics.jsonl, each as a JSON object ({"restart":1,...}).
 std::vector<std::string> recorded_restarts(const std::string& out_dir);
 
+// The git commit this binary was built from ("26cfa85", "26cfa85-dirty" with uncommitted
+// changes; generated at build time by cmake/build_commit.cmake).
+const char* build_commit();
+
 // summary.json's fields: what ran where, and which optimizations ran (fallbacks included).
 struct RunSummary {
   std::string backend, attention;
@@ -49,6 +55,11 @@ struct RunSummary {
   double peak_flops = 0;         // 0: not known (no MFU), and absent from the file
   std::optional<double> tokens_per_joule;
   int64_t device_memory_bytes = -1;  // the most memory_in_use() seen; -1: not known (the CPU)
+  // A run stopped by a signal before train.max_steps (train/stop.h): which, at which step, and
+  // whether a checkpoint was saved there. Empty: the run finished.
+  std::string stop_signal;
+  int stopped_at_step = 0;
+  bool stop_checkpoint = false;
 };
 void write_summary(const std::string& out_dir, const RunSummary& s);
 

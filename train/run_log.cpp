@@ -5,7 +5,8 @@
 namespace kiln {
 
 void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
-                     const Arena& state, const Arena& acts, int world_size, Recompute recompute) {
+                     const Arena& state, const Arena& acts, int world_size, Recompute recompute,
+                     size_t checkpoint_host_bytes) {
   const int B = cfg.train.batch_size, T = model.config().seq_len;
   spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
                backend.name(), model.layout().total, cfg.dist.strategy, world_size,
@@ -25,6 +26,12 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
                  format_bytes(static_cast<size_t>(all)));
   }
   spdlog::info("  {:<24} {}", "total", format_bytes(state.bytes() + acts.bytes()));
+  if (checkpoint_host_bytes > 0)
+    spdlog::info(
+        "  {:<24} {} of host memory, {} (train.checkpoint_async: 3 x fp32 per owned "
+        "parameter, allocated at the first checkpoint and kept)",
+        "checkpoint snapshot", format_bytes(checkpoint_host_bytes),
+        backend.device() == Device::cuda ? "page-locked" : "pageable");
 }
 
 void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,

@@ -15,6 +15,7 @@
 #include "kernels/arena.h"
 #include "kernels/error.h"
 #include "kernels/plan_backend.h"
+#include "train/async_checkpoint.h"
 #include "train/device.h"
 #include "train/fault_hook.h"
 #include "train/fp8_recipe.h"
@@ -34,6 +35,7 @@
 #include "train/step_graph.h"
 #include "train/step_inputs.h"
 #include "train/step_timer.h"
+#include "train/stop.h"
 
 namespace kiln {
 
@@ -45,7 +47,8 @@ class Trainer {
  public:
   // `backend`: the one to run on (train --plan's planning backend); null: train.device's.
   Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-          const TrainObserver* observer, std::unique_ptr<Backend> backend = nullptr);
+          const TrainObserver* observer, StopAgreement* stop = nullptr,
+          std::unique_ptr<Backend> backend = nullptr);
   int run();
   // Lays out every buffer and prints the plan and its verdict against `target`, allocating
   // nothing. Returns the exit status.
@@ -82,10 +85,23 @@ class Trainer {
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
-  // the last step, an observer), rather than one step late.
+  // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
+  bool stop_step(int step) const { return stop_at_ && stop_at_->step == step; }
+  // At a step boundary, `enqueued` steps in: whether a stop has been agreed on (train/stop.h).
+  void poll_stop(int enqueued);
+  // After the agreed stop's checkpoint: summary.json and the one line saying how to resume.
+  // Returns the exit status, 128 + the signal.
+  int report_stop(std::optional<double> tokens_per_joule);
+  RunSummary summary(std::optional<double> tokens_per_joule);
   double evaluate();
   void print_sample(int step);
+  // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
+  // written and published first, and its failure thrown. Returns `status`.
+  int wait_for_checkpoint(int status) {
+    if (async_checkpoints_) async_checkpoints_->wait();
+    return status;
+  }
   void all_reduce(Tensor t) {
     if (!comm_ || rank_.world_size == 1) return;
     comm_->all_reduce_sum(t);
@@ -95,6 +111,8 @@ class Trainer {
   const Config& cfg_;
   RankInfo rank_;
   const TrainObserver* observer_;
+  StopAgreement* stop_;
+  std::optional<StopPoint> stop_at_;
   ParallelPlan plan_;
   std::unique_ptr<Backend> built_backend_;
   Backend* backend_;  // the built one, or an observer's wrapper of it
@@ -124,13 +142,18 @@ class Trainer {
   double flops_per_token_ = 0;
   StepTimer timer_;
   int64_t device_peak_ = -1;  // the most memory_in_use() seen at a finished step
+  // train.checkpoint_async's writer thread and host snapshot. Last: destroyed first, so the
+  // save in flight is done with the backend and model before they go.
+  std::unique_ptr<AsyncCheckpointer> async_checkpoints_;
 };
 
 Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer, std::unique_ptr<Backend> backend)
+                 const TrainObserver* observer, StopAgreement* stop,
+                 std::unique_ptr<Backend> backend)
     : cfg_(cfg),
       rank_(rank),
       observer_(observer),
+      stop_(stop),
       plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel)),
       built_backend_(backend ? std::move(backend) : make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
@@ -182,7 +205,7 @@ void Trainer::plan_buffers() {
   model_->plan_activations(acts_arena_, B(), T(), recompute);
   if (is_main())
     log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,
-                    recompute);
+                    recompute, checkpoint_snapshot_bytes(cfg_.train, *strategy_));
 }
 
 int Trainer::plan_only(const PlanTarget& target) {
@@ -216,15 +239,21 @@ void Trainer::plan_memory() {
 
 void Trainer::init_parameters() {
   if (!cfg_.init.from.empty()) {
-    strategy_->load_parameters(
-        layout_.to_local(load_init_weights(cfg_.init.from, mcfg_, model_->layout())));
+    const std::vector<float> local =
+        layout_.to_local(load_init_weights(cfg_.init.from, mcfg_, model_->layout()));
+    strategy_->load_parameters([&](int64_t begin, int64_t end, float* out) {
+      std::copy(local.begin() + begin, local.begin() + end, out);
+    });
     if (is_main())
       spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
     return;
   }
-  std::vector<float> host(static_cast<size_t>(model_->layout().total));
-  model_->init(static_cast<uint64_t>(cfg_.train.seed), host.data());
-  strategy_->load_parameters(layout_.to_local(host));
+  // Each rank draws only the parameters it owns (fsdp at 8B: a quarter of 32 GB on 4 ranks).
+  const auto seed = static_cast<uint64_t>(cfg_.train.seed);
+  strategy_->load_parameters([&](int64_t begin, int64_t end, float* out) {
+    for (const LayoutPiece& p : layout_.global_pieces(begin, end))
+      model_->init_range(seed, p.global, p.global + p.size, out + (p.local - begin));
+  });
 }
 
 void Trainer::step_work(bool break_capture) {
@@ -297,11 +326,12 @@ bool Trainer::host_step(int step) const {
   return step == t.max_steps || (val_loader_ && step % t.eval_every == 0) ||
          (t.sample_every > 0 && step % t.sample_every == 0) ||
          (t.save_checkpoints && t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
-         (observer_ && observer_->on_step);
+         stop_step(step) || (observer_ && observer_->on_step);
 }
 
 bool Trainer::finish_step(const PendingStep& p) {
   const auto& t = cfg_.train;
+  if (async_checkpoints_) async_checkpoints_->check();  // a background save that failed stops here
   const int slot = p.step % Backend::kReadbackSlots;
   const float* values = backend_->read_wait(slot);
   StepMetrics sm;
@@ -334,15 +364,21 @@ bool Trainer::finish_step(const PendingStep& p) {
     device_peak_ = in_use;
   }
   const bool last = sm.step == t.max_steps;
+  auto progress = [&](bool checkpointing) {
+    if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, checkpointing);
+  };
+  progress(false);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
-  if (is_main()) {
-    metrics_->write(sm);
-    if (sm.step % t.log_every == 0 || last || sm.val_loss)
-      spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
-  }
+  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss))
+    spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) || last))
-    save_run(parts(), sm.step);
+  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
+                             last || stop_step(sm.step))) {
+    progress(true);
+    sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
+    progress(false);
+  }
+  if (is_main()) metrics_->write(sm);  // after the save: the line holds its stall
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   fault_hook_after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
@@ -365,6 +401,8 @@ int Trainer::run() {
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
   plan_memory();
+  if (t.save_checkpoints && t.checkpoint_async)
+    async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);
 
   const std::optional<std::string> ckpt = checkpoint_to_resume(t);
   if (ckpt) {
@@ -411,28 +449,84 @@ int Trainer::run() {
     if (moe()) readback.push_back(model_->moe_stats());
     backend_->read_async(slot, readback);
     const Clock::time_point enqueue_end = Clock::now();
-    if (pending && !finish_step(*pending)) return 1;
+    // While the device runs the step just enqueued: off its critical path.
+    if (stop_ && !stop_at_) poll_stop(step + 1);
+    if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
     pending = PendingStep{step, lr, enqueued, enqueue_end};
     if (host_step(step + 1)) {
-      if (!finish_step(*pending)) return 1;
+      if (!finish_step(*pending)) return wait_for_checkpoint(1);
       pending.reset();
     }
+    if (stop_step(step + 1) && step + 1 < t.max_steps) {
+      wait_for_checkpoint(0);  // the stop's checkpoint is published before it is reported
+      return report_stop(power_->finish(tokens_per_step()));
+    }
   }
+  wait_for_checkpoint(0);  // the last checkpoint is on disk when train exits
   const std::optional<double> tokens_per_joule = power_->finish(tokens_per_step());
-  if (is_main())
-    write_summary(t.out_dir, {backend_->name(), backend_->attention_name(), model_->layout().total,
-                              memory_bytes(), tokens_per_step(), rank_.world_size,
-                              cfg_.dist.strategy, cfg_.dist.reduce_dtype, cfg_.data.prefetch,
-                              graph_.status(), fp8_->status(cfg_), peak_, tokens_per_joule,
-                              device_peak_});
+  if (is_main()) write_summary(t.out_dir, summary(tokens_per_joule));
   return 0;
+}
+
+void Trainer::poll_stop(int enqueued) {
+  stop_at_ = stop_->poll(enqueued);
+  if (!stop_at_ || !is_main()) return;
+  const std::string what =
+      stop_signal_name(stop_at_->signal) +
+      (rank_.world_size > 1 ? " (rank " + std::to_string(stop_at_->rank) + ")" : std::string());
+  if (stop_at_->step >= cfg_.train.max_steps)
+    spdlog::info("{}: the run ends at step {} (train.max_steps) before it could stop; finishing it",
+                 what, cfg_.train.max_steps);
+  else if (rank_.world_size > 1)
+    spdlog::info("{}: every rank saves at step {} and stops", what, stop_at_->step);
+}
+
+RunSummary Trainer::summary(std::optional<double> tokens_per_joule) {
+  RunSummary s;
+  s.backend = backend_->name();
+  s.attention = backend_->attention_name();
+  s.params = model_->layout().total;
+  s.memory_bytes = memory_bytes();
+  s.tokens_per_step = tokens_per_step();
+  s.world_size = rank_.world_size;
+  s.strategy = cfg_.dist.strategy;
+  s.reduce_dtype = cfg_.dist.reduce_dtype;
+  s.prefetch = cfg_.data.prefetch;
+  s.cuda_graphs = graph_.status();
+  s.fp8 = fp8_->status(cfg_);
+  s.peak_flops = peak_;
+  s.tokens_per_joule = tokens_per_joule;
+  s.device_memory_bytes = device_peak_;
+  return s;
+}
+
+int Trainer::report_stop(std::optional<double> tokens_per_joule) {
+  const auto& t = cfg_.train;
+  const std::string sig = stop_signal_name(stop_at_->signal);
+  if (is_main()) {
+    RunSummary s = summary(tokens_per_joule);
+    s.stop_signal = sig;
+    s.stopped_at_step = stop_at_->step;
+    s.stop_checkpoint = t.save_checkpoints;
+    write_summary(t.out_dir, s);
+    if (!t.save_checkpoints)
+      spdlog::warn("stopped by {} at step {} of {}: no checkpoint (train.save_checkpoints=false)",
+                   sig, stop_at_->step, t.max_steps);
+    else
+      spdlog::warn("stopped by {} at step {} of {}: checkpoint saved in {}/checkpoints; {}", sig,
+                   stop_at_->step, t.max_steps, t.out_dir,
+                   t.resume == "auto"
+                       ? "run the same command to resume from it"
+                       : "resume with --train.resume=auto (train.resume is " + t.resume + ")");
+  }
+  return 128 + stop_at_->signal;
 }
 
 }  // namespace
 
 int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer) {
-  Trainer trainer(config, rank, make_comm, observer);
+                 const TrainObserver* observer, StopAgreement* stop) {
+  Trainer trainer(config, rank, make_comm, observer, stop);
   return trainer.run();
 }
 
@@ -441,7 +535,7 @@ int plan_training(const Config& config, int world_size, const PlanTarget& target
       world_size > 1 ? std::to_string(world_size) + " x " + target.gpu : target.gpu;
   Trainer trainer(
       config, RankInfo{0, 0, world_size},
-      [](Backend&, const CommGroup& g) { return make_plan_communicator(g.rank, g.size); },
+      [](Backend&, const CommGroup& g) { return make_plan_communicator(g.rank, g.size); }, nullptr,
       nullptr, make_plan_backend(gpus));
   return trainer.plan_only(target);
 }

@@ -4,7 +4,8 @@
 // stage the step's inputs (train/step_inputs.h), run its device work eagerly or as a CUDA graph
 // (train/step_graph.h): grad_accum micro-steps of forward+backward, gradient sync (the dist
 // strategy), FP8 scaling (train/fp8_recipe.h), global-norm clipping, AdamW; then log, evaluate,
-// sample and checkpoint, keeping the run directory (train/run_dir.h).
+// sample and checkpoint, keeping the run directory (train/run_dir.h); on a stop signal, agree on
+// a step with the other ranks, checkpoint there and stop (train/stop.h).
 // Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
 #pragma once
 
@@ -35,15 +36,21 @@ struct RankInfo {
 // Instrumentation for tools (bench --profile-ops): wrap_backend returns the backend the trainer
 // runs on in place of the one it built (which outlives every use of the wrapper); on_step is
 // called after each optimizer step, once the step's work is done, with the number of steps done.
+// on_progress (the collective watchdog, dist/watchdog.h) is told each finished step without
+// making it a host step, and host_work true while the trainer writes a checkpoint after it.
 struct TrainObserver {
   std::function<Backend&(Backend& built)> wrap_backend;
   std::function<void(int steps_done)> on_step;
+  std::function<void(int steps_done, bool host_work)> on_progress;
 };
 
+class StopAgreement;
 // Runs the whole training job described by `config` on this rank. `make_comm` is empty for a
-// single process. Returns the process exit status.
+// single process. `stop` (train/stop.h), where given, is polled at each step boundary: on an
+// agreed stop every rank saves a checkpoint at the agreed step and returns 128 + the signal.
+// Returns the process exit status.
 int run_training(const Config& config, const RankInfo& rank, const CommunicatorFactory& make_comm,
-                 const TrainObserver* observer = nullptr);
+                 const TrainObserver* observer = nullptr, StopAgreement* stop = nullptr);
 
 struct PlanTarget;
 // `train CONFIG --plan`: rank 0's memory plan for a run of `world_size` ranks, made without a GPU
