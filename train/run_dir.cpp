@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -30,19 +31,34 @@ void set_aside(const std::string& path) {
   spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
 }
 
+// The step of a metrics line, -1 for a line that is not a step's.
+int step_of(const std::string& line) {
+  const auto pos = line.find("\"step\":");
+  return pos == std::string::npos ? -1 : std::atoi(line.c_str() + pos + 7);
+}
+
 // Drops the step lines past `last_step`, so the log of a resumed run reads as one run; event
-// lines stay. A line cut short by a crash mid-write is dropped too.
+// lines stay. A line cut short by a crash mid-write is dropped too. The line of `last_step`
+// itself, where a crash took it after its checkpoint was saved, comes back from path.pending
+// (MetricsLog::write_pending).
 void truncate_metrics(const std::string& path, int last_step) {
   std::ifstream in(path);
-  if (!in) return;
   std::string line, kept;
+  bool has_last = last_step == 0;
   while (std::getline(in, line)) {
     if (line.empty() || line.front() != '{' || line.back() != '}') continue;
-    const auto pos = line.find("\"step\":");
-    if (pos != std::string::npos && std::atoi(line.c_str() + pos + 7) > last_step) continue;
+    if (step_of(line) > last_step) continue;
+    has_last = has_last || step_of(line) == last_step;
     kept += line + "\n";
   }
-  replace_file_synced(path, kept);
+  std::ifstream pending(path + ".pending");
+  if (!has_last && std::getline(pending, line) && step_of(line) == last_step) {
+    spdlog::warn("metrics.jsonl: step {}'s line restored from {}.pending (the run stopped after "
+                 "saving its checkpoint, before logging it)",
+                 last_step, path);
+    kept += line + "\n";
+  }
+  if (in.is_open() || !kept.empty()) replace_file_synced(path, kept);
 }
 
 constexpr char kRestartEvent[] = "{\"event\":\"restart\",";
@@ -130,6 +146,7 @@ std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
     set_aside(path);
     set_aside(out_dir + "/checkpoints");
   }
+  std::remove((path + ".pending").c_str());
   auto log = std::make_unique<MetricsLog>(path);
   log_restarts(path, *log, restarts, *resumed_at);
   return log;

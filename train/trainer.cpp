@@ -375,6 +375,7 @@ bool Trainer::finish_step(const PendingStep& p) {
   if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
                              last || stop_step(sm.step))) {
     progress(true);
+    if (is_main()) metrics_->write_pending(sm);  // what a crash right after the save must not lose
     sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
