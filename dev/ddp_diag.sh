@@ -100,7 +100,7 @@ for r in sys.argv[2].split():
     names += [f"{r}_gpu{g}" for g in range(int(sys.argv[3]))] if k == "indep" else [r]
 for name in names:
     path = f"{sys.argv[4]}/{name}/metrics.jsonl"
-    steps = [json.loads(l)["ms"] for l in open(path)][5:] if os.path.exists(path) else []
+    steps = [r["ms"] for r in map(json.loads, open(path)) if "step" in r][5:] if os.path.exists(path) else []
     if steps:
         ms[name] = statistics.median(steps)
 def baseline(k):  # solo, solo.2, ...; not solo.TAG, which runs with an environment of its own

@@ -62,7 +62,7 @@ python3 - "$STEPS" "$OUT" <<'PY' | tee "$OUT/scaling.md"
 import json, statistics, sys, glob, os, csv, datetime
 steps, out = int(sys.argv[1]), sys.argv[2]
 def load(d):
-    m = [json.loads(l) for l in open(f"{d}/metrics.jsonl")][5:]
+    m = [r for r in map(json.loads, open(f"{d}/metrics.jsonl")) if "step" in r][5:]
     s = json.load(open(f"{d}/summary.json"))
     return statistics.median(x["tok_s"] for x in m), statistics.median(x["ms"] for x in m), s
 # Mean SM clock of the GPUs a run used, over its span.

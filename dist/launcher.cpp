@@ -1,11 +1,13 @@
 // launch_workers(): host the store (node 0), meet the other nodes' launchers, fork+exec one
-// worker per local rank, and supervise them until they all exit (see launcher.h).
+// worker per local rank, and supervise them until they all exit; where they failed and restarts
+// are left, tear down, wait the backoff and start the next generation (see launcher.h).
 //
 // Workers are exec'd, not merely forked, so each starts clean of the launcher's threads and
 // any OpenMP/CUDA state; their environment is built before fork() because only async-signal-
 // safe calls are allowed in the child of a multi-threaded process (the store runs a thread).
 // Supervision is a loop that wakes when a worker exits (pidfds), a signal arrives, or 50 ms
-// pass, and checks the store's "failed" key every second: every way a job ends is bounded.
+// pass, and checks the store's "failed" key of its generation every second: every way a job
+// ends is bounded.
 #include "dist/launcher.h"
 
 #include <poll.h>
@@ -22,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "dist/node_group.h"
 #include "kernels/error.h"
 
 extern char** environ;
@@ -88,11 +91,13 @@ std::string describe_exit(const Worker& w, int status) {
 }
 
 // The worker's environment: ours minus any stale KILN_* identity, plus its own.
-std::vector<std::string> worker_env(const WorkerInfo& w) {
-  static const char* kKeys[] = {
-      "KILN_RANK",      "KILN_LOCAL_RANK", "KILN_WORLD_SIZE",  "KILN_LOCAL_WORLD_SIZE",
-      "KILN_NODE_RANK", "KILN_NNODES",     "KILN_MASTER_ADDR", "KILN_MASTER_PORT",
-      "KILN_RUN_TOKEN"};
+std::vector<std::string> worker_env(const WorkerInfo& w, const std::string& restarts) {
+  static const char* kKeys[] = {"KILN_RANK",        "KILN_LOCAL_RANK",
+                                "KILN_WORLD_SIZE",  "KILN_LOCAL_WORLD_SIZE",
+                                "KILN_NODE_RANK",   "KILN_NNODES",
+                                "KILN_MASTER_ADDR", "KILN_MASTER_PORT",
+                                "KILN_RUN_TOKEN",   "KILN_RESTART_GENERATION",
+                                "KILN_RESTARTS"};
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     bool ours = false;
@@ -108,14 +113,16 @@ std::vector<std::string> worker_env(const WorkerInfo& w) {
                                 std::to_string(w.nnodes),
                                 w.master_addr,
                                 std::to_string(w.master_port),
-                                w.run_token};
+                                w.run_token,
+                                std::to_string(w.generation),
+                                restarts};
   for (size_t i = 0; i < std::size(kKeys); ++i)
     env.push_back(std::string(kKeys[i]) + "=" + values[i]);
   return env;
 }
 
-pid_t spawn_worker(const WorkerInfo& w, char** argv) {
-  std::vector<std::string> env = worker_env(w);
+pid_t spawn_worker(const WorkerInfo& w, const std::string& restarts, char** argv) {
+  std::vector<std::string> env = worker_env(w, restarts);
   std::vector<char*> envp;
   for (auto& s : env) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -148,19 +155,29 @@ void validate(const LaunchConfig& cfg) {
     throw InputError("--master-port " + std::to_string(cfg.master_port) + " is not a port");
   if (cfg.nnodes > 1 && cfg.master_addr.empty())
     throw InputError("--nnodes > 1 needs --master-addr (the address of node 0)");
+  if (cfg.max_restarts < 0)
+    throw InputError("--max-restarts " + std::to_string(cfg.max_restarts) + " is negative");
 }
 
-// Supervises this node's workers; see the file comment.
+// How one generation of this node's workers ended. kStopped: a stop signal (to a launcher or a
+// worker, here or on another node), which nothing restarts after.
+struct GenerationEnd {
+  enum Kind { kSucceeded, kFailed, kStopped, kLostStore } kind = kSucceeded;
+  int code = 0;       // the launcher's exit status if nothing follows
+  std::string cause;  // kFailed: what failed, as this node saw it
+};
+
+// Supervises this node's workers of one generation; see the file comment.
 class Supervisor {
  public:
-  Supervisor(const LaunchConfig& cfg, StoreClient& store, std::vector<Worker> workers)
-      : cfg_(cfg), store_(store), workers_(std::move(workers)) {}
+  Supervisor(const LaunchConfig& cfg, NodeGroup& group, int generation, std::vector<Worker> workers)
+      : cfg_(cfg), group_(group), generation_(generation), workers_(std::move(workers)) {}
   ~Supervisor() {
     for (const Worker& w : workers_)
       if (w.pidfd >= 0) close(w.pidfd);
   }
 
-  int run() {
+  GenerationEnd run() {
     auto last_poll = Clock::now();
     while (any_alive()) {
       reap();
@@ -171,13 +188,17 @@ class Supervisor {
               "launcher node {}: got signal {} ({}); forwarding to workers, SIGKILL in "
               "{} s",
               cfg_.node_rank, sig, strsignal(sig), cfg_.stop_grace.count());
-          start_teardown(128 + sig,
-                         "node " + std::to_string(cfg_.node_rank) +
-                             ": launcher interrupted by signal " + std::to_string(sig),
-                         sig, true);
+          start_stopping(true);
+          kill_all(sig);
+          stop(128 + sig, "node " + std::to_string(cfg_.node_rank) +
+                              ": launcher interrupted by signal " + std::to_string(sig));
         } else if (!killed_ && sig != SIGUSR1) {
-          kill_all(SIGKILL);  // asked twice: stop now
+          kill_all(SIGKILL);  // asked twice, or while stopping a failure: stop now
         }
+        // Whoever asked us to stop asked for no restart, here or on any other node.
+        if (end_.kind != GenerationEnd::kStopped)
+          stop(128 + sig, "node " + std::to_string(cfg_.node_rank) +
+                              ": launcher interrupted by signal " + std::to_string(sig));
         signals_seen_ = g_signal_count;
       }
       const std::chrono::seconds grace = stop_ ? cfg_.stop_grace : cfg_.grace;
@@ -188,13 +209,27 @@ class Supervisor {
             cfg_.node_rank, grace.count());
         kill_all(SIGKILL);
       }
-      if (!stopping_ && cfg_.nnodes > 1 && Clock::now() - last_poll >= 1s) {
-        last_poll = Clock::now();
-        poll_failed_key();
+      if (!stopping_ && cfg_.nnodes > 1) {
+        if (const std::string why = group_.lost(); !why.empty()) {
+          lose_store(why);
+        } else if (Clock::now() - last_poll >= 1s) {
+          last_poll = Clock::now();
+          poll_failed_key();
+        }
       }
+      publish_pending(false);
       wait_for_event();
     }
-    return result_;
+    while (publish_after_ != Clock::time_point{} && Clock::now() < publish_after_) {
+      try {
+        if (group_.failure(generation_)) break;
+      } catch (const std::exception&) {
+        break;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    publish_pending(true);
+    return end_;
   }
 
  private:
@@ -229,9 +264,10 @@ class Supervisor {
       const std::string what = describe_exit(*w, status);
       if (const int sig = stop_signal_of(status)) {
         spdlog::info("launcher node {}: {}: stopped by {}", cfg_.node_rank, what, strsignal(sig));
-        if (!stopping_)  // its siblings stop at the same step by themselves: only bound them
-          start_teardown(WEXITSTATUS(status),
-                         "node " + std::to_string(cfg_.node_rank) + ": " + what, 0, true);
+        if (!stopping_) {  // its siblings stop at the same step by themselves: only bound them
+          start_stopping(true);
+          stop(WEXITSTATUS(status), "node " + std::to_string(cfg_.node_rank) + ": " + what);
+        }
         continue;
       }
       if (stopping_ && WIFSIGNALED(status) && sent_.count(WTERMSIG(status))) {
@@ -241,9 +277,28 @@ class Supervisor {
       spdlog::error("launcher node {}: {}", cfg_.node_rank, what);
       if (!stopping_) {
         int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-        start_teardown(code, "node " + std::to_string(cfg_.node_rank) + ": " + what, SIGTERM);
+        start_stopping();
+        end_ = {GenerationEnd::kFailed, code,
+                "node " + std::to_string(cfg_.node_rank) + ": " + what};
+        kill_all(SIGTERM);
+        // A worker that exits with an error across nodes is most often the echo of a failure
+        // elsewhere (its peer died, a collective failed): give that node's launcher, or node 0's
+        // watch, a moment to record the cause first.
+        if (WIFSIGNALED(status) || cfg_.nnodes == 1)
+          tell_others([&] { group_.publish_failure(generation_, end_.cause); });
+        else
+          publish_after_ = Clock::now() + 1s;
       }
     }
+  }
+
+  // Publishes this node's failure once its moment has passed, unless another was recorded.
+  void publish_pending(bool now) {
+    if (publish_after_ == Clock::time_point{} || (!now && Clock::now() < publish_after_)) return;
+    tell_others([&] {
+      if (!group_.failure(generation_)) group_.publish_failure(generation_, end_.cause);
+    });
+    publish_after_ = {};
   }
 
   // Sleeps up to 50 ms, waking at once when a worker exits (pidfds) or a signal arrives.
@@ -258,20 +313,26 @@ class Supervisor {
     ::poll(fds.data(), fds.size(), 50);
   }
 
-  // Sends `sig` (0: none) to the workers and SIGKILL after the grace. `stop`: a stop signal
-  // (`code` 128 + it), not a failure: the workers get stop_grace to checkpoint, and so do other
-  // nodes' (the "stopped" key, set before "failed"; their workers stop at the same step).
-  void start_teardown(int code, const std::string& reason, int sig, bool stop = false) {
+  // `stop`: for a stop signal, not a failure: the workers get stop_grace to checkpoint.
+  void start_stopping(bool stop = false) {
     stopping_ = true;
     stop_ = stop;
     stop_started_ = Clock::now();
-    result_ = code;
     if (any_alive() && !stop)
       spdlog::warn("launcher node {}: stopping the other workers", cfg_.node_rank);
-    if (sig != 0) kill_all(sig);
+  }
+
+  // This generation ends by a stop: recorded for the other nodes ("stopped", set before
+  // "failed": their workers stop at the same step, and nobody restarts).
+  void stop(int code, const std::string& cause) {
+    end_ = {GenerationEnd::kStopped, code, cause};
+    tell_others([&] { group_.publish_stop(generation_, code - 128, cause); });
+  }
+
+  template <class F>
+  void tell_others(F publish) {
     try {
-      if (stop) store_.set("stopped", std::to_string(code - 128));
-      store_.set("failed", reason);
+      publish();
     } catch (const std::exception& e) {
       if (cfg_.nnodes > 1)
         spdlog::warn("launcher node {}: cannot tell the other nodes: {}", cfg_.node_rank, e.what());
@@ -279,29 +340,34 @@ class Supervisor {
   }
 
   void poll_failed_key() {
-    int stop_sig = 0;
     try {
-      if (!store_.check({"failed"})) return;
-      std::string why = store_.get("failed", 5s);
-      if (store_.check({"stopped"})) {
-        stop_sig = std::stoi(store_.get("stopped", 5s));
+      const std::optional<std::string> why = group_.failure(generation_);
+      if (!why) return;
+      if (const int sig = group_.stop_signal(generation_)) {
         spdlog::warn(
             "launcher node {}: the job is stopping on signal {} ({}); its workers "
             "checkpoint and exit, SIGKILL in {} s",
-            cfg_.node_rank, stop_sig, why, cfg_.stop_grace.count());
-      } else {
-        spdlog::error("launcher node {}: the job failed elsewhere ({}); stopping workers",
-                      cfg_.node_rank, why);
+            cfg_.node_rank, sig, *why, cfg_.stop_grace.count());
+        start_stopping(true);
+        end_ = {GenerationEnd::kStopped, 128 + sig, *why};
+        return;
       }
+      spdlog::error("launcher node {}: the job failed elsewhere ({}); stopping workers",
+                    cfg_.node_rank, *why);
+      start_stopping();
+      end_ = {GenerationEnd::kFailed, 1, *why};
+      kill_all(SIGTERM);
     } catch (const std::exception& e) {
-      spdlog::error("launcher node {}: lost the rendezvous store ({}); stopping workers",
-                    cfg_.node_rank, e.what());
+      lose_store(e.what());
     }
-    stopping_ = true;
-    stop_ = stop_sig != 0;
-    stop_started_ = Clock::now();
-    result_ = stop_ ? 128 + stop_sig : 1;
-    if (!stop_) kill_all(SIGTERM);
+  }
+
+  void lose_store(const std::string& why) {
+    spdlog::error("launcher node {}: lost the rendezvous store ({}); stopping workers",
+                  cfg_.node_rank, why);
+    start_stopping();
+    end_ = {GenerationEnd::kLostStore, 1, why};
+    kill_all(SIGTERM);
   }
 
   void kill_all(int sig) {
@@ -312,51 +378,96 @@ class Supervisor {
   }
 
   const LaunchConfig& cfg_;
-  StoreClient& store_;
+  NodeGroup& group_;
+  const int generation_;
   std::vector<Worker> workers_;
   bool stopping_ = false, killed_ = false, stop_ = false;
   Clock::time_point stop_started_;
-  int result_ = 0;
+  Clock::time_point publish_after_{};  // a failure of ours not yet published (see reap)
+  GenerationEnd end_;
   int signals_seen_ = 0;
   std::set<int> sent_;
 };
 
-// Every node's launcher registers; all wait (bounded, interruptible) until all have.
-void meet_other_launchers(const LaunchConfig& cfg, StoreClient& store) {
-  if (store.add("launcher/node/" + std::to_string(cfg.node_rank), 1) != 1)
-    throw InputError("two launchers claim --node-rank " + std::to_string(cfg.node_rank));
-  store.set("launcher/nproc_per_node/" + std::to_string(cfg.node_rank),
-            std::to_string(cfg.nproc_per_node));
-  if (store.add("launcher/joined", 1) == cfg.nnodes) store.set("launcher/all_joined", "1");
-  auto deadline = Clock::now() + cfg.rendezvous_timeout;
-  while (!store.check({"launcher/all_joined"})) {
-    if (g_signal_count > 0) throw InputError("launcher interrupted while waiting for the nodes");
-    if (Clock::now() > deadline)
-      throw InputError("only " + store.get("launcher/joined") + " of " +
-                       std::to_string(cfg.nnodes) + " node launchers reached the store at " +
-                       store.address() + " within " +
-                       std::to_string(cfg.rendezvous_timeout.count()) + " s");
-    std::this_thread::sleep_for(100ms);
+// Starts this node's workers of generation g (their environment names g and the restarts so far).
+std::vector<Worker> start_workers(const LaunchConfig& cfg, WorkerInfo info,
+                                  const std::vector<RestartRecord>& restarts, char** argv) {
+  const std::string history = encode_restarts(restarts);
+  std::vector<Worker> workers;
+  for (int local = 0; local < cfg.nproc_per_node; ++local) {
+    info.local_rank = local;
+    info.rank = cfg.node_rank * cfg.nproc_per_node + local;
+    Worker w;
+    w.rank = info.rank;
+    w.local_rank = local;
+    w.pid = spawn_worker(info, history, argv);
+    w.pidfd = static_cast<int>(syscall(SYS_pidfd_open, w.pid, 0));
+    w.alive = true;
+    workers.push_back(w);
   }
-  std::string node0 = store.get("launcher/nproc_per_node/0");
-  if (node0 != std::to_string(cfg.nproc_per_node))
-    throw InputError("--nproc-per-node " + std::to_string(cfg.nproc_per_node) + " on node " +
-                     std::to_string(cfg.node_rank) + " differs from node 0's " + node0);
+  return workers;
 }
 
-// Node 0 hosts the store: after its own workers succeed it keeps serving until every node is
-// done (or failed, or the rendezvous timeout passes), so late finishers are not stranded.
-void wait_for_other_nodes(const LaunchConfig& cfg, StoreClient& store) {
-  auto deadline = Clock::now() + cfg.rendezvous_timeout;
-  while (Clock::now() < deadline && g_signal_count == 0) {
-    if (store.check({"failed"})) return;
-    if (std::stoll(store.get("launcher/done")) >= cfg.nnodes) return;
-    std::this_thread::sleep_for(100ms);
+// The wait before restart k (1-based): the backoff doubled k-1 times, capped.
+std::chrono::milliseconds restart_delay(const LaunchConfig& cfg, int k) {
+  const auto cap = std::max<std::chrono::milliseconds>(cfg.restart_backoff, kMaxRestartBackoff);
+  auto d = cfg.restart_backoff;
+  for (int i = 1; i < k && d < cap; ++i) d *= 2;
+  return std::min(d, cap);
+}
+
+// Sleeps `d`; false where a signal arrived meanwhile.
+bool backoff(std::chrono::milliseconds d) {
+  const auto until = Clock::now() + d;
+  while (Clock::now() < until) {
+    if (g_signal_count > 0) return false;
+    std::this_thread::sleep_for(std::min<Clock::duration>(50ms, until - Clock::now()));
   }
-  spdlog::warn("launcher node 0: not every node reported done; closing the store");
+  return g_signal_count == 0;
 }
 
 }  // namespace
+
+std::string generation_prefix(int generation) {
+  return generation == 0 ? "" : "gen/" + std::to_string(generation) + "/";
+}
+
+std::string encode_restarts(const std::vector<RestartRecord>& restarts) {
+  std::string out;
+  for (const RestartRecord& r : restarts) {
+    std::string cause = r.cause;
+    std::replace_if(
+        cause.begin(), cause.end(), [](char c) { return c == '\t' || c == '\n'; }, ' ');
+    out += std::to_string(r.restart) + "\t" + cause + "\n";
+  }
+  return out;
+}
+
+std::vector<RestartRecord> decode_restarts(const std::string& text) {
+  std::vector<RestartRecord> out;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    const size_t tab = line.find('\t');
+    char* num_end = nullptr;
+    const long n = tab == std::string::npos ? 0 : std::strtol(line.c_str(), &num_end, 10);
+    if (tab == std::string::npos || num_end != line.c_str() + tab ||
+        n != static_cast<long>(out.size()) + 1)
+      throw InputError("KILN_RESTARTS: line " + std::to_string(out.size() + 1) +
+                       " is not 'N<TAB>cause' with N = " + std::to_string(out.size() + 1) + ": '" +
+                       line + "'");
+    out.push_back({static_cast<int>(n), line.substr(tab + 1)});
+    pos = end + 1;
+  }
+  return out;
+}
+
+std::vector<RestartRecord> restarts_from_environment() {
+  const char* v = std::getenv("KILN_RESTARTS");
+  return v == nullptr ? std::vector<RestartRecord>{} : decode_restarts(v);
+}
 
 int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
   validate(cfg);
@@ -382,7 +493,8 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     port = server->port();
   }
   StoreClient store(master, port, token, cfg.rendezvous_timeout, 30s);
-  meet_other_launchers(cfg, store);
+  NodeGroup group(cfg, store, token, [] { return g_signal_count > 0; });
+  int g = group.join();
 
   WorkerInfo info;
   info.world_size = cfg.nnodes * cfg.nproc_per_node;
@@ -392,32 +504,87 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
   info.master_addr = master;
   info.master_port = port;
   info.run_token = token;
-  std::vector<Worker> workers;
-  spdlog::info("launcher node {}/{}: starting {} workers (ranks {}..{}), store at {}",
-               cfg.node_rank, cfg.nnodes, cfg.nproc_per_node, cfg.node_rank * cfg.nproc_per_node,
-               (cfg.node_rank + 1) * cfg.nproc_per_node - 1, store.address());
-  for (int local = 0; local < cfg.nproc_per_node; ++local) {
-    info.local_rank = local;
-    info.rank = cfg.node_rank * cfg.nproc_per_node + local;
-    Worker w;
-    w.rank = info.rank;
-    w.local_rank = local;
-    w.pid = spawn_worker(info, argv);
-    w.pidfd = static_cast<int>(syscall(SYS_pidfd_open, w.pid, 0));
-    w.alive = true;
-    workers.push_back(w);
-  }
   (void)argc;
-  int result = Supervisor(cfg, store, std::move(workers)).run();
-  if (result == 0) {
+  const std::string me = "launcher node " + std::to_string(cfg.node_rank);
+  for (;;) {
+    GenerationEnd end;
+    bool met = false;
     try {
-      store.add("launcher/done", 1);
-      if (cfg.node_rank == 0 && !single) wait_for_other_nodes(cfg, store);
-    } catch (const std::exception& e) {
-      spdlog::warn("launcher node {}: after the workers finished: {}", cfg.node_rank, e.what());
+      met = group.meet(g);
+    } catch (const InputError&) {
+      if (g_signal_count == 0) throw;
+      spdlog::warn("{}: interrupted by signal {} while waiting for the nodes; stopping", me,
+                   int(g_signal));
+      try {
+        group.publish_stop(g, g_signal,
+                           me + ": launcher interrupted by signal " + std::to_string(g_signal));
+      } catch (const std::exception&) {
+      }
+      return 128 + g_signal;
     }
+    if (met) {
+      info.generation = g;
+      spdlog::info("{}/{}: starting {} workers (ranks {}..{}){}, store at {}", me, cfg.nnodes,
+                   cfg.nproc_per_node, cfg.node_rank * cfg.nproc_per_node,
+                   (cfg.node_rank + 1) * cfg.nproc_per_node - 1,
+                   g > 0 ? ", restart " + std::to_string(g) : std::string(), store.address());
+      end =
+          Supervisor(cfg, group, g, start_workers(cfg, info, group.restarts_before(g), argv)).run();
+      if (end.kind == GenerationEnd::kSucceeded) {
+        bool all_done = true;
+        try {
+          all_done = group.finish(g);
+        } catch (const std::exception& e) {
+          spdlog::warn("{}: after the workers finished: {}", me, e.what());
+        }
+        if (all_done || cfg.max_restarts == 0) return 0;
+        end = {GenerationEnd::kFailed, 1, ""};
+      }
+    } else {
+      end = {GenerationEnd::kFailed, 1, ""};  // a node went before the generation started
+    }
+    if (end.kind == GenerationEnd::kStopped) return end.code;
+    if (end.kind == GenerationEnd::kLostStore) {
+      if (cfg.max_restarts > 0)
+        spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
+                      "hosts; with it gone the job cannot go on ({})",
+                      me, end.cause);
+      return end.code;
+    }
+    // The generation's recorded cause is the same on every node: the first failure published.
+    std::string cause = end.cause;
+    try {
+      if (auto recorded = group.failure(g)) cause = *recorded;
+      if (const int sig = group.stop_signal(g)) {
+        spdlog::warn("{}: the job was stopped ({}); not restarting", me, cause);
+        return 128 + sig;
+      }
+    } catch (const std::exception& e) {
+      spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
+                    "hosts; with it gone the job cannot go on ({})",
+                    me, e.what());
+      return end.code;
+    }
+    if (g >= cfg.max_restarts) {
+      if (cfg.max_restarts > 0)
+        spdlog::error("{}: the restart budget is spent ({} of --max-restarts {}); last failure: {}",
+                      me, g, cfg.max_restarts, cause);
+      return end.code;
+    }
+    const auto delay = restart_delay(cfg, g + 1);
+    spdlog::warn("{}: restart {} of {} in {} ms, from the newest checkpoint; cause: {}", me, g + 1,
+                 cfg.max_restarts, delay.count(), cause);
+    if (!backoff(delay)) {
+      spdlog::warn("{}: interrupted by signal {} before restarting; stopping", me, int(g_signal));
+      try {
+        group.publish_stop(g, g_signal,
+                           me + ": launcher interrupted by signal " + std::to_string(g_signal));
+      } catch (const std::exception&) {
+      }
+      return 128 + g_signal;
+    }
+    ++g;
   }
-  return result;
 }
 
 }  // namespace kiln

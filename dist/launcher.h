@@ -6,18 +6,23 @@
 // worker_from_environment() reads the scheduler's variables and global rank 0 hosts the store.
 //
 // The design choice that matters: the launcher supervises, and a failure anywhere ends the
-// job. A worker that exits non-zero or dies by a signal makes its launcher terminate its
-// siblings (SIGTERM, SIGKILL after a grace period) and set the store's "failed" key, which every
-// other node's launcher polls once a second. Workers die with their launcher (PDEATHSIG).
+// job's current generation of workers. A worker that exits non-zero or dies by a signal makes
+// its launcher terminate its siblings (SIGTERM, SIGKILL after a grace period) and set the store's
+// "failed" key, which every other node's launcher polls once a second. Workers die with their
+// launcher (PDEATHSIG). With max_restarts > 0 the launchers then start a new generation of
+// workers, which resume from the newest checkpoint; how the nodes agree on that is
+// dist/node_group.h.
 // A stop is not a failure: SIGINT, SIGTERM or SIGUSR1 to a launcher is forwarded to its workers
 // (and, through the store's "stopped" key, to every node's), which checkpoint and exit with
 // 128 + signal (train/stop.h) within stop_grace; a worker that exits so is logged as stopped.
+// Nothing restarts after a stop.
 #pragma once
 
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dist/store.h"
 
@@ -33,7 +38,30 @@ struct WorkerInfo {
   // Who started this process: "kiln" (launch_workers hosts the store), "slurm" or "openmpi"
   // (global rank 0 hosts it; see Rendezvous).
   std::string source = "kiln";
+  // Restarts before this process's generation (KILN_RESTART_GENERATION; 0 outside kiln's
+  // launcher). Its store keys carry generation_prefix(generation).
+  int generation = 0;
 };
+
+// One supervised restart: its number (1 for the first) and what failed in the generation
+// before it ("node 0: rank 1 (pid 4242) was killed by signal 9 (Killed)").
+struct RestartRecord {
+  int restart = 0;
+  std::string cause;
+};
+
+// The store key prefix of generation g, for the workers' keys and the launchers' per-generation
+// ones: "" for the first generation, "gen/G/" after, so no key of a dead generation is ever read.
+std::string generation_prefix(int generation);
+
+// How the launcher hands a generation its restart history (KILN_RESTARTS): one line a restart,
+// "N<TAB>cause" (tabs and newlines in a cause become spaces). decode throws InputError naming
+// KILN_RESTARTS where the text is not that.
+std::string encode_restarts(const std::vector<RestartRecord>& restarts);
+std::vector<RestartRecord> decode_restarts(const std::string& text);
+// The restarts before this worker's generation, oldest first, from KILN_RESTARTS: empty in a
+// first generation and outside kiln's launcher.
+std::vector<RestartRecord> restarts_from_environment();
 
 // This process's identity if it is a worker: from KILN_RANK & co (set by launch_workers), else
 // from an srun step (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_NODEID, ...;
@@ -63,13 +91,24 @@ struct LaunchConfig {
   // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
   // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
   std::chrono::seconds stop_grace{5};
+  // Supervised restarts: how often a failed generation of workers is replaced by a new one
+  // (which resumes from the newest checkpoint), and the wait before the first restart, doubling
+  // for each later one up to kMaxRestartBackoff (or restart_backoff itself, if longer).
+  int max_restarts = 0;
+  std::chrono::milliseconds restart_backoff{1000};
+  // Another node's launcher counts as gone once its heartbeat has stood still this long (at
+  // once where its connection to the store closes).
+  std::chrono::seconds heartbeat_timeout{30};
 };
 
+constexpr std::chrono::seconds kMaxRestartBackoff{60};
+
 // Runs the job's processes on this node and supervises them; returns the exit status for the
-// launcher: 0 when every worker on every node succeeded, else the first failing worker's exit
-// status (128 + signal for a signal), 1 when another node failed. argv is re-executed as is
-// (from /proc/self/exe). Throws InputError for a bad config or a missing KILN_RUN_TOKEN when
-// nnodes > 1 (single-node runs make a fresh token).
+// launcher: 0 when every worker on every node succeeded (in the last generation), else the
+// failing worker's exit status (128 + signal for a signal), 1 when another node failed, once no
+// restart is left. A launcher or worker stopped by SIGINT, SIGTERM or SIGUSR1 restarts nothing
+// (128 + signal). argv is re-executed as is (from /proc/self/exe). Throws InputError for a bad
+// config or a missing KILN_RUN_TOKEN when nnodes > 1 (single-node runs make a fresh token).
 int launch_workers(const LaunchConfig& cfg, int argc, char** argv);
 
 // A worker's connection to the store. For Slurm/Open MPI workers, global rank 0 also hosts

@@ -128,7 +128,8 @@ StoreClient::StoreClient(StoreClient&& o) noexcept
       port_(o.port_),
       fd_(o.fd_),
       op_timeout_(o.op_timeout_),
-      mu_(std::move(o.mu_)) {
+      mu_(std::move(o.mu_)),
+      prefix_(std::move(o.prefix_)) {
   o.fd_ = -1;
 }
 
@@ -140,6 +141,7 @@ StoreClient& StoreClient::operator=(StoreClient&& o) noexcept {
     fd_ = o.fd_;
     op_timeout_ = o.op_timeout_;
     mu_ = std::move(o.mu_);
+    prefix_ = std::move(o.prefix_);
     o.fd_ = -1;
   }
   return *this;
@@ -197,9 +199,17 @@ std::string StoreClient::request(const std::string& out, const std::string& key,
 void StoreClient::set(const std::string& key, const std::string& value) {
   std::string body;
   put_u8(body, kSet);
-  put_str(body, key);
+  put_str(body, prefix_ + key);
   put_str(body, value);
-  request(frame(body), key, std::chrono::milliseconds(0));
+  request(frame(body), prefix_ + key, std::chrono::milliseconds(0));
+}
+
+void StoreClient::set_on_close(const std::string& key, const std::string& value) {
+  std::string body;
+  put_u8(body, kSetOnClose);
+  put_str(body, prefix_ + key);
+  put_str(body, value);
+  request(frame(body), prefix_ + key, std::chrono::milliseconds(0));
 }
 
 std::string StoreClient::get(const std::string& key) {
@@ -209,9 +219,9 @@ std::string StoreClient::get(const std::string& key) {
 std::string StoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::string body;
   put_u8(body, kGet);
-  put_str(body, key);
+  put_str(body, prefix_ + key);
   put_u64(body, static_cast<uint64_t>(timeout.count()));
-  std::string reply = request(frame(body), key, timeout);
+  std::string reply = request(frame(body), prefix_ + key, timeout);
   Reader r(reply);
   r.u8();
   return r.str(reply.size());
@@ -220,17 +230,17 @@ std::string StoreClient::get(const std::string& key, std::chrono::milliseconds t
 int64_t StoreClient::add(const std::string& key, int64_t delta) {
   std::string body;
   put_u8(body, kAdd);
-  put_str(body, key);
+  put_str(body, prefix_ + key);
   put_u64(body, static_cast<uint64_t>(delta));
-  std::string reply = request(frame(body), key, std::chrono::milliseconds(0));
+  std::string reply = request(frame(body), prefix_ + key, std::chrono::milliseconds(0));
   Reader r(reply);
   r.u8();
   return static_cast<int64_t>(r.u64());
 }
 
-static std::string key_list(const std::vector<std::string>& keys) {
+static std::string key_list(const std::string& prefix, const std::vector<std::string>& keys) {
   std::string s;
-  for (const auto& k : keys) s += (s.empty() ? "" : "', '") + k;
+  for (const auto& k : keys) s += (s.empty() ? "" : "', '") + prefix + k;
   return s;
 }
 
@@ -242,17 +252,17 @@ void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::millis
   std::string body;
   put_u8(body, kWait);
   put_u32(body, static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) put_str(body, k);
+  for (const auto& k : keys) put_str(body, prefix_ + k);
   put_u64(body, static_cast<uint64_t>(timeout.count()));
-  request(frame(body), key_list(keys), timeout);
+  request(frame(body), key_list(prefix_, keys), timeout);
 }
 
 bool StoreClient::check(const std::vector<std::string>& keys) {
   std::string body;
   put_u8(body, kCheck);
   put_u32(body, static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) put_str(body, k);
-  std::string reply = request(frame(body), key_list(keys), std::chrono::milliseconds(0));
+  for (const auto& k : keys) put_str(body, prefix_ + k);
+  std::string reply = request(frame(body), key_list(prefix_, keys), std::chrono::milliseconds(0));
   Reader r(reply);
   r.u8();
   return r.u8() != 0;

@@ -1,6 +1,6 @@
 // Rendezvous store: a small TCP key-value store that every process of a run meets at (rank
 // bookkeeping, the Gloo address exchange, the NCCL unique id, barriers, the launchers' "failed"
-// flag). Node 0's launcher hosts the StoreServer; everyone else is a StoreClient.
+// flag, their heartbeats). Node 0's launcher hosts the StoreServer; everyone else is a StoreClient.
 //
 // The design choice that matters: the server trusts nobody. Every connection must present the
 // run token first, and every frame is bounded (keys 4 KiB, values 64 MiB) and timed, so a
@@ -78,6 +78,14 @@ class StoreClient {
   // All `world_size` callers of barrier(name, ...) return once the last one arrives. Each name
   // is single-use: pass a fresh name (e.g. with a step number) for each barrier.
   void barrier(const std::string& name, int world_size);
+  // When this connection closes, however it closes (the process exits or is killed, the
+  // connection is dropped), the server sets key to value: how a launcher's death is seen at once.
+  void set_on_close(const std::string& key, const std::string& value);
+
+  // Every later key of this client is `prefix` + key, so that a restarted generation of workers
+  // meets in keys of its own ("gen/3/gloo/..."), never in a dead generation's.
+  void set_key_prefix(std::string prefix) { prefix_ = std::move(prefix); }
+  const std::string& key_prefix() const { return prefix_; }
 
   const std::string& host() const { return host_; }
   int port() const { return port_; }
@@ -92,6 +100,7 @@ class StoreClient {
   int fd_ = -1;
   std::chrono::milliseconds op_timeout_;
   std::unique_ptr<std::mutex> mu_;
+  std::string prefix_;
 };
 
 }  // namespace kiln

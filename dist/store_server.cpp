@@ -2,7 +2,8 @@
 // server trusts nobody and store_wire.h for the frames). Blocking gets and waits are parked as
 // waiters and answered when a set/add makes their keys exist, or with "timeout" at their
 // deadline; so a slow or hostile client never stalls anyone else, and the loop never blocks
-// for more than a second.
+// for more than a second. Keys a connection asked to have set when it closes (kSetOnClose) are
+// set however it closes, cleanly or dropped: that is how the launchers see a peer die at once.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -68,17 +69,28 @@ struct StoreServer::Impl {
   std::map<int, Conn> conns;
   std::unordered_map<std::string, std::string> data;
   std::vector<Waiter> waiters;
+  // Per connection, the (key, value) pairs to set when it closes. Waiters on them are answered
+  // at the end of the loop's pass (expire).
+  std::map<int, std::vector<std::pair<std::string, std::string>>> on_close;
+
+  void forget(int fd) {
+    close(fd);
+    conns.erase(fd);
+    waiters.erase(std::remove_if(waiters.begin(), waiters.end(),
+                                 [fd](const Waiter& w) { return w.fd == fd; }),
+                  waiters.end());
+    auto it = on_close.find(fd);
+    if (it == on_close.end()) return;
+    for (auto& [key, value] : it->second) data[key] = std::move(value);
+    on_close.erase(it);
+  }
 
   void drop(int fd, const std::string& why) {
     auto it = conns.find(fd);
     if (it == conns.end()) return;
     spdlog::warn("store :{}: dropped connection from {}: {}", port, it->second.peer, why);
     dropped++;
-    close(fd);
-    conns.erase(it);
-    waiters.erase(std::remove_if(waiters.begin(), waiters.end(),
-                                 [fd](const Waiter& w) { return w.fd == fd; }),
-                  waiters.end());
+    forget(fd);
   }
 
   void respond(int fd, const std::string& body) {
@@ -209,6 +221,15 @@ struct StoreServer::Impl {
         resolve_waiters(Clock::now());
         return;
       }
+      case kSetOnClose: {
+        std::string key = r.str(limits.max_key_bytes);
+        std::string value = r.str(limits.max_value_bytes);
+        r.expect_end();
+        on_close[fd].emplace_back(std::move(key), std::move(value));
+        put_u8(reply, kOk);
+        respond(fd, reply);
+        return;
+      }
       case kCheck: {
         std::vector<std::string> keys = read_keys(r);
         r.expect_end();
@@ -281,11 +302,7 @@ struct StoreServer::Impl {
         if (!c.authed || c.in_frame) {
           drop(fd, c.authed ? "closed mid-message" : "closed before sending the run token");
         } else {
-          close(fd);
-          conns.erase(fd);
-          waiters.erase(std::remove_if(waiters.begin(), waiters.end(),
-                                       [fd](const Waiter& w) { return w.fd == fd; }),
-                        waiters.end());
+          forget(fd);
         }
         return;
       }

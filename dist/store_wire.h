@@ -9,6 +9,7 @@
 //   kAdd    str key, i64 delta              -> ok i64 value  | error str message
 //   kWait   u32 n, n*str key, u64 timeout_ms -> ok           | timeout
 //   kCheck  u32 n, n*str key                -> ok u8 all_exist
+//   kSetOnClose str key, str value          -> ok            (set when this connection closes)
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,15 @@
 
 namespace kiln::store_wire {
 
-enum Op : uint8_t { kHello = 1, kSet = 2, kGet = 3, kAdd = 4, kWait = 5, kCheck = 6 };
+enum Op : uint8_t {
+  kHello = 1,
+  kSet = 2,
+  kGet = 3,
+  kAdd = 4,
+  kWait = 5,
+  kCheck = 6,
+  kSetOnClose = 7
+};
 enum Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 
 struct ProtocolError : std::runtime_error {

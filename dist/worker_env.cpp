@@ -1,6 +1,7 @@
-// Who am I? worker_from_environment() reads a worker's identity from kiln's launcher (KILN_*),
-// an srun step (SLURM_*) or Open MPI (OMPI_COMM_WORLD_*), in that order, and Rendezvous
-// connects it to the store, hosting the store on global rank 0 when no kiln launcher does.
+// Who am I? worker_from_environment() reads a worker's identity from kiln's launcher (KILN_*,
+// a restarted job's generation among them), an srun step (SLURM_*) or Open MPI
+// (OMPI_COMM_WORLD_*), in that order, and Rendezvous connects it to the store (under its
+// generation's key prefix), hosting the store on global rank 0 when no kiln launcher does.
 // Every value is validated: a malformed variable is an InputError naming it, not a hang later.
 #include <arpa/inet.h>
 #include <spdlog/spdlog.h>
@@ -113,6 +114,12 @@ std::optional<WorkerInfo> from_kiln() {
   if (w.master_addr.empty()) throw InputError("environment variable KILN_MASTER_ADDR is not set");
   w.master_port = env_int("KILN_MASTER_PORT", 1, 65535);
   w.run_token = env("KILN_RUN_TOKEN").value_or("");
+  if (env("KILN_RESTART_GENERATION"))
+    w.generation = env_int("KILN_RESTART_GENERATION", 0, kMaxRanks);
+  const size_t restarts = restarts_from_environment().size();
+  if (restarts != static_cast<size_t>(w.generation))
+    throw InputError("KILN_RESTART_GENERATION=" + std::to_string(w.generation) +
+                     " but KILN_RESTARTS lists " + std::to_string(restarts) + " restarts");
   return w;
 }
 
@@ -235,6 +242,9 @@ Rendezvous::Rendezvous(const WorkerInfo& worker, std::chrono::seconds timeout)
   }
   client_ = std::make_unique<StoreClient>(worker.master_addr, worker.master_port, worker.run_token,
                                           timeout, timeout);
+  // A restarted generation meets in keys of its own: the dead one's Gloo addresses, NCCL id and
+  // barrier counts stay in the store, unread.
+  client_->set_key_prefix(generation_prefix(worker.generation));
 }
 
 Rendezvous::~Rendezvous() {

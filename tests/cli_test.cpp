@@ -62,6 +62,21 @@ TEST(CliParse, LauncherFlagsWithSeparateValue) {
   EXPECT_EQ(cl.launch.master_port, 65535);
 }
 
+TEST(CliParse, MaxRestartsIsALauncherFlag) {
+  EXPECT_EQ(parse({"c.yaml"}).launch.max_restarts, -1);  // not given: the config's key holds
+  EXPECT_EQ(parse({"c.yaml", "--max-restarts", "3"}).launch.max_restarts, 3);
+  CommandLine cl = parse({"c.yaml", "--max-restarts=0", "--dist.max_restarts=5"});
+  EXPECT_EQ(cl.launch.max_restarts, 0);
+  EXPECT_EQ(cl.overrides, std::vector<std::string>{"dist.max_restarts=5"});
+  EXPECT_NE(usage_text().find("--max-restarts N"), std::string::npos);
+  for (const char* bad : {"--max-restarts=-1", "--max-restarts=x", "--max-restarts=1.5"})
+    EXPECT_NE(parse_error({"a.yaml", bad}).find("--max-restarts: expected an integer in [0, "),
+              std::string::npos)
+        << bad;
+  EXPECT_NE(parse_error({"a.yaml", "--max-restarts"}).find("--max-restarts: missing value"),
+            std::string::npos);
+}
+
 TEST(CliParse, HelpNeedsNoConfig) {
   EXPECT_TRUE(parse({"--help"}).help);
   EXPECT_TRUE(parse({"-h"}).help);

@@ -404,6 +404,37 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
   }
 }
 
+// dist.max_restarts resumes a failed run from its newest checkpoint: it needs resume=auto and
+// checkpoints during the run, and says so naming the key (and the flag that sets it).
+TEST(ConfigRestarts, RefusedWhereARestartCouldNotResume) {
+  const std::string ok =
+      "train: {checkpoint_every: 100}\ndist: {max_restarts: 3, "
+      "restart_backoff_s: 0.5}\n";
+  const Config c = parse_config(kMinimal + ok, {});
+  EXPECT_EQ(c.dist.max_restarts, 3);
+  EXPECT_EQ(c.dist.restart_backoff_s, 0.5);
+  EXPECT_EQ(parse_config(kMinimal, {}).dist.max_restarts, 0);
+  EXPECT_EQ(parse_config(kMinimal, {}).dist.restart_backoff_s, 1.0);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"train.resume=none"},
+       "run.yaml:4: dist.max_restarts: is 3 (--max-restarts sets it too), but a restart resumes "
+       "from the newest checkpoint in train.out_dir, which needs train.resume=auto (this run's "
+       "is none)"},
+      {{"train.resume=runs/x/checkpoints/step_00000100"}, "needs train.resume=auto"},
+      {{"train.save_checkpoints=false"},
+       "train.save_checkpoints is false: a restart would start again from step 0"},
+      {{"train.checkpoint_every=0"}, "train.checkpoint_every is 0"},
+      {{"dist.max_restarts=-1"}, "dist.max_restarts"},
+      {{"dist.restart_backoff_s=-1"}, "dist.restart_backoff_s"},
+  };
+  for (const auto& [overrides, expect] : cases) {
+    const std::string msg = parse_error(kMinimal + ok, overrides);
+    EXPECT_NE(msg.find(expect), std::string::npos) << overrides[0] << ": " << msg;
+  }
+  // Without restarts the same keys are fine.
+  EXPECT_NO_THROW(parse_config(kMinimal, {"train.resume=none", "train.checkpoint_every=0"}));
+}
+
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",

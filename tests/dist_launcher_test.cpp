@@ -86,6 +86,65 @@ TEST(DistWorkerEnv, KilnLauncherVariables) {
   EXPECT_EQ(w->run_token, "t0k");
 }
 
+// A restarted generation's workers learn their generation and the restarts before it.
+TEST(DistWorkerEnv, RestartGenerationAndHistory) {
+  std::map<std::string, std::string> vars{{"KILN_RANK", "1"},
+                                          {"KILN_LOCAL_RANK", "1"},
+                                          {"KILN_WORLD_SIZE", "2"},
+                                          {"KILN_LOCAL_WORLD_SIZE", "2"},
+                                          {"KILN_NODE_RANK", "0"},
+                                          {"KILN_NNODES", "1"},
+                                          {"KILN_MASTER_ADDR", "127.0.0.1"},
+                                          {"KILN_MASTER_PORT", "29600"},
+                                          {"KILN_RUN_TOKEN", "t"}};
+  {
+    ScopedEnv env(vars);
+    EXPECT_EQ(worker_from_environment()->generation, 0);
+    EXPECT_TRUE(restarts_from_environment().empty());
+  }
+  vars["KILN_RESTART_GENERATION"] = "2";
+  vars["KILN_RESTARTS"] = encode_restarts({{1, "node 0: rank 1 (pid 7) was killed by signal 9"},
+                                           {2, "node 1's launcher is gone (closed)"}});
+  {
+    ScopedEnv env(vars);
+    EXPECT_EQ(worker_from_environment()->generation, 2);
+    const auto r = restarts_from_environment();
+    ASSERT_EQ(r.size(), 2u);
+    EXPECT_EQ(r[1].restart, 2);
+    EXPECT_EQ(r[1].cause, "node 1's launcher is gone (closed)");
+  }
+  vars["KILN_RESTART_GENERATION"] = "1";
+  ScopedEnv env(vars);
+  try {
+    worker_from_environment();
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("KILN_RESTART_GENERATION=1 but KILN_RESTARTS lists 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(DistLauncherRestarts, HistoryRoundTripsAndGenerationsHaveTheirOwnKeys) {
+  const std::vector<RestartRecord> in{{1, "a\tb\nc"}, {2, ""}, {3, "x (y): z"}};
+  const std::vector<RestartRecord> out = decode_restarts(encode_restarts(in));
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].cause, "a b c");  // a cause is one line
+  EXPECT_EQ(out[1].cause, "");
+  EXPECT_EQ(out[2].cause, "x (y): z");
+  EXPECT_TRUE(decode_restarts("").empty());
+  for (const char* bad : {"1 no tab\n", "2\tskipped one\n", "x\ty\n"}) {
+    try {
+      decode_restarts(bad);
+      FAIL() << bad;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("KILN_RESTARTS"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(generation_prefix(0), "");
+  EXPECT_EQ(generation_prefix(3), "gen/3/");
+}
+
 TEST(DistWorkerEnv, MalformedKilnVariableNamesIt) {
   ScopedEnv env({{"KILN_RANK", "two"}, {"KILN_WORLD_SIZE", "4"}});
   try {
@@ -420,6 +479,30 @@ TEST(DistLauncher, DeadWorkerOnOneNodeStopsTheOtherNode) {
   EXPECT_NE(WEXITSTATUS(s0), 0) << node0.output();
   EXPECT_NE(node0.output().find("failed elsewhere (node 1: rank 1"), std::string::npos)
       << node0.output();
+}
+
+// A node rank is held by one launcher at a time: a second one for a live node is refused (its
+// heartbeat advances), and the run goes on.
+TEST(DistLauncher, ASecondLauncherForALiveNodeRankIsRefused) {
+  const int port = free_port();
+  const std::map<std::string, std::string> env{{"KILN_RUN_TOKEN", "second-claim-test"}};
+  const std::vector<std::string> forever{"--iters", "1000000"};
+  Child node0(node_args(0, port, 1, forever), env);
+  Child node1(node_args(1, port, 1, forever), env);
+  ASSERT_TRUE(node0.wait_for_output("# correctness: ok", 25s)) << node0.output();
+  Child again(node_args(1, port, 1, forever), env);
+  const int status = again.wait(20s);
+  ASSERT_TRUE(WIFEXITED(status)) << again.output();
+  EXPECT_EQ(WEXITSTATUS(status), 2) << again.output();
+  EXPECT_NE(again.output().find("two launchers claim --node-rank 1: the one that holds it is "
+                                "alive"),
+            std::string::npos)
+      << again.output();
+  EXPECT_EQ(kill(node0.pid(), 0), 0) << "the run ended: " << node0.output();
+  kill(node0.pid(), SIGTERM);
+  kill(node1.pid(), SIGTERM);
+  node0.wait(20s);
+  node1.wait(20s);
 }
 
 TEST(DistLauncher, SigtermToLauncherStopsWorkers) {

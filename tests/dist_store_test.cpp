@@ -61,6 +61,59 @@ TEST(DistStore, SetGetAddBarrierAcrossThreads) {
   EXPECT_EQ(server.dropped_connections(), 0);
 }
 
+// A key asked for with set_on_close is set when that connection closes: cleanly, or dropped
+// by the server; a waiter on it is woken. Nothing is set while the connection lives.
+TEST(DistStore, SetOnCloseSetsTheKeyWhenTheConnectionCloses) {
+  StoreServer server("tok", 0, "127.0.0.1");
+  StoreClient watcher("127.0.0.1", server.port(), "tok", 5s, 10s);
+  {
+    StoreClient beat("127.0.0.1", server.port(), "tok", 5s, 10s);
+    beat.set("beat", "0");
+    beat.set_on_close("beat", "closed");
+    beat.set_on_close("gone/1", "yes");
+    EXPECT_EQ(beat.add("beat", 1), 1);
+    std::this_thread::sleep_for(100ms);
+    EXPECT_EQ(watcher.get("beat", 1s), "1");
+    EXPECT_FALSE(watcher.check({"gone/1"}));
+  }
+  EXPECT_EQ(watcher.get("gone/1", 5s), "yes");  // blocks until the close is seen
+  EXPECT_EQ(watcher.get("beat", 1s), "closed");
+  // A connection the server drops (here: a frame it cannot parse) counts as closed too.
+  const int fd = raw_connect(server.port());
+  ASSERT_TRUE(testing::send_all(fd, hello("tok")));
+  std::string body;
+  store_wire::put_u8(body, store_wire::kSetOnClose);
+  store_wire::put_str(body, "gone/2");
+  store_wire::put_str(body, "dropped");
+  ASSERT_TRUE(testing::send_all(fd, store_wire::frame(body) + store_wire::frame("\x63")));
+  EXPECT_TRUE(closed_by_server(fd));
+  close(fd);
+  EXPECT_EQ(watcher.get("gone/2", 5s), "dropped");
+}
+
+// A client with a key prefix reads and writes only under it: a restarted generation's keys never
+// meet a dead one's, even with the same names.
+TEST(DistStore, KeyPrefixSeparatesGenerations) {
+  StoreServer server("tok", 0, "127.0.0.1");
+  StoreClient first("127.0.0.1", server.port(), "tok", 5s, 10s);
+  StoreClient second("127.0.0.1", server.port(), "tok", 5s, 10s);
+  second.set_key_prefix("gen/1/");
+  first.set("gloo/rank_0", "dead");
+  first.add("barrier/x", 1);
+  EXPECT_FALSE(second.check({"gloo/rank_0"}));
+  second.set("gloo/rank_0", "alive");
+  EXPECT_EQ(second.add("barrier/x", 1), 1);
+  EXPECT_EQ(first.get("gloo/rank_0"), "dead");
+  EXPECT_EQ(first.get("gen/1/gloo/rank_0"), "alive");
+  EXPECT_TRUE(second.check({"gloo/rank_0", "barrier/x"}));
+  try {
+    second.get("missing", 100ms);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("'gen/1/missing'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DistStore, GetTimeoutNamesKeyAndAddress) {
   StoreServer server("tok", 0, "127.0.0.1");
   StoreClient c("127.0.0.1", server.port(), "tok", 5s, 10s);

@@ -65,7 +65,8 @@ TEST(Plot, TwoRunsShareTheAxesOfNonEmptyPngs) {
 }
 
 // A run that measured power (as a GPU run's metrics.jsonl has it) gets power.png beside the
-// others; a run without power beside it is simply not on that plot.
+// others; a run without power beside it is simply not on that plot. The GPU run was restarted
+// once: its restart line (no step) is not a step of any plot.
 TEST(Plot, PowerIsPlottedWhereARunMeasuredIt) {
   const fs::path dir = kiln::testing::make_temp_dir("kiln_plot_power_");
   fs::create_directories(dir / "gpu");
@@ -77,6 +78,9 @@ TEST(Plot, PowerIsPlottedWhereARunMeasuredIt) {
                                ",\"lr\":1e-4,\"grad_norm\":1,\"ms\":100,\"tok_s\":1e5,\"mfu\":0.4";
     gpu << common << ",\"power_w\":" << 600 + step << ",\"energy_kj\":" << 0.06 * step
         << (step > 1 ? ",\"j_per_token\":0.0006" : "") << "}\n";
+    if (step == 10)
+      gpu << "{\"event\":\"restart\",\"restart\":1,\"cause\":\"node 0: rank 1 (pid 7) was killed "
+             "by signal 9 (Killed)\",\"resumed_from_step\":10}\n";
     cpu << common << "}\n";
   }
   gpu.close();

@@ -96,6 +96,13 @@ inline int wait_command(const Background& b, std::chrono::steady_clock::duration
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+// Its status (128 + signal for a signal) if it has exited, else -1 at once.
+inline int poll_command(const Background& b) {
+  int st = 0;
+  if (::waitpid(b.pid, &st, WNOHANG) != b.pid) return -1;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
 // The processes whose parent is `parent` (from /proc).
 inline std::vector<pid_t> children_of(pid_t parent) {
   std::vector<pid_t> out;

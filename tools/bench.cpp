@@ -295,6 +295,7 @@ std::vector<StepRecord> read_metrics(const std::string& path) {
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const YAML::Node j = YAML::Load(line);  // JSON is YAML
+    if (!j["step"]) continue;               // an event line (a supervised restart)
     out.push_back(
         {j["step"].as<int>(), j["loss"].as<double>(), j["ms"].as<double>(), j["mfu"].as<double>(),
          j["energy_kj"] ? std::optional<double>(j["energy_kj"].as<double>()) : std::nullopt});

@@ -29,10 +29,12 @@ def load_run(path):
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     print(f"plot: {metrics}:{n}: not JSON: {e}", file=sys.stderr)
                     sys.exit(2)
+                if "step" in row:  # event lines (a supervised restart) are not steps
+                    rows.append(row)
     if not rows:
         print(f"plot: {metrics}: no steps", file=sys.stderr)
         sys.exit(2)

@@ -161,7 +161,7 @@ def read_kiln(out, name, seed):
     its excess is one-off start-up, left out as the twin's compilation is."""
     run = os.path.join(out, f"{name}-s{seed}")
     tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
-    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [m for m in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "step" in m]
     ms = [m["ms"] for m in steps]  # each step's time; evaluations are not in it
     if len(ms) > 2:
         ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]

@@ -33,6 +33,7 @@ constexpr IntFlag kIntFlags[] = {
     {"nnodes", &LaunchOptions::nnodes, 1, kIntMax},
     {"node-rank", &LaunchOptions::node_rank, 0, kIntMax},
     {"master-port", &LaunchOptions::master_port, 1, 65535},
+    {"max-restarts", &LaunchOptions::max_restarts, 0, 10000},
 };
 
 const IntFlag* find_int_flag(const std::string& name) {
@@ -126,6 +127,8 @@ launcher flags (one process per GPU; under Slurm or mpirun these come from the e
   --node-rank R        this node's index, 0 <= R < nnodes      (default 0)
   --master-addr HOST   address of node 0's rendezvous          (default 127.0.0.1)
   --master-port P      port of the rendezvous, 1..65535 (default: ephemeral on one node, 29500 across nodes)
+  --max-restarts N     start the job again from its newest checkpoint when a worker or a node
+                       fails, up to N times (sets dist.max_restarts; default: the config's, 0)
   --print-config       print the resolved config (every key, as the run's config.yaml) and exit
   --plan               print each GPU's memory plan for this config and launch (no GPU needed)
                        and exit: 0 if it fits, 2 if not, naming what to shrink

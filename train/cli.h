@@ -17,6 +17,7 @@ struct LaunchOptions {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0: an ephemeral port on one node, 29500 across nodes
+  int max_restarts = -1;  // --max-restarts: sets dist.max_restarts (-1: not given)
 };
 
 struct CommandLine {

@@ -228,6 +228,12 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, timeout_s), at_least(1),
        "collective and rendezvous timeout (seconds); a rank stuck this long in a collective ends "
        "the job, naming who did not arrive"},
+      {KILN_FIELD(dist, max_restarts), range(0, false, 10000, false),
+       "times the launcher starts a failed job again, from its newest checkpoint (the flag "
+       "--max-restarts sets it too); needs train.resume: auto and train.checkpoint_every > 0"},
+      {KILN_FIELD(dist, restart_backoff_s), range(0, false, 3600, false),
+       "seconds before the first restart, doubling for each later one up to 60 (or this, if "
+       "longer)"},
   };
   return fields;
 }
@@ -559,6 +565,25 @@ struct Resolver {
            "MoE experts carry no biases: set model.bias=false (the llama and qwen3 arch rows do)");
   }
 
+  // A restart resumes from the newest checkpoint in train.out_dir: one that could not would
+  // start over, or overwrite the run.
+  void validate_restarts() {
+    const int n = config.dist.max_restarts;
+    const TrainSection& t = config.train;
+    if (n == 0) return;
+    const Field& f = *find_field("dist", "max_restarts");
+    const std::string asked = "is " + std::to_string(n) + " (--max-restarts sets it too), but ";
+    const std::string resume = "a restart resumes from the newest checkpoint in train.out_dir, "
+                               "which needs train.resume=auto (this run's is ";
+    if (t.resume != "auto") fail(f, asked + resume + t.resume + ")");
+    if (!t.save_checkpoints)
+      fail(f, asked + "train.save_checkpoints is false: a restart would start again from step 0");
+    if (t.checkpoint_every == 0)
+      fail(f, asked +
+                  "train.checkpoint_every is 0 (a checkpoint only at the end): a restart would "
+                  "start again from step 0; set train.checkpoint_every");
+  }
+
   void validate_relations() {
     const ModelSection& m = config.model;
     auto field = [](const char* path) -> const Field& {
@@ -608,6 +633,7 @@ struct Resolver {
                                                  std::to_string(m.vocab_size) + "), got " +
                                                  std::to_string(m.padded_vocab_size));
     validate_moe();
+    validate_restarts();
     if (config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));

@@ -1,13 +1,15 @@
 // `train CONFIG.yaml [--section.key=value ...] [launcher flags]`: the one entry point. Without
-// launcher flags it trains in this process; with --nproc-per-node/--nnodes it becomes the
-// launcher and re-executes itself once per worker; a worker (started by kiln's launcher, srun or
-// mpirun) finds its rank in the environment, joins the rendezvous and trains its shard.
+// launcher flags it trains in this process; with --nproc-per-node/--nnodes (or restarts to
+// supervise: dist.max_restarts, --max-restarts) it becomes the launcher and re-executes itself
+// once per worker; a worker (started by kiln's launcher, srun or mpirun) finds its rank in the
+// environment, joins the rendezvous and trains its shard.
 // A training process (a worker, or the single process) stops on SIGTERM, SIGINT or SIGUSR1 with a
 // checkpoint (train/stop.h); the launcher forwards those signals to its workers.
 #include <spdlog/spdlog.h>
 
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 
 #include "dist/communicator.h"
@@ -52,15 +54,21 @@ int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& sign
       "at {}:{}",
       worker.world_size, worker.local_world_size, worker.source, worker.master_addr,
       worker.master_port);
+  if (config.dist.max_restarts > 0 && worker.source != "kiln")
+    spdlog::warn(
+        "dist.max_restarts={}: not applied: {} started these processes, and only kiln's "
+        "own launcher restarts the workers it starts",
+        config.dist.max_restarts, worker.source);
   Rendezvous rendezvous(worker, timeout);
   Watchdog::Options dog;
   dog.rank = worker.rank;
   dog.world_size = worker.world_size;
   dog.timeout = timeout;
-  Watchdog watchdog(
-      std::make_unique<StoreClient>(worker.master_addr, worker.master_port, worker.run_token,
-                                    timeout, std::chrono::seconds(10)),
-      dog);
+  auto dog_store = std::make_unique<StoreClient>(worker.master_addr, worker.master_port,
+                                                 worker.run_token, timeout,
+                                                 std::chrono::seconds(10));
+  dog_store->set_key_prefix(rendezvous.store().key_prefix());  // this generation's keys
+  Watchdog watchdog(std::move(dog_store), dog);
   RankInfo rank{worker.rank, worker.local_rank, worker.world_size};
   CommunicatorFactory make_comm = [&](Backend& backend,
                                       const CommGroup& group) -> std::unique_ptr<Communicator> {
@@ -109,6 +117,9 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   launch.master_addr = opts.master_addr;
   launch.master_port = opts.master_port;
   launch.rendezvous_timeout = std::chrono::seconds(config.dist.timeout_s);
+  launch.max_restarts = config.dist.max_restarts;
+  launch.restart_backoff =
+      std::chrono::milliseconds(std::llround(config.dist.restart_backoff_s * 1000.0));
   // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
   launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
   return launch_workers(launch, argc, argv);
@@ -125,6 +136,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     // Validate the config before starting anything, in the launcher as in a worker.
+    // --max-restarts is dist.max_restarts set after every override: the flag wins.
+    if (cli.launch.max_restarts >= 0)
+      cli.overrides.push_back("dist.max_restarts=" + std::to_string(cli.launch.max_restarts));
     Config config = load_config(cli.config_path, cli.overrides);
     if (cli.print_config) {
       std::printf("%s", config_to_yaml(config).c_str());
@@ -144,7 +158,8 @@ int main(int argc, char** argv) {
       StopSignals signals(grace, worker->source != "kiln");
       return run_worker(config, *worker, signals);
     }
-    if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1)
+    // Restarts need a launcher to supervise, even for one process.
+    if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1 || config.dist.max_restarts > 0)
       return launch(cli.launch, config, argc, argv);
     StopSignals signals(grace, true);
     StopAgreement stop(nullptr, 0, 1);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 
 #include "kernels/backend.h"
 #include "kernels/error.h"
+#include "train/checkpoint.h"
 
 namespace kiln {
 
@@ -89,7 +91,7 @@ double load_mean(const StepMetrics::MoeBlock& b) {
 
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& path) {
+MetricsLog::MetricsLog(const std::string& path) : path_(path) {
   file_ = std::fopen(path.c_str(), "a");
   if (!file_) throw InputError(path + ": cannot open for writing: " + std::strerror(errno));
 }
@@ -99,7 +101,18 @@ MetricsLog::~MetricsLog() {
 }
 
 void MetricsLog::write(const StepMetrics& m) {
-  std::fprintf(file_, "%s\n", metrics_json(m).c_str());
+  write_line(metrics_json(m));
+  if (pending_) std::remove((path_ + ".pending").c_str());
+  pending_ = false;
+}
+
+void MetricsLog::write_pending(const StepMetrics& m) {
+  replace_file_synced(path_ + ".pending", metrics_json(m) + "\n");
+  pending_ = true;
+}
+
+void MetricsLog::write_line(const std::string& json) {
+  std::fprintf(file_, "%s\n", json.c_str());
   std::fflush(file_);
 }
 

@@ -74,10 +74,20 @@ class MetricsLog {
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
+  // Appends the step's line (and drops the pending copy of it, if any).
   void write(const StepMetrics& m);
+  // Keeps the step's line, as it is before its checkpoint is saved, in path.pending (fsynced):
+  // the checkpoint is published before write() gives the line its stall, and a crash between
+  // the two would otherwise leave the resumed run's log without that step (open_metrics
+  // restores it from there).
+  void write_pending(const StepMetrics& m);
+  // One line of JSON that is not a step's (an event: train/run_dir.h).
+  void write_line(const std::string& json);
 
  private:
+  std::string path_;
   std::FILE* file_ = nullptr;
+  bool pending_ = false;
 };
 
 std::string format_step_line(const StepMetrics& m, const std::string& memory);

@@ -4,12 +4,15 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <sstream>
 
+#include "dist/launcher.h"
 #include "kernels/error.h"
 #include "train/checkpoint.h"
 
@@ -28,17 +31,47 @@ void set_aside(const std::string& path) {
   spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
 }
 
-// Drops the metrics lines past `last_step`, so the log of a resumed run reads as one run.
+// The step of a metrics line, -1 for a line that is not a step's.
+int step_of(const std::string& line) {
+  const auto pos = line.find("\"step\":");
+  return pos == std::string::npos ? -1 : std::atoi(line.c_str() + pos + 7);
+}
+
+// Drops the step lines past `last_step`, so the log of a resumed run reads as one run; event
+// lines stay. A line cut short by a crash mid-write is dropped too. The line of `last_step`
+// itself, where a crash took it after its checkpoint was saved, comes back from path.pending
+// (MetricsLog::write_pending).
 void truncate_metrics(const std::string& path, int last_step) {
   std::ifstream in(path);
-  if (!in) return;
   std::string line, kept;
+  bool has_last = last_step == 0;
   while (std::getline(in, line)) {
-    const auto pos = line.find("\"step\":");
-    if (pos != std::string::npos && std::atoi(line.c_str() + pos + 7) > last_step) continue;
+    if (line.empty() || line.front() != '{' || line.back() != '}') continue;
+    if (step_of(line) > last_step) continue;
+    has_last = has_last || step_of(line) == last_step;
     kept += line + "\n";
   }
-  replace_file_synced(path, kept);
+  std::ifstream pending(path + ".pending");
+  if (!has_last && std::getline(pending, line) && step_of(line) == last_step) {
+    spdlog::warn("metrics.jsonl: step {}'s line restored from {}.pending (the run stopped after "
+                 "saving its checkpoint, before logging it)",
+                 last_step, path);
+    kept += line + "\n";
+  }
+  if (in.is_open() || !kept.empty()) replace_file_synced(path, kept);
+}
+
+constexpr char kRestartEvent[] = "{\"event\":\"restart\",";
+
+// The restart lines of metrics.jsonl, without their "event" field.
+std::vector<std::string> restart_lines(const std::string& path) {
+  std::vector<std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(kRestartEvent, 0) == 0 && line.back() == '}')
+      out.push_back("{" + line.substr(sizeof(kRestartEvent) - 1));
+  return out;
 }
 
 // JSON string literal of s (quotes, backslashes and control characters escaped).
@@ -52,6 +85,26 @@ std::string json_quote(const std::string& s) {
       out += c;
   }
   return out + "\"";
+}
+
+// Writes the line of each restart in `restarts` that metrics.jsonl does not hold yet. Only the
+// last is this generation's, so only its resumed step is known; an earlier one is missing only
+// where its generation stopped before getting here.
+void log_restarts(const std::string& path, MetricsLog& log,
+                  const std::vector<RestartRecord>& restarts, int resumed_at) {
+  std::set<int> logged;
+  for (const std::string& l : restart_lines(path))
+    logged.insert(std::atoi(l.c_str() + l.find("\"restart\":") + 10));
+  for (const RestartRecord& r : restarts) {
+    if (logged.count(r.restart)) continue;
+    std::string line = kRestartEvent;
+    line += "\"restart\":" + std::to_string(r.restart) + ",\"cause\":" + json_quote(r.cause);
+    if (&r == &restarts.back()) line += ",\"resumed_from_step\":" + std::to_string(resumed_at);
+    log.write_line(line + "}");
+  }
+  if (!restarts.empty())
+    spdlog::warn("restart {}: resumed at step {} after: {}", restarts.back().restart, resumed_at,
+                 restarts.back().cause);
 }
 
 }  // namespace
@@ -85,13 +138,22 @@ void create_run_dir(const Config& cfg) {
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
                                          std::optional<int> resumed_at) {
   const std::string path = out_dir + "/metrics.jsonl";
+  const std::vector<RestartRecord> restarts = restarts_from_environment();
+  if (!resumed_at && !restarts.empty()) resumed_at = 0;  // no checkpoint yet: the run anew
   if (resumed_at) {
     truncate_metrics(path, *resumed_at);
   } else {
     set_aside(path);
     set_aside(out_dir + "/checkpoints");
   }
-  return std::make_unique<MetricsLog>(path);
+  std::remove((path + ".pending").c_str());
+  auto log = std::make_unique<MetricsLog>(path);
+  log_restarts(path, *log, restarts, *resumed_at);
+  return log;
+}
+
+std::vector<std::string> recorded_restarts(const std::string& out_dir) {
+  return restart_lines(out_dir + "/metrics.jsonl");
 }
 
 void write_summary(const std::string& out_dir, const RunSummary& s) {
@@ -110,7 +172,10 @@ void write_summary(const std::string& out_dir, const RunSummary& s) {
     out << ",\"stopped\":{\"signal\":" << json_quote(s.stop_signal)
         << ",\"step\":" << s.stopped_at_step
         << ",\"checkpoint\":" << (s.stop_checkpoint ? "true" : "false") << "}";
-  out << "}\n";
+  const std::vector<std::string> restarts = recorded_restarts(out_dir);
+  out << ",\"restart_count\":" << restarts.size() << ",\"restarts\":[";
+  for (size_t i = 0; i < restarts.size(); ++i) out << (i ? "," : "") << restarts[i];
+  out << "]}\n";
   replace_file_synced(out_dir + "/summary.json", out.str());
 }
 

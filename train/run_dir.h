@@ -1,13 +1,20 @@
 // The run directory (train.out_dir) as rank 0 keeps it: the resolved config.yaml, metrics.jsonl
-// (one JSON object a step, reading as one run across resumes), and summary.json at the end
-// (what ran where, for tools such as bench that read a finished run; a run stopped by a signal
-// says so: "stopped":{"signal":"SIGTERM","step":S,"checkpoint":true}). Checkpoints live below it
-// too (train/checkpoint.h).
+// (one JSON object a step, reading as one run across resumes, and an event line for each
+// supervised restart), and summary.json at the end (what ran where, for tools such as bench that
+// read a finished run, and the restarts; a run stopped by a signal says so:
+// "stopped":{"signal":"SIGTERM","step":S,"checkpoint":true}). Checkpoints live below it too
+// (train/checkpoint.h).
+//
+// A restart's line has no "step" (readers of steps skip it) and survives the cut of a resume:
+// {"event":"restart","restart":1,"cause":"node 0: rank 1 (pid 4242) was killed by signal 9
+// (Killed)","resumed_from_step":4}. The launcher hands each generation its restarts
+// (KILN_RESTARTS, dist/launcher.h); its rank 0 writes the lines the file does not hold yet.
 #pragma once
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "train/config.h"
 #include "train/metrics.h"
@@ -22,10 +29,14 @@ void check_run_dir(const Config& config);
 void create_run_dir(const Config& config);
 
 // out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's
-// step) drops the lines past that step; a fresh run in a used out_dir moves an earlier run's
-// metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
-// pruning and to resume).
+// step) drops the step lines past that step; a fresh run in a used out_dir moves an earlier
+// run's metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
+// pruning and to resume), except in a restarted generation, which is the same run begun again
+// at step 0. Then the restart lines of this process's generation are written.
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
+
+// The restarts recorded in out_dir/metrics.jsonl, each as a JSON object ({"restart":1,...}).
+std::vector<std::string> recorded_restarts(const std::string& out_dir);
 
 // The git commit this binary was built from ("26cfa85", "26cfa85-dirty" with uncommitted
 // changes; generated at build time by cmake/build_commit.cmake).

@@ -17,6 +17,7 @@
 #include "kernels/plan_backend.h"
 #include "train/async_checkpoint.h"
 #include "train/device.h"
+#include "train/fault_hook.h"
 #include "train/fp8_recipe.h"
 #include "train/init_from.h"
 #include "train/metrics.h"
@@ -374,11 +375,13 @@ bool Trainer::finish_step(const PendingStep& p) {
   if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
                              last || stop_step(sm.step))) {
     progress(true);
+    if (is_main()) metrics_->write_pending(sm);  // what a crash right after the save must not lose
     sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
   if (is_main()) metrics_->write(sm);  // after the save: the line holds its stall
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
+  fault_hook_after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
   return true;
