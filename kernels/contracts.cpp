@@ -281,6 +281,14 @@ void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, 
   c.activation_dtype("dout", dout, out.shape);
 }
 
+void attention_decode(const OpCheck& c, Tensor out, Tensor qkv, const AttentionDims& a, bool rotate,
+                      const Rope& rope) {
+  c.packed_qkv("qkv", qkv, a);
+  if (qkv.dim(1) < 1) c.fail("qkv", "has no rows: the newest token is its last row");
+  c.activation_dtype("out", out, {qkv.dim(0), a.q_dim()});
+  if (rotate) check_rope(c, "qkv", qkv, "qkv", qkv, a, rope);
+}
+
 // ---- LLaMA / Qwen3 ops ----------------------------------------------------------------------
 
 void rmsnorm_forward(const OpCheck& c, Tensor out, Tensor rstd, Tensor inp, Tensor weight,

@@ -695,6 +695,65 @@ TEST(CpuAttention, RejectsBadHeadsNamingOpAndTensor) {
       "attention_backward", "lse");
 }
 
+// A decoding step (a KV cache's newest row, rotated in place for its position, attending over
+// the rows before it) is the forward's last row, bit for bit: rope_forward then
+// attention_forward over the whole sequence. So is every row t, decoded over the first t + 1.
+TEST(CpuAttention, DecodeIsTheForwardsLastRowBitForBit) {
+  const Rope rope{10000.0f, {}};
+  for (const AttentionDims& a : {AttentionDims{4, 2, 8}, AttentionDims{2, 2, 6}}) {
+    SCOPED_TRACE("NH=" + std::to_string(a.n_head) + " KV=" + std::to_string(a.n_kv_head));
+    const int64_t B = 2, T = 7, D = a.qkv_dim(), Q = a.q_dim();
+    GqaCase full(B, T, a);
+    const std::vector<float> raw = full.qkv;
+    cpu().rope_forward(f32(full.qkv, full.qkv_shape()), f32(full.qkv, full.qkv_shape()), a, rope);
+    full.forward();
+
+    // Rows 0..T-2 as the forward left them, row T-1 not yet rotated.
+    std::vector<float> cache = full.qkv, out = zeros(B * Q);
+    for (int64_t b = 0; b < B; ++b)
+      std::copy(raw.begin() + (b * T + T - 1) * D, raw.begin() + (b * T + T) * D,
+                cache.begin() + (b * T + T - 1) * D);
+    cpu().attention_decode(f32(out, {B, Q}), f32(cache, {B, T, D}), a, true, rope);
+    EXPECT_TRUE(bit_identical(cache, full.qkv)) << "the newest row rotated in place";
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < Q; ++i)
+        ASSERT_EQ(out[b * Q + i], full.out[(b * T + T - 1) * Q + i]) << "b=" << b << " i=" << i;
+
+    // Without rotation, over each prefix of the first sequence: row t of the forward.
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<float> row = zeros(Q);
+      cpu().attention_decode(f32(row, {1, Q}), f32(cache, {B, T, D}).slice(0, {1, t + 1, D}), a,
+                             false, Rope{-1.0f, {}});  // ignored without rotation
+      for (int64_t i = 0; i < Q; ++i) ASSERT_EQ(row[i], full.out[t * Q + i]) << "t=" << t;
+    }
+  }
+}
+
+TEST(CpuAttention, DecodeRejectsBadArgumentsNamingOpAndTensor) {
+  GqaCase k(1, 3, {4, 2, 8});
+  auto out = zeros(k.a.q_dim());
+  auto run = [&](Shape out_shape, Shape qkv_shape, AttentionDims a, Rope rope) {
+    return [&k, &out, out_shape, qkv_shape, a, rope] {
+      cpu().attention_decode(f32(out, {k.a.q_dim()}).view(out_shape),
+                             f32(k.qkv, k.qkv_shape()).view(qkv_shape), a, true, rope);
+    };
+  };
+  const Rope rope{10000.0f, {}};
+  const int64_t Q = k.a.q_dim(), D = k.a.qkv_dim();
+  expect_rejects(run({1, 1, Q}, {1, 3, D}, k.a, rope), "attention_decode", "out");
+  expect_rejects(run({1, Q}, {3, D}, k.a, rope), "attention_decode", "qkv");
+  expect_rejects(run({1, Q}, {1, 3, D}, {4, 3, 8}, rope), "attention_decode", "dims");
+  expect_rejects(run({1, Q}, {1, 3, D}, k.a, Rope{0.0f, {}}), "attention_decode", "rope");
+  GqaCase odd(1, 3, {2, 1, 5});
+  std::vector<float> odd_out = zeros(odd.a.q_dim());
+  expect_rejects(
+      [&] {
+        cpu().attention_decode(f32(odd_out, {1, odd.a.q_dim()}), f32(odd.qkv, odd.qkv_shape()),
+                               odd.a, true, rope);
+      },
+      "attention_decode", "dims");  // RoPE needs an even head_dim
+}
+
 // ---- qk_norm ---------------------------------------------------------------------------------
 
 struct QkNormCase {

@@ -2,7 +2,9 @@
 // 1/sqrt(hs), in the flash-attention form: forward keeps only out and the per-row log-sum-exp
 // (lse); backward recomputes every probability as p = exp(q.k * scale - lse) and uses
 // D_t = dout_t . out_t for the softmax backward, so no [T,T] matrix is ever stored (a T-float row
-// of scores per thread is the only scratch). Query head h reads kv head h / (NH/KV).
+// of scores per thread is the only scratch). Query head h reads kv head h / (NH/KV). The decode
+// step (one new row against a KV cache) runs the forward's own row function, so sampling with a
+// cache gives the recomputing forward's logits bit for bit.
 // Forward threads split over (batch, query head); backward over (batch, kv head), each looping
 // the query heads of its group in order, so dk/dv sum the group's heads and the query rows t in a
 // fixed order whatever the thread count. With KV == NH this is exactly the per-(batch, head)
@@ -14,6 +16,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/rope_row.h"
 
 namespace kiln {
 
@@ -39,6 +42,35 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Query row t of head h of one sequence (seq: its qkv[T,row]) over the keys 0..t: writes the
+// head's output o[hs] and returns the row's log-sum-exp. p: scratch for t + 1 scores. The forward
+// and the decode step both run this, so a decoded row has the bits of the forward's.
+float attend_row(float* o, const float* seq, const AttnDims& d, int64_t h, int64_t t, float scale,
+                 float* p) {
+  const int64_t hs = d.hs, row = d.row, kvh = h / d.group;
+  const float* q = seq + t * row + h * hs;
+  const float* k_base = seq + d.q_dim + kvh * hs;
+  const float* v_base = seq + d.v_off + kvh * hs;
+  float max_s = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j <= t; ++j) {
+    p[j] = dot(q, k_base + j * row, hs) * scale;
+    max_s = std::max(max_s, p[j]);
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j <= t; ++j) {
+    p[j] = std::exp(p[j] - max_s);
+    sum += p[j];
+  }
+  const float inv_sum = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < hs; ++i) o[i] = 0.0f;
+  for (int64_t j = 0; j <= t; ++j) {
+    const float pj = p[j] * inv_sum;
+    const float* v = v_base + j * row;
+    for (int64_t i = 0; i < hs; ++i) o[i] += pj * v[i];
+  }
+  return max_s + static_cast<float>(std::log(sum));
+}
+
 }  // namespace
 
 void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
@@ -53,32 +85,37 @@ void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const
     std::vector<float> p(static_cast<size_t>(T));
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < d.B * NH; ++bh) {
-      const int64_t b = bh / NH, h = bh % NH, kvh = h / d.group;
-      const float* q_base = qkv_p + b * T * row + h * hs;  // q of token 0, head h
-      const float* k_base = qkv_p + b * T * row + Q + kvh * hs;
-      const float* v_base = qkv_p + b * T * row + d.v_off + kvh * hs;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* q = q_base + t * row;
-        float max_s = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j <= t; ++j) {
-          p[j] = dot(q, k_base + j * row, hs) * scale;
-          max_s = std::max(max_s, p[j]);
-        }
-        double sum = 0.0;
-        for (int64_t j = 0; j <= t; ++j) {
-          p[j] = std::exp(p[j] - max_s);
-          sum += p[j];
-        }
-        const float inv_sum = static_cast<float>(1.0 / sum);
-        float* o = out_p + (b * T + t) * Q + h * hs;
-        for (int64_t i = 0; i < hs; ++i) o[i] = 0.0f;
-        for (int64_t j = 0; j <= t; ++j) {
-          const float pj = p[j] * inv_sum;
-          const float* v = v_base + j * row;
-          for (int64_t i = 0; i < hs; ++i) o[i] += pj * v[i];
-        }
-        lse_p[bh * T + t] = max_s + static_cast<float>(std::log(sum));
-      }
+      const int64_t b = bh / NH, h = bh % NH;
+      for (int64_t t = 0; t < T; ++t)
+        lse_p[bh * T + t] = attend_row(out_p + (b * T + t) * Q + h * hs, qkv_p + b * T * row, d, h,
+                                       t, scale, p.data());
+    }
+  }
+}
+
+void CpuBackend::run_attention_decode(Tensor out, Tensor qkv, const AttentionDims& a, bool rotate,
+                                      const Rope& rope) {
+  const AttnDims d = attn_dims(qkv, a);
+  const int64_t T = d.T, NH = d.NH, hs = d.hs, row = d.row, Q = d.q_dim;
+  float* qkv_p = qkv.ptr<float>();
+  if (rotate) {
+    const std::vector<float> inv_freq = rope_inv_freq(a.head_dim, rope);
+    std::vector<float> cs(inv_freq.size()), sn(inv_freq.size());
+    cpu::rope_angles(T - 1, inv_freq, false, cs.data(), sn.data());
+    for (int64_t b = 0; b < d.B; ++b) {
+      float* newest = qkv_p + (b * T + T - 1) * row;
+      cpu::rope_row(newest, newest, a, cs.data(), sn.data());
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* out_p = out.ptr<float>();
+#pragma omp parallel if (cpu::worth_parallel(d.B * NH * T * hs))
+  {
+    std::vector<float> p(static_cast<size_t>(T));
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < d.B * NH; ++bh) {
+      const int64_t b = bh / NH, h = bh % NH;
+      attend_row(out_p + b * Q + h * hs, qkv_p + b * T * row, d, h, T - 1, scale, p.data());
     }
   }
 }

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/rope.cuh"
 
 namespace kiln {
 
@@ -33,6 +34,7 @@ struct RopeFreqs {
 
 struct RopeShape {
   int T = 0;
+  int t0 = 0;  // the position of each sequence's first row
   int hs = 0;
   int rotated = 0;     // NH + KV heads per token
   int copied = 0;      // KV value heads per token, 0 when out == inp
@@ -46,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
   const int half = s.hs / 2;
   const int64_t token = blockIdx.x;
-  const float t = static_cast<float>(token % s.T);
+  const float t = static_cast<float>(s.t0 + token % s.T);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn, cs;
     sincosf(t * f.inv_freq[i], &sn, &cs);
@@ -84,15 +86,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+}  // namespace
+
 // The kernel's frequency table holds kMaxHalf pairs: wider heads are refused, and so are more
 // tokens than a grid's x dimension (a block per token).
-void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const AttentionDims& a,
-          const Rope& rope, bool backward) {
+void cuda::rope_rotate(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp,
+                       const AttentionDims& a, const Rope& rope, bool backward, int t0) {
   if (a.head_dim > 2 * kMaxHalf)
     c.fail("dims",
            "head_dim " + std::to_string(a.head_dim) + " is over " + std::to_string(2 * kMaxHalf));
   RopeShape s;
   s.T = static_cast<int>(inp.dim(1));
+  s.t0 = t0;
   s.hs = a.head_dim;
   s.rotated = a.n_head + a.n_kv_head;
   s.copied = out.data == inp.data ? 0 : a.n_kv_head;
@@ -112,16 +117,14 @@ void rope(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp, const A
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-}  // namespace
-
 void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a,
                                    const Rope& r) {
-  rope(op_check("rope_forward"), stream_, out, inp, a, r, false);
+  rope_rotate(op_check("rope_forward"), stream_, out, inp, a, r, false, 0);
 }
 
 void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a,
                                     const Rope& r) {
-  rope(op_check("rope_backward"), stream_, dinp, dout, a, r, true);
+  rope_rotate(op_check("rope_backward"), stream_, dinp, dout, a, r, true, 0);
 }
 
 }  // namespace kiln

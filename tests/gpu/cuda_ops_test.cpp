@@ -783,6 +783,58 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// A decoding step (the newest row of a KV cache, rotated in place for its position, attending
+// over every row) against the CPU's, and against the GPU forward's last row: MHA, GQA and MQA,
+// head widths on each of the kernel's channel splits, caches shorter than its warps and long
+// ones, with and without RoPE.
+struct DecodeCase {
+  int B, T, NH, KV, hs;
+  bool rotate;
+};
+
+class CudaAttentionDecode : public CudaOps, public ::testing::WithParamInterface<DecodeCase> {};
+
+TEST_P(CudaAttentionDecode, MatchesCpuAndTheForwardsLastRow) {
+  const DecodeCase dc = GetParam();
+  const AttentionDims a{dc.NH, dc.KV, dc.hs};
+  const int B = dc.B, T = dc.T;
+  const int64_t Q = a.q_dim(), D = a.qkv_dim();
+  const Rope rope{1e4f, {}};
+  const std::vector<float> qkv = rand(int64_t{B} * T * D, 2.0f);
+  Buf cqkv = cpu({B, T, D}, qkv), gqkv = act({B, T, D}, qkv);
+  Buf cout_ = cpu({B, Q}, std::vector<float>(static_cast<size_t>(B * Q)));
+  Buf gout = poisoned({B, Q}, DType::bf16);
+  cpu_->attention_decode(cout_, cqkv, a, dc.rotate, rope);
+  gpu_->attention_decode(gout, gqkv, a, dc.rotate, rope);
+  const std::vector<float> out = host(gout);
+  EXPECT_CLOSE(out, host(cout_), kBf16Tol, "decode out vs cpu");
+  EXPECT_CLOSE(host(gqkv), host(cqkv), kBf16Tol, "qkv after rotating the newest row");
+
+  // The naive forward over the rotated cache: its last row is the decoded one.
+  gpu_->set_attention("naive");
+  Buf fout = poisoned({B, T, Q}, DType::bf16), flse = poisoned({B, dc.NH, T}, DType::f32);
+  gpu_->attention_forward(fout, flse, gqkv, a);
+  const std::vector<float> full = host(fout);
+  std::vector<float> last;
+  for (int b = 0; b < B; ++b)
+    last.insert(last.end(), full.begin() + (int64_t{b} * T + T - 1) * Q,
+                full.begin() + (int64_t{b} * T + T) * Q);
+  EXPECT_CLOSE(out, last, kBf16Tol, "decode out vs the forward's last row");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Heads, CudaAttentionDecode,
+    ::testing::Values(DecodeCase{1, 1, 4, 4, 64, true}, DecodeCase{1, 5, 4, 4, 64, false},
+                      DecodeCase{2, 100, 4, 4, 64, true}, DecodeCase{1, 300, 8, 2, 128, true},
+                      DecodeCase{2, 77, 16, 8, 128, true}, DecodeCase{1, 129, 4, 1, 32, false},
+                      DecodeCase{1, 64, 2, 1, 256, true}, DecodeCase{1, 2048, 16, 8, 128, true}),
+    [](const ::testing::TestParamInfo<DecodeCase>& i) {
+      const DecodeCase& d = i.param;
+      return "B" + std::to_string(d.B) + "_T" + std::to_string(d.T) + "_NH" + std::to_string(d.NH) +
+             "_KV" + std::to_string(d.KV) + "_hs" + std::to_string(d.hs) +
+             (d.rotate ? "_rope" : "");
+    });
+
 // Bias gradients: column sums of bf16 [N,C] added into f32, against sums in double. C=768 and
 // 3072 take the vectorised kernel (N not a multiple of its row unroll), C=100 the one-column one.
 TEST_F(CudaOps, ColumnSumAccumulate) {
