@@ -354,16 +354,16 @@ int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
   return bytes;
 }
 
-Decoder::BlockActs Decoder::acts(int l) const {
-  BlockActs a = acts_.blocks[static_cast<size_t>(l)];
+Decoder::BlockActs Decoder::block_acts(const Acts& set, Recompute recompute, int l) const {
+  BlockActs a = set.blocks[static_cast<size_t>(l)];
   if (blocks_[static_cast<size_t>(l)].is_moe) {
     const int64_t i = std::find(moe_blocks_.begin(), moe_blocks_.end(), l) - moe_blocks_.begin();
     const int64_t E = cfg_.moe.n_experts;
     a.moe.stats = acts_.moe_stats.slice(i * (E + kMoeStats), {E + kMoeStats});
     if (acts_.moe_bias.defined()) a.moe.bias = acts_.moe_bias.slice(i * E, {E});
   }
-  if (recompute_ == Recompute::none) return a;
-  const BlockActs& s = acts_.shared;
+  if (recompute == Recompute::none) return a;
+  const BlockActs& s = set.shared;
   auto merge = [](Tensor& t, const Tensor& shared) {
     if (!t.defined()) t = shared;
   };
@@ -395,14 +395,14 @@ void Decoder::recompute_block(int l, const BlockActs& a) {
   const Params& w = weights_;
   const Block& blk = blocks_[static_cast<size_t>(l)];
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
-  blk.ln1.forward(k, w, a.ln1, block_input(l));
+  blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
   if (recompute_ == Recompute::selective) {
     blk.attn.recompute_core(k, a.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
     blk.attn.forward(k, w, a.attn, a.ln1.out);
-    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
+    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(acts_, l), a.attn.out);
     // The routing comes out as in forward (same input, same bias); its statistics were
     // counted there.
     if (blk.is_moe)
@@ -412,8 +412,8 @@ void Decoder::recompute_block(int l, const BlockActs& a) {
   }
 }
 
-Tensor Decoder::block_input(int l) const {
-  return l == 0 ? acts_.encoded : acts_.blocks[static_cast<size_t>(l)].residual_in;
+Tensor Decoder::block_input(const Acts& set, int l) const {
+  return l == 0 ? set.encoded : set.blocks[static_cast<size_t>(l)].residual_in;
 }
 
 void Decoder::fp8_views() {
@@ -511,7 +511,6 @@ void Decoder::fp8_cast_weights() {
 void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) {
   Backend& k = backend_;
   const Params& w = weights_;
-  const int L = cfg_.n_layer;
   // Evaluation and sampling must not move the scales training uses: their casts land in a
   // window that is put back afterwards.
   const bool keep_window = !with_backward && !fp8_.linears.empty();
@@ -524,31 +523,65 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   moe_loss_scale_ = dloss_scale * static_cast<float>(B_) * static_cast<float>(T_);
   hook(&UnitHooks::before_forward, 0);
   embed_.forward(k, w, acts_.encoded, tokens);
+  forward_blocks(acts_, recompute_, with_backward, -1);
+  k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
+                          targets, cfg_.vocab_size, dloss_scale, with_backward);
+  if (keep_window) k.copy(window, acts_.fp8_window);
+}
+
+void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_stats,
+                             int decode_pos) {
+  Backend& k = backend_;
+  const Params& w = weights_;
+  const int L = cfg_.n_layer;
   for (int l = 0; l < L; ++l) {
     hook(&UnitHooks::before_forward, l + 1);
     const Block& blk = blocks_[static_cast<size_t>(l)];
-    const BlockActs a = acts(l);
+    const BlockActs a = block_acts(set, recompute, l);
     if (l == 0) {
-      blk.ln1.forward(k, w, a.ln1, acts_.encoded);
+      blk.ln1.forward(k, w, a.ln1, set.encoded);
     } else {
-      const BlockActs prev = acts(l - 1);
+      const BlockActs prev = block_acts(set, recompute, l - 1);
       blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, ffn_out(l - 1, prev));
     }
-    blk.attn.forward(k, w, a.attn, a.ln1.out);
-    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(l), a.attn.out);
+    if (decode_pos < 0)
+      blk.attn.forward(k, w, a.attn, a.ln1.out);
+    else
+      blk.attn.decode(k, w, a.attn, a.ln1.out, acts_.blocks[static_cast<size_t>(l)].attn.qkv,
+                      decode_pos);
+    blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(set, l), a.attn.out);
     if (blk.is_moe)
-      blk.moe.forward(k, w, a.moe, acts_.moe, a.ln2.out, with_backward);
+      blk.moe.forward(k, w, a.moe, set.moe, a.ln2.out, with_stats);
     else
       blk.mlp.forward(k, w, a.mlp, a.ln2.out);
   }
   hook(&UnitHooks::before_forward, L + 1);
-  const BlockActs last = acts(L - 1);
-  lnf_.residual_forward(k, w, acts_.lnf, acts_.residual_out, last.residual_mid,
-                        ffn_out(L - 1, last));
-  k.matmul_forward(acts_.logits, acts_.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
-  k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
-                          targets, cfg_.vocab_size, dloss_scale, with_backward);
-  if (keep_window) k.copy(window, acts_.fp8_window);
+  const BlockActs last = block_acts(set, recompute, L - 1);
+  lnf_.residual_forward(k, w, set.lnf, set.residual_out, last.residual_mid, ffn_out(L - 1, last));
+  k.matmul_forward(set.logits, set.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
+}
+
+void Decoder::plan_decode(Arena& arena) {
+  if (B_ != 1 || recompute_ != Recompute::none)
+    throw std::logic_error(
+        "plan_decode: after plan_activations(arena, 1, T, Recompute::none), whose per-block q, "
+        "k and v are the cache");
+  if (!fp8_.linears.empty())
+    throw std::logic_error("plan_decode: an FP8 model decodes with its bf16 weights (fp8 off)");
+  plan([&arena](Tensor* slot, const std::string& name, Shape shape,
+                DType dtype) { arena.plan(slot, "decode." + name, shape, dtype); },
+       decode_, 1, 1, Recompute::none);
+}
+
+Tensor Decoder::decode(Tensor token, int pos) {
+  if (!decode_.logits.defined()) throw std::logic_error("decode: plan_decode first");
+  if (pos < 0 || pos >= T_)
+    throw std::invalid_argument("decode: position " + std::to_string(pos) +
+                                " is outside the cache's [0, " + std::to_string(T_) + ")");
+  hook(&UnitHooks::before_forward, 0);
+  embed_.forward(backend_, weights_, decode_.encoded, token, pos);
+  forward_blocks(decode_, Recompute::none, /*with_stats=*/false, pos);
+  return decode_.logits;
 }
 
 void Decoder::backward(Tensor tokens) {
@@ -580,7 +613,7 @@ void Decoder::backward(Tensor tokens) {
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
     blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
-    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(l), a.ln1,
+    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
                      l > 0 ? copy : Tensor{});
     hook(&UnitHooks::after_backward, l + 1);
   }

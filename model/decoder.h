@@ -36,6 +36,8 @@ class Decoder final : public Model {
   double flops_per_token(int T) const override;
   void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) override;
   void backward(Tensor tokens) override;
+  void plan_decode(Arena& arena) override;
+  Tensor decode(Tensor token, int pos) override;
   Tensor losses() const override { return acts_.losses; }
   Tensor logits() const override { return acts_.logits; }
   const Fp8StateLayout& fp8_layout() const override { return fp8_.layout; }
@@ -105,8 +107,15 @@ class Decoder final : public Model {
 
   void bind(const Locate& locate, Params& out) const;
   void plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const;
-  BlockActs acts(int l) const;
-  Tensor block_input(int l) const;
+  // Block l's activations in `set` (acts_ or decode_) planned under `recompute`, with the MoE
+  // state (statistics, bias) of the model's own.
+  BlockActs block_acts(const Acts& set, Recompute recompute, int l) const;
+  BlockActs acts(int l) const { return block_acts(acts_, recompute_, l); }
+  Tensor block_input(const Acts& set, int l) const;
+  // The blocks, the final norm and the LM head over `set` from set.encoded, into set.logits.
+  // decode_pos >= 0: `set` is decode_'s one token at that position, whose attention reads and
+  // extends the cache (acts_'s q, k, v).
+  void forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos);
   // The output of block l's feed-forward (dense or MoE), the branch the next norm adds.
   Tensor ffn_out(int l, const BlockActs& a) const {
     return blocks_[static_cast<size_t>(l)].is_moe ? a.moe.out : a.mlp.out;
@@ -134,6 +143,7 @@ class Decoder final : public Model {
   Params weights_, grads_;
   const UnitHooks* hooks_ = nullptr;
   Acts acts_;
+  Acts decode_;  // plan_decode: one token's buffers
   Fp8 fp8_;
   Recompute recompute_ = Recompute::none;
   int B_ = 0, T_ = 0;

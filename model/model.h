@@ -126,6 +126,16 @@ class Model {
   virtual Tensor losses() const = 0;
   virtual Tensor logits() const = 0;  // [B,T,Vp]
 
+  // ---- Decoding with a KV cache (sampling) ----
+  // After plan_activations(arena, 1, T, Recompute::none): plans decode()'s one-token buffers.
+  // The cache is forward()'s own per-block q, k and v: forward() over a window fills it for the
+  // window's positions, and each decode() adds one, so a token costs one position's forward.
+  virtual void plan_decode(Arena& arena) = 0;
+  // The forward of one token (i32[1,1] in backend memory) at position `pos` < T, attending over
+  // positions 0..pos-1 as the cache holds them and writing its own k and v there. Returns its
+  // logits [1,1,Vp]: forward()'s at row pos over the same tokens (on the CPU, bit for bit).
+  virtual Tensor decode(Tensor token, int pos) = 0;
+
   // ---- Mixture-of-Experts (ModelConfig::moe; a dense model has no MoE blocks, undefined
   // tensors, and moe_update_bias does nothing) ----
   // The MoE blocks' numbers, in order.

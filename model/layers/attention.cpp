@@ -41,6 +41,19 @@ void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) 
   proj.forward(k, w, a.out, a.y);
 }
 
+void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
+                       int64_t pos) const {
+  const int64_t D = dims.qkv_dim();
+  const Tensor newest = cache.slice(pos * D, {1, 1, D});
+  qkv.forward(k, w, qk_norm ? a.qkv_raw : newest, inp);
+  if (qk_norm)
+    k.qk_norm_forward(newest, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
+                      norm_eps);
+  k.attention_decode(a.y.view({1, dims.q_dim()}), cache.slice(0, {1, pos + 1, D}), dims, rope,
+                     rope_params);
+  proj.forward(k, w, a.out, a.y);
+}
+
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a) const {
   proj.backward(k, w, g, s.dy, dout, a.y);

@@ -43,6 +43,11 @@ struct Attention {
   void recompute_core(Backend& k, const Acts& a) const {
     k.attention_forward(a.y, a.lse, a.qkv, dims);
   }
+  // One token at position `pos` (a: one-token buffers, inp [1,1,C]) against the KV cache
+  // `cache` (the forward's a.qkv [1,T,qkv_dim], rows 0..pos-1 filled): its q, k and v go to row
+  // pos, rotated there for position pos, and its query attends over rows 0..pos.
+  void decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
+              int64_t pos) const;
   // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                 Tensor dout, Tensor inp, const Acts& a) const;
