@@ -1,8 +1,11 @@
 // `sample SOURCE [--prompt TEXT | --prompt-ids IDS] [--tokens N] [--temperature T] [--top-k K]
-// [--seed S] [--device cpu|cuda|auto]`: prints a continuation of the prompt from a model. SOURCE
-// is a run directory (its newest checkpoint), a checkpoint, or hf:DIR. Byte-level vocabularies
-// (256) take and print text; any vocabulary takes --prompt-ids and prints ids (kiln has no
-// tokenizer of its own for BPE vocabularies: tokenize with the model's, e.g. tools/hf_tokenize.py).
+// [--seed S] [--device cpu|cuda|auto] [--no-kv-cache]`: prints a continuation of the prompt from a
+// model. SOURCE is a run directory (its newest checkpoint), a checkpoint, or hf:DIR. Byte-level
+// vocabularies (256) take and print text; any vocabulary takes --prompt-ids and prints ids (kiln
+// has no tokenizer of its own for BPE vocabularies: tokenize with the model's, e.g.
+// tools/hf_tokenize.py). Decoding keeps a KV cache (train/sampler.h says what it keeps past
+// model.seq_len); --no-kv-cache recomputes the window for every token, the reference it is
+// tested against.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
@@ -25,7 +28,7 @@ namespace {
 
 const char* kUsage =
     "usage: sample SOURCE [--prompt TEXT | --prompt-ids IDS] [--tokens N] [--temperature T]\n"
-    "              [--top-k K] [--seed S] [--device auto|cpu|cuda]\n"
+    "              [--top-k K] [--seed S] [--device auto|cpu|cuda] [--no-kv-cache]\n"
     "  SOURCE          a kiln run or checkpoint directory, or hf:DIR (a Hugging Face model)\n"
     "  --prompt TEXT   the prompt as text (byte-level models, vocab 256; default a newline)\n"
     "  --prompt-ids I  the prompt as token ids, comma-separated (any model); ids are printed\n"
@@ -33,7 +36,12 @@ const char* kUsage =
     "  --temperature T 0 is greedy (default 0.8)\n"
     "  --top-k K       0 is the whole vocabulary (default 40)\n"
     "  --seed S        the sampling RNG's seed (default 42): the same seed, the same text\n"
-    "  --device D      auto (a GPU when there is one; default), cpu or cuda\n";
+    "  --device D      auto (a GPU when there is one; default), cpu or cuda\n"
+    "  --no-kv-cache   recompute the whole window for every token (seq_len times the work)\n"
+    "Each token costs one position's forward against a KV cache of at most model.seq_len\n"
+    "positions; when it is full, the oldest half of the context is dropped and the rest\n"
+    "recomputed once, so past seq_len a token sees seq_len/2 to seq_len tokens of context\n"
+    "(without the cache: always seq_len). Up to seq_len both give the same tokens.\n";
 
 // "1,2,3" -> ids, each below `vocab_size`.
 std::vector<int> parse_ids(const std::string& text, int vocab_size) {
@@ -58,7 +66,8 @@ std::vector<int> parse_ids(const std::string& text, int vocab_size) {
 }
 
 int run(int argc, char** argv) {
-  const std::optional<ToolArgs> args = parse_tool_args(argc, argv, kUsage, 1);  // SOURCE
+  const std::optional<ToolArgs> args =
+      parse_tool_args(argc, argv, kUsage, 1, {"--no-kv-cache"});  // SOURCE
   if (!args) return 0;
   std::string prompt = "\n", prompt_ids, device = "auto";
   SamplingOptions opts;
@@ -81,6 +90,10 @@ int run(int argc, char** argv) {
       seed = parse_u64_flag(flag, value);
     } else if (flag == "--device") {
       device = value;
+    } else if (flag == "--no-kv-cache") {
+      if (value != "true" && value != "false")
+        throw InputError("--no-kv-cache: expected no value, true or false, got '" + value + "'");
+      opts.kv_cache = value == "false";
     } else {
       throw InputError("unknown flag '" + flag + "' (sample --help lists them)");
     }

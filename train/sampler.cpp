@@ -30,6 +30,12 @@ int pick_token(std::vector<float>& logits, int vocab_size, const SamplingOptions
 }
 }  // namespace
 
+int next_context(int context, int64_t length, int T, bool kv_cache) {
+  if (kv_cache && context > 0 && context < T) return context + 1;
+  const int fit = kv_cache && context == T ? T - T / 2 : T;
+  return static_cast<int>(std::min<int64_t>(length, fit));
+}
+
 std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng, Tensor moe_bias) {
@@ -41,9 +47,11 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
   const std::unique_ptr<Model> model = make_model(bf16, backend);
   Arena arena(backend, "sampling");
   model->plan_activations(arena, 1, T, Recompute::none);
-  Tensor tokens, targets, row;
+  if (opts.kv_cache) model->plan_decode(arena);
+  Tensor tokens, targets, token, row;
   arena.plan(&tokens, "tokens", {1, T}, DType::i32);
   arena.plan(&targets, "targets", {1, T}, DType::i32);
+  arena.plan(&token, "token", {1, 1}, DType::i32);
   arena.plan(&row, "logits_row", {Vp}, DType::f32);
   arena.allocate();
   model->bind_weights(flat_params(weights));
@@ -51,14 +59,26 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
 
   std::vector<int32_t> window(static_cast<size_t>(T), 0);
   std::vector<float> logits(static_cast<size_t>(Vp));
+  int context = 0;  // the newest tokens the last logits saw, at positions 0..context-1
   for (int i = 0; i < opts.max_new_tokens; ++i) {
-    // The last T tokens of the context; position t predicts t+1.
-    const size_t n = std::min(prompt.size(), static_cast<size_t>(T));
-    std::fill(window.begin(), window.end(), 0);
-    std::copy(prompt.end() - static_cast<std::ptrdiff_t>(n), prompt.end(), window.begin());
-    backend.copy_from_host(tokens, window.data());
-    model->forward(tokens, targets, 0.0f, false);
-    backend.copy(row, model->logits().slice(static_cast<int64_t>(n - 1) * Vp, {Vp}));
+    const int next = next_context(context, static_cast<int64_t>(prompt.size()), T, opts.kv_cache);
+    Tensor last;
+    if (opts.kv_cache && context > 0 && next == context + 1) {
+      // The newest token at the next position, against the cache.
+      const int32_t newest = prompt.back();
+      backend.copy_from_host(token, &newest);
+      last = model->decode(token, context).view({Vp});
+    } else {
+      // A full forward over the context (zero-padded to T; the model is causal, so positions
+      // past it do not affect it), which also fills the cache; position t predicts t+1.
+      std::fill(window.begin(), window.end(), 0);
+      std::copy(prompt.end() - next, prompt.end(), window.begin());
+      backend.copy_from_host(tokens, window.data());
+      model->forward(tokens, targets, 0.0f, false);
+      last = model->logits().slice(static_cast<int64_t>(next - 1) * Vp, {Vp});
+    }
+    context = next;
+    backend.copy(row, last);
     backend.copy_to_host(logits.data(), row);
     prompt.push_back(pick_token(logits, cfg.vocab_size, opts, rng));
   }

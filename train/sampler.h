@@ -1,6 +1,11 @@
-// Sampling from a trained model: autoregressive decoding with temperature and top-k. There is no
-// KV cache: each new token runs the full forward over the window (the model is causal, so
-// positions past the current one do not affect it). Fine for demos and spot checks, not serving.
+// Sampling from a trained model: autoregressive decoding with temperature and top-k, with a KV
+// cache (Model::decode) so that each new token costs one position's forward. The cache holds
+// at most model.seq_len positions (there are no positions past it): when it is full, the oldest
+// half of the context is dropped and the cache is rebuilt from the rest by one forward, so past
+// seq_len a token sees between seq_len/2 and seq_len tokens of context. Without the cache
+// (kv_cache false) every token runs the full forward over the last seq_len tokens: the same
+// tokens while the text fits in seq_len (bit for bit on the CPU), slower by about seq_len times.
+// For demos and spot checks, not serving.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +20,7 @@ struct SamplingOptions {
   int max_new_tokens = 128;
   float temperature = 1.0f;  // 0: greedy
   int top_k = 0;             // 0: whole vocabulary
+  bool kv_cache = true;
 };
 
 // `weights`: the flat parameter buffer in the backend's working dtype. Returns prompt +
@@ -22,5 +28,11 @@ struct SamplingOptions {
 std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng, Tensor moe_bias = {});
+
+// How many of the newest tokens the context of the next token holds when the one before it
+// had `context` (0: none yet) and the text has `length` tokens, for a model of seq_len T: one
+// more while the cache has room, T - T/2 when it was full (the dropped half), and without a
+// cache always min(length, T).
+int next_context(int context, int64_t length, int T, bool kv_cache);
 
 }  // namespace kiln
