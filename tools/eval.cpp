@@ -15,6 +15,7 @@
 
 #include "data/loader.h"
 #include "kernels/arena.h"
+#include "kernels/cpu/threads.h"
 #include "kernels/error.h"
 #include "tools/tool_args.h"
 #include "train/init_from.h"
@@ -90,6 +91,7 @@ int run(int argc, char** argv) {
   std::unique_ptr<Backend> backend = (device == "cuda" || (device == "auto" && cuda_available()))
                                          ? make_cuda_backend(0)
                                          : make_cpu_backend();
+  set_cpu_threads();
   std::unique_ptr<Model> net = make_model(mc, *backend);
   Arena arena(*backend, "eval");
   Tensor weights, master, tokens, targets;

@@ -17,6 +17,7 @@
 
 #include "data/tokenizer.h"
 #include "kernels/arena.h"
+#include "kernels/cpu/threads.h"
 #include "kernels/error.h"
 #include "tools/tool_args.h"
 #include "train/init_from.h"
@@ -41,7 +42,10 @@ const char* kUsage =
     "Each token costs one position's forward against a KV cache of at most model.seq_len\n"
     "positions; when it is full, the oldest half of the context is dropped and the rest\n"
     "recomputed once, so past seq_len a token sees seq_len/2 to seq_len tokens of context\n"
-    "(without the cache: always seq_len). Up to seq_len both give the same tokens.\n";
+    "(without the cache: always seq_len). Up to seq_len both give the same tokens.\n"
+    "On the CPU: OMP_NUM_THREADS threads where set; else one for a small model (parameters x\n"
+    "seq_len under 2^28), which a second thread does not speed up, else the CPUs the process\n"
+    "may use (affinity mask and cgroup quota).\n";
 
 // "1,2,3" -> ids, each below `vocab_size`.
 std::vector<int> parse_ids(const std::string& text, int vocab_size) {
@@ -128,6 +132,15 @@ int run(int argc, char** argv) {
                                          ? make_cuda_backend(0)
                                          : make_cpu_backend();
   const int64_t n = static_cast<int64_t>(model.params.size());
+  // A decoding step is one row through every op, and the CPU ops split rows, so it runs on one
+  // thread whatever the count; threads can only speed up the forward over the window that
+  // starts sampling and refills the cache every seq_len/2 tokens. Where that forward is small
+  // (parameters x seq_len under 2^28 multiply-adds, ~0.1 s of one core) a second thread saves
+  // little on an idle machine and costs more on a loaded one, its parallel regions waiting for
+  // descheduled threads: 300 tokens of configs/tiny.yaml's model on 2 cores busy with other
+  // builds took 0.4 s on one thread and 1.4 s on two.
+  const bool small = static_cast<double>(n) * mc.seq_len < static_cast<double>(1 << 28);
+  set_cpu_threads(1, small ? 1 : 1 << 30);
   Arena arena(*backend, "weights");
   Tensor weights, master, moe_bias;
   arena.plan(&weights, "params.working", {n}, backend->activation_dtype());

@@ -16,6 +16,7 @@
 #include "dist/launcher.h"
 #include "dist/store.h"
 #include "dist/watchdog.h"
+#include "kernels/cpu/threads.h"
 #include "kernels/error.h"
 #include "train/cli.h"
 #include "train/config.h"
@@ -46,6 +47,7 @@ int train_with_stop(const Config& config, const RankInfo& rank,
 }
 
 int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& signals) {
+  set_cpu_threads(worker.local_world_size);  // the node's ranks share its CPUs
   if (worker.rank != 0) spdlog::set_level(spdlog::level::warn);
   spdlog::set_pattern("[%H:%M:%S rank " + std::to_string(worker.rank) + "] %^%l%$ %v");
   const auto timeout = std::chrono::seconds(config.dist.timeout_s);
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
       return launch(cli.launch, config, argc, argv);
     StopSignals signals(grace, true);
     StopAgreement stop(nullptr, 0, 1);
+    set_cpu_threads();
     return train_with_stop(config, RankInfo{}, nullptr, stop);
   });
 }

@@ -75,7 +75,9 @@ void CpuBackend::run_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tenso
   const float* b = bias.defined() ? bias.ptr<float>() : nullptr;
   float* y = out.ptr<float>();
   float* pre = pre_gelu.defined() ? pre_gelu.ptr<float>() : nullptr;
-#pragma omp parallel for schedule(static) if (cpu::worth_parallel(N * OC * C))
+  // Threads split the rows: one row (a decoding step) leaves nothing to share, and a parallel
+  // region would only add its barrier, which a loaded machine makes slow (threads.cpp).
+#pragma omp parallel for schedule(static) if (N > 1 && cpu::worth_parallel(N * OC * C))
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * C;
     float* yr = y + n * OC;
