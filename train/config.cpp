@@ -21,6 +21,7 @@
 
 #include "kernels/error.h"
 #include "model/arch.h"
+#include "train/model_config.h"
 
 namespace kiln {
 namespace {
@@ -456,9 +457,9 @@ struct Resolver {
     }
   }
 
-  // model.arch's row sets the layer-choice keys before the file's and the overrides' own keys
-  // are applied, so an arch's default never overrides a key that was given. An unknown arch is
-  // left for validate_fields() to name.
+  // model.arch's row (apply_arch_row) sets the layer-choice keys before the file's and the
+  // overrides' own keys are applied, so an arch's default never overrides a key that was given.
+  // An unknown arch is left for validate_fields() to name.
   void apply_arch_defaults(const YAML::Node& root, const std::vector<std::string>& overrides) {
     std::string arch = config.model.arch;
     if (root.IsMap() && root["model"] && root["model"].IsMap() && root["model"]["arch"] &&
@@ -468,18 +469,7 @@ struct Resolver {
       const std::string body = o.rfind("--", 0) == 0 ? o.substr(2) : o;
       if (body.rfind("model.arch=", 0) == 0) arch = body.substr(11);
     }
-    const ArchDefaults* a = find_arch(arch);
-    if (!a) return;
-    ModelSection& m = config.model;
-    m.norm = norm_name(a->norm);
-    m.norm_eps = a->norm_eps;
-    m.positions = position_name(a->positions);
-    m.rope_theta = a->rope_theta;
-    m.mlp = mlp_name(a->mlp);
-    m.bias = a->bias;
-    m.qkv_bias = a->qkv_bias;
-    m.qk_norm = a->qk_norm;
-    m.tie_embeddings = a->tie_embeddings;
+    apply_arch_row(arch, config.model);
   }
 
   void apply_override(const std::string& override_text) {

@@ -78,6 +78,21 @@ Recompute recompute_mode(const TrainSection& t) {
   return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
 }
 
+bool apply_arch_row(const std::string& arch, ModelSection& m) {
+  if (!find_arch(arch)) return false;
+  const ModelSection row = model_section(arch_config(arch));
+  m.norm = row.norm;
+  m.norm_eps = row.norm_eps;
+  m.positions = row.positions;
+  m.rope_theta = row.rope_theta;
+  m.mlp = row.mlp;
+  m.bias = row.bias;
+  m.qkv_bias = row.qkv_bias;
+  m.qk_norm = row.qk_norm;
+  m.tie_embeddings = row.tie_embeddings;
+  return true;
+}
+
 ModelSection model_section(const ModelConfig& m) {
   ModelSection s;
   s.arch = m.arch;

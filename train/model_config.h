@@ -1,10 +1,13 @@
 // The config's model sections <-> ModelConfig, in one place: model_config() builds the model a
 // run trains from the model and moe sections (and, for a run, the precision and fp8 sections
 // on its backend); model_section() and moe_section() are its inverse, for a config written
-// around a model that came from elsewhere (init.from=hf:DIR, convert). A key added to the
+// around a model that came from elsewhere (init.from=hf:DIR, convert); apply_arch_row() puts
+// model.arch's row into the section through that inverse. A key added to the
 // model's sections is mapped here, both ways, and nowhere else; so is train.recompute, the one
 // model choice outside them.
 #pragma once
+
+#include <string>
 
 #include "model/model.h"
 #include "train/config.h"
@@ -22,6 +25,12 @@ ModelConfig model_config(const Config& config, const Backend& backend, bool log)
 
 // train.recompute: which activations backward computes again.
 Recompute recompute_mode(const TrainSection& train);
+
+// model.arch's row (model/arch.cpp) in the model section: the row's layer choices (norm and eps,
+// positions and RoPE base, MLP, biases, QK-norm, tied head) written over `m`'s, as the defaults
+// the file's and the overrides' own keys then override; the sizes are left as they are. False,
+// and `m` untouched, for an unknown name (the schema names it).
+bool apply_arch_row(const std::string& arch, ModelSection& m);
 
 // The config section that gives `m` (the inverse of model_config()).
 ModelSection model_section(const ModelConfig& m);
