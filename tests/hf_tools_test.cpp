@@ -223,7 +223,8 @@ TEST_F(HfTools, AnHfRoundTripGivesBackWhatItWasGiven) {
   expect_kept(d + "/rt_run_hf");
 }
 
-// sample reads a run and its hf export alike (the same greedy continuation, as text or as ids),
+// sample reads a run and its hf export alike (the same greedy continuation, as text or as ids,
+// and the same again recomputing the window for every token instead of keeping a KV cache),
 // takes ids where the vocabulary is not byte-level, and refuses ids outside the vocabulary.
 TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {
   const std::string d = dir_;
@@ -236,6 +237,8 @@ TEST_F(HfTools, SampleReadsRunsAndHfDirectoriesAlike) {
     ASSERT_EQ(run.status, 0) << run.output;
     ASSERT_EQ(hf.status, 0) << hf.output;
     EXPECT_EQ(run.output, hf.output) << prompt;
+    const auto recomputed = run_command(kBin + "/sample " + d + "/run" + flags + " --no-kv-cache");
+    EXPECT_EQ(recomputed.output, run.output) << prompt;
     if (prompt.find("ids") != std::string::npos) {
       EXPECT_TRUE(std::regex_match(run.output, std::regex("84,104,101,32(,[0-9]+){12}\n")))
           << run.output;
@@ -329,6 +332,7 @@ TEST_F(HfTools, ToolsRefuseBadNumbersAndUnwritableOutputsAtOnce) {
            {"--seed -1", "--seed must be a whole number in [0, 2^64), got '-1'"},
            {"--top-k 1e10", "--top-k must be >= 0 and a whole number, got '1e10'"},
            {"--temperature inf", "--temperature must be a finite number, got 'inf'"},
+           {"--no-kv-cache=maybe", "--no-kv-cache: expected no value, true or false, got 'maybe'"},
            {"--bogus 1", "unknown flag '--bogus' (sample --help lists them)"}}) {
     const auto r = run_command(kBin + "/sample " + d + "/run --device cpu " + flags);
     EXPECT_EQ(r.status, 2) << flags << ": " << r.output;
