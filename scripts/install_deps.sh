@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
 # Gloo, OpenMP, nlohmann-json), Open MPI's mpirun (CI launches kiln under it), matplotlib for
-# tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json,
+# tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json, TensorBoard
+# (a test reads train.tensorboard's event files with its reader),
 # and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
 # nvidia-cudnn-frontend wheel) and CUTLASS's headers (from PyPI's nvidia-cutlass wheel: the
 # MoE experts' grouped GEMMs), unpacked into .deps/. Idempotent; runs as root or with sudo.
@@ -45,6 +46,14 @@ if ! python3 -c "import tokenizers" >/dev/null 2>&1; then
   echo "install_deps: installing tokenizers"
   python3 -m pip install -q tokenizers ||
     python3 -m pip install -q --user --break-system-packages tokenizers
+fi
+
+# tests/tensorboard_test.cpp reads event files with TensorBoard's own reader (PyPI's tensorboard;
+# Debian 12 packages none), for the same python3.
+if ! python3 -c "import tensorboard" >/dev/null 2>&1; then
+  echo "install_deps: installing tensorboard"
+  python3 -m pip install -q tensorboard ||
+    python3 -m pip install -q --user --break-system-packages tensorboard
 fi
 
 # The cuDNN frontend is header-only C++; only the CUDA build needs it.

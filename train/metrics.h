@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln {
@@ -82,5 +83,11 @@ class MetricsLog {
 
 std::string format_step_line(const StepMetrics& m, const std::string& memory);
 std::string metrics_json(const StepMetrics& m);
+
+// The step's numbers under metrics.jsonl's keys, for the sinks beside it (TensorBoard,
+// Prometheus): every number metrics_json writes, at full precision, except the MoE blocks'
+// per-expert loads (moe_load) and their numbering (moe_blocks): a per-block array is one
+// value per block, named "<key>/h.<block>" ("moe_gini/h.3"). No "step": the sinks take it apart.
+std::vector<std::pair<std::string, double>> step_scalars(const StepMetrics& m);
 
 }  // namespace kiln

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <vector>
 
 #include "kernels/error.h"
 #include "train/checkpoint.h"
@@ -26,6 +27,23 @@ void set_aside(const std::string& path) {
   for (int i = 2; fs::exists(dest); ++i) dest = path + ".prev" + std::to_string(i);
   fs::rename(path, dest);
   spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
+}
+
+// Moves an earlier run's TensorBoard event files (train/tensorboard.h) into the first free
+// `events.prev`, `events.prev2`, ... beside them: TensorBoard reads every event file of a
+// directory as one run, and shows the moved ones as a run of their own.
+void set_aside_events(const std::string& out_dir) {
+  std::error_code ec;
+  std::vector<fs::path> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(out_dir, ec))
+    if (e.is_regular_file() && e.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
+      files.push_back(e.path());
+  if (files.empty()) return;
+  std::string dest = out_dir + "/events.prev";
+  for (int i = 2; fs::exists(dest); ++i) dest = out_dir + "/events.prev" + std::to_string(i);
+  fs::create_directory(dest);
+  for (const fs::path& f : files) fs::rename(f, dest / f.filename());
+  spdlog::warn("starting afresh: moved the earlier run's TensorBoard events to {}", dest);
 }
 
 // Drops the metrics lines past `last_step`, so the log of a resumed run reads as one run.
@@ -90,6 +108,7 @@ std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
   } else {
     set_aside(path);
     set_aside(out_dir + "/checkpoints");
+    set_aside_events(out_dir);
   }
   return std::make_unique<MetricsLog>(path);
 }

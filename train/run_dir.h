@@ -23,7 +23,7 @@ void create_run_dir(const Config& config);
 
 // out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's
 // step) drops the lines past that step; a fresh run in a used out_dir moves an earlier run's
-// metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
+// metrics, checkpoints and TensorBoard events aside (their checkpoints would otherwise look newer than ours to
 // pruning and to resume).
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
 

@@ -35,6 +35,7 @@
 #include "train/step_inputs.h"
 #include "train/step_timer.h"
 #include "train/stop.h"
+#include "train/tensorboard.h"
 
 namespace kiln {
 
@@ -134,6 +135,7 @@ class Trainer {
   StepGraph graph_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0, train.tensorboard
   std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
   std::mt19937_64 rng_;
   int start_step_ = 0;
@@ -377,7 +379,10 @@ bool Trainer::finish_step(const PendingStep& p) {
     sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
-  if (is_main()) metrics_->write(sm);  // after the save: the line holds its stall
+  if (is_main()) {  // after the save: the line holds its stall
+    metrics_->write(sm);
+    if (tensorboard_) tensorboard_->write_step(sm);
+  }
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
@@ -410,8 +415,16 @@ int Trainer::run() {
     init_parameters();
     fp8_->start(nullptr, "");
   }
-  if (is_main())
-    metrics_ = open_metrics(t.out_dir, ckpt ? std::optional<int>(start_step_) : std::nullopt);
+  if (is_main()) {
+    const std::optional<int> resumed_at = ckpt ? std::optional<int>(start_step_) : std::nullopt;
+    metrics_ = open_metrics(t.out_dir, resumed_at);
+    if (t.tensorboard) {
+      tensorboard_ = std::make_unique<TensorBoardWriter>(t.out_dir, resumed_at);
+      tensorboard_->write_text("config", "```yaml\n" + config_to_yaml(cfg_) + "```\n",
+                               start_step_);
+      spdlog::info("TensorBoard events: {}", tensorboard_->path());
+    }
+  }
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
   graph_.start(
