@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "dist/metrics_channel.h"
+#include "dist/prometheus.h"
 #include "kernels/error.h"
 
 extern char** environ;
@@ -87,12 +89,13 @@ std::string describe_exit(const Worker& w, int status) {
   return who + " exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
-// The worker's environment: ours minus any stale KILN_* identity, plus its own.
-std::vector<std::string> worker_env(const WorkerInfo& w) {
+// The worker's environment: ours minus any stale KILN_* identity, plus its own, and
+// KILN_METRICS_FD where `metrics_fd` >= 0.
+std::vector<std::string> worker_env(const WorkerInfo& w, int metrics_fd) {
   static const char* kKeys[] = {
       "KILN_RANK",      "KILN_LOCAL_RANK", "KILN_WORLD_SIZE",  "KILN_LOCAL_WORLD_SIZE",
       "KILN_NODE_RANK", "KILN_NNODES",     "KILN_MASTER_ADDR", "KILN_MASTER_PORT",
-      "KILN_RUN_TOKEN"};
+      "KILN_RUN_TOKEN", kMetricsFdVariable};
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     bool ours = false;
@@ -109,13 +112,15 @@ std::vector<std::string> worker_env(const WorkerInfo& w) {
                                 w.master_addr,
                                 std::to_string(w.master_port),
                                 w.run_token};
-  for (size_t i = 0; i < std::size(kKeys); ++i)
+  for (size_t i = 0; i < std::size(values); ++i)
     env.push_back(std::string(kKeys[i]) + "=" + values[i]);
+  if (metrics_fd >= 0)
+    env.push_back(std::string(kMetricsFdVariable) + "=" + std::to_string(metrics_fd));
   return env;
 }
 
-pid_t spawn_worker(const WorkerInfo& w, char** argv) {
-  std::vector<std::string> env = worker_env(w);
+pid_t spawn_worker(const WorkerInfo& w, char** argv, int metrics_fd) {
+  std::vector<std::string> env = worker_env(w, metrics_fd);
   std::vector<char*> envp;
   for (auto& s : env) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -153,8 +158,14 @@ void validate(const LaunchConfig& cfg) {
 // Supervises this node's workers; see the file comment.
 class Supervisor {
  public:
-  Supervisor(const LaunchConfig& cfg, StoreClient& store, std::vector<Worker> workers)
-      : cfg_(cfg), store_(store), workers_(std::move(workers)) {}
+  // `metrics`: where the workers' reports go (train.metrics_port), read from `metrics_fd`.
+  Supervisor(const LaunchConfig& cfg, StoreClient& store, std::vector<Worker> workers,
+             MetricsExporter* metrics, int metrics_fd)
+      : cfg_(cfg),
+        store_(store),
+        workers_(std::move(workers)),
+        metrics_(metrics),
+        metrics_fd_(metrics_fd) {}
   ~Supervisor() {
     for (const Worker& w : workers_)
       if (w.pidfd >= 0) close(w.pidfd);
@@ -193,7 +204,10 @@ class Supervisor {
         poll_failed_key();
       }
       wait_for_event();
+      if (metrics_)
+        for (const RankReport& r : receive_reports(metrics_fd_)) metrics_->update(r);
     }
+    if (metrics_) metrics_->set_up(false);
     return result_;
   }
 
@@ -246,11 +260,13 @@ class Supervisor {
     }
   }
 
-  // Sleeps up to 50 ms, waking at once when a worker exits (pidfds) or a signal arrives.
+  // Sleeps up to 50 ms, waking at once when a worker exits (pidfds), a signal arrives or a
+  // worker reports its step (train.metrics_port).
   void wait_for_event() {
     std::vector<pollfd> fds;
     for (const Worker& w : workers_)
       if (w.alive && w.pidfd >= 0) fds.push_back({w.pidfd, POLLIN, 0});
+    if (metrics_ && !fds.empty()) fds.push_back({metrics_fd_, POLLIN, 0});
     if (fds.empty()) {
       std::this_thread::sleep_for(50ms);
       return;
@@ -314,6 +330,8 @@ class Supervisor {
   const LaunchConfig& cfg_;
   StoreClient& store_;
   std::vector<Worker> workers_;
+  MetricsExporter* metrics_;
+  int metrics_fd_;
   bool stopping_ = false, killed_ = false, stop_ = false;
   Clock::time_point stop_started_;
   int result_ = 0;
@@ -376,6 +394,17 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
   std::string master = single ? "127.0.0.1" : cfg.master_addr;
 
   SignalGuard signals;
+  // Before the store, so a port in use fails before any node waits on this one.
+  std::unique_ptr<MetricsExporter> metrics;
+  MetricsSocketPair metrics_sockets;
+  if (cfg.metrics_port > 0) {
+    metrics = std::make_unique<MetricsExporter>(cfg.metrics_port);
+    metrics_sockets = make_metrics_socket_pair();
+    spdlog::info(
+        "launcher node {}: Prometheus metrics at http://0.0.0.0:{}/metrics "
+        "(train.metrics_port)",
+        cfg.node_rank, cfg.metrics_port);
+  }
   std::unique_ptr<StoreServer> server;
   if (cfg.node_rank == 0) {
     server = std::make_unique<StoreServer>(token, port, single ? "127.0.0.1" : "0.0.0.0");
@@ -402,13 +431,16 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
     Worker w;
     w.rank = info.rank;
     w.local_rank = local;
-    w.pid = spawn_worker(info, argv);
+    w.pid = spawn_worker(info, argv, metrics_sockets.worker_fd);
     w.pidfd = static_cast<int>(syscall(SYS_pidfd_open, w.pid, 0));
     w.alive = true;
     workers.push_back(w);
   }
   (void)argc;
-  int result = Supervisor(cfg, store, std::move(workers)).run();
+  if (metrics_sockets.worker_fd >= 0) close(metrics_sockets.worker_fd);
+  int result =
+      Supervisor(cfg, store, std::move(workers), metrics.get(), metrics_sockets.launcher_fd).run();
+  if (metrics_sockets.launcher_fd >= 0) close(metrics_sockets.launcher_fd);
   if (result == 0) {
     try {
       store.add("launcher/done", 1);

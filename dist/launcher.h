@@ -63,6 +63,9 @@ struct LaunchConfig {
   // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
   // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
   std::chrono::seconds stop_grace{5};
+  // train.metrics_port: serve /metrics for this node's workers (dist/prometheus.h), which send
+  // their numbers over a socket the launcher passes down (dist/metrics_channel.h). 0: off.
+  int metrics_port = 0;
 };
 
 // Runs the job's processes on this node and supervises them; returns the exit status for the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
-# Gloo, OpenMP, nlohmann-json), Open MPI's mpirun (CI launches kiln under it), matplotlib for
+# Gloo, OpenMP, nlohmann-json, prometheus-cpp for train.metrics_port), Open MPI's mpirun (CI
+# launches kiln under it), Prometheus itself (a test scrapes a run with it), matplotlib for
 # tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json, TensorBoard
 # (a test reads train.tensorboard's event files with its reader),
 # and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
@@ -12,7 +13,8 @@ cd "$(dirname "$0")/.."
 CUDNN_FRONTEND_VERSION=1.32.0
 CUTLASS_VERSION=4.2.0.0
 packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
-          libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin)
+          libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin
+          prometheus-cpp-dev prometheus)
 
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi

@@ -80,10 +80,13 @@ class Trainer {
     double lr;
     Clock::time_point enqueued;     // when the host began enqueueing it
     Clock::time_point enqueue_end;  // when it was enqueued: a backend without a stream is done
+    double data_wait_s;             // waiting for the loader's batches while enqueueing it
   };
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
+  // The rank's numbers to the observer's on_report (train.metrics_port), if it has one.
+  void report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use);
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
   // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
@@ -136,7 +139,7 @@ class Trainer {
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0, train.tensorboard
-  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
+  std::unique_ptr<RunPower> power_;                 // the GPUs' power and energy (train/power.h)
   std::mt19937_64 rng_;
   int start_step_ = 0;
   double peak_ = 0, peak_fp8_ = 0;
@@ -353,6 +356,7 @@ bool Trainer::finish_step(const PendingStep& p) {
     sm.moe = moe_step_metrics(values + 2 + (fp8_->on() ? Fp8StateLayout::kSummary : 0),
                               model_->moe_blocks(), mcfg_.moe.n_experts);
   if (!std::isfinite(sm.loss)) {
+    report(sm, p, -1);  // a scrape before the run ends shows it
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step,
                   sm.loss);
     return false;
@@ -383,10 +387,22 @@ bool Trainer::finish_step(const PendingStep& p) {
     metrics_->write(sm);
     if (tensorboard_) tensorboard_->write_step(sm);
   }
+  report(sm, p, in_use);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
   return true;
+}
+
+void Trainer::report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use) {
+  if (!observer_ || !observer_->on_report) return;
+  RankReport r{rank_.rank, step_scalars(sm)};
+  r.values.emplace_back("step", sm.step);
+  if (memory_in_use >= 0) r.values.emplace_back("memory_bytes", static_cast<double>(memory_in_use));
+  r.values.emplace_back("data_wait_s", p.data_wait_s);
+  if (const auto w = power_->own_watts()) r.values.emplace_back("gpu_power_w", *w);
+  if (const auto t = power_->own_throttled()) r.values.emplace_back("gpu_throttled", *t ? 1 : 0);
+  observer_->on_report(r);
 }
 
 int Trainer::run() {
@@ -420,8 +436,7 @@ int Trainer::run() {
     metrics_ = open_metrics(t.out_dir, resumed_at);
     if (t.tensorboard) {
       tensorboard_ = std::make_unique<TensorBoardWriter>(t.out_dir, resumed_at);
-      tensorboard_->write_text("config", "```yaml\n" + config_to_yaml(cfg_) + "```\n",
-                               start_step_);
+      tensorboard_->write_text("config", "```yaml\n" + config_to_yaml(cfg_) + "```\n", start_step_);
       spdlog::info("TensorBoard events: {}", tensorboard_->path());
     }
   }
@@ -452,7 +467,8 @@ int Trainer::run() {
     const int slot = step % Backend::kReadbackSlots;
     backend_->mark_step_start(slot);
     const double lr = learning_rate(cfg_.optim, step, t.max_steps);
-    inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
+    const double data_wait_s =
+        inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
     power_->enqueue_step(slot);
     graph_.run(step);
     std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
@@ -463,7 +479,7 @@ int Trainer::run() {
     // While the device runs the step just enqueued: off its critical path.
     if (stop_ && !stop_at_) poll_stop(step + 1);
     if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
-    pending = PendingStep{step, lr, enqueued, enqueue_end};
+    pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s};
     if (host_step(step + 1)) {
       if (!finish_step(*pending)) return wait_for_checkpoint(1);
       pending.reset();
