@@ -480,7 +480,9 @@ int Trainer::run() {
     if (stop_ && !stop_at_) poll_stop(step + 1);
     if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
     pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s};
-    if (host_step(step + 1)) {
+    // A backend without a stream (the CPU) did the step's work while enqueueing it: nothing
+    // overlaps the wait for its values, so its line comes now rather than a step late.
+    if (host_step(step + 1) || backend_->native_stream() == nullptr) {
       if (!finish_step(*pending)) return wait_for_checkpoint(1);
       pending.reset();
     }
