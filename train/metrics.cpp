@@ -201,6 +201,11 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   else
     std::snprintf(buf, sizeof buf, "MFU   n/a | mem %s", memory.c_str());
   s += buf;
+  if (m.since_line) {
+    std::snprintf(buf, sizeof buf, " | max of %d: loss %.4f norm %.3f", m.since_line->steps,
+                  m.since_line->max_loss, m.since_line->max_grad_norm);
+    s += buf;
+  }
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
     s += buf;

@@ -36,6 +36,15 @@ struct StepMetrics {
   // train.checkpoint_async: waiting for the previous save and copying the state to the host).
   std::optional<double> checkpoint_stall_ms;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
+  // On a step line that follows more than one step since the previous line (train.log_every >
+  // 1): the highest loss and grad norm over those steps, this one included, so a spike between
+  // lines shows. The step line only; metrics.jsonl has every step.
+  struct SinceLine {
+    int steps = 0;
+    double max_loss = 0;
+    double max_grad_norm = 0;
+  };
+  std::optional<SinceLine> since_line;
   std::optional<PowerMetrics> power;
   // precision.fp8: the scaling state after the step's update (kernels/fp8.h, Fp8Summary).
   struct Fp8 {

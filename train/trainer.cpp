@@ -145,7 +145,8 @@ class Trainer {
   double peak_ = 0, peak_fp8_ = 0;
   double flops_per_token_ = 0;
   StepTimer timer_;
-  int64_t device_peak_ = -1;  // the most memory_in_use() seen at a finished step
+  int64_t device_peak_ = -1;     // the most memory_in_use() seen at a finished step
+  StepMetrics::SinceLine line_;  // the steps since rank 0's previous step line
   // train.checkpoint_async's writer thread and host snapshot. Last: destroyed first, so the
   // save in flight is done with the backend and model before they go.
   std::unique_ptr<AsyncCheckpointer> async_checkpoints_;
@@ -374,8 +375,14 @@ bool Trainer::finish_step(const PendingStep& p) {
   };
   progress(false);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
-  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss))
+  ++line_.steps;
+  line_.max_loss = std::max(line_.max_loss, sm.loss);
+  line_.max_grad_norm = std::max(line_.max_grad_norm, sm.grad_norm);
+  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss)) {
+    if (line_.steps > 1) sm.since_line = line_;
     spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
+    line_ = {};
+  }
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
   if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
                              last || stop_step(sm.step))) {
