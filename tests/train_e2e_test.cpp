@@ -417,7 +417,7 @@ TEST_F(TrainE2E, PowerFieldsAreAbsentOnTheCpuAndTheRunSaysWhyOnce) {
   const std::string out = (dir_ / "run_power").string();
   const Result r = run(train_cmd(out, "--train.max_steps=3 --train.log_every=1"));
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto first = r.output.find("power: not measured (the cpu backend has no power reading");
+  const auto first = r.output.find("power: not measured: the cpu backend has no power reading");
   ASSERT_NE(first, std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("power:", first + 1), std::string::npos) << r.output;
   for (const char* file : {"/metrics.jsonl", "/summary.json"}) {

@@ -284,7 +284,7 @@ RunPower::RunPower(Backend& backend, Communicator* comm, int rank, int world_siz
     spdlog::info("power: reading each rank's GPU through NVML every 100 ms, on a thread of its "
                  "own; summed over the ranks in metrics.jsonl (power_w, energy_kj, j_per_token)");
   else
-    spdlog::info("power: not measured ({}); no power or energy fields", why);
+    spdlog::info("power: not measured: {}; no power or energy fields", why);
 }
 
 RunPower::~RunPower() = default;
