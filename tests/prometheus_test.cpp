@@ -1,6 +1,7 @@
 // dist/prometheus.h and dist/metrics_channel.h: a report survives the channel's encoding and a
 // real socket pair; the endpoint's text exposition holds the run-wide series from the lowest
-// rank and the per-rank ones labelled; a port in use is refused naming train.metrics_port.
+// rank and the per-rank ones labelled; a port in use or out of range is refused naming
+// train.metrics_port.
 // The real Prometheus scraping a 2-rank run: tests/prometheus_scrape_test.cpp.
 #include "dist/prometheus.h"
 
@@ -11,6 +12,7 @@
 
 #include "kernels/error.h"
 #include "tests/http_get.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {
@@ -78,6 +80,14 @@ TEST(MetricsExporter, APortInUseIsRefusedNamingTheKey) {
               std::string::npos)
         << e.what();
   }
+}
+
+// train.metrics_port outside [0, 65535] exits 2 naming the key, before anything starts.
+TEST(MetricsExporter, APortOutOfRangeIsRefusedByTheConfig) {
+  const auto r = testing::run_command(std::string(KILN_BIN_DIR) + "/train " + KILN_SOURCE_DIR +
+                                      "/configs/tiny.yaml --train.metrics_port=70000");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("train.metrics_port"), std::string::npos) << r.output;
 }
 
 }  // namespace
