@@ -91,6 +91,9 @@ struct LaunchConfig {
   // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
   // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
   std::chrono::seconds stop_grace{5};
+  // train.metrics_port: serve /metrics for this node's workers (dist/prometheus.h), which send
+  // their numbers over a socket the launcher passes down (dist/metrics_channel.h). 0: off.
+  int metrics_port = 0;
   // Supervised restarts: how often a failed generation of workers is replaced by a new one
   // (which resumes from the newest checkpoint), and the wait before the first restart, doubling
   // for each later one up to kMaxRestartBackoff (or restart_backoff itself, if longer).

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what kiln builds against: Debian -dev packages (yaml-cpp, spdlog + fmt, GoogleTest,
-# Gloo, OpenMP, nlohmann-json), Open MPI's mpirun (CI launches kiln under it), matplotlib for
-# tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json,
+# Gloo, OpenMP, nlohmann-json, prometheus-cpp for train.metrics_port), Open MPI's mpirun (CI
+# launches kiln under it), Prometheus itself (a test scrapes a run with it), matplotlib for
+# tools/plot.py, Hugging Face's tokenizers for prepare_data --tokenizer FILE.json, TensorBoard
+# (a test reads train.tensorboard's event files with its reader),
 # and, where the CUDA toolkit is present, the cuDNN frontend headers (from PyPI's
 # nvidia-cudnn-frontend wheel) and CUTLASS's headers (from PyPI's nvidia-cutlass wheel: the
 # MoE experts' grouped GEMMs), unpacked into .deps/. Idempotent; runs as root or with sudo.
@@ -11,7 +13,8 @@ cd "$(dirname "$0")/.."
 CUDNN_FRONTEND_VERSION=1.32.0
 CUTLASS_VERSION=4.2.0.0
 packages=(build-essential cmake pkg-config libyaml-cpp-dev libspdlog-dev libfmt-dev libgtest-dev
-          libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin)
+          libgmock-dev libgloo-dev libomp-dev nlohmann-json3-dev unzip python3-pip openmpi-bin
+          prometheus-cpp-dev prometheus)
 
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
@@ -45,6 +48,14 @@ if ! python3 -c "import tokenizers" >/dev/null 2>&1; then
   echo "install_deps: installing tokenizers"
   python3 -m pip install -q tokenizers ||
     python3 -m pip install -q --user --break-system-packages tokenizers
+fi
+
+# tests/tensorboard_test.cpp reads event files with TensorBoard's own reader (PyPI's tensorboard;
+# Debian 12 packages none), for the same python3.
+if ! python3 -c "import tensorboard" >/dev/null 2>&1; then
+  echo "install_deps: installing tensorboard"
+  python3 -m pip install -q tensorboard ||
+    python3 -m pip install -q --user --break-system-packages tensorboard
 fi
 
 # The cuDNN frontend is header-only C++; only the CUDA build needs it.

@@ -5,7 +5,8 @@
 // budget and ends the run naming the last cause; SIGTERM to the launcher restarts nothing; nor
 // can anything restart once node 0's launcher (the store's host) is gone; runs
 // whose workers, or a node's whole launcher, are SIGKILLed at random times (the launcher
-// replaced as a scheduler would) still end with the uninterrupted losses. Bad input exits 2.
+// replaced as a scheduler would), with synchronous or asynchronous checkpoints, still end with
+// the uninterrupted losses. Bad input exits 2.
 //
 // RandomKills* kill KILN_RESTART_KILLS times (default 4); DISABLED_RandomKillsSoak kills 20
 // times: `kiln_tests --gtest_also_run_disabled_tests --gtest_filter='DistRestart.*Soak'`.
@@ -94,7 +95,8 @@ class DistRestart : public ::testing::Test {
   // Runs with supervised restarts, SIGKILLing a random worker (or, across nodes, node 1's whole
   // launcher, which is then started again as a scheduler would) `kills` times, each once the
   // generation before has trained a step; then checks the losses against an uninterrupted run.
-  static void random_kills(const std::string& name, int nproc, int nnodes, int kills);
+  static void random_kills(const std::string& name, int nproc, int nnodes, int kills,
+                           const std::string& extra = "");
   static fs::path dir_;
 };
 fs::path DistRestart::dir_;
@@ -221,12 +223,13 @@ TEST_F(DistRestart, RestartsThatCannotResumeAreRefused) {
   }
 }
 
-void DistRestart::random_kills(const std::string& name, int nproc, int nnodes, int kills) {
+void DistRestart::random_kills(const std::string& name, int nproc, int nnodes, int kills,
+                               const std::string& extra) {
   const int per_node = nproc / nnodes, steps = 12 + 3 * kills;
   const std::string clean = reference(nproc, steps);
   const std::string out = (dir_ / name).string();
   const std::string launch =
-      micro(nproc) + " --max-restarts=30 --nproc-per-node=" + std::to_string(per_node);
+      micro(nproc) + " --max-restarts=30 --nproc-per-node=" + std::to_string(per_node) + " " + extra;
   std::vector<std::string> node_cmds;
   if (nnodes == 1) {
     node_cmds.push_back(command(out, steps, launch));
@@ -340,9 +343,16 @@ TEST_F(DistRestart, RandomKillsAcrossNodes) {
   random_kills("random_nodes", 2, 2, kills_from_environment());
 }
 
+// Checkpoints written by each rank's writer thread while the next steps run: a kill may land
+// mid-write, and the restart must take the newest checkpoint every rank finished.
+TEST_F(DistRestart, RandomKillsWithAsyncCheckpoints) {
+  random_kills("random_async", 2, 1, kills_from_environment(), "--train.checkpoint_async=true");
+}
+
 TEST_F(DistRestart, DISABLED_RandomKillsSoak) {
   random_kills("soak_4", 4, 1, 20);
   random_kills("soak_nodes", 4, 2, 20);
+  random_kills("soak_async", 4, 1, 20, "--train.checkpoint_async=true");
 }
 
 }  // namespace

@@ -137,7 +137,19 @@ TEST(PowerSampler, ThrottleReasonsAreNamedOnceWhenTheyAppear) {
   EXPECT_EQ(sampler.new_throttle_reasons(),
             (std::vector<std::string>{"power cap", "thermal slowdown (hardware)"}));
   wait_for_readings(gpu, gpu.readings + 2);
-  EXPECT_TRUE(sampler.new_throttle_reasons().empty()) << "reported again within 5 minutes";
+  bool any = false;
+  EXPECT_TRUE(sampler.new_throttle_reasons(&any).empty()) << "reported again within 5 minutes";
+  EXPECT_TRUE(any) << "still throttled, named or not (the /metrics endpoint's kiln_gpu_throttled)";
+}
+
+TEST(PowerSampler, IdleClocksAreNotThrottling) {
+  FakeGpu gpu;
+  gpu.throttle = 0x1;  // idle
+  PowerSampler sampler(gpu.source(), 1ms);
+  wait_for_readings(gpu, 2);
+  bool any = true;
+  EXPECT_TRUE(sampler.new_throttle_reasons(&any).empty());
+  EXPECT_FALSE(any);
 }
 
 TEST(EnergyTally, EnergySoFarAndJoulesPerTokenOverTheWindow) {

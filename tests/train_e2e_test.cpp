@@ -390,6 +390,26 @@ TEST_F(TrainE2E, StepLinesShowProgressAndEta) {
   EXPECT_EQ(r.output.find("MFU   0.0%"), std::string::npos) << r.output;
 }
 
+// With train.log_every > 1 a step line carries the highest loss and grad norm since the previous
+// line, so a spike between lines shows; a line right after another (log_every 1) does not.
+TEST_F(TrainE2E, StepLinesShowTheMaxLossAndNormSinceThePreviousLine) {
+  const std::string out = (dir_ / "run_max_since").string();
+  const Result r =
+      run(train_cmd(out, "--train.max_steps=6 --train.log_every=3 --train.eval_every=0"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<double> loss = kiln::testing::read_metric(out, "loss");
+  const std::vector<double> norm = kiln::testing::read_metric(out, "grad_norm");
+  ASSERT_EQ(loss.size(), 6u);
+  for (int first : {0, 3}) {
+    const double max_loss = *std::max_element(loss.begin() + first, loss.begin() + first + 3);
+    const double max_norm = *std::max_element(norm.begin() + first, norm.begin() + first + 3);
+    char want[96];
+    std::snprintf(want, sizeof want, "| max of 3: loss %.4f norm %.3f |", max_loss, max_norm);
+    EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
+  }
+  EXPECT_EQ(r.output.find("step     1/6"), std::string::npos) << r.output;
+}
+
 // Power is read from GPUs through NVML: on the CPU the power fields are absent (not zero) from
 // metrics.jsonl, the step lines and summary.json, and the run says why, once.
 // (On a GPU host: tests/gpu/power_test.cpp.)
@@ -397,7 +417,7 @@ TEST_F(TrainE2E, PowerFieldsAreAbsentOnTheCpuAndTheRunSaysWhyOnce) {
   const std::string out = (dir_ / "run_power").string();
   const Result r = run(train_cmd(out, "--train.max_steps=3 --train.log_every=1"));
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto first = r.output.find("power: not measured (the cpu backend has no power reading");
+  const auto first = r.output.find("power: not measured: the cpu backend has no power reading");
   ASSERT_NE(first, std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("power:", first + 1), std::string::npos) << r.output;
   for (const char* file : {"/metrics.jsonl", "/summary.json"}) {

@@ -375,6 +375,7 @@ int run_worker(const WorkerInfo& w, const Options& o) {
 
 int main(int argc, char** argv) {
   using namespace kiln;
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
   std::optional<WorkerInfo> worker;
   try {
     Options o = parse_args(argc, argv);

@@ -4,7 +4,8 @@ runs sharing axes, for bf16 against FP8 or one GPU against eight.
     python3 tools/plot.py RUN_DIR [RUN_DIR ...] --out DIR
 
 Writes DIR/loss.png (training and validation loss against step and against tokens),
-DIR/throughput.png (tokens/s and MFU against step) and, when a run measured its GPUs' power
+DIR/throughput.png (tokens/s and MFU against step; MFU reads n/a for runs on a device with no
+known peak FLOP/s, such as the CPU) and, when a run measured its GPUs' power
 (power_w in metrics.jsonl: NVML on a GPU host), DIR/power.png (power in W and joules per token
 against step), each 1200 x 450 pixels. A run's first step (planning, warm-up) is left out of the
 throughput and power plots. A Mixture-of-Experts run (moe_load in metrics.jsonl) also gets
@@ -49,9 +50,10 @@ def load_run(path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+")
-    p.add_argument("--out", required=True)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run directory (train.out_dir)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the PNGs are written")
     a = p.parse_args()
     runs = [load_run(r) for r in a.runs]
     import matplotlib
@@ -84,12 +86,18 @@ def main():
         rows = r["rows"][1:] or r["rows"]
         steps = [x["step"] for x in rows]
         tok.plot(steps, [x["tok_s"] for x in rows], label=r["name"])
-        mfu.plot(steps, [100 * x["mfu"] for x in rows], label=r["name"])
+        # MFU 0 means no peak FLOP/s is known (the CPU): not a measurement, so no line.
+        if any(x["mfu"] > 0 for x in rows):
+            mfu.plot(steps, [100 * x["mfu"] for x in rows], label=r["name"])
     tok.set(xlabel="step", ylabel="tokens/s", title="throughput")
     mfu.set(xlabel="step", ylabel="MFU %", title="model FLOPs utilization")
+    if not mfu.lines:
+        mfu.text(0.5, 0.5, "n/a: no peak FLOP/s known for these runs' devices (the CPU)",
+                 ha="center", va="center", transform=mfu.transAxes)
     for ax in (tok, mfu):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "throughput.png"))
     written = ["loss.png", "throughput.png"]

@@ -239,6 +239,7 @@ void run(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
   return kiln::run_tool("prepare_data", [&] {
     const Options opt = parse_args(argc, argv);
     if (opt.help) return 0;  // the usage is printed

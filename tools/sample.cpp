@@ -168,5 +168,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
   return run_tool("sample", [&] { return run(argc, argv); });
 }

@@ -187,17 +187,26 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-def report(config):
+def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
     curves = {}
     for names, read in (([n for n, _ in twins], read_twin), ([n for n, _ in kilns], read_kiln)):
         for n in names:
-            try:
-                curves[n] = {s: read(out, n, s) for s in seeds}
-            except (OSError, KeyError, ValueError) as e:
-                print(f"{config}: {n} left out ({e})")
-    names = [n for n, _ in twins + kilns if n in curves]
+            curves[n] = {}
+            for s in requested:
+                try:
+                    curves[n][s] = read(out, n, s)
+                except (OSError, KeyError, ValueError) as e:
+                    print(f"{config}: {n} seed {s} left out ({e})")
+    names = [n for n, _ in twins + kilns if curves[n]]
     if not names:
+        return {}
+    # The seeds every variant finished (a run cut short leaves its seed out of every mean).
+    seeds = [s for s in requested if all(curves[n].get(s) for n in names)]
+    if seeds != requested:
+        print(f"{config}: seeds {[s for s in requested if s not in seeds]} left out: "
+              "not every variant finished them")
+    if not seeds:
         return {}
     ref = names[0]
     # step -> [val loss per seed], at the steps every seed of every variant evaluated.
@@ -272,4 +281,4 @@ def report(config):
 
 
 for config in a.configs:
-    report(config)
+    report(config, seeds)

@@ -180,6 +180,12 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(train, nvtx), any(),
        "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},
+      {KILN_FIELD(train, tensorboard), any(),
+       "rank 0 writes a TensorBoard event file into out_dir: metrics.jsonl's numbers as scalars "
+       "and the resolved config as text (docs/operating.md)"},
+      {KILN_FIELD(train, metrics_port), range(0, false, 65535, false),
+       "serve Prometheus metrics at http://HOST:PORT/metrics from each node's launcher (or the "
+       "single training process) on all interfaces; 0: off (docs/operating.md)"},
       {KILN_FIELD(init, from), any(),
        "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
        "directory; its config.json must match model) or a kiln run or checkpoint directory "

@@ -89,6 +89,8 @@ struct TrainSection {
   bool cuda_graphs = false;  // capture the step as one CUDA graph after the eager warm-up
   double peak_tflops = 0.0;  // 0: from the GPU peak table
   bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)
+  bool tensorboard = false;  // rank 0 writes a TensorBoard event file (train/tensorboard.h)
+  int metrics_port = 0;  // 0: off; else /metrics for Prometheus on this port (dist/prometheus.h)
 };
 
 // Where a fresh run's parameters come from (a resumed run takes its checkpoint's instead).

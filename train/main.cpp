@@ -14,6 +14,8 @@
 
 #include "dist/communicator.h"
 #include "dist/launcher.h"
+#include "dist/metrics_channel.h"
+#include "dist/prometheus.h"
 #include "dist/store.h"
 #include "dist/watchdog.h"
 #include "kernels/cpu/threads.h"
@@ -28,6 +30,12 @@
 using namespace kiln;
 
 namespace {
+
+std::unique_ptr<MetricsExporter> serve_metrics(int port) {
+  auto exporter = std::make_unique<MetricsExporter>(port);
+  spdlog::info("Prometheus metrics at http://0.0.0.0:{}/metrics (train.metrics_port)", port);
+  return exporter;
+}
 
 // run_training() with the stop signals' rules: an error after a stop signal (a collective whose
 // peer has already exited, as when the launcher tears a failed job down) ends the process as
@@ -91,6 +99,18 @@ int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& sign
   observer.on_progress = [&](int steps_done, bool host_work) {
     watchdog.progress(steps_done, host_work);
   };
+  // train.metrics_port: kiln's launcher serves /metrics for its node and reads our reports from
+  // the socket it passed down; under srun or mpirun no launcher does, so each worker serves its
+  // own on port + local rank.
+  std::unique_ptr<MetricsExporter> exporter;
+  if (config.train.metrics_port > 0) {
+    if (const std::optional<int> fd = metrics_fd_from_environment()) {
+      observer.on_report = [fd = *fd](const RankReport& r) { send_report(fd, r); };
+    } else if (worker.source != "kiln") {
+      exporter = serve_metrics(config.train.metrics_port + worker.local_rank);
+      observer.on_report = [&](const RankReport& r) { exporter->update(r); };
+    }
+  }
   StopAgreement stop(&rendezvous.store(), worker.rank, worker.world_size);
   int status = 0;
   try {
@@ -124,6 +144,7 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
       std::chrono::milliseconds(std::llround(config.dist.restart_backoff_s * 1000.0));
   // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
   launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
+  launch.metrics_port = config.train.metrics_port;
   return launch_workers(launch, argc, argv);
 }
 
@@ -165,7 +186,13 @@ int main(int argc, char** argv) {
       return launch(cli.launch, config, argc, argv);
     StopSignals signals(grace, true);
     StopAgreement stop(nullptr, 0, 1);
+    TrainObserver observer;
+    std::unique_ptr<MetricsExporter> exporter;
+    if (config.train.metrics_port > 0) {
+      exporter = serve_metrics(config.train.metrics_port);
+      observer.on_report = [&](const RankReport& r) { exporter->update(r); };
+    }
     set_cpu_threads();
-    return train_with_stop(config, RankInfo{}, nullptr, stop);
+    return train_with_stop(config, RankInfo{}, nullptr, stop, &observer);
   });
 }

@@ -171,6 +171,37 @@ std::string metrics_json(const StepMetrics& m) {
   return s + "}";
 }
 
+std::vector<std::pair<std::string, double>> step_scalars(const StepMetrics& m) {
+  std::vector<std::pair<std::string, double>> v = {{"loss", m.loss},           {"lr", m.lr},
+                                                   {"grad_norm", m.grad_norm}, {"ms", m.ms},
+                                                   {"tok_s", m.tok_s},         {"mfu", m.mfu}};
+  if (m.val_loss) v.emplace_back("val_loss", *m.val_loss);
+  if (m.checkpoint_stall_ms) v.emplace_back("checkpoint_stall_ms", *m.checkpoint_stall_ms);
+  if (m.power) {
+    v.emplace_back("power_w", m.power->watts);
+    v.emplace_back("energy_kj", m.power->energy_j / 1000.0);
+    if (m.power->j_per_token) v.emplace_back("j_per_token", *m.power->j_per_token);
+  }
+  if (m.fp8) {
+    v.emplace_back("mfu_fp8", m.fp8->mfu);
+    v.emplace_back("fp8_clipped", m.fp8->clipped);
+    v.emplace_back("fp8_amax", m.fp8->amax);
+    v.emplace_back("fp8_scale_amax", m.fp8->scale_amax);
+    v.emplace_back("fp8_non_finite", m.fp8->non_finite);
+  }
+  for (const StepMetrics::MoeBlock& b : m.moe) {
+    const std::string h = "/h." + std::to_string(b.block);
+    v.emplace_back("moe_tokens_min" + h, load_min(b));
+    v.emplace_back("moe_tokens_mean" + h, load_mean(b));
+    v.emplace_back("moe_tokens_max" + h, load_max(b));
+    v.emplace_back("moe_gini" + h, load_gini(b.load));
+    v.emplace_back("moe_aux" + h, b.aux);
+    v.emplace_back("moe_z" + h, b.z);
+    v.emplace_back("moe_entropy" + h, b.entropy);
+  }
+  return v;
+}
+
 std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
@@ -183,6 +214,11 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   else
     std::snprintf(buf, sizeof buf, "MFU   n/a | mem %s", memory.c_str());
   s += buf;
+  if (m.since_line) {
+    std::snprintf(buf, sizeof buf, " | max of %d: loss %.4f norm %.3f", m.since_line->steps,
+                  m.since_line->max_loss, m.since_line->max_grad_norm);
+    s += buf;
+  }
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
     s += buf;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln {
@@ -35,6 +36,15 @@ struct StepMetrics {
   // train.checkpoint_async: waiting for the previous save and copying the state to the host).
   std::optional<double> checkpoint_stall_ms;
   double eta_s = -1;  // the steps left at the recent step time, in seconds (-1: not known yet)
+  // On a step line that follows more than one step since the previous line (train.log_every >
+  // 1): the highest loss and grad norm over those steps, this one included, so a spike between
+  // lines shows. The step line only; metrics.jsonl has every step.
+  struct SinceLine {
+    int steps = 0;
+    double max_loss = 0;
+    double max_grad_norm = 0;
+  };
+  std::optional<SinceLine> since_line;
   std::optional<PowerMetrics> power;
   // precision.fp8: the scaling state after the step's update (kernels/fp8.h, Fp8Summary).
   struct Fp8 {
@@ -92,5 +102,11 @@ class MetricsLog {
 
 std::string format_step_line(const StepMetrics& m, const std::string& memory);
 std::string metrics_json(const StepMetrics& m);
+
+// The step's numbers under metrics.jsonl's keys, for the sinks beside it (TensorBoard,
+// Prometheus): every number metrics_json writes, at full precision, except the MoE blocks'
+// per-expert loads (moe_load) and their numbering (moe_blocks): a per-block array is one
+// value per block, named "<key>/h.<block>" ("moe_gini/h.3"). No "step": the sinks take it apart.
+std::vector<std::pair<std::string, double>> step_scalars(const StepMetrics& m);
 
 }  // namespace kiln

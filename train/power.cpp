@@ -123,12 +123,14 @@ std::string PowerSampler::why() const {
   return failed_;
 }
 
-std::vector<std::string> PowerSampler::new_throttle_reasons() {
+std::vector<std::string> PowerSampler::new_throttle_reasons(bool* any) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
   const Clock::time_point now = Clock::now();
+  if (any) *any = false;
   for (const auto& [bit, name] : kThrottleReasons) {
     if (!(throttle_seen_ & bit)) continue;
+    if (any) *any = true;
     auto it = throttle_reported_.find(bit);
     if (it != throttle_reported_.end() && now - it->second < kThrottleRepeat) continue;
     throttle_reported_[bit] = now;
@@ -282,7 +284,7 @@ RunPower::RunPower(Backend& backend, Communicator* comm, int rank, int world_siz
     spdlog::info("power: reading each rank's GPU through NVML every 100 ms, on a thread of its "
                  "own; summed over the ranks in metrics.jsonl (power_w, energy_kj, j_per_token)");
   else
-    spdlog::info("power: not measured ({}); no power or energy fields", why);
+    spdlog::info("power: not measured: {}; no power or energy fields", why);
 }
 
 RunPower::~RunPower() = default;
@@ -297,7 +299,9 @@ void RunPower::enqueue_step(int slot) {
   float* mine = staging_->in(slot);
   mine[0] = mine[1] = mine[2] = 0;
   if (sampler_) {
+    own_watts_.reset();
     if (const auto i = sampler_->take()) {
+      own_watts_ = i->watts;
       mine[0] = static_cast<float>(i->watts);
       mine[1] = static_cast<float>(i->joules);
       mine[2] = 1;
@@ -337,8 +341,10 @@ const float* RunPower::wait_sums(int slot) {
 std::optional<PowerMetrics> RunPower::on_step(int slot, int64_t tokens_per_step) {
   if (!active_) return std::nullopt;
   if (sampler_) {
-    for (const std::string& reason : sampler_->new_throttle_reasons())
+    bool throttled = false;
+    for (const std::string& reason : sampler_->new_throttle_reasons(&throttled))
       spdlog::warn("rank {}: the GPU's clocks are throttled: {}", rank_, reason);
+    own_throttled_ = throttled;
   }
   const float* summed = wait_sums(slot);
   // The interval taken as a step starts holds the work before it: the previous step's, or for

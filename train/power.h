@@ -64,8 +64,9 @@ class PowerSampler {
   std::string why() const;
 
   // Power-cap and thermal throttle reasons seen since the previous call, by name ("power cap",
-  // "thermal slowdown (hardware)"), each at most once every 5 minutes.
-  std::vector<std::string> new_throttle_reasons();
+  // "thermal slowdown (hardware)"), each at most once every 5 minutes. `*any` (where given):
+  // whether any was seen since the previous call, named or not.
+  std::vector<std::string> new_throttle_reasons(bool* any = nullptr);
 
  private:
   void run();
@@ -143,6 +144,11 @@ class RunPower {
   // At the end of the run, on every rank (a collective, with a host sync): the last step's
   // interval added, then the whole run's tokens per joule on rank 0 (nullopt where not measured).
   std::optional<double> finish(int64_t tokens_per_step);
+  // This rank's GPU alone (nullopt where it is not read): its mean power over the latest
+  // interval taken (about a step), and whether power or heat throttled its clocks since the
+  // previous on_step (the /metrics endpoint's kiln_gpu_power_watts and kiln_gpu_throttled).
+  std::optional<double> own_watts() const { return own_watts_; }
+  std::optional<bool> own_throttled() const { return own_throttled_; }
 
  private:
   std::optional<PowerMetrics> add(const float* summed, int64_t tokens);
@@ -156,6 +162,8 @@ class RunPower {
   EnergyTally tally_;
   bool measured_ = true;  // every GPU read so far
   bool first_step_ = true;
+  std::optional<double> own_watts_;
+  std::optional<bool> own_throttled_;
   Tensor sums_;
   struct Staging;  // pinned buffers and events (CUDA)
   std::unique_ptr<Staging> staging_;

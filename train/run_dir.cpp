@@ -11,6 +11,7 @@
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "dist/launcher.h"
 #include "kernels/error.h"
@@ -29,6 +30,23 @@ void set_aside(const std::string& path) {
   for (int i = 2; fs::exists(dest); ++i) dest = path + ".prev" + std::to_string(i);
   fs::rename(path, dest);
   spdlog::warn("starting afresh: moved the earlier run's {} to {}", path, dest);
+}
+
+// Moves an earlier run's TensorBoard event files (train/tensorboard.h) into the first free
+// `events.prev`, `events.prev2`, ... beside them: TensorBoard reads every event file of a
+// directory as one run, and shows the moved ones as a run of their own.
+void set_aside_events(const std::string& out_dir) {
+  std::error_code ec;
+  std::vector<fs::path> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(out_dir, ec))
+    if (e.is_regular_file() && e.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
+      files.push_back(e.path());
+  if (files.empty()) return;
+  std::string dest = out_dir + "/events.prev";
+  for (int i = 2; fs::exists(dest); ++i) dest = out_dir + "/events.prev" + std::to_string(i);
+  fs::create_directory(dest);
+  for (const fs::path& f : files) fs::rename(f, dest / f.filename());
+  spdlog::warn("starting afresh: moved the earlier run's TensorBoard events to {}", dest);
 }
 
 // The step of a metrics line, -1 for a line that is not a step's.
@@ -145,6 +163,7 @@ std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir,
   } else {
     set_aside(path);
     set_aside(out_dir + "/checkpoints");
+    set_aside_events(out_dir);
   }
   std::remove((path + ".pending").c_str());
   auto log = std::make_unique<MetricsLog>(path);

@@ -30,9 +30,10 @@ void create_run_dir(const Config& config);
 
 // out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's
 // step) drops the step lines past that step; a fresh run in a used out_dir moves an earlier
-// run's metrics and checkpoints aside (their checkpoints would otherwise look newer than ours to
-// pruning and to resume), except in a restarted generation, which is the same run begun again
-// at step 0. Then the restart lines of this process's generation are written.
+// run's metrics, checkpoints and TensorBoard events aside (their checkpoints would otherwise
+// look newer than ours to pruning and to resume), except in a restarted generation, which is
+// the same run begun again at step 0. Then the restart lines of this process's generation are
+// written.
 std::unique_ptr<MetricsLog> open_metrics(const std::string& out_dir, std::optional<int> resumed_at);
 
 // The restarts recorded in out_dir/metrics.jsonl, each as a JSON object ({"restart":1,...}).

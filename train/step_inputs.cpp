@@ -1,5 +1,6 @@
 #include "train/step_inputs.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "kernels/error.h"
@@ -40,16 +41,19 @@ void StepInputs::allocate_staging() {
   }
 }
 
-void StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx,
-                       bool wait) {
+double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx,
+                         bool wait) {
   static_assert(kSchedStep == kSchedLr + 1, "lr and step are uploaded as one pair");
   const int slot = step % Backend::kUploadSlots;
   backend_.upload_wait(slot);  // the stream has copied what this slot held two steps ago
   const Staging& st = staging_[slot];
   const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
+  std::chrono::steady_clock::duration waited{};
   for (int micro = 0; micro < accum_; ++micro) {
     Nvtx::Range data_wait = nvtx.range("data wait");
+    const auto asked = std::chrono::steady_clock::now();
     const DataLoader::Batch& batch = loader.next();
+    waited += std::chrono::steady_clock::now() - asked;
     data_wait.end();
     std::memcpy(st.tokens + micro * n, batch.inputs.data(), n * sizeof(int32_t));
     std::memcpy(st.targets + micro * n, batch.targets.data(), n * sizeof(int32_t));
@@ -61,6 +65,7 @@ void StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, co
   backend_.copy_from_host_async(sched.slice(kSchedLr, {2}), st.sched);
   backend_.upload_done(slot);
   if (wait) backend_.upload_wait(slot);
+  return std::chrono::duration<double>(waited).count();
 }
 
 }  // namespace kiln

@@ -33,8 +33,9 @@ class StepInputs {
   void allocate_staging();
   // Copies step `step`'s batches from `loader` and its lr and 1-based number into
   // sched[kSchedLr, kSchedStep]. `wait`: the host waits until the stream has made the copies
-  // (data.prefetch=false, the loader without overlap).
-  void stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx, bool wait);
+  // (data.prefetch=false, the loader without overlap). Returns the seconds spent waiting for
+  // the loader's batches (the /metrics endpoint's kiln_data_wait_seconds).
+  double stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx, bool wait);
 
   // Micro-batch `micro`'s [B, T] view of the tokens and targets (evaluation writes micro 0).
   Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }

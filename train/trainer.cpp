@@ -36,6 +36,7 @@
 #include "train/step_inputs.h"
 #include "train/step_timer.h"
 #include "train/stop.h"
+#include "train/tensorboard.h"
 
 namespace kiln {
 
@@ -80,10 +81,13 @@ class Trainer {
     double lr;
     Clock::time_point enqueued;     // when the host began enqueueing it
     Clock::time_point enqueue_end;  // when it was enqueued: a backend without a stream is done
+    double data_wait_s;             // waiting for the loader's batches while enqueueing it
   };
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
+  // The rank's numbers to the observer's on_report (train.metrics_port), if it has one.
+  void report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use);
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
   // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
@@ -135,13 +139,15 @@ class Trainer {
   StepGraph graph_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_;
   std::unique_ptr<MetricsLog> metrics_;
-  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0, train.tensorboard
+  std::unique_ptr<RunPower> power_;                 // the GPUs' power and energy (train/power.h)
   std::mt19937_64 rng_;
   int start_step_ = 0;
   double peak_ = 0, peak_fp8_ = 0;
   double flops_per_token_ = 0;
   StepTimer timer_;
-  int64_t device_peak_ = -1;  // the most memory_in_use() seen at a finished step
+  int64_t device_peak_ = -1;     // the most memory_in_use() seen at a finished step
+  StepMetrics::SinceLine line_;  // the steps since rank 0's previous step line
   // train.checkpoint_async's writer thread and host snapshot. Last: destroyed first, so the
   // save in flight is done with the backend and model before they go.
   std::unique_ptr<AsyncCheckpointer> async_checkpoints_;
@@ -352,6 +358,7 @@ bool Trainer::finish_step(const PendingStep& p) {
     sm.moe = moe_step_metrics(values + 2 + (fp8_->on() ? Fp8StateLayout::kSummary : 0),
                               model_->moe_blocks(), mcfg_.moe.n_experts);
   if (!std::isfinite(sm.loss)) {
+    report(sm, p, -1);  // a scrape before the run ends shows it
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step,
                   sm.loss);
     return false;
@@ -369,8 +376,14 @@ bool Trainer::finish_step(const PendingStep& p) {
   };
   progress(false);
   if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
-  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss))
+  ++line_.steps;
+  line_.max_loss = std::max(line_.max_loss, sm.loss);
+  line_.max_grad_norm = std::max(line_.max_grad_norm, sm.grad_norm);
+  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss)) {
+    if (line_.steps > 1) sm.since_line = line_;
     spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
+    line_ = {};
+  }
   if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
   if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
                              last || stop_step(sm.step))) {
@@ -379,12 +392,27 @@ bool Trainer::finish_step(const PendingStep& p) {
     sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
-  if (is_main()) metrics_->write(sm);  // after the save: the line holds its stall
+  if (is_main()) {  // after the save: the line holds its stall
+    metrics_->write(sm);
+    if (tensorboard_) tensorboard_->write_step(sm);
+  }
+  report(sm, p, in_use);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   fault_hook_after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) timer_.host_work_done();
   return true;
+}
+
+void Trainer::report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use) {
+  if (!observer_ || !observer_->on_report) return;
+  RankReport r{rank_.rank, step_scalars(sm)};
+  r.values.emplace_back("step", sm.step);
+  if (memory_in_use >= 0) r.values.emplace_back("memory_bytes", static_cast<double>(memory_in_use));
+  r.values.emplace_back("data_wait_s", p.data_wait_s);
+  if (const auto w = power_->own_watts()) r.values.emplace_back("gpu_power_w", *w);
+  if (const auto t = power_->own_throttled()) r.values.emplace_back("gpu_throttled", *t ? 1 : 0);
+  observer_->on_report(r);
 }
 
 int Trainer::run() {
@@ -413,8 +441,15 @@ int Trainer::run() {
     init_parameters();
     fp8_->start(nullptr, "");
   }
-  if (is_main())
-    metrics_ = open_metrics(t.out_dir, ckpt ? std::optional<int>(start_step_) : std::nullopt);
+  if (is_main()) {
+    const std::optional<int> resumed_at = ckpt ? std::optional<int>(start_step_) : std::nullopt;
+    metrics_ = open_metrics(t.out_dir, resumed_at);
+    if (t.tensorboard) {
+      tensorboard_ = std::make_unique<TensorBoardWriter>(t.out_dir, resumed_at);
+      tensorboard_->write_text("config", "```yaml\n" + config_to_yaml(cfg_) + "```\n", start_step_);
+      spdlog::info("TensorBoard events: {}", tensorboard_->path());
+    }
+  }
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
   graph_.start(
@@ -442,7 +477,8 @@ int Trainer::run() {
     const int slot = step % Backend::kReadbackSlots;
     backend_->mark_step_start(slot);
     const double lr = learning_rate(cfg_.optim, step, t.max_steps);
-    inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
+    const double data_wait_s =
+        inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
     power_->enqueue_step(slot);
     graph_.run(step);
     std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
@@ -453,8 +489,10 @@ int Trainer::run() {
     // While the device runs the step just enqueued: off its critical path.
     if (stop_ && !stop_at_) poll_stop(step + 1);
     if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
-    pending = PendingStep{step, lr, enqueued, enqueue_end};
-    if (host_step(step + 1)) {
+    pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s};
+    // A backend without a stream (the CPU) did the step's work while enqueueing it: nothing
+    // overlaps the wait for its values, so its line comes now rather than a step late.
+    if (host_step(step + 1) || backend_->native_stream() == nullptr) {
       if (!finish_step(*pending)) return wait_for_checkpoint(1);
       pending.reset();
     }

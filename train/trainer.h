@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "dist/metrics_channel.h"
 #include "dist/parallel_plan.h"
 #include "model/model.h"
 #include "train/config.h"
@@ -38,10 +39,16 @@ struct RankInfo {
 // called after each optimizer step, once the step's work is done, with the number of steps done.
 // on_progress (the collective watchdog, dist/watchdog.h) is told each finished step without
 // making it a host step, and host_work true while the trainer writes a checkpoint after it.
+// on_report (train.metrics_port, dist/prometheus.h) gets the rank's numbers after each step, once
+// they are on the host, without making it a host step: train/metrics.h step_scalars' and the
+// rank's own ("step", "memory_bytes" where the backend counts it, "data_wait_s", and where its
+// GPU is read "gpu_power_w" and "gpu_throttled"). A non-finite loss is reported before the run
+// stops on it.
 struct TrainObserver {
   std::function<Backend&(Backend& built)> wrap_backend;
   std::function<void(int steps_done)> on_step;
   std::function<void(int steps_done, bool host_work)> on_progress;
+  std::function<void(const RankReport& report)> on_report;
 };
 
 class StopAgreement;
