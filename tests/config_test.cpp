@@ -518,6 +518,11 @@ TEST(ConfigSources, ParseFillNamesAndRoundTrip) {
   EXPECT_EQ(o.data.sources[0].weight, 2.0);
   EXPECT_EQ(o.data.sources[1].weight, 1.0);
   EXPECT_TRUE(parse_config(config_to_yaml(o), {}) == o);
+  const Config shipped =
+      load_config(std::string(KILN_SOURCE_DIR) + "/configs/tiny-mixture.yaml", {});
+  ASSERT_EQ(shipped.data.sources.size(), 2u);
+  EXPECT_EQ(shipped.data.sources[1].name, "docs");
+  EXPECT_EQ(shipped.data.sources[1].weight, 0.3);
 }
 
 TEST(ConfigSources, BadCombinationsAreRefusedNamingTheKey) {
