@@ -446,19 +446,18 @@ TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
 // independent of the world size.
 TEST_F(DistTrain, AMixtureFollowsOneRankAndResumesOnAnotherWorldSize) {
   const std::string code = (dir_ / "code").string();
-  const auto r = kiln::testing::run_command(kBin + "/prepare_data --out " + code +
-                                            " --val-fraction 0.1 " + kSrc + "/docs/design.md " +
-                                            kSrc + "/docs/data.md");
+  const auto r =
+      kiln::testing::run_command(kBin + "/prepare_data --out " + code + " --val-fraction 0.1 " +
+                                 kSrc + "/docs/design.md " + kSrc + "/docs/data.md");
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string web = (dir_ / "data").string();
-  const std::string mixture =
-      "--data.train= --data.val= --data.sources='[{name: web, train: \"" + web +
-      "/train_*.bin\", val: \"" + web + "/val_*.bin\", weight: 3}, {name: code, train: \"" +
-      code + "/train_*.bin\", weight: 1}]' --train.max_steps=12";
+  const std::string mixture = "--data.train= --data.val= --data.sources='[{name: web, train: \"" +
+                              web + "/train_*.bin\", val: \"" + web +
+                              "/val_*.bin\", weight: 3}, {name: code, train: \"" + code +
+                              "/train_*.bin\", weight: 1}]' --train.max_steps=12";
   const std::string one = train("mix_1", 1, "ddp", mixture);
-  const std::string two =
-      train("mix_2", 2, "zero1",
-            mixture + " --train.checkpoint_every=6 --train.keep_checkpoints=3");
+  const std::string two = train("mix_2", 2, "zero1",
+                                mixture + " --train.checkpoint_every=6 --train.keep_checkpoints=3");
   expect_same_curve(one, two, 1e-5);
   EXPECT_EQ(kiln::testing::read_metric(two, "tokens_code"),
             kiln::testing::read_metric(one, "tokens_code"));

@@ -1,11 +1,11 @@
 // prepare_data: text files -> llm.c token shards. With the byte tokenizer the inputs are joined
 // (in the order given, separated by "\n") and tokenized as ONE stream, or with --doc-separator
 // each file is a document preceded by that byte, which no document may hold (so every
-// occurrence of it in a shard is a document start, and nothing else need be recorded); with a Hugging Face
-// tokenizer.json each file is a document, preceded by the tokenizer's end-of-text token, and
-// tools/hf_tokenize.py tokenizes them with the `tokenizers` library (exact ids, its Rust BPE on
-// every core). The FIRST val-fraction of the tokens become val shards and the rest train shards,
-// so validation is a fixed, contiguous slice. Vocabularies up to 65,536 give uint16 shards,
+// occurrence of it in a shard is a document start, and nothing else need be recorded); with a
+// Hugging Face tokenizer.json each file is a document, preceded by the tokenizer's end-of-text
+// token, and tools/hf_tokenize.py tokenizes them with the `tokenizers` library (exact ids, its Rust
+// BPE on every core). The FIRST val-fraction of the tokens become val shards and the rest train
+// shards, so validation is a fixed, contiguous slice. Vocabularies up to 65,536 give uint16 shards,
 // larger ones llm.c's uint32 format (data/shard.h).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -101,7 +101,8 @@ Options parse_args(int argc, char** argv) {
       char* end = nullptr;
       const long v = std::strtol(value.c_str(), &end, 10);
       if (value.empty() || *end != '\0' || v < 0 || v > 255)
-        throw InputError(fmt::format("--doc-separator: '{}' is not a byte value in [0, 255]", value));
+        throw InputError(
+            fmt::format("--doc-separator: '{}' is not a byte value in [0, 255]", value));
       opt.doc_separator = static_cast<int>(v);
     } else if (arg == "--shard-tokens") {
       opt.shard_tokens = parse_shard_tokens(arg, value);
