@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -53,93 +54,167 @@ std::vector<int64_t> permutation(int64_t n, std::mt19937_64 rng) {
 
 DataLoader::DataLoader(const std::string& glob, int batch_size, int seq_len, int rank,
                        int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch)
-    : glob_(glob),
-      batch_size_(batch_size),
+    : DataLoader({LoaderSource{"", glob, 1.0}}, batch_size, seq_len, rank, world_size, vocab_size,
+                 shuffle, seed, prefetch) {}
+
+DataLoader::DataLoader(const std::vector<LoaderSource>& sources, int batch_size, int seq_len,
+                       int rank, int world_size, int vocab_size, bool shuffle, uint64_t seed,
+                       bool prefetch)
+    : batch_size_(batch_size),
       seq_len_(seq_len),
       rank_(rank),
       world_size_(world_size),
       shuffle_(shuffle),
-      seed_(seed),
-      prefetch_(prefetch) {
+      prefetch_(prefetch),
+      // The one-glob constructor passes a source without a name: the plain stream.
+      mixture_(sources.size() != 1 || !sources[0].name.empty()) {
+  for (const LoaderSource& s : sources) glob_ += (glob_.empty() ? "" : ", ") + s.glob;
+  if (sources.empty()) throw InputError("data loader: a mixture needs at least one source");
   if (batch_size <= 0 || seq_len <= 0 || vocab_size <= 0) {
     throw InputError(
         fmt::format("data loader '{}': batch_size ({}), seq_len ({}) and vocab_size "
                     "({}) must be positive",
-                    glob, batch_size, seq_len, vocab_size));
+                    glob_, batch_size, seq_len, vocab_size));
   }
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
-    throw InputError(fmt::format("data loader '{}': rank {} is not in a world of size {}", glob,
+    throw InputError(fmt::format("data loader '{}': rank {} is not in a world of size {}", glob_,
                                  rank, world_size));
   }
-  for (const std::string& path : expand_glob(glob)) {
-    TokenShard shard = TokenShard::open(path, vocab_size);
-    const int64_t windows = (shard.size() - 1) / seq_len;
-    if (windows < 1) {
-      throw InputError(fmt::format("{}: has {} tokens, fewer than seq_len+1 = {}", path,
-                                   shard.size(), int64_t{seq_len} + 1));
+  double weights = 0;
+  for (const LoaderSource& s : sources) {
+    if (!(s.weight > 0) || !std::isfinite(s.weight))
+      throw InputError(
+          fmt::format("data source '{}': weight must be > 0, got {}", s.name, s.weight));
+    weights += s.weight;
+  }
+  for (size_t i = 0; i < sources.size(); ++i) {
+    Source& src = sources_.emplace_back();
+    src.name = sources[i].name;
+    src.glob = sources[i].glob;
+    src.weight = sources[i].weight;
+    src.share = sources[i].weight / weights;
+    src.seed = seed + i;
+    try {
+      open_source(src, vocab_size);
+    } catch (const InputError& e) {
+      if (!mixture_) throw;
+      throw InputError(fmt::format("source '{}': {}", src.name, e.what()));
     }
-    shard_windows_.push_back(windows);
-    total_windows_ += windows;
-    shards_.push_back(std::move(shard));
+    total_windows_ += src.total_windows;
+    if (mixture_) next_pos_.sources.push_back({src.name, src.weight, 0, 0, 0, 0});
   }
   step_windows_ = int64_t{batch_size} * world_size;
-  if (total_windows_ < step_windows_) {
+  // A mixture's sources wrap window by window, so only the plain stream needs a whole step.
+  if (!mixture_ && total_windows_ < step_windows_) {
     throw InputError(fmt::format(
         "data loader '{}': one epoch has {} windows of seq_len+1 = {} tokens, fewer than "
         "batch_size*world_size = {}*{} = {}",
-        glob, total_windows_, int64_t{seq_len} + 1, batch_size, world_size, step_windows_));
+        glob_, total_windows_, int64_t{seq_len} + 1, batch_size, world_size, step_windows_));
   }
   current_.inputs.resize(static_cast<size_t>(batch_size) * seq_len);
   current_.targets.resize(current_.inputs.size());
   if (rank == 0) {
-    spdlog::info("data '{}': {} shards, {} windows/epoch, {} steps/epoch, {} tokens/epoch{}", glob,
-                 shards_.size(), total_windows_, steps_per_epoch(), tokens_per_epoch(),
-                 shuffle ? fmt::format(", shuffled (seed {})", seed) : "");
+    if (!mixture_) {
+      spdlog::info("data '{}': {} shards, {} windows/epoch, {} steps/epoch, {} tokens/epoch{}",
+                   glob_, num_shards(), total_windows_, steps_per_epoch(), tokens_per_epoch(),
+                   shuffle ? fmt::format(", shuffled (seed {})", seed) : "");
+    } else {
+      for (const Source& src : sources_)
+        spdlog::info(
+            "data source '{}' (weight {}, {:.2f}% of the windows): '{}', {} shards, {} "
+            "windows/epoch{}",
+            src.name, src.weight, 100 * src.share, src.glob, src.shards.size(), src.total_windows,
+            shuffle ? fmt::format(", shuffled (seed {})", src.seed) : "");
+    }
   }
   if (prefetch_) start_prefetch(next_pos_);
+}
+
+void DataLoader::open_source(Source& src, int vocab_size) {
+  for (const std::string& path : expand_glob(src.glob)) {
+    TokenShard shard = TokenShard::open(path, vocab_size);
+    const int64_t windows = (shard.size() - 1) / seq_len_;
+    if (windows < 1) {
+      throw InputError(fmt::format("{}: has {} tokens, fewer than seq_len+1 = {}", path,
+                                   shard.size(), int64_t{seq_len_} + 1));
+    }
+    src.shard_windows.push_back(windows);
+    src.total_windows += windows;
+    src.shards.push_back(std::move(shard));
+  }
 }
 
 DataLoader::~DataLoader() {
   stop_prefetch();
 }
 
+std::vector<int> DataLoader::step_sources(const LoaderState& pos) const {
+  std::vector<uint64_t> drawn(sources_.size());
+  uint64_t n = 0;
+  for (size_t i = 0; i < sources_.size(); ++i) n += drawn[i] = pos.sources[i].drawn;
+  std::vector<int> out(static_cast<size_t>(step_windows_));
+  for (int& pick : out) {
+    // The largest lag behind the share after this draw; ties go to the first source.
+    double best = -HUGE_VAL;
+    for (size_t i = 0; i < sources_.size(); ++i) {
+      const double lag =
+          sources_[i].share * static_cast<double>(n + 1) - static_cast<double>(drawn[i]);
+      if (lag > best) best = lag, pick = static_cast<int>(i);
+    }
+    ++drawn[static_cast<size_t>(pick)];
+    ++n;
+  }
+  return out;
+}
+
 LoaderState DataLoader::advance(LoaderState pos) const {
   pos.cursor += static_cast<uint64_t>(step_windows_);
+  if (mixture_) {
+    for (int i : step_sources(pos)) {
+      SourcePosition& s = pos.sources[static_cast<size_t>(i)];
+      ++s.drawn, ++s.total;
+      if (++s.cursor == static_cast<uint64_t>(sources_[static_cast<size_t>(i)].total_windows))
+        s.cursor = 0, ++s.epoch;
+    }
+    return pos;
+  }
   // The remainder of an epoch that cannot fill a whole step is dropped.
   if (pos.cursor + static_cast<uint64_t>(step_windows_) > static_cast<uint64_t>(total_windows_)) {
-    return LoaderState{pos.epoch + 1, 0};
+    return LoaderState{pos.epoch + 1, 0, {}};
   }
   return pos;
 }
 
-void DataLoader::prepare_epoch(uint64_t epoch) {
-  if (epoch == order_epoch_) return;
-  const auto n = static_cast<int64_t>(shards_.size());
+void DataLoader::prepare_epoch(Source& src, uint64_t epoch) {
+  if (epoch == src.order_epoch) return;
+  const auto n = static_cast<int64_t>(src.shards.size());
   if (shuffle_) {
-    shard_order_ = permutation(n, stream_rng(seed_, epoch, 0));
+    src.shard_order = permutation(n, stream_rng(src.seed, epoch, 0));
   } else {
-    shard_order_.resize(static_cast<size_t>(n));
-    std::iota(shard_order_.begin(), shard_order_.end(), int64_t{0});
+    src.shard_order.resize(static_cast<size_t>(n));
+    std::iota(src.shard_order.begin(), src.shard_order.end(), int64_t{0});
   }
-  shard_starts_.assign(static_cast<size_t>(n), 0);
-  for (size_t p = 1; p < shard_starts_.size(); ++p) {
-    shard_starts_[p] =
-        shard_starts_[p - 1] + shard_windows_[static_cast<size_t>(shard_order_[p - 1])];
+  src.shard_starts.assign(static_cast<size_t>(n), 0);
+  for (size_t p = 1; p < src.shard_starts.size(); ++p) {
+    src.shard_starts[p] =
+        src.shard_starts[p - 1] + src.shard_windows[static_cast<size_t>(src.shard_order[p - 1])];
   }
-  order_epoch_ = epoch;
+  src.order_epoch = epoch;
 }
 
-int64_t DataLoader::window_in_shard(uint64_t epoch, int64_t shard, int64_t index) {
+int64_t DataLoader::window_in_shard(Source& src, uint64_t epoch, int64_t shard, int64_t index) {
   if (!shuffle_) return index;
-  auto it = std::find_if(window_orders_.begin(), window_orders_.end(), [&](const WindowOrder& o) {
+  auto& orders = src.window_orders;
+  auto it = std::find_if(orders.begin(), orders.end(), [&](const WindowOrder& o) {
     return o.epoch == epoch && o.shard == shard;
   });
-  if (it == window_orders_.end()) {
-    if (window_orders_.size() == kWindowOrderCache) window_orders_.pop_front();
-    const int64_t n = shard_windows_[static_cast<size_t>(shard)];
-    window_orders_.push_back(
-        {epoch, shard, permutation(n, stream_rng(seed_, epoch, static_cast<uint64_t>(shard) + 1))});
-    it = std::prev(window_orders_.end());
+  if (it == orders.end()) {
+    if (orders.size() == kWindowOrderCache) orders.pop_front();
+    const int64_t n = src.shard_windows[static_cast<size_t>(shard)];
+    orders.push_back(
+        {epoch, shard,
+         permutation(n, stream_rng(src.seed, epoch, static_cast<uint64_t>(shard) + 1))});
+    it = std::prev(orders.end());
   }
   return it->windows[static_cast<size_t>(index)];
 }
@@ -148,7 +223,7 @@ namespace {
 
 // A window of T + 1 ids: inputs are the first T, targets the last T.
 template <class Token>
-void copy_window(const Token* tokens, size_t T, int32_t* in, int32_t* tgt) {
+void copy_tokens(const Token* tokens, size_t T, int32_t* in, int32_t* tgt) {
   for (size_t t = 0; t < T; ++t) {
     in[t] = static_cast<int32_t>(tokens[t]);
     tgt[t] = static_cast<int32_t>(tokens[t + 1]);
@@ -157,26 +232,42 @@ void copy_window(const Token* tokens, size_t T, int32_t* in, int32_t* tgt) {
 
 }  // namespace
 
-void DataLoader::fill(const LoaderState& pos, Batch& out) {
-  prepare_epoch(pos.epoch);
+void DataLoader::copy_window(Source& src, uint64_t epoch, int64_t cursor, Batch& out, int row) {
+  prepare_epoch(src, epoch);
   const size_t T = static_cast<size_t>(seq_len_);
-  out.inputs.resize(static_cast<size_t>(batch_size_) * T);
+  const auto p = static_cast<size_t>(
+      std::upper_bound(src.shard_starts.begin(), src.shard_starts.end(), cursor) -
+      src.shard_starts.begin() - 1);
+  const int64_t shard = src.shard_order[p];
+  const int64_t window = window_in_shard(src, epoch, shard, cursor - src.shard_starts[p]);
+  const TokenShard& s = src.shards[static_cast<size_t>(shard)];
+  int32_t* in = out.inputs.data() + static_cast<size_t>(row) * T;
+  int32_t* tgt = out.targets.data() + static_cast<size_t>(row) * T;
+  if (s.token_bytes() == 2)
+    copy_tokens(s.tokens() + window * seq_len_, T, in, tgt);
+  else
+    copy_tokens(s.tokens32() + window * seq_len_, T, in, tgt);
+}
+
+void DataLoader::fill(const LoaderState& pos, Batch& out) {
+  out.inputs.resize(static_cast<size_t>(batch_size_) * static_cast<size_t>(seq_len_));
   out.targets.resize(out.inputs.size());
-  const int64_t first = static_cast<int64_t>(pos.cursor) + int64_t{rank_} * batch_size_;
-  for (int b = 0; b < batch_size_; ++b) {
-    const int64_t cursor = first + b;
-    const auto p =
-        static_cast<size_t>(std::upper_bound(shard_starts_.begin(), shard_starts_.end(), cursor) -
-                            shard_starts_.begin() - 1);
-    const int64_t shard = shard_order_[p];
-    const int64_t window = window_in_shard(pos.epoch, shard, cursor - shard_starts_[p]);
-    const TokenShard& s = shards_[static_cast<size_t>(shard)];
-    int32_t* in = out.inputs.data() + static_cast<size_t>(b) * T;
-    int32_t* tgt = out.targets.data() + static_cast<size_t>(b) * T;
-    if (s.token_bytes() == 2)
-      copy_window(s.tokens() + window * seq_len_, T, in, tgt);
-    else
-      copy_window(s.tokens32() + window * seq_len_, T, in, tgt);
+  const int64_t first = int64_t{rank_} * batch_size_;
+  if (!mixture_) {
+    for (int b = 0; b < batch_size_; ++b)
+      copy_window(sources_[0], pos.epoch, static_cast<int64_t>(pos.cursor) + first + b, out, b);
+    return;
+  }
+  // Every rank deals the whole step, so its rows are where a world of one would put them.
+  std::vector<SourcePosition> at = pos.sources;
+  const std::vector<int> picks = step_sources(pos);
+  for (int64_t g = 0; g < step_windows_; ++g) {
+    const auto i = static_cast<size_t>(picks[static_cast<size_t>(g)]);
+    SourcePosition& s = at[i];
+    if (g >= first && g < first + batch_size_)
+      copy_window(sources_[i], s.epoch, static_cast<int64_t>(s.cursor), out,
+                  static_cast<int>(g - first));
+    if (++s.cursor == static_cast<uint64_t>(sources_[i].total_windows)) s.cursor = 0, ++s.epoch;
   }
 }
 
@@ -197,6 +288,16 @@ const DataLoader::Batch& DataLoader::next() {
 }
 
 void DataLoader::restore(const LoaderState& state) {
+  if (mixture_) {
+    restore_mixture(state);
+    return;
+  }
+  if (!state.sources.empty()) {
+    throw InputError(fmt::format(
+        "data loader '{}': the saved position is of a mixture (data.sources), this run reads "
+        "one glob",
+        glob_));
+  }
   if (state.cursor > static_cast<uint64_t>(total_windows_)) {
     throw InputError(fmt::format(
         "data loader '{}': saved cursor {} is past the {} windows of an epoch (different data?)",
@@ -206,8 +307,56 @@ void DataLoader::restore(const LoaderState& state) {
   next_pos_ = state;
   if (next_pos_.cursor + static_cast<uint64_t>(step_windows_) >
       static_cast<uint64_t>(total_windows_)) {
-    next_pos_ = LoaderState{state.epoch + 1, 0};
+    next_pos_ = LoaderState{state.epoch + 1, 0, {}};
   }
+  if (prefetch_) start_prefetch(next_pos_);
+}
+
+void DataLoader::restore_mixture(const LoaderState& state) {
+  const auto names = [](const auto& list) {
+    std::string out;
+    for (const auto& s : list) out += (out.empty() ? "" : ", ") + s.name;
+    return out;
+  };
+  bool same_sources = state.sources.size() == sources_.size();
+  for (size_t i = 0; same_sources && i < sources_.size(); ++i)
+    same_sources = state.sources[i].name == sources_[i].name;
+  if (!same_sources) {
+    throw InputError(
+        fmt::format("data.sources: the saved position is of {}, this run's sources are ({})",
+                    state.sources.empty() ? std::string("one glob (data.train)")
+                                          : "the sources (" + names(state.sources) + ")",
+                    names(sources_)));
+  }
+  LoaderState pos = state;
+  std::string changed;
+  for (size_t i = 0; i < sources_.size(); ++i) {
+    SourcePosition& s = pos.sources[i];
+    if (s.cursor >= static_cast<uint64_t>(sources_[i].total_windows)) {
+      throw InputError(fmt::format(
+          "data source '{}': saved cursor {} is past the {} windows of an epoch (different "
+          "data?)",
+          s.name, s.cursor, sources_[i].total_windows));
+    }
+    if (s.weight != sources_[i].weight)
+      changed += fmt::format("{}{} {} -> {}", changed.empty() ? "" : ", ", s.name, s.weight,
+                             sources_[i].weight);
+  }
+  if (!changed.empty()) {
+    // Counting from zero under the new weights: the old counts would make the schedule first
+    // pay back the old weights' excess, a burst of one source.
+    for (size_t i = 0; i < sources_.size(); ++i) {
+      pos.sources[i].weight = sources_[i].weight;
+      pos.sources[i].drawn = 0;
+    }
+    if (rank_ == 0)
+      spdlog::info(
+          "data.sources: weights changed since the checkpoint ({}); the windows are "
+          "dealt by the new weights from here on",
+          changed);
+  }
+  stop_prefetch();
+  next_pos_ = pos;
   if (prefetch_) start_prefetch(next_pos_);
 }
 

@@ -5,6 +5,11 @@
 // deterministic streams, and W ranks with batch B see exactly the windows that 1 rank with
 // batch W*B sees. The position is just (epoch, cursor), which makes save/restore exact; the
 // optional prefetch thread only computes ahead, it never changes what is served.
+// A mixture (several globs with weights) keeps that contract: the step's B*W windows are dealt
+// to the sources by a schedule that depends only on the windows drawn so far (the source whose
+// drawn count lags its weight's share most goes next: every source stays within one window of
+// its share), and each source walks its own epochs window by window. Rank r still takes rows
+// [r*B, (r+1)*B) of the step, so the stream is the same for any world size.
 #pragma once
 
 #include <condition_variable>
@@ -16,16 +21,16 @@
 #include <thread>
 #include <vector>
 
+#include "data/loader_state.h"
 #include "data/shard.h"
 
 namespace kiln {
 
-// Position of a batch in the stream: `cursor` is a window index within epoch `epoch`.
-struct LoaderState {
-  uint64_t epoch = 0;
-  uint64_t cursor = 0;
-  bool operator==(const LoaderState& o) const { return epoch == o.epoch && cursor == o.cursor; }
-  bool operator!=(const LoaderState& o) const { return !(*this == o); }
+// One glob of a mixture and its weight (relative to the others').
+struct LoaderSource {
+  std::string name;
+  std::string glob;
+  double weight = 1.0;
 };
 
 class DataLoader {
@@ -40,6 +45,10 @@ class DataLoader {
   // seq_len+1 tokens, or an epoch with fewer than batch_size*world_size windows.
   DataLoader(const std::string& glob, int batch_size, int seq_len, int rank, int world_size,
              int vocab_size, bool shuffle, uint64_t seed, bool prefetch);
+  // A mixture: each source is a glob as above (shuffled with seed + its index) and needs only
+  // one window; no window is dropped at a source's epoch end.
+  DataLoader(const std::vector<LoaderSource>& sources, int batch_size, int seq_len, int rank,
+             int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -50,9 +59,17 @@ class DataLoader {
   void reset() { restore(LoaderState{}); }
   // Position of the batch the next call to next() returns.
   LoaderState state() const { return next_pos_; }
+  // InputError if `state` is not a position in this data: another kind of stream (one glob or
+  // a mixture), other sources, a cursor past an epoch. A mixture restored with other weights
+  // logs the change and deals from there on by the new ones.
   void restore(const LoaderState& state);
+  bool mixture() const { return mixture_; }
 
-  int num_shards() const { return static_cast<int>(shards_.size()); }
+  int num_shards() const {
+    size_t n = 0;
+    for (const Source& s : sources_) n += s.shards.size();
+    return static_cast<int>(n);
+  }
   int64_t windows_per_epoch() const { return total_windows_; }
   int64_t steps_per_epoch() const { return total_windows_ / step_windows_; }
   // Target tokens all ranks together consume in one epoch (the remainder windows are dropped).
@@ -64,33 +81,46 @@ class DataLoader {
     int64_t shard;
     std::vector<int64_t> windows;
   };
+  // One glob's shards and its epoch orders.
+  struct Source {
+    std::string name, glob;
+    double weight = 1.0, share = 1.0;  // share: weight / the sum of the weights
+    uint64_t seed = 0;
+    std::vector<TokenShard> shards;
+    std::vector<int64_t> shard_windows;
+    int64_t total_windows = 0;
+    // Producer-side caches: touched only by whoever fills batches (the prefetch thread when on).
+    uint64_t order_epoch = UINT64_MAX;
+    std::vector<int64_t> shard_order;   // shard index at each epoch position
+    std::vector<int64_t> shard_starts;  // first epoch cursor of each epoch position
+    std::deque<WindowOrder> window_orders;
+  };
 
+  void open_source(Source& source, int vocab_size);
+  void restore_mixture(const LoaderState& state);
   LoaderState advance(LoaderState pos) const;
+  // The source of each of the step's batch_size*world_size windows, for a mixture at `pos`.
+  std::vector<int> step_sources(const LoaderState& pos) const;
   void fill(const LoaderState& pos, Batch& out);
-  void prepare_epoch(uint64_t epoch);
-  int64_t window_in_shard(uint64_t epoch, int64_t shard, int64_t index);
+  void prepare_epoch(Source& source, uint64_t epoch);
+  int64_t window_in_shard(Source& source, uint64_t epoch, int64_t shard, int64_t index);
+  // Row `row` of `out` from window `cursor` of the source's epoch `epoch`.
+  void copy_window(Source& source, uint64_t epoch, int64_t cursor, Batch& out, int row);
 
   void start_prefetch(LoaderState from);
   void stop_prefetch();
   void prefetch_loop(LoaderState pos);
 
-  std::string glob_;
+  std::string glob_;  // what errors name: the glob, or the mixture's globs
   int batch_size_, seq_len_, rank_, world_size_;
   bool shuffle_;
-  uint64_t seed_;
   bool prefetch_;
-  std::vector<TokenShard> shards_;
-  std::vector<int64_t> shard_windows_;
+  bool mixture_ = false;
+  std::deque<Source> sources_;  // one unless mixture_ (a deque: a Source cannot be copied)
   int64_t total_windows_ = 0;
   int64_t step_windows_ = 0;  // batch_size * world_size
   LoaderState next_pos_;
   Batch current_;
-
-  // Producer-side caches: touched only by whoever fills batches (the prefetch thread when on).
-  uint64_t order_epoch_ = UINT64_MAX;
-  std::vector<int64_t> shard_order_;   // shard index at each epoch position
-  std::vector<int64_t> shard_starts_;  // first epoch cursor of each epoch position
-  std::deque<WindowOrder> window_orders_;
 
   std::thread worker_;
   std::mutex mu_;

@@ -527,5 +527,66 @@ TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
   EXPECT_EQ(parse_config(config_to_yaml(dense), {}), dense);
 }
 
+// data.sources: a list of {train, val, weight, name} from the file or one override, names
+// filled in, kept through config_to_yaml, and every bad combination refused naming the key.
+TEST(ConfigSources, ParseFillNamesAndRoundTrip) {
+  const std::string yaml =
+      "data:\n  sources:\n    - {train: 'web/train_*.bin', val: 'web/val_*.bin', weight: 0.7, "
+      "name: web}\n    - train: 'code/train_*.bin'\n      weight: 0.3\n";
+  const Config c = parse_config(yaml, {});
+  ASSERT_EQ(c.data.sources.size(), 2u);
+  EXPECT_EQ(c.data.sources[0].name, "web");
+  EXPECT_EQ(c.data.sources[0].val, "web/val_*.bin");
+  EXPECT_EQ(c.data.sources[0].weight, 0.7);
+  EXPECT_EQ(c.data.sources[1].name, "source1");  // unnamed: by its place
+  EXPECT_EQ(c.data.sources[1].val, "");
+  EXPECT_TRUE(c.data.train.empty());
+  const std::string out = config_to_yaml(c);
+  EXPECT_TRUE(parse_config(out, {}) == c) << out;
+  const Config o =
+      parse_config("", {"--data.sources=[{train: 'a/*.bin', weight: 2}, {train: b.bin}]"});
+  ASSERT_EQ(o.data.sources.size(), 2u);
+  EXPECT_EQ(o.data.sources[0].weight, 2.0);
+  EXPECT_EQ(o.data.sources[1].weight, 1.0);
+  EXPECT_TRUE(parse_config(config_to_yaml(o), {}) == o);
+  const Config shipped =
+      load_config(std::string(KILN_SOURCE_DIR) + "/configs/tiny-mixture.yaml", {});
+  ASSERT_EQ(shipped.data.sources.size(), 2u);
+  EXPECT_EQ(shipped.data.sources[1].name, "docs");
+  EXPECT_EQ(shipped.data.sources[1].weight, 0.3);
+}
+
+TEST(ConfigSources, BadCombinationsAreRefusedNamingTheKey) {
+  const std::string one = "data:\n  sources: [{train: a.bin}]\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"data:\n  train: x.bin\n  sources: [{train: a.bin}]\n",
+       "data.train: is set beside data.sources"},
+      {"data:\n  val: x.bin\n  sources: [{train: a.bin}]\n",
+       "data.val: is set beside data.sources"},
+      {"data:\n  sources: [{val: a.bin}]\n", "data.sources: entry 0 (source0): train must be"},
+      {"data:\n  sources: [{train: a.bin, weight: 0}]\n", "weight must be > 0, got 0"},
+      {"data:\n  sources: [{train: a.bin, weight: -1}]\n", "weight must be > 0"},
+      {"data:\n  sources: [{train: a.bin, weight: heavy}]\n", "weight must be a number"},
+      {"data:\n  sources: [{train: a.bin, wieght: 2}]\n", "unknown key 'wieght'"},
+      {"data:\n  sources: [{train: a.bin, name: x}, {train: b.bin, name: x}]\n",
+       "name 'x' appears twice"},
+      {"data:\n  sources: [{train: a.bin, name: 'a b'}]\n", "name may hold only"},
+      {"data:\n  sources: [a.bin]\n", "not a map"},
+      {"data:\n  sources: a.bin\n", "data.sources: expected a list of"},
+      {"data:\n  sources: []\n", "data.train: must be non-empty"},
+  };
+  for (const auto& [yaml, expect] : cases) {
+    const std::string msg = parse_error(yaml);
+    EXPECT_NE(msg.find(expect), std::string::npos) << yaml << "\n" << msg;
+    EXPECT_EQ(msg.rfind("run.yaml", 0), 0u) << msg;  // where it is
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  EXPECT_NE(parse_error(one, {"data.train=x.bin"}).find("data.train: is set beside"),
+            std::string::npos);
+  EXPECT_NE(
+      parse_error(one, {"data.sources=[{train: a.bin"}).find("data.sources: expected a YAML list"),
+      std::string::npos);
+}
+
 }  // namespace
 }  // namespace kiln

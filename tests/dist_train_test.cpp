@@ -441,6 +441,41 @@ TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
                 1e-5 * std::stod(a[6 + i].second));
 }
 
+// A mixture of two sources (data.sources) on 2 ranks follows 1 rank, and its checkpoint resumes
+// on 1 rank with the same per-source token counts and curve: each source's position is
+// independent of the world size.
+TEST_F(DistTrain, AMixtureFollowsOneRankAndResumesOnAnotherWorldSize) {
+  const std::string code = (dir_ / "code").string();
+  const auto r =
+      kiln::testing::run_command(kBin + "/prepare_data --out " + code + " --val-fraction 0.1 " +
+                                 kSrc + "/docs/design.md " + kSrc + "/docs/data.md");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string web = (dir_ / "data").string();
+  const std::string mixture = "--data.train= --data.val= --data.sources='[{name: web, train: \"" +
+                              web + "/train_*.bin\", val: \"" + web +
+                              "/val_*.bin\", weight: 3}, {name: code, train: \"" + code +
+                              "/train_*.bin\", weight: 1}]' --train.max_steps=12";
+  const std::string one = train("mix_1", 1, "ddp", mixture);
+  const std::string two = train("mix_2", 2, "zero1",
+                                mixture + " --train.checkpoint_every=6 --train.keep_checkpoints=3");
+  expect_same_curve(one, two, 1e-5);
+  EXPECT_EQ(kiln::testing::read_metric(two, "tokens_code"),
+            kiln::testing::read_metric(one, "tokens_code"));
+  const std::string resumed = (dir_ / "mix_resumed").string();
+  fs::create_directories(resumed + "/checkpoints");
+  fs::copy(two + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
+           fs::copy_options::recursive);
+  train("mix_resumed", 1, "ddp", mixture);
+  const auto a = losses(two), b = losses(resumed);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < b.size(); ++i)
+    EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
+                1e-5 * std::stod(a[6 + i].second));
+  EXPECT_EQ(kiln::testing::read_metric(resumed, "tokens_web").back(),
+            kiln::testing::read_metric(two, "tokens_web").back());
+  EXPECT_EQ(kiln::testing::read_metric(resumed, "val_loss_web").size(), 2u);  // steps 10, 12
+}
+
 // Strangers at a live run's rendezvous store, while its workers meet there: a client with the
 // wrong token, garbage for a first frame, and a frame header announcing 3 GiB. Each is dropped
 // (and logged), and the run goes on to the same losses, bit for bit, as an undisturbed one.

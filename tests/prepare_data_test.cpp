@@ -87,5 +87,27 @@ TEST(PrepareDataTest, BadInputExitsWithStatus2) {
   EXPECT_EQ(prepare_data("--help"), 0);
 }
 
+// --doc-separator: each file is a document preceded by the byte, so the shards hold exactly
+// the separator before each document and no newline joins them; a file that holds the byte
+// itself is refused, and so is the flag with a tokenizer.json.
+TEST(PrepareDataTest, DocSeparatorPrecedesEachDocument) {
+  const std::string dir = make_temp_dir();
+  write_text(dir + "/a.txt", "first doc\n");
+  write_text(dir + "/b.txt", "second");
+  ASSERT_EQ(prepare_data("--out " + dir + "/out --val-fraction 0 --doc-separator 0 " + dir +
+                         "/a.txt " + dir + "/b.txt"),
+            0);
+  EXPECT_EQ(decode_shards(dir + "/out/train_*.bin"), std::string("\0first doc\n\0second", 18));
+  write_text(dir + "/nul.txt", std::string("has\0nul", 7));
+  const std::string out = " --out " + dir + "/out2 ";
+  EXPECT_EQ(prepare_data(out + "--doc-separator 0 " + dir + "/a.txt " + dir + "/nul.txt"), 2);
+  EXPECT_EQ(prepare_data(out + "--doc-separator 256 " + dir + "/a.txt"), 2);
+  EXPECT_EQ(prepare_data(out + "--doc-separator x " + dir + "/a.txt"), 2);
+  write_text(dir + "/tokenizer.json", "{}");
+  EXPECT_EQ(prepare_data(out + "--tokenizer " + dir + "/tokenizer.json --doc-separator 0 " + dir +
+                         "/a.txt"),
+            2);
+}
+
 }  // namespace
 }  // namespace kiln

@@ -430,7 +430,7 @@ Measured measure(const Options& opt, std::vector<std::string> overrides, const f
   Config& cfg = m.cfg;
   if (opt.profile_ops && (cfg.train.device == "cpu" || !cuda_available()))
     throw InputError("--profile-ops times CUDA ops: it needs a GPU and train.device auto or cuda");
-  if (!glob_matches(cfg.data.train)) {
+  if (cfg.data.sources.empty() && !glob_matches(cfg.data.train)) {
     cfg.data.train = write_random_shard(cfg, tmp / "data");
     m.random_data = true;
   }

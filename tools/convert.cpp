@@ -178,7 +178,8 @@ void write_kiln_run(const std::string& out, const LoadedModel& model, bool overw
   Config config = model.run_config;
   config.model = model_section(model.config);
   // A converted model has no data yet; the placeholder names what to set.
-  if (config.data.train.empty()) config.data.train = "set-data.train";
+  if (config.data.train.empty() && config.data.sources.empty())
+    config.data.train = "set-data.train";
   config.train.out_dir = out;
   // Where it came from stays known (an export takes its tokenizer, bos/eos ids and declared
   // context from there); the run resumes from its own checkpoint, so it loads nothing from it.

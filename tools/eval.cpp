@@ -28,7 +28,8 @@ const char* kUsage =
     "usage: eval SOURCE [--data GLOB] [--batches N] [--batch-size B] [--seq-len T]\n"
     "            [--device auto|cpu|cuda] [--out FILE]\n"
     "  SOURCE          a kiln run or checkpoint directory, or hf:DIR (a Hugging Face model)\n"
-    "  --data GLOB     token shards (default: the run's data.val, else data.train)\n"
+    "  --data GLOB     token shards (default: the run's data.val, else data.train; a mixture's\n"
+    "                  first source's)\n"
     "  --batches N     batches to evaluate (default 0: every full batch of the glob once)\n"
     "  --batch-size B  sequences per batch (default: the run's train.batch_size; hf: 4)\n"
     "  --seq-len T     tokens per sequence (default: the model's seq_len, at most 1024 for hf)\n"
@@ -71,6 +72,9 @@ int run(int argc, char** argv) {
   if (data.empty())
     data =
         model.run_config.data.val.empty() ? model.run_config.data.train : model.run_config.data.val;
+  // A mixture's run: its first source's data.
+  if (const auto& sources = model.run_config.data.sources; data.empty() && !sources.empty())
+    data = sources[0].val.empty() ? sources[0].train : sources[0].val;
   if (data.empty())
     throw InputError(source + ": no data glob known for this model; pass --data GLOB");
   if (B == 0) B = hf ? 4 : model.run_config.train.batch_size;

@@ -1,9 +1,11 @@
 // prepare_data: text files -> llm.c token shards. With the byte tokenizer the inputs are joined
-// (in the order given, separated by "\n") and tokenized as ONE stream; with a Hugging Face
-// tokenizer.json each file is a document, preceded by the tokenizer's end-of-text token, and
-// tools/hf_tokenize.py tokenizes them with the `tokenizers` library (exact ids, its Rust BPE on
-// every core). The FIRST val-fraction of the tokens become val shards and the rest train shards,
-// so validation is a fixed, contiguous slice. Vocabularies up to 65,536 give uint16 shards,
+// (in the order given, separated by "\n") and tokenized as ONE stream, or with --doc-separator
+// each file is a document preceded by that byte, which no document may hold (so every
+// occurrence of it in a shard is a document start, and nothing else need be recorded); with a
+// Hugging Face tokenizer.json each file is a document, preceded by the tokenizer's end-of-text
+// token, and tools/hf_tokenize.py tokenizes them with the `tokenizers` library (exact ids, its Rust
+// BPE on every core). The FIRST val-fraction of the tokens become val shards and the rest train
+// shards, so validation is a fixed, contiguous slice. Vocabularies up to 65,536 give uint16 shards,
 // larger ones llm.c's uint32 format (data/shard.h).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -33,7 +35,7 @@ using kiln::InputError;
 
 constexpr const char* kUsage =
     "usage: prepare_data --out DIR [--tokenizer byte|FILE.json] [--eos TOKEN] [--val-fraction F]\n"
-    "                    [--shard-tokens N] FILE...\n"
+    "                    [--shard-tokens N] [--doc-separator BYTE] FILE...\n"
     "  Joins FILEs (in order, separated by a newline), tokenizes them, and writes\n"
     "  DIR/val_000000.bin ... (the first F of the tokens) and DIR/train_000000.bin ...\n"
     "  in llm.c shard format.\n"
@@ -42,7 +44,9 @@ constexpr const char* kUsage =
     "                      FILE a document, preceded by the end-of-text token; vocab from the file)\n"
     "  --eos TOKEN         the end-of-text token (default: tokenizer_config.json's, or a usual name)\n"
     "  --val-fraction F    fraction of tokens for validation, in [0, 1) (default 0.1)\n"
-    "  --shard-tokens N    tokens per shard file (default 100000000)\n";
+    "  --shard-tokens N    tokens per shard file (default 100000000)\n"
+    "  --doc-separator B   byte tokenizer: each FILE a document preceded by byte B (0..255, e.g.\n"
+    "                      0), which no FILE may contain, instead of files joined by a newline\n";
 
 struct Options {
   std::string out;
@@ -50,6 +54,7 @@ struct Options {
   std::string eos;
   double val_fraction = 0.1;
   int64_t shard_tokens = 100'000'000;
+  int doc_separator = -1;  // byte tokenizer: the byte before each document (-1: join by "\n")
   std::vector<std::string> inputs;
   bool help = false;
 };
@@ -92,6 +97,13 @@ Options parse_args(int argc, char** argv) {
       opt.eos = value;
     } else if (arg == "--val-fraction") {
       opt.val_fraction = parse_fraction(arg, value);
+    } else if (arg == "--doc-separator") {
+      char* end = nullptr;
+      const long v = std::strtol(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || v < 0 || v > 255)
+        throw InputError(
+            fmt::format("--doc-separator: '{}' is not a byte value in [0, 255]", value));
+      opt.doc_separator = static_cast<int>(v);
     } else if (arg == "--shard-tokens") {
       opt.shard_tokens = parse_shard_tokens(arg, value);
     } else {
@@ -109,6 +121,10 @@ Options parse_args(int argc, char** argv) {
   if (json && !std::filesystem::is_regular_file(opt.tokenizer))
     throw InputError(fmt::format("--tokenizer {}: no such file", opt.tokenizer));
   if (!opt.eos.empty() && !json) throw InputError("--eos applies to a tokenizer.json only");
+  if (opt.doc_separator >= 0 && json)
+    throw InputError(
+        "--doc-separator applies to the byte tokenizer only (a tokenizer.json's documents are "
+        "separated by its end-of-text token, --eos)");
   return opt;
 }
 
@@ -229,10 +245,24 @@ void run(const Options& opt) {
   }
   std::string text;
   for (size_t i = 0; i < opt.inputs.size(); ++i) {
-    if (i > 0) text += '\n';
-    text += read_file(opt.inputs[i]);
+    const std::string doc = read_file(opt.inputs[i]);
+    if (opt.doc_separator >= 0) {
+      const size_t at = doc.find(static_cast<char>(opt.doc_separator));
+      if (at != std::string::npos)
+        throw InputError(fmt::format(
+            "{}: holds byte {} (at offset {}), the --doc-separator: it would start a false "
+            "document there (pick a byte no input holds)",
+            opt.inputs[i], opt.doc_separator, at));
+      text += static_cast<char>(opt.doc_separator);
+    } else if (i > 0) {
+      text += '\n';
+    }
+    text += doc;
   }
-  if (text.empty()) throw InputError("the input files contain no text");
+  if (opt.doc_separator >= 0)
+    spdlog::info("{} documents, each preceded by byte {}", opt.inputs.size(), opt.doc_separator);
+  if (text.size() == opt.inputs.size() * (opt.doc_separator >= 0))
+    throw InputError("the input files contain no text");
   write_splits(opt, kiln::byte_encode(text));
 }
 

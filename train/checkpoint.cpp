@@ -190,6 +190,21 @@ std::string manifest_yaml(const CheckpointManifest& m) {
   out << YAML::Key << "step" << YAML::Value << m.state.step;
   out << YAML::Key << "loader_epoch" << YAML::Value << m.state.loader_epoch;
   out << YAML::Key << "loader_cursor" << YAML::Value << m.state.loader_cursor;
+  if (!m.state.loader_sources.empty()) {
+    out << YAML::Key << "loader_sources" << YAML::Value << YAML::BeginSeq;
+    for (const SourcePosition& p : m.state.loader_sources) {
+      out << YAML::Flow << YAML::BeginMap;
+      out << YAML::Key << "name" << YAML::Value << p.name;
+      // Exactly the double the run was given: a resume compares it to tell a weight change.
+      out << YAML::Key << "weight" << YAML::Value << YAML::Precision(17) << p.weight;
+      out << YAML::Key << "epoch" << YAML::Value << p.epoch;
+      out << YAML::Key << "cursor" << YAML::Value << p.cursor;
+      out << YAML::Key << "drawn" << YAML::Value << p.drawn;
+      out << YAML::Key << "total" << YAML::Value << p.total;
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+  }
   out << YAML::Key << "rng_state" << YAML::Value << m.state.rng_state;
   if (!m.state.fp8_names.empty()) {
     out << YAML::Key << "fp8" << YAML::Value << YAML::BeginMap;
@@ -415,6 +430,10 @@ CheckpointManifest read_manifest(const std::string& dir) {
     m.state.step = n["step"].as<int>();
     m.state.loader_epoch = n["loader_epoch"].as<uint64_t>();
     m.state.loader_cursor = n["loader_cursor"].as<uint64_t>();
+    for (const auto& p : n["loader_sources"])
+      m.state.loader_sources.push_back({p["name"].as<std::string>(), p["weight"].as<double>(),
+                                        p["epoch"].as<uint64_t>(), p["cursor"].as<uint64_t>(),
+                                        p["drawn"].as<uint64_t>(), p["total"].as<uint64_t>()});
     m.state.rng_state = n["rng_state"].as<std::string>();
     m.world_size = n["world_size"].as<int>();
     m.strategy = n["strategy"].as<std::string>();

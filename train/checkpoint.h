@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "data/loader_state.h"
 #include "model/param_layout.h"
 
 namespace kiln {
@@ -31,6 +32,7 @@ struct TrainingState {
   int step = 0;  // optimizer steps completed
   uint64_t loader_epoch = 0;
   uint64_t loader_cursor = 0;
+  std::vector<SourcePosition> loader_sources;  // data.sources: each source's position
   std::string rng_state;  // the trainer's sampling RNG, as text
   // precision.fp8: the delayed-scaling state (kernels/fp8.h: Fp8StateLayout over fp8_names,
   // fp8_history amaxes each), written by rank 0 to fp8_state.bin; empty without FP8.

@@ -26,7 +26,8 @@
 namespace kiln {
 namespace {
 
-using FieldPtr = std::variant<int*, int64_t*, double*, bool*, std::string*>;
+using FieldPtr =
+    std::variant<int*, int64_t*, double*, bool*, std::string*, std::vector<DataSource>*>;
 
 // The values one field accepts on its own; rules relating two keys are in validate_relations().
 struct Check {
@@ -145,10 +146,17 @@ const std::vector<Field>& schema() {
        "weight of the router z-loss, mean logsumexp(router logits)^2"},
       {KILN_FIELD(moe, bias_update_rate), non_negative(),
        "balance=bias: each step, bias_e += rate * sign(mean load - load_e)"},
-      {KILN_FIELD(data, train), non_empty(), "glob of train shards"},
+      {KILN_FIELD(data, train), any(),
+       "glob of train shards (required unless data.sources is set)"},
       {KILN_FIELD(data, val), any(), "glob of val shards (empty: no validation)"},
+      {KILN_FIELD(data, sources), any(),
+       "a weighted mixture instead of train/val: a list of {train: GLOB, val: GLOB, weight: W, "
+       "name: NAME}; each source gets weight / sum of weights of the train windows "
+       "(docs/data.md#mixtures)"},
       {KILN_FIELD(data, shuffle), any(), "permute window order per shard and epoch (train.seed)"},
-      {KILN_FIELD(data, prefetch), any(), "load batches on a background thread; copy them to the device from pinned memory without waiting"},
+      {KILN_FIELD(data, prefetch), any(),
+       "load batches on a background thread; copy them to the device from pinned memory without "
+       "waiting"},
       {KILN_FIELD(train, device), one_of({"auto", "cpu", "cuda"}), "backend"},
       {KILN_FIELD(train, batch_size), positive(), "micro-batch (sequences) per rank"},
       {KILN_FIELD(train, grad_accum), positive(), "micro-batches per optimizer step"},
@@ -161,7 +169,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, checkpoint_every), non_negative(),
        "steps between checkpoints (0: only at the end)"},
       {KILN_FIELD(train, keep_checkpoints), at_least(1), "newest checkpoints kept"},
-      {KILN_FIELD(train, save_checkpoints), any(), "write checkpoints (false: none, for benchmarks)"},
+      {KILN_FIELD(train, save_checkpoints), any(),
+       "write checkpoints (false: none, for benchmarks)"},
       {KILN_FIELD(train, checkpoint_async), any(),
        "copy a checkpoint's state to host memory and write it on a background thread while "
        "training goes on (3 x fp32 of host memory per owned parameter)"},
@@ -176,7 +185,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
        "activations recomputed in backward instead of kept: selective (norm outputs, the "
        "attention core, SwiGLU) or full (each block from its input)"},
-      {KILN_FIELD(train, cuda_graphs), any(), "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
+      {KILN_FIELD(train, cuda_graphs), any(),
+       "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(train, nvtx), any(),
        "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},
@@ -196,7 +206,8 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(optim, warmup_steps), non_negative(), "linear warmup steps"},
       {KILN_FIELD(optim, schedule), one_of({"cosine", "linear", "constant"}),
        "decay from lr to min_lr after warmup"},
-      {KILN_FIELD(optim, weight_decay), non_negative(), "decoupled weight decay of the matrices (linear layers, wte, an untied head); not of wpe, "
+      {KILN_FIELD(optim, weight_decay), non_negative(),
+       "decoupled weight decay of the matrices (linear layers, wte, an untied head); not of wpe, "
        "norms or biases"},
       {KILN_FIELD(optim, beta1), range(0, false, 1, true), "Adam first-moment decay"},
       {KILN_FIELD(optim, beta2), range(0, false, 1, true), "Adam second-moment decay"},
@@ -320,6 +331,41 @@ bool parse_double(const std::string& text, double& out) {
   return result.ec == std::errc() && result.ptr == end && std::isfinite(out);
 }
 
+// data.sources from its YAML list; returns "" or what is wrong with it.
+std::string parse_sources(const YAML::Node& node, std::vector<DataSource>& out) {
+  out.clear();
+  if (node.IsNull()) return "";
+  const std::string shape = "expected a list of {train, val, weight, name} maps";
+  if (!node.IsSequence()) return shape;
+  for (size_t i = 0; i < node.size(); ++i) {
+    const YAML::Node& entry = node[i];
+    const std::string at = "entry " + std::to_string(i) + ": ";
+    if (!entry.IsMap()) return shape + " (" + at + "not a map)";
+    DataSource src;
+    std::set<std::string> seen;
+    for (const auto& kv : entry) {
+      const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      if (!seen.insert(key).second) return at + "key '" + key + "' appears twice";
+      if (!kv.second.IsScalar() && !kv.second.IsNull()) return at + key + " must be a scalar";
+      const std::string value = kv.second.IsNull() ? "" : kv.second.Scalar();
+      if (key == "name") {
+        src.name = value;
+      } else if (key == "train") {
+        src.train = value;
+      } else if (key == "val") {
+        src.val = value;
+      } else if (key == "weight") {
+        if (!parse_double(value, src.weight))
+          return at + "weight must be a number, got '" + value + "'";
+      } else {
+        return at + "unknown key '" + key + "' (a source has train, val, weight and name)";
+      }
+    }
+    out.push_back(src);
+  }
+  return "";
+}
+
 // Sets the field from scalar text; returns "" or what was expected ("an integer").
 std::string assign(const FieldPtr& ptr, const std::string& text) {
   if (auto p = std::get_if<int*>(&ptr)) {
@@ -334,20 +380,28 @@ std::string assign(const FieldPtr& ptr, const std::string& text) {
   } else if (auto p = std::get_if<bool*>(&ptr)) {
     if (text != "true" && text != "false") return "true or false";
     **p = text == "true";
+  } else if (auto p = std::get_if<std::string*>(&ptr)) {
+    **p = text;
   } else {
-    *std::get<std::string*>(ptr) = text;
+    YAML::Node node;
+    try {
+      node = YAML::Load(text);
+    } catch (const YAML::Exception& e) {
+      return "expected a YAML list of sources (" + e.msg + ")";
+    }
+    return parse_sources(node, *std::get<std::vector<DataSource>*>(ptr));
   }
   return "";
 }
 
 std::string expected_kind(const FieldPtr& ptr) {
-  static const char* kinds[] = {"an integer", "an integer", "a number", "true or false",
-                                "a string"};
+  static const char* kinds[] = {"an integer",    "an integer", "a number",
+                                "true or false", "a string",   "a list of sources"};
   return kinds[ptr.index()];
 }
 
 std::string type_name(const FieldPtr& ptr) {
-  static const char* names[] = {"int", "int64", "float", "bool", "string"};
+  static const char* names[] = {"int", "int64", "float", "bool", "string", "list"};
   return names[ptr.index()];
 }
 
@@ -357,6 +411,21 @@ std::string value_to_yaml(const FieldPtr& ptr) {
   if (auto p = std::get_if<int64_t*>(&ptr)) return std::to_string(**p);
   if (auto p = std::get_if<double*>(&ptr)) return format_double(**p);
   if (auto p = std::get_if<bool*>(&ptr)) return **p ? "true" : "false";
+  if (auto p = std::get_if<std::vector<DataSource>*>(&ptr)) {
+    // One flow-style line, so the resolved config keeps one line per key.
+    YAML::Emitter out;
+    out << YAML::Flow << YAML::BeginSeq;
+    for (const DataSource& d : **p) {
+      out << YAML::Flow << YAML::BeginMap;
+      out << YAML::Key << "name" << YAML::Value << YAML::DoubleQuoted << d.name;
+      out << YAML::Key << "train" << YAML::Value << YAML::DoubleQuoted << d.train;
+      out << YAML::Key << "val" << YAML::Value << YAML::DoubleQuoted << d.val;
+      out << YAML::Key << "weight" << YAML::Value << format_double(d.weight);
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+    return out.c_str();
+  }
   const std::string& s = *std::get<std::string*>(ptr);
   bool plain = !s.empty() && std::isalnum(static_cast<unsigned char>(s[0])) && s != "null" &&
                s != "Null" && s != "NULL";
@@ -398,7 +467,7 @@ bool satisfies(const Check& c, const FieldPtr& ptr) {
   else if (auto p = std::get_if<double*>(&ptr))
     v = **p;
   else
-    return true;  // bool
+    return true;  // bool; data.sources is checked in validate_data()
   return (c.lo_open ? v > c.lo : v >= c.lo) && (c.hi_open ? v < c.hi : v <= c.hi);
 }
 
@@ -418,6 +487,8 @@ struct Resolver {
   void set(const Field& f, const std::string& text, const std::string& where,
            const std::string& shown) {
     std::string expected = assign(get(f), text);
+    if (!expected.empty() && std::holds_alternative<std::vector<DataSource>*>(get(f)))
+      throw InputError(where + ": " + f.path() + ": " + expected);
     if (!expected.empty())
       throw InputError(where + ": " + f.path() + ": expected " + expected + ", got " + shown);
     origin[index(f)] = where;
@@ -452,6 +523,13 @@ struct Resolver {
         if (!seen_keys.insert(key).second)
           throw InputError(where(entry.first) + ": key '" + f->path() + "' appears twice");
         const YAML::Node& value = entry.second;
+        if (std::holds_alternative<std::vector<DataSource>*>(get(*f))) {
+          const std::string problem =
+              parse_sources(value, *std::get<std::vector<DataSource>*>(get(*f)));
+          if (!problem.empty()) throw InputError(where(value) + ": " + f->path() + ": " + problem);
+          origin[index(*f)] = where(value);
+          continue;
+        }
         if (!value.IsScalar() && !value.IsNull())
           throw InputError(where(value) + ": " + f->path() + ": expected " +
                            expected_kind(get(*f)) + ", got a " +
@@ -504,6 +582,39 @@ struct Resolver {
     if (m.padded_vocab_size == 0) m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
     if (config.moe.n_experts > 0 && config.moe.expert_ffn_dim == 0)
       config.moe.expert_ffn_dim = m.ffn_dim;
+    std::vector<DataSource>& sources = config.data.sources;
+    for (size_t i = 0; i < sources.size(); ++i)
+      if (sources[i].name.empty()) sources[i].name = "source" + std::to_string(i);
+  }
+
+  // data.train/val or data.sources, never both; each source readable as a metrics key.
+  void validate_data() {
+    const DataSection& d = config.data;
+    const Field& sources = *find_field("data", "sources");
+    if (d.sources.empty()) {
+      if (d.train.empty())
+        fail(*find_field("data", "train"), "must be non-empty (or data.sources set)");
+      return;
+    }
+    for (const auto& [key, glob] : {std::pair<const char*, const std::string&>{"train", d.train},
+                                    std::pair<const char*, const std::string&>{"val", d.val}})
+      if (!glob.empty())
+        fail(*find_field("data", key),
+             std::string("is set beside data.sources: give each source its own ") + key +
+                 " glob instead");
+    std::set<std::string> names;
+    for (size_t i = 0; i < d.sources.size(); ++i) {
+      const DataSource& s = d.sources[i];
+      const std::string at = "entry " + std::to_string(i) + " (" + s.name + "): ";
+      if (s.train.empty()) fail(sources, at + "train must be a non-empty glob");
+      if (!(s.weight > 0) || !std::isfinite(s.weight))
+        fail(sources, at + "weight must be > 0, got " + format_double(s.weight));
+      for (char ch : s.name)
+        if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '-')
+          fail(sources, at + "name may hold only letters, digits, '_' and '-' (it names "
+                             "metrics keys)");
+      if (!names.insert(s.name).second) fail(sources, at + "name '" + s.name + "' appears twice");
+    }
   }
 
   void validate_fields() {
@@ -630,6 +741,7 @@ struct Resolver {
                                                  std::to_string(m.padded_vocab_size));
     validate_moe();
     validate_restarts();
+    validate_data();
     if (config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));

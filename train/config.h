@@ -58,9 +58,22 @@ struct MoeSection {
   double bias_update_rate = 0.001;   // balance=bias: the bias step per optimizer step
 };
 
+// One corpus of a weighted mixture (data.sources): its shards and its share of the windows.
+struct DataSource {
+  std::string name;     // names its metrics (tokens_<name>, val_loss_<name>); "": source<i>
+  std::string train;    // glob of train shards
+  std::string val;      // glob of val shards ("" = this source is not evaluated)
+  double weight = 1.0;  // share of the train windows, relative to the other sources' weights
+  bool operator==(const DataSource& o) const {
+    return name == o.name && train == o.train && val == o.val && weight == o.weight;
+  }
+};
+
 struct DataSection {
   std::string train;  // glob of train shards
   std::string val;    // glob of val shards ("" = no validation)
+  // A weighted mixture instead of train/val (data/loader.h); names are filled in when unset.
+  std::vector<DataSource> sources;
   bool shuffle = true;  // permute window order per shard and epoch (seeded by train.seed)
   bool prefetch = true; // background loader thread
 };

@@ -127,6 +127,13 @@ std::string metrics_json(const StepMetrics& m) {
     std::snprintf(buf, sizeof buf, ",\"val_loss\":%.6f", *m.val_loss);
     s += buf;
   }
+  // Source names are letters, digits, '_' and '-' (train/config.cpp): no JSON escaping needed.
+  for (const auto& [name, loss] : m.source_val_loss) {
+    std::snprintf(buf, sizeof buf, "%.6f", loss);
+    s += ",\"val_loss_" + name + "\":" + buf;
+  }
+  for (const auto& [name, tokens] : m.source_tokens)
+    s += ",\"tokens_" + name + "\":" + std::to_string(tokens);
   if (m.checkpoint_stall_ms) {
     std::snprintf(buf, sizeof buf, ",\"checkpoint_stall_ms\":%.3f", *m.checkpoint_stall_ms);
     s += buf;
@@ -222,6 +229,11 @@ std::string format_step_line(const StepMetrics& m, const std::string& memory) {
   if (m.val_loss) {
     std::snprintf(buf, sizeof buf, " | val %.4f", *m.val_loss);
     s += buf;
+  }
+  for (size_t i = 0; i < m.source_val_loss.size(); ++i) {
+    std::snprintf(buf, sizeof buf, " %.4f", m.source_val_loss[i].second);
+    s += (i ? ", " : " (") + m.source_val_loss[i].first + buf +
+         (i + 1 == m.source_val_loss.size() ? ")" : "");
   }
   if (m.power) {
     std::snprintf(buf, sizeof buf, " | %.0f W %.1f kJ", m.power->watts, m.power->energy_j / 1000.0);

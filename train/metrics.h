@@ -31,7 +31,11 @@ struct StepMetrics {
   double ms = 0;
   double tok_s = 0;
   double mfu = 0;  // fraction, 0..1; 0 where no peak is known
-  std::optional<double> val_loss;
+  std::optional<double> val_loss;  // data.sources: the weighted mean of the sources' below
+  // data.sources: each evaluated source's val loss, and every source's train tokens so far (all
+  // ranks, the whole run), by source name.
+  std::vector<std::pair<std::string, double>> source_val_loss;
+  std::vector<std::pair<std::string, int64_t>> source_tokens;
   // At a checkpoint: the milliseconds the step loop spent in it (synchronous: the whole save;
   // train.checkpoint_async: waiting for the previous save and copying the state to the host).
   std::optional<double> checkpoint_stall_ms;

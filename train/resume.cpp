@@ -43,7 +43,7 @@ int restore(const RunParts& run, const std::string& dir) {
       run.backend.copy_from_host(bias, st.moe_bias.data());
     }
   }
-  run.train_loader.restore({st.loader_epoch, st.loader_cursor});
+  run.train_loader.restore({st.loader_epoch, st.loader_cursor, st.loader_sources});
   std::istringstream(st.rng_state) >> run.rng;
   if (is_main)
     spdlog::info("resumed from {} at step {} (written by {} ranks with {})", dir, st.step,
@@ -144,7 +144,7 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
   const LoaderState ls = run.train_loader.state();
   std::ostringstream rng_text;
   rng_text << run.rng;
-  TrainingState state{step, ls.epoch, ls.cursor, rng_text.str(), {}, 0, {}, {}};
+  TrainingState state{step, ls.epoch, ls.cursor, ls.sources, rng_text.str(), {}, 0, {}, {}};
   run.fp8.save(state, step);
   if (run.model.moe_bias().defined()) {
     state.moe_bias.resize(static_cast<size_t>(run.model.moe_bias().numel()));

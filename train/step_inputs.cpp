@@ -18,6 +18,17 @@ std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, 
   }
 }
 
+std::unique_ptr<DataLoader> open_mixture(const std::vector<LoaderSource>& sources, int B, int T,
+                                         int rank, int world_size, int vocab_size, bool shuffle,
+                                         uint64_t seed, bool prefetch) {
+  try {
+    return std::make_unique<DataLoader>(sources, B, T, rank, world_size, vocab_size, shuffle, seed,
+                                        prefetch);
+  } catch (const InputError& e) {
+    throw InputError(std::string("data.sources: ") + e.what());
+  }
+}
+
 StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T)
     : backend_(backend), accum_(grad_accum), B_(B), T_(T) {}
 

@@ -20,6 +20,10 @@ namespace kiln {
 std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, int B, int T,
                                       int rank, int world_size, int vocab_size, bool shuffle,
                                       uint64_t seed, bool prefetch);
+// The same for data.sources: a weighted mixture of the sources' train globs.
+std::unique_ptr<DataLoader> open_mixture(const std::vector<LoaderSource>& sources, int B, int T,
+                                         int rank, int world_size, int vocab_size, bool shuffle,
+                                         uint64_t seed, bool prefetch);
 
 class StepInputs {
  public:

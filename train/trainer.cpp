@@ -82,6 +82,7 @@ class Trainer {
     Clock::time_point enqueued;     // when the host began enqueueing it
     Clock::time_point enqueue_end;  // when it was enqueued: a backend without a stream is done
     double data_wait_s;             // waiting for the loader's batches while enqueueing it
+    std::vector<SourcePosition> sources;  // data.sources: the positions after its batches
   };
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
@@ -98,7 +99,10 @@ class Trainer {
   // Returns the exit status, 128 + the signal.
   int report_stop(std::optional<double> tokens_per_joule);
   RunSummary summary(std::optional<double> tokens_per_joule);
-  double evaluate();
+  // The mean loss of train.eval_steps batches of each val loader; with data.sources, sm's
+  // per-source losses and their mean weighted by the sources' weights.
+  void evaluate(StepMetrics& sm);
+  double evaluate(DataLoader& loader);
   void print_sample(int step);
   // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
   // written and published first, and its failure thrown. Returns `status`.
@@ -137,7 +141,14 @@ class Trainer {
   Tensor decay_spans_, sched_, sumsq_, loss_sum_;
   StepInputs inputs_;
   StepGraph graph_;
-  std::unique_ptr<DataLoader> train_loader_, val_loader_;
+  std::unique_ptr<DataLoader> train_loader_;
+  // data.val's loader, or with data.sources one per source that has a val glob.
+  struct ValLoader {
+    std::string source;  // "" for data.val
+    double weight = 1;
+    std::unique_ptr<DataLoader> loader;
+  };
+  std::vector<ValLoader> val_loaders_;
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0, train.tensorboard
   std::unique_ptr<RunPower> power_;                 // the GPUs' power and energy (train/power.h)
@@ -293,11 +304,26 @@ void Trainer::step_work(bool break_capture) {
   fp8_->cast_weights();
 }
 
-double Trainer::evaluate() {
+void Trainer::evaluate(StepMetrics& sm) {
+  double weighted = 0, weights = 0;
+  for (ValLoader& v : val_loaders_) {
+    const double loss = evaluate(*v.loader);
+    if (v.source.empty()) {
+      sm.val_loss = loss;
+      return;
+    }
+    sm.source_val_loss.emplace_back(v.source, loss);
+    weighted += v.weight * loss;
+    weights += v.weight;
+  }
+  sm.val_loss = weighted / weights;
+}
+
+double Trainer::evaluate(DataLoader& loader) {
   Backend& k = *backend_;
-  val_loader_->reset();
+  loader.reset();
   for (int i = 0; i < cfg_.train.eval_steps; ++i) {
-    const DataLoader::Batch& batch = val_loader_->next();
+    const DataLoader::Batch& batch = loader.next();
     const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
     k.copy_from_host(tokens, batch.inputs.data());
     k.copy_from_host(targets, batch.targets.data());
@@ -329,7 +355,7 @@ void Trainer::print_sample(int step) {
 
 bool Trainer::host_step(int step) const {
   const auto& t = cfg_.train;
-  return step == t.max_steps || (val_loader_ && step % t.eval_every == 0) ||
+  return step == t.max_steps || (!val_loaders_.empty() && step % t.eval_every == 0) ||
          (t.sample_every > 0 && step % t.sample_every == 0) ||
          (t.save_checkpoints && t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
          stop_step(step) || (observer_ && observer_->on_step);
@@ -375,7 +401,9 @@ bool Trainer::finish_step(const PendingStep& p) {
     if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, checkpointing);
   };
   progress(false);
-  if (val_loader_ && (sm.step % t.eval_every == 0 || last)) sm.val_loss = evaluate();
+  for (const SourcePosition& s : p.sources)
+    sm.source_tokens.emplace_back(s.name, static_cast<int64_t>(s.total) * T());
+  if (!val_loaders_.empty() && (sm.step % t.eval_every == 0 || last)) evaluate(sm);
   ++line_.steps;
   line_.max_loss = std::max(line_.max_loss, sm.loss);
   line_.max_grad_norm = std::max(line_.max_grad_norm, sm.grad_norm);
@@ -421,10 +449,24 @@ int Trainer::run() {
   // cannot be read.
   if (is_main()) check_run_dir(cfg_);
   const int R = rank_.rank, W = rank_.world_size, V = mcfg_.vocab_size;
-  train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
-                            static_cast<uint64_t>(t.seed), cfg_.data.prefetch);
-  if (!cfg_.data.val.empty() && t.eval_every > 0)
-    val_loader_ = open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false);
+  const auto seed = static_cast<uint64_t>(t.seed);
+  if (cfg_.data.sources.empty()) {
+    train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
+                              seed, cfg_.data.prefetch);
+    if (!cfg_.data.val.empty() && t.eval_every > 0)
+      val_loaders_.push_back(
+          {"", 1, open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false)});
+  } else {
+    std::vector<LoaderSource> sources;
+    for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
+    train_loader_ =
+        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch);
+    for (const DataSource& s : cfg_.data.sources)
+      if (!s.val.empty() && t.eval_every > 0)
+        val_loaders_.push_back({s.name, s.weight,
+                                open_data(("data.sources " + s.name + " val").c_str(), s.val, B(),
+                                          T(), R, W, V, false, 0, false)});
+  }
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
@@ -489,7 +531,8 @@ int Trainer::run() {
     // While the device runs the step just enqueued: off its critical path.
     if (stop_ && !stop_at_) poll_stop(step + 1);
     if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
-    pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s};
+    pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s,
+                          train_loader_->state().sources};
     // A backend without a stream (the CPU) did the step's work while enqueueing it: nothing
     // overlaps the wait for its values, so its line comes now rather than a step late.
     if (host_step(step + 1) || backend_->native_stream() == nullptr) {
