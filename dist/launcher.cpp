@@ -514,12 +514,11 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
   std::unique_ptr<MetricsExporter> metrics;
   MetricsSocketPair metrics_sockets;
   if (cfg.metrics_port > 0) {
-    metrics = std::make_unique<MetricsExporter>(cfg.metrics_port);
+    metrics = std::make_unique<MetricsExporter>(cfg.metrics_port, cfg.metrics_address);
     metrics_sockets = make_metrics_socket_pair();
-    spdlog::info(
-        "launcher node {}: Prometheus metrics at http://0.0.0.0:{}/metrics "
-        "(train.metrics_port)",
-        cfg.node_rank, cfg.metrics_port);
+    spdlog::info("launcher node {}: Prometheus metrics at http://{}:{}/metrics "
+                 "(train.metrics_port)",
+                 cfg.node_rank, cfg.metrics_address, cfg.metrics_port);
   }
   struct CloseSockets {
     MetricsSocketPair& p;

@@ -94,6 +94,7 @@ struct LaunchConfig {
   // train.metrics_port: serve /metrics for this node's workers (dist/prometheus.h), which send
   // their numbers over a socket the launcher passes down (dist/metrics_channel.h). 0: off.
   int metrics_port = 0;
+  std::string metrics_address = "0.0.0.0";  // train.metrics_address
   // Supervised restarts: how often a failed generation of workers is replaced by a new one
   // (which resumes from the newest checkpoint), and the wait before the first restart, doubling
   // for each later one up to kMaxRestartBackoff (or restart_backoff itself, if longer).

@@ -1,15 +1,16 @@
 #include "dist/prometheus.h"
 
 #ifdef KILN_WITH_PROMETHEUS
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 #endif
 
 #include <chrono>
 #include <map>
 #include <mutex>
 
+#include "dist/http_endpoint.h"
 #include "kernels/error.h"
 
 namespace kiln {
@@ -68,7 +69,7 @@ std::vector<std::string> exported_series() {
 
 struct MetricsExporter::State {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
-  std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<HttpEndpoint> endpoint;
   std::map<std::string, prometheus::Family<prometheus::Gauge>*> families;  // by report key
   prometheus::Family<prometheus::Gauge>* moe_gini = nullptr;
   prometheus::Gauge* up = nullptr;
@@ -78,7 +79,8 @@ struct MetricsExporter::State {
   int lead_rank = -1;
 };
 
-MetricsExporter::MetricsExporter(int port) : state_(std::make_unique<State>()) {
+MetricsExporter::MetricsExporter(int port, const std::string& address)
+    : state_(std::make_unique<State>()) {
   State& s = *state_;
   auto gauge = [&](const char* name, const char* help) -> prometheus::Family<prometheus::Gauge>& {
     return prometheus::BuildGauge().Name(name).Help(help).Register(*s.registry);
@@ -92,19 +94,22 @@ MetricsExporter::MetricsExporter(int port) : state_(std::make_unique<State>()) {
   s.restarts = &gauge("kiln_restarts", "restarts of the job so far (--max-restarts)").Add({});
   s.up->Set(1);
   try {
-    s.exposer = std::make_unique<prometheus::Exposer>("0.0.0.0:" + std::to_string(port), 2);
+    std::shared_ptr<prometheus::Registry> registry = s.registry;
+    s.endpoint = std::make_unique<HttpEndpoint>(
+        address, port, "/metrics",
+        [registry] { return prometheus::TextSerializer().Serialize(registry->Collect()); },
+        "text/plain; version=0.0.4; charset=utf-8");
   } catch (const std::exception& e) {
-    throw InputError("train.metrics_port=" + std::to_string(port) +
-                     ": cannot serve /metrics there (a port in use?): " + e.what());
+    throw InputError("train.metrics_port=" + std::to_string(port) + ": cannot serve /metrics on " +
+                     address + " (a port in use, or train.metrics_address no interface's?): " +
+                     e.what());
   }
-  s.exposer->RegisterCollectable(s.registry);
 }
 
 MetricsExporter::~MetricsExporter() = default;
 
 int MetricsExporter::port() const {
-  const std::vector<int> ports = state_->exposer->GetListeningPorts();
-  return ports.empty() ? 0 : ports[0];
+  return state_->endpoint->port();
 }
 
 void MetricsExporter::set_up(bool up) {
@@ -148,7 +153,7 @@ void MetricsExporter::update(const RankReport& report) {
 
 struct MetricsExporter::State {};
 
-MetricsExporter::MetricsExporter(int port) {
+MetricsExporter::MetricsExporter(int port, const std::string&) {
   throw InputError("train.metrics_port=" + std::to_string(port) +
                    ": this build has no Prometheus endpoint (CMake found no prometheus-cpp; "
                    "scripts/install_deps.sh installs prometheus-cpp-dev)");

@@ -4,10 +4,11 @@
 // each worker on port + local rank).
 //
 // The design choice: Debian's prometheus-cpp (prometheus-cpp-dev, maintained upstream by
-// jupp0r), whose pull library serves HTTP on civetweb threads of its own and writes the
-// exposition format; kiln only maps its numbers to gauges. Scrapes never touch the training
-// loop: a report only sets atomics. A build without prometheus-cpp (CMake says so) refuses
-// train.metrics_port at start.
+// jupp0r) holds the gauges and writes the exposition format; kiln only maps its numbers to
+// gauges. Its pull library's HTTP server (civetweb) cannot start threads in a process with
+// cuBLASLt loaded (dist/http_endpoint.h says why), so dist/http_endpoint.h serves the text.
+// Scrapes never touch the training loop: a report only sets atomics. A build without
+// prometheus-cpp (CMake says so) refuses train.metrics_port at start.
 //
 // Series (gauges; run-wide ones from the lowest rank that reports here, the others with a
 // `rank` label): kiln_up, kiln_step, kiln_last_step_timestamp_seconds, kiln_loss,
@@ -33,9 +34,9 @@ std::vector<std::string> exported_series();
 
 class MetricsExporter {
  public:
-  // Listens on 0.0.0.0:`port` (0: a free port; port() says which). InputError naming
-  // train.metrics_port where it cannot (a port in use).
-  explicit MetricsExporter(int port);
+  // Listens on `address`:`port` (0: a free port; port() says which). InputError naming
+  // train.metrics_port where it cannot (a port in use, an address of no interface here).
+  explicit MetricsExporter(int port, const std::string& address = "0.0.0.0");
   ~MetricsExporter();
   MetricsExporter(const MetricsExporter&) = delete;
   MetricsExporter& operator=(const MetricsExporter&) = delete;

@@ -82,6 +82,21 @@ TEST(MetricsExporter, APortInUseIsRefusedNamingTheKey) {
   }
 }
 
+// train.metrics_address: the loopback interface only; the restart count; a name is refused.
+TEST(MetricsExporter, ListensOnTheAddressItIsGiven) {
+  MetricsExporter exporter(0, "127.0.0.1");
+  ASSERT_GT(exporter.port(), 0);
+  exporter.set_restarts(2);
+  const auto text = testing::http_get(exporter.port(), "/metrics");
+  ASSERT_TRUE(text);
+  EXPECT_NE(text->find("\nkiln_restarts 2\n"), std::string::npos) << *text;
+  EXPECT_FALSE(testing::http_get(exporter.port(), "/other"));  // one path is served
+  const auto r = testing::run_command(std::string(KILN_BIN_DIR) + "/train " + KILN_SOURCE_DIR +
+                                      "/configs/tiny.yaml --train.metrics_address=localhost");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("train.metrics_address"), std::string::npos) << r.output;
+}
+
 // train.metrics_port outside [0, 65535] exits 2 naming the key, before anything starts.
 TEST(MetricsExporter, APortOutOfRangeIsRefusedByTheConfig) {
   const auto r = testing::run_command(std::string(KILN_BIN_DIR) + "/train " + KILN_SOURCE_DIR +

@@ -19,6 +19,8 @@
 #include <sstream>
 #include <variant>
 
+#include <arpa/inet.h>
+
 #include "kernels/error.h"
 #include "model/arch.h"
 #include "train/model_config.h"
@@ -195,7 +197,10 @@ const std::vector<Field>& schema() {
        "and the resolved config as text (docs/operating.md)"},
       {KILN_FIELD(train, metrics_port), range(0, false, 65535, false),
        "serve Prometheus metrics at http://HOST:PORT/metrics from each node's launcher (or the "
-       "single training process) on all interfaces; 0: off (docs/operating.md)"},
+       "single training process); 0: off (docs/operating.md)"},
+      {KILN_FIELD(train, metrics_address), non_empty(),
+       "the numeric IPv4 or IPv6 address /metrics listens on: 0.0.0.0 every IPv4 interface, "
+       "127.0.0.1 this host only, or one interface's"},
       {KILN_FIELD(init, from), any(),
        "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
        "directory; its config.json must match model) or a kiln run or checkpoint directory "
@@ -672,6 +677,15 @@ struct Resolver {
            "MoE experts carry no biases: set model.bias=false (the llama and qwen3 arch rows do)");
   }
 
+  // A name would be resolved at every start, and might resolve to an interface of another host.
+  void validate_metrics_address() {
+    const std::string& a = config.train.metrics_address;
+    in6_addr buf;
+    if (inet_pton(AF_INET, a.c_str(), &buf) != 1 && inet_pton(AF_INET6, a.c_str(), &buf) != 1)
+      fail(*find_field("train", "metrics_address"),
+           "must be a numeric IPv4 or IPv6 address (0.0.0.0, 127.0.0.1, ::), got '" + a + "'");
+  }
+
   // A restart resumes from the newest checkpoint in train.out_dir: one that could not would
   // start over, or overwrite the run.
   void validate_restarts() {
@@ -742,6 +756,7 @@ struct Resolver {
     validate_moe();
     validate_restarts();
     validate_data();
+    validate_metrics_address();
     if (config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));

@@ -104,6 +104,7 @@ struct TrainSection {
   bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)
   bool tensorboard = false;  // rank 0 writes a TensorBoard event file (train/tensorboard.h)
   int metrics_port = 0;  // 0: off; else /metrics for Prometheus on this port (dist/prometheus.h)
+  std::string metrics_address = "0.0.0.0";  // the address /metrics listens on
 };
 
 // Where a fresh run's parameters come from (a resumed run takes its checkpoint's instead).

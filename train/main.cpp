@@ -31,9 +31,9 @@ using namespace kiln;
 
 namespace {
 
-std::unique_ptr<MetricsExporter> serve_metrics(int port) {
-  auto exporter = std::make_unique<MetricsExporter>(port);
-  spdlog::info("Prometheus metrics at http://0.0.0.0:{}/metrics (train.metrics_port)", port);
+std::unique_ptr<MetricsExporter> serve_metrics(int port, const std::string& address) {
+  auto exporter = std::make_unique<MetricsExporter>(port, address);
+  spdlog::info("Prometheus metrics at http://{}:{}/metrics (train.metrics_port)", address, port);
   return exporter;
 }
 
@@ -107,7 +107,8 @@ int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& sign
     if (const std::optional<int> fd = metrics_fd_from_environment()) {
       observer.on_report = [fd = *fd](const RankReport& r) { send_report(fd, r); };
     } else if (worker.source != "kiln") {
-      exporter = serve_metrics(config.train.metrics_port + worker.local_rank);
+      exporter = serve_metrics(config.train.metrics_port + worker.local_rank,
+                               config.train.metrics_address);
       observer.on_report = [&](const RankReport& r) { exporter->update(r); };
     }
   }
@@ -145,6 +146,7 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
   // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
   launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
   launch.metrics_port = config.train.metrics_port;
+  launch.metrics_address = config.train.metrics_address;
   return launch_workers(launch, argc, argv);
 }
 
@@ -189,7 +191,7 @@ int main(int argc, char** argv) {
     TrainObserver observer;
     std::unique_ptr<MetricsExporter> exporter;
     if (config.train.metrics_port > 0) {
-      exporter = serve_metrics(config.train.metrics_port);
+      exporter = serve_metrics(config.train.metrics_port, config.train.metrics_address);
       observer.on_report = [&](const RankReport& r) { exporter->update(r); };
     }
     set_cpu_threads();
