@@ -43,11 +43,7 @@ const std::string kBin = KILN_BIN_DIR;
 const std::string kSrc = KILN_SOURCE_DIR;
 
 // Per-step losses as written, to compare bit for bit.
-std::vector<std::pair<int, std::string>> losses(const std::string& out_dir) {
-  std::vector<std::pair<int, std::string>> v;
-  for (const auto& l : kiln::testing::read_losses(out_dir)) v.emplace_back(l.step, l.text);
-  return v;
-}
+const auto losses = kiln::testing::losses_as_written;
 
 // The restart lines of out_dir/metrics.jsonl.
 std::vector<std::string> restart_lines(const std::string& out_dir) {

@@ -19,6 +19,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace kiln::testing {
@@ -145,6 +146,14 @@ inline std::vector<StepLoss> read_losses(const std::string& out_dir) {
     out.push_back({std::atoi(line.c_str() + s + 7), text, std::atof(text.c_str())});
   }
   return out;
+}
+
+// (step, loss as written) of each step in out_dir/metrics.jsonl: equal lists are equal runs, bit
+// for bit.
+inline std::vector<std::pair<int, std::string>> losses_as_written(const std::string& out_dir) {
+  std::vector<std::pair<int, std::string>> v;
+  for (const StepLoss& l : read_losses(out_dir)) v.emplace_back(l.step, l.text);
+  return v;
 }
 
 // One number of each training step's line in `out_dir`/metrics.jsonl (e.g. "grad_norm").
