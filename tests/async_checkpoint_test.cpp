@@ -1,7 +1,8 @@
 // AsyncCheckpointer (train/async_checkpoint.h), the writer thread of train.checkpoint_async: one
 // save in flight at a time (a second one waits for the first, and cannot be started or given the
 // snapshot buffers before), a failed save's error comes back at the next check, the end of its
-// scope lets the save finish, and an exception unwinding past it abandons the save instead.
+// scope lets the save finish, and an exception unwinding past it abandons the save instead; the
+// buffers reserved on the writer thread are the ones the saves then use.
 #include "train/async_checkpoint.h"
 
 #include <gtest/gtest.h>
@@ -48,6 +49,22 @@ TEST(AsyncCheckpointer, ASecondSaveWaitsForTheFirst) {
   writer.start([&](const std::function<bool()>&) { ++jobs_done; });
   EXPECT_GE(writer.wait(), 0.0);
   EXPECT_EQ(jobs_done, 2);
+}
+
+TEST(AsyncCheckpointer, ReservedBuffersServeTheSaves) {
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  AsyncCheckpointer writer(*cpu);
+  writer.reserve({100, 50}, false);
+  // The reservation is the writer's job: a save waits for it like for a save in flight.
+  EXPECT_GE(writer.wait(), 0.0);
+  EXPECT_EQ(writer.snapshot_bytes(), 3 * 150 * sizeof(float));
+  float* first = writer.snapshot_buffer(0, 100);
+  float* second = writer.snapshot_buffer(1, 50);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(writer.snapshot_bytes(), 3 * 150 * sizeof(float)) << "a save allocated again";
+  EXPECT_EQ(writer.snapshot_buffer(0, 100), first);
+  EXPECT_THROW(writer.snapshot_buffer(1, 49), std::logic_error);
 }
 
 TEST(AsyncCheckpointer, AFailedSaveIsReportedAtTheNextCheck) {

@@ -72,6 +72,51 @@ void AsyncCheckpointer::start(Job job) {
   wake_.notify_all();
 }
 
+void AsyncCheckpointer::allocate(HostBuffer& b, size_t floats) {
+  b.floats = floats;
+  try {
+    b.from_allocate_host = static_cast<float*>(device_.allocate_host(b.floats * sizeof(float)));
+  } catch (const std::bad_alloc&) {
+    const size_t mib = b.floats * sizeof(float) >> 20;
+    spdlog::warn(
+        "train.checkpoint_async: no page-locked host memory for a {} MiB snapshot buffer; "
+        "pageable memory instead (slower copies out of device memory)",
+        mib);
+    try {
+      b.pageable.resize(b.floats);
+    } catch (const std::bad_alloc&) {
+      b.floats = 0;
+      throw std::runtime_error("train.checkpoint_async: no host memory for a " +
+                               std::to_string(mib) +
+                               " MiB checkpoint snapshot buffer (3 x fp32 per owned parameter); "
+                               "--train.checkpoint_async=false writes checkpoints without one");
+    }
+  }
+}
+
+void AsyncCheckpointer::reserve(std::vector<size_t> floats, bool log) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (busy_) throw std::logic_error("AsyncCheckpointer::reserve: a save is in flight");
+  }
+  // Sized here, on the caller's thread: the job below only fills the elements in.
+  if (buffers_.size() < floats.size()) buffers_.resize(floats.size());
+  start([this, floats = std::move(floats), log](const std::function<bool()>& abandoned) {
+    const auto begin = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < floats.size() && !abandoned(); ++i)
+      if (buffers_[i].floats == 0) allocate(buffers_[i], 3 * floats[i]);
+    if (log)
+      spdlog::info(
+          "train.checkpoint_async: {:.2f} GiB of {} host memory for the checkpoint snapshot "
+          "(3 x fp32 per owned parameter), allocated in {:.1f} ms beside the first steps and "
+          "kept for the run",
+          static_cast<double>(snapshot_bytes()) / (1 << 30),
+          snapshot_page_locked() ? "page-locked" : "pageable",
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
+              .count());
+  });
+}
+
 float* AsyncCheckpointer::snapshot_buffer(size_t range, size_t floats) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -81,25 +126,7 @@ float* AsyncCheckpointer::snapshot_buffer(size_t range, size_t floats) {
   if (range >= buffers_.size()) buffers_.resize(range + 1);
   HostBuffer& b = buffers_[range];
   if (b.floats == 0) {
-    b.floats = 3 * floats;
-    try {
-      b.from_allocate_host = static_cast<float*>(device_.allocate_host(b.floats * sizeof(float)));
-    } catch (const std::bad_alloc&) {
-      const size_t mib = b.floats * sizeof(float) >> 20;
-      spdlog::warn(
-          "train.checkpoint_async: no page-locked host memory for a {} MiB snapshot buffer; "
-          "pageable memory instead (slower copies out of device memory)",
-          mib);
-      try {
-        b.pageable.resize(b.floats);
-      } catch (const std::bad_alloc&) {
-        b.floats = 0;
-        throw std::runtime_error("train.checkpoint_async: no host memory for a " +
-                                 std::to_string(mib) +
-                                 " MiB checkpoint snapshot buffer (3 x fp32 per owned parameter); "
-                                 "--train.checkpoint_async=false writes checkpoints without one");
-      }
-    }
+    allocate(b, 3 * floats);
   } else if (b.floats != 3 * floats) {
     throw std::logic_error("AsyncCheckpointer::snapshot_buffer: range " + std::to_string(range) +
                            " was " + std::to_string(b.floats / 3) + " floats, now " +

@@ -47,8 +47,14 @@ class AsyncCheckpointer {
   // (std::logic_error otherwise).
   void start(Job job);
 
+  // Allocates the snapshot's buffers on the writer thread, as a job that start() would run
+  // (wait() waits for it, check() reports its failure): `floats[i]` floats for owned range i, as
+  // snapshot_buffer(i, floats[i]) would. Page-locking a large model's state takes seconds to tens of
+  // seconds, which the first save would otherwise stop the step loop for; at the start of a run
+  // it overlaps the steps before the first save. Rank 0 (`log`) logs what it took.
+  void reserve(std::vector<size_t> floats, bool log);
   // Owned range `range`'s snapshot: 3 x `floats` floats (master, m, v), allocated at its first
-  // use and kept for the run. Page-locked where the device offers it; where that fails, pageable
+  // use (unless reserve() did) and kept for the run. Page-locked where the device offers it; where that fails, pageable
   // memory with a warning. std::logic_error while a save is in flight (it reads them).
   float* snapshot_buffer(size_t range, size_t floats);
   size_t snapshot_bytes() const;
@@ -63,6 +69,8 @@ class AsyncCheckpointer {
     float* data() { return from_allocate_host ? from_allocate_host : pageable.data(); }
   };
   void loop();
+  // Allocates `b` for `floats` floats: page-locked, else pageable with a warning.
+  void allocate(HostBuffer& b, size_t floats);
 
   DeviceRuntime& device_;
   std::vector<HostBuffer> buffers_;

@@ -91,6 +91,13 @@ size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& stra
   return 3 * floats * sizeof(float);
 }
 
+void reserve_checkpoint_snapshot(const RunParts& run, AsyncCheckpointer& async) {
+  std::vector<size_t> floats;
+  for (const OwnedRange& o : ranges_to_save(run.strategy))
+    floats.push_back(static_cast<size_t>(o.end - o.begin));
+  async.reserve(std::move(floats), run.rank == 0);
+}
+
 double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
   using Clock = std::chrono::steady_clock;
   const auto ms_since = [](Clock::time_point t) {
@@ -98,12 +105,13 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
   };
   const Clock::time_point begin = Clock::now();
   const bool is_main = run.rank == 0;
-  // The snapshot's buffers are the previous save's until it is written.
+  // The snapshot's buffers are the previous save's until it is written (or, before the first
+  // save, still being allocated).
   const double waited = async ? async->wait() : 0.0;
   if (is_main && waited > 1000)
     spdlog::warn(
-        "checkpoint step {}: waited {:.1f} s for the previous save to be written "
-        "(it takes longer than train.checkpoint_every steps)",
+        "checkpoint step {}: waited {:.1f} s for the writer thread: the previous save, or the "
+        "snapshot's first allocation, takes longer than train.checkpoint_every steps",
         step, waited / 1000);
   // Each range is copied out whole (master, m, v); each piece written at its global offset.
   const std::vector<OwnedRange> owned = ranges_to_save(run.strategy);

@@ -47,6 +47,10 @@ int resume_run(const RunParts& run, const std::string& dir);
 // 3 x fp32 per parameter of the ranges the strategy has this rank write.
 size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& strategy);
 
+// Has `async` allocate the snapshot's host buffers on its writer thread now, beside the steps
+// before the first save (AsyncCheckpointer::reserve).
+void reserve_checkpoint_snapshot(const RunParts& run, AsyncCheckpointer& async);
+
 // Writes the checkpoint of step `step` (collective: every rank calls it): the whole save here,
 // or, with `async` (train.checkpoint_async), after waiting for its save in flight, a copy of the
 // state into its host buffers that its thread writes and publishes. Returns the milliseconds

@@ -29,7 +29,7 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
   if (checkpoint_host_bytes > 0)
     spdlog::info(
         "  {:<24} {} of host memory, {} (train.checkpoint_async: 3 x fp32 per owned "
-        "parameter, allocated at the first checkpoint and kept)",
+        "parameter, allocated beside the first steps and kept)",
         "checkpoint snapshot", format_bytes(checkpoint_host_bytes),
         backend.device() == Device::cuda ? "page-locked" : "pageable");
 }

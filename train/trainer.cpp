@@ -472,8 +472,10 @@ int Trainer::run() {
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
   plan_memory();
-  if (t.save_checkpoints && t.checkpoint_async)
+  if (t.save_checkpoints && t.checkpoint_async) {
     async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);
+    reserve_checkpoint_snapshot(parts(), *async_checkpoints_);
+  }
 
   const std::optional<std::string> ckpt = checkpoint_to_resume(t);
   if (ckpt) {

@@ -180,6 +180,8 @@ void CudaBackend::copy_to_host(void* dst, Tensor src) {
 }
 
 void* CudaBackend::allocate_host(size_t bytes) {
+  // The caller may be a thread of its own (the checkpoint writer's), bound to no device yet.
+  KILN_CUDA_CHECK(cudaSetDevice(device_));
   void* p = nullptr;
   if (cudaMallocHost(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
     cudaGetLastError();
