@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,15 @@ class Communicator {
   // contract. Results may be used, and inputs and outputs written, only after wait(): it orders
   // the compute stream after (NCCL), or runs (Gloo), every collective issued so far.
   virtual void wait() = 0;
+  // A point in the sequence of collectives issued so far, for wait_until(): it orders the
+  // compute stream after those collectives only, so that one issued later (fsdp's reduce-scatter
+  // of a unit's gradients) runs on beside the compute that follows. The defaults are wait()'s
+  // (Gloo runs everything issued at either), which is correct, only less overlapped.
+  virtual uint64_t mark() { return 0; }
+  virtual void wait_until(uint64_t mark) {
+    (void)mark;
+    wait();
+  }
   // Runs what was issued before it, then returns once every rank has entered (NCCL: also waits
   // for the comm stream's work).
   virtual void barrier() = 0;

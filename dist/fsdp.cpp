@@ -1,8 +1,10 @@
 // fsdp: only shards persist. Each unit's parameters are all-gathered into a gather buffer (two
 // rotating buffers for the blocks, one kept for the embeddings, which the tied head reuses) one
 // unit ahead, while the unit before it computes, and its gradients are reduce-scattered into the
-// shard right after its backward, every micro-batch. The model calls the unit hooks inside each
-// unit, so a unit is gathered just before its first op and scattered just after its last.
+// shard right after its backward, every micro-batch, beside the next unit's backward: the compute
+// stream waits for a unit's gather alone (a mark on the comm stream), and for its reduce-scatter
+// only at the next unit's end. The model calls the unit hooks inside each unit, so a unit is
+// gathered just before its first op and scattered just after its last.
 #include <algorithm>
 
 #include "dist/strategy.h"
@@ -35,6 +37,7 @@ class Fsdp final : public Strategy {
 
   void zero_grads() override { backend_.fill_zero(grad_shard_); }
   void reduce_grads(Tensor sumsq) override {
+    finish_scatter_grads();
     if (comm_) comm_->wait();
     finish_reduce(sumsq, /*sharded=*/true);
   }
@@ -51,6 +54,7 @@ class Fsdp final : public Strategy {
 
  private:
   int last() const { return static_cast<int>(plan_.chunks.size()) - 1; }
+  static int slot_of(int unit) { return unit == 0 ? 0 : 1 + unit % 2; }
   Tensor in_slot(const Tensor* slots, int unit) const {
     const int slot = unit_slot_[static_cast<size_t>(unit)];
     if (slot < 0) return Tensor{};
@@ -65,6 +69,7 @@ class Fsdp final : public Strategy {
   // Slot 0 holds unit 0 (embeddings) for the whole step, slots 1-2 rotate the rest.
   Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
   int held_[3] = {-1, -1, -1};
+  uint64_t gathered_[3] = {0, 0, 0};  // the comm stream's mark after each slot's gather
   std::vector<int> unit_slot_;
 };
 
@@ -95,11 +100,12 @@ void Fsdp::plan_memory(Arena& arena) {
 // Issues the all-gather of `unit` into its slot unless the slot holds it already. The unit that
 // held the slot is done with: its ops are enqueued, and the gather runs after them.
 void Fsdp::gather_unit(int unit) {
-  const int slot = unit == 0 ? 0 : 1 + unit % 2;
+  const int slot = slot_of(unit);
   if (held_[slot] == unit) return;
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}),
              gather_src_.slice(c.local, {c.chunk}), /*overlap=*/true);
+  if (comm_) gathered_[slot] = comm_->mark();
   if (held_[slot] >= 0) unit_slot_[static_cast<size_t>(held_[slot])] = -1;
   held_[slot] = unit;
   unit_slot_[static_cast<size_t>(unit)] = slot;
@@ -108,7 +114,9 @@ void Fsdp::gather_unit(int unit) {
 // `unit`'s params gathered and placed, and the all-gather of `prefetch` (>= 0) issued.
 void Fsdp::use_unit(int unit, int prefetch) {
   gather_unit(unit);
-  if (comm_) comm_->wait();  // before the prefetch, which runs on beside this unit's compute
+  // This unit's gather only: a reduce-scatter issued after it runs on beside this unit's compute,
+  // and so does the prefetch, issued after the wait.
+  if (comm_) comm_->wait_until(gathered_[slot_of(unit)]);
   if (prefetch >= 0) gather_unit(prefetch);
   if (on_placement_changed) on_placement_changed();
 }
@@ -117,8 +125,11 @@ void Fsdp::after_backward(int unit) {
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   const Tensor full =
       unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
-  reduce_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
-                       scatter_tmp_);
+  // Finished at the next unit's end (issue_scatter_grads finishes the one before), or here for
+  // unit 0, the last: the next micro-batch's backward zeroes its grads first.
+  issue_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
+                      scatter_tmp_);
+  if (unit == 0) finish_scatter_grads();
 }
 
 }  // namespace

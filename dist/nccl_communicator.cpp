@@ -62,6 +62,8 @@ class NcclCommunicator : public Communicator {
       err = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+    for (cudaEvent_t& e : mark_events_)
+      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     if (err != cudaSuccess) release();  // the destructor will not run
     check_cuda(err, name(), "communication stream setup");
   }
@@ -69,6 +71,18 @@ class NcclCommunicator : public Communicator {
 
   void wait() override {
     check_cuda(cudaStreamWaitEvent(compute_, done_, 0), name(), "cudaStreamWaitEvent(compute)");
+  }
+  // A ring of events: a mark older than kMarks marks ago has had its event recorded again,
+  // later on the stream, so waiting for it waits for more than asked, never less.
+  uint64_t mark() override {
+    const uint64_t m = ++marks_;
+    check_cuda(cudaEventRecord(mark_events_[m % kMarks], stream_), name(), "cudaEventRecord(mark)");
+    return m;
+  }
+  void wait_until(uint64_t mark) override {
+    if (mark == 0 || mark > marks_) return wait();
+    check_cuda(cudaStreamWaitEvent(compute_, mark_events_[mark % kMarks], 0), name(),
+               "cudaStreamWaitEvent(compute, mark)");
   }
 
   int rank() const override { return rank_; }
@@ -212,6 +226,8 @@ class NcclCommunicator : public Communicator {
   void end() { check_cuda(cudaEventRecord(done_, stream_), name(), "cudaEventRecord(comm)"); }
   void release() {
     if (done_) cudaEventDestroy(done_);
+    for (cudaEvent_t e : mark_events_)
+      if (e) cudaEventDestroy(e);
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
     if (stream_) cudaStreamDestroy(stream_);
     if (barrier_buf_) cudaFree(barrier_buf_);
@@ -241,6 +257,9 @@ class NcclCommunicator : public Communicator {
   cudaStream_t compute_;
   cudaStream_t stream_ = nullptr;  // communication
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
+  static constexpr int kMarks = 8;
+  cudaEvent_t mark_events_[kMarks] = {};
+  uint64_t marks_ = 0;
   int rank_, world_, device_;
   bool nvlink_joined_;
   std::string nvlink_why_;

@@ -97,19 +97,32 @@ void Strategy::reduce_scatter(Tensor out, Tensor in) {
   comm_->wait();
 }
 
-void Strategy::reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch) {
+void Strategy::issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch) {
+  finish_scatter_grads();  // it may share scratch and the bf16 buffers with this one
   const int64_t n = out.numel();
-  const Tensor sum = accumulate ? scratch.slice(0, {n}) : out;  // f32
+  PendingScatter p{out, accumulate ? scratch.slice(0, {n}) : out, Tensor{}, accumulate, 0};
+  Tensor src = in, dst = p.sum;
   if (reduce_bf16()) {
-    const Tensor low_in = reduce_full_.slice(0, {in.numel()});
-    const Tensor low_out = reduce_shard_.slice(0, {n});
-    backend_.copy(low_in, in);
-    reduce_scatter(low_out, low_in);
-    backend_.copy(sum, low_out);
-  } else {
-    reduce_scatter(sum, in);
+    src = reduce_full_.slice(0, {in.numel()});
+    dst = p.low_out = reduce_shard_.slice(0, {n});
+    backend_.copy(src, in);
   }
-  if (accumulate) backend_.add(out, sum);
+  if (!comm_ || plan_.world == 1) {
+    backend_.copy(dst, src);
+  } else {
+    comm_->reduce_scatter_sum(dst, src);
+    p.mark = comm_->mark();
+  }
+  pending_scatter_ = p;
+}
+
+void Strategy::finish_scatter_grads() {
+  if (!pending_scatter_) return;
+  const PendingScatter p = *pending_scatter_;
+  pending_scatter_.reset();
+  if (comm_ && plan_.world > 1) comm_->wait_until(p.mark);
+  if (p.low_out.defined()) backend_.copy(p.sum, p.low_out);
+  if (p.accumulate) backend_.add(p.out, p.sum);
 }
 
 void Strategy::load_parameters(const FillRange& fill) {

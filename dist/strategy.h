@@ -19,6 +19,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,7 +121,16 @@ class Strategy {
   void reduce_scatter(Tensor out, Tensor in);
   // out (f32 shard) = sum over ranks of chunk `rank` of in (f32), in the reduce dtype;
   // `accumulate`: out += instead, through `scratch` (f32, at least out's size).
-  void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch);
+  void reduce_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch) {
+    issue_scatter_grads(out, in, accumulate, scratch);
+    finish_scatter_grads();
+  }
+  // The same in two halves, so that the reduce-scatter runs on beside the compute enqueued
+  // between them: issue_... enqueues it (in, scratch and the bf16 buffers stay in use); finish_...
+  // orders the compute stream after it and enqueues what consumes its result (no-op when none
+  // is pending). One may be pending at a time: issue_... finishes the one before first.
+  void issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch);
+  void finish_scatter_grads();
   // Unit `unit`'s range of a buffer laid out like the flat parameters.
   Tensor unit_range(Tensor flat, int unit) const {
     const auto& [begin, end] = units_[static_cast<size_t>(unit)];
@@ -142,6 +152,12 @@ class Strategy {
   bool last_micro_ = true;
   Tensor master_, grad_shard_, m_, v_;
   Tensor reduce_full_, reduce_shard_;  // reduce_dtype bf16: the rounded gradients and a shard
+  struct PendingScatter {
+    Tensor out, sum, low_out;  // low_out defined: reduced in bf16, copied into sum
+    bool accumulate = false;
+    uint64_t mark = 0;
+  };
+  std::optional<PendingScatter> pending_scatter_;
   // Expert parallelism: the group, and this rank's shard pieces (offset, size) of dense and of
   // expert parameters; the experts' part of the norm.
   Communicator* ep_ = nullptr;

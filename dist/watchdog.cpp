@@ -90,6 +90,11 @@ class Watchdog::Watched : public Communicator {
     inner_->wait();
     dog_.progress_ns_ = now_ns();
   }
+  uint64_t mark() override { return inner_->mark(); }
+  void wait_until(uint64_t mark) override {
+    inner_->wait_until(mark);
+    dog_.progress_ns_ = now_ns();
+  }
   void barrier() override {
     note("barrier");
     dog_.barrier_ns_ = now_ns();

@@ -99,6 +99,11 @@ class NvtxCommunicator : public Communicator {
     Scope s("collectives wait");
     inner_.wait();
   }
+  uint64_t mark() override { return inner_.mark(); }
+  void wait_until(uint64_t mark) override {
+    Scope s("collectives wait (to a mark)");
+    inner_.wait_until(mark);
+  }
   void barrier() override {
     Scope s("barrier");
     inner_.barrier();
