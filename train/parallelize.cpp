@@ -152,4 +152,24 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   model.set_hooks(&hooks);
 }
 
+void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
+                     bool log) {
+  Fp8State& fp8 = model.fp8();
+  if (!strategy.holds_whole_model()) fp8.cast_weights_on_use();
+  Fp8Ranks ranks;
+  ranks.world = world_size;
+  ranks.log = log;
+  if (world) {
+    ranks.all_reduce_max = [world](Tensor amax) {
+      world->all_reduce_max(amax);
+      world->wait();
+    };
+    ranks.all_gather = [world](Tensor all, Tensor mine) {
+      world->all_gather(all, mine);
+      world->wait();
+    };
+  }
+  fp8.set_ranks(std::move(ranks));
+}
+
 }  // namespace kiln

@@ -25,6 +25,13 @@ namespace kiln {
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks,
                  const ParamLayout* local = nullptr);
 
+// precision.fp8 on the strategy: under one that never holds the whole model (fsdp) each FP8
+// linear casts its weight where it is used; the ranks' amax windows and the checkpoints'
+// agreement check go over `world` (the world's communicator, null for one process). `log`: this
+// rank says what the FP8 state finds.
+void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
+                     bool log);
+
 // Expert parallelism over `ranks` ranks: the layout of rank `rank`'s flat buffer, the model's
 // `global` one with each expert tensor (ParamInfo::experts) holding only the rank's run of
 // experts (rank * E/ranks on). Units, decay spans and every other tensor follow in order, so

@@ -31,7 +31,7 @@ int restore(const RunParts& run, const std::string& dir) {
   }
   run.strategy.refresh_working();
   const TrainingState& st = manifest.state;
-  run.fp8.start(&st, dir);
+  run.model.fp8().start(&st.fp8, dir);
   if (const Tensor bias = run.model.moe_bias(); bias.defined()) {
     if (st.moe_bias.empty()) {
       if (is_main) spdlog::info("moe.balance=bias: {} holds no bias; it starts at 0", dir);
@@ -144,8 +144,8 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
   const LoaderState ls = run.train_loader.state();
   std::ostringstream rng_text;
   rng_text << run.rng;
-  TrainingState state{step, ls.epoch, ls.cursor, ls.sources, rng_text.str(), {}, 0, {}, {}};
-  run.fp8.save(state, step);
+  TrainingState state{step, ls.epoch, ls.cursor, ls.sources, rng_text.str(), {}, {}};
+  state.fp8 = run.model.fp8().save(step);
   if (run.model.moe_bias().defined()) {
     state.moe_bias.resize(static_cast<size_t>(run.model.moe_bias().numel()));
     run.backend.copy_to_host(state.moe_bias.data(), run.model.moe_bias());

@@ -14,7 +14,6 @@
 #include "dist/strategy.h"
 #include "model/model.h"
 #include "train/config.h"
-#include "train/fp8_recipe.h"
 #include "train/parallelize.h"
 
 namespace kiln {
@@ -29,7 +28,6 @@ struct RunParts {
   Model& model;
   Strategy& strategy;
   const RankLayout& layout;
-  Fp8Recipe& fp8;
   DataLoader& train_loader;
   std::mt19937_64& rng;
   Communicator* comm;  // the world's (null for one process): checkpoints' barriers, on the

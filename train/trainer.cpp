@@ -18,7 +18,6 @@
 #include "train/async_checkpoint.h"
 #include "train/device.h"
 #include "train/fault_hook.h"
-#include "train/fp8_recipe.h"
 #include "train/init_from.h"
 #include "train/metrics.h"
 #include "train/model_config.h"
@@ -65,8 +64,8 @@ class Trainer {
   }
   size_t memory_bytes() const { return state_arena_.bytes() + acts_arena_.bytes(); }
   RunParts parts() {
-    return {cfg_,    rank_.rank, rank_.world_size, *backend_, *model_, *strategy_,
-            layout_, *fp8_,      *train_loader_,   rng_,      comm_};
+    return {cfg_,    rank_.rank, rank_.world_size, *backend_, *model_,
+            *strategy_, layout_, *train_loader_,   rng_,      comm_};
   }
   void plan_buffers();  // every buffer into the two arenas, then the table on rank 0
   void plan_memory();   // plan_buffers(), then allocate and bind them
@@ -135,7 +134,6 @@ class Trainer {
   Arena state_arena_, acts_arena_;
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
   std::unique_ptr<Strategy> strategy_;
-  std::unique_ptr<Fp8Recipe> fp8_;
   UnitHooks hooks_;
   OptimizerStep optimizer_;
   Tensor decay_spans_, sched_, sumsq_, loss_sum_;
@@ -203,8 +201,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
     parallelize_experts(*model_, layout_, plan_, *expert_comm_, is_main());
   }
   strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, data_comm, expert_comm_.get());
-  fp8_ = std::make_unique<Fp8Recipe>(*model_, *backend_, comm_, rank.world_size, is_main(),
-                                     strategy_->holds_whole_model());
+  parallelize_fp8(*model_, *strategy_, comm_, rank.world_size, is_main());
 }
 
 void Trainer::plan_buffers() {
@@ -216,7 +213,7 @@ void Trainer::plan_buffers() {
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   if (power_) power_->plan(state_arena_);
-  fp8_->plan(state_arena_);
+  model_->fp8().plan_agreement(state_arena_);
   inputs_.plan(state_arena_);
   const Recompute recompute = recompute_mode(cfg_.train);
   model_->plan_activations(acts_arena_, B(), T(), recompute);
@@ -294,14 +291,14 @@ void Trainer::step_work(bool break_capture) {
     all_reduce(model_->moe_stats());
     model_->moe_update_bias();
   }
-  fp8_->update_scales();
+  model_->fp8().update_scales();
   strategy_->reduce_grads(sumsq_);
   Nvtx::Range optimizer = nvtx_.range("optimizer");
   clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_,
                  optimizer_);
   optimizer.end();
   strategy_->after_update();
-  fp8_->cast_weights();
+  model_->fp8().cast_weights();
 }
 
 void Trainer::evaluate(StepMetrics& sm) {
@@ -378,10 +375,18 @@ bool Trainer::finish_step(const PendingStep& p) {
   sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
   sm.eta_s = timer_.eta_s(t.max_steps - sm.step);
   sm.power = power_->on_step(slot, tokens_per_step());
-  if (fp8_->on())
-    sm.fp8 = fp8_->metrics(values + 2, sm.tok_s, flops_per_token_, peak_fp8_, sm.step);
+  const Fp8State& fp8 = model_->fp8();
+  if (fp8.on()) {
+    sm.fp8 = fp8_step_metrics(values + 2, fp8.names(),
+                              peak_fp8_ > 0 ? flops_per_token_ * sm.tok_s / (peak_fp8_ * rank_.world_size) : 0.0);
+    if (sm.fp8->non_finite > 0 && is_main())
+      spdlog::warn(
+          "step {}: fp8: {} tensor(s) had a NaN or infinite amax, the first {}; their "
+          "scales were kept",
+          sm.step, sm.fp8->non_finite, sm.fp8->first_non_finite);
+  }
   if (moe())
-    sm.moe = moe_step_metrics(values + 2 + (fp8_->on() ? Fp8StateLayout::kSummary : 0),
+    sm.moe = moe_step_metrics(values + 2 + (fp8.on() ? Fp8StateLayout::kSummary : 0),
                               model_->moe_blocks(), mcfg_.moe.n_experts);
   if (!std::isfinite(sm.loss)) {
     report(sm, p, -1);  // a scrape before the run ends shows it
@@ -481,7 +486,7 @@ int Trainer::run() {
     timer_ = StepTimer(start_step_);
   } else {
     init_parameters();
-    fp8_->start(nullptr, "");
+    model_->fp8().start(nullptr, "");
   }
   if (is_main()) {
     const std::optional<int> resumed_at = ckpt ? std::optional<int>(start_step_) : std::nullopt;
@@ -507,7 +512,7 @@ int Trainer::run() {
     log_run_start(cfg_, *backend_, t.max_steps - start_step_, tokens_per_step(), rank_.world_size,
                   flops_per_token_, peak_);
     if (moe()) log_moe(cfg_, *model_);
-    fp8_->log_plan(cfg_, moe(), peak_fp8_);
+    log_fp8(cfg_, *model_, peak_fp8_);
   }
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
@@ -524,7 +529,7 @@ int Trainer::run() {
     power_->enqueue_step(slot);
     graph_.run(step);
     std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
-    if (fp8_->on()) readback.push_back(fp8_->summary());
+    if (model_->fp8().on()) readback.push_back(model_->fp8().summary());
     if (moe()) readback.push_back(model_->moe_stats());
     backend_->read_async(slot, readback);
     const Clock::time_point enqueue_end = Clock::now();
@@ -575,7 +580,7 @@ RunSummary Trainer::summary(std::optional<double> tokens_per_joule) {
   s.reduce_dtype = cfg_.dist.reduce_dtype;
   s.prefetch = cfg_.data.prefetch;
   s.cuda_graphs = graph_.status();
-  s.fp8 = fp8_->status(cfg_);
+  s.fp8 = fp8_status(cfg_, *backend_, *model_);
   s.peak_flops = peak_;
   s.tokens_per_joule = tokens_per_joule;
   s.device_memory_bytes = device_peak_;

@@ -3,7 +3,7 @@
 // (train/run_log.h prints the table), initialize or resume (train/resume.h), then loop:
 // stage the step's inputs (train/step_inputs.h), run its device work eagerly or as a CUDA graph
 // (train/step_graph.h): grad_accum micro-steps of forward+backward, gradient sync (the dist
-// strategy), FP8 scaling (train/fp8_recipe.h), global-norm clipping, AdamW; then log, evaluate,
+// strategy), FP8 scaling (model/fp8_state.h), global-norm clipping, AdamW; then log, evaluate,
 // sample and checkpoint, keeping the run directory (train/run_dir.h); on a stop signal, agree on
 // a step with the other ranks, checkpoint there and stop (train/stop.h).
 // Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
