@@ -27,11 +27,11 @@ namespace kiln {
 
 // A step whose work is enqueued and whose loss and grad norm are being read asynchronously.
 struct PendingStep {
+  using Clock = StepTimer::Clock;
   int step;
   double lr;
-  StepTimer::Clock::time_point enqueued;  // when the host began enqueueing it
-  StepTimer::Clock::time_point
-      enqueue_end;                      // when it was enqueued: a backend without a stream is done
+  Clock::time_point enqueued;           // when the host began enqueueing it
+  Clock::time_point enqueue_end;        // when it was enqueued: a backend without a stream is done
   double data_wait_s;                   // waiting for the loader's batches while enqueueing it
   std::vector<SourcePosition> sources;  // data.sources: the positions after its batches
 };
@@ -41,9 +41,9 @@ class RunReport {
   RunReport(const Config& cfg, int rank, int world_size, Backend& backend, const Model& model,
             RunPower& power, int64_t tokens_per_step);
   // At the run's start, `start_step` steps in (`resumed`: from a checkpoint): rank 0 opens
-  // metrics.jsonl and the TensorBoard events; the peak FLOP/s MFU is against. MFU is against
-  // the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against the FP8 peak
-  // (mfu_fp8).
+  // metrics.jsonl and the TensorBoard events, and the peaks MFU is against are set. MFU is
+  // against the bf16 peak, as peers report it, FP8 or not; FP8 runs also report mfu_fp8,
+  // against the FP8 peak.
   void start(int start_step, bool resumed);
   double flops_per_token() const { return flops_per_token_; }
   double peak_flops() const { return peak_; }
