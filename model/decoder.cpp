@@ -40,7 +40,8 @@ std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend) {
   return std::make_unique<Decoder>(cfg, backend);
 }
 
-Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_(backend) {
+Decoder::Decoder(const ModelConfig& cfg, Backend& backend)
+    : cfg_(cfg), backend_(backend), fp8_(backend, cfg.fp8_options, weights_) {
   check_config(cfg);
   const int64_t C = cfg.n_embd;
   LayoutBuilder b;
@@ -124,15 +125,8 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), backend_
       else if (blk.moe.has_shared)
         linears.insert(linears.end(), {{&blk.moe.shared.fc, "moe.shared.fc"},
                                        {&blk.moe.shared.proj, "moe.shared.proj"}});
-      for (auto [lin, name] : linears) {
-        fp8_.linears.push_back(lin);
-        for (const char* role : {".x", ".w", ".g"}) fp8_.names.push_back(p + name + role);
-      }
+      for (auto [lin, name] : linears) fp8_.add(*lin, p + name);
     }
-    fp8_.layout.n = static_cast<int>(fp8_.names.size());
-    fp8_.layout.history = cfg.fp8_options.amax_history_len;
-    fp8_.ops.resize(fp8_.linears.size());
-    for (size_t i = 0; i < fp8_.linears.size(); ++i) fp8_.linears[i]->fp8 = &fp8_.ops[i];
   }
 }
 
@@ -316,22 +310,6 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
     if (cfg_.moe.bias_balance) planner(&acts.moe_bias, "moe.bias", {n * E}, DType::f32);
   }
   planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
-  if (!fp8_.linears.empty()) {
-    int64_t weight_bytes = 0, widest = 0;
-    for (const Linear* lin : fp8_.linears) {
-      // All the copies, or (cast on use) room for the largest.
-      const int64_t bytes = 2 * lin->in * lin->out;
-      weight_bytes = fp8_.weights_on_use ? std::max(weight_bytes, bytes) : weight_bytes + bytes;
-      widest = std::max({widest, lin->in, lin->out});
-    }
-    const Fp8StateLayout& fl = fp8_.layout;
-    planner(&acts.fp8_state, "fp8.state", {fl.total()}, DType::f32);
-    planner(&acts.fp8_window, "fp8.window", {fl.summary() - fl.amax()}, DType::f32);
-    planner(&acts.fp8_weights, "fp8.weights", {weight_bytes}, DType::fp8_e4m3);
-    for (int i = 0; i < 3; ++i)
-      planner(&acts.fp8_scratch[i], "fp8.scratch" + std::to_string(i),
-              {static_cast<int64_t>(B) * T * widest}, DType::fp8_e4m3);
-  }
 }
 
 void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) {
@@ -340,9 +318,10 @@ void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) 
   B_ = B;
   T_ = T;
   recompute_ = recompute;
-  plan([&arena](Tensor* slot, const std::string& name, Shape shape,
-                DType dtype) { arena.plan(slot, name, shape, dtype); },
-       acts_, B, T, recompute);
+  const Planner planner = [&arena](Tensor* slot, const std::string& name, Shape shape,
+                                   DType dtype) { arena.plan(slot, name, shape, dtype); };
+  plan(planner, acts_, B, T, recompute);
+  fp8_.plan(planner, B, T);
 }
 
 int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
@@ -351,7 +330,7 @@ int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
   plan([&bytes](Tensor*, const std::string&, Shape shape,
                 DType dtype) { bytes += shape.numel() * static_cast<int64_t>(dtype_size(dtype)); },
        scratch, B, T, recompute);
-  return bytes;
+  return bytes + fp8_.planned_bytes(B, T);
 }
 
 Decoder::BlockActs Decoder::block_acts(const Acts& set, Recompute recompute, int l) const {
@@ -416,34 +395,6 @@ Tensor Decoder::block_input(const Acts& set, int l) const {
   return l == 0 ? set.encoded : set.blocks[static_cast<size_t>(l)].residual_in;
 }
 
-void Decoder::fp8_views() {
-  const int64_t N = static_cast<int64_t>(B_) * T_;
-  const DType grad_type =
-      cfg_.fp8_options.format == Fp8Format::hybrid ? DType::fp8_e5m2 : DType::fp8_e4m3;
-  auto as = [](Tensor t, Shape shape, DType dtype) {
-    t.shape = shape;
-    t.dtype = dtype;
-    return t;
-  };
-  int64_t offset = 0;
-  for (size_t i = 0; i < fp8_.linears.size(); ++i) {
-    const Linear& lin = *fp8_.linears[i];
-    Fp8Linear& f = fp8_.ops[i];
-    f.state = acts_.fp8_state;
-    f.layout = fp8_.layout;
-    f.index = kFp8Roles * static_cast<int>(i);
-    // Cast on use, every linear's copies share the start of the buffer.
-    f.cast_weight_on_use = fp8_.weights_on_use;
-    f.weight8 = acts_.fp8_weights.slice(offset, {lin.out, lin.in});
-    f.weight8_t = acts_.fp8_weights.slice(offset + lin.in * lin.out, {lin.in, lin.out});
-    if (!fp8_.weights_on_use) offset += 2 * lin.in * lin.out;
-    f.x8 = as(acts_.fp8_scratch[0], {N, lin.in}, DType::fp8_e4m3);
-    f.x8_t = as(acts_.fp8_scratch[0], {lin.in, N}, DType::fp8_e4m3);
-    f.g8 = as(acts_.fp8_scratch[1], {N, lin.out}, grad_type);
-    f.g8_t = as(acts_.fp8_scratch[2], {lin.out, N}, grad_type);
-  }
-}
-
 void Decoder::set_expert_parallel(const ExpertParallel& ep) {
   if (B_ > 0) throw std::logic_error("set_expert_parallel: after the activations were planned");
   if (ep.ranks < 1 || ep.rank < 0 || ep.rank >= ep.ranks ||
@@ -478,45 +429,12 @@ void Decoder::moe_update_bias() {
                              cfg_.moe.bias_update_rate);
 }
 
-void Decoder::fp8_start(const float* saved) {
-  if (fp8_.linears.empty()) return;
-  fp8_views();
-  const Fp8StateLayout& l = fp8_.layout;
-  std::vector<float> state(static_cast<size_t>(l.total()), 0.0f);
-  if (saved) {
-    std::copy(saved, saved + l.total(), state.begin());
-    std::fill(state.begin() + l.amax(), state.begin() + l.summary(), 0.0f);
-  } else {
-    std::fill(state.begin() + l.scale(), state.begin() + l.scale() + l.n, 1.0f);
-    for (int i = 0; i < l.n; ++i) state[static_cast<size_t>(l.scale_inv(i))] = 1.0f;
-  }
-  backend_.copy_from_host(acts_.fp8_state, state.data());
-  fp8_cast_weights();
-}
-
-void Decoder::fp8_update_scales() {
-  if (!fp8_.linears.empty())
-    backend_.fp8_update_scales(acts_.fp8_state, fp8_.layout, cfg_.fp8_options);
-}
-
-void Decoder::fp8_cast_weights() {
-  if (fp8_.weights_on_use) return;
-  for (size_t i = 0; i < fp8_.linears.size(); ++i) {
-    const Fp8Linear& f = fp8_.ops[i];
-    backend_.fp8_cast(f.weight8, f.weight8_t, param(weights_, fp8_.linears[i]->weight), f.state,
-                      f.layout, f.index + kFp8W);
-  }
-}
-
 void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) {
   Backend& k = backend_;
   const Params& w = weights_;
-  // Evaluation and sampling must not move the scales training uses: their casts land in a
-  // window that is put back afterwards.
-  const bool keep_window = !with_backward && !fp8_.linears.empty();
-  const Tensor window =
-      keep_window ? acts_.fp8_state.slice(fp8_.layout.amax(), acts_.fp8_window.shape) : Tensor{};
-  if (keep_window) k.copy(acts_.fp8_window, window);
+  // Evaluation and sampling must not move the scales training uses.
+  const bool keep_window = !with_backward && fp8_.on();
+  if (keep_window) fp8_.keep_window();
 
   // The aux and z losses are means over this micro-batch's tokens; the step's objective weighs
   // each micro-batch's as dloss_scale weighs its tokens' losses.
@@ -526,7 +444,7 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   forward_blocks(acts_, recompute_, with_backward, -1);
   k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
                           targets, cfg_.vocab_size, dloss_scale, with_backward);
-  if (keep_window) k.copy(window, acts_.fp8_window);
+  if (keep_window) fp8_.restore_window();
 }
 
 void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_stats,
@@ -566,7 +484,7 @@ void Decoder::plan_decode(Arena& arena) {
     throw std::logic_error(
         "plan_decode: after plan_activations(arena, 1, T, Recompute::none), whose per-block q, "
         "k and v are the cache");
-  if (!fp8_.linears.empty())
+  if (fp8_.on())
     throw std::logic_error("plan_decode: an FP8 model decodes with its bf16 weights (fp8 off)");
   plan([&arena](Tensor* slot, const std::string& name, Shape shape,
                 DType dtype) { arena.plan(slot, "decode." + name, shape, dtype); },

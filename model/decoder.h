@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "model/fp8_state.h"
 #include "model/layers/attention.h"
 #include "model/layers/embedding.h"
 #include "model/layers/mlp.h"
@@ -40,19 +41,14 @@ class Decoder final : public Model {
   Tensor decode(Tensor token, int pos) override;
   Tensor losses() const override { return acts_.losses; }
   Tensor logits() const override { return acts_.logits; }
-  const Fp8StateLayout& fp8_layout() const override { return fp8_.layout; }
-  Tensor fp8_state() const override { return acts_.fp8_state; }
-  const std::vector<std::string>& fp8_names() const override { return fp8_.names; }
   const std::vector<int>& moe_blocks() const override { return moe_blocks_; }
   Tensor moe_stats() const override { return acts_.moe_stats; }
   Tensor moe_bias() const override { return acts_.moe_bias; }
   void moe_update_bias() override;
   void set_expert_parallel(const ExpertParallel& ep) override;
   std::string graph_unavailable() const override;
-  void fp8_start(const float* saved) override;
-  void fp8_update_scales() override;
-  void fp8_cast_weights() override;
-  void fp8_cast_weights_on_use() override { fp8_.weights_on_use = true; }
+  Fp8State& fp8() override { return fp8_; }
+  const Fp8State& fp8() const override { return fp8_; }
 
  private:
   struct Block {
@@ -89,18 +85,6 @@ class Decoder final : public Model {
     Moe::Scratch moe;
     // model.moe: the MoE blocks' routing statistics and balancing bias (Model::moe_stats).
     Tensor moe_stats, moe_bias;
-    // precision.fp8: the state, a copy of its window (eval and sampling leave it as it was),
-    // the weights' FP8 copies (each FP8 linear's weight8 then weight8_t), and the cast scratch.
-    Tensor fp8_state, fp8_window, fp8_weights, fp8_scratch[3];
-  };
-  // precision.fp8: the blocks' linear layers that run in FP8, in state order (linear i's
-  // tensors start at kFp8Roles * i); each one's Linear::fp8 points at its entry of `ops`.
-  struct Fp8 {
-    Fp8StateLayout layout;
-    std::vector<Linear*> linears;
-    std::vector<std::string> names;  // per state tensor
-    std::vector<Fp8Linear> ops;
-    bool weights_on_use = false;  // fp8_cast_weights_on_use
   };
   // How init() fills a tensor.
   enum class Init { normal, residual_normal, embedding, ones, zeros };
@@ -126,8 +110,6 @@ class Decoder final : public Model {
   DType residual_dtype() const;
   // The residual stream's gradient as the branches' GEMMs read it.
   Tensor dbranch() const { return acts_.dbranch.defined() ? acts_.dbranch : acts_.dresidual; }
-  // Points fp8_.ops at the planned buffers (their addresses exist once the arena is allocated).
-  void fp8_views();
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
     if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
   }
@@ -144,7 +126,9 @@ class Decoder final : public Model {
   const UnitHooks* hooks_ = nullptr;
   Acts acts_;
   Acts decode_;  // plan_decode: one token's buffers
-  Fp8 fp8_;
+  // precision.fp8: the blocks' linear layers that run in FP8 and their state. After weights_,
+  // which it casts from.
+  Fp8State fp8_;
   Recompute recompute_ = Recompute::none;
   int B_ = 0, T_ = 0;
   std::vector<int> moe_blocks_;

@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "model/arch.h"
 #include "model/expert_parallel.h"
+#include "model/fp8_state.h"
 #include "model/param_layout.h"
 
 namespace kiln {
@@ -156,26 +157,10 @@ class Model {
   // blocks whose grouped GEMMs read their group sizes on the host at every call.
   virtual std::string graph_unavailable() const = 0;
 
-  // ---- FP8 (ModelConfig::fp8; with it off, fp8_layout().n == 0 and the rest do nothing) ----
-  // The delayed-scaling state (kernels/fp8.h), planned with the activations at a fixed address,
-  // and the names of its tensors in state order ("h.3.mlp.proj.x").
-  virtual const Fp8StateLayout& fp8_layout() const = 0;
-  virtual Tensor fp8_state() const = 0;
-  virtual const std::vector<std::string>& fp8_names() const = 0;
-  // Once the weights are in place: the state set to `saved` (a checkpoint's, fp8_layout().total()
-  // floats) or, when null, to the initial one (scales 1, empty histories); then the weights'
-  // FP8 copies are made. A saved window is dropped: the casts of the weights make it again.
-  virtual void fp8_start(const float* saved) = 0;
-  // Once per optimizer step: the new scales, after the windows' amaxes are final (reduced over
-  // data-parallel ranks) ...
-  virtual void fp8_update_scales() = 0;
-  // ... and the weights' FP8 copies, after the optimizer has written the working weights.
-  virtual void fp8_cast_weights() = 0;
-  // Under a strategy that never holds the whole model (fsdp), before plan_activations: no FP8
-  // weight copies are kept (fp8_cast_weights does nothing); each FP8 linear casts its weight
-  // into scratch shared by all of them before each forward and backward. The same bytes and
-  // amaxes as the cast once per step, since weights and scales change only between steps.
-  virtual void fp8_cast_weights_on_use() = 0;
+  // ---- FP8 (ModelConfig::fp8): the FP8 linears' state (model/fp8_state.h); with FP8 off it
+  // holds no layers (fp8().on() is false) and its calls do nothing ----
+  virtual Fp8State& fp8() = 0;
+  virtual const Fp8State& fp8() const = 0;
 };
 
 // The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.

@@ -43,4 +43,10 @@ ParamLayout LayoutBuilder::finish() {
   return std::move(layout_);
 }
 
+uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  return hash;
+}
+
 }  // namespace kiln

@@ -37,24 +37,14 @@ struct ShardHeader {
   int64_t end;
 };
 
-// FNV-1a over bytes: cheap, and enough to catch truncation and bit rot.
+// The files' checksum (model/param_layout.h), continuing from `h`.
 uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
+  return fnv1a_bytes(data, n, h);
 }
 constexpr uint64_t kFnvSeed = 14695981039346656037ull;
 
 constexpr const char* kFp8File = "fp8_state.bin";
 constexpr const char* kMoeBiasFile = "moe_bias.bin";
-
-}  // namespace
-
-uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash) {
-  return fnv1a(hash, data, n);
-}
-
-namespace {
 
 std::string step_name(int step) {
   char buf[32];
@@ -206,14 +196,14 @@ std::string manifest_yaml(const CheckpointManifest& m) {
     out << YAML::EndSeq;
   }
   out << YAML::Key << "rng_state" << YAML::Value << m.state.rng_state;
-  if (!m.state.fp8_names.empty()) {
+  if (!m.state.fp8.names.empty()) {
     out << YAML::Key << "fp8" << YAML::Value << YAML::BeginMap;
     out << YAML::Key << "file" << YAML::Value << kFp8File;
-    out << YAML::Key << "history" << YAML::Value << m.state.fp8_history;
-    out << YAML::Key << "floats" << YAML::Value << m.state.fp8_state.size();
+    out << YAML::Key << "history" << YAML::Value << m.state.fp8.history;
+    out << YAML::Key << "floats" << YAML::Value << m.state.fp8.state.size();
     out << YAML::Key << "checksum" << YAML::Value
-        << fnv1a(kFnvSeed, m.state.fp8_state.data(), m.state.fp8_state.size() * sizeof(float));
-    out << YAML::Key << "tensors" << YAML::Value << YAML::Flow << m.state.fp8_names;
+        << fnv1a(kFnvSeed, m.state.fp8.state.data(), m.state.fp8.state.size() * sizeof(float));
+    out << YAML::Key << "tensors" << YAML::Value << YAML::Flow << m.state.fp8.names;
     out << YAML::EndMap;
   }
   if (!m.state.moe_bias.empty()) {
@@ -366,9 +356,9 @@ std::string publish_checkpoint(const std::string& out_dir, CheckpointManifest m,
   std::sort(m.files.begin(), m.files.end(),
             [](const CheckpointFile& a, const CheckpointFile& b) { return a.file < b.file; });
   const TrainingState& state = m.state;
-  if (!state.fp8_names.empty())
+  if (!state.fp8.names.empty())
     write_file_synced(tmp_dir + "/" + kFp8File,
-                      {{state.fp8_state.data(), state.fp8_state.size() * sizeof(float)}});
+                      {{state.fp8.state.data(), state.fp8.state.size() * sizeof(float)}});
   if (!state.moe_bias.empty())
     write_file_synced(tmp_dir + "/" + kMoeBiasFile,
                       {{state.moe_bias.data(), state.moe_bias.size() * sizeof(float)}});
@@ -440,9 +430,9 @@ CheckpointManifest read_manifest(const std::string& dir) {
     m.param_count = n["param_count"].as<int64_t>();
     m.config_yaml = n["config"].as<std::string>();
     if (const YAML::Node f = n["fp8"]) {
-      m.state.fp8_names = f["tensors"].as<std::vector<std::string>>();
-      m.state.fp8_history = f["history"].as<int>();
-      m.state.fp8_state = read_floats(dir, f, "FP8 state");
+      m.state.fp8.names = f["tensors"].as<std::vector<std::string>>();
+      m.state.fp8.history = f["history"].as<int>();
+      m.state.fp8.state = read_floats(dir, f, "FP8 state");
     }
     if (const YAML::Node f = n["moe_bias"]) m.state.moe_bias = read_floats(dir, f, "MoE bias");
     for (const auto& f : n["files"])

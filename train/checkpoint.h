@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "data/loader_state.h"
+#include "model/fp8_state.h"
 #include "model/param_layout.h"
 
 namespace kiln {
@@ -34,11 +35,9 @@ struct TrainingState {
   uint64_t loader_cursor = 0;
   std::vector<SourcePosition> loader_sources;  // data.sources: each source's position
   std::string rng_state;  // the trainer's sampling RNG, as text
-  // precision.fp8: the delayed-scaling state (kernels/fp8.h: Fp8StateLayout over fp8_names,
-  // fp8_history amaxes each), written by rank 0 to fp8_state.bin; empty without FP8.
-  std::vector<std::string> fp8_names;
-  int fp8_history = 0;
-  std::vector<float> fp8_state;
+  // precision.fp8: the delayed-scaling state (model/fp8_state.h), written by rank 0 to
+  // fp8_state.bin; empty without FP8.
+  Fp8Checkpoint fp8;
   // moe.balance=bias: every MoE block's balancing bias (Model::moe_bias), written by rank 0 to
   // moe_bias.bin; empty otherwise.
   std::vector<float> moe_bias;
@@ -61,10 +60,6 @@ struct CheckpointManifest {
   std::vector<ParamInfo> tensors;
   std::vector<CheckpointFile> files;
 };
-
-// FNV-1a over bytes, continuing from `hash` (the checkpoint files' checksum): cheap, and enough
-// to catch truncation, bit rot, or two ranks whose state should be alike and is not.
-uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash = 14695981039346656037ull);
 
 // Host copies of one rank's range [begin, end) of the optimizer state.
 struct OptimizerShard {

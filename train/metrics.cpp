@@ -51,6 +51,23 @@ std::vector<StepMetrics::MoeBlock> moe_step_metrics(const float* stats,
   return out;
 }
 
+StepMetrics::Fp8 fp8_step_metrics(const float* f, const std::vector<std::string>& names,
+                                  double mfu) {
+  StepMetrics::Fp8 x;
+  x.mfu = mfu;
+  auto name = [&names](float index) {
+    const int i = static_cast<int>(index);
+    return i >= 0 && i < static_cast<int>(names.size()) ? names[static_cast<size_t>(i)] : "";
+  };
+  x.clipped = f[kFp8WorstSaturation];
+  x.worst = name(f[kFp8WorstTensor]);
+  x.amax = f[kFp8WorstAmax];
+  x.scale_amax = f[kFp8WorstScaleAmax];
+  x.non_finite = static_cast<int>(f[kFp8NonFinite]);
+  x.first_non_finite = name(f[kFp8FirstNonFinite]);
+  return x;
+}
+
 double load_gini(const std::vector<float>& load) {
   if (load.empty()) return 0;
   std::vector<double> x(load.begin(), load.end());

@@ -77,6 +77,12 @@ struct StepMetrics {
 std::vector<StepMetrics::MoeBlock> moe_step_metrics(const float* stats,
                                                     const std::vector<int>& blocks, int n_experts);
 
+// The FP8 scaling's telemetry from the summary the update leaves (model/fp8_state.h,
+// kernels/fp8.h's Fp8Summary), naming tensors by `names` (Fp8State::names); `mfu` is the step's
+// against the FP8 peak.
+StepMetrics::Fp8 fp8_step_metrics(const float* summary, const std::vector<std::string>& names,
+                                  double mfu);
+
 // Gini coefficient of the expert loads: 0 when every expert gets the same tokens, (E-1)/E when
 // one gets them all. sum_i sum_j |x_i - x_j| / (2 E^2 mean).
 double load_gini(const std::vector<float>& load);

@@ -152,4 +152,45 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   model.set_hooks(&hooks);
 }
 
+RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backend,
+                                        const CommunicatorFactory& make_comm, const Nvtx& nvtx) {
+  RunCommunicators c;
+  if (make_comm) {
+    c.owned_world = make_comm(backend, plan.world_group());
+    c.world = c.owned_world.get();
+    if (nvtx.on()) {
+      c.nvtx_world = nvtx.wrap(*c.owned_world);
+      c.world = c.nvtx_world.get();
+    }
+  }
+  c.data = c.world;
+  if (plan.has_experts_split()) {
+    c.owned_expert = make_comm(backend, plan.expert_group());
+    if (plan.replicas() > 1) c.owned_data = make_comm(backend, plan.data_group());
+    c.expert = c.owned_expert.get();
+    c.data = c.owned_data.get();
+  }
+  return c;
+}
+
+void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
+                     bool log) {
+  Fp8State& fp8 = model.fp8();
+  if (!strategy.holds_whole_model()) fp8.cast_weights_on_use();
+  Fp8Ranks ranks;
+  ranks.world = world_size;
+  ranks.log = log;
+  if (world) {
+    ranks.all_reduce_max = [world](Tensor amax) {
+      world->all_reduce_max(amax);
+      world->wait();
+    };
+    ranks.all_gather = [world](Tensor all, Tensor mine) {
+      world->all_gather(all, mine);
+      world->wait();
+    };
+  }
+  fp8.set_ranks(std::move(ranks));
+}
+
 }  // namespace kiln

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -16,14 +17,41 @@
 #include "dist/strategy.h"
 #include "model/model.h"
 #include "train/config.h"
+#include "train/nvtx.h"
 
 namespace kiln {
+
+// Builds this rank's communicator over `group` once the backend exists (NCCL needs its device
+// and stream). Every rank of the group calls it, in the same order as its other groups.
+using CommunicatorFactory =
+    std::function<std::unique_ptr<Communicator>(Backend&, const CommGroup& group)>;
+
+// The run's communicators over the plan's groups. Destroy them before the backend (NCCL works
+// on its device).
+struct RunCommunicators {
+  Communicator* world = nullptr;   // every rank (null for one process)
+  Communicator* data = nullptr;    // the data-parallel strategy's group (null for a group of one)
+  Communicator* expert = nullptr;  // expert parallelism's group (null without it)
+  std::unique_ptr<Communicator> owned_world, nvtx_world, owned_expert, owned_data;
+};
+// The world's from `make_comm` (none where it is empty: one process), in NVTX ranges where
+// `nvtx` is on; under expert parallelism every rank then makes its expert group's, then its
+// replicas' (the data group's), in that order.
+RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backend,
+                                        const CommunicatorFactory& make_comm, const Nvtx& nvtx);
 
 // `hooks` must outlive the model's use of it (the model keeps a pointer). `local`: the
 // strategy's buffers are laid out as this (an expert-parallel rank's, below), which names the
 // same tensors as the model's layout; each is found by name.
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks,
                  const ParamLayout* local = nullptr);
+
+// precision.fp8 on the strategy: under one that never holds the whole model (fsdp) each FP8
+// linear casts its weight where it is used; the ranks' amax windows and the checkpoints'
+// agreement check go over `world` (the world's communicator, null for one process). `log`: this
+// rank says what the FP8 state finds.
+void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
+                     bool log);
 
 // Expert parallelism over `ranks` ranks: the layout of rank `rank`'s flat buffer, the model's
 // `global` one with each expert tensor (ParamInfo::experts) holding only the rank's run of

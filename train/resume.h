@@ -1,7 +1,8 @@
-// What a checkpoint holds of a run beyond the file format (train/checkpoint.h), written at a
-// checkpoint and read back on resume, in one place so the two cannot drift apart: the
-// strategy's owned ranges of master weights and AdamW moments at their global offsets (under
-// expert parallelism, each rank its experts and each expert group's first rank the dense
+// How a run starts: with fresh parameters (init.from's weights or the seed's draw), or from a
+// checkpoint. And what a checkpoint holds of a run beyond the file format (train/checkpoint.h),
+// written at a checkpoint and read back on resume, in one place so the two cannot drift apart:
+// the strategy's owned ranges of master weights and AdamW moments at their global offsets
+// (under expert parallelism, each rank its experts and each expert group's first rank the dense
 // parameters), the FP8 scaling state, the MoE balancing bias, the loader's position and the
 // sampling RNG. A resumed run goes on exactly as if it had not stopped.
 #pragma once
@@ -14,7 +15,6 @@
 #include "dist/strategy.h"
 #include "model/model.h"
 #include "train/config.h"
-#include "train/fp8_recipe.h"
 #include "train/parallelize.h"
 
 namespace kiln {
@@ -29,19 +29,17 @@ struct RunParts {
   Model& model;
   Strategy& strategy;
   const RankLayout& layout;
-  Fp8Recipe& fp8;
   DataLoader& train_loader;
   std::mt19937_64& rng;
   Communicator* comm;  // the world's (null for one process): checkpoints' barriers, on the
                        // step loop's thread only
 };
 
-// The checkpoint train.resume names: the newest in out_dir (auto, if any), none, or a path.
-std::optional<std::string> checkpoint_to_resume(const TrainSection& train);
-
-// Restores the run from checkpoint `dir`; returns its step. Under train.resume=auto an
-// InputError also says how to start afresh instead.
-int resume_run(const RunParts& run, const std::string& dir);
+// Once the memory is allocated: the run restored from the checkpoint train.resume names (the
+// newest in out_dir under auto, if any; none; or a path), returning its step; else the
+// parameters initialized and the FP8 scaling fresh, returning nullopt. Under
+// train.resume=auto an InputError about the checkpoint also says how to start afresh instead.
+std::optional<int> start_run(const RunParts& run);
 
 // The host memory train.checkpoint_async's snapshot takes on this rank (0 where it is off):
 // 3 x fp32 per parameter of the ranges the strategy has this rank write.

@@ -52,7 +52,7 @@ struct RunSummary {
   int world_size = 1;
   std::string strategy, reduce_dtype;
   bool prefetch = true;
-  std::string cuda_graphs, fp8;  // StepGraph::status, Fp8Recipe::status
+  std::string cuda_graphs, fp8;  // StepGraph::status, fp8_status (train/run_log.h)
   double peak_flops = 0;         // 0: not known (no MFU), and absent from the file
   std::optional<double> tokens_per_joule;
   int64_t device_memory_bytes = -1;  // the most memory_in_use() seen; -1: not known (the CPU)

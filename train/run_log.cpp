@@ -60,4 +60,22 @@ void log_moe(const Config& cfg, const Model& model) {
       cfg.moe.score, cfg.moe.balance, model.layout().total, model.layout().total - idle);
 }
 
+void log_fp8(const Config& cfg, const Model& model, double peak_fp8) {
+  if (!model.fp8().on()) return;
+  spdlog::info(
+      "precision.fp8: {} linear layers in FP8{} ({} format, amax history {}, {}, margin "
+      "{}); MFU is against the bf16 peak, mfu_fp8 in metrics.jsonl against the FP8 "
+      "peak {}",
+      model.fp8().layout().n / kFp8Roles,
+      !model.moe_blocks().empty() ? " (the MoE routers and routed experts stay bf16)" : "",
+      cfg.fp8.format, cfg.fp8.amax_history_len, cfg.fp8.amax_compute_algo, cfg.fp8.margin,
+      peak_fp8 > 0 ? std::to_string(peak_fp8 / 1e12) + " TFLOP/s" : "unknown");
+}
+
+std::string fp8_status(const Config& cfg, const Backend& backend, const Model& model) {
+  if (!cfg.precision.fp8) return "off";
+  if (!model.fp8().on()) return "bf16 fallback: " + backend.fp8_unavailable();
+  return backend.device() == Device::cpu ? "emulated" : "on";
+}
+
 }  // namespace kiln

@@ -1,7 +1,10 @@
 // What rank 0 says before step 0, beyond each part's own line: the memory plan as a table
-// (docs/design.md invariant 3: every buffer planned once, printed before anything is allocated) and the
-// shape of the MoE blocks, with the active parameters MFU counts.
+// (docs/design.md invariant 3: every buffer planned once, printed before anything is allocated),
+// the shape of the MoE blocks, with the active parameters MFU counts, and the FP8 layers; and
+// what summary.json says of FP8.
 #pragma once
+
+#include <string>
 
 #include "kernels/arena.h"
 #include "model/model.h"
@@ -20,5 +23,12 @@ void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t
                    int world_size, double flops_per_token, double peak_flops);
 
 void log_moe(const Config& cfg, const Model& model);
+
+// precision.fp8: how many linear layers run in FP8 and how they scale, and the peak mfu_fp8 is
+// against (`peak_fp8` 0: not known). Nothing without FP8 layers.
+void log_fp8(const Config& cfg, const Model& model, double peak_fp8);
+// What precision.fp8 did, for summary.json: off, on, emulated (the CPU) or the bf16 fallback
+// and why.
+std::string fp8_status(const Config& cfg, const Backend& backend, const Model& model);
 
 }  // namespace kiln

@@ -1,8 +1,12 @@
 #include "train/sampler.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+
+#include "data/tokenizer.h"
 
 namespace kiln {
 
@@ -83,6 +87,17 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
     prompt.push_back(pick_token(logits, cfg.vocab_size, opts, rng));
   }
   return prompt;
+}
+
+void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor moe_bias,
+                int tokens, std::mt19937_64& rng, int step) {
+  if (cfg.vocab_size > 256) return;
+  SamplingOptions opts;
+  opts.max_new_tokens = tokens;
+  opts.temperature = 0.8f;
+  opts.top_k = 40;
+  std::vector<int> out = generate(backend, cfg, weights, {'\n'}, opts, rng, moe_bias);
+  spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
 }  // namespace kiln

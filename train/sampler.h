@@ -29,6 +29,12 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng, Tensor moe_bias = {});
 
+// train.sample_every's sample at step `step`: `tokens` tokens after a newline, at temperature
+// 0.8 and top-k 40, logged as text. Only the byte tokenizer decodes here: a model of a larger
+// vocabulary logs nothing.
+void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor moe_bias,
+                int tokens, std::mt19937_64& rng, int step);
+
 // How many of the newest tokens the context of the next token holds when the one before it
 // had `context` (0: none yet) and the text has `length` tokens, for a model of seq_len T: one
 // more while the cache has room, T - T/2 when it was full (the dropped half), and without a

@@ -71,6 +71,30 @@ std::string stop_signal_name(int sig) {
   }
 }
 
+void log_stop_agreed(const StopPoint& stop, int world_size, int max_steps) {
+  const std::string what =
+      stop_signal_name(stop.signal) +
+      (world_size > 1 ? " (rank " + std::to_string(stop.rank) + ")" : std::string());
+  if (stop.step >= max_steps)
+    spdlog::info("{}: the run ends at step {} (train.max_steps) before it could stop; finishing it",
+                 what, max_steps);
+  else if (world_size > 1)
+    spdlog::info("{}: every rank saves at step {} and stops", what, stop.step);
+}
+
+void log_stopped(const StopPoint& stop, const TrainSection& t) {
+  const std::string sig = stop_signal_name(stop.signal);
+  if (!t.save_checkpoints)
+    spdlog::warn("stopped by {} at step {} of {}: no checkpoint (train.save_checkpoints=false)",
+                 sig, stop.step, t.max_steps);
+  else
+    spdlog::warn("stopped by {} at step {} of {}: checkpoint saved in {}/checkpoints; {}", sig,
+                 stop.step, t.max_steps, t.out_dir,
+                 t.resume == "auto"
+                     ? "run the same command to resume from it"
+                     : "resume with --train.resume=auto (train.resume is " + t.resume + ")");
+}
+
 int stop_signal_received() {
   return g_first_signal;
 }

@@ -41,6 +41,7 @@
 #include <thread>
 
 #include "kernels/device_runtime.h"
+#include "train/config.h"
 
 namespace kiln {
 
@@ -82,6 +83,13 @@ struct StopPoint {
   int signal = 0;  // the signal it stops for (every rank exits 128 + signal)
   int rank = 0;    // the rank that received it (rank 0's own signal first)
 };
+
+// What rank 0 says of a stop: once one is agreed (at a step boundary), every rank's step, or
+// that the run ends at train.max_steps first (`world_size` ranks; one process says only the
+// latter) ...
+void log_stop_agreed(const StopPoint& stop, int world_size, int max_steps);
+// ... and after its checkpoint, the line saying where it is and how to resume from it.
+void log_stopped(const StopPoint& stop, const TrainSection& train);
 
 class StopAgreement {
  public:

@@ -2,14 +2,12 @@
 
 #include <spdlog/spdlog.h>
 
-#include <chrono>
 #include <cmath>
 #include <new>
 #include <optional>
 #include <random>
 
 #include "data/loader.h"
-#include "data/tokenizer.h"
 #include "dist/communicator.h"
 #include "dist/strategy.h"
 #include "kernels/arena.h"
@@ -17,9 +15,8 @@
 #include "kernels/plan_backend.h"
 #include "train/async_checkpoint.h"
 #include "train/device.h"
+#include "train/evaluation.h"
 #include "train/fault_hook.h"
-#include "train/fp8_recipe.h"
-#include "train/init_from.h"
 #include "train/metrics.h"
 #include "train/model_config.h"
 #include "train/nvtx.h"
@@ -30,13 +27,12 @@
 #include "train/resume.h"
 #include "train/run_dir.h"
 #include "train/run_log.h"
+#include "train/run_report.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
 #include "train/step_graph.h"
 #include "train/step_inputs.h"
-#include "train/step_timer.h"
 #include "train/stop.h"
-#include "train/tensorboard.h"
 
 namespace kiln {
 
@@ -65,44 +61,38 @@ class Trainer {
   }
   size_t memory_bytes() const { return state_arena_.bytes() + acts_arena_.bytes(); }
   RunParts parts() {
-    return {cfg_,    rank_.rank, rank_.world_size, *backend_, *model_, *strategy_,
-            layout_, *fp8_,      *train_loader_,   rng_,      comm_};
+    return {cfg_,       rank_.rank, rank_.world_size, *backend_, *model_,
+            *strategy_, layout_,    *train_loader_,   rng_,      comm_};
   }
   void plan_buffers();  // every buffer into the two arenas, then the table on rank 0
   void plan_memory();   // plan_buffers(), then allocate and bind them
-  void init_parameters();
   // The step's device work, which reads everything that changes per step from device memory:
   // micro-batches, gradient sync, FP8 scaling, clipping, AdamW. `break_capture` (tests only)
   // makes it do what a capture cannot.
   void step_work(bool break_capture);
-  // A step whose work is enqueued and whose loss and grad norm are being read asynchronously.
-  struct PendingStep {
-    int step;
-    double lr;
-    Clock::time_point enqueued;     // when the host began enqueueing it
-    Clock::time_point enqueue_end;  // when it was enqueued: a backend without a stream is done
-    double data_wait_s;             // waiting for the loader's batches while enqueueing it
-    std::vector<SourcePosition> sources;  // data.sources: the positions after its batches
-  };
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
   // The rank's numbers to the observer's on_report (train.metrics_port), if it has one.
-  void report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use);
+  void report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use) {
+    if (observer_ && observer_->on_report)
+      observer_->on_report(report_->rank_report(sm, p, memory_in_use));
+  }
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
   // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
+  bool sample_step(int step) const {
+    return cfg_.train.sample_every > 0 && step % cfg_.train.sample_every == 0;
+  }
+  bool checkpoint_step(int step) const {
+    const auto& t = cfg_.train;
+    return t.save_checkpoints && ((t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
+                                  step == t.max_steps || stop_step(step));
+  }
   bool stop_step(int step) const { return stop_at_ && stop_at_->step == step; }
-  // At a step boundary, `enqueued` steps in: whether a stop has been agreed on (train/stop.h).
-  void poll_stop(int enqueued);
   // After the agreed stop's checkpoint: summary.json and the one line saying how to resume.
   // Returns the exit status, 128 + the signal.
   int report_stop(std::optional<double> tokens_per_joule);
-  RunSummary summary(std::optional<double> tokens_per_joule);
-  // The mean loss of train.eval_steps batches of each val loader; with data.sources, sm's
-  // per-source losses and their mean weighted by the sources' weights.
-  void evaluate(StepMetrics& sm);
-  double evaluate(DataLoader& loader);
   void print_sample(int step);
   // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
   // written and published first, and its failure thrown. Returns `status`.
@@ -124,41 +114,27 @@ class Trainer {
   ParallelPlan plan_;
   std::unique_ptr<Backend> built_backend_;
   Backend* backend_;  // the built one, or an observer's wrapper of it
-  // Declared after the backend so they are destroyed first (NCCL works on the backend's device):
-  // the world's (in NVTX ranges under train.nvtx), and expert parallelism's groups.
-  std::unique_ptr<Communicator> owned_comm_, nvtx_comm_, expert_comm_, data_comm_;
-  Communicator* comm_ = nullptr;
   Nvtx nvtx_;
+  // Declared after the backend so they are destroyed first (NCCL works on the backend's device).
+  RunCommunicators comms_;
+  Communicator* comm_ = nullptr;  // the world's
   ModelConfig mcfg_;
   std::unique_ptr<Model> model_;
   RankLayout layout_;  // of the flat buffer the strategy holds
   Arena state_arena_, acts_arena_;
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
   std::unique_ptr<Strategy> strategy_;
-  std::unique_ptr<Fp8Recipe> fp8_;
   UnitHooks hooks_;
   OptimizerStep optimizer_;
   Tensor decay_spans_, sched_, sumsq_, loss_sum_;
   StepInputs inputs_;
   StepGraph graph_;
   std::unique_ptr<DataLoader> train_loader_;
-  // data.val's loader, or with data.sources one per source that has a val glob.
-  struct ValLoader {
-    std::string source;  // "" for data.val
-    double weight = 1;
-    std::unique_ptr<DataLoader> loader;
-  };
-  std::vector<ValLoader> val_loaders_;
-  std::unique_ptr<MetricsLog> metrics_;
-  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0, train.tensorboard
-  std::unique_ptr<RunPower> power_;                 // the GPUs' power and energy (train/power.h)
+  std::unique_ptr<Evaluation> evaluation_;
+  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
+  std::unique_ptr<RunReport> report_;
   std::mt19937_64 rng_;
   int start_step_ = 0;
-  double peak_ = 0, peak_fp8_ = 0;
-  double flops_per_token_ = 0;
-  StepTimer timer_;
-  int64_t device_peak_ = -1;     // the most memory_in_use() seen at a finished step
-  StepMetrics::SinceLine line_;  // the steps since rank 0's previous step line
   // train.checkpoint_async's writer thread and host snapshot. Last: destroyed first, so the
   // save in flight is done with the backend and model before they go.
   std::unique_ptr<AsyncCheckpointer> async_checkpoints_;
@@ -186,25 +162,12 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
           *backend_, [this](bool break_capture) { step_work(break_capture); },
           [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
-  if (make_comm) {
-    owned_comm_ = make_comm(*backend_, plan_.world_group());
-    comm_ = owned_comm_.get();
-    if (nvtx_.on()) {
-      nvtx_comm_ = nvtx_.wrap(*owned_comm_);
-      comm_ = nvtx_comm_.get();
-    }
-  }
-  Communicator* data_comm = comm_;
-  if (plan_.has_experts_split()) {
-    // Every rank creates its groups in the same order: its expert group, then its replicas'.
-    expert_comm_ = make_comm(*backend_, plan_.expert_group());
-    if (plan_.replicas() > 1) data_comm_ = make_comm(*backend_, plan_.data_group());
-    data_comm = data_comm_.get();
-    parallelize_experts(*model_, layout_, plan_, *expert_comm_, is_main());
-  }
-  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, data_comm, expert_comm_.get());
-  fp8_ = std::make_unique<Fp8Recipe>(*model_, *backend_, comm_, rank.world_size, is_main(),
-                                     strategy_->holds_whole_model());
+  comms_ = make_run_communicators(plan_, *backend_, make_comm, nvtx_);
+  comm_ = comms_.world;
+  if (plan_.has_experts_split())
+    parallelize_experts(*model_, layout_, plan_, *comms_.expert, is_main());
+  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert);
+  parallelize_fp8(*model_, *strategy_, comm_, rank.world_size, is_main());
 }
 
 void Trainer::plan_buffers() {
@@ -216,7 +179,7 @@ void Trainer::plan_buffers() {
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   if (power_) power_->plan(state_arena_);
-  fp8_->plan(state_arena_);
+  model_->fp8().plan_agreement(state_arena_);
   inputs_.plan(state_arena_);
   const Recompute recompute = recompute_mode(cfg_.train);
   model_->plan_activations(acts_arena_, B(), T(), recompute);
@@ -254,25 +217,6 @@ void Trainer::plan_memory() {
   nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
 }
 
-void Trainer::init_parameters() {
-  if (!cfg_.init.from.empty()) {
-    const std::vector<float> local =
-        layout_.to_local(load_init_weights(cfg_.init.from, mcfg_, model_->layout()));
-    strategy_->load_parameters([&](int64_t begin, int64_t end, float* out) {
-      std::copy(local.begin() + begin, local.begin() + end, out);
-    });
-    if (is_main())
-      spdlog::info("weights from init.from={} (step 0, fresh optimizer state)", cfg_.init.from);
-    return;
-  }
-  // Each rank draws only the parameters it owns (fsdp at 8B: a quarter of 32 GB on 4 ranks).
-  const auto seed = static_cast<uint64_t>(cfg_.train.seed);
-  strategy_->load_parameters([&](int64_t begin, int64_t end, float* out) {
-    for (const LayoutPiece& p : layout_.global_pieces(begin, end))
-      model_->init_range(seed, p.global, p.global + p.size, out + (p.local - begin));
-  });
-}
-
 void Trainer::step_work(bool break_capture) {
   Backend& k = *backend_;
   const int accum = cfg_.train.grad_accum;
@@ -294,153 +238,60 @@ void Trainer::step_work(bool break_capture) {
     all_reduce(model_->moe_stats());
     model_->moe_update_bias();
   }
-  fp8_->update_scales();
+  model_->fp8().update_scales();
   strategy_->reduce_grads(sumsq_);
   Nvtx::Range optimizer = nvtx_.range("optimizer");
   clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_,
                  optimizer_);
   optimizer.end();
   strategy_->after_update();
-  fp8_->cast_weights();
-}
-
-void Trainer::evaluate(StepMetrics& sm) {
-  double weighted = 0, weights = 0;
-  for (ValLoader& v : val_loaders_) {
-    const double loss = evaluate(*v.loader);
-    if (v.source.empty()) {
-      sm.val_loss = loss;
-      return;
-    }
-    sm.source_val_loss.emplace_back(v.source, loss);
-    weighted += v.weight * loss;
-    weights += v.weight;
-  }
-  sm.val_loss = weighted / weights;
-}
-
-double Trainer::evaluate(DataLoader& loader) {
-  Backend& k = *backend_;
-  loader.reset();
-  for (int i = 0; i < cfg_.train.eval_steps; ++i) {
-    const DataLoader::Batch& batch = loader.next();
-    const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
-    k.copy_from_host(tokens, batch.inputs.data());
-    k.copy_from_host(targets, batch.targets.data());
-    model_->forward(tokens, targets, 0.0f, false);
-    nvtx_.close_unit();  // no backward follows to close the last unit's forward
-    k.reduce_sum(loss_sum_, model_->losses(), i > 0);
-  }
-  all_reduce(loss_sum_);
-  const double n = static_cast<double>(B()) * T() * cfg_.train.eval_steps * rank_.world_size;
-  float host[1];
-  k.copy_to_host(host, loss_sum_);
-  return host[0] / n;
+  model_->fp8().cast_weights();
 }
 
 void Trainer::print_sample(int step) {
-  // Only the byte tokenizer decodes here; fsdp never holds the whole model on one rank, nor
-  // does a rank that holds only its experts.
-  if (!is_main() || mcfg_.vocab_size > 256 || !strategy_->full_working().defined() ||
-      plan_.has_experts_split())
-    return;
-  SamplingOptions opts;
-  opts.max_new_tokens = cfg_.train.sample_tokens;
-  opts.temperature = 0.8f;
-  opts.top_k = 40;
-  std::vector<int> out =
-      generate(*backend_, mcfg_, strategy_->full_working(), {'\n'}, opts, rng_, model_->moe_bias());
-  spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
+  // fsdp never holds the whole model on one rank, nor does a rank that holds only its experts.
+  if (is_main() && strategy_->full_working().defined() && !plan_.has_experts_split())
+    log_sample(*backend_, mcfg_, strategy_->full_working(), model_->moe_bias(),
+               cfg_.train.sample_tokens, rng_, step);
 }
 
 bool Trainer::host_step(int step) const {
-  const auto& t = cfg_.train;
-  return step == t.max_steps || (!val_loaders_.empty() && step % t.eval_every == 0) ||
-         (t.sample_every > 0 && step % t.sample_every == 0) ||
-         (t.save_checkpoints && t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
-         stop_step(step) || (observer_ && observer_->on_step);
+  return step == cfg_.train.max_steps || evaluation_->due(step) || sample_step(step) ||
+         checkpoint_step(step) || stop_step(step) || (observer_ && observer_->on_step);
 }
 
 bool Trainer::finish_step(const PendingStep& p) {
-  const auto& t = cfg_.train;
   if (async_checkpoints_) async_checkpoints_->check();  // a background save that failed stops here
-  const int slot = p.step % Backend::kReadbackSlots;
-  const float* values = backend_->read_wait(slot);
-  StepMetrics sm;
-  sm.step = p.step + 1;
-  sm.max_steps = t.max_steps;
-  sm.lr = p.lr;
-  sm.loss = values[0] / static_cast<double>(tokens_per_step());
-  sm.grad_norm = values[1];
-  sm.ms = timer_.step_ms(p.step, backend_->step_ms(slot), backend_->native_stream() != nullptr,
-                         p.enqueued, p.enqueue_end);
-  sm.tok_s = static_cast<double>(tokens_per_step()) / (sm.ms / 1000.0);
-  sm.mfu = peak_ > 0 ? flops_per_token_ * sm.tok_s / (peak_ * rank_.world_size) : 0.0;
-  sm.eta_s = timer_.eta_s(t.max_steps - sm.step);
-  sm.power = power_->on_step(slot, tokens_per_step());
-  if (fp8_->on())
-    sm.fp8 = fp8_->metrics(values + 2, sm.tok_s, flops_per_token_, peak_fp8_, sm.step);
-  if (moe())
-    sm.moe = moe_step_metrics(values + 2 + (fp8_->on() ? Fp8StateLayout::kSummary : 0),
-                              model_->moe_blocks(), mcfg_.moe.n_experts);
+  StepMetrics sm = report_->read(p);
   if (!std::isfinite(sm.loss)) {
     report(sm, p, -1);  // a scrape before the run ends shows it
     spdlog::error("step {}: loss is {}; stopping (the last checkpoint is intact)", sm.step,
                   sm.loss);
     return false;
   }
-  const int64_t in_use = backend_->memory_in_use();
-  if (in_use > device_peak_) {
-    if (device_peak_ < 0 && is_main())
-      spdlog::info("device memory in use after step {}: {} (the plan: {} in the arenas)", sm.step,
-                   format_bytes(static_cast<size_t>(in_use)), format_bytes(memory_bytes()));
-    device_peak_ = in_use;
-  }
-  const bool last = sm.step == t.max_steps;
+  const int64_t in_use = report_->watch_memory(sm.step, memory_bytes());
   auto progress = [&](bool checkpointing) {
     if (observer_ && observer_->on_progress) observer_->on_progress(sm.step, checkpointing);
   };
   progress(false);
   for (const SourcePosition& s : p.sources)
     sm.source_tokens.emplace_back(s.name, static_cast<int64_t>(s.total) * T());
-  if (!val_loaders_.empty() && (sm.step % t.eval_every == 0 || last)) evaluate(sm);
-  ++line_.steps;
-  line_.max_loss = std::max(line_.max_loss, sm.loss);
-  line_.max_grad_norm = std::max(line_.max_grad_norm, sm.grad_norm);
-  if (is_main() && (sm.step % t.log_every == 0 || last || sm.val_loss)) {
-    if (line_.steps > 1) sm.since_line = line_;
-    spdlog::info("{}", format_step_line(sm, format_bytes(memory_bytes())));
-    line_ = {};
-  }
-  if (t.sample_every > 0 && sm.step % t.sample_every == 0) print_sample(sm.step);
-  if (t.save_checkpoints && ((t.checkpoint_every > 0 && sm.step % t.checkpoint_every == 0) ||
-                             last || stop_step(sm.step))) {
+  if (evaluation_->due(sm.step)) evaluation_->run(sm);
+  report_->log_line(sm, memory_bytes());
+  if (sample_step(sm.step)) print_sample(sm.step);
+  if (checkpoint_step(sm.step)) {
     progress(true);
-    if (is_main()) metrics_->write_pending(sm);  // what a crash right after the save must not lose
+    report_->write_pending(sm);  // what a crash right after the save must not lose
     sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
     progress(false);
   }
-  if (is_main()) {  // after the save: the line holds its stall
-    metrics_->write(sm);
-    if (tensorboard_) tensorboard_->write_step(sm);
-  }
+  report_->write(sm);  // after the save: the line holds its stall
   report(sm, p, in_use);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
   fault_hook_after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
-  if (host_step(sm.step)) timer_.host_work_done();
+  if (host_step(sm.step)) report_->host_work_done();
   return true;
-}
-
-void Trainer::report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use) {
-  if (!observer_ || !observer_->on_report) return;
-  RankReport r{rank_.rank, step_scalars(sm)};
-  r.values.emplace_back("step", sm.step);
-  if (memory_in_use >= 0) r.values.emplace_back("memory_bytes", static_cast<double>(memory_in_use));
-  r.values.emplace_back("data_wait_s", p.data_wait_s);
-  if (const auto w = power_->own_watts()) r.values.emplace_back("gpu_power_w", *w);
-  if (const auto t = power_->own_throttled()) r.values.emplace_back("gpu_throttled", *t ? 1 : 0);
-  observer_->on_report(r);
 }
 
 int Trainer::run() {
@@ -453,63 +304,39 @@ int Trainer::run() {
   if (cfg_.data.sources.empty()) {
     train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
                               seed, cfg_.data.prefetch);
-    if (!cfg_.data.val.empty() && t.eval_every > 0)
-      val_loaders_.push_back(
-          {"", 1, open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false)});
   } else {
     std::vector<LoaderSource> sources;
     for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
     train_loader_ =
         open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch);
-    for (const DataSource& s : cfg_.data.sources)
-      if (!s.val.empty() && t.eval_every > 0)
-        val_loaders_.push_back({s.name, s.weight,
-                                open_data(("data.sources " + s.name + " val").c_str(), s.val, B(),
-                                          T(), R, W, V, false, 0, false)});
   }
+  evaluation_ = std::make_unique<Evaluation>(cfg_, R, W, *backend_, *model_, inputs_, loss_sum_,
+                                             nvtx_, [this](Tensor t) { all_reduce(t); });
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
+  report_ = std::make_unique<RunReport>(cfg_, R, W, *backend_, *model_, *power_, tokens_per_step());
   plan_memory();
   if (t.save_checkpoints && t.checkpoint_async) {
     async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);
     reserve_checkpoint_snapshot(parts(), *async_checkpoints_);
   }
 
-  const std::optional<std::string> ckpt = checkpoint_to_resume(t);
-  if (ckpt) {
-    start_step_ = resume_run(parts(), *ckpt);
-    timer_ = StepTimer(start_step_);
-  } else {
-    init_parameters();
-    fp8_->start(nullptr, "");
-  }
-  if (is_main()) {
-    const std::optional<int> resumed_at = ckpt ? std::optional<int>(start_step_) : std::nullopt;
-    metrics_ = open_metrics(t.out_dir, resumed_at);
-    if (t.tensorboard) {
-      tensorboard_ = std::make_unique<TensorBoardWriter>(t.out_dir, resumed_at);
-      tensorboard_->write_text("config", "```yaml\n" + config_to_yaml(cfg_) + "```\n", start_step_);
-      spdlog::info("TensorBoard events: {}", tensorboard_->path());
-    }
-  }
+  const std::optional<int> resumed_at = start_run(parts());
+  start_step_ = resumed_at.value_or(0);
+  report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
   graph_.start(
       t.cuda_graphs, model_->graph_unavailable(), start_step_, t.max_steps,
       std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
       is_main());
-  // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also log it against
-  // the FP8 peak (mfu_fp8).
-  peak_ = t.peak_tflops > 0 ? t.peak_tflops * 1e12 : peak_flops(backend_->name(), false);
-  peak_fp8_ = peak_flops(backend_->name(), true);
-  flops_per_token_ = model_->flops_per_token(T());
   if (is_main()) {
     log_run_start(cfg_, *backend_, t.max_steps - start_step_, tokens_per_step(), rank_.world_size,
-                  flops_per_token_, peak_);
+                  report_->flops_per_token(), report_->peak_flops());
     if (moe()) log_moe(cfg_, *model_);
-    fp8_->log_plan(cfg_, moe(), peak_fp8_);
+    log_fp8(cfg_, *model_, report_->peak_fp8_flops());
   }
 
   // No host sync inside a step: step N's loss and grad norm are copied out asynchronously and
@@ -525,16 +352,16 @@ int Trainer::run() {
         inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
     power_->enqueue_step(slot);
     graph_.run(step);
-    std::vector<Tensor> readback = {loss_sum_, sched_.slice(kSchedGradNorm, {1})};
-    if (fp8_->on()) readback.push_back(fp8_->summary());
-    if (moe()) readback.push_back(model_->moe_stats());
-    backend_->read_async(slot, readback);
+    backend_->read_async(slot, report_->readback(loss_sum_, sched_.slice(kSchedGradNorm, {1})));
     const Clock::time_point enqueue_end = Clock::now();
     // While the device runs the step just enqueued: off its critical path.
-    if (stop_ && !stop_at_) poll_stop(step + 1);
+    if (stop_ && !stop_at_) {
+      stop_at_ = stop_->poll(step + 1);
+      if (stop_at_ && is_main()) log_stop_agreed(*stop_at_, rank_.world_size, t.max_steps);
+    }
     if (pending && !finish_step(*pending)) return wait_for_checkpoint(1);
-    pending = PendingStep{step, lr, enqueued, enqueue_end, data_wait_s,
-                          train_loader_->state().sources};
+    pending =
+        PendingStep{step, lr, enqueued, enqueue_end, data_wait_s, train_loader_->state().sources};
     // A backend without a stream (the CPU) did the step's work while enqueueing it: nothing
     // overlaps the wait for its values, so its line comes now rather than a step late.
     if (host_step(step + 1) || backend_->native_stream() == nullptr) {
@@ -547,62 +374,13 @@ int Trainer::run() {
     }
   }
   wait_for_checkpoint(0);  // the last checkpoint is on disk when train exits
-  const std::optional<double> tokens_per_joule = power_->finish(tokens_per_step());
-  if (is_main()) write_summary(t.out_dir, summary(tokens_per_joule));
+  report_->write_summary(memory_bytes(), graph_.status(), power_->finish(tokens_per_step()));
   return 0;
 }
 
-void Trainer::poll_stop(int enqueued) {
-  stop_at_ = stop_->poll(enqueued);
-  if (!stop_at_ || !is_main()) return;
-  const std::string what =
-      stop_signal_name(stop_at_->signal) +
-      (rank_.world_size > 1 ? " (rank " + std::to_string(stop_at_->rank) + ")" : std::string());
-  if (stop_at_->step >= cfg_.train.max_steps)
-    spdlog::info("{}: the run ends at step {} (train.max_steps) before it could stop; finishing it",
-                 what, cfg_.train.max_steps);
-  else if (rank_.world_size > 1)
-    spdlog::info("{}: every rank saves at step {} and stops", what, stop_at_->step);
-}
-
-RunSummary Trainer::summary(std::optional<double> tokens_per_joule) {
-  RunSummary s;
-  s.backend = backend_->name();
-  s.attention = backend_->attention_name();
-  s.params = model_->layout().total;
-  s.memory_bytes = memory_bytes();
-  s.tokens_per_step = tokens_per_step();
-  s.world_size = rank_.world_size;
-  s.strategy = cfg_.dist.strategy;
-  s.reduce_dtype = cfg_.dist.reduce_dtype;
-  s.prefetch = cfg_.data.prefetch;
-  s.cuda_graphs = graph_.status();
-  s.fp8 = fp8_->status(cfg_);
-  s.peak_flops = peak_;
-  s.tokens_per_joule = tokens_per_joule;
-  s.device_memory_bytes = device_peak_;
-  return s;
-}
-
 int Trainer::report_stop(std::optional<double> tokens_per_joule) {
-  const auto& t = cfg_.train;
-  const std::string sig = stop_signal_name(stop_at_->signal);
-  if (is_main()) {
-    RunSummary s = summary(tokens_per_joule);
-    s.stop_signal = sig;
-    s.stopped_at_step = stop_at_->step;
-    s.stop_checkpoint = t.save_checkpoints;
-    write_summary(t.out_dir, s);
-    if (!t.save_checkpoints)
-      spdlog::warn("stopped by {} at step {} of {}: no checkpoint (train.save_checkpoints=false)",
-                   sig, stop_at_->step, t.max_steps);
-    else
-      spdlog::warn("stopped by {} at step {} of {}: checkpoint saved in {}/checkpoints; {}", sig,
-                   stop_at_->step, t.max_steps, t.out_dir,
-                   t.resume == "auto"
-                       ? "run the same command to resume from it"
-                       : "resume with --train.resume=auto (train.resume is " + t.resume + ")");
-  }
+  report_->write_summary(memory_bytes(), graph_.status(), tokens_per_joule, &*stop_at_);
+  if (is_main()) log_stopped(*stop_at_, cfg_.train);
   return 128 + stop_at_->signal;
 }
 

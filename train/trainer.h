@@ -3,9 +3,10 @@
 // (train/run_log.h prints the table), initialize or resume (train/resume.h), then loop:
 // stage the step's inputs (train/step_inputs.h), run its device work eagerly or as a CUDA graph
 // (train/step_graph.h): grad_accum micro-steps of forward+backward, gradient sync (the dist
-// strategy), FP8 scaling (train/fp8_recipe.h), global-norm clipping, AdamW; then log, evaluate,
-// sample and checkpoint, keeping the run directory (train/run_dir.h); on a stop signal, agree on
-// a step with the other ranks, checkpoint there and stop (train/stop.h).
+// strategy), FP8 scaling (model/fp8_state.h), global-norm clipping, AdamW; then report the step
+// (train/run_report.h), evaluate (train/evaluation.h), sample and checkpoint, keeping the run
+// directory (train/run_dir.h); on a stop signal, agree on a step with the other ranks,
+// checkpoint there and stop (train/stop.h).
 // Everything device-side lives in two arenas allocated before step 0; a step allocates nothing.
 #pragma once
 
@@ -17,15 +18,9 @@
 #include "dist/parallel_plan.h"
 #include "model/model.h"
 #include "train/config.h"
+#include "train/parallelize.h"
 
 namespace kiln {
-
-class Backend;
-class Communicator;
-// Builds this rank's communicator over `group` once the backend exists (NCCL needs its device
-// and stream). Every rank of the group calls it, in the same order as its other groups.
-using CommunicatorFactory =
-    std::function<std::unique_ptr<Communicator>(Backend&, const CommGroup& group)>;
 
 // Rank identity of this process; the defaults are a single-process run.
 struct RankInfo {

@@ -329,10 +329,10 @@ TEST(CudaTrainStep, Fp8MatchesTheCpuEmulation) {
     StepRun cpu(cfg, make_cpu_backend(), params, tok, tgt);
     StepRun gpu(cfg, make_cuda_backend(0), params, tok, tgt);
     for (StepRun* r : {&cpu, &gpu}) {
-      r->model->fp8_start(nullptr);
+      r->model->fp8().start(nullptr, "");
       r->forward_backward(true);
-      r->model->fp8_update_scales();
-      r->model->fp8_cast_weights();
+      r->model->fp8().update_scales();
+      r->model->fp8().cast_weights();
     }
     const float lc = cpu.forward_backward(true), lg = gpu.forward_backward(true);
     const std::vector<float> gc = cpu.grads_host(), gg = gpu.grads_host();

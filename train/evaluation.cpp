@@ -1,0 +1,67 @@
+#include "train/evaluation.h"
+
+namespace kiln {
+
+Evaluation::Evaluation(const Config& cfg, int rank, int world_size, Backend& backend, Model& model,
+                       const StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
+                       std::function<void(Tensor)> sum_over_ranks)
+    : cfg_(cfg),
+      world_size_(world_size),
+      backend_(backend),
+      model_(model),
+      inputs_(inputs),
+      loss_sum_(loss_sum),
+      nvtx_(nvtx),
+      sum_over_ranks_(std::move(sum_over_ranks)) {
+  if (cfg.train.eval_every == 0) return;
+  const int B = cfg.train.batch_size, T = model.config().seq_len, R = rank, W = world_size,
+            V = model.config().vocab_size;
+  if (cfg.data.sources.empty()) {
+    if (!cfg.data.val.empty())
+      loaders_.push_back(
+          {"", 1, open_data("data.val", cfg.data.val, B, T, R, W, V, false, 0, false)});
+    return;
+  }
+  for (const DataSource& s : cfg.data.sources)
+    if (!s.val.empty())
+      loaders_.push_back({s.name, s.weight,
+                          open_data(("data.sources " + s.name + " val").c_str(), s.val, B, T, R, W,
+                                    V, false, 0, false)});
+}
+
+void Evaluation::run(StepMetrics& sm) {
+  double weighted = 0, weights = 0;
+  for (ValLoader& v : loaders_) {
+    const double loss = mean_loss(*v.loader);
+    if (v.source.empty()) {
+      sm.val_loss = loss;
+      return;
+    }
+    sm.source_val_loss.emplace_back(v.source, loss);
+    weighted += v.weight * loss;
+    weights += v.weight;
+  }
+  sm.val_loss = weighted / weights;
+}
+
+double Evaluation::mean_loss(DataLoader& loader) {
+  Backend& k = backend_;
+  loader.reset();
+  for (int i = 0; i < cfg_.train.eval_steps; ++i) {
+    const DataLoader::Batch& batch = loader.next();
+    const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
+    k.copy_from_host(tokens, batch.inputs.data());
+    k.copy_from_host(targets, batch.targets.data());
+    model_.forward(tokens, targets, 0.0f, false);
+    nvtx_.close_unit();  // no backward follows to close the last unit's forward
+    k.reduce_sum(loss_sum_, model_.losses(), i > 0);
+  }
+  sum_over_ranks_(loss_sum_);
+  const double n = static_cast<double>(cfg_.train.batch_size) * model_.config().seq_len *
+                   cfg_.train.eval_steps * world_size_;
+  float host[1];
+  k.copy_to_host(host, loss_sum_);
+  return host[0] / n;
+}
+
+}  // namespace kiln
