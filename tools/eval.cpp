@@ -117,7 +117,7 @@ int run(int argc, char** argv) {
     const DataLoader::Batch& batch = loader.next();
     backend->copy_from_host(tokens, batch.inputs.data());
     backend->copy_from_host(targets, batch.targets.data());
-    net->forward(tokens, targets, 0.0f, false);
+    net->forward(tokens, targets, DocumentMask{}, 0.0f, false);
     backend->copy_to_host(losses.data(), net->losses());
     for (float l : losses) sum += l;
   }

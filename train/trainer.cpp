@@ -282,10 +282,10 @@ void Trainer::step_work(bool break_capture) {
   for (int micro = 0; micro < accum; ++micro) {
     const Tensor tokens = inputs_.tokens(micro);
     strategy_->set_micro_batch(micro, accum);
-    model_->forward(tokens, inputs_.targets(micro), dloss_scale, true);
+    model_->forward(tokens, inputs_.targets(micro), DocumentMask{}, dloss_scale, true);
     if (break_capture) k.synchronize();  // a host sync: what no capture can hold
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
-    model_->backward(tokens);
+    model_->backward(tokens, DocumentMask{});
   }
   all_reduce(loss_sum_);
   if (moe()) {
@@ -327,7 +327,7 @@ double Trainer::evaluate(DataLoader& loader) {
     const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
     k.copy_from_host(tokens, batch.inputs.data());
     k.copy_from_host(targets, batch.targets.data());
-    model_->forward(tokens, targets, 0.0f, false);
+    model_->forward(tokens, targets, DocumentMask{}, 0.0f, false);
     nvtx_.close_unit();  // no backward follows to close the last unit's forward
     k.reduce_sum(loss_sum_, model_->losses(), i > 0);
   }
