@@ -181,7 +181,9 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       state_arena_(*backend_, "parameters and optimizer"),
       acts_arena_(*backend_, "activations"),
       optimizer_(optimizer_step(cfg.optim, rank.world_size)),
-      inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len),
+      inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len,
+              DocumentInputs{cfg.data.document_mask,
+                             cfg.data.document_mask && cfg.data.document_positions}),
       graph_(
           *backend_, [this](bool break_capture) { step_work(break_capture); },
           [this] { strategy_->forget_placement(); }) {
@@ -282,10 +284,11 @@ void Trainer::step_work(bool break_capture) {
   for (int micro = 0; micro < accum; ++micro) {
     const Tensor tokens = inputs_.tokens(micro);
     strategy_->set_micro_batch(micro, accum);
-    model_->forward(tokens, inputs_.targets(micro), DocumentMask{}, dloss_scale, true);
+    const DocumentMask docs = inputs_.documents(micro);
+    model_->forward(tokens, inputs_.targets(micro), docs, dloss_scale, true);
     if (break_capture) k.synchronize();  // a host sync: what no capture can hold
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
-    model_->backward(tokens, DocumentMask{});
+    model_->backward(tokens, docs);
   }
   all_reduce(loss_sum_);
   if (moe()) {
@@ -323,11 +326,8 @@ double Trainer::evaluate(DataLoader& loader) {
   Backend& k = *backend_;
   loader.reset();
   for (int i = 0; i < cfg_.train.eval_steps; ++i) {
-    const DataLoader::Batch& batch = loader.next();
-    const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
-    k.copy_from_host(tokens, batch.inputs.data());
-    k.copy_from_host(targets, batch.targets.data());
-    model_->forward(tokens, targets, DocumentMask{}, 0.0f, false);
+    inputs_.copy_batch(loader.next());
+    model_->forward(inputs_.tokens(0), inputs_.targets(0), inputs_.documents(0), 0.0f, false);
     nvtx_.close_unit();  // no backward follows to close the last unit's forward
     k.reduce_sum(loss_sum_, model_->losses(), i > 0);
   }
@@ -450,22 +450,26 @@ int Trainer::run() {
   if (is_main()) check_run_dir(cfg_);
   const int R = rank_.rank, W = rank_.world_size, V = mcfg_.vocab_size;
   const auto seed = static_cast<uint64_t>(t.seed);
+  const int sep = cfg_.data.document_mask ? cfg_.data.document_separator : -1;
+  if (is_main() && sep >= 0)
+    spdlog::info("document masking: on (documents begin at token {}; RoPE positions {})", sep,
+                 cfg_.data.document_positions ? "restart per document" : "run over the window");
   if (cfg_.data.sources.empty()) {
     train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
-                              seed, cfg_.data.prefetch);
+                              seed, cfg_.data.prefetch, sep);
     if (!cfg_.data.val.empty() && t.eval_every > 0)
       val_loaders_.push_back(
-          {"", 1, open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false)});
+          {"", 1, open_data("data.val", cfg_.data.val, B(), T(), R, W, V, false, 0, false, sep)});
   } else {
     std::vector<LoaderSource> sources;
     for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
     train_loader_ =
-        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch);
+        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch, sep);
     for (const DataSource& s : cfg_.data.sources)
       if (!s.val.empty() && t.eval_every > 0)
         val_loaders_.push_back({s.name, s.weight,
                                 open_data(("data.sources " + s.name + " val").c_str(), s.val, B(),
-                                          T(), R, W, V, false, 0, false)});
+                                          T(), R, W, V, false, 0, false, sep)});
   }
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
