@@ -190,6 +190,21 @@ TEST_F(TrainDocuments, MaskedRunLearnsAndResumesBitForBit) {
   for (size_t i = 0; i < 20; ++i) differ += masked[i].text != unmasked[i].text;
   EXPECT_GT(differ, 10) << "the mask changed no loss";
 
+  // The eval tool reads the run's document mask from its config: its loss over the val glob's
+  // first two batches is the run's last val_loss (the same batches, weights and mask).
+  std::ifstream metrics(full + "/metrics.jsonl");
+  std::string line, last_val;
+  while (std::getline(metrics, line))
+    if (const size_t at = line.find("\"val_loss\":"); at != std::string::npos)
+      last_val = line.substr(at + 11);
+  ASSERT_FALSE(last_val.empty());
+  r = run(kBin + "/eval " + full + " --device cpu --batches 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const size_t loss_at = r.output.rfind("\"loss\":");
+  ASSERT_NE(loss_at, std::string::npos) << r.output;
+  EXPECT_NEAR(std::atof(r.output.c_str() + loss_at + 7), std::atof(last_val.c_str()), 2e-6)
+      << r.output;
+
   // Positions over the window (the mask alone). RoPE's scores depend only on the difference of
   // two positions, and with the mask both lie in one document: restarting the positions changes
   // the run by the rounding of the f32 angles only (docs/data.md#document-masking).
