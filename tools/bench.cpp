@@ -509,7 +509,7 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
       "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
       "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
-      "\"loss_last\":{:.4f}{},\"nproc\":{},\"commit\":{},\"date\":{}{}}}",
+      "\"document_mask\":{},\"loss_last\":{:.4f}{},\"nproc\":{},\"commit\":{},\"date\":{}{}}}",
       json_string(summary["backend"].as<std::string>()), json_string(opt.config_path),
       json_string(cfg.model.arch), cfg.model.n_layer, cfg.model.n_embd,
       summary["params"].as<int64_t>(), cfg.train.batch_size, cfg.model.seq_len,
@@ -517,9 +517,8 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       m.med_ms, *std::min_element(m.ms.begin(), m.ms.end()),
       *std::max_element(m.ms.begin(), m.ms.end()), m.tok_s, m.mfu_pct,
       summary["memory_bytes"].as<int64_t>(), json_string(summary["attention"].as<std::string>()),
-      summary["loss_last"].as<double>(), m.energy, opt.nproc,
-      json_string(summary["commit"].as<std::string>()),
-      json_string(utc_now()), extra);
+      cfg.data.document_mask ? "true" : "false", summary["loss_last"].as<double>(), m.energy,
+      opt.nproc, json_string(summary["commit"].as<std::string>()), json_string(utc_now()), extra);
 }
 
 // The MFU tier ladder: each tier adds one optimization to the tier before it, so the table shows
@@ -618,10 +617,11 @@ int run(const Options& opt) {
   const std::string json = bench_json(opt, m, ",\"profile\":" + profile);
   const std::string device = summary["backend"].as<std::string>();
   const auto& ms = m.ms;
-  std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s\n",
+  std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s%s\n",
               opt.config_path.c_str(), device.c_str(), cfg.train.batch_size, cfg.model.seq_len,
               cfg.train.grad_accum, summary["params"].as<std::string>().c_str(),
-              summary["attention"].as<std::string>().c_str());
+              summary["attention"].as<std::string>().c_str(),
+              cfg.data.document_mask ? " (document mask)" : "");
   std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n",
               m.med_ms, *std::min_element(ms.begin(), ms.end()),
               *std::max_element(ms.begin(), ms.end()), opt.steps, opt.warmup);
