@@ -489,6 +489,34 @@ TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
   }
 }
 
+// Recomputation re-runs the attention core (selective) or whole blocks (full) with the same
+// document mask: the masked step is bit-identical to keeping every activation.
+TEST(DecoderDocuments, RecomputeWithTheMaskIsBitIdenticalToNone) {
+  for (const ModelConfig& c : {llama_tiny(), qwen3_tiny()}) {
+    std::vector<float> p;
+    std::vector<std::vector<float>> grads;
+    std::vector<double> losses;
+    for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+      TinyModel m(c, r);
+      Documents docs(m, kTinyStarts, true);
+      if (p.empty()) {
+        p.resize(static_cast<size_t>(m.model->layout().total));
+        m.model->init(9, p.data());
+      }
+      m.backend->copy_from_host(m.params, p.data());
+      m.backend->fill_zero(m.grads);
+      losses.push_back(m.mean_loss(true));
+      m.model->backward(m.tokens, m.docs);
+      grads.emplace_back(p.size());
+      m.backend->copy_to_host(grads.back().data(), m.grads);
+    }
+    for (size_t i = 1; i < 3; ++i) {
+      EXPECT_EQ(losses[i], losses[0]) << c.arch << " recompute mode " << i;
+      EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " recompute mode " << i;
+    }
+  }
+}
+
 TEST(DecoderLayout, Llama136bHasItsParameterCount) {
   ModelConfig c = llama_tiny();
   c.n_layer = 24;
