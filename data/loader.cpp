@@ -53,19 +53,21 @@ std::vector<int64_t> permutation(int64_t n, std::mt19937_64 rng) {
 }  // namespace
 
 DataLoader::DataLoader(const std::string& glob, int batch_size, int seq_len, int rank,
-                       int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch)
+                       int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch,
+                       int document_separator)
     : DataLoader({LoaderSource{"", glob, 1.0}}, batch_size, seq_len, rank, world_size, vocab_size,
-                 shuffle, seed, prefetch) {}
+                 shuffle, seed, prefetch, document_separator) {}
 
 DataLoader::DataLoader(const std::vector<LoaderSource>& sources, int batch_size, int seq_len,
                        int rank, int world_size, int vocab_size, bool shuffle, uint64_t seed,
-                       bool prefetch)
+                       bool prefetch, int document_separator)
     : batch_size_(batch_size),
       seq_len_(seq_len),
       rank_(rank),
       world_size_(world_size),
       shuffle_(shuffle),
       prefetch_(prefetch),
+      document_separator_(document_separator),
       // The one-glob constructor passes a source without a name: the plain stream.
       mixture_(sources.size() != 1 || !sources[0].name.empty()) {
   for (const LoaderSource& s : sources) glob_ += (glob_.empty() ? "" : ", ") + s.glob;
@@ -75,6 +77,11 @@ DataLoader::DataLoader(const std::vector<LoaderSource>& sources, int batch_size,
         fmt::format("data loader '{}': batch_size ({}), seq_len ({}) and vocab_size "
                     "({}) must be positive",
                     glob_, batch_size, seq_len, vocab_size));
+  }
+  if (document_separator < -1 || document_separator >= vocab_size) {
+    throw InputError(fmt::format(
+        "data loader '{}': document separator {} is not a token id of the vocabulary (0..{})",
+        glob_, document_separator, vocab_size - 1));
   }
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
     throw InputError(fmt::format("data loader '{}': rank {} is not in a world of size {}", glob_,
@@ -113,6 +120,7 @@ DataLoader::DataLoader(const std::vector<LoaderSource>& sources, int batch_size,
   }
   current_.inputs.resize(static_cast<size_t>(batch_size) * seq_len);
   current_.targets.resize(current_.inputs.size());
+  if (document_separator_ >= 0) current_.doc_start.resize(current_.inputs.size());
   if (rank == 0) {
     if (!mixture_) {
       spdlog::info("data '{}': {} shards, {} windows/epoch, {} steps/epoch, {} tokens/epoch{}",
@@ -247,11 +255,22 @@ void DataLoader::copy_window(Source& src, uint64_t epoch, int64_t cursor, Batch&
     copy_tokens(s.tokens() + window * seq_len_, T, in, tgt);
   else
     copy_tokens(s.tokens32() + window * seq_len_, T, in, tgt);
+  if (document_separator_ < 0) return;
+  // A separator begins its document: it is its document's first token, attends to itself only
+  // and predicts the document's first real token, while the token before it, the previous
+  // document's last, predicts the separator from its own document (the end of a document).
+  int32_t* starts = out.doc_start.data() + static_cast<size_t>(row) * T;
+  int32_t start = 0;
+  for (size_t t = 0; t < T; ++t) {
+    if (in[t] == document_separator_) start = static_cast<int32_t>(t);
+    starts[t] = start;
+  }
 }
 
 void DataLoader::fill(const LoaderState& pos, Batch& out) {
   out.inputs.resize(static_cast<size_t>(batch_size_) * static_cast<size_t>(seq_len_));
   out.targets.resize(out.inputs.size());
+  out.doc_start.resize(document_separator_ >= 0 ? out.inputs.size() : 0);
   const int64_t first = int64_t{rank_} * batch_size_;
   if (!mixture_) {
     for (int b = 0; b < batch_size_; ++b)

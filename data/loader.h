@@ -10,6 +10,9 @@
 // drawn count lags its weight's share most goes next: every source stays within one window of
 // its share), and each source walks its own epochs window by window. Rank r still takes rows
 // [r*B, (r+1)*B) of the step, so the stream is the same for any world size.
+// Document masking (a document separator id >= 0): each row also gets its documents' starts,
+// found in the window's own tokens (a separator token begins a document), so nothing beyond the
+// tokens is stored or saved and a resumed run finds the same starts.
 #pragma once
 
 #include <condition_variable>
@@ -36,19 +39,27 @@ struct LoaderSource {
 class DataLoader {
  public:
   // Row b of inputs/targets (T ids each) is window b of this rank; targets = inputs shifted by 1.
+  // doc_start (document masking only, else empty): for input t of a row, the index in the row
+  // of its document's first token: the last t' <= t whose input is the separator, or 0 when the
+  // document began before the window.
   struct Batch {
     std::vector<int32_t> inputs;
     std::vector<int32_t> targets;
+    std::vector<int32_t> doc_start;
   };
 
   // InputError on bad arguments, no matching or invalid shards, a shard shorter than
   // seq_len+1 tokens, or an epoch with fewer than batch_size*world_size windows.
+  // document_separator >= 0 (< vocab_size): fill Batch::doc_start, documents beginning at that
+  // token id; -1: no document masking.
   DataLoader(const std::string& glob, int batch_size, int seq_len, int rank, int world_size,
-             int vocab_size, bool shuffle, uint64_t seed, bool prefetch);
+             int vocab_size, bool shuffle, uint64_t seed, bool prefetch,
+             int document_separator = -1);
   // A mixture: each source is a glob as above (shuffled with seed + its index) and needs only
   // one window; no window is dropped at a source's epoch end.
   DataLoader(const std::vector<LoaderSource>& sources, int batch_size, int seq_len, int rank,
-             int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch);
+             int world_size, int vocab_size, bool shuffle, uint64_t seed, bool prefetch,
+             int document_separator = -1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -115,6 +126,7 @@ class DataLoader {
   int batch_size_, seq_len_, rank_, world_size_;
   bool shuffle_;
   bool prefetch_;
+  int document_separator_;  // -1: no document masking
   bool mixture_ = false;
   std::deque<Source> sources_;  // one unless mixture_ (a deque: a Source cannot be copied)
   int64_t total_windows_ = 0;

@@ -266,17 +266,18 @@ void matmul_backward(const OpCheck& c, Tensor dinp, Tensor dweight, Tensor dbias
   if (dbias.defined()) c.f32("dbias", dbias, {OC});
 }
 
-void attention_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv,
-                       const AttentionDims& a) {
+void attention_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                       Tensor key_start) {
   c.packed_qkv("qkv", qkv, a);
   const int64_t B = qkv.dim(0), T = qkv.dim(1);
   c.activation_dtype("out", out, {B, T, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, T});
+  if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, T});
 }
 
 void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                        Tensor lse, const AttentionDims& a) {
-  attention_forward(c, out, lse, qkv, a);
+                        Tensor lse, const AttentionDims& a, Tensor key_start) {
+  attention_forward(c, out, lse, qkv, a, key_start);
   c.activation_dtype("dqkv", dqkv, qkv.shape);
   c.activation_dtype("dout", dout, out.shape);
 }
@@ -324,13 +325,15 @@ void qk_norm_backward(const OpCheck& c, Tensor dinp, Tensor dq_weight, Tensor dk
 }
 
 void rope_forward(const OpCheck& c, Tensor out, Tensor inp, const AttentionDims& a,
-                  const Rope& rope) {
+                  const Rope& rope, Tensor positions) {
   check_rope(c, "out", out, "inp", inp, a, rope);
+  if (positions.defined()) c.dtype("positions", positions, DType::i32, {inp.dim(0), inp.dim(1)});
 }
 
 void rope_backward(const OpCheck& c, Tensor dinp, Tensor dout, const AttentionDims& a,
-                   const Rope& rope) {
+                   const Rope& rope, Tensor positions) {
   check_rope(c, "dinp", dinp, "dout", dout, a, rope);
+  if (positions.defined()) c.dtype("positions", positions, DType::i32, {dout.dim(0), dout.dim(1)});
 }
 
 void swiglu_forward(const OpCheck& c, Tensor out, Tensor inp) {

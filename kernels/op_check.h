@@ -71,6 +71,8 @@ struct OpCheck {
                bool to_the_end) const;
   // Every value of the i32 tensor t lies in [0, limit).
   void indices(const char* name, const Tensor& t, int64_t limit) const;
+  // t is i32[B,T] per-query key starts: in each row, 0 <= t[b,i] <= i and never decreasing.
+  void key_starts(const char* name, const Tensor& t) const;
 
  private:
   void of_dtype(const char* name, const Tensor& t, DType d) const;  // the dtype test alone

@@ -369,18 +369,18 @@ Decoder::BlockActs Decoder::block_acts(const Acts& set, Recompute recompute, int
   return a;
 }
 
-void Decoder::recompute_block(int l, const BlockActs& a) {
+void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& docs) {
   Backend& k = backend_;
   const Params& w = weights_;
   const Block& blk = blocks_[static_cast<size_t>(l)];
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
   blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
   if (recompute_ == Recompute::selective) {
-    blk.attn.recompute_core(k, a.attn);
+    blk.attn.recompute_core(k, a.attn, docs);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
-    blk.attn.forward(k, w, a.attn, a.ln1.out);
+    blk.attn.forward(k, w, a.attn, a.ln1.out, docs);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(acts_, l), a.attn.out);
     // The routing comes out as in forward (same input, same bias); its statistics were
     // counted there.
@@ -429,8 +429,13 @@ void Decoder::moe_update_bias() {
                              cfg_.moe.bias_update_rate);
 }
 
-void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) {
+void Decoder::forward(Tensor tokens, Tensor targets, const DocumentMask& docs, float dloss_scale,
+                      bool with_backward) {
   Backend& k = backend_;
+  // Learned positions (wpe) are not restarted per document: rotary ones are.
+  if (docs.positions.defined() && cfg_.positions != PositionKind::rope)
+    throw std::invalid_argument(
+        "Decoder::forward: per-document positions need rotary positions (model.positions: rope)");
   const Params& w = weights_;
   // Evaluation and sampling must not move the scales training uses.
   const bool keep_window = !with_backward && fp8_.on();
@@ -441,14 +446,14 @@ void Decoder::forward(Tensor tokens, Tensor targets, float dloss_scale, bool wit
   moe_loss_scale_ = dloss_scale * static_cast<float>(B_) * static_cast<float>(T_);
   hook(&UnitHooks::before_forward, 0);
   embed_.forward(k, w, acts_.encoded, tokens);
-  forward_blocks(acts_, recompute_, with_backward, -1);
+  forward_blocks(acts_, recompute_, with_backward, -1, docs);
   k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
                           targets, cfg_.vocab_size, dloss_scale, with_backward);
   if (keep_window) fp8_.restore_window();
 }
 
-void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_stats,
-                             int decode_pos) {
+void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos,
+                             const DocumentMask& docs) {
   Backend& k = backend_;
   const Params& w = weights_;
   const int L = cfg_.n_layer;
@@ -463,7 +468,7 @@ void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_sta
       blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, ffn_out(l - 1, prev));
     }
     if (decode_pos < 0)
-      blk.attn.forward(k, w, a.attn, a.ln1.out);
+      blk.attn.forward(k, w, a.attn, a.ln1.out, docs);
     else
       blk.attn.decode(k, w, a.attn, a.ln1.out, acts_.blocks[static_cast<size_t>(l)].attn.qkv,
                       decode_pos);
@@ -498,11 +503,11 @@ Tensor Decoder::decode(Tensor token, int pos) {
                                 " is outside the cache's [0, " + std::to_string(T_) + ")");
   hook(&UnitHooks::before_forward, 0);
   embed_.forward(backend_, weights_, decode_.encoded, token, pos);
-  forward_blocks(decode_, Recompute::none, /*with_stats=*/false, pos);
+  forward_blocks(decode_, Recompute::none, /*with_stats=*/false, pos, DocumentMask{});
   return decode_.logits;
 }
 
-void Decoder::backward(Tensor tokens) {
+void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
   Backend& k = backend_;
   const Params &w = weights_, &g = grads_;
   const int L = cfg_.n_layer;
@@ -522,14 +527,14 @@ void Decoder::backward(Tensor tokens) {
     hook(&UnitHooks::before_backward, l + 1);
     const Block& blk = blocks_[static_cast<size_t>(l)];
     const BlockActs a = acts(l);
-    if (recompute_ != Recompute::none) recompute_block(l, a);
+    if (recompute_ != Recompute::none) recompute_block(l, a, docs);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     if (blk.is_moe)
       blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe, moe_loss_scale_);
     else
       blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
-    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn);
+    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
     blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
                      l > 0 ? copy : Tensor{});

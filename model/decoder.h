@@ -35,8 +35,9 @@ class Decoder final : public Model {
   void set_hooks(const UnitHooks* hooks) override { hooks_ = hooks; }
   void init_range(uint64_t seed, int64_t begin, int64_t end, float* out) const override;
   double flops_per_token(int T) const override;
-  void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) override;
-  void backward(Tensor tokens) override;
+  void forward(Tensor tokens, Tensor targets, const DocumentMask& docs, float dloss_scale,
+               bool with_backward) override;
+  void backward(Tensor tokens, const DocumentMask& docs) override;
   void plan_decode(Arena& arena) override;
   Tensor decode(Tensor token, int pos) override;
   Tensor losses() const override { return acts_.losses; }
@@ -98,14 +99,15 @@ class Decoder final : public Model {
   Tensor block_input(const Acts& set, int l) const;
   // The blocks, the final norm and the LM head over `set` from set.encoded, into set.logits.
   // decode_pos >= 0: `set` is decode_'s one token at that position, whose attention reads and
-  // extends the cache (acts_'s q, k, v).
-  void forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos);
+  // extends the cache (acts_'s q, k, v). docs: the micro-batch's document mask.
+  void forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos,
+                      const DocumentMask& docs);
   // The output of block l's feed-forward (dense or MoE), the branch the next norm adds.
   Tensor ffn_out(int l, const BlockActs& a) const {
     return blocks_[static_cast<size_t>(l)].is_moe ? a.moe.out : a.mlp.out;
   }
   // Before block l's backward: what recompute_ left out of its kept activations.
-  void recompute_block(int l, const BlockActs& a);
+  void recompute_block(int l, const BlockActs& a, const DocumentMask& docs);
   // The residual stream's dtype: f32 where residual_fp32 and activations are narrower.
   DType residual_dtype() const;
   // The residual stream's gradient as the branches' GEMMs read it.

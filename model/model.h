@@ -17,6 +17,7 @@
 #include "model/arch.h"
 #include "model/expert_parallel.h"
 #include "model/fp8_state.h"
+#include "model/layers/layer.h"
 #include "model/param_layout.h"
 
 namespace kiln {
@@ -121,9 +122,11 @@ class Model {
 
   // tokens, targets: i32[B,T] in backend memory. Writes per-token losses (f32[B*T]); if
   // `with_backward`, leaves dlogits in place for backward(). dloss_scale is d(loss)/d(token loss)
-  // (1 / (B*T*grad_accum) for the mean over a step).
-  virtual void forward(Tensor tokens, Tensor targets, float dloss_scale, bool with_backward) = 0;
-  virtual void backward(Tensor tokens) = 0;
+  // (1 / (B*T*grad_accum) for the mean over a step). docs: the micro-batch's document mask
+  // ({}: each row one causal sequence); backward() takes the forward's.
+  virtual void forward(Tensor tokens, Tensor targets, const DocumentMask& docs, float dloss_scale,
+                       bool with_backward) = 0;
+  virtual void backward(Tensor tokens, const DocumentMask& docs) = 0;
   virtual Tensor losses() const = 0;
   virtual Tensor logits() const = 0;  // [B,T,Vp]
 

@@ -1,6 +1,7 @@
 // bench as a regression tracker, through the real binary on the CPU: --json and --history
 // write the run's JSON, --baseline prints the deltas and exits 1 on a regression past the
-// tolerance, and a baseline that is not a bench JSON exits 2 before anything runs.
+// tolerance, and a baseline that is not a bench JSON exits 2 before anything runs; random
+// tokens, cut into documents for a document-masked run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -110,6 +111,23 @@ TEST(BenchRandomShard, WideVocabularyGetsUint32Tokens) {
   r = bench(dir, "");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("random 16-bit tokens"), std::string::npos) << r.output;
+}
+
+// With data.document_mask, the random shard is cut into documents by the separator (tiny.yaml is
+// GPT-2: learned positions, so the mask alone), and the JSON says the run was masked.
+TEST(BenchRandomShard, DocumentMaskCutsTheRandomTokensIntoDocuments) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_bench_docs_");
+  auto r = bench(dir,
+                 "--model.n_layer=1 --train.batch_size=2 --model.seq_len=32 "
+                 "--data.document_mask=true --data.document_separator=0 "
+                 "--data.document_positions=false --document-tokens 8 --json docs.json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("documents of 8 tokens on average, each beginning with token 0"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("(document mask)"), std::string::npos) << r.output;
+  EXPECT_NE(read(dir / "docs.json").find("\"document_mask\":true"), std::string::npos);
+  EXPECT_EQ(bench(dir, "--document-tokens 0").status, 2);
 }
 
 }  // namespace

@@ -437,9 +437,9 @@ TEST(ConfigRestarts, RefusedWhereARestartCouldNotResume) {
 
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
-  for (const char* name : {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "qwen3-tiny",
-                           "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b", "llama3-8b",
-                           "qwen3-8b"}) {
+  for (const char* name :
+       {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-tiny-docs", "qwen3-tiny",
+        "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b", "llama3-8b", "qwen3-8b"}) {
     const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }
@@ -586,6 +586,51 @@ TEST(ConfigSources, BadCombinationsAreRefusedNamingTheKey) {
   EXPECT_NE(
       parse_error(one, {"data.sources=[{train: a.bin"}).find("data.sources: expected a YAML list"),
       std::string::npos);
+}
+
+// Document masking: the separator is required with the mask, must be a token id, and no key
+// is accepted that would do nothing (a separator or positions without the mask; restarting
+// positions on learned positions, which are not restarted).
+TEST(ConfigDocuments, BadCombinationsAreRefusedNamingTheKey) {
+  const std::string rope = "model: {positions: rope, vocab_size: 256}\ndata: {train: x.bin, ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {rope + "document_mask: true}\n",
+       "data.document_separator: is required with data.document_mask: true"},
+      {rope + "document_mask: true, document_separator: 256}\n",
+       "data.document_separator: must be a token id below model.vocab_size (256), got 256"},
+      {rope + "document_mask: true, document_separator: -2}\n",
+       "data.document_separator: must be >= -1"},
+      {rope + "document_separator: 0}\n",
+       "data.document_separator: is set, but data.document_mask is false"},
+      {rope + "document_positions: false}\n",
+       "data.document_positions: is set, but data.document_mask is false"},
+      {"model: {vocab_size: 256}\ndata: {train: x.bin, document_mask: true, "
+       "document_separator: 0}\n",
+       "data.document_positions: restarts RoPE positions with each document, but "
+       "model.positions is learned"},
+      {rope + "document_mask: maybe, document_separator: 0}\n", "data.document_mask"},
+  };
+  for (const auto& [yaml, expect] : cases) {
+    const std::string msg = parse_error(yaml);
+    EXPECT_NE(msg.find(expect), std::string::npos) << yaml << "\n" << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
+TEST(ConfigDocuments, AcceptedCombinations) {
+  const std::string base = "data: {train: x.bin, document_mask: true, document_separator: 0";
+  Config c = parse_config("model: {positions: rope, vocab_size: 256}\n" + base + "}\n", {});
+  EXPECT_TRUE(c.data.document_mask);
+  EXPECT_EQ(c.data.document_separator, 0);
+  EXPECT_TRUE(c.data.document_positions);  // the default with the mask
+  // GPT-2's learned positions: the mask alone, positions running over the window.
+  c = parse_config("model: {vocab_size: 256}\n" + base + ", document_positions: false}\n", {});
+  EXPECT_FALSE(c.data.document_positions);
+  // Overrides, and the resolved config reads back the same.
+  c = parse_config("model: {positions: rope, vocab_size: 256}\ndata: {train: x.bin}\n",
+                   {"--data.document_mask=true", "--data.document_separator=255"});
+  EXPECT_EQ(c.data.document_separator, 255);
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
 }
 
 }  // namespace

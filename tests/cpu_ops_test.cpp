@@ -544,12 +544,12 @@ struct AttentionCase {
   }
   double forward() {
     cpu().attention_forward(f32(out, {B, T, C}), f32(lse, {B, NH, T}), f32(qkv, {B, T, 3 * C}),
-                            dims());
+                            dims(), Tensor{});
     return weighted_sum(out, R);
   }
   void backward(std::vector<float>& dqkv) {
     cpu().attention_backward(f32(dqkv, {B, T, 3 * C}), f32(R, {B, T, C}), f32(qkv, {B, T, 3 * C}),
-                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), dims());
+                             f32(out, {B, T, C}), f32(lse, {B, NH, T}), dims(), Tensor{});
   }
   AttentionDims dims() const {
     return {static_cast<int>(NH), static_cast<int>(NH), static_cast<int>(C / NH)};
@@ -600,6 +600,7 @@ struct GqaCase {
   int64_t B, T;
   AttentionDims a;
   std::vector<float> qkv, R, out, lse;
+  Tensor key_start;  // undefined: plain causal
   GqaCase(int64_t b, int64_t t, AttentionDims dims) : B(b), T(t), a(dims) {
     qkv = random_floats(B * T * a.qkv_dim(), 44, -1.5f, 1.5f);
     R = random_floats(B * T * a.q_dim(), 45);
@@ -610,12 +611,13 @@ struct GqaCase {
   Shape out_shape() const { return {B, T, a.q_dim()}; }
   Shape lse_shape() const { return {B, a.n_head, T}; }
   double forward() {
-    cpu().attention_forward(f32(out, out_shape()), f32(lse, lse_shape()), f32(qkv, qkv_shape()), a);
+    cpu().attention_forward(f32(out, out_shape()), f32(lse, lse_shape()), f32(qkv, qkv_shape()), a,
+                            key_start);
     return weighted_sum(out, R);
   }
   void backward(std::vector<float>& dqkv) {
     cpu().attention_backward(f32(dqkv, qkv_shape()), f32(R, out_shape()), f32(qkv, qkv_shape()),
-                             f32(out, out_shape()), f32(lse, lse_shape()), a);
+                             f32(out, out_shape()), f32(lse, lse_shape()), a, key_start);
   }
 };
 
@@ -679,7 +681,7 @@ TEST(CpuAttention, RejectsBadHeadsNamingOpAndTensor) {
   auto run = [&](AttentionDims a) {
     return [&k, a] {
       cpu().attention_forward(f32(k.out, k.out_shape()), f32(k.lse, k.lse_shape()),
-                              f32(k.qkv, k.qkv_shape()), a);
+                              f32(k.qkv, k.qkv_shape()), a, Tensor{});
     };
   };
   expect_rejects(run({4, 3, 8}), "attention_forward", "dims");  // 3 does not divide 4
@@ -690,9 +692,132 @@ TEST(CpuAttention, RejectsBadHeadsNamingOpAndTensor) {
       [&] {
         cpu().attention_backward(f32(dqkv, k.qkv_shape()), f32(k.R, k.out_shape()),
                                  f32(k.qkv, k.qkv_shape()), f32(k.out, k.out_shape()),
-                                 f32(k.lse, k.lse_shape()).view({1, 2, 6}), k.a);
+                                 f32(k.lse, k.lse_shape()).view({1, 2, 6}), k.a, Tensor{});
       },
       "attention_backward", "lse");
+}
+
+// ---- document masking: attention's key_start, rope's positions -------------------------------
+
+// Document starts of a packed window, per row: row b's documents begin at starts[b] (the first
+// at 0: a window that opens mid-document treats that part as a document). Returns key_start
+// i32[B,T] as the loader fills doc_start.
+std::vector<int32_t> key_starts_of(const std::vector<std::vector<int>>& starts, int64_t T) {
+  std::vector<int32_t> ks;
+  for (const std::vector<int>& row : starts) {
+    int32_t at = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (std::find(row.begin(), row.end(), t) != row.end()) at = static_cast<int32_t>(t);
+      ks.push_back(at);
+    }
+  }
+  return ks;
+}
+
+// [begin, end) of each document of row b.
+std::vector<std::pair<int64_t, int64_t>> documents_of(const std::vector<int32_t>& ks, int64_t b,
+                                                      int64_t T) {
+  std::vector<std::pair<int64_t, int64_t>> docs;
+  for (int64_t t = 0; t < T; ++t)
+    if (ks[b * T + t] == t) docs.push_back({t, T});
+  for (size_t i = 0; i + 1 < docs.size(); ++i) docs[i].second = docs[i + 1].first;
+  return docs;
+}
+
+// The strong check of the mask: a packed, masked window gives, document by document, exactly
+// the bits of each document run alone through the plain causal op (out, lse and dqkv): the same
+// keys in the same order, nothing leaking across a document boundary. Documents of length 1,
+// a window opening mid-document, and documents at both window edges.
+TEST(CpuAttention, DocumentMaskEqualsEachDocumentAlone) {
+  for (const AttentionDims& a : {AttentionDims{4, 2, 8}, AttentionDims{2, 2, 6}}) {
+    SCOPED_TRACE("NH=" + std::to_string(a.n_head) + " KV=" + std::to_string(a.n_kv_head));
+    const int64_t B = 3, T = 13, D = a.qkv_dim(), Q = a.q_dim(), NH = a.n_head;
+    std::vector<int32_t> ks = key_starts_of({{0, 3, 4, 9}, {0, 12}, {0, 1, 2, 5, 6, 11, 12}}, T);
+    GqaCase packed(B, T, a);
+    packed.key_start = i32(ks, {B, T});
+    packed.forward();
+    auto dpacked = random_floats(packed.qkv.size(), 48);
+    packed.backward(dpacked);
+    for (int64_t b = 0; b < B; ++b)
+      for (const auto& [begin, end] : documents_of(ks, b, T)) {
+        SCOPED_TRACE("row " + std::to_string(b) + " document [" + std::to_string(begin) + ", " +
+                     std::to_string(end) + ")");
+        const int64_t L = end - begin;
+        GqaCase alone(1, L, a);
+        std::copy(packed.qkv.begin() + (b * T + begin) * D, packed.qkv.begin() + (b * T + end) * D,
+                  alone.qkv.begin());
+        std::copy(packed.R.begin() + (b * T + begin) * Q, packed.R.begin() + (b * T + end) * Q,
+                  alone.R.begin());
+        alone.forward();
+        auto dalone = zeros(alone.qkv.size());
+        alone.backward(dalone);
+        for (int64_t i = 0; i < L * Q; ++i)
+          ASSERT_EQ(alone.out[i], packed.out[(b * T + begin) * Q + i]) << "out " << i;
+        for (int64_t h = 0; h < NH; ++h)
+          for (int64_t t = 0; t < L; ++t)
+            ASSERT_EQ(alone.lse[h * L + t], packed.lse[(b * NH + h) * T + begin + t]) << "lse";
+        for (int64_t i = 0; i < L * D; ++i)
+          ASSERT_EQ(dalone[i], dpacked[(b * T + begin) * D + i]) << "dqkv " << i;
+      }
+  }
+}
+
+// key_start all 0 is the plain causal op, bit for bit.
+TEST(CpuAttention, ZeroKeyStartIsPlainCausal) {
+  GqaCase plain(2, 9, {4, 2, 8}), masked(2, 9, {4, 2, 8});
+  std::vector<int32_t> ks(2 * 9, 0);
+  masked.key_start = i32(ks, {2, 9});
+  plain.forward();
+  masked.forward();
+  EXPECT_TRUE(bit_identical(plain.out, masked.out));
+  EXPECT_TRUE(bit_identical(plain.lse, masked.lse));
+  auto dp = zeros(plain.qkv.size()), dm = zeros(masked.qkv.size());
+  plain.backward(dp);
+  masked.backward(dm);
+  EXPECT_TRUE(bit_identical(dp, dm));
+}
+
+TEST(CpuAttention, DocumentMaskGradCheck) {
+  for (const AttentionDims& a : {AttentionDims{4, 2, 8}, AttentionDims{2, 2, 4}}) {
+    SCOPED_TRACE("KV=" + std::to_string(a.n_kv_head));
+    GqaCase k(2, 7, a);
+    std::vector<int32_t> ks = key_starts_of({{0, 2, 3}, {0, 6}}, 7);
+    k.key_start = i32(ks, {2, 7});
+    k.forward();
+    auto dqkv = random_floats(k.qkv.size(), 49);  // garbage: dqkv is overwritten
+    k.backward(dqkv);
+    expect_grad_near(dqkv, numeric_grad(k.qkv, kStep, [&] { return k.forward(); }), "masked dqkv");
+  }
+}
+
+TEST(CpuAttention, RejectsBadKeyStartNamingIt) {
+  GqaCase k(2, 4, {4, 2, 8});
+  auto run = [&](std::vector<int32_t> ks, Shape shape) {
+    return [&k, ks, shape]() mutable {
+      cpu().attention_forward(f32(k.out, k.out_shape()), f32(k.lse, k.lse_shape()),
+                              f32(k.qkv, k.qkv_shape()), k.a, i32(ks, shape));
+    };
+  };
+  expect_rejects(run({0, 0, 0, 0, 0, 0, 0, 0}, {8}), "attention_forward", "key_start");
+  expect_rejects(run({0, 0, 0, 0, 0, 2, 0, 0}, {2, 4}), "attention_forward", "key_start");
+  expect_rejects(run({0, 0, 2, 1, 0, 0, 0, 0}, {2, 4}), "attention_forward", "key_start");
+  expect_rejects(run({-1, 0, 0, 0, 0, 0, 0, 0}, {2, 4}), "attention_forward", "key_start");
+  std::vector<float> as_f32(8, 0.0f);
+  expect_rejects(
+      [&] {
+        cpu().attention_forward(f32(k.out, k.out_shape()), f32(k.lse, k.lse_shape()),
+                                f32(k.qkv, k.qkv_shape()), k.a, f32(as_f32, {2, 4}));
+      },
+      "attention_forward", "key_start");
+  auto dqkv = zeros(k.qkv.size());
+  std::vector<int32_t> bad = {0, 1, 1, 1, 0, 0, 0, 4};  // 4 > t = 3
+  expect_rejects(
+      [&] {
+        cpu().attention_backward(f32(dqkv, k.qkv_shape()), f32(k.R, k.out_shape()),
+                                 f32(k.qkv, k.qkv_shape()), f32(k.out, k.out_shape()),
+                                 f32(k.lse, k.lse_shape()), k.a, i32(bad, {2, 4}));
+      },
+      "attention_backward", "key_start");
 }
 
 // A decoding step (a KV cache's newest row, rotated in place for its position, attending over
@@ -705,7 +830,8 @@ TEST(CpuAttention, DecodeIsTheForwardsLastRowBitForBit) {
     const int64_t B = 2, T = 7, D = a.qkv_dim(), Q = a.q_dim();
     GqaCase full(B, T, a);
     const std::vector<float> raw = full.qkv;
-    cpu().rope_forward(f32(full.qkv, full.qkv_shape()), f32(full.qkv, full.qkv_shape()), a, rope);
+    cpu().rope_forward(f32(full.qkv, full.qkv_shape()), f32(full.qkv, full.qkv_shape()), a, rope,
+                       Tensor{});
     full.forward();
 
     // Rows 0..T-2 as the forward left them, row T-1 not yet rotated.
@@ -855,6 +981,7 @@ struct RopeCase {
   AttentionDims a;
   Rope rope{10000.0f, {}};
   std::vector<float> inp, R, out;
+  Tensor positions;  // undefined: position t
   explicit RopeCase(int64_t b = 2, int64_t t = 6, AttentionDims dims = {4, 2, 8})
       : B(b), T(t), a(dims) {
     inp = random_floats(B * T * a.qkv_dim(), 150);
@@ -863,7 +990,7 @@ struct RopeCase {
   }
   Shape qkv_shape() const { return {B, T, a.qkv_dim()}; }
   double forward() {
-    cpu().rope_forward(f32(out, qkv_shape()), f32(inp, qkv_shape()), a, rope);
+    cpu().rope_forward(f32(out, qkv_shape()), f32(inp, qkv_shape()), a, rope, positions);
     return weighted_sum(out, R);
   }
 };
@@ -933,20 +1060,20 @@ TEST(CpuRope, BackwardUndoesForwardAndInPlaceMatches) {
   RopeCase k;
   k.forward();
   auto back = zeros(k.inp.size());
-  cpu().rope_backward(f32(back, k.qkv_shape()), f32(k.out, k.qkv_shape()), k.a, k.rope);
+  cpu().rope_backward(f32(back, k.qkv_shape()), f32(k.out, k.qkv_shape()), k.a, k.rope, Tensor{});
   for (size_t j = 0; j < back.size(); ++j) ASSERT_NEAR(back[j], k.inp[j], 1e-6) << j;
 
   auto x = k.inp;
-  cpu().rope_forward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope);
+  cpu().rope_forward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope, Tensor{});
   EXPECT_TRUE(bit_identical(x, k.out));
-  cpu().rope_backward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope);
+  cpu().rope_backward(f32(x, k.qkv_shape()), f32(x, k.qkv_shape()), k.a, k.rope, Tensor{});
   EXPECT_TRUE(bit_identical(x, back));
 }
 
 TEST(CpuRope, GradCheck) {
   RopeCase k;
   auto dinp = random_floats(k.inp.size(), 153);  // garbage: dinp is overwritten
-  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope);
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope, Tensor{});
   expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
 }
 
@@ -970,7 +1097,7 @@ TEST(CpuRope, GradCheckWithLlama3Scaling) {
   RopeCase k;
   k.rope.scaling = {"llama3", 8.0f, 1.0f, 4.0f, 16};
   auto dinp = random_floats(k.inp.size(), 154);
-  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope);
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope, Tensor{});
   expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
 }
 
@@ -979,34 +1106,101 @@ TEST(CpuRope, RejectsBadShapesNamingOpAndTensor) {
   expect_rejects(
       [&] {
         cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {4, 2, 8},
-                           Rope{0.0f, {}});
+                           Rope{0.0f, {}}, Tensor{});
       },
       "rope_forward", "theta");
   expect_rejects(
       [&] {
         cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a,
-                           Rope{1e4f, {"llama3", 8.0f, 4.0f, 1.0f, 64}});
+                           Rope{1e4f, {"llama3", 8.0f, 4.0f, 1.0f, 64}}, Tensor{});
       },
       "rope_forward", "high_freq_factor");
   expect_rejects(
       [&] {
         cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a,
-                           Rope{1e4f, {"yarn", 8.0f, 1.0f, 4.0f, 64}});
+                           Rope{1e4f, {"yarn", 8.0f, 1.0f, 4.0f, 64}}, Tensor{});
       },
       "rope_forward", "yarn");
   expect_rejects(
       [&] {
         // (62 + 2) * 1 matches the qkv width of 64, but a head of 1 has no pairs to rotate.
-        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {62, 1, 1},
-                           k.rope);
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), {62, 1, 1}, k.rope,
+                           Tensor{});
       },
       "rope_forward", "dims");
   expect_rejects(
       [&] {
         cpu().rope_backward(f32(k.out, k.qkv_shape()), f32(k.inp, {k.B * k.T, k.a.qkv_dim()}), k.a,
-                            k.rope);
+                            k.rope, Tensor{});
       },
       "rope_backward", "dout");
+}
+
+// RoPE positions restarting per document: each token of a packed window rotated for
+// t - its document's start is, bit for bit, its document rotated alone from position 0;
+// backward is the same inverse rotation.
+TEST(CpuRope, DocumentPositionsEqualEachDocumentAlone) {
+  const int64_t B = 2, T = 11;
+  RopeCase packed(B, T);
+  std::vector<int32_t> ks = key_starts_of({{0, 4, 5, 10}, {0, 1, 7}}, T), pos(ks.size());
+  for (size_t i = 0; i < ks.size(); ++i) pos[i] = static_cast<int32_t>(i % T) - ks[i];
+  packed.positions = i32(pos, {B, T});
+  packed.forward();
+  const int64_t D = packed.a.qkv_dim();
+  for (int64_t b = 0; b < B; ++b)
+    for (const auto& [begin, end] : documents_of(ks, b, T)) {
+      RopeCase alone(1, end - begin, packed.a);
+      std::copy(packed.inp.begin() + (b * T + begin) * D, packed.inp.begin() + (b * T + end) * D,
+                alone.inp.begin());
+      alone.forward();
+      for (int64_t i = 0; i < (end - begin) * D; ++i)
+        ASSERT_EQ(alone.out[i], packed.out[(b * T + begin) * D + i])
+            << "row " << b << " document at " << begin << " element " << i;
+    }
+  auto back = zeros(packed.inp.size());
+  cpu().rope_backward(f32(back, packed.qkv_shape()), f32(packed.out, packed.qkv_shape()), packed.a,
+                      packed.rope, packed.positions);
+  for (size_t j = 0; j < back.size(); ++j) ASSERT_NEAR(back[j], packed.inp[j], 1e-6) << j;
+}
+
+TEST(CpuRope, GradCheckWithDocumentPositions) {
+  RopeCase k;
+  std::vector<int32_t> pos = {0, 1, 0, 0, 1, 2, 3, 4, 0, 1, 2, 0};  // B = 2, T = 6
+  k.positions = i32(pos, {k.B, k.T});
+  auto dinp = random_floats(k.inp.size(), 155);
+  cpu().rope_backward(f32(dinp, k.qkv_shape()), f32(k.R, k.qkv_shape()), k.a, k.rope, k.positions);
+  expect_grad_near(dinp, numeric_grad(k.inp, kStep, [&] { return k.forward(); }), "rope dinp");
+}
+
+// A position far past the window (a shifted chunk of a longer sequence) takes the same angles
+// as that position's row of a long plain rotation.
+TEST(CpuRope, FarPositionsMatchThePlainRotation) {
+  RopeCase longer(1, 300, {2, 1, 8}), k(1, 2, {2, 1, 8});
+  longer.forward();
+  const int64_t D = k.a.qkv_dim();
+  std::copy(longer.inp.begin() + 290 * D, longer.inp.begin() + 292 * D, k.inp.begin());
+  std::vector<int32_t> pos = {290, 291};
+  k.positions = i32(pos, {1, 2});
+  k.forward();
+  for (int64_t i = 0; i < 2 * D; ++i) ASSERT_EQ(k.out[i], longer.out[290 * D + i]) << i;
+}
+
+TEST(CpuRope, RejectsBadPositionsNamingThem) {
+  RopeCase k;
+  std::vector<int32_t> short_pos(static_cast<size_t>(k.T), 0), negative(k.B * k.T, 0);
+  negative[3] = -1;
+  expect_rejects(
+      [&] {
+        cpu().rope_forward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a, k.rope,
+                           i32(short_pos, {1, k.T}));
+      },
+      "rope_forward", "positions");
+  expect_rejects(
+      [&] {
+        cpu().rope_backward(f32(k.out, k.qkv_shape()), f32(k.inp, k.qkv_shape()), k.a, k.rope,
+                            i32(negative, {k.B, k.T}));
+      },
+      "rope_backward", "positions");
 }
 
 // ---- softmax cross-entropy -------------------------------------------------------------------
@@ -1337,8 +1531,8 @@ TEST(CpuDeterminism, LlamaOpsBitIdenticalAcrossThreads) {
         cpu().qk_norm_backward(f32(dqn, qs), f32(dqw, hs), f32(dkw, hs), f32(dqkv_out, qs),
                                f32(qkv, qs), f32(qw, hs), f32(kw, hs), f32(qrstd, rs), a);
         auto roped = zeros(qkv.size()), droped = zeros(qkv.size());
-        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, Rope{1e6f, {}});
-        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, Rope{1e6f, {}});
+        cpu().rope_forward(f32(roped, qs), f32(qn, qs), a, Rope{1e6f, {}}, Tensor{});
+        cpu().rope_backward(f32(droped, qs), f32(dqn, qs), a, Rope{1e6f, {}}, Tensor{});
         auto act = zeros(N * C), dgu = zeros(N * 2 * C);
         cpu().swiglu_forward(f32(act, {N, C}), f32(gu, {N, 2 * C}));
         cpu().swiglu_backward(f32(dgu, {N, 2 * C}), f32(dout, {N, C}), f32(gu, {N, 2 * C}));

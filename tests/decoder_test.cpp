@@ -166,6 +166,7 @@ struct TinyModel {
   std::unique_ptr<Model> model;
   Arena arena{*backend, "test"};
   Tensor params, grads, tokens, targets, loss;
+  DocumentMask docs;  // {}: plain causal; set by the document-masking tests
   int B = 2, T = 5;
 
   static ModelConfig gpt2_tiny() {
@@ -200,7 +201,7 @@ struct TinyModel {
     backend->copy_from_host(targets, tgt.data());
   }
   double mean_loss(bool with_backward) {
-    model->forward(tokens, targets, 1.0f / static_cast<float>(B * T), with_backward);
+    model->forward(tokens, targets, docs, 1.0f / static_cast<float>(B * T), with_backward);
     backend->reduce_sum(loss, model->losses(), false);
     float l = 0;
     backend->copy_to_host(&l, loss);
@@ -223,7 +224,7 @@ void check_whole_model_gradient(TinyModel& m) {
   m.backend->copy_from_host(m.params, p.data());
   m.backend->fill_zero(m.grads);
   m.mean_loss(true);
-  m.model->backward(m.tokens);
+  m.model->backward(m.tokens, m.docs);
   std::vector<float> g(p.size());
   m.backend->copy_to_host(g.data(), m.grads);
 
@@ -266,11 +267,11 @@ TEST(Gpt2Gradient, AccumulatesAcrossMicroBatches) {
   m.backend->copy_from_host(m.params, p.data());
   m.backend->fill_zero(m.grads);
   m.mean_loss(true);
-  m.model->backward(m.tokens);
+  m.model->backward(m.tokens, m.docs);
   std::vector<float> once(p.size()), twice(p.size());
   m.backend->copy_to_host(once.data(), m.grads);
   m.mean_loss(true);
-  m.model->backward(m.tokens);
+  m.model->backward(m.tokens, m.docs);
   m.backend->copy_to_host(twice.data(), m.grads);
   for (size_t i = 0; i < once.size(); ++i) ASSERT_FLOAT_EQ(twice[i], 2 * once[i]) << i;
 }
@@ -305,6 +306,88 @@ TEST(DecoderGradient, LlamaMatchesFiniteDifferences) {
   EXPECT_NO_THROW(m.model->layout().find("lm_head"));
   EXPECT_THROW(m.model->layout().find("wpe"), std::out_of_range);
   check_whole_model_gradient(m);
+}
+
+// ---- document masking through the whole model ----------------------------------------------
+
+// Points m.docs at backend tensors holding key starts `ks` (i32[B*T]) and their positions.
+struct Documents {
+  Arena arena;
+  std::vector<int32_t> ks, pos;
+  Documents(TinyModel& m, std::vector<int32_t> starts, bool positions)
+      : arena(*m.backend, "documents"), ks(std::move(starts)), pos(ks.size()) {
+    for (size_t i = 0; i < ks.size(); ++i)
+      pos[i] = static_cast<int32_t>(i % static_cast<size_t>(m.T)) - ks[i];
+    arena.plan(&m.docs.key_start, "key_start", {m.B, m.T}, DType::i32);
+    if (positions) arena.plan(&m.docs.positions, "positions", {m.B, m.T}, DType::i32);
+    arena.allocate();
+    m.backend->copy_from_host(m.docs.key_start, ks.data());
+    if (positions) m.backend->copy_from_host(m.docs.positions, pos.data());
+  }
+};
+
+// B = 2, T = 5: row 0 opens mid-document and starts another at 2; row 1 has one-token
+// documents at 1 and at the window's last token.
+const std::vector<int32_t> kTinyStarts = {0, 0, 2, 2, 2, 0, 1, 1, 1, 4};
+
+TEST(DecoderDocuments, LlamaGradientWithDocumentMaskMatchesFiniteDifferences) {
+  ModelConfig c = llama_tiny();
+  c.n_layer = 3;
+  TinyModel m(c);
+  Documents docs(m, kTinyStarts, true);
+  check_whole_model_gradient(m);
+}
+
+TEST(DecoderDocuments, Gpt2GradientWithMaskAloneMatchesFiniteDifferences) {
+  TinyModel m;  // learned positions: the mask without restarted positions
+  Documents docs(m, kTinyStarts, false);
+  check_whole_model_gradient(m);
+}
+
+// Every token's loss in a packed, masked window is the loss it has when its document is the
+// start of a window of its own (positions from 0, nothing before it): the model sees documents
+// one at a time.
+TEST(DecoderDocuments, PackedLossesAreEachDocumentsOwn) {
+  for (const ModelConfig& c : {llama_tiny(), qwen3_tiny()}) {
+    TinyModel packed(c), alone(c);
+    std::vector<float> p(static_cast<size_t>(packed.model->layout().total));
+    packed.model->init(13, p.data());
+    packed.backend->copy_from_host(packed.params, p.data());
+    alone.backend->copy_from_host(alone.params, p.data());
+    Documents docs(packed, kTinyStarts, true);
+    packed.mean_loss(false);
+    std::vector<float> packed_losses(static_cast<size_t>(packed.B * packed.T));
+    packed.backend->copy_to_host(packed_losses.data(), packed.model->losses());
+    std::vector<int32_t> tok(packed_losses.size()), tgt(tok.size());
+    packed.backend->copy_to_host(tok.data(), packed.tokens);
+    packed.backend->copy_to_host(tgt.data(), packed.targets);
+    const int T = packed.T;
+    for (int b = 0; b < packed.B; ++b)
+      for (int begin = 0; begin < T; ++begin) {
+        if (kTinyStarts[static_cast<size_t>(b * T + begin)] != begin) continue;
+        int end = begin + 1;
+        while (end < T && kTinyStarts[static_cast<size_t>(b * T + end)] == begin) ++end;
+        // The document at the start of row 0 (row 1 holds anything: rows are independent).
+        std::vector<int32_t> atok(tok.size(), 3), atgt(tgt.size(), 3);
+        std::copy(tok.begin() + b * T + begin, tok.begin() + b * T + end, atok.begin());
+        std::copy(tgt.begin() + b * T + begin, tgt.begin() + b * T + end, atgt.begin());
+        alone.backend->copy_from_host(alone.tokens, atok.data());
+        alone.backend->copy_from_host(alone.targets, atgt.data());
+        alone.mean_loss(false);
+        std::vector<float> alone_losses(packed_losses.size());
+        alone.backend->copy_to_host(alone_losses.data(), alone.model->losses());
+        for (int t = 0; t < end - begin; ++t)
+          EXPECT_FLOAT_EQ(alone_losses[static_cast<size_t>(t)],
+                          packed_losses[static_cast<size_t>(b * T + begin + t)])
+              << c.arch << " row " << b << " document at " << begin << " token " << t;
+      }
+  }
+}
+
+TEST(DecoderDocuments, PositionsWithLearnedPositionsAreRefused) {
+  TinyModel m;
+  Documents docs(m, kTinyStarts, true);
+  EXPECT_THROW(m.mean_loss(false), std::invalid_argument);
 }
 
 // LLaMA's layers with MoE feed-forwards in blocks 1 and 3 (moe.every 2): 4 experts of 6, top-2,
@@ -387,7 +470,7 @@ TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
       double loss = 0;
       for (int micro = 0; micro < 2; ++micro) {
         loss += m.mean_loss(true);
-        m.model->backward(m.tokens);
+        m.model->backward(m.tokens, m.docs);
       }
       losses.push_back(loss);
       grads.emplace_back(p.size());
@@ -403,6 +486,34 @@ TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
     const int64_t full = d.activation_bytes(2, 5, Recompute::full);
     EXPECT_LT(selective, none) << c.arch;
     EXPECT_LT(full, selective) << c.arch;
+  }
+}
+
+// Recomputation re-runs the attention core (selective) or whole blocks (full) with the same
+// document mask: the masked step is bit-identical to keeping every activation.
+TEST(DecoderDocuments, RecomputeWithTheMaskIsBitIdenticalToNone) {
+  for (const ModelConfig& c : {llama_tiny(), qwen3_tiny()}) {
+    std::vector<float> p;
+    std::vector<std::vector<float>> grads;
+    std::vector<double> losses;
+    for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+      TinyModel m(c, r);
+      Documents docs(m, kTinyStarts, true);
+      if (p.empty()) {
+        p.resize(static_cast<size_t>(m.model->layout().total));
+        m.model->init(9, p.data());
+      }
+      m.backend->copy_from_host(m.params, p.data());
+      m.backend->fill_zero(m.grads);
+      losses.push_back(m.mean_loss(true));
+      m.model->backward(m.tokens, m.docs);
+      grads.emplace_back(p.size());
+      m.backend->copy_to_host(grads.back().data(), m.grads);
+    }
+    for (size_t i = 1; i < 3; ++i) {
+      EXPECT_EQ(losses[i], losses[0]) << c.arch << " recompute mode " << i;
+      EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " recompute mode " << i;
+    }
   }
 }
 
@@ -496,8 +607,8 @@ TEST(Gpt2BitIdentity, CpuStepOf124mIsUnchanged) {
   for (auto& t : tgt) t = static_cast<int32_t>(rng() % 50257);
   cpu().copy_from_host(tokens, tok.data());
   cpu().copy_from_host(targets, tgt.data());
-  model.forward(tokens, targets, 1.0f / (B * T), true);
-  model.backward(tokens);
+  model.forward(tokens, targets, DocumentMask{}, 1.0f / (B * T), true);
+  model.backward(tokens, DocumentMask{});
   std::vector<float> losses(B * T), g(static_cast<size_t>(P));
   cpu().copy_to_host(losses.data(), model.losses());
   cpu().copy_to_host(g.data(), grads);

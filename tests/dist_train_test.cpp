@@ -114,6 +114,19 @@ TEST_F(DistTrain, LlamaAndQwen3FollowTheSingleProcessCurveUnderEveryStrategy) {
   }
 }
 
+// Document masking (each line of the licence a document: the newline byte is the separator):
+// each rank finds the starts of its own windows, so 2 ranks under each strategy follow 1 rank.
+TEST_F(DistTrain, DocumentMaskFollowsTheSingleProcessCurve) {
+  const std::string run =
+      "--model.arch=llama --model.n_kv_head=2 --data.document_mask=true "
+      "--data.document_separator=10 --train.max_steps=12";
+  const std::string single = train("docs_single", 1, "ddp", run);
+  ASSERT_EQ(losses(single).size(), 12u);
+  for (const char* strategy : {"ddp", "fsdp"})
+    expect_same_curve(single, train(std::string("docs_") + strategy + "_2", 2, strategy, run),
+                      1e-5);
+}
+
 // A LLaMA whose blocks have 4 experts (top-2, a shared expert, the balancing bias, z-loss).
 const std::string kMoeRun =
     "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "

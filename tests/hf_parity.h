@@ -49,7 +49,7 @@ inline KilnScore kiln_score(Backend& backend, const std::string& hf_dir,
   }
   backend.copy_from_host(tokens, in.data());
   backend.copy_from_host(targets, tgt.data());
-  model->forward(tokens, targets, 0.0f, false);
+  model->forward(tokens, targets, DocumentMask{}, 0.0f, false);
   std::vector<float> losses(in.size());
   backend.copy_to_host(losses.data(), model->losses());
   KilnScore out;

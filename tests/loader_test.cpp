@@ -276,5 +276,108 @@ TEST(LoaderTest, RestorePastEpochIsInputError) {
   EXPECT_EQ(loader.next().inputs[0], 0);
 }
 
+// ---- document masking: doc_start from the separator token -----------------------------------
+
+constexpr int kSep = 7;  // the separator id; every other token of these shards is >= 100
+
+// One shard of n tokens: 100 + i, except kSep at each of `separators` (global positions).
+std::string make_document_shard(int n, const std::vector<int>& separators) {
+  const std::string dir = kiln::testing::make_temp_dir("kiln_loader_docs_");
+  std::vector<uint16_t> tokens(static_cast<size_t>(n));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(100 + i);
+  for (int at : separators) tokens[static_cast<size_t>(at)] = kSep;
+  write_shard(dir + "/train_000000.bin", tokens);
+  return dir + "/train_*.bin";
+}
+
+// What doc_start must be for a window whose first input is global position `first`: the last
+// separator at or before the token, measured from the window, or 0 when that is before it.
+std::vector<int32_t> expected_doc_start(int first, const std::vector<int>& separators) {
+  std::vector<int32_t> out;
+  for (int t = 0; t < kT; ++t) {
+    int start = first;
+    for (int at : separators)
+      if (at <= first + t && at > start) start = at;
+    out.push_back(start - first);
+  }
+  return out;
+}
+
+// Separators at a window's first input (16, 48), its last input (23), as the target past its
+// last input (24: the next window's first), back to back (5, 6: a one-token document), and
+// windows opening mid-document (window 1 opens inside the document that began at 6; window 4
+// holds no separator at all).
+const std::vector<int> kSeparators = {0, 5, 6, 16, 23, 24, 30, 48, 55};
+
+TEST(LoaderDocuments, DocStartIsTheLastSeparatorInTheWindow) {
+  const std::string glob = make_document_shard(81, kSeparators);  // 10 windows of 8
+  DataLoader loader(glob, 2, kT, 0, 1, kVocab, false, 0, false, kSep);
+  for (int step = 0; step < 5; ++step) {
+    const DataLoader::Batch& batch = loader.next();
+    ASSERT_EQ(batch.doc_start.size(), batch.inputs.size());
+    for (int row = 0; row < 2; ++row) {
+      const int first = (2 * step + row) * kT;
+      const std::vector<int32_t> got(batch.doc_start.begin() + row * kT,
+                                     batch.doc_start.begin() + (row + 1) * kT);
+      EXPECT_EQ(got, expected_doc_start(first, kSeparators)) << "window at " << first;
+      // The separator begins its document: a query at a separator sees itself only.
+      for (int t = 0; t < kT; ++t) {
+        if (batch.inputs[static_cast<size_t>(row * kT + t)] == kSep) {
+          EXPECT_EQ(got[static_cast<size_t>(t)], t);
+        }
+      }
+    }
+  }
+}
+
+TEST(LoaderDocuments, NoSeparatorNoDocStarts) {
+  const std::string glob = make_document_shard(81, kSeparators);
+  DataLoader loader(glob, 2, kT, 0, 1, kVocab, false, 0, false);
+  EXPECT_TRUE(loader.next().doc_start.empty());
+}
+
+// doc_start depends only on the window's tokens, so shuffling, prefetching, other ranks and a
+// restored position all serve the starts of the very windows they serve.
+TEST(LoaderDocuments, ShuffledPrefetchedAndRestoredRunsAgree) {
+  const std::string glob = make_document_shard(161, kSeparators);  // 20 windows of 8
+  auto check = [](const DataLoader::Batch& batch) {
+    for (size_t row = 0; row * kT < batch.inputs.size(); ++row) {
+      const int first = batch.inputs[row * kT] == kSep ? -1 : batch.inputs[row * kT] - 100;
+      if (first < 0) continue;  // a window opening on a separator: position unknown here
+      ASSERT_EQ(first % kT, 0);
+      const std::vector<int32_t> got(
+          batch.doc_start.begin() + static_cast<ptrdiff_t>(row * kT),
+          batch.doc_start.begin() + static_cast<ptrdiff_t>((row + 1) * kT));
+      EXPECT_EQ(got, expected_doc_start(first, kSeparators)) << "window at " << first;
+    }
+  };
+  DataLoader a(glob, 2, kT, 1, 2, kVocab, true, 5, true, kSep);
+  DataLoader b(glob, 2, kT, 1, 2, kVocab, true, 5, false, kSep);
+  for (int i = 0; i < 7; ++i) {
+    const DataLoader::Batch& x = a.next();
+    const DataLoader::Batch& y = b.next();
+    EXPECT_EQ(x.inputs, y.inputs);
+    EXPECT_EQ(x.doc_start, y.doc_start);
+    check(x);
+  }
+  const LoaderState saved = a.state();
+  std::vector<std::vector<int32_t>> expect;
+  for (int i = 0; i < 6; ++i) expect.push_back(a.next().doc_start);
+  DataLoader resumed(glob, 2, kT, 1, 2, kVocab, true, 5, true, kSep);
+  resumed.restore(saved);
+  for (int i = 0; i < 6; ++i) {
+    const DataLoader::Batch& x = resumed.next();
+    EXPECT_EQ(x.doc_start, expect[static_cast<size_t>(i)]) << "batch " << i << " after resume";
+    check(x);
+  }
+}
+
+TEST(LoaderDocuments, SeparatorOutsideTheVocabularyIsInputError) {
+  const std::string glob = make_document_shard(81, kSeparators);
+  const std::string msg =
+      kiln::testing::input_error([&] { DataLoader(glob, 1, kT, 0, 1, 256, false, 0, false, 256); });
+  EXPECT_NE(msg.find("document separator 256"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace kiln

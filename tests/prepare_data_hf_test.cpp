@@ -102,6 +102,30 @@ TEST_F(PrepareDataHf, ShardsHoldTheLibrarysIds) {
   EXPECT_EQ(shard_ids(out, 513, 2), expect);
 }
 
+// The end-of-text token before each document is document masking's separator: prepare_data
+// names its id for data.document_separator, and warns, naming the file, when a document's own
+// text encodes to it (a literal "<|endoftext|>" would begin a false document).
+TEST_F(PrepareDataHf, NamesTheSeparatorAndWarnsOfItInsideADocument) {
+  const std::string tok = train_tokenizer("small", 512, 0);
+  const std::string doc = dir_ + "/quotes_the_token.txt";
+  std::ofstream(doc) << "a document that quotes <|endoftext|> in its text\n";
+  const auto r = run_command(kBin + "/prepare_data --out " + dir_ + "/sep --tokenizer " + tok +
+                             " --val-fraction 0" + join(corpus()) + " " + doc);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<uint32_t> ids = reference_ids(tok);
+  ASSERT_FALSE(ids.empty());
+  const std::string sep = std::to_string(ids[0]);  // every document begins with it
+  EXPECT_NE(r.output.find("documents begin with token " + sep +
+                          " (for document masking: data.document_separator: " + sep + ")"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("1 document(s) hold the end-of-text token in their own text (the "
+                          "first: " +
+                          doc + ")"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST_F(PrepareDataHf, VocabularyOver65536WritesUint32Shards) {
   const std::string tok = train_tokenizer("wide", 400, 70000);
   const std::string out = dir_ + "/wide_shards";

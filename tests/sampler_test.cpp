@@ -97,7 +97,7 @@ TEST_P(KvCache, DecodedLogitsAreTheForwardsBitForBit) {
   std::vector<int32_t> text(static_cast<size_t>(T)), targets(text.size());
   for (int t = 0; t < T; ++t) text[t] = (t * 7 + 3) % c.vocab_size;
   for (int t = 0; t < T; ++t) targets[t] = text[(t + 1) % T];
-  model->forward(i32(text, {1, T}), i32(targets, {1, T}), 0.0f, false);
+  model->forward(i32(text, {1, T}), i32(targets, {1, T}), DocumentMask{}, 0.0f, false);
   std::vector<float> full(static_cast<size_t>(T) * Vp), losses(static_cast<size_t>(T));
   cpu().copy_to_host(full.data(), model->logits());
   cpu().copy_to_host(losses.data(), model->losses());
@@ -106,7 +106,7 @@ TEST_P(KvCache, DecodedLogitsAreTheForwardsBitForBit) {
     SCOPED_TRACE("prefix of " + std::to_string(k));
     std::vector<int32_t> window(static_cast<size_t>(T), 0), token(1);
     std::copy(text.begin(), text.begin() + k, window.begin());
-    model->forward(i32(window, {1, T}), i32(targets, {1, T}), 0.0f, false);
+    model->forward(i32(window, {1, T}), i32(targets, {1, T}), DocumentMask{}, 0.0f, false);
     std::vector<float> row(static_cast<size_t>(Vp));
     for (int t = k; t < T; ++t) {
       token[0] = text[t];
@@ -176,7 +176,7 @@ TEST_P(Sampling, PastTheWindowTheCacheKeepsTheNewestHalf) {
     std::fill(window.begin(), window.end(), 0);
     std::copy(out.begin() + static_cast<std::ptrdiff_t>(length) - context,
               out.begin() + static_cast<std::ptrdiff_t>(length), window.begin());
-    model->forward(i32(window, {1, T}), i32(targets, {1, T}), 0.0f, false);
+    model->forward(i32(window, {1, T}), i32(targets, {1, T}), DocumentMask{}, 0.0f, false);
     cpu().copy_to_host(logits.data(), model->logits());
     const float* row = logits.data() + static_cast<size_t>(context - 1) * Vp;
     const int want = static_cast<int>(std::max_element(row, row + c.vocab_size) - row);

@@ -5,11 +5,13 @@
 // are the trainer's per-step times (on a GPU the stream's clock from a step's first op to its
 // loss read-back; on the CPU the host's), median over the timed steps. If the config's
 // data.train matches no file, it trains on a shard of uniformly random tokens written to a temp
-// dir (as the PyTorch reference does).
+// dir (as the PyTorch reference does); with data.document_mask, that shard is cut into documents
+// by the separator token, of random lengths averaging --document-tokens (default 1024), so a
+// masked run's attention skips what a corpus of such documents would let it skip.
 //
 //   bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]
 //         [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]
-//         [--history FILE.jsonl]
+//         [--history FILE.jsonl] [--document-tokens N]
 //
 // Regression tracking: --baseline compares tok/s, ms, MFU and memory (and J/token where both
 // runs measured their GPU's power) with an earlier bench JSON (a file of one, or the last line of
@@ -62,7 +64,7 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: bench CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
     "             [--profile-ops [--profile-steps N]] [--baseline PREV.json [--tolerance 3%]]\n"
-    "             [--history FILE.jsonl] [--nproc-per-node N]\n"
+    "             [--history FILE.jsonl] [--nproc-per-node N] [--document-tokens N]\n"
     "       bench --tiers CONFIG [--section.key=value ...] [--warmup N] [--steps N] [--json PATH]\n"
     "             [--nproc-per-node N]\n"
     "  Trains CONFIG for warmup+steps steps (eval, sampling, resume off) and reports the median\n"
@@ -73,7 +75,9 @@ const char* kUsage =
     "  --tiers: the MFU tier ladder (0 zero1, 1 ddp, 2 + async loader, 3 + CUDA graphs, 4 + FP8),\n"
     "  one run each, as a table and a JSON line per tier; tiers that cannot run here say why.\n"
     "  --nproc-per-node N: each run is `train --nproc-per-node N` beside this binary (N ranks on\n"
-    "  this host, NCCL on GPUs, Gloo on the CPU); tok/s is the whole run's.\n";
+    "  this host, NCCL on GPUs, Gloo on the CPU); tok/s is the whole run's.\n"
+    "  --document-tokens N: with data.document_mask and random tokens, documents of N tokens on\n"
+    "  average (uniform in [1, 2N-1]; default 1024).\n";
 
 struct Options {
   std::string config_path;
@@ -88,6 +92,7 @@ struct Options {
   std::string history_path;
   bool tiers = false;
   int nproc = 1;  // ranks on this host, each run launched as `train --nproc-per-node`
+  int document_tokens = 1024;  // random data with data.document_mask: mean document length
 };
 
 // "3%" or "0.03" -> 0.03.
@@ -160,6 +165,8 @@ Options parse_options(int argc, char** argv) {
       o.tiers = true;
     } else if (arg == "--nproc-per-node") {
       o.nproc = parse_count(arg, take(), 1);
+    } else if (arg == "--document-tokens") {
+      o.document_tokens = parse_count(arg, take(), 1);
     } else if (arg.rfind("-", 0) == 0) {
       throw InputError("unknown flag '" + arg + "' (see bench --help)");
     } else if (o.config_path.empty()) {
@@ -253,31 +260,49 @@ bool glob_matches(const std::string& pattern) {
   return any;
 }
 
+// Uniform random tokens; with a separator (>= 0), none of them is the separator except one
+// at the start of each document, documents of uniform random length in [1, 2 * mean - 1].
 template <class Token>
-std::vector<Token> random_tokens(int64_t n, int vocab_size, uint64_t seed) {
+std::vector<Token> random_tokens(int64_t n, int vocab_size, uint64_t seed, int separator,
+                                 int mean_document) {
   std::vector<Token> tokens(static_cast<size_t>(n));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> dist(0, vocab_size - 1);
-  for (auto& t : tokens) t = static_cast<Token>(dist(rng));
+  for (auto& t : tokens) {
+    int id = dist(rng);
+    if (id == separator) id = (id + 1) % vocab_size;
+    t = static_cast<Token>(id);
+  }
+  if (separator >= 0) {
+    std::uniform_int_distribution<int64_t> length(1, std::max(1, 2 * mean_document - 1));
+    for (int64_t at = 0; at < n; at += length(rng))
+      tokens[static_cast<size_t>(at)] = static_cast<Token>(separator);
+  }
   return tokens;
 }
 
 // One llm.c shard of uniform random tokens in [0, vocab), enough that no window repeats: uint16
 // tokens, or uint32 (LLaMA-3's format) for a vocabulary over 65,536, as prepare_data writes.
-std::string write_random_shard(const Config& cfg, const fs::path& dir) {
+std::string write_random_shard(const Config& cfg, const fs::path& dir, int mean_document) {
   const int64_t windows =
       int64_t{cfg.train.batch_size} * cfg.train.grad_accum * (cfg.train.max_steps + 1);
   const int64_t n = windows * cfg.model.seq_len + 1;
   const auto seed = static_cast<uint64_t>(cfg.train.seed);
   const bool wide = cfg.model.vocab_size > 65536;
+  const int separator = cfg.data.document_mask ? cfg.data.document_separator : -1;
   fs::create_directories(dir);
   const std::string path = (dir / "random_000000.bin").string();
   if (wide)
-    write_shard32(path, random_tokens<uint32_t>(n, cfg.model.vocab_size, seed));
+    write_shard32(path,
+                  random_tokens<uint32_t>(n, cfg.model.vocab_size, seed, separator, mean_document));
   else
-    write_shard(path, random_tokens<uint16_t>(n, cfg.model.vocab_size, seed));
+    write_shard(path,
+                random_tokens<uint16_t>(n, cfg.model.vocab_size, seed, separator, mean_document));
   spdlog::info("bench: data.train '{}' matches no file; training on {} random {}-bit tokens in {}",
                cfg.data.train, n, wide ? 32 : 16, path);
+  if (separator >= 0)
+    spdlog::info("bench: documents of {} tokens on average, each beginning with token {}",
+                 mean_document, separator);
   return path;
 }
 
@@ -431,7 +456,7 @@ Measured measure(const Options& opt, std::vector<std::string> overrides, const f
   if (opt.profile_ops && (cfg.train.device == "cpu" || !cuda_available()))
     throw InputError("--profile-ops times CUDA ops: it needs a GPU and train.device auto or cuda");
   if (cfg.data.sources.empty() && !glob_matches(cfg.data.train)) {
-    cfg.data.train = write_random_shard(cfg, tmp / "data");
+    cfg.data.train = write_random_shard(cfg, tmp / "data", opt.document_tokens);
     m.random_data = true;
   }
 
@@ -484,7 +509,7 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       "\"n_embd\":{},\"params\":{},\"batch_size\":{},\"seq_len\":{},\"grad_accum\":{},"
       "\"tokens_per_step\":{},\"warmup\":{},\"steps\":{},\"ms\":{:.2f},\"ms_min\":{:.2f},"
       "\"ms_max\":{:.2f},\"tok_s\":{:.0f},\"mfu\":{:.1f},\"memory_bytes\":{},\"attention\":{},"
-      "\"loss_last\":{:.4f}{},\"nproc\":{},\"commit\":{},\"date\":{}{}}}",
+      "\"document_mask\":{},\"loss_last\":{:.4f}{},\"nproc\":{},\"commit\":{},\"date\":{}{}}}",
       json_string(summary["backend"].as<std::string>()), json_string(opt.config_path),
       json_string(cfg.model.arch), cfg.model.n_layer, cfg.model.n_embd,
       summary["params"].as<int64_t>(), cfg.train.batch_size, cfg.model.seq_len,
@@ -492,9 +517,8 @@ std::string bench_json(const Options& opt, const Measured& m, const std::string&
       m.med_ms, *std::min_element(m.ms.begin(), m.ms.end()),
       *std::max_element(m.ms.begin(), m.ms.end()), m.tok_s, m.mfu_pct,
       summary["memory_bytes"].as<int64_t>(), json_string(summary["attention"].as<std::string>()),
-      summary["loss_last"].as<double>(), m.energy, opt.nproc,
-      json_string(summary["commit"].as<std::string>()),
-      json_string(utc_now()), extra);
+      cfg.data.document_mask ? "true" : "false", summary["loss_last"].as<double>(), m.energy,
+      opt.nproc, json_string(summary["commit"].as<std::string>()), json_string(utc_now()), extra);
 }
 
 // The MFU tier ladder: each tier adds one optimization to the tier before it, so the table shows
@@ -593,10 +617,11 @@ int run(const Options& opt) {
   const std::string json = bench_json(opt, m, ",\"profile\":" + profile);
   const std::string device = summary["backend"].as<std::string>();
   const auto& ms = m.ms;
-  std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s\n",
+  std::printf("\nbench %s on %s: B=%d T=%d accum=%d, %s params, attention %s%s\n",
               opt.config_path.c_str(), device.c_str(), cfg.train.batch_size, cfg.model.seq_len,
               cfg.train.grad_accum, summary["params"].as<std::string>().c_str(),
-              summary["attention"].as<std::string>().c_str());
+              summary["attention"].as<std::string>().c_str(),
+              cfg.data.document_mask ? " (document mask)" : "");
   std::printf("  median %.2f ms/step (min %.2f, max %.2f) over %d steps after %d warm-up\n",
               m.med_ms, *std::min_element(ms.begin(), ms.end()),
               *std::max_element(ms.begin(), ms.end()), opt.steps, opt.warmup);

@@ -19,6 +19,7 @@
 #include "kernels/error.h"
 #include "tools/tool_args.h"
 #include "train/init_from.h"
+#include "train/step_inputs.h"
 
 using namespace kiln;
 
@@ -83,7 +84,10 @@ int run(int argc, char** argv) {
     throw InputError("--seq-len " + std::to_string(T) + " exceeds the model's seq_len " +
                      std::to_string(mc.seq_len));
 
-  DataLoader loader(data, B, T, 0, 1, mc.vocab_size, false, 0, true);
+  // A run trained with document masking is evaluated with it, as its own evaluations were.
+  const DataSection& dc = model.run_config.data;
+  const int separator = dc.document_mask ? dc.document_separator : -1;
+  DataLoader loader(data, B, T, 0, 1, mc.vocab_size, false, 0, true, separator);
   const int64_t available = loader.steps_per_epoch();
   if (batches == 0 || batches > available) {
     if (batches > available)
@@ -99,11 +103,15 @@ int run(int argc, char** argv) {
   std::unique_ptr<Model> net = make_model(mc, *backend);
   Arena arena(*backend, "eval");
   Tensor weights, master, tokens, targets;
+  DocumentMask docs;
   const int64_t n = net->layout().total;
   arena.plan(&weights, "params.working", {n}, backend->activation_dtype());
   arena.plan(&master, "params.master", {n}, DType::f32);
   arena.plan(&tokens, "tokens", {B, T}, DType::i32);
   arena.plan(&targets, "targets", {B, T}, DType::i32);
+  if (separator >= 0) arena.plan(&docs.key_start, "key_start", {B, T}, DType::i32);
+  if (separator >= 0 && dc.document_positions)
+    arena.plan(&docs.positions, "positions", {B, T}, DType::i32);
   net->plan_activations(arena, B, T, Recompute::none);
   arena.allocate();
   backend->copy_from_host(master, model.params.data());
@@ -117,7 +125,13 @@ int run(int argc, char** argv) {
     const DataLoader::Batch& batch = loader.next();
     backend->copy_from_host(tokens, batch.inputs.data());
     backend->copy_from_host(targets, batch.targets.data());
-    net->forward(tokens, targets, 0.0f, false);
+    if (docs.key_start.defined()) backend->copy_from_host(docs.key_start, batch.doc_start.data());
+    if (docs.positions.defined()) {
+      std::vector<int32_t> positions(batch.doc_start.size());
+      document_positions(batch.doc_start, T, positions.data());
+      backend->copy_from_host(docs.positions, positions.data());
+    }
+    net->forward(tokens, targets, docs, 0.0f, false);
     backend->copy_to_host(losses.data(), net->losses());
     for (float l : losses) sum += l;
   }

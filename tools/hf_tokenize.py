@@ -5,7 +5,9 @@
 
 Each FILE is one document. Writes every document's ids, each document preceded by the EOS
 token (the separator llm.c's shards use), to OUT_BIN as raw little-endian uint32, and prints
-one JSON line: vocab_size, eos_id, eos_token, tokens, bytes, seconds.
+one JSON line: vocab_size, eos_id, eos_token, tokens, bytes, seconds, and eos_inside (the
+documents whose own text encodes to the EOS token, e.g. a literal "<|endoftext|>": with
+document masking each such occurrence would begin a false document) with the first of them.
 
 Tokenization is Hugging Face's `tokenizers` library (its Rust BPE, its Unicode pre-tokenizer
 regex), so ids are exactly what transformers' tokenizer gives. Documents are encoded whole,
@@ -68,12 +70,16 @@ def main():
     eos_id = tokenizer.token_to_id(eos)
 
     start, total_tokens, total_bytes = time.time(), 0, 0
+    eos_inside, eos_inside_first = 0, ""
     with open(args.out, "wb") as out:
-        batch, batch_bytes = [], 0
+        batch, paths, batch_bytes = [], [], 0
 
         def flush():
-            nonlocal total_tokens
-            for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+            nonlocal total_tokens, eos_inside, eos_inside_first
+            for path, encoding in zip(paths, tokenizer.encode_batch(batch, add_special_tokens=False)):
+                if eos_id in encoding.ids:
+                    eos_inside += 1
+                    eos_inside_first = eos_inside_first or path
                 ids = array.array("I", [eos_id])
                 ids.extend(encoding.ids)
                 if sys.byteorder != "little":
@@ -81,6 +87,7 @@ def main():
                 out.write(ids.tobytes())
                 total_tokens += len(ids)
             batch.clear()
+            paths.clear()
 
         for path in args.files:
             try:
@@ -90,6 +97,7 @@ def main():
                 fail(f"{path}: cannot read: {e.strerror}")
             total_bytes += len(raw)
             batch.append(raw.decode("utf-8", errors="replace"))
+            paths.append(path)
             batch_bytes += len(raw)
             if batch_bytes >= BATCH_BYTES:
                 flush()
@@ -98,7 +106,8 @@ def main():
             flush()
     print(json.dumps({"vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
                       "eos_id": eos_id, "eos_token": eos, "tokens": total_tokens,
-                      "bytes": total_bytes, "seconds": round(time.time() - start, 3)}))
+                      "bytes": total_bytes, "seconds": round(time.time() - start, 3),
+                      "eos_inside": eos_inside, "eos_inside_first": eos_inside_first}))
 
 
 if __name__ == "__main__":

@@ -175,8 +175,17 @@ std::string shell_quote(const std::string& text) {
 struct HfTokens {
   std::vector<uint32_t> ids;
   int vocab_size = 0;
+  int eos_id = -1;               // the token before each document
+  int eos_inside = 0;            // documents whose own text encodes to it
+  std::string eos_inside_first;  // the first of them
   std::string summary;  // the helper's JSON line
 };
+
+// The integer after "key": in the helper's JSON line, or `otherwise`.
+int json_int(const std::string& line, const std::string& key, int otherwise) {
+  const size_t at = line.find("\"" + key + "\": ");
+  return at == std::string::npos ? otherwise : std::atoi(line.c_str() + at + key.size() + 4);
+}
 
 // Runs tools/hf_tokenize.py (KILN_HF_TOKENIZE overrides its path, KILN_PYTHON the interpreter)
 // into a temp file in the output folder and reads its uint32 ids back.
@@ -205,6 +214,13 @@ HfTokens hf_tokenize(const Options& opt) {
     throw InputError(output.empty() ? "tokenizing with " + opt.tokenizer + " failed" : output);
   }
   out.vocab_size = std::atoi(out.summary.c_str() + vocab_at + 14);
+  out.eos_id = json_int(out.summary, "eos_id", -1);
+  out.eos_inside = json_int(out.summary, "eos_inside", 0);
+  const std::string first_key = "\"eos_inside_first\": \"";
+  if (const size_t at = out.summary.find(first_key); at != std::string::npos) {
+    const size_t begin = at + first_key.size();
+    out.eos_inside_first = out.summary.substr(begin, out.summary.find('"', begin) - begin);
+  }
   std::ifstream in(ids_path, std::ios::binary);
   in.seekg(0, std::ios::end);
   out.ids.resize(static_cast<size_t>(in.tellg()) / 4);
@@ -236,6 +252,16 @@ void run(const Options& opt) {
     spdlog::info("{}", hf.summary);
     if (hf.ids.empty()) throw InputError("the input files contain no text");
     spdlog::info("vocabulary {} (set model.vocab_size: {})", hf.vocab_size, hf.vocab_size);
+    // Every document begins with the end-of-text token: the separator document masking takes.
+    spdlog::info(
+        "documents begin with token {} (for document masking: data.document_separator: "
+        "{})",
+        hf.eos_id, hf.eos_id);
+    if (hf.eos_inside > 0)
+      spdlog::warn(
+          "{} document(s) hold the end-of-text token in their own text (the first: {}); with "
+          "data.document_mask each occurrence would begin a false document there",
+          hf.eos_inside, hf.eos_inside_first);
     if (hf.vocab_size <= 65536) {
       write_splits(opt, std::vector<uint16_t>(hf.ids.begin(), hf.ids.end()));
     } else {
@@ -260,7 +286,10 @@ void run(const Options& opt) {
     text += doc;
   }
   if (opt.doc_separator >= 0)
-    spdlog::info("{} documents, each preceded by byte {}", opt.inputs.size(), opt.doc_separator);
+    spdlog::info(
+        "{} documents, each preceded by byte {} (for document masking: data.document_separator: "
+        "{})",
+        opt.inputs.size(), opt.doc_separator, opt.doc_separator);
   if (text.size() == opt.inputs.size() * (opt.doc_separator >= 0))
     throw InputError("the input files contain no text");
   write_splits(opt, kiln::byte_encode(text));

@@ -143,6 +143,17 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(data, prefetch), any(),
        "load batches on a background thread; copy them to the device from pinned memory without "
        "waiting"},
+      {KILN_FIELD(data, document_mask), any(),
+       "attention only within each document of a window (causal inside it), documents "
+       "beginning at data.document_separator (docs/data.md#document-masking)"},
+      {KILN_FIELD(data, document_separator), at_least(-1),
+       "the token id that begins each document (prepare_data's --doc-separator byte, or a "
+       "tokenizer.json's end-of-text id, which prepare_data prints); required with "
+       "document_mask, < model.vocab_size; -1: unset"},
+      {KILN_FIELD(data, document_positions), any(),
+       "with document_mask: RoPE positions restart at 0 with each document (false: positions "
+       "run over the window; with the mask the scores differ by rounding only, as RoPE is "
+       "relative); needs model.positions: rope when true"},
       {KILN_FIELD(train, device), one_of({"auto", "cpu", "cuda"}), "backend"},
       {KILN_FIELD(train, batch_size), positive(), "micro-batch (sequences) per rank"},
       {KILN_FIELD(train, grad_accum), positive(), "micro-batches per optimizer step"},
@@ -175,7 +186,8 @@ const std::vector<Field>& schema() {
        "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
       {KILN_FIELD(train, nvtx), any(),
-       "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data wait (off: no cost; a CPU-only build: none)"},
+       "NVTX ranges for Nsight Systems: units' forward and backward, optimizer, collectives, data "
+       "wait (off: no cost; a CPU-only build: none)"},
       {KILN_FIELD(train, tensorboard), any(),
        "rank 0 writes a TensorBoard event file into out_dir: metrics.jsonl's numbers as scalars "
        "and the resolved config as text (docs/operating.md)"},
@@ -417,8 +429,38 @@ struct Resolver {
       if (sources[i].name.empty()) sources[i].name = "source" + std::to_string(i);
   }
 
+  // Document masking's keys: the separator is a token id, and no key is accepted that
+  // nothing would read.
+  void validate_documents() {
+    const DataSection& d = config.data;
+    const Field& separator = *find_field("data", "document_separator");
+    const Field& positions = *find_field("data", "document_positions");
+    if (!d.document_mask) {
+      if (d.document_separator != -1)
+        fail(separator, "is set, but data.document_mask is false (nothing reads it)");
+      if (!d.document_positions)
+        fail(positions, "is set, but data.document_mask is false (nothing reads it)");
+      return;
+    }
+    if (d.document_separator == -1)
+      fail(separator,
+           "is required with data.document_mask: true: the token id that begins each document "
+           "(prepare_data prints it)");
+    if (d.document_separator >= config.model.vocab_size)
+      fail(separator, "must be a token id below model.vocab_size (" +
+                          std::to_string(config.model.vocab_size) + "), got " +
+                          std::to_string(d.document_separator));
+    if (d.document_positions && config.model.positions != "rope")
+      fail(positions,
+           "restarts RoPE positions with each document, but model.positions is " +
+               config.model.positions +
+               " (learned positions are not restarted): set data.document_positions: false, or "
+               "model.positions: rope");
+  }
+
   // data.train/val or data.sources, never both; each source readable as a metrics key.
   void validate_data() {
+    validate_documents();
     const DataSection& d = config.data;
     const Field& sources = *find_field("data", "sources");
     if (d.sources.empty()) {

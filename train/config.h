@@ -76,6 +76,11 @@ struct DataSection {
   std::vector<DataSource> sources;
   bool shuffle = true;  // permute window order per shard and epoch (seeded by train.seed)
   bool prefetch = true; // background loader thread
+  // Document masking (docs/data.md#document-masking): attention stays within each document of
+  // a window, documents beginning at the separator token; RoPE positions restart with each.
+  bool document_mask = false;
+  int document_separator = -1;     // the token id that begins each document (-1: unset)
+  bool document_positions = true;  // with document_mask: RoPE positions restart per document
 };
 
 struct TrainSection {

@@ -3,7 +3,7 @@
 namespace kiln {
 
 Evaluation::Evaluation(const Config& cfg, int rank, int world_size, Backend& backend, Model& model,
-                       const StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
+                       StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
                        std::function<void(Tensor)> sum_over_ranks)
     : cfg_(cfg),
       world_size_(world_size),
@@ -16,17 +16,18 @@ Evaluation::Evaluation(const Config& cfg, int rank, int world_size, Backend& bac
   if (cfg.train.eval_every == 0) return;
   const int B = cfg.train.batch_size, T = model.config().seq_len, R = rank, W = world_size,
             V = model.config().vocab_size;
+  const int sep = cfg.data.document_mask ? cfg.data.document_separator : -1;
   if (cfg.data.sources.empty()) {
     if (!cfg.data.val.empty())
       loaders_.push_back(
-          {"", 1, open_data("data.val", cfg.data.val, B, T, R, W, V, false, 0, false)});
+          {"", 1, open_data("data.val", cfg.data.val, B, T, R, W, V, false, 0, false, sep)});
     return;
   }
   for (const DataSource& s : cfg.data.sources)
     if (!s.val.empty())
       loaders_.push_back({s.name, s.weight,
                           open_data(("data.sources " + s.name + " val").c_str(), s.val, B, T, R, W,
-                                    V, false, 0, false)});
+                                    V, false, 0, false, sep)});
 }
 
 void Evaluation::run(StepMetrics& sm) {
@@ -48,11 +49,8 @@ double Evaluation::mean_loss(DataLoader& loader) {
   Backend& k = backend_;
   loader.reset();
   for (int i = 0; i < cfg_.train.eval_steps; ++i) {
-    const DataLoader::Batch& batch = loader.next();
-    const Tensor tokens = inputs_.tokens(0), targets = inputs_.targets(0);
-    k.copy_from_host(tokens, batch.inputs.data());
-    k.copy_from_host(targets, batch.targets.data());
-    model_.forward(tokens, targets, 0.0f, false);
+    inputs_.copy_batch(loader.next());
+    model_.forward(inputs_.tokens(0), inputs_.targets(0), inputs_.documents(0), 0.0f, false);
     nvtx_.close_unit();  // no backward follows to close the last unit's forward
     k.reduce_sum(loss_sum_, model_.losses(), i > 0);
   }

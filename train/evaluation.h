@@ -25,7 +25,7 @@ class Evaluation {
   // micro-batch 0, its losses are summed into `loss_sum` (planned later, read at each run),
   // and `sum_over_ranks` sums that over the ranks.
   Evaluation(const Config& cfg, int rank, int world_size, Backend& backend, Model& model,
-             const StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
+             StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
              std::function<void(Tensor)> sum_over_ranks);
   bool on() const { return !loaders_.empty(); }
   // Whether finishing `step` (1-based) evaluates: every train.eval_every steps, and the last.
@@ -48,7 +48,7 @@ class Evaluation {
   int world_size_;
   Backend& backend_;
   Model& model_;
-  const StepInputs& inputs_;
+  StepInputs& inputs_;
   const Tensor& loss_sum_;
   Nvtx& nvtx_;
   std::function<void(Tensor)> sum_over_ranks_;

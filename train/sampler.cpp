@@ -78,7 +78,7 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
       std::fill(window.begin(), window.end(), 0);
       std::copy(prompt.end() - next, prompt.end(), window.begin());
       backend.copy_from_host(tokens, window.data());
-      model->forward(tokens, targets, 0.0f, false);
+      model->forward(tokens, targets, DocumentMask{}, 0.0f, false);
       last = model->logits().slice(static_cast<int64_t>(next - 1) * Vp, {Vp});
     }
     context = next;

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
+#include <vector>
 
 #include "kernels/error.h"
 
@@ -9,10 +11,10 @@ namespace kiln {
 
 std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, int B, int T,
                                       int rank, int world_size, int vocab_size, bool shuffle,
-                                      uint64_t seed, bool prefetch) {
+                                      uint64_t seed, bool prefetch, int document_separator) {
   try {
     return std::make_unique<DataLoader>(glob, B, T, rank, world_size, vocab_size, shuffle, seed,
-                                        prefetch);
+                                        prefetch, document_separator);
   } catch (const InputError& e) {
     throw InputError(std::string(key) + ": " + e.what());
   }
@@ -20,17 +22,25 @@ std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, 
 
 std::unique_ptr<DataLoader> open_mixture(const std::vector<LoaderSource>& sources, int B, int T,
                                          int rank, int world_size, int vocab_size, bool shuffle,
-                                         uint64_t seed, bool prefetch) {
+                                         uint64_t seed, bool prefetch, int document_separator) {
   try {
     return std::make_unique<DataLoader>(sources, B, T, rank, world_size, vocab_size, shuffle, seed,
-                                        prefetch);
+                                        prefetch, document_separator);
   } catch (const InputError& e) {
     throw InputError(std::string("data.sources: ") + e.what());
   }
 }
 
-StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T)
-    : backend_(backend), accum_(grad_accum), B_(B), T_(T) {}
+void document_positions(const std::vector<int32_t>& doc_start, int T, int32_t* positions) {
+  for (size_t i = 0; i < doc_start.size(); ++i)
+    positions[i] = static_cast<int32_t>(i % static_cast<size_t>(T)) - doc_start[i];
+}
+
+StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs)
+    : backend_(backend), accum_(grad_accum), B_(B), T_(T), docs_(docs) {
+  if (docs.positions && !docs.key_start)
+    throw std::logic_error("StepInputs: document positions without document masking");
+}
 
 StepInputs::~StepInputs() {
   for (Staging& st : staging_)
@@ -40,16 +50,46 @@ StepInputs::~StepInputs() {
 void StepInputs::plan(Arena& arena) {
   arena.plan(&tokens_, "tokens", {accum_, B_, T_}, DType::i32);
   arena.plan(&targets_, "targets", {accum_, B_, T_}, DType::i32);
+  if (docs_.key_start) arena.plan(&key_start_, "key_start", {accum_, B_, T_}, DType::i32);
+  if (docs_.positions) arena.plan(&positions_, "positions", {accum_, B_, T_}, DType::i32);
 }
 
 void StepInputs::allocate_staging() {
   const size_t batch = static_cast<size_t>(tokens_.numel());
   for (Staging& st : staging_) {
-    st.memory = backend_.allocate_host((2 * batch + 2) * sizeof(int32_t));
+    const size_t doc_arrays = size_t{docs_.key_start} + size_t{docs_.positions};
+    st.memory = backend_.allocate_host(((2 + doc_arrays) * batch + 2) * sizeof(int32_t));
     st.tokens = static_cast<int32_t*>(st.memory);
     st.targets = st.tokens + batch;
     st.sched = reinterpret_cast<float*>(st.targets + batch);
+    st.key_start = reinterpret_cast<int32_t*>(st.sched + 2);
+    st.positions = st.key_start + batch;
   }
+}
+
+void StepInputs::copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const {
+  const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
+  std::memcpy(st.tokens + micro * n, batch.inputs.data(), n * sizeof(int32_t));
+  std::memcpy(st.targets + micro * n, batch.targets.data(), n * sizeof(int32_t));
+  if (!docs_.key_start) return;
+  if (batch.doc_start.size() != n)
+    throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
+  std::memcpy(st.key_start + micro * n, batch.doc_start.data(), n * sizeof(int32_t));
+  if (docs_.positions) document_positions(batch.doc_start, T_, st.positions + micro * n);
+}
+
+void StepInputs::copy_batch(const DataLoader::Batch& batch) {
+  backend_.copy_from_host(tokens(0), batch.inputs.data());
+  backend_.copy_from_host(targets(0), batch.targets.data());
+  const DocumentMask docs = documents(0);
+  if (!docs.key_start.defined()) return;
+  if (batch.doc_start.size() != static_cast<size_t>(B_) * static_cast<size_t>(T_))
+    throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
+  backend_.copy_from_host(docs.key_start, batch.doc_start.data());
+  if (!docs.positions.defined()) return;
+  std::vector<int32_t> positions(batch.doc_start.size());
+  document_positions(batch.doc_start, T_, positions.data());
+  backend_.copy_from_host(docs.positions, positions.data());
 }
 
 double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx,
@@ -58,7 +98,6 @@ double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, 
   const int slot = step % Backend::kUploadSlots;
   backend_.upload_wait(slot);  // the stream has copied what this slot held two steps ago
   const Staging& st = staging_[slot];
-  const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
   std::chrono::steady_clock::duration waited{};
   for (int micro = 0; micro < accum_; ++micro) {
     Nvtx::Range data_wait = nvtx.range("data wait");
@@ -66,14 +105,15 @@ double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, 
     const DataLoader::Batch& batch = loader.next();
     waited += std::chrono::steady_clock::now() - asked;
     data_wait.end();
-    std::memcpy(st.tokens + micro * n, batch.inputs.data(), n * sizeof(int32_t));
-    std::memcpy(st.targets + micro * n, batch.targets.data(), n * sizeof(int32_t));
+    copy_rows(st, micro, batch);
   }
   st.sched[0] = static_cast<float>(lr);
   st.sched[1] = static_cast<float>(step + 1);  // 1-based, for AdamW's bias correction
   backend_.copy_from_host_async(tokens_, st.tokens);
   backend_.copy_from_host_async(targets_, st.targets);
   backend_.copy_from_host_async(sched.slice(kSchedLr, {2}), st.sched);
+  if (docs_.key_start) backend_.copy_from_host_async(key_start_, st.key_start);
+  if (docs_.positions) backend_.copy_from_host_async(positions_, st.positions);
   backend_.upload_done(slot);
   if (wait) backend_.upload_wait(slot);
   return std::chrono::duration<double>(waited).count();

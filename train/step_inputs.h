@@ -2,7 +2,9 @@
 // ([accum, B, T] i32 each) and the step's lr and number (in the optimizer's sched tensor),
 // copied from pinned host memory (Backend::copy_from_host_async) before the step's work is
 // enqueued and outside any graph, so a captured step reads them at fixed addresses. The host
-// fills one upload slot while the stream may still copy from the other.
+// fills one upload slot while the stream may still copy from the other. With document masking
+// the micro-batches' key starts and RoPE positions ([accum, B, T] i32 each) travel the same
+// way: fixed shapes and addresses however many documents a step holds, so a graph replays.
 #pragma once
 
 #include <cstdint>
@@ -11,23 +13,33 @@
 
 #include "data/loader.h"
 #include "kernels/arena.h"
+#include "model/layers/layer.h"
 #include "train/nvtx.h"
 
 namespace kiln {
 
 // The loader of the data section's `key` (data.train, data.val) for this rank: a glob or shard
-// it cannot read is an InputError naming the key.
+// it cannot read is an InputError naming the key. document_separator: DataLoader's (-1: none).
 std::unique_ptr<DataLoader> open_data(const char* key, const std::string& glob, int B, int T,
                                       int rank, int world_size, int vocab_size, bool shuffle,
-                                      uint64_t seed, bool prefetch);
+                                      uint64_t seed, bool prefetch, int document_separator);
 // The same for data.sources: a weighted mixture of the sources' train globs.
 std::unique_ptr<DataLoader> open_mixture(const std::vector<LoaderSource>& sources, int B, int T,
                                          int rank, int world_size, int vocab_size, bool shuffle,
-                                         uint64_t seed, bool prefetch);
+                                         uint64_t seed, bool prefetch, int document_separator);
+
+// Which document-mask inputs a run uploads (data.document_mask, data.document_positions).
+struct DocumentInputs {
+  bool key_start = false;  // attention within each document
+  bool positions = false;  // RoPE positions restarting at each document
+};
+
+// RoPE positions from a batch's document starts: positions[i] = i % T - doc_start[i].
+void document_positions(const std::vector<int32_t>& doc_start, int T, int32_t* positions);
 
 class StepInputs {
  public:
-  StepInputs(Backend& backend, int grad_accum, int B, int T);
+  StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs = {});
   StepInputs(const StepInputs&) = delete;
   StepInputs& operator=(const StepInputs&) = delete;
   ~StepInputs();
@@ -41,25 +53,40 @@ class StepInputs {
   // the loader's batches (the /metrics endpoint's kiln_data_wait_seconds).
   double stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx, bool wait);
 
+  // Copies one batch into micro-batch 0 and waits (evaluation).
+  void copy_batch(const DataLoader::Batch& batch);
+
   // Micro-batch `micro`'s [B, T] view of the tokens and targets (evaluation writes micro 0).
   Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }
   Tensor targets(int micro) const { return micro_batch(targets_, micro); }
+  // Its document mask: undefined tensors where document masking (or its positions) is off.
+  DocumentMask documents(int micro) const {
+    return {key_start_.defined() ? micro_batch(key_start_, micro) : Tensor{},
+            positions_.defined() ? micro_batch(positions_, micro) : Tensor{}};
+  }
 
  private:
   Tensor micro_batch(Tensor all, int micro) const {
     return all.slice(micro * static_cast<int64_t>(B_) * T_, {B_, T_});
   }
-  // Per upload slot, one Backend::allocate_host block: tokens, targets, then lr and step.
+  // Per upload slot, one Backend::allocate_host block: tokens, targets, then lr and step, then
+  // (document masking) the key starts and positions.
   struct Staging {
     void* memory = nullptr;
     int32_t* tokens = nullptr;
     int32_t* targets = nullptr;
     float* sched = nullptr;
+    int32_t* key_start = nullptr;
+    int32_t* positions = nullptr;
   };
+  // Micro-batch `micro`'s rows of `batch` into the slot's host buffers.
+  void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const;
 
   Backend& backend_;
   int accum_, B_, T_;
+  DocumentInputs docs_;
   Tensor tokens_, targets_;
+  Tensor key_start_, positions_;  // document masking only
   Staging staging_[Backend::kUploadSlots];
 };
 

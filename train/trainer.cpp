@@ -157,7 +157,9 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       state_arena_(*backend_, "parameters and optimizer"),
       acts_arena_(*backend_, "activations"),
       optimizer_(optimizer_step(cfg.optim, rank.world_size)),
-      inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len),
+      inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len,
+              DocumentInputs{cfg.data.document_mask,
+                             cfg.data.document_mask && cfg.data.document_positions}),
       graph_(
           *backend_, [this](bool break_capture) { step_work(break_capture); },
           [this] { strategy_->forget_placement(); }) {
@@ -226,10 +228,11 @@ void Trainer::step_work(bool break_capture) {
   for (int micro = 0; micro < accum; ++micro) {
     const Tensor tokens = inputs_.tokens(micro);
     strategy_->set_micro_batch(micro, accum);
-    model_->forward(tokens, inputs_.targets(micro), dloss_scale, true);
+    const DocumentMask docs = inputs_.documents(micro);
+    model_->forward(tokens, inputs_.targets(micro), docs, dloss_scale, true);
     if (break_capture) k.synchronize();  // a host sync: what no capture can hold
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
-    model_->backward(tokens);
+    model_->backward(tokens, docs);
   }
   all_reduce(loss_sum_);
   if (moe()) {
@@ -301,14 +304,18 @@ int Trainer::run() {
   if (is_main()) check_run_dir(cfg_);
   const int R = rank_.rank, W = rank_.world_size, V = mcfg_.vocab_size;
   const auto seed = static_cast<uint64_t>(t.seed);
+  const int sep = cfg_.data.document_mask ? cfg_.data.document_separator : -1;
+  if (is_main() && sep >= 0)
+    spdlog::info("document masking: on (documents begin at token {}; RoPE positions {})", sep,
+                 cfg_.data.document_positions ? "restart per document" : "run over the window");
   if (cfg_.data.sources.empty()) {
     train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
-                              seed, cfg_.data.prefetch);
+                              seed, cfg_.data.prefetch, sep);
   } else {
     std::vector<LoaderSource> sources;
     for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
     train_loader_ =
-        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch);
+        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch, sep);
   }
   evaluation_ = std::make_unique<Evaluation>(cfg_, R, W, *backend_, *model_, inputs_, loss_sum_,
                                              nvtx_, [this](Tensor t) { all_reduce(t); });

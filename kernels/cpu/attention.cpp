@@ -9,6 +9,8 @@
 // the query heads of its group in order, so dk/dv sum the group's heads and the query rows t in a
 // fixed order whatever the thread count. With KV == NH this is exactly the per-(batch, head)
 // arithmetic of plain multi-head attention, float operation for float operation.
+// With key_start (document masking) query t's keys run from key_start[b,t] instead of 0: the
+// same loops over fewer keys, so without it the arithmetic is the plain causal one unchanged.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -42,28 +44,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Query row t of head h of one sequence (seq: its qkv[T,row]) over the keys 0..t: writes the
+// Query row t of head h of one sequence (seq: its qkv[T,row]) over the keys j0..t: writes the
 // head's output o[hs] and returns the row's log-sum-exp. p: scratch for t + 1 scores. The forward
 // and the decode step both run this, so a decoded row has the bits of the forward's.
-float attend_row(float* o, const float* seq, const AttnDims& d, int64_t h, int64_t t, float scale,
-                 float* p) {
+float attend_row(float* o, const float* seq, const AttnDims& d, int64_t h, int64_t t, int64_t j0,
+                 float scale, float* p) {
   const int64_t hs = d.hs, row = d.row, kvh = h / d.group;
   const float* q = seq + t * row + h * hs;
   const float* k_base = seq + d.q_dim + kvh * hs;
   const float* v_base = seq + d.v_off + kvh * hs;
   float max_s = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j <= t; ++j) {
+  for (int64_t j = j0; j <= t; ++j) {
     p[j] = dot(q, k_base + j * row, hs) * scale;
     max_s = std::max(max_s, p[j]);
   }
   double sum = 0.0;
-  for (int64_t j = 0; j <= t; ++j) {
+  for (int64_t j = j0; j <= t; ++j) {
     p[j] = std::exp(p[j] - max_s);
     sum += p[j];
   }
   const float inv_sum = static_cast<float>(1.0 / sum);
   for (int64_t i = 0; i < hs; ++i) o[i] = 0.0f;
-  for (int64_t j = 0; j <= t; ++j) {
+  for (int64_t j = j0; j <= t; ++j) {
     const float pj = p[j] * inv_sum;
     const float* v = v_base + j * row;
     for (int64_t i = 0; i < hs; ++i) o[i] += pj * v[i];
@@ -71,10 +73,24 @@ float attend_row(float* o, const float* seq, const AttnDims& d, int64_t h, int64
   return max_s + static_cast<float>(std::log(sum));
 }
 
+// The first key of query t of sequence b: key_start's value, or 0 without one.
+inline int64_t first_key(const int32_t* key_start, int64_t b, int64_t T, int64_t t) {
+  return key_start ? key_start[b * T + t] : 0;
+}
+
+// key_start's host pointer after checking its values (the contract checked dtype and shape).
+const int32_t* checked_key_start(const OpCheck& c, Tensor key_start) {
+  if (!key_start.defined()) return nullptr;
+  c.key_starts("key_start", key_start);
+  return key_start.ptr<int32_t>();
+}
+
 }  // namespace
 
-void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a) {
+void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                                       Tensor key_start) {
   const AttnDims d = attn_dims(qkv, a);
+  const int32_t* ks = checked_key_start(op_check("attention_forward"), key_start);
 
   const int64_t T = d.T, NH = d.NH, hs = d.hs, row = d.row, Q = d.q_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -88,7 +104,7 @@ void CpuBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const
       const int64_t b = bh / NH, h = bh % NH;
       for (int64_t t = 0; t < T; ++t)
         lse_p[bh * T + t] = attend_row(out_p + (b * T + t) * Q + h * hs, qkv_p + b * T * row, d, h,
-                                       t, scale, p.data());
+                                       t, first_key(ks, b, T, t), scale, p.data());
     }
   }
 }
@@ -115,14 +131,15 @@ void CpuBackend::run_attention_decode(Tensor out, Tensor qkv, const AttentionDim
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < d.B * NH; ++bh) {
       const int64_t b = bh / NH, h = bh % NH;
-      attend_row(out_p + b * Q + h * hs, qkv_p + b * T * row, d, h, T - 1, scale, p.data());
+      attend_row(out_p + b * Q + h * hs, qkv_p + b * T * row, d, h, T - 1, 0, scale, p.data());
     }
   }
 }
 
 void CpuBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                        Tensor lse, const AttentionDims& a) {
+                                        Tensor lse, const AttentionDims& a, Tensor key_start) {
   const AttnDims d = attn_dims(qkv, a);
+  const int32_t* ks = checked_key_start(op_check("attention_backward"), key_start);
   const int64_t T = d.T, NH = d.NH, KV = d.KV, hs = d.hs, row = d.row, Q = d.q_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float *qkv_p = qkv.ptr<float>(), *dout_p = dout.ptr<float>(), *out_p = out.ptr<float>();
@@ -151,7 +168,7 @@ void CpuBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Te
         const float D = dot(dy, out_p + (b * T + t) * Q + h * hs, hs);
         const float row_lse = lse_p[bh * T + t];
         float* dq = dq_base + t * row;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first_key(ks, b, T, t); j <= t; ++j) {
           const float* k = k_base + j * row;
           const float* v = v_base + j * row;
           const float p = std::exp(dot(q, k, hs) * scale - row_lse);

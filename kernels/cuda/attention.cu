@@ -13,6 +13,9 @@
 //  - cudnn (attention_cudnn.cpp): cuDNN's fused SDPA through the frontend graph API.
 // The backward kernels here and in flash are deterministic: dq by query rows, dk/dv by key
 // rows of a kv head, no atomics.
+// Document masking (key_start): naive and flash take a per-query first key; cuDNN's SDPA has no
+// such bound at kiln's fixed shapes (its ragged offsets would change the graph with the number
+// of documents), so a masked call runs flash where cudnn is selected, said once in the log.
 #include <spdlog/spdlog.h>
 
 #include <cmath>
@@ -27,8 +30,9 @@ using namespace cuda;
 
 namespace cuda {
 
-AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a) {
+AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a, const Tensor& key_start) {
   AttentionShape d;
+  if (key_start.defined()) d.key_start = key_start.ptr<int>();
   d.B = static_cast<int>(qkv.dim(0));
   d.T = static_cast<int>(qkv.dim(1));
   d.NH = a.n_head;
@@ -82,11 +86,12 @@ __global__ void naive_forward_kernel(bf16* out, float* lse, const bf16* qkv, Att
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kcol = d.k_offset + (h / d.group) * hs, vcol = d.v_offset + (h / d.group) * hs;
   const bf16* row0 = qkv + static_cast<int64_t>(b) * T * S;
+  const int k0 = first_key(d, b, t);
   for (int i = threadIdx.x; i < hs; i += blockDim.x)
     q[i] = to_float(row0[static_cast<int64_t>(t) * S + h * hs + i]);
   __syncthreads();
   float m = -INFINITY;
-  for (int k = threadIdx.x; k <= t; k += blockDim.x) {
+  for (int k = k0 + threadIdx.x; k <= t; k += blockDim.x) {
     const bf16* key = row0 + static_cast<int64_t>(k) * S + kcol;
     float s = 0.0f;
     for (int i = 0; i < hs; ++i) s += q[i] * to_float(key[i]);
@@ -95,7 +100,7 @@ __global__ void naive_forward_kernel(bf16* out, float* lse, const bf16* qkv, Att
   }
   m = block_max(m, red);
   float sum = 0.0f;
-  for (int k = threadIdx.x; k <= t; k += blockDim.x) {
+  for (int k = k0 + threadIdx.x; k <= t; k += blockDim.x) {
     const float e = expf(p[k] - m);
     p[k] = e;
     sum += e;
@@ -104,7 +109,7 @@ __global__ void naive_forward_kernel(bf16* out, float* lse, const bf16* qkv, Att
   if (threadIdx.x == 0) lse[(static_cast<int64_t>(b) * d.NH + h) * T + t] = m + logf(sum);
   for (int i = threadIdx.x; i < hs; i += blockDim.x) {
     float acc = 0.0f;
-    for (int k = 0; k <= t; ++k)
+    for (int k = k0; k <= t; ++k)
       acc += p[k] * to_float(row0[static_cast<int64_t>(k) * S + vcol + i]);
     out[(static_cast<int64_t>(b) * T + t) * d.out_stride + h * hs + i] =
         __float2bfloat16_rn(acc / sum);
@@ -129,7 +134,8 @@ __global__ void naive_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, c
   }
   __syncthreads();
   const float row_lse = lse[stat], row_delta = delta[stat];
-  for (int k = threadIdx.x; k <= t; k += blockDim.x) {
+  const int k0 = first_key(d, b, t);
+  for (int k = k0 + threadIdx.x; k <= t; k += blockDim.x) {
     const bf16* key = row0 + static_cast<int64_t>(k) * S + kcol;
     const bf16* val = row0 + static_cast<int64_t>(k) * S + vcol;
     float s = 0.0f, dp = 0.0f;
@@ -143,7 +149,7 @@ __global__ void naive_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, c
   __syncthreads();
   for (int i = threadIdx.x; i < hs; i += blockDim.x) {
     float acc = 0.0f;
-    for (int k = 0; k <= t; ++k)
+    for (int k = k0; k <= t; ++k)
       acc += ds[k] * to_float(row0[static_cast<int64_t>(k) * S + kcol + i]);
     dqkv[(static_cast<int64_t>(b) * T + t) * S + h * hs + i] = __float2bfloat16_rn(acc * d.scale);
   }
@@ -183,7 +189,8 @@ __global__ void naive_dkv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, 
         dp += to_float(go[i]) * vv[i];
       }
       const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
-      const float pt = expf(sc * d.scale - lse[stat]);
+      // A query of a later document does not see this key.
+      const float pt = first_key(d, b, t) <= s_idx ? expf(sc * d.scale - lse[stat]) : 0.0f;
       p[t] = pt;
       ds[t] = pt * (dp - delta[stat]);
     }
@@ -240,15 +247,26 @@ void CudaBackend::set_attention(const std::string& kind) {
   spdlog::info("attention: {} (requested)", attention_kind_name(attention_));
 }
 
-void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv,
-                                        const AttentionDims& a) {
+AttentionKind CudaBackend::masked_attention_kind() {
+  if (attention_ != AttentionKind::cudnn) return attention_;
+  if (!masked_fallback_logged_) {
+    spdlog::info(
+        "attention: document-masked calls -> flash (cuDNN's SDPA takes no per-query first key "
+        "at fixed shapes); unmasked calls stay on cudnn");
+    masked_fallback_logged_ = true;
+  }
+  return AttentionKind::flash;
+}
+
+void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                                        Tensor key_start) {
   const AttentionShape d = attention_shape(qkv, a);
-  switch (attention_) {
+  switch (key_start.defined() ? masked_attention_kind() : attention_) {
     case AttentionKind::naive:
-      attention_forward_naive(out, lse, qkv, a);
+      attention_forward_naive(out, lse, qkv, a, key_start);
       break;
     case AttentionKind::flash:
-      attention_forward_flash(out, lse, qkv, a);
+      attention_forward_flash(out, lse, qkv, a, key_start);
       break;
     case AttentionKind::cudnn:
       if (!attention_auto_) {
@@ -262,20 +280,20 @@ void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv,
             "attention: auto -> flash: cuDNN SDPA failed for B={} T={} NH={} KV={} hs={}: {}", d.B,
             d.T, d.NH, d.KV, d.hs, e.what());
         attention_ = AttentionKind::flash;
-        attention_forward_flash(out, lse, qkv, a);
+        attention_forward_flash(out, lse, qkv, a, key_start);
       }
       break;
   }
 }
 
 void CudaBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                         Tensor lse, const AttentionDims& a) {
-  switch (attention_) {
+                                         Tensor lse, const AttentionDims& a, Tensor key_start) {
+  switch (key_start.defined() ? masked_attention_kind() : attention_) {
     case AttentionKind::naive:
-      attention_backward_naive(dqkv, dout, qkv, out, lse, a);
+      attention_backward_naive(dqkv, dout, qkv, out, lse, a, key_start);
       break;
     case AttentionKind::flash:
-      attention_backward_flash(dqkv, dout, qkv, out, lse, a);
+      attention_backward_flash(dqkv, dout, qkv, out, lse, a, key_start);
       break;
     case AttentionKind::cudnn:
       attention_backward_cudnn(dqkv, dout, qkv, out, lse, a);
@@ -284,8 +302,8 @@ void CudaBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, T
 }
 
 void CudaBackend::attention_forward_naive(Tensor out, Tensor lse, Tensor qkv,
-                                          const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                          const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   const size_t shmem = naive_shared_bytes(d, 1, 1);
   if (shmem > 48 * 1024)
     throw std::invalid_argument("cuda attention (naive): T=" + std::to_string(d.T) +
@@ -296,8 +314,8 @@ void CudaBackend::attention_forward_naive(Tensor out, Tensor lse, Tensor qkv,
 }
 
 void CudaBackend::attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                           Tensor lse, const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   const size_t shmem = naive_shared_bytes(d, 4, 2);
   if (shmem > 48 * 1024)
     throw std::invalid_argument("cuda attention (naive): T=" + std::to_string(d.T) +

@@ -17,10 +17,22 @@ struct AttentionShape {
   int k_offset = 0;    // NH hs: the first key head
   int v_offset = 0;    // (NH + KV) hs: the first value head
   float scale = 1.0f;  // 1 / sqrt(hs)
+  // Document masking: key_start[b*T + t] is query t's first key (attention_forward's contract:
+  // <= t, never decreasing in t); nullptr: 0, plain causal.
+  const int* key_start = nullptr;
 };
 
-// The shape of qkv as `a` splits it (the op's contract has checked that they agree).
-AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a);
+#ifdef __CUDACC__
+// Query t's first key in sequence b.
+__device__ inline int first_key(const AttentionShape& d, int b, int t) {
+  return d.key_start ? d.key_start[static_cast<int64_t>(b) * d.T + t] : 0;
+}
+#endif
+
+// The shape of qkv as `a` splits it (the op's contract has checked that they agree), with
+// key_start's device pointer when it is defined.
+AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a,
+                               const Tensor& key_start = Tensor{});
 // delta f32[B,NH,T] in the backend's scratch (valid until the next op that uses scratch).
 float* attention_delta(CudaBackend& backend, const AttentionShape& d, const Tensor& dout,
                        const Tensor& out);

@@ -8,6 +8,11 @@
 // Head sizes 32, 64, 128 (HS is a template parameter: the per-thread slices live in registers).
 // This version uses CUDA cores (FFMA), not tensor cores: correct and O(T) in memory, several
 // times slower than cuDNN's SDPA. A wgmma version is future work (see docs/cuda.md).
+// Document masking (d.key_start): query t sees keys key_start[t]..t. Because key_start never
+// decreases along t, a query tile's smallest first key is its first row's, so the forward and
+// dq start at that key's tile, and dk/dv stop at the first query tile whose first row starts
+// past the key tile: tiles no query of the block sees are never loaded, and a window of short
+// documents costs about sum(len^2) instead of T^2.
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -59,7 +64,8 @@ __global__ void __launch_bounds__(kThreads)
     o[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int kt = 0; kt <= qt; ++kt) {
+  const int k0 = t < T ? first_key(d, b, t) : T;  // this row's first key
+  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= qt; ++kt) {
     __syncthreads();
     load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
     load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
@@ -73,11 +79,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < P; ++i) acc += q[i] * ks[j][part * P + i];
       acc = group_sum(acc);
       const int key = kt * kTile + j;
-      s[j] = (key <= t && key < T) ? acc : -INFINITY;
+      s[j] = (key >= k0 && key <= t && key < T) ? acc : -INFINITY;
       tile_max = fmaxf(tile_max, s[j]);
     }
     const float m_new = fmaxf(m, tile_max);
-    if (m_new == -INFINITY) continue;  // only rows past T see no key at all
+    if (m_new == -INFINITY) continue;  // rows past T, or before their document's first tile
     const float corr = expf(m - m_new);
     l *= corr;
 #pragma unroll
@@ -125,7 +131,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
   const float row_lse = t < T ? lse[stat] : 0.0f;
   const float row_delta = t < T ? delta[stat] : 0.0f;
-  for (int kt = 0; kt <= qt; ++kt) {
+  const int k0 = t < T ? first_key(d, b, t) : T;
+  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= qt; ++kt) {
     __syncthreads();
     load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
     load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
@@ -141,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
       s = group_sum(s);
       dp = group_sum(dp);
       const int key = kt * kTile + j;
-      const float p = (key <= t && t < T) ? expf(s * d.scale - row_lse) : 0.0f;
+      const float p = (key >= k0 && key <= t && t < T) ? expf(s * d.scale - row_lse) : 0.0f;
       const float ds = p * (dp - row_delta);
 #pragma unroll
       for (int i = 0; i < P; ++i) dq[i] += ds * ks[j][part * P + i];
@@ -164,6 +171,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float gs[kTile][HS];
   __shared__ float lse_s[kTile];
   __shared__ float delta_s[kTile];
+  __shared__ int k0_s[kTile];  // the query rows' first keys
   const int st = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int T = d.T, S = d.qkv_stride;
   const int kcol = d.k_offset + kvh * HS, vcol = d.v_offset + kvh * HS;
@@ -181,8 +189,12 @@ __global__ void __launch_bounds__(kThreads)
     dv[i] = 0.0f;
   }
   const int qtiles = (T + kTile - 1) / kTile;
+  const int last_key = st * kTile + kTile - 1;
   for (int h = kvh * d.group; h < (kvh + 1) * d.group; ++h) {
     for (int qt = st; qt < qtiles; ++qt) {
+      // Every thread reads the same first key, so the whole block leaves together: from this
+      // query tile on, every query's document starts after this key tile.
+      if (first_key(d, b, qt * kTile) > last_key) break;
       __syncthreads();
       load_tile<HS>(qs, base, S, h * HS, qt * kTile, T);
       load_tile<HS>(gs, dout0, d.out_stride, h * HS, qt * kTile, T);
@@ -191,6 +203,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
         lse_s[threadIdx.x] = t < T ? lse[stat] : 0.0f;
         delta_s[threadIdx.x] = t < T ? delta[stat] : 0.0f;
+        k0_s[threadIdx.x] = t < T ? first_key(d, b, t) : T;
       }
       __syncthreads();
 #pragma unroll 4
@@ -204,7 +217,9 @@ __global__ void __launch_bounds__(kThreads)
         s = group_sum(s);
         dp = group_sum(dp);
         const int t = qt * kTile + j;
-        const float p = (t >= s_idx && t < T && s_idx < T) ? expf(s * d.scale - lse_s[j]) : 0.0f;
+        const float p = (t >= s_idx && t < T && s_idx < T && k0_s[j] <= s_idx)
+                            ? expf(s * d.scale - lse_s[j])
+                            : 0.0f;
         const float ds = p * (dp - delta_s[j]);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
@@ -231,8 +246,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
-                                          const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                          const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
 #define KILN_FLASH_FWD(HS) \
   flash_forward_kernel<HS> \
@@ -248,8 +263,8 @@ void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
 }
 
 void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                           Tensor lse, const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   if (d.hs != 32 && d.hs != 64 && d.hs != 128) unsupported_head_size(d.hs);
   const float* delta = attention_delta(*this, d, dout, out);
   const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.T, kTile), d.KV, d.B);

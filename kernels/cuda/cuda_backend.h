@@ -52,6 +52,9 @@ class CudaBackend final : public Backend {
   // else flash; the choice and the reason are logged. Throws std::invalid_argument otherwise.
   void set_attention(const std::string& kind) override;
   std::string attention_name() const override;
+  // The implementation a document-masked call (a defined key_start) runs: the selected one, or
+  // flash where that is cudnn (logged once).
+  AttentionKind masked_attention_kind();
   AttentionKind attention() const { return attention_; }
   // Backward through GELU (matmul_backward with inp_pre_gelu): cuBLASLt's DGELU epilogue, or a
   // plain GEMM and a gelu' kernel. Auto (the default) times both per shape at first use; tests
@@ -134,12 +137,15 @@ class CudaBackend final : public Backend {
   void swiglu_dgrad(Tensor dpre, Tensor dout, Tensor weight, Tensor pre);
   // Device offsets the CUTLASS path cannot take: copied to the host (a stream sync, logged once).
   const int* group_offsets_to_host(Tensor offsets, int64_t rows, const char* op, const char* why);
-  void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
+  // key_start: attention_forward's (undefined: plain causal).
+  void attention_forward_naive(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                               Tensor key_start);
   void attention_backward_naive(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                const AttentionDims& a);
-  void attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
+                                const AttentionDims& a, Tensor key_start);
+  void attention_forward_flash(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                               Tensor key_start);
   void attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                const AttentionDims& a);
+                                const AttentionDims& a, Tensor key_start);
   void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);
@@ -172,6 +178,7 @@ class CudaBackend final : public Backend {
   bool step_marked_[kReadbackSlots] = {};
   AttentionKind attention_ = AttentionKind::flash;
   bool attention_auto_ = false;  // chosen by "auto": a cuDNN failure falls back to flash
+  bool masked_fallback_logged_ = false;  // masked_attention_kind's line
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;
   std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_;
   std::unique_ptr<GroupedGemms, GroupedGemmsDeleter> grouped_;

@@ -115,9 +115,9 @@ class OpTimer final : public Backend {
                   Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
                   const Fp8Linear& f) const;
   std::string key(OpTag<Op::attention_forward>, Tensor out, Tensor lse, Tensor qkv,
-                  const AttentionDims& a) const;
+                  const AttentionDims& a, Tensor key_start) const;
   std::string key(OpTag<Op::attention_backward>, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                  Tensor lse, const AttentionDims& a) const;
+                  Tensor lse, const AttentionDims& a, Tensor key_start) const;
 
   struct Record {
     std::string key;

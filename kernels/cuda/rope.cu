@@ -11,6 +11,8 @@
 //    of the token reuses them: the sincosf cost is amortized over NH + KV heads, and the kernel
 //    is a memory-bound stream of 16-byte loads and stores (8 pairs per thread).
 //  - Each thread reads both halves of its pairs before writing them, so out may be inp.
+//  - Document masking passes each token's position (i32, in device memory, read once per
+//    block): the same angle formula, so a token gets the bits of that position's rotation.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -40,6 +42,7 @@ struct RopeShape {
   int copied = 0;      // KV value heads per token, 0 when out == inp
   int row = 0;         // (NH + 2 KV) hs
   float sin_sign = 1;  // +1 forward, -1 backward (the transpose rotation)
+  const int* positions = nullptr;  // per token, or nullptr: t0 + the row's index
 };
 
 template <int kVec>
@@ -48,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
   const int half = s.hs / 2;
   const int64_t token = blockIdx.x;
-  const float t = static_cast<float>(s.t0 + token % s.T);
+  const float t = static_cast<float>(s.positions ? s.positions[token] : s.t0 + token % s.T);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn, cs;
     sincosf(t * f.inv_freq[i], &sn, &cs);
@@ -91,7 +94,8 @@ __global__ void __launch_bounds__(kThreads)
 // The kernel's frequency table holds kMaxHalf pairs: wider heads are refused, and so are more
 // tokens than a grid's x dimension (a block per token).
 void cuda::rope_rotate(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp,
-                       const AttentionDims& a, const Rope& rope, bool backward, int t0) {
+                       const AttentionDims& a, const Rope& rope, bool backward, int t0,
+                       Tensor positions) {
   if (a.head_dim > 2 * kMaxHalf)
     c.fail("dims",
            "head_dim " + std::to_string(a.head_dim) + " is over " + std::to_string(2 * kMaxHalf));
@@ -103,6 +107,7 @@ void cuda::rope_rotate(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor
   s.copied = out.data == inp.data ? 0 : a.n_kv_head;
   s.row = static_cast<int>(a.qkv_dim());
   s.sin_sign = backward ? -1.0f : 1.0f;
+  if (positions.defined()) s.positions = positions.ptr<int>();
   RopeFreqs f{};
   const std::vector<float> inv_freq = rope_inv_freq(a.head_dim, rope);
   std::copy(inv_freq.begin(), inv_freq.end(), f.inv_freq);
@@ -117,14 +122,14 @@ void cuda::rope_rotate(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a,
-                                   const Rope& r) {
-  rope_rotate(op_check("rope_forward"), stream_, out, inp, a, r, false, 0);
+void CudaBackend::run_rope_forward(Tensor out, Tensor inp, const AttentionDims& a, const Rope& r,
+                                   Tensor positions) {
+  rope_rotate(op_check("rope_forward"), stream_, out, inp, a, r, false, 0, positions);
 }
 
-void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a,
-                                    const Rope& r) {
-  rope_rotate(op_check("rope_backward"), stream_, dinp, dout, a, r, true, 0);
+void CudaBackend::run_rope_backward(Tensor dinp, Tensor dout, const AttentionDims& a, const Rope& r,
+                                    Tensor positions) {
+  rope_rotate(op_check("rope_backward"), stream_, dinp, dout, a, r, true, 0, positions);
 }
 
 }  // namespace kiln

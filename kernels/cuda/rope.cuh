@@ -7,8 +7,10 @@
 namespace kiln::cuda {
 
 // Rotates the query and key heads of inp[B,T,qkv_dim] into out (which may be inp), row t of each
-// sequence for position t0 + t, by -angle when `backward`; value heads are copied.
+// sequence for position t0 + t (or positions[b,t] when defined, i32 in device memory), by -angle
+// when `backward`; value heads are copied.
 void rope_rotate(const OpCheck& c, cudaStream_t stream, Tensor out, Tensor inp,
-                 const AttentionDims& a, const Rope& rope, bool backward, int t0);
+                 const AttentionDims& a, const Rope& rope, bool backward, int t0,
+                 Tensor positions = Tensor{});
 
 }  // namespace kiln::cuda

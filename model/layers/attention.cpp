@@ -31,13 +31,14 @@ void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int6
   if (qk_norm) planner(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);
 }
 
-void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const {
+void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
+                        const DocumentMask& docs) const {
   qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, inp);
   if (qk_norm)
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
-  if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params);
-  k.attention_forward(a.y, a.lse, a.qkv, dims);
+  if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params, docs.positions);
+  k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
   proj.forward(k, w, a.out, a.y);
 }
 
@@ -55,10 +56,11 @@ void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, T
 }
 
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
-                         Tensor dinp, Tensor dout, Tensor inp, const Acts& a) const {
+                         Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
+                         const DocumentMask& docs) const {
   proj.backward(k, w, g, s.dy, dout, a.y);
-  k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims);
-  if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_params);
+  k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims, docs.key_start);
+  if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_params, docs.positions);
   Tensor dqkv = s.dqkv;
   if (qk_norm) {
     k.qk_norm_backward(s.dqkv_raw, param(g, q_norm), param(g, k_norm), s.dqkv, a.qkv_raw,

@@ -38,10 +38,12 @@ struct Attention {
   void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
             DType act) const;
   void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
-  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp) const;
+  // docs: the micro-batch's document mask (model/layers/layer.h; {}: plain causal).
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
+               const DocumentMask& docs) const;
   // Activation recomputation: the core's output and log-sum-exp again, from the kept qkv.
-  void recompute_core(Backend& k, const Acts& a) const {
-    k.attention_forward(a.y, a.lse, a.qkv, dims);
+  void recompute_core(Backend& k, const Acts& a, const DocumentMask& docs) const {
+    k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
   }
   // One token at position `pos` (a: one-token buffers, inp [1,1,C]) against the KV cache
   // `cache` (the forward's a.qkv [1,T,qkv_dim], rows 0..pos-1 filled): its q, k and v go to row
@@ -50,7 +52,7 @@ struct Attention {
               int64_t pos) const;
   // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
-                Tensor dout, Tensor inp, const Acts& a) const;
+                Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs) const;
 };
 
 }  // namespace kiln

@@ -22,6 +22,15 @@ using Params = std::vector<Tensor>;
 using Planner =
     std::function<void(Tensor* slot, const std::string& name, Shape shape, DType dtype)>;
 
+// Document masking's per-token inputs of a micro-batch (data.document_mask, docs/data.md):
+// i32[B,T] each in backend memory, undefined where off. key_start[b,t]: the first key query t
+// attends, its document's first row (attention_forward's key_start); positions[b,t]: its RoPE
+// position, t - key_start[b,t] (rope_forward's positions; undefined: t, as without documents).
+struct DocumentMask {
+  Tensor key_start;
+  Tensor positions;
+};
+
 // The tensor at `index`, or an undefined one for an absent parameter (index < 0).
 inline Tensor param(const Params& p, int index) {
   return index < 0 ? Tensor{} : p[static_cast<size_t>(index)];

@@ -2,9 +2,10 @@
 // gives the eager run's losses and final parameters bit for bit. The graph holds the same
 // kernels with the same arguments in the same order, and lr, the step number and the batch are
 // read from device memory, so nothing may differ. Checked with grad_accum > 1, an eval in the
-// middle, a checkpoint and resume, every strategy, recomputation and FP8; a capture forced to
-// fail falls back with the eager losses; and the NCCL communicator's collectives replay from a
-// graph (a one-rank communicator: several ranks wait for a machine with several GPUs).
+// middle, a checkpoint and resume, every strategy, recomputation, FP8 and document masking; a
+// capture forced to fail falls back with the eager losses; and the NCCL communicator's
+// collectives replay from a graph (a one-rank communicator: several ranks wait for a machine
+// with several GPUs).
 #ifdef KILN_WITH_CUDA
 
 #include <cuda_runtime.h>
@@ -107,6 +108,26 @@ TEST_F(CudaGraphRun, EveryStrategyRecomputationAndLlamaReplayBitForBit) {
     EXPECT_NE(log.find(kCaptured), std::string::npos) << log;
     expect_identical("eager", "graph");
   }
+}
+
+// Document masking: each micro-batch's key starts and positions are uploaded into the same
+// buffers, so a captured step replays with every step's own documents (here each line of the
+// licence text is a document: the separator is the newline byte), bit for bit against eager.
+TEST_F(CudaGraphRun, DocumentMaskReplaysBitForBit) {
+  const std::string extra =
+      "--model.arch=llama --model.n_kv_head=2 --data.document_mask=true "
+      "--data.document_separator=10 --train.resume=none";
+  const std::string eager = train("eager", extra);
+  EXPECT_NE(eager.find("document masking: on"), std::string::npos) << eager;
+  const std::string log = train("graph", extra + " --train.cuda_graphs=true");
+  EXPECT_NE(log.find(kCaptured), std::string::npos) << log;
+  expect_identical("eager", "graph");
+  // And the mask changes the run.
+  train("unmasked", "--model.arch=llama --model.n_kv_head=2 --train.resume=none");
+  const auto masked = testing::read_losses(out("eager"));
+  const auto plain = testing::read_losses(out("unmasked"));
+  ASSERT_EQ(masked.size(), plain.size());
+  EXPECT_NE(masked.back().text, plain.back().text);
 }
 
 TEST_F(CudaGraphRun, Fp8ReplayMatchesEagerBitForBit) {

@@ -532,20 +532,20 @@ TEST_P(CudaRope, ForwardBackwardInPlace) {
   std::vector<float> x = rand(n, 2.0f), dout = rand(n);
   Buf cx = cpu({B, T, D}, x), gx = act({B, T, D}, x);
   Buf co = cpu({B, T, D}, std::vector<float>(n)), go = poisoned({B, T, D}, DType::bf16);
-  cpu_->rope_forward(co, cx, a, rope);
-  gpu_->rope_forward(go, gx, a, rope);
+  cpu_->rope_forward(co, cx, a, rope, Tensor{});
+  gpu_->rope_forward(go, gx, a, rope, Tensor{});
   const std::vector<float> out = host(go);
   EXPECT_CLOSE(out, host(co), kBf16Tol, "rope out");
-  gpu_->rope_forward(gx, gx, a, rope);
+  gpu_->rope_forward(gx, gx, a, rope, Tensor{});
   EXPECT_EQ(out, host(gx)) << "in-place forward differs";
 
   Buf cdo = cpu({B, T, D}, dout), gdo = act({B, T, D}, dout);
   Buf cdi = cpu({B, T, D}, std::vector<float>(n)), gdi = poisoned({B, T, D}, DType::bf16);
-  cpu_->rope_backward(cdi, cdo, a, rope);
-  gpu_->rope_backward(gdi, gdo, a, rope);
+  cpu_->rope_backward(cdi, cdo, a, rope, Tensor{});
+  gpu_->rope_backward(gdi, gdo, a, rope, Tensor{});
   const std::vector<float> din = host(gdi);
   EXPECT_CLOSE(din, host(cdi), kBf16Tol, "rope dinp");
-  gpu_->rope_backward(gdo, gdo, a, rope);
+  gpu_->rope_backward(gdo, gdo, a, rope, Tensor{});
   EXPECT_EQ(din, host(gdo)) << "in-place backward differs";
   for (int64_t t = 0; t < int64_t{B} * T; ++t)  // value heads: copied bit for bit
     for (int64_t i = (a.n_head + a.n_kv_head) * a.head_dim; i < D; ++i)
@@ -727,15 +727,15 @@ TEST_P(CudaAttention, MatchesCpuAndNaive) {
   std::vector<float> qkv = rand(B * T * D, 2.0f), dout = rand(B * T * C);
   Buf cqkv = cpu({B, T, D}, qkv), gqkv = act({B, T, D}, qkv);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), clse = cpu({B, NH, T}, std::vector<float>(B * NH * T));
-  cpu_->attention_forward(cout_, clse, cqkv, a);
+  cpu_->attention_forward(cout_, clse, cqkv, a, Tensor{});
 
   // Naive GPU forward: the reference the others are also compared with.
   gpu_->set_attention("naive");
   Buf nout = poisoned({B, T, C}, DType::bf16), nlse = poisoned({B, NH, T}, DType::f32);
-  gpu_->attention_forward(nout, nlse, gqkv, a);
+  gpu_->attention_forward(nout, nlse, gqkv, a, Tensor{});
   gpu_->set_attention(ac.kind);
   Buf gout = poisoned({B, T, C}, DType::bf16), glse = poisoned({B, NH, T}, DType::f32);
-  gpu_->attention_forward(gout, glse, gqkv, a);
+  gpu_->attention_forward(gout, glse, gqkv, a, Tensor{});
   EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, std::string(ac.kind) + " out vs cpu");
   EXPECT_CLOSE(host(glse), host(clse), kF32Tol, std::string(ac.kind) + " lse vs cpu");
   EXPECT_CLOSE(host(gout), host(nout), kBf16Tol, std::string(ac.kind) + " out vs naive");
@@ -744,21 +744,21 @@ TEST_P(CudaAttention, MatchesCpuAndNaive) {
   // Backward from each side's own forward.
   Buf cdo = cpu({B, T, C}, dout), gdo = act({B, T, C}, dout);
   Buf cdqkv = cpu({B, T, D}, std::vector<float>(B * T * D));
-  cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, a);
+  cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, a, Tensor{});
   Buf gdqkv = poisoned({B, T, D}, DType::bf16);
-  gpu_->attention_backward(gdqkv, gdo, gqkv, gout, glse, a);
+  gpu_->attention_backward(gdqkv, gdo, gqkv, gout, glse, a, Tensor{});
   EXPECT_CLOSE(host(gdqkv), host(cdqkv), kAttnGradTol, std::string(ac.kind) + " dqkv vs cpu");
 
   // lse interchangeability: this backend's backward from the NAIVE forward's out/lse, and the
   // naive backward from this backend's out/lse, both against the naive pipeline.
   gpu_->set_attention("naive");
   Buf ndqkv = poisoned({B, T, D}, DType::bf16);
-  gpu_->attention_backward(ndqkv, gdo, gqkv, nout, nlse, a);
+  gpu_->attention_backward(ndqkv, gdo, gqkv, nout, nlse, a, Tensor{});
   Buf x1 = poisoned({B, T, D}, DType::bf16);
-  gpu_->attention_backward(x1, gdo, gqkv, gout, glse, a);
+  gpu_->attention_backward(x1, gdo, gqkv, gout, glse, a, Tensor{});
   gpu_->set_attention(ac.kind);
   Buf x2 = poisoned({B, T, D}, DType::bf16);
-  gpu_->attention_backward(x2, gdo, gqkv, nout, nlse, a);
+  gpu_->attention_backward(x2, gdo, gqkv, nout, nlse, a, Tensor{});
   const std::vector<float> naive_dqkv = host(ndqkv);
   EXPECT_CLOSE(host(x1), naive_dqkv, kAttnGradTol, std::string("naive backward from ") + ac.kind + " lse");
   EXPECT_CLOSE(host(x2), naive_dqkv, kAttnGradTol, std::string(ac.kind) + " backward from naive lse");
@@ -782,6 +782,174 @@ INSTANTIATE_TEST_SUITE_P(
         name += "_NH" + std::to_string(i.param.NH) + "_KV" + std::to_string(i.param.KV);
       return name;
     });
+
+// ---- document masking: attention with per-query key starts, RoPE with positions ----------
+
+// Random document starts for B rows of T tokens with documents of about `mean` tokens, a fifth
+// of them one token long; each row's first document is one the window opens inside. Returns
+// key_start i32[B*T] as the loader fills doc_start.
+std::vector<int32_t> random_key_starts(std::mt19937& rng, int B, int T, int mean) {
+  std::vector<int32_t> ks(static_cast<size_t>(B) * T);
+  std::uniform_int_distribution<int> length(1, std::max(1, 2 * mean - 1));
+  std::uniform_int_distribution<int> fifth(0, 4);
+  for (int b = 0; b < B; ++b) {
+    int start = 0, next = length(rng);
+    for (int t = 0; t < T; ++t) {
+      if (t == next) start = t, next = t + (fifth(rng) == 0 ? 1 : length(rng));
+      ks[static_cast<size_t>(b) * T + t] = start;
+    }
+  }
+  return ks;
+}
+
+struct DocAttnCase {
+  const char* kind;  // cudnn: a masked call runs flash (cuDNN's SDPA takes no key starts)
+  int B, T, NH, KV, hs;
+  int mean_doc;
+};
+
+class CudaDocumentAttention : public CudaOps, public ::testing::WithParamInterface<DocAttnCase> {};
+
+// The masked forward (out, lse) and backward (dqkv) against the CPU's masked op, the GPU's
+// naive masked kernels as a second reference, and the backward run twice bit for bit.
+TEST_P(CudaDocumentAttention, MatchesCpuAndNaive) {
+  const DocAttnCase dc = GetParam();
+  if (std::string(dc.kind) == "cudnn" && !CudaBackend::cudnn_built())
+    GTEST_SKIP() << "built without cuDNN";
+  const AttentionDims a{dc.NH, dc.KV, dc.hs};
+  const int B = dc.B, T = dc.T, NH = dc.NH;
+  const int64_t C = a.q_dim(), D = a.qkv_dim();
+  const std::vector<int32_t> ks = random_key_starts(rng_, B, T, dc.mean_doc);
+  int docs = 0, singles = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(ks.size()); ++i)
+    if (ks[i] == i % T) {
+      ++docs;
+      singles += (i % T + 1 == T || ks[i + 1] != ks[i]);
+    }
+  std::cout << "  " << docs << " documents (" << singles << " of one token)\n";
+  Buf cks = ints(*cpu_, {B, T}, DType::i32, ks), gks = ints(*gpu_, {B, T}, DType::i32, ks);
+  std::vector<float> qkv = rand(int64_t{B} * T * D, 2.0f), dout = rand(int64_t{B} * T * C);
+  Buf cqkv = cpu({B, T, D}, qkv), gqkv = act({B, T, D}, qkv);
+  Buf cout_ = cpu({B, T, C}, std::vector<float>(static_cast<size_t>(B * T * C)));
+  Buf clse = cpu({B, NH, T}, std::vector<float>(static_cast<size_t>(B * NH * T)));
+  cpu_->attention_forward(cout_, clse, cqkv, a, cks);
+
+  gpu_->set_attention("naive");
+  Buf nout = poisoned({B, T, C}, DType::bf16), nlse = poisoned({B, NH, T}, DType::f32);
+  gpu_->attention_forward(nout, nlse, gqkv, a, gks);
+  gpu_->set_attention(dc.kind);
+  Buf gout = poisoned({B, T, C}, DType::bf16), glse = poisoned({B, NH, T}, DType::f32);
+  gpu_->attention_forward(gout, glse, gqkv, a, gks);
+  const std::string kind = std::string(dc.kind) + " masked";
+  EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, kind + " out vs cpu");
+  EXPECT_CLOSE(host(glse), host(clse), kF32Tol, kind + " lse vs cpu");
+  EXPECT_CLOSE(host(nout), host(cout_), kBf16Tol, "naive masked out vs cpu");
+  EXPECT_CLOSE(host(nlse), host(clse), kF32Tol, "naive masked lse vs cpu");
+
+  Buf cdo = cpu({B, T, C}, dout), gdo = act({B, T, C}, dout);
+  Buf cdqkv = cpu({B, T, D}, std::vector<float>(static_cast<size_t>(B * T * D)));
+  cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, a, cks);
+  Buf gdqkv = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(gdqkv, gdo, gqkv, gout, glse, a, gks);
+  const std::vector<float> dqkv = host(gdqkv);
+  EXPECT_CLOSE(dqkv, host(cdqkv), kAttnGradTol, kind + " dqkv vs cpu");
+  Buf again = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(again, gdo, gqkv, gout, glse, a, gks);
+  EXPECT_EQ(dqkv, host(again)) << kind << " backward is not deterministic";
+
+  gpu_->set_attention("naive");
+  Buf ndqkv = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(ndqkv, gdo, gqkv, nout, nlse, a, gks);
+  EXPECT_CLOSE(host(ndqkv), host(cdqkv), kAttnGradTol, "naive masked dqkv vs cpu");
+}
+
+// Key starts of all zeros are plain causal attention: the masked flash kernels give the plain
+// ones' bits (the same tiles in the same order).
+TEST_F(CudaOps, ZeroKeyStartsAreThePlainFlashKernelsBitForBit) {
+  const AttentionDims a{8, 2, 64};
+  const int B = 2, T = 300;
+  const int64_t C = a.q_dim(), D = a.qkv_dim();
+  const std::vector<float> qkv = rand(int64_t{B} * T * D, 2.0f), dout = rand(int64_t{B} * T * C);
+  Buf gqkv = act({B, T, D}, qkv), gdo = act({B, T, C}, dout);
+  Buf gks = ints(*gpu_, {B, T}, DType::i32, std::vector<int32_t>(static_cast<size_t>(B) * T, 0));
+  gpu_->set_attention("flash");
+  Buf o1 = poisoned({B, T, C}, DType::bf16), l1 = poisoned({B, 8, T}, DType::f32);
+  Buf o2 = poisoned({B, T, C}, DType::bf16), l2 = poisoned({B, 8, T}, DType::f32);
+  gpu_->attention_forward(o1, l1, gqkv, a, Tensor{});
+  gpu_->attention_forward(o2, l2, gqkv, a, gks);
+  EXPECT_EQ(host(o1), host(o2));
+  EXPECT_EQ(host(l1), host(l2));
+  Buf d1 = poisoned({B, T, D}, DType::bf16), d2 = poisoned({B, T, D}, DType::bf16);
+  gpu_->attention_backward(d1, gdo, gqkv, o1, l1, a, Tensor{});
+  gpu_->attention_backward(d2, gdo, gqkv, o2, l2, a, gks);
+  EXPECT_EQ(host(d1), host(d2));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, CudaDocumentAttention,
+    ::testing::Values(
+        // T up to 2048, documents of ~100 to ~300 tokens, head widths 64 and 128, GQA and MHA
+        DocAttnCase{"flash", 2, 2048, 8, 2, 64, 100},
+        DocAttnCase{"flash", 1, 2048, 16, 8, 128, 300}, DocAttnCase{"flash", 2, 1024, 4, 4, 64, 60},
+        DocAttnCase{"flash", 2, 1000, 4, 1, 128, 40},
+        // T not a multiple of the 32-row tiles; documents of a few tokens (most tiles cut)
+        DocAttnCase{"flash", 2, 333, 4, 4, 64, 3}, DocAttnCase{"flash", 3, 200, 8, 2, 128, 8},
+        DocAttnCase{"flash", 2, 97, 4, 2, 32, 5},
+        // one long document the window opens inside, and one boundary
+        DocAttnCase{"flash", 1, 1024, 4, 2, 64, 900}, DocAttnCase{"naive", 2, 300, 8, 2, 64, 40},
+        DocAttnCase{"naive", 1, 512, 4, 1, 128, 20}, DocAttnCase{"cudnn", 2, 512, 8, 2, 128, 60},
+        DocAttnCase{"cudnn", 1, 2048, 16, 8, 128, 1000}),
+    [](const ::testing::TestParamInfo<DocAttnCase>& i) {
+      const DocAttnCase& d = i.param;
+      return std::string(d.kind) + "_B" + std::to_string(d.B) + "_T" + std::to_string(d.T) + "_NH" +
+             std::to_string(d.NH) + "_KV" + std::to_string(d.KV) + "_hs" + std::to_string(d.hs) +
+             "_doc" + std::to_string(d.mean_doc);
+    });
+
+// RoPE positions restarting per document (t - key_start), forward and backward, in place and
+// out of place, against the CPU.
+struct DocRopeCase {
+  HeadsCase heads;
+  int B, T, mean_doc;
+};
+
+class CudaDocumentRope : public CudaOps, public ::testing::WithParamInterface<DocRopeCase> {};
+
+TEST_P(CudaDocumentRope, MatchesCpu) {
+  const DocRopeCase rc = GetParam();
+  const AttentionDims a{rc.heads.NH, rc.heads.KV, rc.heads.hs};
+  const int B = rc.B, T = rc.T;
+  const Rope rope{1e4f, {}};
+  const std::vector<int32_t> ks = random_key_starts(rng_, B, T, rc.mean_doc);
+  std::vector<int32_t> pos(ks.size());
+  for (size_t i = 0; i < ks.size(); ++i) pos[i] = static_cast<int32_t>(i % T) - ks[i];
+  Buf cpos = ints(*cpu_, {B, T}, DType::i32, pos), gpos = ints(*gpu_, {B, T}, DType::i32, pos);
+  const int64_t D = a.qkv_dim(), n = int64_t{B} * T * D;
+  std::vector<float> x = rand(n, 2.0f), dout = rand(n);
+  Buf cx = cpu({B, T, D}, x), gx = act({B, T, D}, x);
+  Buf co = cpu({B, T, D}, std::vector<float>(n)), go = poisoned({B, T, D}, DType::bf16);
+  cpu_->rope_forward(co, cx, a, rope, cpos);
+  gpu_->rope_forward(go, gx, a, rope, gpos);
+  const std::vector<float> out = host(go);
+  EXPECT_CLOSE(out, host(co), kBf16Tol, "rope out with document positions");
+  gpu_->rope_forward(gx, gx, a, rope, gpos);
+  EXPECT_EQ(out, host(gx)) << "in-place forward differs";
+  Buf cdo = cpu({B, T, D}, dout), gdo = act({B, T, D}, dout);
+  Buf cdi = cpu({B, T, D}, std::vector<float>(n)), gdi = poisoned({B, T, D}, DType::bf16);
+  cpu_->rope_backward(cdi, cdo, a, rope, cpos);
+  gpu_->rope_backward(gdi, gdo, a, rope, gpos);
+  EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, "rope dinp with document positions");
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, CudaDocumentRope,
+                         ::testing::Values(DocRopeCase{{8, 2, 64}, 2, 2048, 100},
+                                           DocRopeCase{{16, 8, 128}, 1, 2048, 300},
+                                           DocRopeCase{{4, 4, 64}, 2, 333, 3},
+                                           DocRopeCase{{2, 1, 24}, 2, 50, 4}),
+                         [](const ::testing::TestParamInfo<DocRopeCase>& i) {
+                           return heads_name(i.param.heads) + "_T" + std::to_string(i.param.T) +
+                                  "_doc" + std::to_string(i.param.mean_doc);
+                         });
 
 // A decoding step (the newest row of a KV cache, rotated in place for its position, attending
 // over every row) against the CPU's, and against the GPU forward's last row: MHA, GQA and MQA,
@@ -813,7 +981,7 @@ TEST_P(CudaAttentionDecode, MatchesCpuAndTheForwardsLastRow) {
   // The naive forward over the rotated cache: its last row is the decoded one.
   gpu_->set_attention("naive");
   Buf fout = poisoned({B, T, Q}, DType::bf16), flse = poisoned({B, dc.NH, T}, DType::f32);
-  gpu_->attention_forward(fout, flse, gqkv, a);
+  gpu_->attention_forward(fout, flse, gqkv, a, Tensor{});
   const std::vector<float> full = host(fout);
   std::vector<float> last;
   for (int b = 0; b < B; ++b)

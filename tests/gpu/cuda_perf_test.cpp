@@ -1,6 +1,7 @@
 // Timings of the CUDA ops at GPT-2 124M shapes (B=16, T=1024, C=768, NH=12, Vp=50304) and of the
 // LLaMA/Qwen3 ops at LLaMA 1.36B shapes (B=8, T=2048, C=2048, 16 heads of 128, F=5504; 8 kv
-// heads as Qwen3 has; and its FP8 casts), and of the MoE ops at moe-2.9b-a1b's shapes: not
+// heads as Qwen3 has; and its FP8 casts), of document-masked attention at T = 8192 against
+// causal, and of the MoE ops at moe-2.9b-a1b's shapes: not
 // tests (DISABLED_, so ctest skips them), measurements for docs/PERF.md. Run on a GPU host with
 //   ./build/bin/kiln_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudaPerf.*'
 // Each op: 3 warm-ups, then the median of 20 runs timed with CUDA events on the backend's
@@ -161,13 +162,13 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
     row(("attention_forward " + k).c_str(),
         median_ms(gpu,
                   [&] {
-                    gpu.attention_forward(att, lse, qkv, {NH, NH, C / NH});
+                    gpu.attention_forward(att, lse, qkv, {NH, NH, C / NH}, Tensor{});
                   }),
         attn_flops, 0);
     row(("attention_backward " + k).c_str(),
         median_ms(gpu,
                   [&] {
-                    gpu.attention_backward(dqkv, datt, qkv, att, lse, {NH, NH, C / NH});
+                    gpu.attention_backward(dqkv, datt, qkv, att, lse, {NH, NH, C / NH}, Tensor{});
                   }),
         2.5 * attn_flops, 0);
   }
@@ -233,11 +234,23 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     row("qk_norm_backward",
         median_ms(gpu, [&] { gpu.qk_norm_backward(dqkv, dwq, dwk, out, qkv, wq, wk, rstd, a); }), 0,
         3 * qkv_bytes);
-    row("rope_forward (in place)", median_ms(gpu, [&] { gpu.rope_forward(out, out, a, Rope{1e6f, {}}); }), 0,
-        2 * rot_bytes);
-    row("rope_forward (out of place)", median_ms(gpu, [&] { gpu.rope_forward(out, qkv, a, Rope{1e6f, {}}); }),
+    row("rope_forward (in place)",
+        median_ms(gpu,
+                  [&] {
+                    gpu.rope_forward(out, out, a, Rope{1e6f, {}}, Tensor{});
+                  }),
+        0, 2 * rot_bytes);
+    row("rope_forward (out of place)",
+        median_ms(gpu,
+                  [&] {
+                    gpu.rope_forward(out, qkv, a, Rope{1e6f, {}}, Tensor{});
+                  }),
         0, 2 * qkv_bytes);
-    row("rope_backward (in place)", median_ms(gpu, [&] { gpu.rope_backward(dqkv, dqkv, a, Rope{1e6f, {}}); }),
+    row("rope_backward (in place)",
+        median_ms(gpu,
+                  [&] {
+                    gpu.rope_backward(dqkv, dqkv, a, Rope{1e6f, {}}, Tensor{});
+                  }),
         0, 2 * rot_bytes);
     if (CudaBackend::cudnn_built()) {
       DevTensor att(gpu, {B, T, a.q_dim()}, DType::bf16, rng),
@@ -246,9 +259,10 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
       const double attn_flops = 2.0 * B * a.n_head * static_cast<double>(T) * T * a.head_dim;
       gpu.set_attention("cudnn");
       row("attention_forward cudnn (GQA 16/8)",
-          median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a); }), attn_flops, 0);
+          median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a, Tensor{}); }), attn_flops,
+          0);
       row("attention_backward cudnn (GQA 16/8)",
-          median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a); }),
+          median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a, Tensor{}); }),
           2.5 * attn_flops, 0);
     }
   }
@@ -308,6 +322,86 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
         10 * f_elems);
   }
   gpu.synchronize();
+}
+
+// Document masking at LLaMA 1.36B's heads (16 query heads on 8 kv heads of 128), one sequence
+// of T = 8192 cut into documents averaging ~1k tokens (uniform in [1, 2047]): attention forward
+// and backward with the mask (flash, key tiles before a query tile's first document skipped)
+// against plain causal attention over the whole window (flash and cuDNN), and RoPE with
+// per-token positions against plain. The masked rows' TFLOP/s count the causal FLOPs (what the
+// window would cost unmasked), so their ratio to the plain rows is the speedup. Run it with
+// --gtest_filter='CudaPerf.DISABLED_DocumentMaskT8192' and --gtest_also_run_disabled_tests.
+TEST(CudaPerf, DISABLED_DocumentMaskT8192) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  CudaBackend gpu(0);
+  std::mt19937 rng(7);
+  const int B = 1, T = 8192;
+  const AttentionDims a{16, 8, 128};
+  const int64_t D = a.qkv_dim();
+  std::vector<int32_t> ks(static_cast<size_t>(B) * T), pos(ks.size());
+  std::uniform_int_distribution<int> length(1, 2047);
+  int documents = 0;
+  for (int b = 0; b < B; ++b)
+    for (int t = 0, start = 0, next = 0; t < T; ++t) {
+      if (t == next) start = t, next = t + length(rng), ++documents;
+      ks[static_cast<size_t>(b) * T + t] = start;
+      pos[static_cast<size_t>(b) * T + t] = t - start;
+    }
+  double masked_pairs = 0;  // (query, key) pairs the mask keeps, against T(T+1)/2 causal
+  for (int t = 0; t < T; ++t) masked_pairs += t - ks[static_cast<size_t>(t)] + 1;
+  std::printf(
+      "T=%d, %d documents (mean %.0f tokens): the mask keeps %.1f%% of the causal "
+      "(query, key) pairs\n",
+      T, documents, static_cast<double>(B) * T / documents,
+      100.0 * masked_pairs / (0.5 * T * (T + 1.0)));
+  Tensor key_start{gpu.allocate(ks.size() * 4), Shape{B, T}, DType::i32, Device::cuda};
+  Tensor positions{gpu.allocate(pos.size() * 4), Shape{B, T}, DType::i32, Device::cuda};
+  gpu.copy_from_host(key_start, ks.data());
+  gpu.copy_from_host(positions, pos.data());
+  DevTensor qkv(gpu, {B, T, D}, DType::bf16, rng), att(gpu, {B, T, a.q_dim()}, DType::bf16, rng),
+      datt(gpu, {B, T, a.q_dim()}, DType::bf16, rng), lse(gpu, {B, a.n_head, T}, DType::f32, rng),
+      dqkv(gpu, {B, T, D}, DType::bf16, rng), out(gpu, {B, T, D}, DType::bf16, rng);
+  const double causal_flops = 2.0 * B * a.n_head * static_cast<double>(T) * T * a.head_dim;
+  std::printf("| %-44s | %8s | %8s | %8s |\n|---|---|---|---|\n", "op", "ms", "TFLOP/s", "GB/s");
+  std::vector<std::string> kinds = {"flash"};
+  if (CudaBackend::cudnn_built()) kinds.push_back("cudnn");
+  for (const std::string& k : kinds) {
+    gpu.set_attention(k);
+    row(("attention_forward " + k + " causal").c_str(),
+        median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a, Tensor{}); }), causal_flops,
+        0);
+    row(("attention_backward " + k + " causal").c_str(),
+        median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a, Tensor{}); }),
+        2.5 * causal_flops, 0);
+  }
+  gpu.set_attention("flash");
+  const double f = median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a, key_start); });
+  const double bw =
+      median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a, key_start); });
+  row("attention_forward flash document mask", f, causal_flops, 0);
+  row("attention_backward flash document mask", bw, 2.5 * causal_flops, 0);
+  const double plain_f = median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a, Tensor{}); });
+  const double plain_bw =
+      median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a, Tensor{}); });
+  const double rot_bytes = static_cast<double>(B) * T * (a.q_dim() + a.kv_dim()) * 2;
+  row("rope_forward (in place)",
+      median_ms(gpu,
+                [&] {
+                  gpu.rope_forward(out, out, a, Rope{5e5f, {}}, Tensor{});
+                }),
+      0, 2 * rot_bytes);
+  row("rope_forward (in place) document positions",
+      median_ms(gpu,
+                [&] {
+                  gpu.rope_forward(out, out, a, Rope{5e5f, {}}, positions);
+                }),
+      0, 2 * rot_bytes);
+  std::printf("flash: document-masked forward + backward %.3f ms against causal %.3f ms (%.2fx)\n",
+              f + bw, plain_f + plain_bw, (plain_f + plain_bw) / (f + bw));
+  // Skipping the masked tiles must make the mask cheaper than the causal window, not dearer.
+  EXPECT_LT(f + bw, plain_f + plain_bw);
+  gpu.release(key_start.data);
+  gpu.release(positions.data);
 }
 
 // The MoE ops at moe-2.9b-a1b's shapes (B=4, T=2048, C=2048, 8 experts of 2048, top-2), with

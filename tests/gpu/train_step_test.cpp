@@ -126,6 +126,8 @@ struct StepRun {
   std::unique_ptr<Model> model;
   std::unique_ptr<Arena> arena;
   Tensor master, working, grads, m, v, spans, sched, sumsq, loss, tokens, targets;
+  DocumentMask docs;  // {}: plain causal; set_documents points it at its own buffers
+  std::unique_ptr<Arena> doc_arena;
 
   StepRun(const ModelConfig& config, std::unique_ptr<Backend> backend,
           const std::vector<float>& params, const std::vector<int32_t>& tok,
@@ -170,15 +172,28 @@ struct StepRun {
   float forward_backward(bool backward) {
     const float scale = 1.0f / (B * T);
     if (backward) k->fill_zero(grads);
-    model->forward(tokens, targets, scale, backward);
+    model->forward(tokens, targets, docs, scale, backward);
     k->reduce_sum(loss, model->losses(), false);
-    if (backward) model->backward(tokens);
+    if (backward) model->backward(tokens, docs);
     return read(loss) / (B * T);
   }
   std::vector<float> grads_host() {
     std::vector<float> h(static_cast<size_t>(grads.numel()));
     k->copy_to_host(h.data(), grads);
     return h;
+  }
+  // Document masking from key starts i32[B*T] (as the loader's doc_start), with RoPE positions
+  // t - start when the model has rotary positions.
+  void set_documents(const std::vector<int32_t>& ks) {
+    std::vector<int32_t> pos(ks.size());
+    for (size_t i = 0; i < ks.size(); ++i) pos[i] = static_cast<int32_t>(i % T) - ks[i];
+    const bool rope = cfg.positions == PositionKind::rope;
+    doc_arena = std::make_unique<Arena>(*k, "documents");
+    doc_arena->plan(&docs.key_start, "key_start", {B, T}, DType::i32);
+    if (rope) doc_arena->plan(&docs.positions, "positions", {B, T}, DType::i32);
+    doc_arena->allocate();
+    k->copy_from_host(docs.key_start, ks.data());
+    if (rope) k->copy_from_host(docs.positions, pos.data());
   }
   // The trainer's optimizer tail: global norm, clip at 1, AdamW step 1 at lr.
   float optimizer_step(float lr) {
@@ -196,7 +211,9 @@ struct StepRun {
 
 // hold_gradients=false prints the gradients' errors without holding them to kGradTol (a MoE
 // whose routing can differ between bf16 and f32 for near-tied tokens).
-void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true) {
+// key_starts (optional): the step runs document-masked with them.
+void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true,
+                            const std::vector<int32_t>* key_starts = nullptr) {
   const std::unique_ptr<Backend> host = make_cpu_backend();
   const ParamLayout layout = make_model(cfg, *host)->layout();
   std::vector<float> params(static_cast<size_t>(layout.total));
@@ -212,6 +229,10 @@ void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true) 
 
   StepRun cpu(cfg, make_cpu_backend(), params, tok, tgt);
   StepRun gpu(cfg, make_cuda_backend(0), params, tok, tgt);
+  if (key_starts) {
+    cpu.set_documents(*key_starts);
+    gpu.set_documents(*key_starts);
+  }
   std::cout << "  cuda: " << gpu.k->name() << ", attention " << gpu.k->attention_name() << "\n";
 
   const float loss_cpu = cpu.forward_backward(true);
@@ -247,6 +268,25 @@ void check_step_against_cpu(const ModelConfig& cfg, bool hold_gradients = true) 
 TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   check_step_against_cpu(small_config());
+}
+
+// Document masking through a whole step: documents of 1 to ~20 tokens in each 64-token row
+// (the first one the window opens inside), attention within each and RoPE restarting with each
+// (GPT-2: the mask alone), on CUDA's flash kernels against the CPU's step.
+TEST(CudaTrainStep, DocumentMaskedStepsMatchTheCpuStep) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> length(1, 20);
+  std::vector<int32_t> ks(static_cast<size_t>(StepRun::B) * StepRun::T);
+  for (int b = 0; b < StepRun::B; ++b)
+    for (int t = 0, start = 0, next = length(rng); t < StepRun::T; ++t) {
+      if (t == next) start = t, next = t + length(rng);
+      ks[static_cast<size_t>(b) * StepRun::T + t] = start;
+    }
+  for (const ModelConfig& cfg : {small_config(), small_llama(), small_qwen3()}) {
+    std::cout << "  " << cfg.arch << "\n";
+    check_step_against_cpu(cfg, true, &ks);
+  }
 }
 
 TEST(CudaTrainStep, LlamaMatchesTheCpuStep) {
