@@ -59,6 +59,18 @@ struct AttentionDims {
   int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
 };
 
+// Where a context-parallel rank's query rows sit in the sequence (attention_cp_forward): its
+// Tq rows are two chunks of Tq/2, the first at position offset[0], the second at offset[1] (for
+// causal attention each rank holds an early and a late chunk, so that every rank has the same
+// number of query-key pairs).
+struct QueryChunks {
+  int64_t offset[2] = {0, 0};
+  int64_t position(int64_t t, int64_t Tq) const {
+    const int64_t half = Tq / 2;
+    return t < half ? offset[0] + t : offset[1] + t - half;
+  }
+};
+
 // One linear layer's FP8 operands (kernels/fp8.h has the recipe and the state layout). The
 // layer casts (fp8_cast) and then multiplies (fp8_matmul_*), so each shows in a profile.
 //  - state: the f32 buffer of the run's FP8 state; the layer's input, weight and output gradient

@@ -282,6 +282,50 @@ void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, 
   c.activation_dtype("dout", dout, out.shape);
 }
 
+void attention_cp_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, Tensor kv,
+                          const AttentionDims& a, const QueryChunks& chunks, Tensor key_start) {
+  c.packed_qkv("qkv", qkv, a);
+  const int64_t B = qkv.dim(0), Tq = qkv.dim(1);
+  c.activation_dtype("kv", kv);
+  c.ndim("kv", kv, 3);
+  c.dim("kv", kv, 0, B);
+  c.dim("kv", kv, 2, 2 * a.kv_dim());
+  const int64_t Tk = kv.dim(1), half = Tq / 2;
+  if (Tq % 2 != 0) c.fail("qkv", "must hold two chunks of equal rows (" + std::to_string(Tq) + ")");
+  if (chunks.offset[0] < 0 || chunks.offset[1] < chunks.offset[0] + half ||
+      chunks.offset[1] + half > Tk)
+    c.fail("chunks", "offsets " + std::to_string(chunks.offset[0]) + ", " +
+                         std::to_string(chunks.offset[1]) + " of two chunks of " +
+                         std::to_string(half) + " rows must be in order inside the " +
+                         std::to_string(Tk) + " keys");
+  c.activation_dtype("out", out, {B, Tq, a.q_dim()});
+  c.f32("lse", lse, {B, a.n_head, Tq});
+  if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, Tq});
+}
+
+void attention_cp_backward(const OpCheck& c, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
+                           Tensor kv, Tensor out, Tensor lse, const AttentionDims& a,
+                           const QueryChunks& chunks, Tensor key_start) {
+  attention_cp_forward(c, out, lse, qkv, kv, a, chunks, key_start);
+  c.activation_dtype("dqkv", dqkv, qkv.shape);
+  c.activation_dtype("dkv", dkv, kv.shape);
+  c.activation_dtype("dout", dout, out.shape);
+}
+
+void copy_columns(const OpCheck& c, Tensor dst, int64_t dst_col, Tensor src, int64_t src_col,
+                  int64_t width) {
+  c.defined("dst", dst);
+  c.same_dtype("src", src, dst);
+  if (dst.ndim() < 1 || src.ndim() < 1) c.fail("dst", "needs a last dim of columns");
+  const int64_t wd = dst.dim(dst.ndim() - 1), ws = src.dim(src.ndim() - 1);
+  c.numel("src", src, dst.numel() / wd * ws);
+  if (width < 0 || dst_col < 0 || src_col < 0 || dst_col + width > wd || src_col + width > ws)
+    c.fail("width", "columns [" + std::to_string(dst_col) + ", +" + std::to_string(width) +
+                        ") of " + std::to_string(wd) + " and [" + std::to_string(src_col) + ", +" +
+                        std::to_string(width) + ") of " + std::to_string(ws) +
+                        " are not inside the rows");
+}
+
 void attention_decode(const OpCheck& c, Tensor out, Tensor qkv, const AttentionDims& a, bool rotate,
                       const Rope& rope) {
   c.packed_qkv("qkv", qkv, a);

@@ -117,16 +117,17 @@ void OpCheck::indices(const char* name, const Tensor& t, int64_t limit) const {
                      " is outside [0, " + std::to_string(limit) + ")");
 }
 
-void OpCheck::key_starts(const char* name, const Tensor& t) const {
+void OpCheck::key_starts(const char* name, const Tensor& t, const QueryChunks* chunks) const {
   const int32_t* p = t.ptr<int32_t>();
   const int64_t B = t.dim(0), T = t.dim(1);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < T; ++i) {
       const int32_t v = p[b * T + i];
-      if (v < 0 || v > i || (i > 0 && v < p[b * T + i - 1]))
+      const int64_t at = chunks ? chunks->position(i, T) : i;
+      if (v < 0 || v > at || (i > 0 && v < p[b * T + i - 1]))
         fail(name, "value " + std::to_string(v) + " at [" + std::to_string(b) + "," +
                        std::to_string(i) + "] is not in [" +
-                       std::to_string(i > 0 ? p[b * T + i - 1] : 0) + ", " + std::to_string(i) +
+                       std::to_string(i > 0 ? p[b * T + i - 1] : 0) + ", " + std::to_string(at) +
                        "] (a query's first key: at most the query, never before the previous "
                        "query's)");
     }

@@ -14,6 +14,7 @@
 namespace kiln {
 
 struct AttentionDims;  // kernels/backend.h
+struct QueryChunks;    // kernels/backend.h
 
 struct OpCheck {
   const char* op;
@@ -72,7 +73,8 @@ struct OpCheck {
   // Every value of the i32 tensor t lies in [0, limit).
   void indices(const char* name, const Tensor& t, int64_t limit) const;
   // t is i32[B,T] per-query key starts: in each row, 0 <= t[b,i] <= i and never decreasing.
-  void key_starts(const char* name, const Tensor& t) const;
+  // With chunks (context parallelism), at most row i's position chunks->position(i, T) instead.
+  void key_starts(const char* name, const Tensor& t, const QueryChunks* chunks = nullptr) const;
 
  private:
   void of_dtype(const char* name, const Tensor& t, DType d) const;  // the dtype test alone

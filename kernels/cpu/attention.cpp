@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/attention_row.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/rope_row.h"
 
@@ -38,39 +39,14 @@ AttnDims attn_dims(Tensor qkv, const AttentionDims& a) {
   return {qkv.dim(0), qkv.dim(1), NH, KV, hs, NH / KV, a.qkv_dim(), a.q_dim(), (NH + KV) * hs};
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // Query row t of head h of one sequence (seq: its qkv[T,row]) over the keys j0..t: writes the
 // head's output o[hs] and returns the row's log-sum-exp. p: scratch for t + 1 scores. The forward
 // and the decode step both run this, so a decoded row has the bits of the forward's.
 float attend_row(float* o, const float* seq, const AttnDims& d, int64_t h, int64_t t, int64_t j0,
                  float scale, float* p) {
-  const int64_t hs = d.hs, row = d.row, kvh = h / d.group;
-  const float* q = seq + t * row + h * hs;
-  const float* k_base = seq + d.q_dim + kvh * hs;
-  const float* v_base = seq + d.v_off + kvh * hs;
-  float max_s = -std::numeric_limits<float>::infinity();
-  for (int64_t j = j0; j <= t; ++j) {
-    p[j] = dot(q, k_base + j * row, hs) * scale;
-    max_s = std::max(max_s, p[j]);
-  }
-  double sum = 0.0;
-  for (int64_t j = j0; j <= t; ++j) {
-    p[j] = std::exp(p[j] - max_s);
-    sum += p[j];
-  }
-  const float inv_sum = static_cast<float>(1.0 / sum);
-  for (int64_t i = 0; i < hs; ++i) o[i] = 0.0f;
-  for (int64_t j = j0; j <= t; ++j) {
-    const float pj = p[j] * inv_sum;
-    const float* v = v_base + j * row;
-    for (int64_t i = 0; i < hs; ++i) o[i] += pj * v[i];
-  }
-  return max_s + static_cast<float>(std::log(sum));
+  const int64_t kvh = h / d.group;
+  return cpu::attend(o, seq + t * d.row + h * d.hs, seq + d.q_dim + kvh * d.hs,
+                     seq + d.v_off + kvh * d.hs, d.row, j0, t, d.hs, scale, p);
 }
 
 // The first key of query t of sequence b: key_start's value, or 0 without one.
@@ -165,22 +141,9 @@ void CpuBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Te
       for (int64_t t = 0; t < T; ++t) {
         const float* q = q_base + t * row;
         const float* dy = dout_p + (b * T + t) * Q + h * hs;
-        const float D = dot(dy, out_p + (b * T + t) * Q + h * hs, hs);
-        const float row_lse = lse_p[bh * T + t];
-        float* dq = dq_base + t * row;
-        for (int64_t j = first_key(ks, b, T, t); j <= t; ++j) {
-          const float* k = k_base + j * row;
-          const float* v = v_base + j * row;
-          const float p = std::exp(dot(q, k, hs) * scale - row_lse);
-          const float ds = p * (dot(dy, v, hs) - D) * scale;  // d(loss)/d(q.k)
-          float* dk = dk_base + j * row;
-          float* dv = dv_base + j * row;
-          for (int64_t i = 0; i < hs; ++i) {
-            dq[i] += ds * k[i];
-            dk[i] += ds * q[i];
-            dv[i] += p * dy[i];
-          }
-        }
+        const float D = cpu::dot(dy, out_p + (b * T + t) * Q + h * hs, hs);
+        cpu::attend_backward(dq_base + t * row, q, dy, D, lse_p[bh * T + t], k_base, v_base, row,
+                             dk_base, dv_base, row, first_key(ks, b, T, t), t, hs, scale);
       }
     }
   }

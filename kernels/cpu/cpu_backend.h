@@ -2,7 +2,8 @@
 // CUDA kernel is checked against. Activations, parameters and gradients are all f32. The ops are
 // defined one family per file (encoder.cpp, layernorm.cpp, rmsnorm.cpp, qk_norm.cpp, rope.cpp,
 // matmul.cpp, grouped_matmul.cpp, fp8.cpp, swiglu.cpp, moe_router.cpp, moe_permute.cpp,
-// moe_ep.cpp, attention.cpp, classifier.cpp, optimizer.cpp) as run_<op>, called once the op's
+// moe_ep.cpp, attention.cpp, attention_cp.cpp (with copy_columns), classifier.cpp,
+// optimizer.cpp) as run_<op>, called once the op's
 // contract has checked the arguments (kernels/contracts.cpp); this class only gathers them.
 //
 // Determinism is part of what the reference promises: OpenMP splits work only over independent
