@@ -9,9 +9,14 @@
 //                  group the strategy (ddp / zero1 / fsdp) spans. Without expert parallelism it
 //                  is the whole world.
 //
-// Context and tensor parallelism would be further axes of the same split (each a group of
-// consecutive ranks inside the expert group, the replica group keeping the outermost stride);
-// none is built yet, so the plan has only these two.
+//   context group: dist.context_parallel consecutive ranks, which share each sequence (rank r
+//                  holds rows of it as model/context_parallel.h splits them). They hold the same
+//                  parameters and see different tokens, so the strategy's group spans them too:
+//                  only the loader and attention see the split. Not combined with expert
+//                  parallelism.
+//
+// Tensor parallelism would be a further axis of the same split (a group of consecutive ranks
+// inside the others, the replica group keeping the outermost stride); none is built yet.
 #pragma once
 
 #include <string>
@@ -28,12 +33,21 @@ struct CommGroup {
 struct ParallelPlan {
   int rank = 0, world = 1;
   int expert_parallel = 1;  // P: ranks one MoE block's experts are spread over
+  int context_parallel = 1;  // ranks that share each sequence
 
   bool has_experts_split() const { return expert_parallel > 1; }
   // This rank's place in its expert group: which run of the experts it holds.
   int expert_rank() const { return rank % expert_parallel; }
   int expert_group_index() const { return rank / expert_parallel; }
   int replicas() const { return world / expert_parallel; }
+
+  bool has_context_split() const { return context_parallel > 1; }
+  int context_rank() const { return rank % context_parallel; }
+  CommGroup context_group() const;
+  // The loader's view: which of the step's batches this rank reads, of how many (ranks of a
+  // context group read the same batch and each keeps its rows).
+  int batch_rank() const { return rank / context_parallel; }
+  int batch_ranks() const { return world / context_parallel; }
 
   CommGroup world_group() const { return {rank, world, ""}; }
   CommGroup expert_group() const;
@@ -47,7 +61,9 @@ struct ParallelPlan {
   bool writes_dense() const { return expert_rank() == 0; }
 };
 
-// Throws InputError naming dist.expert_parallel where it does not divide the world.
-ParallelPlan make_parallel_plan(int rank, int world, int expert_parallel);
+// Throws InputError naming dist.expert_parallel or dist.context_parallel where it does not
+// divide the world, or where both are set.
+ParallelPlan make_parallel_plan(int rank, int world, int expert_parallel,
+                                int context_parallel = 1);
 
 }  // namespace kiln

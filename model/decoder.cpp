@@ -376,11 +376,11 @@ void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& doc
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
   blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
   if (recompute_ == Recompute::selective) {
-    blk.attn.recompute_core(k, a.attn, docs);
+    blk.attn.recompute_core(k, a.attn, docs, acts_.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
-    blk.attn.forward(k, w, a.attn, a.ln1.out, docs);
+    blk.attn.forward(k, w, a.attn, a.ln1.out, docs, acts_.attn);
     blk.ln2.residual_forward(k, w, a.ln2, a.residual_mid, block_input(acts_, l), a.attn.out);
     // The routing comes out as in forward (same input, same bias); its statistics were
     // counted there.
@@ -407,6 +407,20 @@ void Decoder::set_expert_parallel(const ExpertParallel& ep) {
                                 " ranks needs MoE blocks whose experts it divides (" +
                                 std::to_string(cfg_.moe.n_experts) + ")");
   for (const int l : moe_blocks_) blocks_[static_cast<size_t>(l)].moe.ep = ep;
+}
+
+void Decoder::set_context_parallel(const ContextParallel& cp) {
+  if (B_ > 0) throw std::logic_error("set_context_parallel: after the activations were planned");
+  if (cp.ranks < 1 || cp.rank < 0 || cp.rank >= cp.ranks ||
+      (cp.on() && (!cp.all_gather || !cp.reduce_scatter)))
+    throw std::invalid_argument("set_context_parallel: rank " + std::to_string(cp.rank) + " of " +
+                                std::to_string(cp.ranks) +
+                                " (and all_gather, reduce_scatter past 1 rank)");
+  if (cp.on() && cfg_.positions != PositionKind::rope)
+    throw std::invalid_argument(
+        "context parallelism needs rotary positions (model.positions: rope): a rank's rows are "
+        "not the first of the sequence");
+  for (Block& blk : blocks_) blk.attn.cp = cp;
 }
 
 std::string Decoder::graph_unavailable() const {
@@ -436,6 +450,10 @@ void Decoder::forward(Tensor tokens, Tensor targets, const DocumentMask& docs, f
   if (docs.positions.defined() && cfg_.positions != PositionKind::rope)
     throw std::invalid_argument(
         "Decoder::forward: per-document positions need rotary positions (model.positions: rope)");
+  if (blocks_.front().attn.cp.on() && !docs.positions.defined())
+    throw std::invalid_argument(
+        "Decoder::forward: under context parallelism each row's position in the sequence is an "
+        "input (DocumentMask::positions)");
   const Params& w = weights_;
   // Evaluation and sampling must not move the scales training uses.
   const bool keep_window = !with_backward && fp8_.on();
@@ -468,7 +486,7 @@ void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_sta
       blk.ln1.residual_forward(k, w, a.ln1, a.residual_in, prev.residual_mid, ffn_out(l - 1, prev));
     }
     if (decode_pos < 0)
-      blk.attn.forward(k, w, a.attn, a.ln1.out, docs);
+      blk.attn.forward(k, w, a.attn, a.ln1.out, docs, set.attn);
     else
       blk.attn.decode(k, w, a.attn, a.ln1.out, acts_.blocks[static_cast<size_t>(l)].attn.qkv,
                       decode_pos);

@@ -47,6 +47,7 @@ class Decoder final : public Model {
   Tensor moe_bias() const override { return acts_.moe_bias; }
   void moe_update_bias() override;
   void set_expert_parallel(const ExpertParallel& ep) override;
+  void set_context_parallel(const ContextParallel& cp) override;
   std::string graph_unavailable() const override;
   Fp8State& fp8() override { return fp8_; }
   const Fp8State& fp8() const override { return fp8_; }

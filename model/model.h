@@ -15,6 +15,7 @@
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "model/arch.h"
+#include "model/context_parallel.h"
 #include "model/expert_parallel.h"
 #include "model/fp8_state.h"
 #include "model/layers/layer.h"
@@ -156,6 +157,10 @@ class Model {
   // dist.expert_parallel (model/expert_parallel.h), before plan_activations; throws
   // std::invalid_argument where the experts do not split evenly over the ranks.
   virtual void set_expert_parallel(const ExpertParallel& ep) = 0;
+  // dist.context_parallel (model/context_parallel.h), before plan_activations, whose T is then
+  // this rank's rows of the sequence (T / ranks); throws std::invalid_argument for a model with
+  // learned positions. forward then needs DocumentMask::positions: each row's position.
+  virtual void set_context_parallel(const ContextParallel& cp) = 0;
   // Why a CUDA graph cannot replay this model's step on its backend, "" where it can: MoE
   // blocks whose grouped GEMMs read their group sizes on the host at every call.
   virtual std::string graph_unavailable() const = 0;

@@ -20,6 +20,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "dist/store.h"
@@ -125,6 +126,81 @@ TEST_F(DistTrain, DocumentMaskFollowsTheSingleProcessCurve) {
   for (const char* strategy : {"ddp", "fsdp"})
     expect_same_curve(single, train(std::string("docs_") + strategy + "_2", 2, strategy, run),
                       1e-5);
+}
+
+// Context parallelism: the ranks of a group share each sequence, each holding 1/P of its rows
+// (an early and a late chunk), and attention gathers the group's keys and values. 2 and 4 ranks
+// sharing the 8 windows of a step, and 2 groups of 2 under fsdp, follow 1 rank that holds every
+// sequence whole, in training and validation loss; so do document masking (documents crossing
+// the chunks, positions restarting per document) and activation recomputation, which gathers
+// the keys again.
+const std::string kCpRun =
+    "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false --train.max_steps=12";
+
+void expect_same_val(const std::string& a, const std::string& b) {
+  const auto va = kiln::testing::read_metric(a, "val_loss"),
+             vb = kiln::testing::read_metric(b, "val_loss");
+  ASSERT_EQ(va.size(), vb.size()) << a << " vs " << b;
+  ASSERT_FALSE(va.empty()) << a;
+  for (size_t i = 0; i < va.size(); ++i) EXPECT_NEAR(va[i], vb[i], 1e-5 * va[i]) << b;
+}
+
+TEST_F(DistTrain, ContextParallelFollowsTheSingleProcessCurve) {
+  const std::string single = train("cp_single", 1, "ddp", kCpRun);
+  ASSERT_EQ(losses(single).size(), 12u);
+  std::string output;
+  const std::string cp2 =
+      train("cp_2", 2, "ddp", kCpRun + " --dist.context_parallel=2 --train.batch_size=8", &output);
+  EXPECT_NE(output.find("dist.context_parallel=2: each sequence of 64 is cut into 4 chunks of 16"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("tokens (8 x 64 x 1 accum x 1 ranks, each sequence over 2)"),
+            std::string::npos)
+      << output;
+  for (const std::string& run :
+       {cp2, train("cp_4", 4, "ddp", kCpRun + " --dist.context_parallel=4 --train.batch_size=8"),
+        train("cp_2x2_fsdp", 4, "fsdp", kCpRun + " --dist.context_parallel=2 --train.batch_size=4")}) {
+    expect_same_curve(single, run, 1e-5);
+    expect_same_val(single, run);
+  }
+}
+
+TEST_F(DistTrain, ContextParallelWithDocumentMaskAndRecomputeFollowsTheSingleProcessCurve) {
+  const std::string docs = kCpRun + " --data.document_mask=true --data.document_separator=10";
+  const std::string single = train("cp_docs_single", 1, "ddp", docs);
+  for (const char* recompute : {"selective", "full"}) {
+    const std::string run =
+        train(std::string("cp_docs_4_") + recompute, 4, "fsdp",
+              docs + " --dist.context_parallel=4 --train.batch_size=8 --train.recompute=" +
+                  recompute);
+    expect_same_curve(single, run, 1e-5);
+    expect_same_val(single, run);
+  }
+}
+
+// A checkpoint holds nothing of the split: one written by 2 groups of 2 under fsdp resumes on
+// 1 rank, and on 2 ranks sharing each sequence, on the same curve.
+TEST_F(DistTrain, ContextParallelCheckpointsResumeUnderAnotherSplit) {
+  const std::string first =
+      train("cp_ckpt_2x2", 4, "fsdp",
+            kCpRun + " --dist.context_parallel=2 --train.batch_size=4 --train.checkpoint_every=6");
+  const auto a = losses(first);
+  ASSERT_EQ(a.size(), 12u);
+  for (const auto& [name, nproc, extra] :
+       {std::tuple<const char*, int, const char*>{"cp_ckpt_1", 1, ""},
+        {"cp_ckpt_cp2", 2, " --dist.context_parallel=2 --train.batch_size=8"}}) {
+    const std::string dir = (dir_ / name).string();
+    fs::create_directories(dir + "/checkpoints");
+    fs::copy(first + "/checkpoints/step_00000006", dir + "/checkpoints/step_00000006",
+             fs::copy_options::recursive);
+    train(name, nproc, "ddp", kCpRun + extra);
+    const auto b = losses(dir);
+    ASSERT_EQ(b.size(), 6u) << name;
+    for (size_t i = 0; i < b.size(); ++i)
+      EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
+                  1e-5 * std::stod(a[6 + i].second))
+          << name;
+  }
 }
 
 // A LLaMA whose blocks have 4 experts (top-2, a shared expert, the balancing bias, z-loss).

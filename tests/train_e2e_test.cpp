@@ -804,6 +804,14 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
        "data.document_separator: is required"},
       {"document positions on learned positions",
        "--data.document_mask=true --data.document_separator=0", "data.document_positions"},
+      {"context parallelism on learned positions", "--dist.context_parallel=2",
+       "dist.context_parallel: needs rotary positions"},
+      {"context parallelism that does not cut the sequence evenly",
+       "--model.arch=llama --model.seq_len=66 --dist.context_parallel=2",
+       "model.seq_len must be a multiple of 4"},
+      {"context parallelism with expert parallelism",
+       "--model.arch=llama --moe.n_experts=4 --dist.expert_parallel=2 --dist.context_parallel=2",
+       "do not combine"},
   };
   for (const auto& c : cases) {
     const Result r = run(kBin + "/train " + cfg + " " + c.args);

@@ -236,6 +236,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, expert_parallel), positive(),
        "ranks each MoE block's experts are spread over (expert parallelism; dividing the world "
        "size and moe.n_experts)"},
+      {KILN_FIELD(dist, context_parallel), positive(),
+       "ranks that share each sequence, each holding 1/N of its rows (context parallelism; "
+       "dividing the world size, model.seq_len a multiple of 2N)"},
       {KILN_FIELD(dist, bucket_mb), non_negative(),
        "DDP gradient bucket size in MiB (0: one bucket where NVLink joins every rank on one "
        "host, else 25)"},
@@ -499,6 +502,25 @@ struct Resolver {
     }
   }
 
+  // Context parallelism splits a sequence into 2N chunks and positions its rows by RoPE.
+  void validate_context() {
+    const int cp = config.dist.context_parallel;
+    if (cp == 1) return;
+    const Field& f = *find_field("dist", "context_parallel");
+    const std::string n = std::to_string(cp);
+    if (config.dist.expert_parallel > 1)
+      fail(f, "is " + n + " with dist.expert_parallel " +
+                  std::to_string(config.dist.expert_parallel) +
+                  ": the two do not combine yet; set one of them to 1");
+    if (config.model.positions != "rope")
+      fail(f, "needs rotary positions (a rank's rows are not the first of the sequence), but "
+              "model.positions is " + config.model.positions);
+    if (config.model.seq_len % (2 * cp) != 0)
+      fail(f, "is " + n + ": each sequence is cut into " + std::to_string(2 * cp) +
+                  " chunks, so model.seq_len must be a multiple of " + std::to_string(2 * cp) +
+                  ", got " + std::to_string(config.model.seq_len));
+  }
+
   void validate_moe() {
     const MoeSection& e = config.moe;
     auto field = [](const char* key) -> const Field& { return *find_field("moe", key); };
@@ -621,6 +643,7 @@ struct Resolver {
                                                  std::to_string(m.vocab_size) + "), got " +
                                                  std::to_string(m.padded_vocab_size));
     validate_moe();
+    validate_context();
     validate_restarts();
     validate_data();
     validate_metrics_address();

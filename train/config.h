@@ -153,6 +153,7 @@ struct DistSection {
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
   int timeout_s = 300;           // collectives and rendezvous
   int expert_parallel = 1;       // ranks a MoE block's experts spread over (parallel_plan.h)
+  int context_parallel = 1;      // ranks that share each sequence (model/context_parallel.h)
   int max_restarts = 0;          // supervised restarts from the newest checkpoint (launcher.h)
   double restart_backoff_s = 1;  // the wait before the first restart, doubling after (cap 60 s)
 };

@@ -2,11 +2,12 @@
 
 namespace kiln {
 
-Evaluation::Evaluation(const Config& cfg, int rank, int world_size, Backend& backend, Model& model,
-                       StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
+Evaluation::Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& backend,
+                       Model& model, StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
                        std::function<void(Tensor)> sum_over_ranks)
     : cfg_(cfg),
-      world_size_(world_size),
+      world_size_(plan.world),
+      rows_(model.config().seq_len / plan.context_parallel),
       backend_(backend),
       model_(model),
       inputs_(inputs),
@@ -14,8 +15,8 @@ Evaluation::Evaluation(const Config& cfg, int rank, int world_size, Backend& bac
       nvtx_(nvtx),
       sum_over_ranks_(std::move(sum_over_ranks)) {
   if (cfg.train.eval_every == 0) return;
-  const int B = cfg.train.batch_size, T = model.config().seq_len, R = rank, W = world_size,
-            V = model.config().vocab_size;
+  const int B = cfg.train.batch_size, T = model.config().seq_len, R = plan.batch_rank(),
+            W = plan.batch_ranks(), V = model.config().vocab_size;
   const int sep = cfg.data.document_mask ? cfg.data.document_separator : -1;
   if (cfg.data.sources.empty()) {
     if (!cfg.data.val.empty())
@@ -55,8 +56,8 @@ double Evaluation::mean_loss(DataLoader& loader) {
     k.reduce_sum(loss_sum_, model_.losses(), i > 0);
   }
   sum_over_ranks_(loss_sum_);
-  const double n = static_cast<double>(cfg_.train.batch_size) * model_.config().seq_len *
-                   cfg_.train.eval_steps * world_size_;
+  const double n =
+      static_cast<double>(cfg_.train.batch_size) * rows_ * cfg_.train.eval_steps * world_size_;
   float host[1];
   k.copy_to_host(host, loss_sum_);
   return host[0] / n;

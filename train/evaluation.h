@@ -1,7 +1,8 @@
 // train.eval_every's validation loss: the mean loss of train.eval_steps batches of data.val or,
 // with data.sources, of each source that has a val glob, and the sources' losses' mean weighted
 // by their weights. Each rank evaluates its own windows in forward passes that train nothing
-// (the FP8 scales stay as they were), and the losses are summed over the ranks.
+// (the FP8 scales stay as they were), and the losses are summed over the ranks. Ranks that
+// share sequences (context parallelism) read the same windows, each its rows.
 #pragma once
 
 #include <functional>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "data/loader.h"
+#include "dist/parallel_plan.h"
 #include "model/model.h"
 #include "train/config.h"
 #include "train/metrics.h"
@@ -24,7 +26,7 @@ class Evaluation {
   // 0); a glob it cannot read is an InputError naming its key. A batch goes through `inputs`'
   // micro-batch 0, its losses are summed into `loss_sum` (planned later, read at each run),
   // and `sum_over_ranks` sums that over the ranks.
-  Evaluation(const Config& cfg, int rank, int world_size, Backend& backend, Model& model,
+  Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& backend, Model& model,
              StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
              std::function<void(Tensor)> sum_over_ranks);
   bool on() const { return !loaders_.empty(); }
@@ -46,6 +48,7 @@ class Evaluation {
   };
   const Config& cfg_;
   int world_size_;
+  int rows_;  // of each window, on this rank
   Backend& backend_;
   Model& model_;
   StepInputs& inputs_;

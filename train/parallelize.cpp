@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/error.h"
+
 namespace kiln {
 
 namespace {
@@ -170,7 +172,44 @@ RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backe
     c.expert = c.owned_expert.get();
     c.data = c.owned_data.get();
   }
+  if (plan.has_context_split()) {
+    c.owned_context = make_comm(backend, plan.context_group());
+    c.context = c.owned_context.get();
+  }
   return c;
+}
+
+ContextParallel context_split(const ParallelPlan& plan) {
+  ContextParallel cp;
+  cp.ranks = plan.context_parallel;
+  cp.rank = plan.context_rank();
+  return cp;
+}
+
+void parallelize_context(Model& model, const ParallelPlan& plan, Communicator& comm, bool log) {
+  ContextParallel cp = context_split(plan);
+  cp.all_gather = [&comm](Tensor all, Tensor mine) {
+    comm.all_gather(all, mine);
+    comm.wait();
+  };
+  cp.reduce_scatter = [&comm](Tensor mine, Tensor all) {
+    comm.reduce_scatter_sum(mine, all);
+    comm.wait();
+  };
+  try {
+    model.set_context_parallel(cp);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(std::string("dist.context_parallel=") + std::to_string(cp.ranks) + ": " +
+                     e.what());
+  }
+  if (log) {
+    const int64_t T = model.config().seq_len;
+    spdlog::info(
+        "dist.context_parallel={}: each sequence of {} is cut into {} chunks of {}; rank r of a "
+        "group holds chunks r and {}-r ({} rows), and attention gathers the group's keys and "
+        "values",
+        cp.ranks, T, 2 * cp.ranks, T / (2 * cp.ranks), 2 * cp.ranks - 1, cp.rows(T));
+  }
 }
 
 void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,

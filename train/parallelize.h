@@ -32,11 +32,12 @@ struct RunCommunicators {
   Communicator* world = nullptr;   // every rank (null for one process)
   Communicator* data = nullptr;    // the data-parallel strategy's group (null for a group of one)
   Communicator* expert = nullptr;  // expert parallelism's group (null without it)
-  std::unique_ptr<Communicator> owned_world, nvtx_world, owned_expert, owned_data;
+  Communicator* context = nullptr;  // context parallelism's group (null without it)
+  std::unique_ptr<Communicator> owned_world, nvtx_world, owned_expert, owned_data, owned_context;
 };
 // The world's from `make_comm` (none where it is empty: one process), in NVTX ranges where
 // `nvtx` is on; under expert parallelism every rank then makes its expert group's, then its
-// replicas' (the data group's), in that order.
+// replicas' (the data group's), in that order; under context parallelism its context group's.
 RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backend,
                                         const CommunicatorFactory& make_comm, const Nvtx& nvtx);
 
@@ -110,5 +111,13 @@ std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& ba
 // plan's expert group. `log`: say how the experts are spread.
 void parallelize_experts(Model& model, const RankLayout& layout, const ParallelPlan& plan,
                          Communicator& ep, bool log);
+
+// Context parallelism: this rank's place in its context group (ranks and rank; no exchanges),
+// what the step inputs split the windows by.
+ContextParallel context_split(const ParallelPlan& plan);
+// The model's attention gathers keys and values over `cp`, the communicator of the plan's
+// context group; InputError naming dist.context_parallel for a model it cannot split. `log`:
+// say how the sequence is split.
+void parallelize_context(Model& model, const ParallelPlan& plan, Communicator& cp, bool log);
 
 }  // namespace kiln

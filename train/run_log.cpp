@@ -7,7 +7,8 @@ namespace kiln {
 void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
                      const Arena& state, const Arena& acts, int world_size, Recompute recompute,
                      size_t checkpoint_host_bytes) {
-  const int B = cfg.train.batch_size, T = model.config().seq_len;
+  // A rank's activations hold its rows of each sequence (T / dist.context_parallel).
+  const int B = cfg.train.batch_size, T = model.config().seq_len / cfg.dist.context_parallel;
   spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
                backend.name(), model.layout().total, cfg.dist.strategy, world_size,
                world_size > 1 ? ", gradients summed in " + cfg.dist.reduce_dtype : "");
@@ -37,11 +38,13 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
 void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,
                    int world_size, double flops_per_token, double peak) {
   const TrainSection& t = cfg.train;
+  const int cp = cfg.dist.context_parallel;
   spdlog::info(
-      "training {} steps of {} tokens ({} x {} x {} accum x {} ranks) on {}; "
+      "training {} steps of {} tokens ({} x {} x {} accum x {} ranks{}) on {}; "
       "{:.3g} GFLOP/token, peak {}",
-      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size,
-      backend.name(), flops_per_token / 1e9,
+      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size / cp,
+      cp > 1 ? ", each sequence over " + std::to_string(cp) : std::string(), backend.name(),
+      flops_per_token / 1e9,
       peak > 0 ? std::to_string(peak / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
 }
 

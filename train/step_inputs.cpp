@@ -36,10 +36,20 @@ void document_positions(const std::vector<int32_t>& doc_start, int T, int32_t* p
     positions[i] = static_cast<int32_t>(i % static_cast<size_t>(T)) - doc_start[i];
 }
 
-StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs)
-    : backend_(backend), accum_(grad_accum), B_(B), T_(T), docs_(docs) {
+StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs,
+                       ContextParallel cp)
+    : backend_(backend),
+      accum_(grad_accum),
+      B_(B),
+      T_(static_cast<int>(cp.rows(T))),
+      window_(T),
+      docs_(docs),
+      restart_positions_(docs.positions),
+      cp_(std::move(cp)) {
   if (docs.positions && !docs.key_start)
     throw std::logic_error("StepInputs: document positions without document masking");
+  // A rank's rows are not the window's first: RoPE is told where each one is.
+  if (cp_.on()) docs_.positions = true;
 }
 
 StepInputs::~StepInputs() {
@@ -63,33 +73,52 @@ void StepInputs::allocate_staging() {
     st.targets = st.tokens + batch;
     st.sched = reinterpret_cast<float*>(st.targets + batch);
     st.key_start = reinterpret_cast<int32_t*>(st.sched + 2);
-    st.positions = st.key_start + batch;
+    st.positions = st.key_start + (docs_.key_start ? batch : 0);
   }
+}
+
+StepInputs::Rows StepInputs::rows_of(const DataLoader::Batch& batch) const {
+  const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(window_);
+  if (batch.inputs.size() != n || batch.targets.size() != n)
+    throw std::logic_error("StepInputs: the loader's batch is not B x model.seq_len");
+  if (docs_.key_start && batch.doc_start.size() != n)
+    throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
+  Rows r;
+  std::vector<int32_t> positions;
+  if (restart_positions_) {
+    positions.resize(n);
+    document_positions(batch.doc_start, window_, positions.data());
+  } else if (docs_.positions) {
+    positions.resize(n);
+    for (size_t i = 0; i < n; ++i)
+      positions[i] = static_cast<int32_t>(i % static_cast<size_t>(window_));
+  }
+  auto local = [&](const std::vector<int32_t>& all) {
+    return cp_.on() ? cp_.local_rows(all.data(), B_, window_) : all;
+  };
+  r.tokens = local(batch.inputs);
+  r.targets = local(batch.targets);
+  if (docs_.key_start) r.key_start = local(batch.doc_start);
+  if (docs_.positions) r.positions = local(positions);
+  return r;
 }
 
 void StepInputs::copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const {
   const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
-  std::memcpy(st.tokens + micro * n, batch.inputs.data(), n * sizeof(int32_t));
-  std::memcpy(st.targets + micro * n, batch.targets.data(), n * sizeof(int32_t));
-  if (!docs_.key_start) return;
-  if (batch.doc_start.size() != n)
-    throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
-  std::memcpy(st.key_start + micro * n, batch.doc_start.data(), n * sizeof(int32_t));
-  if (docs_.positions) document_positions(batch.doc_start, T_, st.positions + micro * n);
+  const Rows r = rows_of(batch);
+  std::memcpy(st.tokens + micro * n, r.tokens.data(), n * sizeof(int32_t));
+  std::memcpy(st.targets + micro * n, r.targets.data(), n * sizeof(int32_t));
+  if (docs_.key_start) std::memcpy(st.key_start + micro * n, r.key_start.data(), n * sizeof(int32_t));
+  if (docs_.positions) std::memcpy(st.positions + micro * n, r.positions.data(), n * sizeof(int32_t));
 }
 
 void StepInputs::copy_batch(const DataLoader::Batch& batch) {
-  backend_.copy_from_host(tokens(0), batch.inputs.data());
-  backend_.copy_from_host(targets(0), batch.targets.data());
+  const Rows r = rows_of(batch);
+  backend_.copy_from_host(tokens(0), r.tokens.data());
+  backend_.copy_from_host(targets(0), r.targets.data());
   const DocumentMask docs = documents(0);
-  if (!docs.key_start.defined()) return;
-  if (batch.doc_start.size() != static_cast<size_t>(B_) * static_cast<size_t>(T_))
-    throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
-  backend_.copy_from_host(docs.key_start, batch.doc_start.data());
-  if (!docs.positions.defined()) return;
-  std::vector<int32_t> positions(batch.doc_start.size());
-  document_positions(batch.doc_start, T_, positions.data());
-  backend_.copy_from_host(docs.positions, positions.data());
+  if (docs.key_start.defined()) backend_.copy_from_host(docs.key_start, r.key_start.data());
+  if (docs.positions.defined()) backend_.copy_from_host(docs.positions, r.positions.data());
 }
 
 double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx,

@@ -5,6 +5,9 @@
 // fills one upload slot while the stream may still copy from the other. With document masking
 // the micro-batches' key starts and RoPE positions ([accum, B, T] i32 each) travel the same
 // way: fixed shapes and addresses however many documents a step holds, so a graph replays.
+// Under context parallelism (model/context_parallel.h) the loader still reads whole windows; a
+// rank keeps its rows of each, and uploads every row's position in the window (RoPE's input,
+// restarting per document with document_positions) and its key start in window positions.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +16,7 @@
 
 #include "data/loader.h"
 #include "kernels/arena.h"
+#include "model/context_parallel.h"
 #include "model/layers/layer.h"
 #include "train/nvtx.h"
 
@@ -39,7 +43,9 @@ void document_positions(const std::vector<int32_t>& doc_start, int T, int32_t* p
 
 class StepInputs {
  public:
-  StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs = {});
+  // T: the loader's window; cp (ranks and rank only): the rows of it this rank keeps, T/ranks.
+  StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentInputs docs = {},
+             ContextParallel cp = {});
   StepInputs(const StepInputs&) = delete;
   StepInputs& operator=(const StepInputs&) = delete;
   ~StepInputs();
@@ -60,6 +66,7 @@ class StepInputs {
   Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }
   Tensor targets(int micro) const { return micro_batch(targets_, micro); }
   // Its document mask: undefined tensors where document masking (or its positions) is off.
+  // (Under context parallelism positions are always defined.)
   DocumentMask documents(int micro) const {
     return {key_start_.defined() ? micro_batch(key_start_, micro) : Tensor{},
             positions_.defined() ? micro_batch(positions_, micro) : Tensor{}};
@@ -81,10 +88,19 @@ class StepInputs {
   };
   // Micro-batch `micro`'s rows of `batch` into the slot's host buffers.
   void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const;
+  // This rank's rows of a batch's windows: tokens, targets, and where uploaded the key starts
+  // and positions (each [B, T_]).
+  struct Rows {
+    std::vector<int32_t> tokens, targets, key_start, positions;
+  };
+  Rows rows_of(const DataLoader::Batch& batch) const;
 
   Backend& backend_;
-  int accum_, B_, T_;
-  DocumentInputs docs_;
+  int accum_, B_, T_;  // T_: the rows of a window this rank holds
+  int window_;
+  DocumentInputs docs_;     // what is uploaded
+  bool restart_positions_;  // positions restart per document (else: rows' window positions)
+  ContextParallel cp_;
   Tensor tokens_, targets_;
   Tensor key_start_, positions_;  // document masking only
   Staging staging_[Backend::kUploadSlots];

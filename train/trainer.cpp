@@ -55,7 +55,9 @@ class Trainer {
   bool is_main() const { return rank_.rank == 0; }
   bool moe() const { return !model_->moe_blocks().empty(); }
   int B() const { return cfg_.train.batch_size; }
-  int T() const { return mcfg_.seq_len; }
+  // The rows of a sequence this rank holds (all of them without context parallelism); the
+  // loaders read windows of model.seq_len.
+  int T() const { return mcfg_.seq_len / plan_.context_parallel; }
   int64_t tokens_per_step() const {
     return static_cast<int64_t>(B()) * T() * cfg_.train.grad_accum * rank_.world_size;
   }
@@ -147,7 +149,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       rank_(rank),
       observer_(observer),
       stop_(stop),
-      plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel)),
+      plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel,
+                               cfg.dist.context_parallel)),
       built_backend_(backend ? std::move(backend) : make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                   : built_backend_.get()),
@@ -159,7 +162,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       optimizer_(optimizer_step(cfg.optim, rank.world_size)),
       inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len,
               DocumentInputs{cfg.data.document_mask,
-                             cfg.data.document_mask && cfg.data.document_positions}),
+                             cfg.data.document_mask && cfg.data.document_positions},
+              context_split(plan_)),
       graph_(
           *backend_, [this](bool break_capture) { step_work(break_capture); },
           [this] { strategy_->forget_placement(); }) {
@@ -168,6 +172,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
   comm_ = comms_.world;
   if (plan_.has_experts_split())
     parallelize_experts(*model_, layout_, plan_, *comms_.expert, is_main());
+  if (plan_.has_context_split()) parallelize_context(*model_, plan_, *comms_.context, is_main());
   strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert);
   parallelize_fp8(*model_, *strategy_, comm_, rank.world_size, is_main());
 }
@@ -278,7 +283,7 @@ bool Trainer::finish_step(const PendingStep& p) {
   };
   progress(false);
   for (const SourcePosition& s : p.sources)
-    sm.source_tokens.emplace_back(s.name, static_cast<int64_t>(s.total) * T());
+    sm.source_tokens.emplace_back(s.name, static_cast<int64_t>(s.total) * mcfg_.seq_len);
   if (evaluation_->due(sm.step)) evaluation_->run(sm);
   report_->log_line(sm, memory_bytes());
   if (sample_step(sm.step)) print_sample(sm.step);
@@ -302,28 +307,29 @@ int Trainer::run() {
   // Refused before the run directory is touched: an out_dir that cannot be made, then data that
   // cannot be read.
   if (is_main()) check_run_dir(cfg_);
-  const int R = rank_.rank, W = rank_.world_size, V = mcfg_.vocab_size;
+  // Ranks that share a sequence read the same windows (each keeps its rows).
+  const int R = plan_.batch_rank(), W = plan_.batch_ranks(), V = mcfg_.vocab_size, L = mcfg_.seq_len;
   const auto seed = static_cast<uint64_t>(t.seed);
   const int sep = cfg_.data.document_mask ? cfg_.data.document_separator : -1;
   if (is_main() && sep >= 0)
     spdlog::info("document masking: on (documents begin at token {}; RoPE positions {})", sep,
                  cfg_.data.document_positions ? "restart per document" : "run over the window");
   if (cfg_.data.sources.empty()) {
-    train_loader_ = open_data("data.train", cfg_.data.train, B(), T(), R, W, V, cfg_.data.shuffle,
+    train_loader_ = open_data("data.train", cfg_.data.train, B(), L, R, W, V, cfg_.data.shuffle,
                               seed, cfg_.data.prefetch, sep);
   } else {
     std::vector<LoaderSource> sources;
     for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
     train_loader_ =
-        open_mixture(sources, B(), T(), R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch, sep);
+        open_mixture(sources, B(), L, R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch, sep);
   }
-  evaluation_ = std::make_unique<Evaluation>(cfg_, R, W, *backend_, *model_, inputs_, loss_sum_,
+  evaluation_ = std::make_unique<Evaluation>(cfg_, plan_, *backend_, *model_, inputs_, loss_sum_,
                                              nvtx_, [this](Tensor t) { all_reduce(t); });
   if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
-  report_ = std::make_unique<RunReport>(cfg_, R, W, *backend_, *model_, *power_, tokens_per_step());
+  report_ = std::make_unique<RunReport>(cfg_, rank_.rank, rank_.world_size, *backend_, *model_, *power_, tokens_per_step());
   plan_memory();
   if (t.save_checkpoints && t.checkpoint_async) {
     async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);

@@ -29,16 +29,67 @@ void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int6
   planner(&s.dy, "d.atty", {B, T, dims.q_dim()}, act);
   planner(&s.dqkv, "d.qkv", {B, T, dims.qkv_dim()}, act);
   if (qk_norm) planner(&s.dqkv_raw, "d.qkv_raw", {B, T, dims.qkv_dim()}, act);
+  if (!cp.on()) return;
+  const int64_t kvw = 2 * dims.kv_dim(), P = cp.ranks;
+  planner(&s.kv_local, "cp.kv_local", {B, T, kvw}, act);
+  planner(&s.kv_ranks, "cp.kv_ranks", {P, B, T, kvw}, act);
+  planner(&s.kv, "cp.kv", {B, P * T, kvw}, act);
+  planner(&s.dkv, "cp.dkv", {B, P * T, kvw}, act);
+}
+
+namespace {
+
+// Moves each rank's two chunks of every sequence between the gathered layout [P,B,Tq,kvw]
+// (`ranks`) and the sequence's order [B,T,kvw] (`seq`): to_sequence or back.
+void reorder_chunks(Backend& k, const ContextParallel& cp, Tensor ranks, Tensor seq,
+                    bool to_sequence) {
+  const int64_t B = seq.dim(0), T = seq.dim(1), kvw = seq.dim(2), Tq = cp.rows(T), C = Tq / 2;
+  for (int r = 0; r < cp.ranks; ++r) {
+    const QueryChunks c = cp.chunks(T, r);
+    for (int64_t b = 0; b < B; ++b)
+      for (int half = 0; half < 2; ++half) {
+        const Tensor g = ranks.slice(((r * B + b) * Tq + half * C) * kvw, {C, kvw});
+        const Tensor q = seq.slice((b * T + c.offset[half]) * kvw, {C, kvw});
+        if (to_sequence)
+          k.copy(q, g);
+        else
+          k.copy(g, q);
+      }
+  }
+}
+
+}  // namespace
+
+// Every rank's keys and values of this block, in the sequence's order, into s.kv.
+void Attention::gather_kv(Backend& k, const Acts& a, const Scratch& s) const {
+  k.copy_columns(s.kv_local, 0, a.qkv, dims.q_dim(), 2 * dims.kv_dim());
+  cp.all_gather(s.kv_ranks, s.kv_local);
+  reorder_chunks(k, cp, s.kv_ranks, s.kv, true);
+}
+
+void Attention::core_forward(Backend& k, const Acts& a, const DocumentMask& docs,
+                             const Scratch& s) const {
+  if (!cp.on()) {
+    k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
+    return;
+  }
+  gather_kv(k, a, s);
+  k.attention_cp_forward(a.y, a.lse, a.qkv, s.kv, dims, cp.chunks(s.kv.dim(1)), docs.key_start);
+}
+
+void Attention::recompute_core(Backend& k, const Acts& a, const DocumentMask& docs,
+                               const Scratch& s) const {
+  core_forward(k, a, docs, s);
 }
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
-                        const DocumentMask& docs) const {
+                        const DocumentMask& docs, const Scratch& s) const {
   qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, inp);
   if (qk_norm)
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
   if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params, docs.positions);
-  k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
+  core_forward(k, a, docs, s);
   proj.forward(k, w, a.out, a.y);
 }
 
@@ -59,7 +110,18 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
                          const DocumentMask& docs) const {
   proj.backward(k, w, g, s.dy, dout, a.y);
-  k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims, docs.key_start);
+  if (!cp.on()) {
+    k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims, docs.key_start);
+  } else {
+    // The keys and values again (the forward's went to the next block), this rank's queries'
+    // gradient over all of them, then each rank's sum of its rows' into dqkv's k and v columns.
+    gather_kv(k, a, s);
+    k.attention_cp_backward(s.dqkv, s.dkv, s.dy, a.qkv, s.kv, a.y, a.lse, dims,
+                            cp.chunks(s.kv.dim(1)), docs.key_start);
+    reorder_chunks(k, cp, s.kv_ranks, s.dkv, false);
+    cp.reduce_scatter(s.kv_local, s.kv_ranks);
+    k.copy_columns(s.dqkv, dims.q_dim(), s.kv_local, 0, 2 * dims.kv_dim());
+  }
   if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_params, docs.positions);
   Tensor dqkv = s.dqkv;
   if (qk_norm) {

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "model/context_parallel.h"
 #include "model/layers/layer.h"
 #include "model/layers/linear.h"
 #include "model/param_layout.h"
@@ -22,6 +23,7 @@ struct Attention {
   float norm_eps = 1e-6f;
   Linear qkv, proj;
   int q_norm = -1, k_norm = -1;
+  ContextParallel cp;  // set before planning: the buffers' shapes depend on it
 
   struct Acts {
     Tensor qkv_raw, qk_rstd;  // QK-norm only: the projection's output and the heads' rstd
@@ -29,22 +31,25 @@ struct Attention {
     Tensor y, lse;            // core output [B,T,NH*hs] and its log-sum-exp
     Tensor out;               // after the output projection [B,T,C]
   };
-  // Backward buffers, one set shared by every block.
+  // Backward buffers, one set shared by every block. Context parallelism's, forward and
+  // backward: this rank's keys and values (and their gradient) kv_local [B,T/P,kvw], every
+  // rank's as gathered kv_ranks [P,B,T/P,kvw], the sequence's in order kv [B,T,kvw] and their
+  // gradient from this rank's queries dkv [B,T,kvw] (kvw = 2 * KV * hs).
   struct Scratch {
     Tensor dy, dqkv, dqkv_raw;
+    Tensor kv_local, kv_ranks, kv, dkv;
   };
 
   void declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias, bool bias);
   void plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
             DType act) const;
   void plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T, DType act) const;
-  // docs: the micro-batch's document mask (model/layers/layer.h; {}: plain causal).
-  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
-               const DocumentMask& docs) const;
+  // docs: the micro-batch's document mask (model/layers/layer.h; {}: plain causal). s: the
+  // shared buffers context parallelism gathers into.
+  void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, const DocumentMask& docs,
+               const Scratch& s) const;
   // Activation recomputation: the core's output and log-sum-exp again, from the kept qkv.
-  void recompute_core(Backend& k, const Acts& a, const DocumentMask& docs) const {
-    k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
-  }
+  void recompute_core(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
   // One token at position `pos` (a: one-token buffers, inp [1,1,C]) against the KV cache
   // `cache` (the forward's a.qkv [1,T,qkv_dim], rows 0..pos-1 filled): its q, k and v go to row
   // pos, rotated there for position pos, and its query attends over rows 0..pos.
@@ -53,6 +58,10 @@ struct Attention {
   // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                 Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs) const;
+
+ private:
+  void core_forward(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
+  void gather_kv(Backend& k, const Acts& a, const Scratch& s) const;
 };
 
 }  // namespace kiln

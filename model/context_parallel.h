@@ -1,0 +1,50 @@
+// dist.context_parallel as the model sees it (docs/distributed.md): the `ranks` ranks of a group
+// share each sequence of T positions, each holding T/ranks of its rows, so every activation but
+// attention's keys is 1/ranks of the sequence's. The sequence is cut into 2*ranks chunks and rank
+// r holds chunks r and 2*ranks-1-r, an early and a late one, so that under the causal mask every
+// rank has the same number of query-key pairs. Attention gathers the keys and values of the
+// whole sequence from the group, attends its own queries over them, and in backward returns
+// each rank the sum of the key and value gradients of its rows. The model knows only these two
+// exchanges, never the communicator or the ranks' plan (dist/parallel_plan.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace kiln {
+
+struct ContextParallel {
+  int ranks = 1, rank = 0;
+  // all_gather(all, mine): all[q] = rank q's `mine`; reduce_scatter(mine, all): mine = the sum
+  // over ranks of their all[rank]. Each finished when it returns.
+  std::function<void(Tensor all, Tensor mine)> all_gather;
+  std::function<void(Tensor mine, Tensor all)> reduce_scatter;
+
+  bool on() const { return ranks > 1; }
+  // Rows a rank holds of a sequence of T positions (T divisible by 2 * ranks).
+  int64_t rows(int64_t T) const { return T / ranks; }
+  // Where rank `r`'s rows of a sequence of T positions sit in it.
+  QueryChunks chunks(int64_t T, int r) const {
+    const int64_t C = T / (2 * ranks);
+    QueryChunks c;
+    c.offset[0] = r * C;
+    c.offset[1] = (2 * static_cast<int64_t>(ranks) - 1 - r) * C;
+    return c;
+  }
+  QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
+  // This rank's rows of each of B windows of T tokens ([B, T] -> [B, T/ranks]).
+  template <class V>
+  std::vector<V> local_rows(const V* window, int64_t B, int64_t T) const {
+    const int64_t n = rows(T);
+    const QueryChunks c = chunks(T);
+    std::vector<V> out(static_cast<size_t>(B * n));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < n; ++t) out[b * n + t] = window[b * T + c.position(t, n)];
+    return out;
+  }
+};
+
+}  // namespace kiln
