@@ -1,7 +1,7 @@
 // The parallel plan's group arithmetic (dist/parallel_plan.h): for every world size and
 // expert-parallel size that divides it, the expert groups and the data (replica) groups
 // partition the world, each rank sits once in one of each, and the two groups of a rank meet
-// only in the rank itself.
+// only in the rank itself. Context groups share a batch and leave the strategy the world.
 #include "dist/parallel_plan.h"
 
 #include <gtest/gtest.h>
@@ -80,6 +80,34 @@ TEST(ParallelPlan, RefusesAnExpertParallelSizeThatDoesNotDivideTheWorld) {
   EXPECT_THROW(make_parallel_plan(0, 4, 3), InputError);
   EXPECT_THROW(make_parallel_plan(0, 1, 2), InputError);
   EXPECT_THROW(make_parallel_plan(4, 4, 2), InputError);
+}
+
+// Context groups are consecutive ranks; the ranks of one read the same batch (batch_rank), and
+// the batches of the world's groups are distinct; the strategy spans the whole world.
+TEST(ParallelPlan, ContextGroupsShareABatchAndTheStrategySpansTheWorld) {
+  for (int world : {2, 4, 8})
+    for (int N : {2, 4}) {
+      if (world % N != 0) continue;
+      std::map<std::string, std::set<int>> members;
+      std::map<int, std::set<int>> batches;  // batch rank -> context group names
+      for (int r = 0; r < world; ++r) {
+        const ParallelPlan plan = make_parallel_plan(r, world, 1, N);
+        const CommGroup cp = plan.context_group();
+        EXPECT_TRUE(plan.has_context_split());
+        EXPECT_EQ(cp.size, N);
+        EXPECT_EQ(cp.rank, r % N);
+        EXPECT_EQ(plan.batch_ranks(), world / N);
+        EXPECT_EQ(plan.data_group().size, world);
+        members[cp.name].insert(r);
+        batches[plan.batch_rank()].insert(r / N);
+      }
+      EXPECT_EQ(members.size(), static_cast<size_t>(world / N));
+      for (const auto& [name, ranks] : members) EXPECT_EQ(ranks.size(), static_cast<size_t>(N));
+      EXPECT_EQ(batches.size(), static_cast<size_t>(world / N));
+      for (const auto& [batch, groups] : batches) EXPECT_EQ(groups.size(), 1u);
+    }
+  EXPECT_THROW(make_parallel_plan(0, 6, 1, 4), InputError);
+  EXPECT_THROW(make_parallel_plan(0, 4, 2, 2), InputError);
 }
 
 }  // namespace
