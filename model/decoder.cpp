@@ -552,7 +552,9 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     else
       blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
-    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs);
+    // Recomputation ran the block's attention forward just now: its keys are gathered.
+    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs,
+                      recompute_ != Recompute::none);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
     blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
                      l > 0 ? copy : Tensor{});

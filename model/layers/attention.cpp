@@ -108,14 +108,15 @@ void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, T
 
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
-                         const DocumentMask& docs) const {
+                         const DocumentMask& docs, bool kv_gathered) const {
   proj.backward(k, w, g, s.dy, dout, a.y);
   if (!cp.on()) {
     k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims, docs.key_start);
   } else {
-    // The keys and values again (the forward's went to the next block), this rank's queries'
-    // gradient over all of them, then each rank's sum of its rows' into dqkv's k and v columns.
-    gather_kv(k, a, s);
+    // The keys and values again unless recomputation just gathered them (the forward's went
+    // to the next block), this rank's queries' gradient over all of them, then each rank's sum
+    // of its rows' into dqkv's k and v columns.
+    if (!kv_gathered) gather_kv(k, a, s);
     k.attention_cp_backward(s.dqkv, s.dkv, s.dy, a.qkv, s.kv, a.y, a.lse, dims,
                             cp.chunks(s.kv.dim(1)), docs.key_start);
     reorder_chunks(k, cp, s.kv_ranks, s.dkv, false);

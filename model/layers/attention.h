@@ -56,8 +56,11 @@ struct Attention {
   void decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
               int64_t pos) const;
   // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
+  // kv_gathered (context parallelism): s.kv already holds this block's gathered keys and
+  // values (recomputation just ran its forward), so backward need not gather them again.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
-                Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs) const;
+                Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs,
+                bool kv_gathered = false) const;
 
  private:
   void core_forward(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
