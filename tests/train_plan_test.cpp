@@ -52,6 +52,25 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
             std::string::npos)
       << a.output;
   EXPECT_NE(a.output.find("train.recompute=selective or full"), std::string::npos) << a.output;
+  // One sequence too long for a GPU: more ranks sharing it.
+  const auto t = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 80GiB "
+                                        "--model.seq_len=32768 --train.recompute=full");
+  EXPECT_EQ(t.status, 2) << t.output;
+  EXPECT_NE(t.output.find("dist.context_parallel=2 (ranks sharing each sequence; now 1)"),
+            std::string::npos)
+      << t.output;
+}
+
+// Context parallelism: 4 ranks sharing each 32k sequence hold the activations of 8k rows a
+// rank, and the 8B plan fits 80 GB again.
+TEST(TrainPlan, ContextParallelSplitsASequencesActivations) {
+  const auto r = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 80GiB "
+                                        "--model.seq_len=32768 --dist.context_parallel=4");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("activations              B=1 T=8192"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("dist.context_parallel=4: each sequence of 32768 is cut into 8 chunks"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(TrainPlan, BadFlagsExitWithStatus2) {

@@ -116,6 +116,11 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     if (cfg.train.recompute != "full")
       keys.push_back("train.recompute=" +
                      std::string(cfg.train.recompute == "none" ? "selective or full" : "full"));
+    // One sequence's rows over more ranks (needs RoPE and a world it divides).
+    if (cfg.train.batch_size == 1 && cfg.model.positions == "rope")
+      keys.push_back("dist.context_parallel=" + std::to_string(2 * cfg.dist.context_parallel) +
+                     " (ranks sharing each sequence; now " +
+                     std::to_string(cfg.dist.context_parallel) + ")");
   }
   if (state_big || state.bytes() >= quarter) {
     if (cfg.dist.strategy != "fsdp")
