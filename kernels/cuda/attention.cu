@@ -41,8 +41,11 @@ AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a, const 
   d.group = a.n_head / a.n_kv_head;
   d.qkv_stride = static_cast<int>(a.qkv_dim());
   d.out_stride = static_cast<int>(a.q_dim());
+  d.Tk = d.T;
+  d.kv_stride = d.qkv_stride;
   d.k_offset = static_cast<int>(a.q_dim());
   d.v_offset = static_cast<int>(a.q_dim() + a.kv_dim());
+  d.half = d.T;
   d.scale = 1.0f / std::sqrt(static_cast<float>(d.hs));
   return d;
 }
