@@ -38,8 +38,8 @@ namespace {
 
 std::string cp_call(const AttentionShape& d) {
   return "context-parallel chunks of " + std::to_string(d.half) + " rows at " +
-         std::to_string(d.pos0) + " and " + std::to_string(d.pos1) + " of " +
-         std::to_string(d.Tk) + " keys, B=" + std::to_string(d.B) + " NH=" + std::to_string(d.NH) +
+         std::to_string(d.pos0) + " and " + std::to_string(d.pos1) + " of " + std::to_string(d.Tk) +
+         " keys, B=" + std::to_string(d.B) + " NH=" + std::to_string(d.NH) +
          " KV=" + std::to_string(d.KV) + " hs=" + std::to_string(d.hs);
 }
 
@@ -73,8 +73,7 @@ void CudaBackend::run_attention_cp_backward(Tensor dqkv, Tensor dkv, Tensor dout
   if ((key_start.defined() ? masked_attention_kind() : attention_) == AttentionKind::cudnn)
     cudnn_or_flash(
         cp_call(d),
-        [&] { attention_cp_backward_cudnn(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks); },
-        flash);
+        [&] { attention_cp_backward_cudnn(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks); }, flash);
   else
     flash();
 }

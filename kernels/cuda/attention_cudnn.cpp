@@ -7,12 +7,13 @@
 //    out per kv head (summed over the group inside cuDNN).
 //  - cuDNN's training "Stats" output IS kiln's lse: natural log-sum-exp of the scaled scores per
 //    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
-//  - Graphs are built once per layout (SdpaLayout: shapes, strides, mask, direction) and cached, with every execution
-//    plan cuDNN's heuristics offer; where there are several, the first call times each (on the
-//    real tensors, once) and keeps the fastest, logging the times. Plans round differently, so
-//    the choice must not flip run to run: another plan than the heuristic's first must win by
-//    5%, and below a GFLOP (microseconds, where noise exceeds any margin) none is timed. The workspace comes from the
-//    backend's scratch. The backward is cuDNN's default (fastest, not bit-reproducible) one.
+//  - Graphs are built once per layout (SdpaLayout: shapes, strides, causal alignment,
+//    direction) and cached, with every execution plan cuDNN's heuristics offer; where there are
+//    several, the first call times each (on the real tensors, once) and keeps the fastest,
+//    logging the times. Plans round differently, so the choice must not flip run to run: another
+//    plan than the heuristic's first must win by 5%, and below a GFLOP (microseconds, where noise
+//    exceeds any margin) none is timed. The workspace comes from the backend's scratch. The
+//    backward is cuDNN's default (fastest, not bit-reproducible) one.
 //  - Context parallelism (attention_cp_forward/backward) runs one SDPA per query chunk: Q is the
 //    chunk's rows of qkv, K and V the keys [0, chunk's end) of the gathered kv, causal with the
 //    diagonal at the bottom right (the chunk's first query sees every key before its position).
@@ -271,7 +272,8 @@ void execute_sdpa(CudnnAttention& state, CudnnAttention::Entry& e, const SdpaLay
   // Attention's FLOPs, forward (the backward is ~2.5x): the timing threshold's measure.
   const double flops = 2.0 * l.B * l.NH * static_cast<double>(l.s_q) * l.s_kv * l.hs;
   if (e.plan < 0)
-    e.plan = flops < 1e9 ? 0 : choose_plan(state.handle, *e.graph, l.backward, pack, workspace, stream);
+    e.plan =
+        flops < 1e9 ? 0 : choose_plan(state.handle, *e.graph, l.backward, pack, workspace, stream);
   KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state.handle, pack, workspace, e.plan));
 }
 
@@ -344,9 +346,9 @@ void CudaBackend::attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor do
   const size_t row_bytes = static_cast<size_t>(KS) * sizeof(uint16_t);
   const size_t early_bytes = aligned(static_cast<size_t>(B * end[0]) * row_bytes);
   const size_t stats_bytes = aligned(static_cast<size_t>(B * NH * C) * sizeof(float));
-  char* early = static_cast<char*>(scratch(early_bytes + stats_bytes +
-                                           std::max(workspace_bytes(*entry[0]),
-                                                    workspace_bytes(*entry[1]))));
+  char* early =
+      static_cast<char*>(scratch(early_bytes + stats_bytes +
+                                 std::max(workspace_bytes(*entry[0]), workspace_bytes(*entry[1]))));
   char* stats = early + early_bytes;
   void* workspace = stats + stats_bytes;
   for (int c : {1, 0}) {

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
     o[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const int k0 = t < T ? first_key(d, b, t) : 0;        // this row's first key
+  const int k0 = t < T ? first_key(d, b, t) : 0;      // this row's first key
   const int pos = t < T ? query_position(d, t) : -1;  // and its last
   const int last_kt = query_position(d, min(qt * kTile + kTile, T) - 1) / kTile;
   for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= last_kt; ++kt) {
@@ -286,9 +286,9 @@ void flash_backward(CudaBackend& backend, const AttentionShape& d, bf16* dq, bf1
   const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.Tk, kTile), d.KV, d.B);
   cudaStream_t stream = backend.stream();
   const bf16* g = dout.ptr<bf16>();
-#define KILN_FLASH_BWD(HS)                                                                   \
-  flash_dq_kernel<HS><<<q_grid, kThreads, 0, stream>>>(dq, g, q, kv, lse, delta, d);        \
-  KILN_CUDA_LAUNCH_CHECK();                                                                  \
+#define KILN_FLASH_BWD(HS)                                                           \
+  flash_dq_kernel<HS><<<q_grid, kThreads, 0, stream>>>(dq, g, q, kv, lse, delta, d); \
+  KILN_CUDA_LAUNCH_CHECK();                                                          \
   flash_dkv_kernel<HS><<<kv_grid, kThreads, 0, stream>>>(dkv, g, q, kv, lse, delta, d)
   switch (d.hs) {
     case 32: KILN_FLASH_BWD(32); break;

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -160,9 +161,9 @@ INSTANTIATE_TEST_SUITE_P(
         CpCase{"cudnn", 4, 1024, 8, 2, 64, 60}, CpCase{"naive", 2, 256, 8, 2, 64, 50}),
     [](const ::testing::TestParamInfo<CpCase>& i) {
       const CpCase& c = i.param;
-      return std::string(c.kind) + "_P" + std::to_string(c.P) + "_T" + std::to_string(c.T) +
-             "_NH" + std::to_string(c.NH) + "_KV" + std::to_string(c.KV) + "_hs" +
-             std::to_string(c.hs) + (c.mean_doc ? "_doc" + std::to_string(c.mean_doc) : "");
+      return std::string(c.kind) + "_P" + std::to_string(c.P) + "_T" + std::to_string(c.T) + "_NH" +
+             std::to_string(c.NH) + "_KV" + std::to_string(c.KV) + "_hs" + std::to_string(c.hs) +
+             (c.mean_doc ? "_doc" + std::to_string(c.mean_doc) : "");
     });
 
 // One rank holding the whole sequence (chunks at 0 and T/2, both whole tiles) runs the same
