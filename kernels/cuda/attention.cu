@@ -41,8 +41,11 @@ AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a, const 
   d.group = a.n_head / a.n_kv_head;
   d.qkv_stride = static_cast<int>(a.qkv_dim());
   d.out_stride = static_cast<int>(a.q_dim());
+  d.Tk = d.T;
+  d.kv_stride = d.qkv_stride;
   d.k_offset = static_cast<int>(a.q_dim());
   d.v_offset = static_cast<int>(a.q_dim() + a.kv_dim());
+  d.half = d.T;
   d.scale = 1.0f / std::sqrt(static_cast<float>(d.hs));
   return d;
 }
@@ -269,20 +272,23 @@ void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, cons
       attention_forward_flash(out, lse, qkv, a, key_start);
       break;
     case AttentionKind::cudnn:
-      if (!attention_auto_) {
-        attention_forward_cudnn(out, lse, qkv, a);
-        break;
-      }
-      try {
-        attention_forward_cudnn(out, lse, qkv, a);
-      } catch (const std::exception& e) {
-        spdlog::warn(
-            "attention: auto -> flash: cuDNN SDPA failed for B={} T={} NH={} KV={} hs={}: {}", d.B,
-            d.T, d.NH, d.KV, d.hs, e.what());
-        attention_ = AttentionKind::flash;
-        attention_forward_flash(out, lse, qkv, a, key_start);
-      }
+      cudnn_or_flash(
+          fmt::format("B={} T={} NH={} KV={} hs={}", d.B, d.T, d.NH, d.KV, d.hs),
+          [&] { attention_forward_cudnn(out, lse, qkv, a); },
+          [&] { attention_forward_flash(out, lse, qkv, a, key_start); });
       break;
+  }
+}
+
+void CudaBackend::cudnn_or_flash(const std::string& call, const std::function<void()>& cudnn,
+                                 const std::function<void()>& flash) {
+  if (!attention_auto_) return cudnn();
+  try {
+    cudnn();
+  } catch (const std::exception& e) {
+    spdlog::warn("attention: auto -> flash: cuDNN SDPA failed for {}: {}", call, e.what());
+    attention_ = AttentionKind::flash;
+    flash();
   }
 }
 

@@ -1,41 +1,78 @@
 // Internal to the attention files: the shape every implementation derives from qkv and the
-// op's AttentionDims, and the shared delta = rowsum(dout * out) pre-pass of the backward.
+// op's AttentionDims, the shared delta = rowsum(dout * out) pre-pass of the backward, and the
+// flash kernels' launchers (attention_forward and attention_cp_forward both run them).
 #pragma once
 
 #include "kernels/cuda/cuda_backend.h"
+#ifdef __CUDACC__
+#include "kernels/cuda/common.cuh"
+#endif
 
 namespace kiln {
 namespace cuda {
 
 // qkv[B,T,qkv_stride]: per token NH query heads, then KV key heads, then KV value heads, each hs
-// wide. Query head h reads kv head h / group. Offsets are in elements within a token's row.
+// wide. Query head h reads kv head h / group. Offsets are in elements within a row.
+// The keys and values are qkv's own rows (Tk = T) for attention_forward; context parallelism
+// (attention_cp_forward) reads them from the gathered kv[B,Tk,2*KV*hs] instead, and its T query
+// rows sit at two chunks' positions in the sequence (QueryChunks).
 struct AttentionShape {
   int B = 0, T = 0, NH = 0, KV = 0, hs = 0;
   int group = 1;       // NH / KV: query heads per kv head
   int qkv_stride = 0;  // (NH + 2 KV) hs
   int out_stride = 0;  // NH hs
-  int k_offset = 0;    // NH hs: the first key head
-  int v_offset = 0;    // (NH + KV) hs: the first value head
+  int Tk = 0;          // key rows
+  int kv_stride = 0;   // elements per key row: qkv_stride, or 2 KV hs for a gathered kv
+  int k_offset = 0;    // the first key head in a key row: NH hs in qkv, 0 in kv
+  int v_offset = 0;    // the first value head: (NH + KV) hs in qkv, KV hs in kv
+  // Query row t's position in the sequence: t < half ? pos0 + t : pos1 + t - half. For
+  // attention_forward half = T and pos0 = 0 (row t is at t); it never decreases along t.
+  int half = 0, pos0 = 0, pos1 = 0;
   float scale = 1.0f;  // 1 / sqrt(hs)
-  // Document masking: key_start[b*T + t] is query t's first key (attention_forward's contract:
-  // <= t, never decreasing in t); nullptr: 0, plain causal.
+  // Document masking: key_start[b*T + t] is query t's first key (a position: at most the
+  // query's, never decreasing in t); nullptr: 0, plain causal.
   const int* key_start = nullptr;
 };
-
-#ifdef __CUDACC__
-// Query t's first key in sequence b.
-__device__ inline int first_key(const AttentionShape& d, int b, int t) {
-  return d.key_start ? d.key_start[static_cast<int64_t>(b) * d.T + t] : 0;
-}
-#endif
 
 // The shape of qkv as `a` splits it (the op's contract has checked that they agree), with
 // key_start's device pointer when it is defined.
 AttentionShape attention_shape(const Tensor& qkv, const AttentionDims& a,
                                const Tensor& key_start = Tensor{});
+// attention_cp_forward's shape: query rows from qkv at chunks' positions, keys and values from
+// the gathered kv (attention_cp.cu).
+AttentionShape attention_cp_shape(const Tensor& qkv, const Tensor& kv, const AttentionDims& a,
+                                  const QueryChunks& chunks, const Tensor& key_start);
 // delta f32[B,NH,T] in the backend's scratch (valid until the next op that uses scratch).
 float* attention_delta(CudaBackend& backend, const AttentionShape& d, const Tensor& dout,
                        const Tensor& out);
+
+#ifdef __CUDACC__  // nvcc only: device helpers, and launchers that take device pointers
+// Query t's first key in sequence b.
+__device__ inline int first_key(const AttentionShape& d, int b, int t) {
+  return d.key_start ? d.key_start[static_cast<int64_t>(b) * d.T + t] : 0;
+}
+// Query row t's position in the sequence (its last key).
+__device__ inline int query_position(const AttentionShape& d, int t) {
+  return t < d.half ? d.pos0 + t : d.pos1 + t - d.half;
+}
+// The first query row at position s or later (T where none is): the first that may see key s.
+__device__ inline int first_query_seeing(const AttentionShape& d, int s) {
+  if (s <= d.pos0) return 0;
+  if (s < d.pos0 + d.half) return s - d.pos0;
+  if (s <= d.pos1) return d.half;
+  return min(d.half + s - d.pos1, d.T);
+}
+
+// The flash kernels (attention_flash.cu). q: the query rows (qkv's layout), kv: the key rows
+// (d.Tk rows of d.kv_stride); for attention_forward both are qkv. The backward writes dq into
+// dq's query columns (qkv's layout) and dk/dv for every one of the d.Tk keys into dkv (kv's
+// layout), zero where no query attends. Head sizes 32, 64, 128; others throw.
+void flash_forward(cudaStream_t stream, const AttentionShape& d, bf16* out, float* lse,
+                   const bf16* q, const bf16* kv);
+void flash_backward(CudaBackend& backend, const AttentionShape& d, bf16* dq, bf16* dkv,
+                    const Tensor& dout, const bf16* q, const bf16* kv, const Tensor& out,
+                    const float* lse);
+#endif
 
 }  // namespace cuda
 }  // namespace kiln

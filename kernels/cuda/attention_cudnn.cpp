@@ -7,16 +7,25 @@
 //    out per kv head (summed over the group inside cuDNN).
 //  - cuDNN's training "Stats" output IS kiln's lse: natural log-sum-exp of the scaled scores per
 //    (b, h, t), f32 [B,NH,T,1]; so the naive and flash backward accept its lse and vice versa.
-//  - Graphs are built once per (B, NH, KV, T, hs) and direction and cached, with every execution
-//    plan cuDNN's heuristics offer; where there are several, the first call times each (on the
-//    real tensors, once) and keeps the fastest, logging the times. Plans round differently, so
-//    the choice must not flip run to run: another plan than the heuristic's first must win by
-//    5%, and below a GFLOP (microseconds, where noise exceeds any margin) none is timed. The workspace comes from the
-//    backend's scratch. The backward is cuDNN's default (fastest, not bit-reproducible) one.
+//  - Graphs are built once per layout (SdpaLayout: shapes, strides, causal alignment,
+//    direction) and cached, with every execution plan cuDNN's heuristics offer; where there are
+//    several, the first call times each (on the real tensors, once) and keeps the fastest,
+//    logging the times. Plans round differently, so the choice must not flip run to run: another
+//    plan than the heuristic's first must win by 5%, and below a GFLOP (microseconds, where noise
+//    exceeds any margin) none is timed. The workspace comes from the backend's scratch. The
+//    backward is cuDNN's default (fastest, not bit-reproducible) one.
+//  - Context parallelism (attention_cp_forward/backward) runs one SDPA per query chunk: Q is the
+//    chunk's rows of qkv, K and V the keys [0, chunk's end) of the gathered kv, causal with the
+//    diagonal at the bottom right (the chunk's first query sees every key before its position).
+//    cuDNN overwrites dK/dV and the chunks' key ranges overlap, so the later chunk writes dkv's
+//    prefix, the earlier one a scratch copy that is then added in, and the keys past the later
+//    chunk are zeroed. The forward writes each chunk's stats straight into its columns of lse;
+//    the backward reads them from a packed copy (what cuDNN before 9.26 requires).
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <tuple>
 
@@ -56,7 +65,55 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
                                      __LINE__);                                             \
   } while (0)
 
-using GraphKey = std::tuple<int, int, int, int, int, bool>;  // B, NH, KV, T, hs, backward
+// One SDPA call as cuDNN sees it: Q, K, V, O and their gradients are [B, heads, s, hs] views
+// with strides {batch, hs, row, 1}; the stats [B, NH, s_q, 1] have strides {batch, head, 1, 1}.
+// It is also the key of the graph cache.
+struct SdpaLayout {
+  int64_t B = 0, NH = 0, KV = 0, hs = 0;
+  int64_t s_q = 0, s_kv = 0;
+  int64_t q_batch = 0, q_row = 0;      // Q and dQ
+  int64_t kv_batch = 0, kv_row = 0;    // K and V
+  int64_t dkv_batch = 0, dkv_row = 0;  // dK and dV
+  int64_t o_batch = 0, o_row = 0;      // O and dO
+  int64_t stats_batch = 0, stats_head = 0;
+  // Causal diagonal at the bottom right: query i sees keys up to i + s_kv - s_q (context
+  // parallelism's chunks); else at the top left, query i sees keys up to i.
+  bool bottom_right = false;
+  bool backward = false;
+  auto fields() const {
+    return std::tie(B, NH, KV, hs, s_q, s_kv, q_batch, q_row, kv_batch, kv_row, dkv_batch, dkv_row,
+                    o_batch, o_row, stats_batch, stats_head, bottom_right, backward);
+  }
+  bool operator<(const SdpaLayout& o) const { return fields() < o.fields(); }
+};
+
+// attention_forward/backward's call: every view inside the packed qkv (and dqkv).
+SdpaLayout packed_layout(const AttentionShape& d, bool backward) {
+  SdpaLayout l;
+  l.B = d.B, l.NH = d.NH, l.KV = d.KV, l.hs = d.hs, l.s_q = d.T, l.s_kv = d.T;
+  l.q_batch = l.kv_batch = l.dkv_batch = int64_t{d.T} * d.qkv_stride;
+  l.q_row = l.kv_row = l.dkv_row = d.qkv_stride;
+  l.o_batch = int64_t{d.T} * d.out_stride, l.o_row = d.out_stride;
+  l.stats_batch = int64_t{d.NH} * d.T, l.stats_head = d.T;
+  l.backward = backward;
+  return l;
+}
+
+// One context-parallel chunk's call (d: attention_cp_shape's): its d.half query rows at
+// sequence position `offset`, against the keys [0, offset + d.half) of kv; dK/dV in kv's layout.
+SdpaLayout chunk_layout(const AttentionShape& d, int64_t offset, bool backward) {
+  SdpaLayout l = packed_layout(d, backward);
+  l.s_q = d.half, l.s_kv = offset + d.half;
+  l.kv_batch = l.dkv_batch = int64_t{d.Tk} * d.kv_stride;
+  l.kv_row = l.dkv_row = d.kv_stride;
+  l.bottom_right = true;
+  return l;
+}
+
+// The element `elems` elements into t's memory.
+void* element(const Tensor& t, int64_t elems) {
+  return t.ptr<char>() + elems * static_cast<int64_t>(dtype_size(t.dtype));
+}
 
 }  // namespace
 
@@ -66,7 +123,7 @@ struct CudnnAttention {
     int64_t plan = -1;  // the plan it runs: the fastest measured; -1 until its first call
   };
   cudnnHandle_t handle = nullptr;
-  std::map<GraphKey, Entry> graphs;
+  std::map<SdpaLayout, Entry> graphs;
   ~CudnnAttention() {
     graphs.clear();
     if (handle) cudnnDestroy(handle);
@@ -79,37 +136,35 @@ bool CudaBackend::cudnn_built() { return cudnnGetVersion() >= 90000; }
 
 namespace {
 
-// A [B, heads, T, hs] view into the packed qkv (or dqkv) buffer: row stride S per token.
-std::shared_ptr<fe::graph::Tensor_attributes> qkv_tensor(fe::graph::Graph& g, const char* name,
-                                                         int64_t uid, const AttentionShape& d,
-                                                         int64_t heads) {
-  const int64_t T = d.T, hs = d.hs, S = d.qkv_stride;
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid)
-                      .set_dim({d.B, heads, T, hs})
-                      .set_stride({T * S, hs, S, 1}));
-}
-
-std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const AttentionShape& d,
-                                              bool backward) {
-  const int64_t B = d.B, NH = d.NH, KV = d.KV, T = d.T, hs = d.hs, S = d.qkv_stride,
-                OS = d.out_stride;
+std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLayout& l) {
+  const int64_t B = l.B, NH = l.NH, KV = l.KV, hs = l.hs;
   auto graph = std::make_shared<fe::graph::Graph>();
   graph->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
-  auto Q = qkv_tensor(*graph, "Q", kQ, d, NH);
-  auto K = qkv_tensor(*graph, "K", kK, d, KV);
-  auto V = qkv_tensor(*graph, "V", kV, d, KV);
-  const std::vector<int64_t> o_dim = {B, NH, T, hs}, o_stride = {T * OS, hs, OS, 1};
-  const std::vector<int64_t> stats_dim = {B, NH, T, 1}, stats_stride = {NH * T, T, 1, 1};
-  if (!backward) {
+  auto view = [&](const char* name, int64_t uid, int64_t heads, int64_t s, int64_t batch,
+                  int64_t row) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_name(name)
+                             .set_uid(uid)
+                             .set_dim({B, heads, s, hs})
+                             .set_stride({batch, hs, row, 1}));
+  };
+  auto Q = view("Q", kQ, NH, l.s_q, l.q_batch, l.q_row);
+  auto K = view("K", kK, KV, l.s_kv, l.kv_batch, l.kv_row);
+  auto V = view("V", kV, KV, l.s_kv, l.kv_batch, l.kv_row);
+  const std::vector<int64_t> o_dim = {B, NH, l.s_q, hs}, o_stride = {l.o_batch, hs, l.o_row, 1};
+  const std::vector<int64_t> stats_dim = {B, NH, l.s_q, 1},
+                             stats_stride = {l.stats_batch, l.stats_head, 1, 1};
+  const auto diagonal =
+      l.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  if (!l.backward) {
     auto opts = fe::graph::SDPA_attributes()
                     .set_name("sdpa_forward")
                     .set_generate_stats(true)
-                    .set_attn_scale(d.scale)
-                    .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                    .set_attn_scale(scale)
+                    .set_diagonal_alignment(diagonal)
                     .set_diagonal_band_right_bound(0);
     auto [O, stats] = graph->sdpa(Q, K, V, opts);
     O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
@@ -134,15 +189,15 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
                                    .set_data_type(fe::DataType_t::FLOAT));
     auto opts = fe::graph::SDPA_backward_attributes()
                     .set_name("sdpa_backward")
-                    .set_attn_scale(d.scale)
-                    .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                    .set_attn_scale(scale)
+                    .set_diagonal_alignment(diagonal)
                     .set_diagonal_band_right_bound(0);
     auto [dQ, dK, dV] = graph->sdpa_backward(Q, K, V, O, dO, stats, opts);
-    const std::vector<int64_t> q_dim = {B, NH, T, hs}, kv_dim = {B, KV, T, hs},
-                               qkv_stride = {T * S, hs, S, 1};
-    dQ->set_output(true).set_uid(kdQ).set_dim(q_dim).set_stride(qkv_stride);
-    dK->set_output(true).set_uid(kdK).set_dim(kv_dim).set_stride(qkv_stride);
-    dV->set_output(true).set_uid(kdV).set_dim(kv_dim).set_stride(qkv_stride);
+    const std::vector<int64_t> kv_dim = {B, KV, l.s_kv, hs},
+                               dkv_stride = {l.dkv_batch, hs, l.dkv_row, 1};
+    dQ->set_output(true).set_uid(kdQ).set_dim(o_dim).set_stride({l.q_batch, hs, l.q_row, 1});
+    dK->set_output(true).set_uid(kdK).set_dim(kv_dim).set_stride(dkv_stride);
+    dV->set_output(true).set_uid(kdV).set_dim(kv_dim).set_stride(dkv_stride);
   }
   KILN_CUDNN_FE_CHECK(graph->validate());
   KILN_CUDNN_FE_CHECK(graph->build_operation_graph(handle));
@@ -151,9 +206,10 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const Attent
   const auto t0 = std::chrono::steady_clock::now();
   KILN_CUDNN_FE_CHECK(graph->build_plans(fe::BuildPlanPolicy_t::ALL));
   spdlog::info(
-      "attention (cudnn): built {} graph for B={} NH={} KV={} T={} hs={}: {} plan(s) in {:.1f} s",
-      backward ? "backward" : "forward", d.B, d.NH, d.KV, d.T, d.hs,
-      graph->get_execution_plan_count(),
+      "attention (cudnn): built {} graph for B={} NH={} KV={} hs={} s_q={} s_kv={}{}: {} plan(s) "
+      "in {:.1f} s",
+      l.backward ? "backward" : "forward", B, NH, KV, hs, l.s_q, l.s_kv,
+      l.bottom_right ? " (causal at the bottom right)" : "", graph->get_execution_plan_count(),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return graph;
 }
@@ -192,26 +248,40 @@ int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward
   return best;
 }
 
-// Runs the cached graph for (d, backward) on `pack`: built, and its plan chosen, on first use.
-void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, CudaBackend& backend,
-              const AttentionShape& d, bool backward, std::unordered_map<int64_t, void*>& pack) {
+// The cached graph for `l`, built on first use.
+CudnnAttention::Entry& sdpa_graph(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state,
+                                  CudaBackend& backend, const SdpaLayout& l) {
   if (!state) {
     state.reset(new CudnnAttention);
     KILN_CUDNN_CHECK(cudnnCreate(&state->handle));
   }
   KILN_CUDNN_CHECK(cudnnSetStream(state->handle, backend.stream()));
-  CudnnAttention::Entry& e = state->graphs[GraphKey{d.B, d.NH, d.KV, d.T, d.hs, backward}];
-  if (!e.graph) e.graph = build_graph(state->handle, d, backward);
-  // Sized for the largest plan, so any chosen plan fits.
-  void* workspace = backend.scratch(
-      static_cast<size_t>(std::max<int64_t>(e.graph->get_autotune_workspace_size(), 1)));
-  // Causal attention's FLOPs, forward (the backward is ~2.5x): the timing threshold's measure.
-  const double flops = 2.0 * d.B * d.NH * static_cast<double>(d.T) * d.T * d.hs;
+  CudnnAttention::Entry& e = state->graphs[l];
+  if (!e.graph) e.graph = build_graph(state->handle, l);
+  return e;
+}
+
+// The workspace any of e's plans needs (sized for the largest, so any chosen plan fits).
+size_t workspace_bytes(const CudnnAttention::Entry& e) {
+  return static_cast<size_t>(std::max<int64_t>(e.graph->get_autotune_workspace_size(), 1));
+}
+
+// Runs e's graph on `pack`, its plan chosen at the first call.
+void execute_sdpa(CudnnAttention& state, CudnnAttention::Entry& e, const SdpaLayout& l,
+                  std::unordered_map<int64_t, void*>& pack, void* workspace, cudaStream_t stream) {
+  // Attention's FLOPs, forward (the backward is ~2.5x): the timing threshold's measure.
+  const double flops = 2.0 * l.B * l.NH * static_cast<double>(l.s_q) * l.s_kv * l.hs;
   if (e.plan < 0)
-    e.plan = flops < 1e9 ? 0
-                         : choose_plan(state->handle, *e.graph, backward, pack, workspace,
-                                       backend.stream());
-  KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state->handle, pack, workspace, e.plan));
+    e.plan =
+        flops < 1e9 ? 0 : choose_plan(state.handle, *e.graph, l.backward, pack, workspace, stream);
+  KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state.handle, pack, workspace, e.plan));
+}
+
+// One call: the cached graph for `l` on `pack`, its workspace in the backend's scratch.
+void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, CudaBackend& backend,
+              const SdpaLayout& l, std::unordered_map<int64_t, void*>& pack) {
+  CudnnAttention::Entry& e = sdpa_graph(state, backend, l);
+  execute_sdpa(*state, e, l, pack, backend.scratch(workspace_bytes(e)), backend.stream());
 }
 
 }  // namespace
@@ -224,7 +294,7 @@ void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
   const size_t v_bytes = static_cast<size_t>(d.v_offset) * sizeof(uint16_t);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, base}, {kK, base + k_bytes}, {kV, base + v_bytes}, {kO, out.data}, {kStats, lse.data}};
-  run_sdpa(cudnn_, *this, d, false, pack);
+  run_sdpa(cudnn_, *this, packed_layout(d, false), pack);
 }
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
@@ -238,7 +308,73 @@ void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv,
       {kQ, base},     {kK, base + k_bytes},   {kV, base + v_bytes},
       {kO, out.data}, {kdO, dout.data},       {kStats, lse.data},
       {kdQ, dbase},   {kdK, dbase + k_bytes}, {kdV, dbase + v_bytes}};
-  run_sdpa(cudnn_, *this, d, true, pack);
+  run_sdpa(cudnn_, *this, packed_layout(d, true), pack);
+}
+
+void CudaBackend::attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
+                                             const AttentionDims& a, const QueryChunks& chunks) {
+  const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, Tensor{});
+  const int64_t C = d.half;
+  for (int c = 0; c < 2; ++c) {
+    std::unordered_map<int64_t, void*> pack = {{kQ, element(qkv, c * C * d.qkv_stride)},
+                                               {kK, element(kv, d.k_offset)},
+                                               {kV, element(kv, d.v_offset)},
+                                               {kO, element(out, c * C * d.out_stride)},
+                                               {kStats, element(lse, c * C)}};
+    run_sdpa(cudnn_, *this, chunk_layout(d, chunks.offset[c], false), pack);
+  }
+}
+
+void CudaBackend::attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
+                                              Tensor kv, Tensor out, Tensor lse,
+                                              const AttentionDims& a, const QueryChunks& chunks) {
+  const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, Tensor{});
+  const int64_t B = d.B, NH = d.NH, C = d.half, Tq = d.T, Tk = d.Tk, KS = d.kv_stride;
+  const int64_t end[2] = {chunks.offset[0] + C, chunks.offset[1] + C};  // each chunk's keys
+  SdpaLayout layout[2] = {chunk_layout(d, chunks.offset[0], true),
+                          chunk_layout(d, chunks.offset[1], true)};
+  for (SdpaLayout& l : layout) {
+    // cuDNN before 9.26 reads a backward's stats as packed [B,NH,s_q] only (the forward writes
+    // any strides): each chunk's columns of lse are copied out first.
+    l.stats_batch = NH * C;
+    l.stats_head = C;
+  }
+  layout[0].dkv_batch = end[0] * KS;  // the earlier chunk's dK/dV: [B, end[0], KS] in scratch
+  CudnnAttention::Entry* entry[2] = {&sdpa_graph(cudnn_, *this, layout[0]),
+                                     &sdpa_graph(cudnn_, *this, layout[1])};
+  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t row_bytes = static_cast<size_t>(KS) * sizeof(uint16_t);
+  const size_t early_bytes = aligned(static_cast<size_t>(B * end[0]) * row_bytes);
+  const size_t stats_bytes = aligned(static_cast<size_t>(B * NH * C) * sizeof(float));
+  char* early =
+      static_cast<char*>(scratch(early_bytes + stats_bytes +
+                                 std::max(workspace_bytes(*entry[0]), workspace_bytes(*entry[1]))));
+  char* stats = early + early_bytes;
+  void* workspace = stats + stats_bytes;
+  for (int c : {1, 0}) {
+    KILN_CUDA_CHECK(cudaMemcpy2DAsync(stats, C * sizeof(float), element(lse, c * C),
+                                      Tq * sizeof(float), C * sizeof(float), B * NH,
+                                      cudaMemcpyDeviceToDevice, stream_));
+    void* dk = c == 1 ? dkv.data : early;
+    std::unordered_map<int64_t, void*> pack = {
+        {kQ, element(qkv, c * C * d.qkv_stride)},
+        {kK, element(kv, d.k_offset)},
+        {kV, element(kv, d.v_offset)},
+        {kO, element(out, c * C * d.out_stride)},
+        {kdO, element(dout, c * C * d.out_stride)},
+        {kStats, stats},
+        {kdQ, element(dqkv, c * C * d.qkv_stride)},
+        {kdK, static_cast<char*>(dk) + d.k_offset * sizeof(uint16_t)},
+        {kdV, static_cast<char*>(dk) + d.v_offset * sizeof(uint16_t)}};
+    execute_sdpa(*cudnn_, *entry[c], layout[c], pack, workspace, stream_);
+  }
+  // No query of this rank sees the keys past the later chunk.
+  if (end[1] < Tk)
+    KILN_CUDA_CHECK(cudaMemset2DAsync(element(dkv, end[1] * KS), Tk * row_bytes, 0,
+                                      (Tk - end[1]) * row_bytes, B, stream_));
+  for (int64_t b = 0; b < B; ++b)
+    run_add(dkv.slice(b * Tk * KS, {end[0] * KS}),
+            Tensor{early + b * end[0] * row_bytes, {end[0] * KS}, DType::bf16, Device::cuda});
 }
 
 #else  // built without the cuDNN frontend
@@ -252,6 +388,14 @@ void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, const Attentio
 }
 void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor,
                                            const AttentionDims&) {
+  throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
+}
+void CudaBackend::attention_cp_forward_cudnn(Tensor, Tensor, Tensor, Tensor, const AttentionDims&,
+                                             const QueryChunks&) {
+  throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
+}
+void CudaBackend::attention_cp_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                              Tensor, const AttentionDims&, const QueryChunks&) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 

@@ -13,6 +13,11 @@
 // dq start at that key's tile, and dk/dv stop at the first query tile whose first row starts
 // past the key tile: tiles no query of the block sees are never loaded, and a window of short
 // documents costs about sum(len^2) instead of T^2.
+// Context parallelism (attention_cp_forward/backward) runs these same kernels: its query rows sit
+// at two chunks' positions in the sequence (d.half, d.pos0, d.pos1) and its keys in a gathered
+// kv of their own (d.Tk rows); causality and the tile walks go by positions, which rise along
+// the rows, so a query tile walks key tiles up to its last row's position, and a key tile starts
+// at the first query row whose position reaches it.
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -46,16 +51,18 @@ __device__ inline void load_tile(float (*tile)[HS], const bf16* base, int64_t st
 
 template <int HS>
 __global__ void __launch_bounds__(kThreads)
-    flash_forward_kernel(bf16* out, float* lse, const bf16* qkv, AttentionShape d) {
+    flash_forward_kernel(bf16* out, float* lse, const bf16* q_rows, const bf16* kv,
+                         AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float ks[kTile][HS];
   __shared__ float vs[kTile][HS];
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int T = d.T, S = d.qkv_stride;
+  const int T = d.T, S = d.qkv_stride, Tk = d.Tk, KS = d.kv_stride;
   const int kcol = d.k_offset + (h / d.group) * HS, vcol = d.v_offset + (h / d.group) * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int t = qt * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
+  const bf16* base = q_rows + static_cast<int64_t>(b) * T * S;
+  const bf16* kv_base = kv + static_cast<int64_t>(b) * Tk * KS;
   float q[P], o[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
@@ -64,11 +71,13 @@ __global__ void __launch_bounds__(kThreads)
     o[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const int k0 = t < T ? first_key(d, b, t) : T;  // this row's first key
-  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= qt; ++kt) {
+  const int k0 = t < T ? first_key(d, b, t) : 0;      // this row's first key
+  const int pos = t < T ? query_position(d, t) : -1;  // and its last
+  const int last_kt = query_position(d, min(qt * kTile + kTile, T) - 1) / kTile;
+  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= last_kt; ++kt) {
     __syncthreads();
-    load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
-    load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
+    load_tile<HS>(ks, kv_base, KS, kcol, kt * kTile, Tk);
+    load_tile<HS>(vs, kv_base, KS, vcol, kt * kTile, Tk);
     __syncthreads();
     float s[kTile];
     float tile_max = -INFINITY;
@@ -79,7 +88,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < P; ++i) acc += q[i] * ks[j][part * P + i];
       acc = group_sum(acc);
       const int key = kt * kTile + j;
-      s[j] = (key >= k0 && key <= t && key < T) ? acc : -INFINITY;
+      s[j] = (key >= k0 && key <= pos) ? acc : -INFINITY;
       tile_max = fmaxf(tile_max, s[j]);
     }
     const float m_new = fmaxf(m, tile_max);
@@ -107,17 +116,18 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int HS>
 __global__ void __launch_bounds__(kThreads)
-    flash_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                    const float* delta, AttentionShape d) {
+    flash_dq_kernel(bf16* dq_rows, const bf16* dout, const bf16* q_rows, const bf16* kv,
+                    const float* lse, const float* delta, AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float ks[kTile][HS];
   __shared__ float vs[kTile][HS];
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int T = d.T, S = d.qkv_stride;
+  const int T = d.T, S = d.qkv_stride, Tk = d.Tk, KS = d.kv_stride;
   const int kcol = d.k_offset + (h / d.group) * HS, vcol = d.v_offset + (h / d.group) * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int t = qt * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
+  const bf16* base = q_rows + static_cast<int64_t>(b) * T * S;
+  const bf16* kv_base = kv + static_cast<int64_t>(b) * Tk * KS;
   float q[P], g[P], dq[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
@@ -131,11 +141,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
   const float row_lse = t < T ? lse[stat] : 0.0f;
   const float row_delta = t < T ? delta[stat] : 0.0f;
-  const int k0 = t < T ? first_key(d, b, t) : T;
-  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= qt; ++kt) {
+  const int k0 = t < T ? first_key(d, b, t) : 0;
+  const int pos = t < T ? query_position(d, t) : -1;
+  const int last_kt = query_position(d, min(qt * kTile + kTile, T) - 1) / kTile;
+  for (int kt = first_key(d, b, qt * kTile) / kTile; kt <= last_kt; ++kt) {
     __syncthreads();
-    load_tile<HS>(ks, base, S, kcol, kt * kTile, T);
-    load_tile<HS>(vs, base, S, vcol, kt * kTile, T);
+    load_tile<HS>(ks, kv_base, KS, kcol, kt * kTile, Tk);
+    load_tile<HS>(vs, kv_base, KS, vcol, kt * kTile, Tk);
     __syncthreads();
 #pragma unroll 4
     for (int j = 0; j < kTile; ++j) {
@@ -148,50 +160,54 @@ __global__ void __launch_bounds__(kThreads)
       s = group_sum(s);
       dp = group_sum(dp);
       const int key = kt * kTile + j;
-      const float p = (key >= k0 && key <= t && t < T) ? expf(s * d.scale - row_lse) : 0.0f;
+      const float p = (key >= k0 && key <= pos) ? expf(s * d.scale - row_lse) : 0.0f;
       const float ds = p * (dp - row_delta);
 #pragma unroll
       for (int i = 0; i < P; ++i) dq[i] += ds * ks[j][part * P + i];
     }
   }
   if (t >= T) return;
-  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + t) * S + h * HS + part * P;
+  bf16* dst = dq_rows + (static_cast<int64_t>(b) * T + t) * S + h * HS + part * P;
 #pragma unroll
   for (int i = 0; i < P; ++i) dst[i] = __float2bfloat16_rn(dq[i] * d.scale);
 }
 
 // One block per (key tile, kv head, batch): dk/dv of the tile's keys summed over the query
-// heads of the kv head's group, in head order, then over query tiles.
+// heads of the kv head's group, in head order, then over query tiles. Every key tile is
+// written, zero where no query sees it.
 template <int HS>
 __global__ void __launch_bounds__(kThreads)
-    flash_dkv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                     const float* delta, AttentionShape d) {
+    flash_dkv_kernel(bf16* dkv, const bf16* dout, const bf16* q_rows, const bf16* kv,
+                     const float* lse, const float* delta, AttentionShape d) {
   constexpr int P = HS / kGroup;
   __shared__ float qs[kTile][HS];
   __shared__ float gs[kTile][HS];
   __shared__ float lse_s[kTile];
   __shared__ float delta_s[kTile];
-  __shared__ int k0_s[kTile];  // the query rows' first keys
+  __shared__ int k0_s[kTile];   // the query rows' first keys
+  __shared__ int pos_s[kTile];  // and their positions (-1 past T)
   const int st = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int T = d.T, S = d.qkv_stride;
+  const int T = d.T, S = d.qkv_stride, Tk = d.Tk, KS = d.kv_stride;
   const int kcol = d.k_offset + kvh * HS, vcol = d.v_offset + kvh * HS;
   const int row = threadIdx.x / kGroup, part = threadIdx.x % kGroup;
   const int s_idx = st * kTile + row;
-  const bf16* base = qkv + static_cast<int64_t>(b) * T * S;
+  const bf16* base = q_rows + static_cast<int64_t>(b) * T * S;
+  const bf16* kv_base = kv + static_cast<int64_t>(b) * Tk * KS;
   const bf16* dout0 = dout + static_cast<int64_t>(b) * T * d.out_stride;
   float k[P], v[P], dk[P], dv[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    const int64_t off = static_cast<int64_t>(s_idx) * S + part * P + i;
-    k[i] = s_idx < T ? to_float(base[off + kcol]) : 0.0f;
-    v[i] = s_idx < T ? to_float(base[off + vcol]) : 0.0f;
+    const int64_t off = static_cast<int64_t>(s_idx) * KS + part * P + i;
+    k[i] = s_idx < Tk ? to_float(kv_base[off + kcol]) : 0.0f;
+    v[i] = s_idx < Tk ? to_float(kv_base[off + vcol]) : 0.0f;
     dk[i] = 0.0f;
     dv[i] = 0.0f;
   }
   const int qtiles = (T + kTile - 1) / kTile;
+  const int first_qt = first_query_seeing(d, st * kTile) / kTile;
   const int last_key = st * kTile + kTile - 1;
   for (int h = kvh * d.group; h < (kvh + 1) * d.group; ++h) {
-    for (int qt = st; qt < qtiles; ++qt) {
+    for (int qt = first_qt; qt < qtiles; ++qt) {
       // Every thread reads the same first key, so the whole block leaves together: from this
       // query tile on, every query's document starts after this key tile.
       if (first_key(d, b, qt * kTile) > last_key) break;
@@ -203,7 +219,8 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t stat = (static_cast<int64_t>(b) * d.NH + h) * T + t;
         lse_s[threadIdx.x] = t < T ? lse[stat] : 0.0f;
         delta_s[threadIdx.x] = t < T ? delta[stat] : 0.0f;
-        k0_s[threadIdx.x] = t < T ? first_key(d, b, t) : T;
+        k0_s[threadIdx.x] = t < T ? first_key(d, b, t) : 0;
+        pos_s[threadIdx.x] = t < T ? query_position(d, t) : -1;
       }
       __syncthreads();
 #pragma unroll 4
@@ -216,8 +233,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         s = group_sum(s);
         dp = group_sum(dp);
-        const int t = qt * kTile + j;
-        const float p = (t >= s_idx && t < T && s_idx < T && k0_s[j] <= s_idx)
+        const float p = (pos_s[j] >= s_idx && s_idx < Tk && k0_s[j] <= s_idx)
                             ? expf(s * d.scale - lse_s[j])
                             : 0.0f;
         const float ds = p * (dp - delta_s[j]);
@@ -229,8 +245,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (s_idx >= T) return;
-  bf16* dst = dqkv + (static_cast<int64_t>(b) * T + s_idx) * S + part * P;
+  if (s_idx >= Tk) return;
+  bf16* dst = dkv + (static_cast<int64_t>(b) * Tk + s_idx) * KS + part * P;
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     dst[kcol + i] = __float2bfloat16_rn(dk[i] * d.scale);
@@ -245,13 +261,13 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
-                                          const AttentionDims& a, Tensor key_start) {
-  const AttentionShape d = attention_shape(qkv, a, key_start);
-  dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
+namespace cuda {
+
+void flash_forward(cudaStream_t stream, const AttentionShape& d, bf16* out, float* lse,
+                   const bf16* q, const bf16* kv) {
+  const dim3 grid(ceil_div(d.T, kTile), d.NH, d.B);
 #define KILN_FLASH_FWD(HS) \
-  flash_forward_kernel<HS> \
-      <<<grid, kThreads, 0, stream_>>>(out.ptr<bf16>(), lse.ptr<float>(), qkv.ptr<bf16>(), d)
+  flash_forward_kernel<HS><<<grid, kThreads, 0, stream>>>(out, lse, q, kv, d)
   switch (d.hs) {
     case 32: KILN_FLASH_FWD(32); break;
     case 64: KILN_FLASH_FWD(64); break;
@@ -262,18 +278,18 @@ void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, const AttentionDims& a, Tensor key_start) {
-  const AttentionShape d = attention_shape(qkv, a, key_start);
+void flash_backward(CudaBackend& backend, const AttentionShape& d, bf16* dq, bf16* dkv,
+                    const Tensor& dout, const bf16* q, const bf16* kv, const Tensor& out,
+                    const float* lse) {
   if (d.hs != 32 && d.hs != 64 && d.hs != 128) unsupported_head_size(d.hs);
-  const float* delta = attention_delta(*this, d, dout, out);
-  const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.T, kTile), d.KV, d.B);
-#define KILN_FLASH_BWD(HS)                                                              \
-  flash_dq_kernel<HS><<<q_grid, kThreads, 0, stream_>>>(                                \
-      dqkv.ptr<bf16>(), dout.ptr<bf16>(), qkv.ptr<bf16>(), lse.ptr<float>(), delta, d); \
-  KILN_CUDA_LAUNCH_CHECK();                                                             \
-  flash_dkv_kernel<HS><<<kv_grid, kThreads, 0, stream_>>>(                              \
-      dqkv.ptr<bf16>(), dout.ptr<bf16>(), qkv.ptr<bf16>(), lse.ptr<float>(), delta, d)
+  const float* delta = attention_delta(backend, d, dout, out);
+  const dim3 q_grid(ceil_div(d.T, kTile), d.NH, d.B), kv_grid(ceil_div(d.Tk, kTile), d.KV, d.B);
+  cudaStream_t stream = backend.stream();
+  const bf16* g = dout.ptr<bf16>();
+#define KILN_FLASH_BWD(HS)                                                           \
+  flash_dq_kernel<HS><<<q_grid, kThreads, 0, stream>>>(dq, g, q, kv, lse, delta, d); \
+  KILN_CUDA_LAUNCH_CHECK();                                                          \
+  flash_dkv_kernel<HS><<<kv_grid, kThreads, 0, stream>>>(dkv, g, q, kv, lse, delta, d)
   switch (d.hs) {
     case 32: KILN_FLASH_BWD(32); break;
     case 64: KILN_FLASH_BWD(64); break;
@@ -281,6 +297,20 @@ void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv,
   }
 #undef KILN_FLASH_BWD
   KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+
+void CudaBackend::attention_forward_flash(Tensor out, Tensor lse, Tensor qkv,
+                                          const AttentionDims& a, Tensor key_start) {
+  flash_forward(stream_, attention_shape(qkv, a, key_start), out.ptr<bf16>(), lse.ptr<float>(),
+                qkv.ptr<bf16>(), qkv.ptr<bf16>());
+}
+
+void CudaBackend::attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
+                                           Tensor lse, const AttentionDims& a, Tensor key_start) {
+  flash_backward(*this, attention_shape(qkv, a, key_start), dqkv.ptr<bf16>(), dqkv.ptr<bf16>(),
+                 dout, qkv.ptr<bf16>(), qkv.ptr<bf16>(), out, lse.ptr<float>());
 }
 
 }  // namespace kiln

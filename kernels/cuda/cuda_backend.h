@@ -13,6 +13,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -149,6 +150,16 @@ class CudaBackend final : public Backend {
   void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a);
+  // Context parallelism through cuDNN's SDPA, one call per query chunk (attention_cudnn.cpp).
+  void attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
+                                  const AttentionDims& a, const QueryChunks& chunks);
+  void attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+                                   Tensor out, Tensor lse, const AttentionDims& a,
+                                   const QueryChunks& chunks);
+  // Runs `cudnn`. Where attention was chosen by "auto", a failure (a graph cuDNN will not build
+  // for these shapes here) is logged, the backend moves to flash for good, and `flash` runs.
+  void cudnn_or_flash(const std::string& call, const std::function<void()>& cudnn,
+                      const std::function<void()>& flash);
   // Sum (or sum of squares) of x into out[0], deterministic two-pass.
   void reduce(Tensor out, Tensor x, bool squares, bool accumulate);
 
