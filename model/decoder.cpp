@@ -215,7 +215,10 @@ void Decoder::bind(const Locate& locate, Params& out) const {
 }
 
 const char* recompute_name(Recompute r) {
-  return r == Recompute::none ? "none" : r == Recompute::selective ? "selective" : "full";
+  return r == Recompute::none        ? "none"
+         : r == Recompute::light     ? "light"
+         : r == Recompute::selective ? "selective"
+                                     : "full";
 }
 
 namespace {
@@ -244,6 +247,8 @@ DType Decoder::residual_dtype() const {
 //  selective: the block's input, the norms' statistics, q/k/v (after QK-norm and RoPE) and the
 //             QK-norm input, the residual after attention, and the fc GEMM's output (and GELU's,
 //             fused into that GEMM). Recomputed: norm outputs, the attention core, SwiGLU.
+//  light:     as selective, and the attention core's output and log-sum-exp (B*T*NH*hs a block
+//             more): recomputed are the norm outputs and SwiGLU, each a pass over memory.
 //  full:      the block's input alone; backward runs the block's forward again from it.
 void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
@@ -253,7 +258,11 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   std::vector<size_t> kept;
   auto keep = [&](const Tensor& t) { kept.push_back(field_offset(probe, &t)); };
   keep(probe.residual_in);
-  if (recompute == Recompute::selective) {
+  if (recompute == Recompute::selective || recompute == Recompute::light) {
+    if (recompute == Recompute::light) {
+      keep(probe.attn.y);
+      keep(probe.attn.lse);
+    }
     for (const Tensor* t :
          {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw, &probe.attn.qk_rstd,
           &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
@@ -375,8 +384,8 @@ void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& doc
   const Block& blk = blocks_[static_cast<size_t>(l)];
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
   blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
-  if (recompute_ == Recompute::selective) {
-    blk.attn.recompute_core(k, a.attn, docs, acts_.attn);
+  if (recompute_ == Recompute::selective || recompute_ == Recompute::light) {
+    if (recompute_ == Recompute::selective) blk.attn.recompute_core(k, a.attn, docs, acts_.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
@@ -554,7 +563,7 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
     // Recomputation ran the block's attention forward just now: its keys are gathered.
     blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs,
-                      recompute_ != Recompute::none);
+                      recompute_ == Recompute::selective || recompute_ == Recompute::full);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
     blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
                      l > 0 ? copy : Tensor{});

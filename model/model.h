@@ -78,9 +78,9 @@ struct ModelConfig {
 };
 
 // train.recompute: which activations backward computes again instead of keeping them from
-// forward. selective: the norms' outputs, the attention core (out and log-sum-exp, from the kept
-// q, k, v) and SwiGLU's product; full: each block again from its input.
-enum class Recompute { none, selective, full };
+// forward. light: the norms' outputs and SwiGLU's product; selective: those and the attention
+// core (out and log-sum-exp, from the kept q, k, v); full: each block again from its input.
+enum class Recompute { none, light, selective, full };
 const char* recompute_name(Recompute r);
 
 // Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit

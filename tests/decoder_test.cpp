@@ -450,7 +450,7 @@ TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
 // gradient are bit-identical to keeping everything, for each architecture (and a MoE with
 // dense and MoE blocks, and one of MoE blocks only), with accumulation over two micro-batches,
 // and the plan is smaller.
-TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
+TEST(DecoderRecompute, LightSelectiveAndFullAreBitIdenticalToNone) {
   ModelConfig gelu = TinyModel::gpt2_tiny(), llama = llama_tiny(), qwen3 = qwen3_tiny();
   ModelConfig moe = moe_tiny(), all_moe = moe_tiny();
   all_moe.moe.every = 1;
@@ -459,7 +459,8 @@ TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
     std::vector<double> losses;
-    for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+    for (Recompute r :
+         {Recompute::none, Recompute::light, Recompute::selective, Recompute::full}) {
       TinyModel m(c, r);
       if (p.empty()) {
         p.resize(static_cast<size_t>(m.model->layout().total));
@@ -476,15 +477,17 @@ TEST(DecoderRecompute, SelectiveAndFullAreBitIdenticalToNone) {
       grads.emplace_back(p.size());
       m.backend->copy_to_host(grads.back().data(), m.grads);
     }
-    for (size_t i = 1; i < 3; ++i) {
+    for (size_t i = 1; i < 4; ++i) {
       EXPECT_EQ(losses[i], losses[0]) << c.arch << " recompute mode " << i;
       EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " recompute mode " << i;
     }
     const Decoder d(c, cpu());
     const int64_t none = d.activation_bytes(2, 5, Recompute::none);
+    const int64_t light = d.activation_bytes(2, 5, Recompute::light);
     const int64_t selective = d.activation_bytes(2, 5, Recompute::selective);
     const int64_t full = d.activation_bytes(2, 5, Recompute::full);
-    EXPECT_LT(selective, none) << c.arch;
+    EXPECT_LT(light, none) << c.arch;
+    EXPECT_LT(selective, light) << c.arch;
     EXPECT_LT(full, selective) << c.arch;
   }
 }
@@ -496,7 +499,8 @@ TEST(DecoderDocuments, RecomputeWithTheMaskIsBitIdenticalToNone) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
     std::vector<double> losses;
-    for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+    for (Recompute r :
+         {Recompute::none, Recompute::light, Recompute::selective, Recompute::full}) {
       TinyModel m(c, r);
       Documents docs(m, kTinyStarts, true);
       if (p.empty()) {
@@ -510,7 +514,7 @@ TEST(DecoderDocuments, RecomputeWithTheMaskIsBitIdenticalToNone) {
       grads.emplace_back(p.size());
       m.backend->copy_to_host(grads.back().data(), m.grads);
     }
-    for (size_t i = 1; i < 3; ++i) {
+    for (size_t i = 1; i < 4; ++i) {
       EXPECT_EQ(losses[i], losses[0]) << c.arch << " recompute mode " << i;
       EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " recompute mode " << i;
     }

@@ -168,7 +168,7 @@ TEST_F(DistTrain, ContextParallelFollowsTheSingleProcessCurve) {
 TEST_F(DistTrain, ContextParallelWithDocumentMaskAndRecomputeFollowsTheSingleProcessCurve) {
   const std::string docs = kCpRun + " --data.document_mask=true --data.document_separator=10";
   const std::string single = train("cp_docs_single", 1, "ddp", docs);
-  for (const char* recompute : {"selective", "full"}) {
+  for (const char* recompute : {"light", "selective", "full"}) {
     const std::string run =
         train(std::string("cp_docs_4_") + recompute, 4, "fsdp",
               docs + " --dist.context_parallel=4 --train.batch_size=8 --train.recompute=" +

@@ -429,7 +429,7 @@ TEST_F(TrainE2E, RecomputeGivesTheSameLossesBitForBit) {
   for (const auto& [tag, model] : {std::pair{"", llama}, std::pair{"_moe", moe}}) {
     const std::string none = (dir_ / ("run_recompute_none" + std::string(tag))).string();
     ASSERT_EQ(run(train_cmd(none, model)).status, 0);
-    for (const char* mode : {"selective", "full"}) {
+    for (const char* mode : {"light", "selective", "full"}) {
       const std::string out = (dir_ / (std::string("run_recompute_") + mode + tag)).string();
       const Result r = run(train_cmd(out, model + "--train.recompute=" + mode));
       ASSERT_EQ(r.status, 0) << r.output;

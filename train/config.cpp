@@ -179,9 +179,9 @@ const std::vector<Field>& schema() {
        "before SIGKILL"},
       {KILN_FIELD(train, sample_every), non_negative(), "steps between text samples (0: never)"},
       {KILN_FIELD(train, sample_tokens), positive(), "tokens per sample"},
-      {KILN_FIELD(train, recompute), one_of({"none", "selective", "full"}),
-       "activations recomputed in backward instead of kept: selective (norm outputs, the "
-       "attention core, SwiGLU) or full (each block from its input)"},
+      {KILN_FIELD(train, recompute), one_of({"none", "light", "selective", "full"}),
+       "activations recomputed in backward instead of kept: light (norm outputs, SwiGLU), "
+       "selective (those and the attention core) or full (each block from its input)"},
       {KILN_FIELD(train, cuda_graphs), any(),
        "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},

@@ -75,7 +75,10 @@ ModelConfig model_config(const Config& cfg, const Backend& backend, bool log) {
 
 Recompute recompute_mode(const TrainSection& t) {
   const std::string& r = t.recompute;
-  return r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
+  return r == "full"        ? Recompute::full
+         : r == "selective" ? Recompute::selective
+         : r == "light"     ? Recompute::light
+                            : Recompute::none;
 }
 
 bool apply_arch_row(const std::string& arch, ModelSection& m) {

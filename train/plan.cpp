@@ -115,7 +115,7 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
                      "; raise train.grad_accum to keep the batch)");
     if (cfg.train.recompute != "full")
       keys.push_back("train.recompute=" +
-                     std::string(cfg.train.recompute == "none" ? "selective or full" : "full"));
+                     std::string(cfg.train.recompute == "selective" ? "full" : "selective or full"));
     // One sequence's rows over more ranks (needs RoPE and a world it divides).
     if (cfg.train.batch_size == 1 && cfg.model.positions == "rope")
       keys.push_back("dist.context_parallel=" + std::to_string(2 * cfg.dist.context_parallel) +
