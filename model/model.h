@@ -162,7 +162,8 @@ class Model {
   // learned positions. forward then needs DocumentMask::positions: each row's position.
   virtual void set_context_parallel(const ContextParallel& cp) = 0;
   // Why a CUDA graph cannot replay this model's step on its backend, "" where it can: MoE
-  // blocks whose grouped GEMMs read their group sizes on the host at every call.
+  // blocks whose grouped GEMMs read their group sizes on the host at every call, or context
+  // parallelism.
   virtual std::string graph_unavailable() const = 0;
 
   // ---- FP8 (ModelConfig::fp8): the FP8 linears' state (model/fp8_state.h); with FP8 off it
