@@ -26,14 +26,15 @@ struct ContextParallel {
   bool on() const { return ranks > 1; }
   // Rows a rank holds of a sequence of T positions (T divisible by 2 * ranks).
   int64_t rows(int64_t T) const { return T / ranks; }
-  // Where rank `r`'s rows of a sequence of T positions sit in it.
-  QueryChunks chunks(int64_t T, int r) const {
+  // Where rank `r` of `ranks` holds its rows of a sequence of T positions.
+  static QueryChunks split(int64_t T, int ranks, int r) {
     const int64_t C = T / (2 * ranks);
     QueryChunks c;
     c.offset[0] = r * C;
     c.offset[1] = (2 * static_cast<int64_t>(ranks) - 1 - r) * C;
     return c;
   }
+  QueryChunks chunks(int64_t T, int r) const { return split(T, ranks, r); }
   QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
   // This rank's rows of each of B windows of T tokens ([B, T] -> [B, T/ranks]).
   template <class V>

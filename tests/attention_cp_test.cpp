@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "model/context_parallel.h"
 #include "tests/gradcheck.h"
 
 namespace kiln {
@@ -22,17 +23,8 @@ using test::f32;
 using test::i32;
 using test::numeric_grad;
 using test::random_floats;
+using test::expect_rejects;
 using test::weighted_sum;
-
-// The load-balanced split of a sequence of T over P ranks: 2P chunks, rank r holds chunks r
-// and 2P-1-r (model/context_parallel.h makes the same).
-QueryChunks chunks_of(int64_t T, int P, int r) {
-  const int64_t C = T / (2 * P);
-  QueryChunks c;
-  c.offset[0] = r * C;
-  c.offset[1] = (2 * P - 1 - r) * C;
-  return c;
-}
 
 // The whole sequence: qkv[B,T,row], the loss weights R on out, an optional key_start.
 struct Whole {
@@ -65,7 +57,7 @@ struct Rank {
   std::vector<float> qkv, kv, R, out, lse, dqkv, dkv;
   std::vector<int32_t> ks;
   Rank(const Whole& w, int P, int r) : B(w.B), Tq(w.T / P), Tk(w.T), a(w.a) {
-    chunks = chunks_of(w.T, P, r);
+    chunks = ContextParallel::split(w.T, P, r);
     const int64_t row = a.qkv_dim(), kvw = 2 * a.kv_dim(), Q = a.q_dim();
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < Tq; ++t) {
@@ -174,17 +166,6 @@ TEST(CpuAttentionCp, GradCheck) {
     for (int64_t i = 0; i < Q; ++i) dq[n * row + i] = k.dqkv[n * row + i];
   expect_grad_near(dq, numeric_q, "cp dq");
   expect_grad_near(k.dkv, numeric_grad(k.kv, 1e-2f, [&] { return k.forward(); }), "cp dkv");
-}
-
-void expect_rejects(const std::function<void()>& fn, const char* op, const char* what) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected std::invalid_argument from " << op << " about " << what;
-  } catch (const std::invalid_argument& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(op), std::string::npos) << msg;
-    EXPECT_NE(msg.find(what), std::string::npos) << msg;
-  }
 }
 
 TEST(CpuAttentionCp, RejectsBadChunksAndKeyStartsNamingThem) {

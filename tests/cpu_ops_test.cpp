@@ -31,6 +31,7 @@ namespace {
 
 using test::cpu;
 using test::expect_grad_near;
+using test::expect_rejects;
 using test::f32;
 using test::i32;
 using test::numeric_grad;
@@ -53,18 +54,6 @@ void with_threads(int threads, const std::function<void()>& fn) {
 
 bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// fn throws std::invalid_argument whose message names `op` and `tensor`.
-void expect_rejects(const std::function<void()>& fn, const char* op, const char* tensor) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected std::invalid_argument from " << op << " about " << tensor;
-  } catch (const std::invalid_argument& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(op), std::string::npos) << msg;
-    EXPECT_NE(msg.find(tensor), std::string::npos) << msg;
-  }
 }
 
 // ---- encoder ---------------------------------------------------------------------------------

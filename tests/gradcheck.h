@@ -9,8 +9,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -84,6 +87,19 @@ inline void expect_grad_near(const std::vector<float>& analytic, const std::vect
   }
   EXPECT_EQ(misses, 0) << what << ": " << misses << " of " << numeric.size() << " elements off";
   EXPECT_GT(max_abs, 1e-3) << what << ": numeric gradient is ~0, the check is vacuous";
+}
+
+// fn throws std::invalid_argument whose message names `op` and `what` (the tensor or argument
+// at fault).
+inline void expect_rejects(const std::function<void()>& fn, const char* op, const char* what) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected std::invalid_argument from " << op << " about " << what;
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(op), std::string::npos) << msg;
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  }
 }
 
 }  // namespace kiln::test

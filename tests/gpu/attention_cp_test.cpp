@@ -14,6 +14,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "model/context_parallel.h"
 #include "tests/gpu/cuda_parity.h"
 
 namespace kiln {
@@ -21,15 +22,6 @@ namespace {
 
 using namespace cuda_parity;
 
-// The load-balanced split of T over P ranks (tests/attention_cp_test.cpp's, and
-// model/context_parallel.h's): rank r holds chunks r and 2P-1-r of 2P.
-QueryChunks chunks_of(int64_t T, int P, int r) {
-  const int64_t C = T / (2 * P);
-  QueryChunks c;
-  c.offset[0] = r * C;
-  c.offset[1] = (2 * P - 1 - r) * C;
-  return c;
-}
 
 // The whole sequence's inputs, and one rank's share of them.
 struct CpInputs {
@@ -49,7 +41,7 @@ struct RankInputs {
 RankInputs rank_inputs(const CpInputs& w, int P, int r) {
   RankInputs k;
   k.Tq = w.T / P;
-  k.chunks = chunks_of(w.T, P, r);
+  k.chunks = ContextParallel::split(w.T, P, r);
   const int64_t row = w.a.qkv_dim(), kvw = 2 * w.a.kv_dim(), Q = w.a.q_dim();
   for (int64_t b = 0; b < w.B; ++b)
     for (int64_t t = 0; t < k.Tq; ++t) {
