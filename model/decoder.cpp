@@ -433,12 +433,6 @@ void Decoder::set_context_parallel(const ContextParallel& cp) {
 }
 
 std::string Decoder::graph_unavailable() const {
-  // A graph replaying the context group's gathers beside fsdp's collectives, on two NCCL
-  // communicators, left 2 x H200 hung at the run's end (docs/distributed.md): eager until the
-  // two are ordered in the graph.
-  if (blocks_.front().attn.cp.on())
-    return "dist.context_parallel: its collectives and the strategy's run on two communicators, "
-           "which a replayed graph does not yet order";
   if (moe_blocks_.empty()) return "";
   const int ranks = blocks_[static_cast<size_t>(moe_blocks_[0])].moe.ep.ranks;
   if (moe_sizes_on_device(backend_, ranks)) return "";

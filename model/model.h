@@ -162,8 +162,7 @@ class Model {
   // learned positions. forward then needs DocumentMask::positions: each row's position.
   virtual void set_context_parallel(const ContextParallel& cp) = 0;
   // Why a CUDA graph cannot replay this model's step on its backend, "" where it can: MoE
-  // blocks whose grouped GEMMs read their group sizes on the host at every call, or context
-  // parallelism.
+  // blocks whose grouped GEMMs read their group sizes on the host at every call.
   virtual std::string graph_unavailable() const = 0;
 
   // ---- FP8 (ModelConfig::fp8): the FP8 linears' state (model/fp8_state.h); with FP8 off it

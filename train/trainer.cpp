@@ -341,8 +341,14 @@ int Trainer::run() {
   report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
+  // Several GPUs: a 2-GPU run that replayed its step trained every step, then hung at its end
+  // (docs/cuda.md#cuda-graphs); eager until that is fixed.
+  const bool many_gpus = rank_.world_size > 1 && backend_->device() == Device::cuda;
   graph_.start(
-      t.cuda_graphs, model_->graph_unavailable(), start_step_, t.max_steps,
+      t.cuda_graphs,
+      many_gpus ? "more than one GPU: a replayed step left 2-GPU runs hung at their end"
+                : model_->graph_unavailable(),
+      start_step_, t.max_steps,
       std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
       is_main());
   if (is_main()) {
