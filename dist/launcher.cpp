@@ -610,7 +610,10 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
       spdlog::error("{}: cannot restart: lost the rendezvous store, which node 0's launcher "
                     "hosts; with it gone the job cannot go on ({})",
                     me, e.what());
-      return end.code;
+      // As when the supervisor saw the store go first: a worker that met the lost store before
+      // this launcher did exits with its own status (2 for a peer it could not read), which is
+      // not the job's.
+      return 1;
     }
     if (g >= cfg.max_restarts) {
       if (cfg.max_restarts > 0)
