@@ -77,48 +77,61 @@ void StepInputs::allocate_staging() {
   }
 }
 
-StepInputs::Rows StepInputs::rows_of(const DataLoader::Batch& batch) const {
+void StepInputs::check(const DataLoader::Batch& batch) const {
   const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(window_);
   if (batch.inputs.size() != n || batch.targets.size() != n)
     throw std::logic_error("StepInputs: the loader's batch is not B x model.seq_len");
   if (docs_.key_start && batch.doc_start.size() != n)
     throw std::logic_error("StepInputs: document masking, but the loader gave no document starts");
-  Rows r;
-  std::vector<int32_t> positions;
-  if (restart_positions_) {
-    positions.resize(n);
-    document_positions(batch.doc_start, window_, positions.data());
-  } else if (docs_.positions) {
-    positions.resize(n);
-    for (size_t i = 0; i < n; ++i)
-      positions[i] = static_cast<int32_t>(i % static_cast<size_t>(window_));
+}
+
+int64_t StepInputs::position(int64_t t) const {
+  return cp_.on() ? cp_.chunks(window_).position(t, T_) : t;
+}
+
+void StepInputs::take_rows(const int32_t* windows, int32_t* out) const {
+  if (!cp_.on()) {
+    std::memcpy(out, windows, static_cast<size_t>(B_) * static_cast<size_t>(T_) * sizeof(int32_t));
+    return;
   }
-  auto local = [&](const std::vector<int32_t>& all) {
-    return cp_.on() ? cp_.local_rows(all.data(), B_, window_) : all;
-  };
-  r.tokens = local(batch.inputs);
-  r.targets = local(batch.targets);
-  if (docs_.key_start) r.key_start = local(batch.doc_start);
-  if (docs_.positions) r.positions = local(positions);
-  return r;
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t) out[b * T_ + t] = windows[b * window_ + position(t)];
+}
+
+void StepInputs::row_positions(const DataLoader::Batch& batch, int32_t* out) const {
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      const int64_t p = position(t);
+      out[b * T_ + t] = static_cast<int32_t>(
+          restart_positions_ ? p - batch.doc_start[static_cast<size_t>(b * window_ + p)] : p);
+    }
 }
 
 void StepInputs::copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const {
+  check(batch);
   const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
-  const Rows r = rows_of(batch);
-  std::memcpy(st.tokens + micro * n, r.tokens.data(), n * sizeof(int32_t));
-  std::memcpy(st.targets + micro * n, r.targets.data(), n * sizeof(int32_t));
-  if (docs_.key_start) std::memcpy(st.key_start + micro * n, r.key_start.data(), n * sizeof(int32_t));
-  if (docs_.positions) std::memcpy(st.positions + micro * n, r.positions.data(), n * sizeof(int32_t));
+  take_rows(batch.inputs.data(), st.tokens + micro * n);
+  take_rows(batch.targets.data(), st.targets + micro * n);
+  if (docs_.key_start) take_rows(batch.doc_start.data(), st.key_start + micro * n);
+  if (docs_.positions) row_positions(batch, st.positions + micro * n);
 }
 
 void StepInputs::copy_batch(const DataLoader::Batch& batch) {
-  const Rows r = rows_of(batch);
-  backend_.copy_from_host(tokens(0), r.tokens.data());
-  backend_.copy_from_host(targets(0), r.targets.data());
+  check(batch);
+  std::vector<int32_t> rows(static_cast<size_t>(B_) * static_cast<size_t>(T_));
+  take_rows(batch.inputs.data(), rows.data());
+  backend_.copy_from_host(tokens(0), rows.data());
+  take_rows(batch.targets.data(), rows.data());
+  backend_.copy_from_host(targets(0), rows.data());
   const DocumentMask docs = documents(0);
-  if (docs.key_start.defined()) backend_.copy_from_host(docs.key_start, r.key_start.data());
-  if (docs.positions.defined()) backend_.copy_from_host(docs.positions, r.positions.data());
+  if (docs.key_start.defined()) {
+    take_rows(batch.doc_start.data(), rows.data());
+    backend_.copy_from_host(docs.key_start, rows.data());
+  }
+  if (docs.positions.defined()) {
+    row_positions(batch, rows.data());
+    backend_.copy_from_host(docs.positions, rows.data());
+  }
 }
 
 double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, const Nvtx& nvtx,

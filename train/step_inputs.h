@@ -88,12 +88,15 @@ class StepInputs {
   };
   // Micro-batch `micro`'s rows of `batch` into the slot's host buffers.
   void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const;
-  // This rank's rows of a batch's windows: tokens, targets, and where uploaded the key starts
-  // and positions (each [B, T_]).
-  struct Rows {
-    std::vector<int32_t> tokens, targets, key_start, positions;
-  };
-  Rows rows_of(const DataLoader::Batch& batch) const;
+  // The loader's batch has B windows of model.seq_len (and their document starts where masked).
+  void check(const DataLoader::Batch& batch) const;
+  // Where this rank's row t of each window sits in it (t without context parallelism).
+  int64_t position(int64_t t) const;
+  // This rank's rows of the B windows `windows` ([B, window]) into out ([B, T_]).
+  void take_rows(const int32_t* windows, int32_t* out) const;
+  // Each of this rank's rows' RoPE position: its position in the window, or from its
+  // document's start where positions restart per document.
+  void row_positions(const DataLoader::Batch& batch, int32_t* out) const;
 
   Backend& backend_;
   int accum_, B_, T_;  // T_: the rows of a window this rank holds
