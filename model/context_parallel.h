@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <vector>
 
 #include "kernels/backend.h"
 
@@ -36,16 +35,6 @@ struct ContextParallel {
   }
   QueryChunks chunks(int64_t T, int r) const { return split(T, ranks, r); }
   QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
-  // This rank's rows of each of B windows of T tokens ([B, T] -> [B, T/ranks]).
-  template <class V>
-  std::vector<V> local_rows(const V* window, int64_t B, int64_t T) const {
-    const int64_t n = rows(T);
-    const QueryChunks c = chunks(T);
-    std::vector<V> out(static_cast<size_t>(B * n));
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < n; ++t) out[b * n + t] = window[b * T + c.position(t, n)];
-    return out;
-  }
 };
 
 }  // namespace kiln

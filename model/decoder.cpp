@@ -385,7 +385,7 @@ void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& doc
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
   blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
   if (recompute_ == Recompute::selective || recompute_ == Recompute::light) {
-    if (recompute_ == Recompute::selective) blk.attn.recompute_core(k, a.attn, docs, acts_.attn);
+    if (recompute_ == Recompute::selective) blk.attn.core(k, a.attn, docs, acts_.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {

@@ -11,9 +11,7 @@
 // arithmetic of plain multi-head attention, float operation for float operation.
 // With key_start (document masking) query t's keys run from key_start[b,t] instead of 0: the
 // same loops over fewer keys, so without it the arithmetic is the plain causal one unchanged.
-#include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"

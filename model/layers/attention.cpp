@@ -67,19 +67,14 @@ void Attention::gather_kv(Backend& k, const Acts& a, const Scratch& s) const {
   reorder_chunks(k, cp, s.kv_ranks, s.kv, true);
 }
 
-void Attention::core_forward(Backend& k, const Acts& a, const DocumentMask& docs,
-                             const Scratch& s) const {
+void Attention::core(Backend& k, const Acts& a, const DocumentMask& docs,
+                     const Scratch& s) const {
   if (!cp.on()) {
     k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
     return;
   }
   gather_kv(k, a, s);
   k.attention_cp_forward(a.y, a.lse, a.qkv, s.kv, dims, cp.chunks(s.kv.dim(1)), docs.key_start);
-}
-
-void Attention::recompute_core(Backend& k, const Acts& a, const DocumentMask& docs,
-                               const Scratch& s) const {
-  core_forward(k, a, docs, s);
 }
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
@@ -89,7 +84,7 @@ void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
   if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params, docs.positions);
-  core_forward(k, a, docs, s);
+  core(k, a, docs, s);
   proj.forward(k, w, a.out, a.y);
 }
 

@@ -48,8 +48,9 @@ struct Attention {
   // shared buffers context parallelism gathers into.
   void forward(Backend& k, const Params& w, const Acts& a, Tensor inp, const DocumentMask& docs,
                const Scratch& s) const;
-  // Activation recomputation: the core's output and log-sum-exp again, from the kept qkv.
-  void recompute_core(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
+  // The attention core: a.y and a.lse from a.qkv (the forward's step after RoPE, and again
+  // under recomputation from the kept qkv); under context parallelism it gathers the keys.
+  void core(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
   // One token at position `pos` (a: one-token buffers, inp [1,1,C]) against the KV cache
   // `cache` (the forward's a.qkv [1,T,qkv_dim], rows 0..pos-1 filled): its q, k and v go to row
   // pos, rotated there for position pos, and its query attends over rows 0..pos.
@@ -63,7 +64,6 @@ struct Attention {
                 bool kv_gathered = false) const;
 
  private:
-  void core_forward(Backend& k, const Acts& a, const DocumentMask& docs, const Scratch& s) const;
   void gather_kv(Backend& k, const Acts& a, const Scratch& s) const;
 };
 
