@@ -273,6 +273,9 @@ void attention_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, con
   c.activation_dtype("out", out, {B, T, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, T});
   if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, T});
+  if (a.documents < 0 || a.documents > B * T || (a.documents > 0 && !key_start.defined()))
+    c.fail("a.documents", std::to_string(a.documents) +
+                              " documents: 0, or between 1 and B*T with a document mask's key_start");
 }
 
 void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
@@ -301,6 +304,8 @@ void attention_cp_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, 
   c.activation_dtype("out", out, {B, Tq, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, Tq});
   if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, Tq});
+  if (a.documents != 0)
+    c.fail("a.documents", "context-parallel attention takes key_start alone (documents must be 0)");
 }
 
 void attention_cp_backward(const OpCheck& c, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,

@@ -45,7 +45,8 @@ StepInputs::StepInputs(Backend& backend, int grad_accum, int B, int T, DocumentI
       window_(T),
       docs_(docs),
       restart_positions_(docs.positions),
-      cp_(std::move(cp)) {
+      cp_(std::move(cp)),
+      documents_(static_cast<size_t>(grad_accum), 0) {
   if (docs.positions && !docs.key_start)
     throw std::logic_error("StepInputs: document positions without document masking");
   // A rank's rows are not the window's first: RoPE is told where each one is.
@@ -107,12 +108,23 @@ void StepInputs::row_positions(const DataLoader::Batch& batch, int32_t* out) con
     }
 }
 
-void StepInputs::copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const {
+int64_t StepInputs::count_documents(const int32_t* rows) const {
+  if (cp_.on()) return 0;
+  int64_t n = 0;
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t) n += rows[b * T_ + t] == t;
+  return n;
+}
+
+void StepInputs::copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) {
   check(batch);
   const size_t n = static_cast<size_t>(B_) * static_cast<size_t>(T_);
   take_rows(batch.inputs.data(), st.tokens + micro * n);
   take_rows(batch.targets.data(), st.targets + micro * n);
-  if (docs_.key_start) take_rows(batch.doc_start.data(), st.key_start + micro * n);
+  if (docs_.key_start) {
+    take_rows(batch.doc_start.data(), st.key_start + micro * n);
+    documents_[static_cast<size_t>(micro)] = count_documents(st.key_start + micro * n);
+  }
   if (docs_.positions) row_positions(batch, st.positions + micro * n);
 }
 
@@ -127,6 +139,7 @@ void StepInputs::copy_batch(const DataLoader::Batch& batch) {
   if (docs.key_start.defined()) {
     take_rows(batch.doc_start.data(), rows.data());
     backend_.copy_from_host(docs.key_start, rows.data());
+    documents_[0] = count_documents(rows.data());
   }
   if (docs.positions.defined()) {
     row_positions(batch, rows.data());

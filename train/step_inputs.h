@@ -4,7 +4,8 @@
 // enqueued and outside any graph, so a captured step reads them at fixed addresses. The host
 // fills one upload slot while the stream may still copy from the other. With document masking
 // the micro-batches' key starts and RoPE positions ([accum, B, T] i32 each) travel the same
-// way: fixed shapes and addresses however many documents a step holds, so a graph replays.
+// way, at fixed shapes and addresses; the host also counts each micro-batch's documents
+// (cuDNN's attention runs each as a batch entry of its own).
 // Under context parallelism (model/context_parallel.h) the loader still reads whole windows; a
 // rank keeps its rows of each, and uploads every row's position in the window (RoPE's input,
 // restarting per document with document_positions) and its key start in window positions.
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "data/loader.h"
 #include "kernels/arena.h"
@@ -66,10 +68,12 @@ class StepInputs {
   Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }
   Tensor targets(int micro) const { return micro_batch(targets_, micro); }
   // Its document mask: undefined tensors where document masking (or its positions) is off.
-  // (Under context parallelism positions are always defined.)
+  // (Under context parallelism positions are always defined.) The count of documents is the
+  // last staged batch's, for the step being enqueued; 0 under context parallelism.
   DocumentMask documents(int micro) const {
     return {key_start_.defined() ? micro_batch(key_start_, micro) : Tensor{},
-            positions_.defined() ? micro_batch(positions_, micro) : Tensor{}};
+            positions_.defined() ? micro_batch(positions_, micro) : Tensor{},
+            documents_[static_cast<size_t>(micro)]};
   }
 
  private:
@@ -86,8 +90,12 @@ class StepInputs {
     int32_t* key_start = nullptr;
     int32_t* positions = nullptr;
   };
-  // Micro-batch `micro`'s rows of `batch` into the slot's host buffers.
-  void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch) const;
+  // Micro-batch `micro`'s rows of `batch` into the slot's host buffers, and its documents
+  // counted.
+  void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch);
+  // How many documents the rows of key starts `rows` ([B, T_]) hold: those whose first token
+  // is its own first key. 0 under context parallelism (its attention takes no count).
+  int64_t count_documents(const int32_t* rows) const;
   // The loader's batch has B windows of model.seq_len (and their document starts where masked).
   void check(const DataLoader::Batch& batch) const;
   // Where this rank's row t of each window sits in it (t without context parallelism).
@@ -106,6 +114,7 @@ class StepInputs {
   ContextParallel cp_;
   Tensor tokens_, targets_;
   Tensor key_start_, positions_;  // document masking only
+  std::vector<int64_t> documents_;  // per micro-batch
   Staging staging_[Backend::kUploadSlots];
 };
 

@@ -344,10 +344,15 @@ int Trainer::run() {
   // Several GPUs: a 2-GPU run that replayed its step trained every step, then hung at its end
   // (docs/cuda.md#cuda-graphs); eager until that is fixed.
   const bool many_gpus = rank_.world_size > 1 && backend_->device() == Device::cuda;
+  // cuDNN's document-masked attention takes each step's count of documents from the host.
+  const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn" &&
+                                 cfg_.dist.context_parallel <= 1;
   graph_.start(
       t.cuda_graphs,
       many_gpus ? "more than one GPU: a replayed step left 2-GPU runs hung at their end"
-                : model_->graph_unavailable(),
+      : counted_documents
+          ? "data.document_mask on cuDNN: each step's documents are its attention's batch"
+          : model_->graph_unavailable(),
       start_step_, t.max_steps,
       std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
       is_main());

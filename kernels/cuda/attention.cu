@@ -13,9 +13,10 @@
 //  - cudnn (attention_cudnn.cpp): cuDNN's fused SDPA through the frontend graph API.
 // The backward kernels here and in flash are deterministic: dq by query rows, dk/dv by key
 // rows of a kv head, no atomics.
-// Document masking (key_start): naive and flash take a per-query first key; cuDNN's SDPA has no
-// such bound at kiln's fixed shapes (its ragged offsets would change the graph with the number
-// of documents), so a masked call runs flash where cudnn is selected, said once in the log.
+// Document masking (key_start): naive and flash take a per-query first key. cuDNN runs each
+// document as a ragged batch entry, which needs the documents counted (AttentionDims::
+// documents, the trainer's calls); an uncounted masked call runs flash where cudnn is selected,
+// said once in the log.
 #include <spdlog/spdlog.h>
 
 #include <cmath>
@@ -250,12 +251,12 @@ void CudaBackend::set_attention(const std::string& kind) {
   spdlog::info("attention: {} (requested)", attention_kind_name(attention_));
 }
 
-AttentionKind CudaBackend::masked_attention_kind() {
-  if (attention_ != AttentionKind::cudnn) return attention_;
+AttentionKind CudaBackend::masked_attention_kind(const AttentionDims& a) {
+  if (attention_ != AttentionKind::cudnn || a.documents > 0) return attention_;
   if (!masked_fallback_logged_) {
     spdlog::info(
-        "attention: document-masked calls -> flash (cuDNN's SDPA takes no per-query first key "
-        "at fixed shapes); unmasked calls stay on cudnn");
+        "attention: document-masked calls with no document count (context parallelism, tests) "
+        "-> flash; the rest stay on cudnn");
     masked_fallback_logged_ = true;
   }
   return AttentionKind::flash;
@@ -264,7 +265,7 @@ AttentionKind CudaBackend::masked_attention_kind() {
 void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
                                         Tensor key_start) {
   const AttentionShape d = attention_shape(qkv, a);
-  switch (key_start.defined() ? masked_attention_kind() : attention_) {
+  switch (key_start.defined() ? masked_attention_kind(a) : attention_) {
     case AttentionKind::naive:
       attention_forward_naive(out, lse, qkv, a, key_start);
       break;
@@ -272,9 +273,14 @@ void CudaBackend::run_attention_forward(Tensor out, Tensor lse, Tensor qkv, cons
       attention_forward_flash(out, lse, qkv, a, key_start);
       break;
     case AttentionKind::cudnn:
+      if (key_start.defined() && cudnn_document_entries(d, a.documents) == 0) {
+        attention_forward_flash(out, lse, qkv, a, key_start);
+        break;
+      }
       cudnn_or_flash(
-          fmt::format("B={} T={} NH={} KV={} hs={}", d.B, d.T, d.NH, d.KV, d.hs),
-          [&] { attention_forward_cudnn(out, lse, qkv, a); },
+          fmt::format("B={} T={} NH={} KV={} hs={}{}", d.B, d.T, d.NH, d.KV, d.hs,
+                      key_start.defined() ? fmt::format(" documents={}", a.documents) : ""),
+          [&] { attention_forward_cudnn(out, lse, qkv, a, key_start); },
           [&] { attention_forward_flash(out, lse, qkv, a, key_start); });
       break;
   }
@@ -294,7 +300,7 @@ void CudaBackend::cudnn_or_flash(const std::string& call, const std::function<vo
 
 void CudaBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
                                          Tensor lse, const AttentionDims& a, Tensor key_start) {
-  switch (key_start.defined() ? masked_attention_kind() : attention_) {
+  switch (key_start.defined() ? masked_attention_kind(a) : attention_) {
     case AttentionKind::naive:
       attention_backward_naive(dqkv, dout, qkv, out, lse, a, key_start);
       break;
@@ -302,7 +308,11 @@ void CudaBackend::run_attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, T
       attention_backward_flash(dqkv, dout, qkv, out, lse, a, key_start);
       break;
     case AttentionKind::cudnn:
-      attention_backward_cudnn(dqkv, dout, qkv, out, lse, a);
+      // As the forward chose: the same shapes and count give the same answer.
+      if (key_start.defined() && cudnn_document_entries(attention_shape(qkv, a), a.documents) == 0)
+        attention_backward_flash(dqkv, dout, qkv, out, lse, a, key_start);
+      else
+        attention_backward_cudnn(dqkv, dout, qkv, out, lse, a, key_start);
       break;
   }
 }

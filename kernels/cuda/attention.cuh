@@ -46,6 +46,31 @@ AttentionShape attention_cp_shape(const Tensor& qkv, const Tensor& kv, const Att
 float* attention_delta(CudaBackend& backend, const AttentionShape& d, const Tensor& dout,
                        const Tensor& out);
 
+// Document masking through cuDNN's ragged SDPA (attention_cudnn.cpp): batch entry i is the
+// micro-batch's document i (the rows in order, each row's documents in order), padded with
+// empty entries to `entries`. Built on the device from d.key_start (attention_documents.cu), so
+// a call needs from the host only how many documents there are.
+struct DocumentTable {
+  int entries = 0;
+  int* seq_len = nullptr;     // [entries] tokens of each (0: padding)
+  int* start = nullptr;       // [entries] its first row among the B*T rows
+  int* qkv_offset = nullptr;  // [entries + 1] start * qkv_stride: Q's, K's, V's ragged offsets
+  int* out_offset = nullptr;  // [entries + 1] start * out_stride: O's and dO's
+  static size_t bytes(int entries) { return (4 * static_cast<size_t>(entries) + 2) * sizeof(int); }
+};
+// The table for d's documents in `memory` (DocumentTable::bytes(entries)), `entries` at least
+// their number.
+DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int entries,
+                             void* memory);
+// The ragged batch a document-masked call of d with `documents` documents runs on cuDNN: their
+// number rounded up to a power of two; 0 where cuDNN cannot take it (i32 offsets overflow, or
+// the entries' stats would take over 512 MiB) or kiln was built without the frontend.
+int cudnn_document_entries(const AttentionShape& d, int64_t documents);
+// cuDNN's packed stats [entries, NH, T] (row j of entry i) to kiln's lse [B, NH, T] (row
+// start[i] + j), or back with to_lse false.
+void document_stats(cudaStream_t stream, const AttentionShape& d, const DocumentTable& table,
+                    float* stats, float* lse, bool to_lse);
+
 #ifdef __CUDACC__  // nvcc only: device helpers, and launchers that take device pointers
 // Query t's first key in sequence b.
 __device__ inline int first_key(const AttentionShape& d, int b, int t) {

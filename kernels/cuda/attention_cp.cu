@@ -52,7 +52,7 @@ void CudaBackend::run_attention_cp_forward(Tensor out, Tensor lse, Tensor qkv, T
   auto flash = [&] {
     flash_forward(stream_, d, out.ptr<bf16>(), lse.ptr<float>(), qkv.ptr<bf16>(), kv.ptr<bf16>());
   };
-  if ((key_start.defined() ? masked_attention_kind() : attention_) == AttentionKind::cudnn)
+  if ((key_start.defined() ? masked_attention_kind(a) : attention_) == AttentionKind::cudnn)
     cudnn_or_flash(
         cp_call(d), [&] { attention_cp_forward_cudnn(out, lse, qkv, kv, a, chunks); }, flash);
   else
@@ -70,7 +70,7 @@ void CudaBackend::run_attention_cp_backward(Tensor dqkv, Tensor dkv, Tensor dout
     flash_backward(*this, d, dqkv.ptr<bf16>(), dkv.ptr<bf16>(), dout, qkv.ptr<bf16>(),
                    kv.ptr<bf16>(), out, lse.ptr<float>());
   };
-  if ((key_start.defined() ? masked_attention_kind() : attention_) == AttentionKind::cudnn)
+  if ((key_start.defined() ? masked_attention_kind(a) : attention_) == AttentionKind::cudnn)
     cudnn_or_flash(
         cp_call(d),
         [&] { attention_cp_backward_cudnn(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks); }, flash);

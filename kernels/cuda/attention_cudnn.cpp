@@ -14,6 +14,13 @@
 //    plan than the heuristic's first must win by 5%, and below a GFLOP (microseconds, where noise
 //    exceeds any margin) none is timed. The workspace comes from the backend's scratch. The
 //    backward is cuDNN's default (fastest, not bit-reproducible) one.
+//  - Document masking (a defined key_start with AttentionDims::documents counted): each document
+//    is a sequence of its own, one entry of a ragged batch (Q, K, V, O and their gradients get
+//    per-entry offsets into qkv and out, and a padding mask the documents' lengths), causal
+//    within it. The entries are the documents rounded up to a power of two, padded with empty
+//    ones, so a handful of graphs serve every step; the table is built on the device
+//    (attention_documents.cu). cuDNN's stats come out packed per entry and are moved into lse's
+//    rows (and back for the backward), so every implementation keeps lse's one layout.
 //  - Context parallelism (attention_cp_forward/backward) runs one SDPA per query chunk: Q is the
 //    chunk's rows of qkv, K and V the keys [0, chunk's end) of the gathered kv, causal with the
 //    diagonal at the bottom right (the chunk's first query sees every key before its position).
@@ -48,7 +55,10 @@ namespace fe = cudnn_frontend;
 
 namespace {
 
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV,
+  kSeqLenQ, kSeqLenKV, kQOffset, kKOffset, kVOffset, kOOffset  // ragged (document) batches
+};
 
 #define KILN_CUDNN_CHECK(call)                                                              \
   do {                                                                                      \
@@ -80,9 +90,13 @@ struct SdpaLayout {
   // parallelism's chunks); else at the top left, query i sees keys up to i.
   bool bottom_right = false;
   bool backward = false;
+  // Document masking: B ragged entries (documents) of at most s_q rows, `tokens` rows in all.
+  bool ragged = false;
+  int64_t tokens = 0;
   auto fields() const {
     return std::tie(B, NH, KV, hs, s_q, s_kv, q_batch, q_row, kv_batch, kv_row, dkv_batch, dkv_row,
-                    o_batch, o_row, stats_batch, stats_head, bottom_right, backward);
+                    o_batch, o_row, stats_batch, stats_head, bottom_right, backward, ragged,
+                    tokens);
   }
   bool operator<(const SdpaLayout& o) const { return fields() < o.fields(); }
 };
@@ -109,6 +123,18 @@ SdpaLayout chunk_layout(const AttentionShape& d, int64_t offset, bool backward) 
   l.bottom_right = true;
   return l;
 }
+
+// A document-masked call's: `entries` ragged entries of up to T rows each, inside qkv and out.
+SdpaLayout document_layout(const AttentionShape& d, int entries, bool backward) {
+  SdpaLayout l = packed_layout(d, backward);
+  l.B = entries;
+  l.ragged = true;
+  l.tokens = int64_t{d.B} * d.T;
+  return l;
+}
+
+// Scratch carved into several buffers: each starts 256-byte aligned.
+size_t aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The element `elems` elements into t's memory.
 void* element(const Tensor& t, int64_t elems) {
@@ -153,6 +179,27 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
   auto Q = view("Q", kQ, NH, l.s_q, l.q_batch, l.q_row);
   auto K = view("K", kK, KV, l.s_kv, l.kv_batch, l.kv_row);
   auto V = view("V", kV, KV, l.s_kv, l.kv_batch, l.kv_row);
+  // Ragged entries: one i32 per entry (lengths) or per entry and the end (offsets, elements).
+  auto index = [&](const char* name, int64_t uid, int64_t n) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_name(name)
+                             .set_uid(uid)
+                             .set_dim({n, 1, 1, 1})
+                             .set_stride({1, 1, 1, 1})
+                             .set_data_type(fe::DataType_t::INT32));
+  };
+  std::shared_ptr<fe::graph::Tensor_attributes> seq_q, seq_kv, q_off, k_off, v_off, o_off;
+  if (l.ragged) {
+    seq_q = index("seq_len_q", kSeqLenQ, B);
+    seq_kv = index("seq_len_kv", kSeqLenKV, B);
+    q_off = index("q_offset", kQOffset, B + 1);
+    k_off = index("k_offset", kKOffset, B + 1);
+    v_off = index("v_offset", kVOffset, B + 1);
+    o_off = index("o_offset", kOOffset, B + 1);
+    Q->set_ragged_offset(q_off);
+    K->set_ragged_offset(k_off);
+    V->set_ragged_offset(v_off);
+  }
   const std::vector<int64_t> o_dim = {B, NH, l.s_q, hs}, o_stride = {l.o_batch, hs, l.o_row, 1};
   const std::vector<int64_t> stats_dim = {B, NH, l.s_q, 1},
                              stats_stride = {l.stats_batch, l.stats_head, 1, 1};
@@ -166,8 +213,15 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
                     .set_attn_scale(scale)
                     .set_diagonal_alignment(diagonal)
                     .set_diagonal_band_right_bound(0);
+    if (l.ragged)
+      opts.set_padding_mask(true)
+          .set_seq_len_q(seq_q)
+          .set_seq_len_kv(seq_kv)
+          .set_max_total_seq_len_q(l.tokens)
+          .set_max_total_seq_len_kv(l.tokens);
     auto [O, stats] = graph->sdpa(Q, K, V, opts);
     O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
+    if (l.ragged) O->set_ragged_offset(o_off);
     stats->set_output(true)
         .set_uid(kStats)
         .set_data_type(fe::DataType_t::FLOAT)
@@ -192,12 +246,26 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
                     .set_attn_scale(scale)
                     .set_diagonal_alignment(diagonal)
                     .set_diagonal_band_right_bound(0);
+    if (l.ragged) {
+      O->set_ragged_offset(o_off);
+      dO->set_ragged_offset(o_off);
+      opts.set_padding_mask(true)
+          .set_seq_len_q(seq_q)
+          .set_seq_len_kv(seq_kv)
+          .set_max_total_seq_len_q(l.tokens)
+          .set_max_total_seq_len_kv(l.tokens);
+    }
     auto [dQ, dK, dV] = graph->sdpa_backward(Q, K, V, O, dO, stats, opts);
     const std::vector<int64_t> kv_dim = {B, KV, l.s_kv, hs},
                                dkv_stride = {l.dkv_batch, hs, l.dkv_row, 1};
     dQ->set_output(true).set_uid(kdQ).set_dim(o_dim).set_stride({l.q_batch, hs, l.q_row, 1});
     dK->set_output(true).set_uid(kdK).set_dim(kv_dim).set_stride(dkv_stride);
     dV->set_output(true).set_uid(kdV).set_dim(kv_dim).set_stride(dkv_stride);
+    if (l.ragged) {
+      dQ->set_ragged_offset(q_off);
+      dK->set_ragged_offset(k_off);
+      dV->set_ragged_offset(v_off);
+    }
   }
   KILN_CUDNN_FE_CHECK(graph->validate());
   KILN_CUDNN_FE_CHECK(graph->build_operation_graph(handle));
@@ -206,10 +274,11 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
   const auto t0 = std::chrono::steady_clock::now();
   KILN_CUDNN_FE_CHECK(graph->build_plans(fe::BuildPlanPolicy_t::ALL));
   spdlog::info(
-      "attention (cudnn): built {} graph for B={} NH={} KV={} hs={} s_q={} s_kv={}{}: {} plan(s) "
+      "attention (cudnn): built {} graph for {}={} NH={} KV={} hs={} s_q={} s_kv={}{}: {} plan(s) "
       "in {:.1f} s",
-      l.backward ? "backward" : "forward", B, NH, KV, hs, l.s_q, l.s_kv,
-      l.bottom_right ? " (causal at the bottom right)" : "", graph->get_execution_plan_count(),
+      l.backward ? "backward" : "forward", l.ragged ? "documents" : "B", B, NH, KV, hs, l.s_q,
+      l.s_kv, l.bottom_right ? " (causal at the bottom right)" : "",
+      graph->get_execution_plan_count(),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return graph;
 }
@@ -286,20 +355,63 @@ void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, Cud
 
 }  // namespace
 
+namespace {
+
+// A document-masked call's scratch, in one block: the table (built here), the entries' packed
+// stats, cuDNN's workspace. Adds the table and the stats to the call's pack.
+struct DocumentScratch {
+  DocumentTable table;
+  float* stats = nullptr;
+  void* workspace = nullptr;
+};
+DocumentScratch document_scratch(CudaBackend& backend, const AttentionShape& d, int entries,
+                                 const CudnnAttention::Entry& e,
+                                 std::unordered_map<int64_t, void*>& pack) {
+  const size_t table_bytes = aligned(DocumentTable::bytes(entries));
+  const size_t stats_bytes = aligned(static_cast<size_t>(entries) * d.NH * d.T * sizeof(float));
+  char* memory = static_cast<char*>(backend.scratch(table_bytes + stats_bytes + workspace_bytes(e)));
+  DocumentScratch s;
+  s.table = document_table(backend.stream(), d, entries, memory);
+  s.stats = reinterpret_cast<float*>(memory + table_bytes);
+  s.workspace = memory + table_bytes + stats_bytes;
+  pack[kSeqLenQ] = pack[kSeqLenKV] = s.table.seq_len;
+  pack[kQOffset] = pack[kKOffset] = pack[kVOffset] = s.table.qkv_offset;
+  pack[kOOffset] = s.table.out_offset;
+  pack[kStats] = s.stats;
+  return s;
+}
+
+}  // namespace
+
+int cuda::cudnn_document_entries(const AttentionShape& d, int64_t documents) {
+  int64_t entries = 1;
+  while (entries < documents) entries *= 2;
+  // Offsets are i32 elements; the entries' stats are scratch beside the workspace.
+  const bool fits = int64_t{d.B} * d.T * d.qkv_stride < (int64_t{1} << 31) &&
+                    entries * d.NH * d.T * static_cast<int64_t>(sizeof(float)) <= (int64_t{512} << 20);
+  return fits ? static_cast<int>(entries) : 0;
+}
+
 void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
-                                          const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                          const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   char* base = qkv.ptr<char>();
   const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);
   const size_t v_bytes = static_cast<size_t>(d.v_offset) * sizeof(uint16_t);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, base}, {kK, base + k_bytes}, {kV, base + v_bytes}, {kO, out.data}, {kStats, lse.data}};
-  run_sdpa(cudnn_, *this, packed_layout(d, false), pack);
+  if (!key_start.defined()) return run_sdpa(cudnn_, *this, packed_layout(d, false), pack);
+  const int entries = cudnn_document_entries(d, a.documents);
+  const SdpaLayout l = document_layout(d, entries, false);
+  CudnnAttention::Entry& e = sdpa_graph(cudnn_, *this, l);
+  const DocumentScratch s = document_scratch(*this, d, entries, e, pack);
+  execute_sdpa(*cudnn_, e, l, pack, s.workspace, stream_);
+  document_stats(stream_, d, s.table, s.stats, lse.ptr<float>(), true);
 }
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
-                                           Tensor lse, const AttentionDims& a) {
-  const AttentionShape d = attention_shape(qkv, a);
+                                           Tensor lse, const AttentionDims& a, Tensor key_start) {
+  const AttentionShape d = attention_shape(qkv, a, key_start);
   char* base = qkv.ptr<char>();
   char* dbase = dqkv.ptr<char>();
   const size_t k_bytes = static_cast<size_t>(d.k_offset) * sizeof(uint16_t);
@@ -308,7 +420,13 @@ void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv,
       {kQ, base},     {kK, base + k_bytes},   {kV, base + v_bytes},
       {kO, out.data}, {kdO, dout.data},       {kStats, lse.data},
       {kdQ, dbase},   {kdK, dbase + k_bytes}, {kdV, dbase + v_bytes}};
-  run_sdpa(cudnn_, *this, packed_layout(d, true), pack);
+  if (!key_start.defined()) return run_sdpa(cudnn_, *this, packed_layout(d, true), pack);
+  const int entries = cudnn_document_entries(d, a.documents);
+  const SdpaLayout l = document_layout(d, entries, true);
+  CudnnAttention::Entry& e = sdpa_graph(cudnn_, *this, l);
+  const DocumentScratch s = document_scratch(*this, d, entries, e, pack);
+  document_stats(stream_, d, s.table, s.stats, lse.ptr<float>(), false);
+  execute_sdpa(*cudnn_, e, l, pack, s.workspace, stream_);
 }
 
 void CudaBackend::attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
@@ -342,7 +460,6 @@ void CudaBackend::attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor do
   layout[0].dkv_batch = end[0] * KS;  // the earlier chunk's dK/dV: [B, end[0], KS] in scratch
   CudnnAttention::Entry* entry[2] = {&sdpa_graph(cudnn_, *this, layout[0]),
                                      &sdpa_graph(cudnn_, *this, layout[1])};
-  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
   const size_t row_bytes = static_cast<size_t>(KS) * sizeof(uint16_t);
   const size_t early_bytes = aligned(static_cast<size_t>(B * end[0]) * row_bytes);
   const size_t stats_bytes = aligned(static_cast<size_t>(B * NH * C) * sizeof(float));
@@ -383,11 +500,12 @@ struct CudnnAttention {};
 void CudnnAttentionDeleter::operator()(CudnnAttention* p) const { delete p; }
 bool CudaBackend::cudnn_built() { return false; }
 
-void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, const AttentionDims&) {
+int cuda::cudnn_document_entries(const AttentionShape&, int64_t) { return 0; }
+void CudaBackend::attention_forward_cudnn(Tensor, Tensor, Tensor, const AttentionDims&, Tensor) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor,
-                                           const AttentionDims&) {
+                                           const AttentionDims&, Tensor) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 void CudaBackend::attention_cp_forward_cudnn(Tensor, Tensor, Tensor, Tensor, const AttentionDims&,

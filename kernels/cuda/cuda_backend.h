@@ -54,8 +54,8 @@ class CudaBackend final : public Backend {
   void set_attention(const std::string& kind) override;
   std::string attention_name() const override;
   // The implementation a document-masked call (a defined key_start) runs: the selected one, or
-  // flash where that is cudnn (logged once).
-  AttentionKind masked_attention_kind();
+  // flash where that is cudnn and the documents were not counted (logged once).
+  AttentionKind masked_attention_kind(const AttentionDims& a);
   AttentionKind attention() const { return attention_; }
   // Backward through GELU (matmul_backward with inp_pre_gelu): cuBLASLt's DGELU epilogue, or a
   // plain GEMM and a gelu' kernel. Auto (the default) times both per shape at first use; tests
@@ -147,9 +147,12 @@ class CudaBackend final : public Backend {
                                Tensor key_start);
   void attention_backward_flash(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a, Tensor key_start);
-  void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a);
+  // With key_start (document masking; a.documents counted): each document is a sequence of
+  // its own, one ragged batch entry (attention_cudnn.cpp).
+  void attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, const AttentionDims& a,
+                               Tensor key_start);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
-                                const AttentionDims& a);
+                                const AttentionDims& a, Tensor key_start);
   // Context parallelism through cuDNN's SDPA, one call per query chunk (attention_cudnn.cpp).
   void attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
                                   const AttentionDims& a, const QueryChunks& chunks);

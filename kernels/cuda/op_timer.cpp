@@ -102,7 +102,7 @@ std::string OpTimer::key(OpTag<Op::fp8_matmul_backward>, Tensor dinp, Tensor dwe
 std::string OpTimer::key(OpTag<Op::attention_forward>, Tensor out, Tensor lse, Tensor qkv,
                          const AttentionDims& a, Tensor key_start) const {
   if (key_start.defined())
-    return std::string("attention_forward ") + attention_kind_name(inner_.masked_attention_kind()) +
+    return std::string("attention_forward ") + attention_kind_name(inner_.masked_attention_kind(a)) +
            " +document mask";
   return "attention_forward " + inner_.attention_name();
 }
@@ -110,7 +110,7 @@ std::string OpTimer::key(OpTag<Op::attention_backward>, Tensor dqkv, Tensor dout
                          Tensor out, Tensor lse, const AttentionDims& a, Tensor key_start) const {
   if (key_start.defined())
     return std::string("attention_backward ") +
-           attention_kind_name(inner_.masked_attention_kind()) + " +document mask";
+           attention_kind_name(inner_.masked_attention_kind(a)) + " +document mask";
   return "attention_backward " + inner_.attention_name();
 }
 

@@ -70,7 +70,7 @@ void Attention::gather_kv(Backend& k, const Acts& a, const Scratch& s) const {
 void Attention::core(Backend& k, const Acts& a, const DocumentMask& docs,
                      const Scratch& s) const {
   if (!cp.on()) {
-    k.attention_forward(a.y, a.lse, a.qkv, dims, docs.key_start);
+    k.attention_forward(a.y, a.lse, a.qkv, counted(docs), docs.key_start);
     return;
   }
   gather_kv(k, a, s);
@@ -106,7 +106,7 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
                          const DocumentMask& docs, bool kv_gathered) const {
   proj.backward(k, w, g, s.dy, dout, a.y);
   if (!cp.on()) {
-    k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, dims, docs.key_start);
+    k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, counted(docs), docs.key_start);
   } else {
     // The keys and values again unless recomputation just gathered them (the forward's went
     // to the next block), this rank's queries' gradient over all of them, then each rank's sum

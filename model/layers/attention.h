@@ -65,6 +65,12 @@ struct Attention {
 
  private:
   void gather_kv(Backend& k, const Acts& a, const Scratch& s) const;
+  // dims with the micro-batch's document count (attention_forward's a.documents).
+  AttentionDims counted(const DocumentMask& docs) const {
+    AttentionDims d = dims;
+    d.documents = docs.documents;
+    return d;
+  }
 };
 
 }  // namespace kiln

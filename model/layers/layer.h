@@ -26,9 +26,12 @@ using Planner =
 // i32[B,T] each in backend memory, undefined where off. key_start[b,t]: the first key query t
 // attends, its document's first row (attention_forward's key_start); positions[b,t]: its RoPE
 // position, t - key_start[b,t] (rope_forward's positions; undefined: t, as without documents).
+// documents: how many documents the B rows hold in all (AttentionDims::documents; 0 where not
+// counted).
 struct DocumentMask {
   Tensor key_start;
   Tensor positions;
+  int64_t documents = 0;
 };
 
 // The tensor at `index`, or an undefined one for an absent parameter (index < 0).

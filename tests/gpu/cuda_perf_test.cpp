@@ -400,6 +400,26 @@ TEST(CudaPerf, DISABLED_DocumentMaskT8192) {
               f + bw, plain_f + plain_bw, (plain_f + plain_bw) / (f + bw));
   // Skipping the masked tiles must make the mask cheaper than the causal window, not dearer.
   EXPECT_LT(f + bw, plain_f + plain_bw);
+  if (CudaBackend::cudnn_built()) {
+    // cuDNN with the documents counted (the trainer's calls): one ragged batch entry each.
+    gpu.set_attention("cudnn");
+    AttentionDims counted = a;
+    counted.documents = documents;
+    const double cf =
+        median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, counted, key_start); });
+    const double cbw = median_ms(
+        gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, counted, key_start); });
+    const double causal_f =
+        median_ms(gpu, [&] { gpu.attention_forward(att, lse, qkv, a, Tensor{}); });
+    const double causal_bw =
+        median_ms(gpu, [&] { gpu.attention_backward(dqkv, datt, qkv, att, lse, a, Tensor{}); });
+    row("attention_forward cudnn document mask", cf, causal_flops, 0);
+    row("attention_backward cudnn document mask", cbw, 2.5 * causal_flops, 0);
+    std::printf(
+        "cudnn: document-masked forward + backward %.3f ms against causal %.3f ms (%.2fx)\n",
+        cf + cbw, causal_f + causal_bw, (causal_f + causal_bw) / (cf + cbw));
+    EXPECT_LT(cf + cbw, causal_f + causal_bw);
+  }
   gpu.release(key_start.data);
   gpu.release(positions.data);
 }

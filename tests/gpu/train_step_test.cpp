@@ -183,10 +183,12 @@ struct StepRun {
     return h;
   }
   // Document masking from key starts i32[B*T] (as the loader's doc_start), with RoPE positions
-  // t - start when the model has rotary positions.
+  // t - start when the model has rotary positions, and the documents counted (as StepInputs).
   void set_documents(const std::vector<int32_t>& ks) {
     std::vector<int32_t> pos(ks.size());
     for (size_t i = 0; i < ks.size(); ++i) pos[i] = static_cast<int32_t>(i % T) - ks[i];
+    docs.documents = 0;
+    for (size_t i = 0; i < ks.size(); ++i) docs.documents += ks[i] == static_cast<int32_t>(i % T);
     const bool rope = cfg.positions == PositionKind::rope;
     doc_arena = std::make_unique<Arena>(*k, "documents");
     doc_arena->plan(&docs.key_start, "key_start", {B, T}, DType::i32);
@@ -272,7 +274,8 @@ TEST(CudaTrainStep, LossAndEveryParameterGradientMatchTheCpuStep) {
 
 // Document masking through a whole step: documents of 1 to ~20 tokens in each 64-token row
 // (the first one the window opens inside), attention within each and RoPE restarting with each
-// (GPT-2: the mask alone), on CUDA's flash kernels against the CPU's step.
+// (GPT-2: the mask alone), on CUDA's default attention (cuDNN's ragged entries where built)
+// against the CPU's step.
 TEST(CudaTrainStep, DocumentMaskedStepsMatchTheCpuStep) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   std::mt19937 rng(11);

@@ -1,0 +1,62 @@
+// StepInputs: what reaches the step's layers from the loader's batches under document masking:
+// the key starts and RoPE positions of each micro-batch, and the count of its documents that
+// cuDNN's attention runs as ragged batch entries.
+#include "train/step_inputs.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "tests/test_process.h"
+
+namespace kiln {
+namespace {
+
+constexpr int kSep = 3;
+
+std::vector<int32_t> read_i32(Backend& k, Tensor t) {
+  std::vector<int32_t> h(static_cast<size_t>(t.numel()));
+  k.copy_to_host(h.data(), t);
+  return h;
+}
+
+// Two micro-batches of B=2 windows of T=16 from a shard with separators at irregular places:
+// each micro-batch's documents are those whose first token is its own first key (a window opens
+// with one, inside a document or not), and the upload holds the loader's key starts.
+TEST(StepInputs, CountsEachMicroBatchsDocuments) {
+  constexpr int B = 2, T = 16, kAccum = 2;
+  const std::string dir = kiln::testing::make_temp_dir("kiln_step_inputs_");
+  std::vector<uint16_t> tokens(4 * B * T + 1, 100);
+  for (int at : {0, 5, 6, 20, 31, 32, 40, 41, 42, 70, 100}) tokens[static_cast<size_t>(at)] = kSep;
+  write_shard(dir + "/train_000000.bin", tokens);
+  const std::unique_ptr<Backend> k = make_cpu_backend();
+  DataLoader loader(dir + "/train_*.bin", B, T, 0, 1, 65536, false, 0, false, kSep);
+  DataLoader again(dir + "/train_*.bin", B, T, 0, 1, 65536, false, 0, false, kSep);
+
+  StepInputs inputs(*k, kAccum, B, T, DocumentInputs{true, true});
+  Arena arena(*k, "inputs");
+  inputs.plan(arena);
+  Tensor sched;
+  arena.plan(&sched, "sched", {kSchedSize}, DType::f32);
+  arena.allocate();
+  inputs.allocate_staging();
+  Nvtx nvtx;
+  inputs.stage(0, 1e-3, loader, sched, nvtx, true);
+  for (int micro = 0; micro < kAccum; ++micro) {
+    const DataLoader::Batch& batch = again.next();
+    int64_t expected = 0;
+    for (size_t i = 0; i < batch.doc_start.size(); ++i)
+      expected += batch.doc_start[i] == static_cast<int32_t>(i % T);
+    const DocumentMask docs = inputs.documents(micro);
+    EXPECT_EQ(docs.documents, expected) << "micro-batch " << micro;
+    EXPECT_GT(docs.documents, B) << "micro-batch " << micro << ": the shard's separators";
+    EXPECT_EQ(read_i32(*k, docs.key_start), batch.doc_start) << "micro-batch " << micro;
+  }
+}
+
+}  // namespace
+}  // namespace kiln
