@@ -55,8 +55,9 @@ struct AttentionDims {
   int n_kv_head = 0;
   int head_dim = 0;
   // Document masking (attention_forward's key_start): how many documents the B rows hold in
-  // all, counted on the host as the batch is staged; 0 where not counted. With it a backend
-  // may run each document as a sequence of its own (cuDNN's ragged batches).
+  // all (under context parallelism, attention_cp_forward's: the runs of equal key starts in each
+  // of the two chunks of each row), counted on the host as the batch is staged; 0 where not
+  // counted. With it a backend may run each as a sequence of its own (cuDNN's ragged batches).
   int64_t documents = 0;
   int64_t q_dim() const { return static_cast<int64_t>(n_head) * head_dim; }
   int64_t kv_dim() const { return static_cast<int64_t>(n_kv_head) * head_dim; }

@@ -304,8 +304,9 @@ void attention_cp_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, 
   c.activation_dtype("out", out, {B, Tq, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, Tq});
   if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, Tq});
-  if (a.documents != 0)
-    c.fail("a.documents", "context-parallel attention takes key_start alone (documents must be 0)");
+  if (a.documents < 0 || a.documents > B * Tq || (a.documents > 0 && !key_start.defined()))
+    c.fail("a.documents", std::to_string(a.documents) +
+                              " entries: 0, or between 1 and B*Tq with a document mask's key_start");
 }
 
 void attention_cp_backward(const OpCheck& c, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,

@@ -11,6 +11,7 @@
 #include "data/shard.h"
 #include "kernels/arena.h"
 #include "kernels/backend.h"
+#include "model/context_parallel.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -56,6 +57,49 @@ TEST(StepInputs, CountsEachMicroBatchsDocuments) {
     EXPECT_GT(docs.documents, B) << "micro-batch " << micro << ": the shard's separators";
     EXPECT_EQ(read_i32(*k, docs.key_start), batch.doc_start) << "micro-batch " << micro;
   }
+}
+
+// Under context parallelism a rank keeps two chunks of each window's rows (here rank 1 of 2:
+// positions 4-7 and 8-11 of 16); its key starts are window positions, and attention's entries
+// are the runs of equal key starts in each chunk (a document that crosses into a chunk begins
+// an entry at the chunk's first row).
+TEST(StepInputs, CountsEachChunksDocumentsUnderContextParallelism) {
+  constexpr int B = 2, T = 16;
+  const std::string dir = kiln::testing::make_temp_dir("kiln_step_inputs_cp_");
+  std::vector<uint16_t> tokens(2 * B * T + 1, 100);
+  for (int at : {0, 5, 6, 9, 20, 26, 41, 44, 45, 46, 47, 60}) tokens[static_cast<size_t>(at)] = kSep;
+  write_shard(dir + "/train_000000.bin", tokens);
+  const std::unique_ptr<Backend> k = make_cpu_backend();
+  DataLoader loader(dir + "/train_*.bin", B, T, 0, 1, 65536, false, 0, false, kSep);
+  DataLoader again(dir + "/train_*.bin", B, T, 0, 1, 65536, false, 0, false, kSep);
+  ContextParallel cp;
+  cp.ranks = 2;
+  cp.rank = 1;
+  StepInputs inputs(*k, 1, B, T, DocumentInputs{true, true}, cp);
+  Arena arena(*k, "inputs");
+  inputs.plan(arena);
+  Tensor sched;
+  arena.plan(&sched, "sched", {kSchedSize}, DType::f32);
+  arena.allocate();
+  inputs.allocate_staging();
+  Nvtx nvtx;
+  inputs.stage(0, 1e-3, loader, sched, nvtx, true);
+  const DataLoader::Batch& batch = again.next();
+  const QueryChunks chunks = cp.chunks(T);
+  const int64_t C = T / 4;
+  std::vector<int32_t> rows;
+  int64_t expected = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int c = 0; c < 2; ++c)
+      for (int64_t i = 0; i < C; ++i) {
+        const int32_t ks = batch.doc_start[static_cast<size_t>(b * T + chunks.offset[c] + i)];
+        expected += i == 0 || ks != rows.back();
+        rows.push_back(ks);
+      }
+  const DocumentMask docs = inputs.documents(0);
+  EXPECT_EQ(read_i32(*k, docs.key_start), rows);
+  EXPECT_EQ(docs.documents, expected);
+  EXPECT_GT(docs.documents, 2 * B) << "the shard's separators fall inside the chunks";
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ class StepInputs {
   Tensor targets(int micro) const { return micro_batch(targets_, micro); }
   // Its document mask: undefined tensors where document masking (or its positions) is off.
   // (Under context parallelism positions are always defined.) The count of documents is the
-  // last staged batch's, for the step being enqueued; 0 under context parallelism.
+  // last staged batch's, for the step being enqueued.
   DocumentMask documents(int micro) const {
     return {key_start_.defined() ? micro_batch(key_start_, micro) : Tensor{},
             positions_.defined() ? micro_batch(positions_, micro) : Tensor{},
@@ -93,8 +93,8 @@ class StepInputs {
   // Micro-batch `micro`'s rows of `batch` into the slot's host buffers, and its documents
   // counted.
   void copy_rows(const Staging& st, int micro, const DataLoader::Batch& batch);
-  // How many documents the rows of key starts `rows` ([B, T_]) hold: those whose first token
-  // is its own first key. 0 under context parallelism (its attention takes no count).
+  // How many documents the rows of key starts `rows` ([B, T_]) hold: runs of equal key starts
+  // in a row, and under context parallelism in each of its two chunks (attention's entries).
   int64_t count_documents(const int32_t* rows) const;
   // The loader's batch has B windows of model.seq_len (and their document starts where masked).
   void check(const DataLoader::Batch& batch) const;

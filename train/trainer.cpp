@@ -345,8 +345,7 @@ int Trainer::run() {
   // (docs/cuda.md#cuda-graphs); eager until that is fixed.
   const bool many_gpus = rank_.world_size > 1 && backend_->device() == Device::cuda;
   // cuDNN's document-masked attention takes each step's count of documents from the host.
-  const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn" &&
-                                 cfg_.dist.context_parallel <= 1;
+  const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn";
   graph_.start(
       t.cuda_graphs,
       many_gpus ? "more than one GPU: a replayed step left 2-GPU runs hung at their end"

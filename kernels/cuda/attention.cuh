@@ -46,28 +46,37 @@ AttentionShape attention_cp_shape(const Tensor& qkv, const Tensor& kv, const Att
 float* attention_delta(CudaBackend& backend, const AttentionShape& d, const Tensor& dout,
                        const Tensor& out);
 
-// Document masking through cuDNN's ragged SDPA (attention_cudnn.cpp): batch entry i is the
-// micro-batch's document i (the rows in order, each row's documents in order), padded with
-// empty entries to `entries`. Built on the device from d.key_start (attention_documents.cu), so
-// a call needs from the host only how many documents there are.
+// Document masking through cuDNN's ragged SDPA (attention_cudnn.cpp): batch entry i is a run of
+// query rows of one document within one chunk of d's query rows (attention_forward: all T rows;
+// context parallelism: chunk 0 or 1 of d.half rows), in order of sequence then row, padded with
+// empty entries to `entries`. Its queries attend keys from their document's first position to
+// their own, causal at the bottom right. Built on the device from d.key_start
+// (attention_documents.cu), so a call needs from the host only how many entries there are.
 struct DocumentTable {
   int entries = 0;
-  int* seq_len = nullptr;     // [entries] tokens of each (0: padding)
-  int* start = nullptr;       // [entries] its first row among the B*T rows
-  int* qkv_offset = nullptr;  // [entries + 1] start * qkv_stride: Q's, K's, V's ragged offsets
-  int* out_offset = nullptr;  // [entries + 1] start * out_stride: O's and dO's
-  static size_t bytes(int entries) { return (4 * static_cast<size_t>(entries) + 2) * sizeof(int); }
+  int rows = 0;               // the chunk's query rows a sequence: each entry's stats row count
+  int* seq_len_q = nullptr;   // [entries] its query rows (0: padding)
+  int* seq_len_kv = nullptr;  // [entries] its keys
+  int* first = nullptr;       // [entries] its first query row among the B*T (b * T + t)
+  int* q_offset = nullptr;    // [entries + 1] first * qkv_stride: Q's (and dQ's) ragged offsets
+  int* kv_offset = nullptr;   // [entries + 1] its first key's, into K, V (qkv or kv) and dK, dV
+  int* o_offset = nullptr;    // [entries + 1] first * out_stride: O's and dO's
+  static size_t bytes(int entries) {
+    return (3 * static_cast<size_t>(entries) + 3 * (static_cast<size_t>(entries) + 1)) *
+           sizeof(int);
+  }
 };
-// The table for d's documents in `memory` (DocumentTable::bytes(entries)), `entries` at least
-// their number.
-DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int entries,
+// The table of chunk `chunk`'s documents in `memory` (DocumentTable::bytes(entries)), `entries`
+// at least their number.
+DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int chunk, int entries,
                              void* memory);
-// The ragged batch a document-masked call of d with `documents` documents runs on cuDNN: their
-// number rounded up to a power of two; 0 where cuDNN cannot take it (i32 offsets overflow, or
-// the entries' stats would take over 512 MiB) or kiln was built without the frontend.
+// The ragged batch a document-masked call of d counted as `documents` entries (AttentionDims::
+// documents) runs on cuDNN: their number rounded up to a power of two; 0 where cuDNN cannot take
+// it (i32 offsets overflow, or the entries' stats would pass 512 MiB) or kiln was built without
+// the frontend.
 int cudnn_document_entries(const AttentionShape& d, int64_t documents);
-// cuDNN's packed stats [entries, NH, T] (row j of entry i) to kiln's lse [B, NH, T] (row
-// start[i] + j), or back with to_lse false.
+// cuDNN's packed stats [entries, NH, table.rows] (row j of entry i) to kiln's lse [B, NH, T]
+// (row t of first[i] + j), or back with to_lse false.
 void document_stats(cudaStream_t stream, const AttentionShape& d, const DocumentTable& table,
                     float* stats, float* lse, bool to_lse);
 

@@ -2,11 +2,11 @@
 // query rows against the keys and values of the whole sequence, gathered into kv. Two paths, as
 // attention_forward's:
 //  - cudnn (attention_cudnn.cpp): one SDPA per chunk, causal at the bottom right of the chunk's
-//    key prefix; the plain (unmasked) calls of a backend whose attention is cudnn.
+//    key prefix, or with key_start and the entries counted (AttentionDims::documents) each
+//    chunk's documents as ragged batch entries; the calls of a backend whose attention is cudnn.
 //  - flash (attention_flash.cu): the same kernels as attention_forward's, told the rows'
-//    positions and reading keys from kv; document-masked calls (a defined key_start, which
-//    cuDNN's SDPA cannot take at fixed shapes) and the flash and naive kinds (naive has no
-//    kernel of its own here: it is the single-sequence test oracle).
+//    positions and reading keys from kv; document-masked calls not counted, and the flash and
+//    naive kinds (naive has no kernel of its own here: it is the single-sequence test oracle).
 // The backward writes only the query columns of dqkv, and all of dkv.
 #include <string>
 
@@ -43,6 +43,14 @@ std::string cp_call(const AttentionShape& d) {
          " KV=" + std::to_string(d.KV) + " hs=" + std::to_string(d.hs);
 }
 
+// Whether the call runs cudnn: a backend on cudnn, and a masked call's entries counted and
+// within cuDNN's reach.
+bool cudnn_cp(CudaBackend& backend, const AttentionShape& d, const AttentionDims& a) {
+  if (!d.key_start) return backend.attention() == AttentionKind::cudnn;
+  return backend.masked_attention_kind(a) == AttentionKind::cudnn &&
+         cudnn_document_entries(d, a.documents) > 0;
+}
+
 }  // namespace
 
 void CudaBackend::run_attention_cp_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
@@ -52,9 +60,10 @@ void CudaBackend::run_attention_cp_forward(Tensor out, Tensor lse, Tensor qkv, T
   auto flash = [&] {
     flash_forward(stream_, d, out.ptr<bf16>(), lse.ptr<float>(), qkv.ptr<bf16>(), kv.ptr<bf16>());
   };
-  if ((key_start.defined() ? masked_attention_kind(a) : attention_) == AttentionKind::cudnn)
+  if (cudnn_cp(*this, d, a))
     cudnn_or_flash(
-        cp_call(d), [&] { attention_cp_forward_cudnn(out, lse, qkv, kv, a, chunks); }, flash);
+        cp_call(d), [&] { attention_cp_forward_cudnn(out, lse, qkv, kv, a, chunks, key_start); },
+        flash);
   else
     flash();
 }
@@ -70,10 +79,13 @@ void CudaBackend::run_attention_cp_backward(Tensor dqkv, Tensor dkv, Tensor dout
     flash_backward(*this, d, dqkv.ptr<bf16>(), dkv.ptr<bf16>(), dout, qkv.ptr<bf16>(),
                    kv.ptr<bf16>(), out, lse.ptr<float>());
   };
-  if ((key_start.defined() ? masked_attention_kind(a) : attention_) == AttentionKind::cudnn)
+  if (cudnn_cp(*this, d, a))
     cudnn_or_flash(
         cp_call(d),
-        [&] { attention_cp_backward_cudnn(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks); }, flash);
+        [&] {
+          attention_cp_backward_cudnn(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks, key_start);
+        },
+        flash);
   else
     flash();
 }

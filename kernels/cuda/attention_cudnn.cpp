@@ -16,11 +16,13 @@
 //    backward is cuDNN's default (fastest, not bit-reproducible) one.
 //  - Document masking (a defined key_start with AttentionDims::documents counted): each document
 //    is a sequence of its own, one entry of a ragged batch (Q, K, V, O and their gradients get
-//    per-entry offsets into qkv and out, and a padding mask the documents' lengths), causal
-//    within it. The entries are the documents rounded up to a power of two, padded with empty
-//    ones, so a handful of graphs serve every step; the table is built on the device
-//    (attention_documents.cu). cuDNN's stats come out packed per entry and are moved into lse's
-//    rows (and back for the backward), so every implementation keeps lse's one layout.
+//    per-entry offsets into qkv, kv and out, and a padding mask the entries' lengths), causal
+//    within it. Under context parallelism an entry is a document's run of queries within one
+//    chunk, against the keys from the document's start to its last query (causal at the bottom
+//    right), one call per chunk as unmasked. The entries are the count rounded up to a power of
+//    two, padded with empty ones, so a handful of graphs serve every step; the table is built on
+//    the device (attention_documents.cu). cuDNN's stats come out packed per entry and are moved
+//    into lse's rows (and back for the backward), so every implementation keeps lse's one layout.
 //  - Context parallelism (attention_cp_forward/backward) runs one SDPA per query chunk: Q is the
 //    chunk's rows of qkv, K and V the keys [0, chunk's end) of the gathered kv, causal with the
 //    diagonal at the bottom right (the chunk's first query sees every key before its position).
@@ -90,13 +92,14 @@ struct SdpaLayout {
   // parallelism's chunks); else at the top left, query i sees keys up to i.
   bool bottom_right = false;
   bool backward = false;
-  // Document masking: B ragged entries (documents) of at most s_q rows, `tokens` rows in all.
+  // Document masking: B ragged entries of at most s_q query rows and s_kv keys, at most
+  // tokens_q and tokens_kv in all.
   bool ragged = false;
-  int64_t tokens = 0;
+  int64_t tokens_q = 0, tokens_kv = 0;
   auto fields() const {
     return std::tie(B, NH, KV, hs, s_q, s_kv, q_batch, q_row, kv_batch, kv_row, dkv_batch, dkv_row,
                     o_batch, o_row, stats_batch, stats_head, bottom_right, backward, ragged,
-                    tokens);
+                    tokens_q, tokens_kv);
   }
   bool operator<(const SdpaLayout& o) const { return fields() < o.fields(); }
 };
@@ -129,7 +132,23 @@ SdpaLayout document_layout(const AttentionShape& d, int entries, bool backward) 
   SdpaLayout l = packed_layout(d, backward);
   l.B = entries;
   l.ragged = true;
-  l.tokens = int64_t{d.B} * d.T;
+  l.tokens_q = l.tokens_kv = int64_t{d.B} * d.T;
+  return l;
+}
+
+// A context-parallel chunk's (attention_cp_shape's d, the chunk at `offset`): entries of at most
+// d.half queries against keys of kv before the chunk's end; one chunk's entries' key ranges are
+// disjoint. The token totals are the extents the offsets address (all of qkv's and kv's rows):
+// the frontend sizes its ragged workspaces (dQ's f32 accumulator, GQA's per-query-head dK/dV)
+// by them and indexes those with the same offsets.
+SdpaLayout document_chunk_layout(const AttentionShape& d, int64_t offset, int entries,
+                                 bool backward) {
+  SdpaLayout l = chunk_layout(d, offset, backward);
+  l.B = entries;
+  l.ragged = true;
+  l.tokens_q = int64_t{d.B} * d.T;
+  l.tokens_kv = int64_t{d.B} * d.Tk;
+  l.stats_batch = int64_t{d.NH} * d.half, l.stats_head = d.half;
   return l;
 }
 
@@ -217,8 +236,8 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
       opts.set_padding_mask(true)
           .set_seq_len_q(seq_q)
           .set_seq_len_kv(seq_kv)
-          .set_max_total_seq_len_q(l.tokens)
-          .set_max_total_seq_len_kv(l.tokens);
+          .set_max_total_seq_len_q(l.tokens_q)
+          .set_max_total_seq_len_kv(l.tokens_kv);
     auto [O, stats] = graph->sdpa(Q, K, V, opts);
     O->set_output(true).set_uid(kO).set_dim(o_dim).set_stride(o_stride);
     if (l.ragged) O->set_ragged_offset(o_off);
@@ -252,8 +271,8 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
       opts.set_padding_mask(true)
           .set_seq_len_q(seq_q)
           .set_seq_len_kv(seq_kv)
-          .set_max_total_seq_len_q(l.tokens)
-          .set_max_total_seq_len_kv(l.tokens);
+          .set_max_total_seq_len_q(l.tokens_q)
+          .set_max_total_seq_len_kv(l.tokens_kv);
     }
     auto [dQ, dK, dV] = graph->sdpa_backward(Q, K, V, O, dO, stats, opts);
     const std::vector<int64_t> kv_dim = {B, KV, l.s_kv, hs},
@@ -357,28 +376,37 @@ void run_sdpa(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state, Cud
 
 namespace {
 
-// A document-masked call's scratch, in one block: the table (built here), the entries' packed
-// stats, cuDNN's workspace. Adds the table and the stats to the call's pack.
+// A document-masked call's scratch, in one block: the table, the entries' packed stats,
+// cuDNN's workspace, and `extra` bytes.
 struct DocumentScratch {
-  DocumentTable table;
+  void* table = nullptr;
   float* stats = nullptr;
   void* workspace = nullptr;
+  char* extra = nullptr;
 };
 DocumentScratch document_scratch(CudaBackend& backend, const AttentionShape& d, int entries,
-                                 const CudnnAttention::Entry& e,
-                                 std::unordered_map<int64_t, void*>& pack) {
+                                 size_t workspace, size_t extra = 0) {
   const size_t table_bytes = aligned(DocumentTable::bytes(entries));
-  const size_t stats_bytes = aligned(static_cast<size_t>(entries) * d.NH * d.T * sizeof(float));
-  char* memory = static_cast<char*>(backend.scratch(table_bytes + stats_bytes + workspace_bytes(e)));
-  DocumentScratch s;
-  s.table = document_table(backend.stream(), d, entries, memory);
-  s.stats = reinterpret_cast<float*>(memory + table_bytes);
-  s.workspace = memory + table_bytes + stats_bytes;
-  pack[kSeqLenQ] = pack[kSeqLenKV] = s.table.seq_len;
-  pack[kQOffset] = pack[kKOffset] = pack[kVOffset] = s.table.qkv_offset;
-  pack[kOOffset] = s.table.out_offset;
+  const size_t stats_bytes =
+      aligned(static_cast<size_t>(entries) * d.NH * d.half * sizeof(float));
+  char* memory = static_cast<char*>(
+      backend.scratch(table_bytes + stats_bytes + aligned(workspace) + extra));
+  return {memory, reinterpret_cast<float*>(memory + table_bytes), memory + table_bytes + stats_bytes,
+          memory + table_bytes + stats_bytes + aligned(workspace)};
+}
+
+// The table of chunk `chunk`, built, and it and the stats into the call's pack.
+DocumentTable add_document_table(std::unordered_map<int64_t, void*>& pack, CudaBackend& backend,
+                                 const AttentionShape& d, int chunk, int entries,
+                                 const DocumentScratch& s) {
+  const DocumentTable table = document_table(backend.stream(), d, chunk, entries, s.table);
+  pack[kSeqLenQ] = table.seq_len_q;
+  pack[kSeqLenKV] = table.seq_len_kv;
+  pack[kQOffset] = table.q_offset;
+  pack[kKOffset] = pack[kVOffset] = table.kv_offset;
+  pack[kOOffset] = table.o_offset;
   pack[kStats] = s.stats;
-  return s;
+  return table;
 }
 
 }  // namespace
@@ -387,8 +415,11 @@ int cuda::cudnn_document_entries(const AttentionShape& d, int64_t documents) {
   int64_t entries = 1;
   while (entries < documents) entries *= 2;
   // Offsets are i32 elements; the entries' stats are scratch beside the workspace.
-  const bool fits = int64_t{d.B} * d.T * d.qkv_stride < (int64_t{1} << 31) &&
-                    entries * d.NH * d.T * static_cast<int64_t>(sizeof(float)) <= (int64_t{512} << 20);
+  const int64_t limit = int64_t{1} << 31;
+  const bool fits = int64_t{d.B} * d.T * d.qkv_stride < limit &&
+                    int64_t{d.B} * d.Tk * d.kv_stride < limit &&
+                    entries * d.NH * d.half * static_cast<int64_t>(sizeof(float)) <=
+                        (int64_t{512} << 20);
   return fits ? static_cast<int>(entries) : 0;
 }
 
@@ -404,9 +435,10 @@ void CudaBackend::attention_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
   const int entries = cudnn_document_entries(d, a.documents);
   const SdpaLayout l = document_layout(d, entries, false);
   CudnnAttention::Entry& e = sdpa_graph(cudnn_, *this, l);
-  const DocumentScratch s = document_scratch(*this, d, entries, e, pack);
+  const DocumentScratch s = document_scratch(*this, d, entries, workspace_bytes(e));
+  const DocumentTable table = add_document_table(pack, *this, d, 0, entries, s);
   execute_sdpa(*cudnn_, e, l, pack, s.workspace, stream_);
-  document_stats(stream_, d, s.table, s.stats, lse.ptr<float>(), true);
+  document_stats(stream_, d, table, s.stats, lse.ptr<float>(), true);
 }
 
 void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
@@ -424,15 +456,34 @@ void CudaBackend::attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv,
   const int entries = cudnn_document_entries(d, a.documents);
   const SdpaLayout l = document_layout(d, entries, true);
   CudnnAttention::Entry& e = sdpa_graph(cudnn_, *this, l);
-  const DocumentScratch s = document_scratch(*this, d, entries, e, pack);
-  document_stats(stream_, d, s.table, s.stats, lse.ptr<float>(), false);
+  const DocumentScratch s = document_scratch(*this, d, entries, workspace_bytes(e));
+  const DocumentTable table = add_document_table(pack, *this, d, 0, entries, s);
+  document_stats(stream_, d, table, s.stats, lse.ptr<float>(), false);
   execute_sdpa(*cudnn_, e, l, pack, s.workspace, stream_);
 }
 
 void CudaBackend::attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
-                                             const AttentionDims& a, const QueryChunks& chunks) {
-  const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, Tensor{});
+                                             const AttentionDims& a, const QueryChunks& chunks,
+                                             Tensor key_start) {
+  const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, key_start);
   const int64_t C = d.half;
+  if (key_start.defined()) {
+    // Each chunk's documents as ragged entries; the offsets count from row 0 of qkv and out.
+    const int entries = cudnn_document_entries(d, a.documents);
+    for (int c = 0; c < 2; ++c) {
+      const SdpaLayout l = document_chunk_layout(d, chunks.offset[c], entries, false);
+      CudnnAttention::Entry& e = sdpa_graph(cudnn_, *this, l);
+      const DocumentScratch s = document_scratch(*this, d, entries, workspace_bytes(e));
+      std::unordered_map<int64_t, void*> pack = {{kQ, qkv.data},
+                                                 {kK, element(kv, d.k_offset)},
+                                                 {kV, element(kv, d.v_offset)},
+                                                 {kO, out.data}};
+      const DocumentTable table = add_document_table(pack, *this, d, c, entries, s);
+      execute_sdpa(*cudnn_, e, l, pack, s.workspace, stream_);
+      document_stats(stream_, d, table, s.stats, lse.ptr<float>(), true);
+    }
+    return;
+  }
   for (int c = 0; c < 2; ++c) {
     std::unordered_map<int64_t, void*> pack = {{kQ, element(qkv, c * C * d.qkv_stride)},
                                                {kK, element(kv, d.k_offset)},
@@ -445,7 +496,11 @@ void CudaBackend::attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv,
 
 void CudaBackend::attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
                                               Tensor kv, Tensor out, Tensor lse,
-                                              const AttentionDims& a, const QueryChunks& chunks) {
+                                              const AttentionDims& a, const QueryChunks& chunks,
+                                              Tensor key_start) {
+  if (key_start.defined())
+    return attention_cp_documents_backward(dqkv, dkv, dout, qkv, kv, out, lse, a, chunks,
+                                           key_start);
   const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, Tensor{});
   const int64_t B = d.B, NH = d.NH, C = d.half, Tq = d.T, Tk = d.Tk, KS = d.kv_stride;
   const int64_t end[2] = {chunks.offset[0] + C, chunks.offset[1] + C};  // each chunk's keys
@@ -494,6 +549,43 @@ void CudaBackend::attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor do
             Tensor{early + b * end[0] * row_bytes, {end[0] * KS}, DType::bf16, Device::cuda});
 }
 
+// Each chunk's documents as ragged entries. One chunk's entries read disjoint key ranges, but the
+// two chunks' overlap and cuDNN overwrites dK/dV: the later chunk writes dkv, the earlier a
+// scratch copy, both zeroed first (keys no entry reads get no gradient), then summed.
+void CudaBackend::attention_cp_documents_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
+                                                  Tensor kv, Tensor out, Tensor lse,
+                                                  const AttentionDims& a,
+                                                  const QueryChunks& chunks, Tensor key_start) {
+  const AttentionShape d = attention_cp_shape(qkv, kv, a, chunks, key_start);
+  const int entries = cudnn_document_entries(d, a.documents);
+  const SdpaLayout layout[2] = {document_chunk_layout(d, chunks.offset[0], entries, true),
+                                document_chunk_layout(d, chunks.offset[1], entries, true)};
+  CudnnAttention::Entry* entry[2] = {&sdpa_graph(cudnn_, *this, layout[0]),
+                                     &sdpa_graph(cudnn_, *this, layout[1])};
+  const size_t dkv_bytes = static_cast<size_t>(dkv.numel()) * sizeof(uint16_t);
+  const DocumentScratch s = document_scratch(
+      *this, d, entries, std::max(workspace_bytes(*entry[0]), workspace_bytes(*entry[1])),
+      dkv_bytes);
+  KILN_CUDA_CHECK(cudaMemsetAsync(dkv.data, 0, dkv_bytes, stream_));
+  KILN_CUDA_CHECK(cudaMemsetAsync(s.extra, 0, dkv_bytes, stream_));
+  for (int c : {1, 0}) {
+    char* dk = c == 1 ? dkv.ptr<char>() : s.extra;
+    std::unordered_map<int64_t, void*> pack = {
+        {kQ, qkv.data},
+        {kK, element(kv, d.k_offset)},
+        {kV, element(kv, d.v_offset)},
+        {kO, out.data},
+        {kdO, dout.data},
+        {kdQ, dqkv.data},
+        {kdK, dk + d.k_offset * sizeof(uint16_t)},
+        {kdV, dk + d.v_offset * sizeof(uint16_t)}};
+    const DocumentTable table = add_document_table(pack, *this, d, c, entries, s);
+    document_stats(stream_, d, table, s.stats, lse.ptr<float>(), false);
+    execute_sdpa(*cudnn_, *entry[c], layout[c], pack, s.workspace, stream_);
+  }
+  run_add(dkv, Tensor{s.extra, dkv.shape, DType::bf16, Device::cuda});
+}
+
 #else  // built without the cuDNN frontend
 
 struct CudnnAttention {};
@@ -509,11 +601,12 @@ void CudaBackend::attention_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tenso
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 void CudaBackend::attention_cp_forward_cudnn(Tensor, Tensor, Tensor, Tensor, const AttentionDims&,
-                                             const QueryChunks&) {
+                                             const QueryChunks&, Tensor) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 void CudaBackend::attention_cp_backward_cudnn(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                              Tensor, const AttentionDims&, const QueryChunks&) {
+                                              Tensor, const AttentionDims&, const QueryChunks&,
+                                              Tensor) {
   throw std::logic_error("attention (cudnn): built without the cuDNN frontend");
 }
 

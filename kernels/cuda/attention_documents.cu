@@ -1,8 +1,8 @@
-// Document masking on cuDNN: the table of a micro-batch's documents as ragged batch entries,
-// and the move of their softmax statistics between cuDNN's packed layout and kiln's lse.
-// The host knows only how many documents there are (counted as the batch is staged); where each
-// starts is read here from key_start, a document's first token being the query whose first key
-// is itself.
+// Document masking on cuDNN: the table of a chunk's documents as ragged batch entries, and the
+// move of their softmax statistics between cuDNN's packed layout and kiln's lse. The host knows
+// only how many entries there are (counted as the batch is staged); where each starts is read
+// here from key_start: an entry begins at the chunk's first row and wherever the key start
+// changes (a document's first token, whose first key is itself).
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/check.h"
 
@@ -13,24 +13,34 @@ namespace {
 
 constexpr int kTableThreads = 1024;
 
-// One block: a scan over the B*T rows for document starts (key_start[i] == i % T), in order.
-__global__ void document_table_kernel(const int* key_start, int rows, int T, int entries,
-                                      int qkv_stride, int out_stride, int* seq_len, int* start,
-                                      int* qkv_offset, int* out_offset) {
+// One block: a scan over the chunk's rows [r0, r0 + n) of each sequence (positions p0 on) for
+// the entries' first rows, in order; then each entry's lengths and offsets. Keys are rows of a
+// [B, Tk, kv_stride] tensor indexed by position.
+__global__ void document_table_kernel(const int* key_start, int B, int T, int r0, int n, int p0,
+                                      int Tk, int qkv_stride, int out_stride, int kv_stride,
+                                      int entries, int* seq_len_q, int* seq_len_kv, int* first,
+                                      int* q_offset, int* kv_offset, int* o_offset) {
   __shared__ int warp_count[kTableThreads / 32];
   __shared__ int carry;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int rows = B * n;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int base = 0; base < rows; base += blockDim.x) {
     const int i = base + threadIdx.x;
-    const bool first = i < rows && key_start[i] == i % T;
-    const unsigned mask = __ballot_sync(0xffffffffu, first);
+    bool begins = false;
+    int row = 0;
+    if (i < rows) {
+      const int b = i / n, t = r0 + i % n;
+      row = b * T + t;
+      begins = t == r0 || key_start[row] != key_start[row - 1];
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, begins);
     if (lane == 0) warp_count[warp] = __popc(mask);
     __syncthreads();
     int index = carry + __popc(mask & ((1u << lane) - 1u));
     for (int w = 0; w < warp; ++w) index += warp_count[w];
-    if (first && index < entries) start[index] = i;
+    if (begins && index < entries) first[index] = row;
     __syncthreads();
     if (threadIdx.x == 0)
       for (int w = 0; w < warps; ++w) carry += warp_count[w];
@@ -38,28 +48,40 @@ __global__ void document_table_kernel(const int* key_start, int rows, int T, int
   }
   const int count = min(carry, entries);
   for (int j = threadIdx.x; j < entries; j += blockDim.x) {
-    const int s = j < count ? start[j] : rows;
-    // A document ends where the next starts; the last of a row at the row's end. (The clamp
-    // keeps an entry inside its row even if the host counted too few.)
-    const int e = j < count ? min(j + 1 < count ? start[j + 1] : rows, (s / T + 1) * T) : rows;
-    if (j >= count) start[j] = rows;
-    seq_len[j] = e - s;
-    qkv_offset[j] = s * qkv_stride;
-    out_offset[j] = s * out_stride;
+    if (j >= count) {  // padding: empty, at the end
+      seq_len_q[j] = seq_len_kv[j] = 0;
+      first[j] = B * T;
+      q_offset[j] = B * T * qkv_stride;
+      o_offset[j] = B * T * out_stride;
+      kv_offset[j] = B * Tk * kv_stride;
+      continue;
+    }
+    const int f = first[j], b = f / T, t = f % T;
+    // The entry ends where the next begins in the same sequence, else at the chunk's end.
+    const int next = j + 1 < count ? first[j + 1] : B * T;
+    const int end = next / T == b ? min(next % T, r0 + n) : r0 + n;
+    const int s = key_start[f];                   // the document's first position
+    const int last = p0 + (end - 1 - r0);         // the entry's last query's position
+    seq_len_q[j] = end - t;
+    seq_len_kv[j] = last + 1 - s;
+    q_offset[j] = f * qkv_stride;
+    o_offset[j] = f * out_stride;
+    kv_offset[j] = (b * Tk + s) * kv_stride;
   }
   if (threadIdx.x == 0) {
-    qkv_offset[entries] = rows * qkv_stride;
-    out_offset[entries] = rows * out_stride;
+    q_offset[entries] = B * T * qkv_stride;
+    o_offset[entries] = B * T * out_stride;
+    kv_offset[entries] = B * Tk * kv_stride;
   }
 }
 
-__global__ void document_stats_kernel(const int* seq_len, const int* start, int T, int NH,
-                                      float* stats, float* lse, bool to_lse) {
+__global__ void document_stats_kernel(const int* seq_len_q, const int* first, int T, int NH,
+                                      int rows, float* stats, float* lse, bool to_lse) {
   const int i = blockIdx.z, h = blockIdx.y;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= seq_len[i]) return;
-  const int s = start[i], b = s / T, t = s % T + j;
-  float* packed = stats + (static_cast<int64_t>(i) * NH + h) * T + j;
+  if (j >= seq_len_q[i]) return;
+  const int f = first[i], b = f / T, t = f % T + j;
+  float* packed = stats + (static_cast<int64_t>(i) * NH + h) * rows + j;
   float* row = lse + (static_cast<int64_t>(b) * NH + h) * T + t;
   if (to_lse)
     *row = *packed;
@@ -69,17 +91,21 @@ __global__ void document_stats_kernel(const int* seq_len, const int* start, int 
 
 }  // namespace
 
-DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int entries,
+DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int chunk, int entries,
                              void* memory) {
   DocumentTable table;
   table.entries = entries;
-  table.seq_len = static_cast<int*>(memory);
-  table.start = table.seq_len + entries;
-  table.qkv_offset = table.start + entries;
-  table.out_offset = table.qkv_offset + entries + 1;
+  table.rows = d.half;
+  table.seq_len_q = static_cast<int*>(memory);
+  table.seq_len_kv = table.seq_len_q + entries;
+  table.first = table.seq_len_kv + entries;
+  table.q_offset = table.first + entries;
+  table.kv_offset = table.q_offset + entries + 1;
+  table.o_offset = table.kv_offset + entries + 1;
   document_table_kernel<<<1, kTableThreads, 0, stream>>>(
-      d.key_start, d.B * d.T, d.T, entries, d.qkv_stride, d.out_stride, table.seq_len,
-      table.start, table.qkv_offset, table.out_offset);
+      d.key_start, d.B, d.T, chunk * d.half, d.half, chunk == 0 ? d.pos0 : d.pos1, d.Tk,
+      d.qkv_stride, d.out_stride, d.kv_stride, entries, table.seq_len_q, table.seq_len_kv,
+      table.first, table.q_offset, table.kv_offset, table.o_offset);
   KILN_CUDA_LAUNCH_CHECK();
   return table;
 }
@@ -87,8 +113,9 @@ DocumentTable document_table(cudaStream_t stream, const AttentionShape& d, int e
 void document_stats(cudaStream_t stream, const AttentionShape& d, const DocumentTable& table,
                     float* stats, float* lse, bool to_lse) {
   constexpr int kThreads = 256;
-  document_stats_kernel<<<dim3((d.T + kThreads - 1) / kThreads, d.NH, table.entries), kThreads, 0,
-                          stream>>>(table.seq_len, table.start, d.T, d.NH, stats, lse, to_lse);
+  document_stats_kernel<<<dim3((table.rows + kThreads - 1) / kThreads, d.NH, table.entries),
+                          kThreads, 0, stream>>>(table.seq_len_q, table.first, d.T, d.NH,
+                                                 table.rows, stats, lse, to_lse);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -153,12 +153,17 @@ class CudaBackend final : public Backend {
                                Tensor key_start);
   void attention_backward_cudnn(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                                 const AttentionDims& a, Tensor key_start);
-  // Context parallelism through cuDNN's SDPA, one call per query chunk (attention_cudnn.cpp).
+  // Context parallelism through cuDNN's SDPA, one call per query chunk (attention_cudnn.cpp);
+  // with key_start (a.documents counted), each chunk's documents as ragged entries.
   void attention_cp_forward_cudnn(Tensor out, Tensor lse, Tensor qkv, Tensor kv,
-                                  const AttentionDims& a, const QueryChunks& chunks);
+                                  const AttentionDims& a, const QueryChunks& chunks,
+                                  Tensor key_start);
   void attention_cp_backward_cudnn(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
                                    Tensor out, Tensor lse, const AttentionDims& a,
-                                   const QueryChunks& chunks);
+                                   const QueryChunks& chunks, Tensor key_start);
+  void attention_cp_documents_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+                                       Tensor out, Tensor lse, const AttentionDims& a,
+                                       const QueryChunks& chunks, Tensor key_start);
   // Runs `cudnn`. Where attention was chosen by "auto", a failure (a graph cuDNN will not build
   // for these shapes here) is logged, the backend moves to flash for good, and `flash` runs.
   void cudnn_or_flash(const std::string& call, const std::function<void()>& cudnn,

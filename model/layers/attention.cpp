@@ -74,7 +74,8 @@ void Attention::core(Backend& k, const Acts& a, const DocumentMask& docs,
     return;
   }
   gather_kv(k, a, s);
-  k.attention_cp_forward(a.y, a.lse, a.qkv, s.kv, dims, cp.chunks(s.kv.dim(1)), docs.key_start);
+  k.attention_cp_forward(a.y, a.lse, a.qkv, s.kv, counted(docs), cp.chunks(s.kv.dim(1)),
+                         docs.key_start);
 }
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
@@ -112,7 +113,7 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
     // to the next block), this rank's queries' gradient over all of them, then each rank's sum
     // of its rows' into dqkv's k and v columns.
     if (!kv_gathered) gather_kv(k, a, s);
-    k.attention_cp_backward(s.dqkv, s.dkv, s.dy, a.qkv, s.kv, a.y, a.lse, dims,
+    k.attention_cp_backward(s.dqkv, s.dkv, s.dy, a.qkv, s.kv, a.y, a.lse, counted(docs),
                             cp.chunks(s.kv.dim(1)), docs.key_start);
     reorder_chunks(k, cp, s.kv_ranks, s.dkv, false);
     cp.reduce_scatter(s.kv_local, s.kv_ranks);

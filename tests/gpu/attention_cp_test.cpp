@@ -56,9 +56,13 @@ RankInputs rank_inputs(const CpInputs& w, int P, int r) {
 }
 
 struct CpCase {
-  const char* kind;  // cudnn: a masked call runs flash (cuDNN's SDPA takes no key starts)
+  const char* kind;
   int P, T, NH, KV, hs;
   int mean_doc = 0;  // documents of about this many tokens; 0: plain causal
+  // The masked call says how many entries there are (AttentionDims::documents: runs of equal key
+  // starts in each chunk, as StepInputs counts them): cudnn then runs them as ragged batch
+  // entries; uncounted, a masked cudnn call runs flash.
+  bool counted = false;
 };
 
 class CudaAttentionCp : public CudaOps, public ::testing::WithParamInterface<CpCase> {
@@ -75,15 +79,20 @@ class CudaAttentionCp : public CudaOps, public ::testing::WithParamInterface<CpC
     Buf cqkv = cpu({B, Tq, row}, k.qkv), ckv = cpu({B, Tk, kvw}, k.kv);
     Buf gqkv = act({B, Tq, row}, k.qkv), gkv = act({B, Tk, kvw}, k.kv);
     Buf cks, gks;
+    AttentionDims ga = a;  // the GPU's: with the entries counted where the case says
     if (!k.ks.empty()) {
       cks = ints(*cpu_, {B, Tq}, DType::i32, k.ks);
       gks = ints(*gpu_, {B, Tq}, DType::i32, k.ks);
+      if (GetParam().counted)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < Tq; ++t)
+            ga.documents += t % (Tq / 2) == 0 || k.ks[b * Tq + t] != k.ks[b * Tq + t - 1];
     }
     Buf cout_ = cpu({B, Tq, Q}, std::vector<float>(static_cast<size_t>(B * Tq * Q)));
     Buf clse = cpu({B, NH, Tq}, std::vector<float>(static_cast<size_t>(B * NH * Tq)));
     cpu_->attention_cp_forward(cout_, clse, cqkv, ckv, a, k.chunks, cks);
     Buf gout = poisoned({B, Tq, Q}, DType::bf16), glse = poisoned({B, NH, Tq}, DType::f32);
-    gpu_->attention_cp_forward(gout, glse, gqkv, gkv, a, k.chunks, gks);
+    gpu_->attention_cp_forward(gout, glse, gqkv, gkv, ga, k.chunks, gks);
     EXPECT_CLOSE(host(gout), host(cout_), kBf16Tol, at + "out vs cpu");
     EXPECT_CLOSE(host(glse), host(clse), kF32Tol, at + "lse vs cpu");
 
@@ -97,7 +106,7 @@ class CudaAttentionCp : public CudaOps, public ::testing::WithParamInterface<CpC
     Buf cdkv = cpu({B, Tk, kvw}, std::vector<float>(static_cast<size_t>(B * Tk * kvw)));
     cpu_->attention_cp_backward(cdqkv, cdkv, cdo, cqkv, ckv, cout_, clse, a, k.chunks, cks);
     Buf gdqkv = act({B, Tq, row}, dqkv0), gdkv = poisoned({B, Tk, kvw}, DType::bf16);
-    gpu_->attention_cp_backward(gdqkv, gdkv, gdo, gqkv, gkv, gout, glse, a, k.chunks, gks);
+    gpu_->attention_cp_backward(gdqkv, gdkv, gdo, gqkv, gkv, gout, glse, ga, k.chunks, gks);
 
     const std::vector<float> got = host(gdqkv), ref = host(cdqkv);
     std::vector<float> dq, dq_ref;
@@ -150,12 +159,17 @@ INSTANTIATE_TEST_SUITE_P(
         // document masking: documents of ~40 to ~700 tokens across chunk and rank boundaries
         CpCase{"flash", 2, 1024, 8, 2, 64, 100}, CpCase{"flash", 4, 2048, 8, 2, 128, 300},
         CpCase{"flash", 4, 256, 4, 4, 64, 40}, CpCase{"cudnn", 2, 2048, 8, 8, 128, 700},
-        CpCase{"cudnn", 4, 1024, 8, 2, 64, 60}, CpCase{"naive", 2, 256, 8, 2, 64, 50}),
+        CpCase{"cudnn", 4, 1024, 8, 2, 64, 60}, CpCase{"naive", 2, 256, 8, 2, 64, 50},
+        // cuDNN's ragged entries per chunk: documents within a chunk, across chunks and ranks,
+        // of one token, and one that spans the whole sequence
+        CpCase{"cudnn", 2, 2048, 8, 8, 128, 700, true}, CpCase{"cudnn", 4, 1024, 8, 2, 64, 60, true},
+        CpCase{"cudnn", 2, 1024, 8, 2, 64, 5, true}, CpCase{"cudnn", 4, 2048, 8, 2, 128, 300, true},
+        CpCase{"cudnn", 2, 512, 4, 4, 64, 9000, true}),
     [](const ::testing::TestParamInfo<CpCase>& i) {
       const CpCase& c = i.param;
       return std::string(c.kind) + "_P" + std::to_string(c.P) + "_T" + std::to_string(c.T) + "_NH" +
              std::to_string(c.NH) + "_KV" + std::to_string(c.KV) + "_hs" + std::to_string(c.hs) +
-             (c.mean_doc ? "_doc" + std::to_string(c.mean_doc) : "");
+             (c.mean_doc ? "_doc" + std::to_string(c.mean_doc) : "") + (c.counted ? "_counted" : "");
     });
 
 // One rank holding the whole sequence (chunks at 0 and T/2, both whole tiles) runs the same

@@ -133,8 +133,8 @@ TEST_F(DistNccl, MoeExpertParallelFollowsTheSingleGpuCurve) {
 // Context parallelism over NCCL: 2 GPUs sharing each sequence (cuDNN's attention over the
 // gathered keys) under fsdp and selective recomputation (train.cuda_graphs asked for, and
 // declined on several GPUs: a replayed graph hung at the run's end), and with document masking
-// (kiln's flash kernel); on 4 GPUs one group of 4 with attention's output kept. Each follows one
-// GPU holding every sequence.
+// (each chunk's documents as cuDNN's ragged entries); on 4 GPUs one group of 4 with attention's
+// output kept. Each follows one GPU holding every sequence.
 TEST_F(DistNccl, ContextParallelFollowsTheSingleGpuCurve) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false";
   const std::string docs = llama + " --data.document_mask=true --data.document_separator=10";
