@@ -6,17 +6,22 @@
 #include "train/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "kernels/error.h"
+#include "model/param_layout.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -143,6 +148,108 @@ TEST(Checkpoint, ACrashedAttemptsFilesAndMarkersAreClearedFirst) {
   write_rank_files(w.out, 4, 0, w.shards(0));
   EXPECT_THROW(publish_checkpoint(w.out, w.manifest(4, 2), 5, 0.2), std::runtime_error);
   EXPECT_EQ(find_latest_checkpoint(w.out), std::nullopt);
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// One rank's checkpoint of `n` parameters (1 tensor) published at `step`; master[i] = i.
+std::string one_rank_checkpoint(const std::string& out, int64_t n, int step) {
+  LayoutBuilder b;
+  b.add("w", Shape{n}, true);
+  b.close_unit();
+  const ParamLayout layout = b.finish();
+  std::vector<float> master(static_cast<size_t>(n)), m(master.size()), v(master.size());
+  for (int64_t i = 0; i < n; ++i) {
+    master[static_cast<size_t>(i)] = static_cast<float>(i);
+    m[static_cast<size_t>(i)] = 0.5f * static_cast<float>(i % 1000);
+    v[static_cast<size_t>(i)] = 0.25f * static_cast<float>(i % 777);
+  }
+  begin_checkpoint(out, step);
+  write_rank_files(out, step, 0, {{0, n, master.data(), m.data(), v.data()}});
+  TrainingState state;
+  state.step = step;
+  return publish_checkpoint(out, checkpoint_manifest(state, layout, "model: {}\n", "ddp", 1), 1,
+                            30.0);
+}
+
+ParamLayout one_tensor(int64_t n) {
+  LayoutBuilder b;
+  b.add("w", Shape{n}, true);
+  b.close_unit();
+  return b.finish();
+}
+
+// Weights alone (m and v not wanted) from a file of several read blocks (2.5M parameters a
+// array), in pieces that cross the blocks: the same values, and the whole file still verified:
+// a byte flipped in v, which is not copied anywhere, is a checksum mismatch.
+TEST(Checkpoint, WeightsAloneAreReadInBlocksAndTheWholeFileIsVerified) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_blocks_");
+  const int64_t n = 2'500'000;
+  const std::string dir = one_rank_checkpoint(out, n, 3);
+  const CheckpointManifest manifest = read_manifest(dir);
+  const ParamLayout layout = one_tensor(n);
+  std::vector<float> all(static_cast<size_t>(n));
+  load_optimizer_range(manifest, layout, 0, n, all.data(), nullptr, nullptr);
+  for (int64_t i = 0; i < n; i += 99'991) ASSERT_EQ(all[static_cast<size_t>(i)], float(i)) << i;
+  ASSERT_EQ(all.back(), float(n - 1));
+  const int64_t lo = 1'048'000, hi = 2'100'000;  // across the first and second blocks' ends
+  std::vector<float> master(static_cast<size_t>(hi - lo)), m(master.size());
+  load_optimizer_range(manifest, layout, lo, hi, master.data(), m.data(), nullptr);
+  for (int64_t i = lo; i < hi; ++i) {
+    ASSERT_EQ(master[static_cast<size_t>(i - lo)], float(i)) << i;
+    ASSERT_EQ(m[static_cast<size_t>(i - lo)], 0.5f * float(i % 1000)) << i;
+  }
+  const std::string file = dir + "/" + manifest.files[0].file;
+  std::string bytes = read_bytes(file);
+  bytes[bytes.size() - 8 - 1000] ^= 0x10;  // in v
+  write_bytes(file, bytes);
+  try {
+    load_optimizer_range(manifest, layout, 0, n, all.data(), nullptr, nullptr);
+    FAIL() << "a corrupt v went unnoticed";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+  }
+}
+
+// A checkpoint of format version 1, whose shards carry byte-wise FNV-1a checksums (what kiln
+// wrote before version 2), still loads, and its corruption is still caught.
+TEST(Checkpoint, VersionOneChecksumsAreStillRead) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_v1_");
+  const int64_t n = 1000;
+  const std::string dir = one_rank_checkpoint(out, n, 5);
+  // Rewrite it as version 1 wrote it: FNV-1a over the header and the arrays, in the file and
+  // in the manifest.
+  YAML::Node manifest = YAML::LoadFile(dir + "/manifest.yaml");
+  manifest["version"] = 1;
+  for (YAML::Node f : manifest["files"]) {
+    const std::string path = dir + "/" + f["file"].as<std::string>();
+    std::string bytes = read_bytes(path);
+    const uint64_t sum = fnv1a_bytes(bytes.data(), bytes.size() - 8);
+    std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
+    write_bytes(path, bytes);
+    f["checksum"] = sum;
+  }
+  YAML::Emitter e;
+  e << manifest;
+  write_bytes(dir + "/manifest.yaml", e.c_str());
+  const CheckpointManifest read = read_manifest(dir);
+  EXPECT_EQ(read.version, 1u);
+  std::vector<float> master(static_cast<size_t>(n)), m(master.size()), v(master.size());
+  load_optimizer_range(read, one_tensor(n), 0, n, master.data(), m.data(), v.data());
+  EXPECT_EQ(master[999], 999.0f);
+  EXPECT_EQ(v[800], 0.25f * 23);
+  const std::string file = dir + "/" + read.files[0].file;
+  std::string bytes = read_bytes(file);
+  bytes[100] ^= 1;
+  write_bytes(file, bytes);
+  EXPECT_THROW(load_optimizer_range(read, one_tensor(n), 0, n, master.data(), m.data(), v.data()),
+               InputError);
 }
 
 }  // namespace

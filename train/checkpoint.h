@@ -52,6 +52,7 @@ struct CheckpointFile {
 
 struct CheckpointManifest {
   std::string dir;
+  uint32_t version = 2;  // the format (checkpoint.cpp): which checksum its shards carry
   TrainingState state;
   int world_size = 1;
   std::string strategy;
@@ -112,8 +113,9 @@ std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);
 // Reads and validates dir/manifest.yaml. Throws InputError naming the file on any problem.
 CheckpointManifest read_manifest(const std::string& dir);
 
-// Fills [begin, end) of master/m/v (host, sized end-begin) from whichever files cover it,
-// verifying checksums. Checks that the manifest's tensor table matches `layout`.
+// Fills [begin, end) of master/m/v (host, sized end-begin; m or v null: not wanted, as for
+// weights alone) from whichever files cover it, those read on threads of their own, verifying
+// each file's checksum. Checks that the manifest's tensor table matches `layout`.
 void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout& layout,
                           int64_t begin, int64_t end, float* master, float* m, float* v);
 

@@ -26,8 +26,8 @@ std::string checkpoint_dir(const std::string& path) {
 }
 
 std::vector<float> read_master_weights(const CheckpointManifest& manifest, const ParamLayout& layout) {
-  std::vector<float> master(static_cast<size_t>(layout.total)), m(master.size()), v(master.size());
-  load_optimizer_range(manifest, layout, 0, layout.total, master.data(), m.data(), v.data());
+  std::vector<float> master(static_cast<size_t>(layout.total));
+  load_optimizer_range(manifest, layout, 0, layout.total, master.data(), nullptr, nullptr);
   return master;
 }
 
