@@ -25,6 +25,21 @@ std::vector<int32_t> read_i32(Backend& k, Tensor t) {
   return h;
 }
 
+// The inputs' buffers planned and allocated (with a schedule tensor), and step 0 staged from
+// `loader`, the host waiting for the copies.
+struct Staged {
+  Arena arena;
+  Tensor sched;
+  Staged(Backend& k, StepInputs& inputs, DataLoader& loader) : arena(k, "inputs") {
+    inputs.plan(arena);
+    arena.plan(&sched, "sched", {kSchedSize}, DType::f32);
+    arena.allocate();
+    inputs.allocate_staging();
+    Nvtx nvtx;
+    inputs.stage(0, 1e-3, loader, sched, nvtx, true);
+  }
+};
+
 // Two micro-batches of B=2 windows of T=16 from a shard with separators at irregular places:
 // each micro-batch's documents are those whose first token is its own first key (a window opens
 // with one, inside a document or not), and the upload holds the loader's key starts.
@@ -39,14 +54,7 @@ TEST(StepInputs, CountsEachMicroBatchsDocuments) {
   DataLoader again(dir + "/train_*.bin", B, T, 0, 1, 65536, false, 0, false, kSep);
 
   StepInputs inputs(*k, kAccum, B, T, DocumentInputs{true, true});
-  Arena arena(*k, "inputs");
-  inputs.plan(arena);
-  Tensor sched;
-  arena.plan(&sched, "sched", {kSchedSize}, DType::f32);
-  arena.allocate();
-  inputs.allocate_staging();
-  Nvtx nvtx;
-  inputs.stage(0, 1e-3, loader, sched, nvtx, true);
+  const Staged staged(*k, inputs, loader);
   for (int micro = 0; micro < kAccum; ++micro) {
     const DataLoader::Batch& batch = again.next();
     int64_t expected = 0;
@@ -76,14 +84,7 @@ TEST(StepInputs, CountsEachChunksDocumentsUnderContextParallelism) {
   cp.ranks = 2;
   cp.rank = 1;
   StepInputs inputs(*k, 1, B, T, DocumentInputs{true, true}, cp);
-  Arena arena(*k, "inputs");
-  inputs.plan(arena);
-  Tensor sched;
-  arena.plan(&sched, "sched", {kSchedSize}, DType::f32);
-  arena.allocate();
-  inputs.allocate_staging();
-  Nvtx nvtx;
-  inputs.stage(0, 1e-3, loader, sched, nvtx, true);
+  const Staged staged(*k, inputs, loader);
   const DataLoader::Batch& batch = again.next();
   const QueryChunks chunks = cp.chunks(T);
   const int64_t C = T / 4;
