@@ -255,7 +255,7 @@ AttentionKind CudaBackend::masked_attention_kind(const AttentionDims& a) {
   if (attention_ != AttentionKind::cudnn || a.documents > 0) return attention_;
   if (!masked_fallback_logged_) {
     spdlog::info(
-        "attention: document-masked calls with no document count (context parallelism, tests) "
+        "attention: document-masked calls with no document count (tests) "
         "-> flash; the rest stay on cudnn");
     masked_fallback_logged_ = true;
   }
