@@ -26,8 +26,9 @@ using Planner =
 // i32[B,T] each in backend memory, undefined where off. key_start[b,t]: the first key query t
 // attends, its document's first row (attention_forward's key_start); positions[b,t]: its RoPE
 // position, t - key_start[b,t] (rope_forward's positions; undefined: t, as without documents).
-// documents: how many documents the B rows hold in all (AttentionDims::documents; 0 where not
-// counted).
+// documents: attention's count of them, AttentionDims::documents (the documents the B rows hold
+// in all; under context parallelism, the runs of one document in each of a rank's two chunks);
+// 0 where not counted.
 struct DocumentMask {
   Tensor key_start;
   Tensor positions;
