@@ -47,7 +47,7 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
 constexpr uint64_t kFnvSeed = 14695981039346656037ull;
 
 // An optimizer shard file's checksum, streamed. Version 1: FNV-1a over the bytes, serial at
-// ~0.7 GB/s, which made hashing most of an 8B checkpoint's write and read. Version 2: four
+// ~0.5-0.7 GB/s, which made hashing most of an 8B checkpoint's write and read. Version 2: four
 // independent lanes over 8-byte words, each step xxHash64's round (add the word times a prime,
 // rotate, multiply), merged and avalanched at the end with the length and the odd bytes:
 // ~9x faster (4.8 against 0.52 GB/s on one core of the 2-core build machine). It guards
