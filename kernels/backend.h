@@ -130,6 +130,10 @@ class Backend : public DeviceRuntime {
   // std::invalid_argument for a kind this backend cannot run. The CPU has one implementation.
   virtual void set_attention(const std::string& kind) {}
   virtual std::string attention_name() const { return "reference"; }
+  // precision.deterministic: every op bit-identical run to run on the same inputs, at some cost
+  // in speed and memory where the default is not (CUDA: cuDNN's attention backward; kernel
+  // choices made by timing). The CPU always is.
+  virtual void set_deterministic(bool on) {}
   // Whether the grouped GEMMs read offsets in device memory without a host sync (CUDA with
   // CUTLASS on sm_90; the CPU's memory is the host's). Device offsets must cover all M rows.
   virtual bool grouped_reads_device_offsets() const { return device() == Device::cpu; }

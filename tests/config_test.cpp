@@ -43,6 +43,7 @@ TEST(ConfigDefaults, MinimalFileGetsSchemaDefaultsAndDerivedFields) {
   EXPECT_EQ(c.train.resume, "auto");
   EXPECT_DOUBLE_EQ(c.optim.lr, 6.0e-4);
   EXPECT_EQ(c.precision.dtype, "bf16");
+  EXPECT_FALSE(c.precision.deterministic);
   EXPECT_EQ(c.dist.strategy, "ddp");
   EXPECT_DOUBLE_EQ(c.dist.bucket_mb, 0.0);  // chosen by the link between the ranks
 }
@@ -59,7 +60,7 @@ train:     {device: cpu, batch_size: 4, grad_accum: 2, max_steps: 50, eval_every
             cuda_graphs: false, peak_tflops: 989.5}
 optim:     {name: adamw, lr: 6.0e-4, min_lr: 6e-5, warmup_steps: 0, schedule: linear,
             weight_decay: 0, beta1: 0.8, beta2: 0.99, eps: 1.0e-8, grad_clip: 0.5}
-precision: {dtype: fp32, fp8: true, attention: naive}
+precision: {dtype: fp32, fp8: true, attention: naive, deterministic: true}
 dist:      {strategy: zero1, bucket_mb: 50, timeout_s: 60}
 )",
                           {});
@@ -81,6 +82,7 @@ dist:      {strategy: zero1, bucket_mb: 50, timeout_s: 60}
   EXPECT_EQ(c.optim.schedule, "linear");
   EXPECT_TRUE(c.precision.fp8);
   EXPECT_EQ(c.precision.attention, "naive");
+  EXPECT_TRUE(c.precision.deterministic);
   EXPECT_EQ(c.dist.strategy, "zero1");
   EXPECT_DOUBLE_EQ(c.dist.bucket_mb, 50.0);
   EXPECT_EQ(c.dist.timeout_s, 60);

@@ -61,6 +61,23 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
       << t.output;
 }
 
+// precision.deterministic: cuDNN's attention workspace (B x heads x T x T bf16, 4 GiB for 8B at
+// T=8192) is planned, and where it alone tips the plan over, turning it off is the first remedy.
+TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
+  const auto off = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
+  EXPECT_EQ(off.status, 0) << off.output;
+  const auto on = plan("llama3-8b.yaml",
+                       "--nproc-per-node 4 --plan-gpu-memory h100 --precision.deterministic=true");
+  EXPECT_EQ(on.status, 2) << on.output;
+  EXPECT_NE(on.output.find("4.00 GiB of it: precision.deterministic's attention workspace"),
+            std::string::npos)
+      << on.output;
+  EXPECT_NE(on.output.find("to shrink it: precision.deterministic=false (its attention workspace "
+                           "4.00 GiB)"),
+            std::string::npos)
+      << on.output;
+}
+
 // Context parallelism: 4 ranks sharing each 32k sequence hold the activations of 8k rows a
 // rank, and the 8B plan fits 80 GB again.
 TEST(TrainPlan, ContextParallelSplitsASequencesActivations) {

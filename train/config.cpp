@@ -224,6 +224,10 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(precision, residual), one_of({"fp32", "bf16"}),
        "dtype of the residual stream and its gradient where activations are bf16 (fp32: as "
        "PyTorch's autocast; bf16: half those buffers, worse loss: docs/quality.md)"},
+      {KILN_FIELD(precision, deterministic), any(),
+       "CUDA steps bit-identical run to run, resumes included: cuDNN's deterministic attention "
+       "backward (a B x heads x T x T bf16 workspace) and kernel choices made without timing "
+       "(docs/cuda.md, Determinism); the CPU always is"},
       {KILN_FIELD(fp8, format), one_of({"hybrid", "e4m3"}),
        "hybrid: E4M3 weights and activations, E5M2 output gradients; e4m3: E4M3 for all"},
       {KILN_FIELD(fp8, amax_history_len), range(1, false, 4096, false),

@@ -135,6 +135,7 @@ struct PrecisionSection {
   bool fp8 = false;
   std::string attention = "auto";    // auto | cudnn | flash | naive
   std::string residual = "fp32";     // fp32 | bf16: the residual stream and its gradient
+  bool deterministic = false;        // bit-reproducible CUDA steps (docs/cuda.md, Determinism)
 };
 
 // FP8 with delayed scaling (precision.fp8: true); docs/fp8.md.

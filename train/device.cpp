@@ -31,6 +31,19 @@ std::unique_ptr<Backend> make_run_backend(const Config& cfg, int local_rank) {
     } catch (const std::invalid_argument& e) {
       throw InputError(std::string("precision.attention: ") + e.what());
     }
+    if (cfg.precision.deterministic) {
+      // cuDNN's deterministic backward materialises each entry's T x T scores, and a masked
+      // call has an entry per document: tens of GiB at T=8192.
+      if (cfg.data.document_mask && backend->attention_name() == "cudnn")
+        throw InputError(
+            "precision.deterministic: with data.document_mask, cuDNN's deterministic attention "
+            "backward needs a T x T workspace per document; set precision.attention: flash "
+            "(deterministic, slower) or leave precision.deterministic false");
+      backend->set_deterministic(true);
+      spdlog::info(
+          "precision.deterministic: cuDNN's deterministic attention backward, kernel choices "
+          "untimed");
+    }
     return backend;
   }
   if (cfg.precision.dtype == "bf16")

@@ -71,18 +71,32 @@ PlanTarget plan_target(const std::string& text) {
   return {text, static_cast<size_t>(v * scale)};
 }
 
-size_t plan_overhead_bytes(int world_size) {
+size_t deterministic_attention_bytes(const Config& cfg) {
+  if (!cfg.precision.deterministic) return 0;
+  // cuDNN's deterministic backward holds dS for the call, bf16 [B, heads, s_q, s_kv] with s_q
+  // rounded up to 64 rows and s_kv to 128; a context-parallel call's queries are a chunk.
+  const int64_t T = cfg.model.seq_len;
+  const int64_t s_q = T / (cfg.dist.context_parallel > 1 ? 2 * cfg.dist.context_parallel : 1);
+  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  return static_cast<size_t>(int64_t{cfg.train.batch_size} * cfg.model.n_head * up(s_q, 64) *
+                             up(T, 128) * 2);
+}
+
+size_t plan_overhead_bytes(const Config& cfg, int world_size) {
   // The CUDA context with cuBLASLt, cuDNN and the kernels loaded, and the backend's workspace
   // and first scratch; NCCL's buffers where there are peers.
   const double gib = 1.0 + (world_size > 1 ? 0.5 : 0.0);
-  return static_cast<size_t>(gib * kGiB);
+  return static_cast<size_t>(gib * kGiB) + deterministic_attention_bytes(cfg);
 }
 
 int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
                 const PlanTarget& target) {
-  const size_t overhead = plan_overhead_bytes(world_size);
+  const size_t overhead = plan_overhead_bytes(cfg, world_size);
   const size_t total = state.bytes() + acts.bytes() + overhead;
   spdlog::info("  {:<24} {}", "outside the arenas", format_bytes(overhead));
+  if (const size_t det = deterministic_attention_bytes(cfg))
+    spdlog::info("  {:<24} {} of it: precision.deterministic's attention workspace", "",
+                 format_bytes(det));
   const std::string per = world_size > 1 ? " a GPU" : "";
   if (total <= target.bytes) {
     spdlog::info("plan: {}{} of {} ({}): fits, {} to spare", format_bytes(total), per,
@@ -127,6 +141,11 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
       keys.push_back("dist.strategy=fsdp (now " + cfg.dist.strategy + ")");
     keys.push_back("more GPUs (--nproc-per-node, --nnodes)");
   }
+  // The deterministic workspace, where it alone is past what is spare.
+  const size_t det = deterministic_attention_bytes(cfg);
+  if (det > 0 && total - det <= target.bytes)
+    keys.insert(keys.begin(), "precision.deterministic=false (its attention workspace " +
+                                  format_bytes(det) + ")");
   std::string shrink;
   for (size_t i = 0; i < keys.size(); ++i)
     shrink += (i == 0 ? "" : i + 1 == keys.size() ? " or " : ", ") + keys[i];

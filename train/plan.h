@@ -24,9 +24,12 @@ struct PlanTarget {
 PlanTarget plan_target(const std::string& text);
 
 // What a CUDA rank holds beyond its two arenas: the CUDA context, cuBLASLt's workspace, the
-// backend's scratch, cuDNN's and NCCL's buffers. An estimate until a real run's
-// device_memory_bytes has been compared with it (docs/distributed.md).
-size_t plan_overhead_bytes(int world_size);
+// backend's scratch, cuDNN's and NCCL's buffers (docs/distributed.md), and under
+// precision.deterministic cuDNN's attention workspace.
+size_t plan_overhead_bytes(const Config& cfg, int world_size);
+
+// precision.deterministic's attention workspace (cuDNN's dS), 0 when off.
+size_t deterministic_attention_bytes(const Config& cfg);
 
 // The verdict after the plan's table (train/run_log.h) was printed: the total a rank needs
 // against `target`; where it does not fit, why on one line. Returns the exit status (0 / 2).

@@ -13,7 +13,10 @@
 //    logging the times. Plans round differently, so the choice must not flip run to run: another
 //    plan than the heuristic's first must win by 5%, and below a GFLOP (microseconds, where noise
 //    exceeds any margin) none is timed. The workspace comes from the backend's scratch. The
-//    backward is cuDNN's default (fastest, not bit-reproducible) one.
+//    backward is cuDNN's default (fastest, not bit-reproducible) one; under
+//    precision.deterministic it is cuDNN's deterministic one (dS materialised in a
+//    B x heads x s_q x s_kv bf16 workspace, dQ a GEMM of it), and no plan is timed: each graph
+//    runs the heuristic's first, so two runs pick the same kernels.
 //  - Document masking (a defined key_start with AttentionDims::documents counted): each document
 //    is a sequence of its own, one entry of a ragged batch (Q, K, V, O and their gradients get
 //    per-entry offsets into qkv, kv and out, and a padding mask the entries' lengths), causal
@@ -96,10 +99,11 @@ struct SdpaLayout {
   // tokens_q and tokens_kv in all.
   bool ragged = false;
   int64_t tokens_q = 0, tokens_kv = 0;
+  bool deterministic = false;  // precision.deterministic: set by sdpa_graph from the backend
   auto fields() const {
     return std::tie(B, NH, KV, hs, s_q, s_kv, q_batch, q_row, kv_batch, kv_row, dkv_batch, dkv_row,
                     o_batch, o_row, stats_batch, stats_head, bottom_right, backward, ragged,
-                    tokens_q, tokens_kv);
+                    tokens_q, tokens_kv, deterministic);
   }
   bool operator<(const SdpaLayout& o) const { return fields() < o.fields(); }
 };
@@ -166,6 +170,7 @@ struct CudnnAttention {
   struct Entry {
     std::shared_ptr<fe::graph::Graph> graph;
     int64_t plan = -1;  // the plan it runs: the fastest measured; -1 until its first call
+    bool timed = true;  // false: the heuristic's first plan, untimed (precision.deterministic)
   };
   cudnnHandle_t handle = nullptr;
   std::map<SdpaLayout, Entry> graphs;
@@ -264,7 +269,8 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
                     .set_name("sdpa_backward")
                     .set_attn_scale(scale)
                     .set_diagonal_alignment(diagonal)
-                    .set_diagonal_band_right_bound(0);
+                    .set_diagonal_band_right_bound(0)
+                    .set_deterministic_algorithm(l.deterministic);
     if (l.ragged) {
       O->set_ragged_offset(o_off);
       dO->set_ragged_offset(o_off);
@@ -293,10 +299,11 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const SdpaLa
   const auto t0 = std::chrono::steady_clock::now();
   KILN_CUDNN_FE_CHECK(graph->build_plans(fe::BuildPlanPolicy_t::ALL));
   spdlog::info(
-      "attention (cudnn): built {} graph for {}={} NH={} KV={} hs={} s_q={} s_kv={}{}: {} plan(s) "
-      "in {:.1f} s",
-      l.backward ? "backward" : "forward", l.ragged ? "documents" : "B", B, NH, KV, hs, l.s_q,
-      l.s_kv, l.bottom_right ? " (causal at the bottom right)" : "",
+      "attention (cudnn): built {}{} graph for {}={} NH={} KV={} hs={} s_q={} s_kv={}{}: {} "
+      "plan(s) in {:.1f} s",
+      l.deterministic ? "deterministic " : "", l.backward ? "backward" : "forward",
+      l.ragged ? "documents" : "B", B, NH, KV, hs, l.s_q, l.s_kv,
+      l.bottom_right ? " (causal at the bottom right)" : "",
       graph->get_execution_plan_count(),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return graph;
@@ -336,7 +343,7 @@ int64_t choose_plan(cudnnHandle_t handle, fe::graph::Graph& graph, bool backward
   return best;
 }
 
-// The cached graph for `l`, built on first use.
+// The cached graph for `l` (deterministic as the backend is), built on first use.
 CudnnAttention::Entry& sdpa_graph(std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>& state,
                                   CudaBackend& backend, const SdpaLayout& l) {
   if (!state) {
@@ -344,8 +351,13 @@ CudnnAttention::Entry& sdpa_graph(std::unique_ptr<CudnnAttention, CudnnAttention
     KILN_CUDNN_CHECK(cudnnCreate(&state->handle));
   }
   KILN_CUDNN_CHECK(cudnnSetStream(state->handle, backend.stream()));
-  CudnnAttention::Entry& e = state->graphs[l];
-  if (!e.graph) e.graph = build_graph(state->handle, l);
+  SdpaLayout key = l;
+  key.deterministic = backend.deterministic();
+  CudnnAttention::Entry& e = state->graphs[key];
+  if (!e.graph) {
+    e.graph = build_graph(state->handle, key);
+    e.timed = !key.deterministic;
+  }
   return e;
 }
 
@@ -360,8 +372,9 @@ void execute_sdpa(CudnnAttention& state, CudnnAttention::Entry& e, const SdpaLay
   // Attention's FLOPs, forward (the backward is ~2.5x): the timing threshold's measure.
   const double flops = 2.0 * l.B * l.NH * static_cast<double>(l.s_q) * l.s_kv * l.hs;
   if (e.plan < 0)
-    e.plan =
-        flops < 1e9 ? 0 : choose_plan(state.handle, *e.graph, l.backward, pack, workspace, stream);
+    e.plan = flops < 1e9 || !e.timed
+                 ? 0
+                 : choose_plan(state.handle, *e.graph, l.backward, pack, workspace, stream);
   KILN_CUDNN_FE_CHECK(e.graph->execute_plan_at_index(state.handle, pack, workspace, e.plan));
 }
 

@@ -53,6 +53,8 @@ class CudaBackend final : public Backend {
   // else flash; the choice and the reason are logged. Throws std::invalid_argument otherwise.
   void set_attention(const std::string& kind) override;
   std::string attention_name() const override;
+  void set_deterministic(bool on) override { deterministic_ = on; }
+  bool deterministic() const { return deterministic_; }
   // The implementation a document-masked call (a defined key_start) runs: the selected one, or
   // flash where that is cudnn and the documents were not counted (logged once).
   AttentionKind masked_attention_kind(const AttentionDims& a);
@@ -175,6 +177,7 @@ class CudaBackend final : public Backend {
   int sm_count_ = 0;
   int compute_capability_ = 0;  // 90 for sm_90
   GeluBackward gelu_backward_ = GeluBackward::automatic;
+  bool deterministic_ = false;
   bool swiglu_fused_ = true;
   bool swiglu_dgrad_ready_ = false;  // swiglu_matmul.cu: the fused kernel's attribute is set
   std::string name_;

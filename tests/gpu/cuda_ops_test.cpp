@@ -640,6 +640,51 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// precision.deterministic: cuDNN's deterministic backward gives the same dqkv bit for bit on
+// every call (its default sums dQ over key tiles in any order), and it matches the CPU as the
+// default does. GQA at T=1024 (16 key tiles a query row) and MHA at a T off the tile sizes.
+TEST_F(CudaOps, CudnnDeterministicBackwardRepeatsBitForBit) {
+  if (!CudaBackend::cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  struct Case {
+    int B, T, NH, KV, hs;
+  };
+  for (const Case& c : {Case{1, 1024, 16, 4, 128}, Case{2, 200, 8, 8, 64}}) {
+    const AttentionDims a{c.NH, c.KV, c.hs};
+    const int B = c.B, T = c.T, NH = c.NH;
+    const int64_t C = a.q_dim(), D = a.qkv_dim();
+    std::vector<float> qkv = rand(B * T * D, 2.0f), dout = rand(B * T * C);
+    Buf cqkv = cpu({B, T, D}, qkv), gqkv = act({B, T, D}, qkv);
+    Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C));
+    Buf clse = cpu({B, NH, T}, std::vector<float>(B * NH * T));
+    cpu_->attention_forward(cout_, clse, cqkv, a, Tensor{});
+    Buf cdo = cpu({B, T, C}, dout), gdo = act({B, T, C}, dout);
+    Buf cdqkv = cpu({B, T, D}, std::vector<float>(B * T * D));
+    cpu_->attention_backward(cdqkv, cdo, cqkv, cout_, clse, a, Tensor{});
+
+    gpu_->set_attention("cudnn");
+    Buf gout = poisoned({B, T, C}, DType::bf16), glse = poisoned({B, NH, T}, DType::f32);
+    gpu_->attention_forward(gout, glse, gqkv, a, Tensor{});
+    auto backward = [&](bool deterministic) {
+      gpu_->set_deterministic(deterministic);
+      Buf g = poisoned({B, T, D}, DType::bf16);
+      gpu_->attention_backward(g, gdo, gqkv, gout, glse, a, Tensor{});
+      return host(g);
+    };
+    const std::string what = "T=" + std::to_string(T) + " NH=" + std::to_string(NH) +
+                             " KV=" + std::to_string(c.KV);
+    const std::vector<float> first = backward(true);
+    EXPECT_CLOSE(first, host(cdqkv), kAttnGradTol, "deterministic dqkv vs cpu, " + what);
+    for (int i = 0; i < 4; ++i)
+      EXPECT_EQ(backward(true), first) << "deterministic dqkv changed on call " << i + 2 << ", "
+                                       << what;
+    // The default backward, for the record: it may or may not repeat at this size.
+    const std::vector<float> d1 = backward(false), d2 = backward(false);
+    std::cout << "  default backward " << (d1 == d2 ? "repeated" : "did not repeat") << ", "
+              << what << "\n";
+    EXPECT_CLOSE(d1, host(cdqkv), kAttnGradTol, "default dqkv vs cpu, " + what);
+  }
+}
+
 // ---- document masking: attention with per-query key starts, RoPE with positions ----------
 
 struct DocAttnCase {

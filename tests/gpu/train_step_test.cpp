@@ -38,6 +38,7 @@
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "kernels/bf16.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "model/model.h"
 #include "tests/test_process.h"
 #include "train/optimizer.h"
@@ -475,6 +476,55 @@ TEST(CudaTrainRun, EveryStepIsTimedOnTheStreamWithAccumulation) {
     EXPECT_GT(ms[i], median / 2) << "step " << i + 1;
     EXPECT_LT(ms[i], median * 2) << "step " << i + 1;
   }
+}
+
+// precision.deterministic: two runs of a LLaMA at T=1024 (cuDNN attention) give the same
+// losses bit for bit, and so does a run resumed from the first's checkpoint; with document
+// masking on cuDNN the key is refused (exit 2), naming both keys.
+TEST(CudaTrainRun, DeterministicRunsAndResumesRepeatBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  if (!CudaBackend::cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_gpu_deterministic_");
+  const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
+  ASSERT_EQ(prepared.status, 0) << prepared.output;
+  auto train = [&](const std::string& name, const std::string& extra) {
+    return kiln::testing::run_command(
+        kBin + "/train " + kSrc + "/configs/llama-tiny.yaml --train.device=cuda" +
+        " --data.train='" + (dir / "data").string() + "/train_*.bin' --data.val=" +
+        " --model.seq_len=1024 --model.n_head=8 --model.n_kv_head=2 --train.batch_size=2" +
+        " --train.eval_every=0 --train.max_steps=10 --train.log_every=1" +
+        " --train.checkpoint_every=5 --precision.deterministic=true --train.out_dir=" +
+        (dir / name).string() + " " + extra);
+  };
+  for (const char* name : {"a", "b"}) {
+    const auto r = train(name, "--train.resume=none");
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("precision.deterministic: cuDNN's deterministic attention backward"),
+              std::string::npos)
+        << r.output;
+  }
+  fs::create_directories(dir / "c" / "checkpoints");
+  fs::copy(dir / "a" / "checkpoints" / "step_00000005", dir / "c" / "checkpoints" / "step_00000005",
+           fs::copy_options::recursive);
+  const auto resumed = train("c", "--train.resume=auto");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  const auto a = kiln::testing::read_losses((dir / "a").string());
+  const auto b = kiln::testing::read_losses((dir / "b").string());
+  const auto c = kiln::testing::read_losses((dir / "c").string());
+  ASSERT_EQ(a.size(), 10u);
+  ASSERT_EQ(b.size(), 10u);
+  ASSERT_EQ(c.size(), 5u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].text, b[i].text) << "step " << i + 1;
+  for (size_t i = 0; i < c.size(); ++i)
+    EXPECT_EQ(c[i].text, a[5 + i].text) << "resumed, step " << i + 6;
+
+  const auto masked = train("d", "--train.resume=none --data.document_mask=true "
+                                 "--data.document_separator=0");
+  EXPECT_EQ(masked.status, 2) << masked.output;
+  EXPECT_NE(masked.output.find("precision.deterministic: with data.document_mask"),
+            std::string::npos)
+      << masked.output;
+  fs::remove_all(dir);
 }
 
 }  // namespace
