@@ -36,7 +36,6 @@ TEST(AsyncCheckpointer, ASecondSaveWaitsForTheFirst) {
   // While it is in flight, the next save can neither start nor have the buffers it reads.
   EXPECT_THROW(writer.start([](const std::function<bool()>&) {}), std::logic_error);
   EXPECT_THROW(writer.snapshot_buffer(0, 100), std::logic_error);
-  EXPECT_NO_THROW(writer.check());
   std::future<double> waited = std::async(std::launch::async, [&] { return writer.wait(); });
   EXPECT_EQ(waited.wait_for(200ms), std::future_status::timeout) << "wait() did not wait";
   EXPECT_EQ(jobs_done, 0);
@@ -47,7 +46,9 @@ TEST(AsyncCheckpointer, ASecondSaveWaitsForTheFirst) {
   EXPECT_EQ(writer.snapshot_buffer(0, 100), buffer);
   EXPECT_THROW(writer.snapshot_buffer(0, 99), std::logic_error);
   writer.start([&](const std::function<bool()>&) { ++jobs_done; });
-  EXPECT_GE(writer.wait(), 0.0);
+  std::string error = "unset";
+  EXPECT_GE(writer.wait(&error), 0.0);
+  EXPECT_EQ(error, "");
   EXPECT_EQ(jobs_done, 2);
 }
 
@@ -67,7 +68,7 @@ TEST(AsyncCheckpointer, ReservedBuffersServeTheSaves) {
   EXPECT_THROW(writer.snapshot_buffer(1, 49), std::logic_error);
 }
 
-TEST(AsyncCheckpointer, AFailedSaveIsReportedAtTheNextCheck) {
+TEST(AsyncCheckpointer, AFailedSaveIsReportedAtEveryLaterWait) {
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
   AsyncCheckpointer writer(*cpu);
   writer.start([](const std::function<bool()>&) {
@@ -79,9 +80,11 @@ TEST(AsyncCheckpointer, AFailedSaveIsReportedAtTheNextCheck) {
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "checkpoint step 6 failed on rank 0: No space left on device");
   }
-  // The error stays: every later check stops the run with it.
-  EXPECT_THROW(writer.check(), std::runtime_error);
+  // The error stays: every later wait reports it, thrown or stored.
   EXPECT_THROW(writer.wait(), std::runtime_error);
+  std::string error;
+  EXPECT_GE(writer.wait(&error), 0.0);
+  EXPECT_EQ(error, "checkpoint step 6 failed on rank 0: No space left on device");
 }
 
 TEST(AsyncCheckpointer, TheEndOfItsScopeLetsTheSaveFinish) {

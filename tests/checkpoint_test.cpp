@@ -178,6 +178,25 @@ std::string one_rank_checkpoint(const std::string& out, int64_t n, int step) {
                             30.0);
 }
 
+// train.keep_checkpoints removes the oldest checkpoint after publishing the new one. Another
+// process removing it at the same moment (an operator, a script freeing disk) made remove_all
+// throw, and the published save was reported failed. Whatever the interleaving, the save
+// succeeds and the old directory is gone.
+TEST(Checkpoint, PruningToleratesTheOldCheckpointVanishingMeanwhile) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_prune_");
+  const std::string old_dir = one_rank_checkpoint(out, 10, 1);
+  for (int i = 0; i < 3000; ++i) write_bytes(old_dir + "/extra_" + std::to_string(i), "x");
+  std::thread remover([&] {
+    std::error_code ec;
+    fs::remove_all(old_dir, ec);
+  });
+  std::string published;
+  EXPECT_NO_THROW(published = one_rank_checkpoint(out, 10, 2));
+  remover.join();
+  EXPECT_EQ(find_latest_checkpoint(out), published);
+  EXPECT_FALSE(fs::exists(old_dir));
+}
+
 ParamLayout one_tensor(int64_t n) {
   LayoutBuilder b;
   b.add("w", Shape{n}, true);

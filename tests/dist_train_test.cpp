@@ -510,6 +510,37 @@ TEST_F(DistTrain, AsyncCheckpointsMatchSynchronousOnesAndSurviveARankKilledMidWr
   EXPECT_EQ(losses(crashed), expected);
 }
 
+// An asynchronous save that fails on rank 0 alone (its write; the same holds for its
+// publication or pruning) while rank 1's succeeds: every rank learns it at the next checkpoint
+// step or at the end, and the whole run exits non-zero at once. Before, rank 0 left alone at the
+// run's end and rank 1 waited for it in a collective until the job was killed.
+TEST_F(DistTrain, AnAsyncCheckpointFailingOnOneRankStopsEveryRankPromptly) {
+  const std::string args =
+      "--train.checkpoint_every=4 --train.keep_checkpoints=5 --train.checkpoint_async=true "
+      "--dist.timeout_s=120";
+  for (const std::string at : {"8", "4"}) {  // the last step's save, and one mid-run
+    const std::string name = "async_fails_at_" + at;
+    const auto begin = std::chrono::steady_clock::now();
+    const auto r = kiln::testing::run_command(
+        "KILN_TEST_CHECKPOINT_CRASH=" + at + ":0:fail " +
+        train_command(name, 2, "fsdp", "--train.max_steps=8 " + args));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    EXPECT_NE(r.status, 0) << r.output;
+    EXPECT_LT(seconds, 60.0) << "the ranks did not stop together\n" << r.output;
+    EXPECT_NE(r.output.find("checkpoint step " + at + " failed on rank 0"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("an asynchronous checkpoint failed on 1 other rank(s)"),
+              std::string::npos)
+        << r.output;
+    const std::string out = (dir_ / name).string();
+    EXPECT_FALSE(fs::exists(out + "/checkpoints/step_0000000" + at)) << out;
+    if (at == "8") {
+      EXPECT_EQ(kiln::find_latest_checkpoint(out), out + "/checkpoints/step_00000004");
+    }
+  }
+}
+
 TEST_F(DistTrain, ACheckpointResumesUnderAnotherStrategyAndWorldSize) {
   const std::string fsdp =
       train("cross_fsdp", 4, "fsdp",

@@ -632,8 +632,8 @@ TEST_F(TrainE2E, AsyncCheckpointsMatchSynchronousOnesAndSurviveACrashMidWrite) {
 }
 
 // An asynchronous checkpoint that cannot be written (a file-size limit below its shard's size,
-// with SIGXFSZ ignored, so the write fails as on a full disk) stops the run at its next step
-// with one line naming the step, the rank and the cause, non-zero; the previous checkpoint stays
+// with SIGXFSZ ignored, so the write fails as on a full disk) stops the run at its next
+// checkpoint step (here its last) with one line naming the step, the rank and the cause, non-zero; the previous checkpoint stays
 // the newest and the lines already in metrics.jsonl stay as they were. With room again, the run
 // resumes from it.
 TEST_F(TrainE2E, AnAsyncCheckpointThatCannotBeWrittenStopsTheRun) {

@@ -40,7 +40,8 @@ void AsyncCheckpointer::loop() {
     } catch (...) {
       error = "checkpoint: the writer thread failed (not a std::exception)";
     }
-    if (!error.empty() && !abandon_) spdlog::error("{} (the run stops at its next step)", error);
+    if (!error.empty() && !abandon_)
+      spdlog::error("{} (the run stops at its next checkpoint step or its end)", error);
     lock.lock();
     if (!error.empty() && error_.empty()) error_ = error;
     busy_ = false;
@@ -48,18 +49,16 @@ void AsyncCheckpointer::loop() {
   }
 }
 
-double AsyncCheckpointer::wait() {
+double AsyncCheckpointer::wait(std::string* error) {
   const auto begin = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [this] { return !busy_; });
-  if (!error_.empty()) throw std::runtime_error(error_);
+  if (error)
+    *error = error_;
+  else if (!error_.empty())
+    throw std::runtime_error(error_);
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
       .count();
-}
-
-void AsyncCheckpointer::check() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!error_.empty()) throw std::runtime_error(error_);
 }
 
 void AsyncCheckpointer::start(Job job) {

@@ -38,17 +38,16 @@ class AsyncCheckpointer {
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
-  // Waits for the save in flight, if any, and throws (std::runtime_error) the error of a save
-  // that failed. Returns the milliseconds it waited.
-  double wait();
-  // Throws the error of a save that failed; never waits.
-  void check();
+  // Waits for the save in flight, if any. The error of a save that failed is thrown
+  // (std::runtime_error), or, where `error` is given, stored there ("" for none). Returns the
+  // milliseconds it waited.
+  double wait(std::string* error = nullptr);
   // Starts `job` on the writer thread. A save in flight must have been waited for
   // (std::logic_error otherwise).
   void start(Job job);
 
   // Allocates the snapshot's buffers on the writer thread, as a job that start() would run
-  // (wait() waits for it, check() reports its failure): `floats[i]` floats for owned range i, as
+  // (wait() waits for it and reports its failure): `floats[i]` floats for owned range i, as
   // snapshot_buffer(i, floats[i]) would. Page-locking a large model's state takes seconds to tens of
   // seconds, which the first save would otherwise stop the step loop for; at the start of a run
   // it overlaps the steps before the first save. Rank 0 (`log`) logs what it took.

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -224,12 +225,19 @@ void check_abandoned(const std::function<bool()>& abandoned, const std::string& 
 
 // Tests only (tests/train_e2e_test.cpp, tests/dist_train_test.cpp): KILN_TEST_CHECKPOINT_CRASH=
 // STEP:RANK kills that rank once its shard files of step STEP are written and before its marker,
-// as a crash mid-write would.
-bool test_crash_here(int step, int rank) {
+// as a crash mid-write would; STEP:RANK:fail makes that rank's write fail there instead, as a
+// full disk would.
+void test_crash_here(int step, int rank) {
   const char* spec = std::getenv("KILN_TEST_CHECKPOINT_CRASH");
   int at_step = -1, at_rank = -1;
-  return spec && std::sscanf(spec, "%d:%d", &at_step, &at_rank) == 2 && at_step == step &&
-         at_rank == rank;
+  char mode[8] = "";
+  if (!spec || std::sscanf(spec, "%d:%d:%7s", &at_step, &at_rank, mode) < 2 || at_step != step ||
+      at_rank != rank)
+    return;
+  if (std::strcmp(mode, "fail") == 0)
+    throw std::runtime_error("KILN_TEST_CHECKPOINT_CRASH: rank " + std::to_string(rank) +
+                             "'s write failed");
+  std::raise(SIGKILL);
 }
 
 std::string manifest_yaml(const CheckpointManifest& m) {
@@ -298,15 +306,29 @@ std::string manifest_yaml(const CheckpointManifest& m) {
   return std::string(out.c_str()) + "\n";
 }
 
+// The published checkpoints past the newest `keep`, removed. The new one is published by then, so
+// a removal that fails is a warning, never the save's failure; files that vanish meanwhile
+// (another process removing the same directory) are no failure at all.
 void prune_checkpoints(const std::string& root, int keep) {
   std::vector<std::string> complete;
-  for (const auto& e : fs::directory_iterator(root)) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos) complete.push_back(name);
   }
   std::sort(complete.begin(), complete.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < complete.size(); ++i)
-    fs::remove_all(root + "/" + complete[i]);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < complete.size(); ++i) {
+    const std::string dir = root + "/" + complete[i];
+    // remove_all stops at an entry that vanished under it: go again until the directory is gone.
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      ec.clear();
+      fs::remove_all(dir, ec);
+      if (!ec || !fs::exists(dir)) break;
+    }
+    if (fs::exists(dir))
+      spdlog::warn("checkpoint: could not remove {} (train.keep_checkpoints={}): {}", dir, keep,
+                   ec.message());
+  }
 }
 
 // A state file the manifest names under `node` (file, floats, checksum), read and verified.
@@ -361,7 +383,7 @@ void write_rank_files(const std::string& out_dir, int step, int rank,
       files.push_back({writing, shards[i].begin, shards[i].end,
                        write_shard(tmp_dir + "/" + writing, shards[i])});
     }
-    if (test_crash_here(step, rank)) std::raise(SIGKILL);
+    test_crash_here(step, rank);
     // Renamed into place whole, so rank 0 never reads half a marker.
     const std::string done = tmp_dir + "/" + rank_marker(rank, "done");
     const std::string text = marker_text(files);

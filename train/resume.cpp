@@ -127,7 +127,7 @@ void reserve_checkpoint_snapshot(const RunParts& run, AsyncCheckpointer& async) 
   async.reserve(std::move(floats), run.rank == 0);
 }
 
-double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
+double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double waited_ms) {
   using Clock = std::chrono::steady_clock;
   const auto ms_since = [](Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -135,8 +135,8 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
   const Clock::time_point begin = Clock::now();
   const bool is_main = run.rank == 0;
   // The snapshot's buffers are the previous save's until it is written (or, before the first
-  // save, still being allocated).
-  const double waited = async ? async->wait() : 0.0;
+  // save, still being allocated): the caller waited for it, so this returns at once.
+  const double waited = async ? waited_ms + async->wait() : 0.0;
   if (is_main && waited > 1000)
     spdlog::warn(
         "checkpoint step {}: waited {:.1f} s for the writer thread: the previous save, or the "
@@ -236,7 +236,7 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async) {
                                "; the checkpoint before it is still the newest");
     }
   });
-  const double stall = ms_since(begin);
+  const double stall = waited_ms + ms_since(begin);
   if (is_main)
     spdlog::info(
         "checkpoint step {}: stall {:.1f} ms (asynchronous: waited {:.1f} ms for the "

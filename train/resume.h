@@ -50,9 +50,10 @@ size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& stra
 void reserve_checkpoint_snapshot(const RunParts& run, AsyncCheckpointer& async);
 
 // Writes the checkpoint of step `step` (collective: every rank calls it): the whole save here,
-// or, with `async` (train.checkpoint_async), after waiting for its save in flight, a copy of the
-// state into its host buffers that its thread writes and publishes. Returns the milliseconds
-// the caller spent in it (the step loop's stall), which rank 0 also logs.
-double save_run(const RunParts& run, int step, AsyncCheckpointer* async);
+// or, with `async` (train.checkpoint_async), a copy of the state into its host buffers that its
+// thread writes and publishes; the caller has waited `waited_ms` for the previous save and
+// checked it (Trainer::settle_checkpoints). Returns the milliseconds of the step loop's stall,
+// that wait included, which rank 0 also logs.
+double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double waited_ms = 0);
 
 }  // namespace kiln

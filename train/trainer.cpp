@@ -97,10 +97,34 @@ class Trainer {
   int report_stop(std::optional<double> tokens_per_joule);
   void print_sample(int step);
   // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
-  // written and published first, and its failure thrown. Returns `status`.
+  // written and published first, and a failure on any rank thrown on every rank
+  // (settle_checkpoints). Returns `status`.
   int wait_for_checkpoint(int status) {
-    if (async_checkpoints_) async_checkpoints_->wait();
+    settle_checkpoints();
     return status;
+  }
+  // train.checkpoint_async: waits for this rank's save in flight, and agrees with every rank on
+  // whether any save failed (collective: called at checkpoint steps and on the way out, where
+  // every rank is). A failure one rank alone saw would send it out of the loop while the others
+  // wait for it in their next collective. Throws on every rank where one failed: this rank's
+  // error, or one naming the others. Returns the milliseconds it waited for the writer.
+  double settle_checkpoints() {
+    if (!async_checkpoints_) return 0;
+    std::string error;
+    const double waited = async_checkpoints_->wait(&error);
+    float failed = error.empty() ? 0.0f : 1.0f;
+    if (comm_ && rank_.world_size > 1) {
+      backend_->copy_from_host(checkpoint_failed_, &failed);
+      all_reduce(checkpoint_failed_);
+      backend_->copy_to_host(&failed, checkpoint_failed_);
+    }
+    if (!error.empty()) throw std::runtime_error(error);
+    if (failed > 0)
+      throw std::runtime_error(
+          "an asynchronous checkpoint failed on " + std::to_string(static_cast<int>(failed)) +
+          " other rank(s) (train.checkpoint_async; their lines say why); the newest complete "
+          "checkpoint is intact");
+    return waited;
   }
   void all_reduce(Tensor t) {
     if (!comm_ || rank_.world_size == 1) return;
@@ -129,6 +153,7 @@ class Trainer {
   UnitHooks hooks_;
   OptimizerStep optimizer_;
   Tensor decay_spans_, sched_, sumsq_, loss_sum_;
+  Tensor checkpoint_failed_;  // settle_checkpoints' flag, summed over the ranks
   StepInputs inputs_;
   StepGraph graph_;
   std::unique_ptr<DataLoader> train_loader_;
@@ -185,6 +210,7 @@ void Trainer::plan_buffers() {
   state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
   state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
+  state_arena_.plan(&checkpoint_failed_, "checkpoint_failed", {1}, DType::f32);
   if (power_) power_->plan(state_arena_);
   model_->fp8().plan_agreement(state_arena_);
   inputs_.plan(state_arena_);
@@ -269,7 +295,6 @@ bool Trainer::host_step(int step) const {
 }
 
 bool Trainer::finish_step(const PendingStep& p) {
-  if (async_checkpoints_) async_checkpoints_->check();  // a background save that failed stops here
   StepMetrics sm = report_->read(p);
   if (!std::isfinite(sm.loss)) {
     report(sm, p, -1);  // a scrape before the run ends shows it
@@ -290,7 +315,9 @@ bool Trainer::finish_step(const PendingStep& p) {
   if (checkpoint_step(sm.step)) {
     progress(true);
     report_->write_pending(sm);  // what a crash right after the save must not lose
-    sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get());
+    // The previous save, written (or failed: then every rank stops here).
+    const double waited = settle_checkpoints();
+    sm.checkpoint_stall_ms = save_run(parts(), sm.step, async_checkpoints_.get(), waited);
     progress(false);
   }
   report_->write(sm);  // after the save: the line holds its stall
