@@ -76,6 +76,11 @@ TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
                            "4.00 GiB)"),
             std::string::npos)
       << on.output;
+  // Kiln's own attention kernels need no workspace for it.
+  const auto flash = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100 "
+                                            "--precision.deterministic=true "
+                                            "--precision.attention=flash");
+  EXPECT_EQ(flash.status, 0) << flash.output;
 }
 
 // Context parallelism: 4 ranks sharing each 32k sequence hold the activations of 8k rows a

@@ -323,9 +323,11 @@ void prune_checkpoints(const std::string& root, int keep) {
     for (int attempt = 0; attempt < 5; ++attempt) {
       ec.clear();
       fs::remove_all(dir, ec);
-      if (!ec || !fs::exists(dir)) break;
+      std::error_code gone;
+      if (!ec || !fs::exists(dir, gone)) break;
     }
-    if (fs::exists(dir))
+    std::error_code gone;
+    if (fs::exists(dir, gone))
       spdlog::warn("checkpoint: could not remove {} (train.keep_checkpoints={}): {}", dir, keep,
                    ec.message());
   }

@@ -72,7 +72,9 @@ PlanTarget plan_target(const std::string& text) {
 }
 
 size_t deterministic_attention_bytes(const Config& cfg) {
-  if (!cfg.precision.deterministic) return 0;
+  // Only cuDNN's attention needs it (flash and naive are deterministic as they are).
+  const std::string& a = cfg.precision.attention;
+  if (!cfg.precision.deterministic || a == "flash" || a == "naive") return 0;
   // cuDNN's deterministic backward holds dS for the call, bf16 [B, heads, s_q, s_kv] with s_q
   // rounded up to 64 rows and s_kv to 128; a context-parallel call's queries are a chunk.
   const int64_t T = cfg.model.seq_len;
