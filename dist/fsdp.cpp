@@ -1,10 +1,10 @@
 // fsdp: only shards persist. Each unit's parameters are all-gathered into a gather buffer (two
-// rotating buffers for the blocks, one kept for the embeddings, which the tied head reuses) one
-// unit ahead, while the unit before it computes, and its gradients are reduce-scattered into the
-// shard right after its backward, every micro-batch, beside the next unit's backward: the compute
-// stream waits for a unit's gather alone (a mark on the comm stream), and for its reduce-scatter
-// only at the next unit's end. The model calls the unit hooks inside each unit, so a unit is
-// gathered just before its first op and scattered just after its last.
+// rotating buffers for the blocks, one for the embeddings, which the tied head reuses and an
+// untied head takes in turn) one unit ahead, while the unit before it computes, and its gradients
+// are reduce-scattered into the shard right after its backward, every micro-batch, beside the next
+// unit's backward: the compute stream waits for a unit's gather alone (a mark on the comm stream),
+// and for its reduce-scatter only at the next unit's end. The model calls the unit hooks inside
+// each unit, so a unit is gathered just before its first op and scattered just after its last.
 #include <algorithm>
 
 #include "dist/strategy.h"
@@ -17,7 +17,9 @@ class Fsdp final : public Strategy {
  public:
   Fsdp(const StrategyOptions& o, Backend& backend, Communicator* comm, int rank, int world,
        int64_t total, const Units& units)
-      : Strategy(o, backend, comm, rank, world, total, units), unit_slot_(units.size(), -1) {}
+      : Strategy(o, backend, comm, rank, world, total, units),
+        head_reads_embeddings_(o.head_reads_embeddings),
+        unit_slot_(units.size(), -1) {}
 
   void plan_memory(Arena& arena) override;
   void bind() override { gather_src_ = working_shard_.defined() ? working_shard_ : master_; }
@@ -28,10 +30,12 @@ class Fsdp final : public Strategy {
   // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
   void before_forward(int unit) override { use_unit(unit, unit < last() ? unit + 1 : -1); }
   void before_backward(int unit) override {
-    use_unit(unit, unit > 1 ? unit - 1 : -1);  // unit 0 stays in its slot from the forward
+    // Unit 0 stays in its slot from the forward, unless the untied head took the slot since.
+    use_unit(unit, unit > 1 || (unit == 1 && !head_reads_embeddings_) ? unit - 1 : -1);
     // Unit 0's grads also collect the tied head's, which runs first in backward.
-    if (unit == last()) backend_.fill_zero(unit_grads_[0]);
-    if (unit != 0) backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
+    if (unit == last() && head_reads_embeddings_) backend_.fill_zero(unit_grads_[0]);
+    if (unit != 0 || !head_reads_embeddings_)
+      backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
   }
   void after_backward(int unit) override;
 
@@ -54,7 +58,12 @@ class Fsdp final : public Strategy {
 
  private:
   int last() const { return static_cast<int>(plan_.chunks.size()) - 1; }
-  static int slot_of(int unit) { return unit == 0 ? 0 : 1 + unit % 2; }
+  // Slot 0 holds the embeddings (unit 0). A tied head reads them, so they stay for the whole
+  // step; an untied head, as wide as they are, takes slot 0 after their forward and gives it back
+  // before their backward, so slots 1-2 need only be as wide as a block.
+  int slot_of(int unit) const {
+    return unit == 0 || (unit == last() && !head_reads_embeddings_) ? 0 : 1 + unit % 2;
+  }
   Tensor in_slot(const Tensor* slots, int unit) const {
     const int slot = unit_slot_[static_cast<size_t>(unit)];
     if (slot < 0) return Tensor{};
@@ -64,9 +73,10 @@ class Fsdp final : public Strategy {
   void gather_unit(int unit);
   void use_unit(int unit, int prefetch);
 
+  const bool head_reads_embeddings_;
   Tensor working_shard_;
   Tensor gather_src_;  // what all-gathers read: the working shard, or the master (CPU)
-  // Slot 0 holds unit 0 (embeddings) for the whole step, slots 1-2 rotate the rest.
+  // Slot 0 holds unit 0 (and an untied head in turn), slots 1-2 rotate the rest.
   Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
   int held_[3] = {-1, -1, -1};
   uint64_t gathered_[3] = {0, 0, 0};  // the comm stream's mark after each slot's gather
@@ -78,11 +88,13 @@ void Fsdp::plan_memory(Arena& arena) {
   const DType act = backend_.activation_dtype();
   if (act != DType::f32)
     arena.plan(&working_shard_, "params.working (shard)", {plan_.shard_size}, act);
-  int64_t widest = 1, widest_chunk = 1;
-  for (size_t u = 1; u < plan_.chunks.size(); ++u)
-    widest = std::max(widest, plan_.chunks[u].chunk * plan_.world);
-  for (const auto& c : plan_.chunks) widest_chunk = std::max(widest_chunk, c.chunk);
-  const int64_t unit0 = plan_.chunks[0].chunk * plan_.world;
+  int64_t widest = 1, widest_chunk = 1, unit0 = 1;
+  for (size_t u = 0; u < plan_.chunks.size(); ++u) {
+    const int64_t n = plan_.chunks[u].chunk * plan_.world;
+    int64_t& in = slot_of(static_cast<int>(u)) == 0 ? unit0 : widest;
+    in = std::max(in, n);
+    widest_chunk = std::max(widest_chunk, plan_.chunks[u].chunk);
+  }
   const char* names[3] = {"fsdp.unit0", "fsdp.gather.a", "fsdp.gather.b"};
   for (int s = 0; s < 3; ++s) {
     const int64_t n = s == 0 ? unit0 : widest;

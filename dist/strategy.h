@@ -42,6 +42,9 @@ struct StrategyOptions {
   std::string name = "ddp";  // ddp | zero1 | fsdp
   double bucket_mb = 0;      // ddp: 0 = by the link between the ranks
   DType reduce_dtype = DType::f32;
+  // The last unit (the head) reads unit 0's parameters (tied embeddings). fsdp keeps unit 0
+  // gathered for the whole step then; otherwise the head takes its gather buffer in turn.
+  bool head_reads_embeddings = true;
 };
 
 class Strategy {

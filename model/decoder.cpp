@@ -250,38 +250,49 @@ DType Decoder::residual_dtype() const {
 //  light:     as selective, and the attention core's output and log-sum-exp (B*T*NH*hs a block
 //             more): recomputed are the norm outputs and SwiGLU, each a pass over memory.
 //  full:      the block's input alone; backward runs the block's forward again from it.
-void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const {
+void Decoder::plan(const Planner& planner, Acts& acts, int B, int T,
+                   const RecomputePlan& recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
   const DType act = backend_.activation_dtype(), res = residual_dtype();
   acts.blocks.assign(blocks_.size(), {});
   const BlockActs& probe = acts.shared;
-  std::vector<size_t> kept;
-  auto keep = [&](const Tensor& t) { kept.push_back(field_offset(probe, &t)); };
-  keep(probe.residual_in);
-  if (recompute == Recompute::selective || recompute == Recompute::light) {
-    if (recompute == Recompute::light) {
-      keep(probe.attn.y);
-      keep(probe.attn.lse);
+  // The fields a block under `mode` keeps (none: every one).
+  auto kept_under = [&](Recompute mode) {
+    std::vector<size_t> kept;
+    auto keep = [&](const Tensor& t) { kept.push_back(field_offset(probe, &t)); };
+    keep(probe.residual_in);
+    if (mode == Recompute::selective || mode == Recompute::light) {
+      if (mode == Recompute::light) {
+        keep(probe.attn.y);
+        keep(probe.attn.lse);
+      }
+      for (const Tensor* t :
+           {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw, &probe.attn.qk_rstd,
+            &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
+        keep(*t);
+      if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
+      // A MoE block keeps all it computed but its output: routing, permutation and the experts'
+      // activations are what its backward reads, and recomputing them is most of its forward.
+      for (Tensor Moe::Acts::*f : kMoeActs) keep(probe.moe.*f);
+      keep(probe.moe.shared.pre);
+      keep(probe.moe.shared.act);
     }
-    for (const Tensor* t :
-         {&probe.ln1.mean, &probe.ln1.rstd, &probe.attn.qkv_raw, &probe.attn.qk_rstd,
-          &probe.attn.qkv, &probe.residual_mid, &probe.ln2.mean, &probe.ln2.rstd, &probe.mlp.pre})
-      keep(*t);
-    if (cfg_.mlp == MlpKind::gelu) keep(probe.mlp.act);
-    // A MoE block keeps all it computed but its output: routing, permutation and the experts'
-    // activations are what its backward reads, and recomputing them is most of its forward.
-    for (Tensor Moe::Acts::*f : kMoeActs) keep(probe.moe.*f);
-    keep(probe.moe.shared.pre);
-    keep(probe.moe.shared.act);
-  }
+    return kept;
+  };
+  // The shared set holds what the block that keeps least leaves out: the modes nest.
+  Recompute shared_mode = Recompute::none;
+  for (size_t l = 0; l < blocks_.size(); ++l)
+    shared_mode = std::max(shared_mode, recompute.at(static_cast<int>(l)));
   // Plans block l's fields (l >= 0) that are kept, or the shared set's (l < 0) that are not.
   auto plan_block = [&](int l, BlockActs& a) {
     const bool shared = l < 0;
     const std::string p = shared ? "shared." : "h." + std::to_string(l) + ".";
+    const Recompute mode = shared ? shared_mode : recompute.at(l);
+    const std::vector<size_t> kept = kept_under(mode);
     const Planner pick = [&](Tensor* slot, const std::string& name, Shape shape, DType dtype) {
       const size_t at = field_offset(a, slot);
       const bool is_kept =
-          recompute == Recompute::none || std::find(kept.begin(), kept.end(), at) != kept.end();
+          mode == Recompute::none || std::find(kept.begin(), kept.end(), at) != kept.end();
       if (is_kept != shared) planner(slot, name, shape, dtype);
     };
     // Attention and the norms have the same shapes in every block; the shared set holds a
@@ -300,7 +311,7 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   };
   planner(&acts.encoded, "encoded", {B, T, C}, res);
   for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
-  if (recompute != Recompute::none) plan_block(-1, acts.shared);
+  if (shared_mode != Recompute::none) plan_block(-1, acts.shared);
   planner(&acts.residual_out, "residual_out", {B, T, C}, res);
   lnf_.plan(planner, "lnf", acts.lnf, B, T, C, act);
   planner(&acts.logits, "logits", {B, T, Vp}, act);
@@ -321,9 +332,13 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T, Recompute r
   planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
 }
 
-void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) {
+void Decoder::plan_activations(Arena& arena, int B, int T, const RecomputePlan& recompute) {
   if (T > cfg_.seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(T) + " exceeds model.seq_len");
+  if (recompute.full_blocks < 0 || recompute.full_blocks > cfg_.n_layer)
+    throw std::invalid_argument("train.recompute_full_blocks " +
+                                std::to_string(recompute.full_blocks) + " is outside [0, " +
+                                std::to_string(cfg_.n_layer) + "] (model.n_layer)");
   B_ = B;
   T_ = T;
   recompute_ = recompute;
@@ -333,7 +348,7 @@ void Decoder::plan_activations(Arena& arena, int B, int T, Recompute recompute) 
   fp8_.plan(planner, B, T);
 }
 
-int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
+int64_t Decoder::activation_bytes(int B, int T, const RecomputePlan& recompute) const {
   int64_t bytes = 0;
   Acts scratch;
   plan([&bytes](Tensor*, const std::string&, Shape shape,
@@ -342,7 +357,8 @@ int64_t Decoder::activation_bytes(int B, int T, Recompute recompute) const {
   return bytes + fp8_.planned_bytes(B, T);
 }
 
-Decoder::BlockActs Decoder::block_acts(const Acts& set, Recompute recompute, int l) const {
+Decoder::BlockActs Decoder::block_acts(const Acts& set, const RecomputePlan& recompute,
+                                       int l) const {
   BlockActs a = set.blocks[static_cast<size_t>(l)];
   if (blocks_[static_cast<size_t>(l)].is_moe) {
     const int64_t i = std::find(moe_blocks_.begin(), moe_blocks_.end(), l) - moe_blocks_.begin();
@@ -350,7 +366,7 @@ Decoder::BlockActs Decoder::block_acts(const Acts& set, Recompute recompute, int
     a.moe.stats = acts_.moe_stats.slice(i * (E + kMoeStats), {E + kMoeStats});
     if (acts_.moe_bias.defined()) a.moe.bias = acts_.moe_bias.slice(i * E, {E});
   }
-  if (recompute == Recompute::none) return a;
+  if (recompute.at(l) == Recompute::none) return a;
   const BlockActs& s = set.shared;
   auto merge = [](Tensor& t, const Tensor& shared) {
     if (!t.defined()) t = shared;
@@ -382,10 +398,11 @@ void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& doc
   Backend& k = backend_;
   const Params& w = weights_;
   const Block& blk = blocks_[static_cast<size_t>(l)];
+  const Recompute mode = recompute_.at(l);
   // The norm runs on the stored sum rather than fused with the add: the same value on the CPU.
   blk.ln1.forward(k, w, a.ln1, block_input(acts_, l));
-  if (recompute_ == Recompute::selective || recompute_ == Recompute::light) {
-    if (recompute_ == Recompute::selective) blk.attn.core(k, a.attn, docs, acts_.attn);
+  if (mode == Recompute::selective || mode == Recompute::light) {
+    if (mode == Recompute::selective) blk.attn.core(k, a.attn, docs, acts_.attn);
     blk.ln2.forward(k, w, a.ln2, a.residual_mid);
     if (!blk.is_moe) blk.mlp.recompute_act(k, a.mlp);  // a MoE block kept its activations
   } else {
@@ -479,8 +496,8 @@ void Decoder::forward(Tensor tokens, Tensor targets, const DocumentMask& docs, f
   if (keep_window) fp8_.restore_window();
 }
 
-void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos,
-                             const DocumentMask& docs) {
+void Decoder::forward_blocks(const Acts& set, const RecomputePlan& recompute, bool with_stats,
+                             int decode_pos, const DocumentMask& docs) {
   Backend& k = backend_;
   const Params& w = weights_;
   const int L = cfg_.n_layer;
@@ -512,7 +529,7 @@ void Decoder::forward_blocks(const Acts& set, Recompute recompute, bool with_sta
 }
 
 void Decoder::plan_decode(Arena& arena) {
-  if (B_ != 1 || recompute_ != Recompute::none)
+  if (B_ != 1 || !recompute_.keeps_all())
     throw std::logic_error(
         "plan_decode: after plan_activations(arena, 1, T, Recompute::none), whose per-block q, "
         "k and v are the cache");
@@ -554,7 +571,8 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     hook(&UnitHooks::before_backward, l + 1);
     const Block& blk = blocks_[static_cast<size_t>(l)];
     const BlockActs a = acts(l);
-    if (recompute_ != Recompute::none) recompute_block(l, a, docs);
+    const Recompute mode = recompute_.at(l);
+    if (mode != Recompute::none) recompute_block(l, a, docs);
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     if (blk.is_moe)
       blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe, moe_loss_scale_);
@@ -563,7 +581,7 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
     // Recomputation ran the block's attention forward just now: its keys are gathered.
     blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs,
-                      recompute_ == Recompute::selective || recompute_ == Recompute::full);
+                      mode == Recompute::selective || mode == Recompute::full);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
     blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
                      l > 0 ? copy : Tensor{});

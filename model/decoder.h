@@ -28,8 +28,8 @@ class Decoder final : public Model {
 
   const ModelConfig& config() const override { return cfg_; }
   const ParamLayout& layout() const override { return layout_; }
-  void plan_activations(Arena& arena, int B, int T, Recompute recompute) override;
-  int64_t activation_bytes(int B, int T, Recompute recompute) const override;
+  void plan_activations(Arena& arena, int B, int T, const RecomputePlan& recompute) override;
+  int64_t activation_bytes(int B, int T, const RecomputePlan& recompute) const override;
   void bind_weights(const Locate& locate) override { bind(locate, weights_); }
   void bind_grads(const Locate& locate) override { bind(locate, grads_); }
   void set_hooks(const UnitHooks* hooks) override { hooks_ = hooks; }
@@ -92,17 +92,17 @@ class Decoder final : public Model {
   enum class Init { normal, residual_normal, embedding, ones, zeros };
 
   void bind(const Locate& locate, Params& out) const;
-  void plan(const Planner& planner, Acts& acts, int B, int T, Recompute recompute) const;
+  void plan(const Planner& planner, Acts& acts, int B, int T, const RecomputePlan& recompute) const;
   // Block l's activations in `set` (acts_ or decode_) planned under `recompute`, with the MoE
   // state (statistics, bias) of the model's own.
-  BlockActs block_acts(const Acts& set, Recompute recompute, int l) const;
+  BlockActs block_acts(const Acts& set, const RecomputePlan& recompute, int l) const;
   BlockActs acts(int l) const { return block_acts(acts_, recompute_, l); }
   Tensor block_input(const Acts& set, int l) const;
   // The blocks, the final norm and the LM head over `set` from set.encoded, into set.logits.
   // decode_pos >= 0: `set` is decode_'s one token at that position, whose attention reads and
   // extends the cache (acts_'s q, k, v). docs: the micro-batch's document mask.
-  void forward_blocks(const Acts& set, Recompute recompute, bool with_stats, int decode_pos,
-                      const DocumentMask& docs);
+  void forward_blocks(const Acts& set, const RecomputePlan& recompute, bool with_stats,
+                      int decode_pos, const DocumentMask& docs);
   // The output of block l's feed-forward (dense or MoE), the branch the next norm adds.
   Tensor ffn_out(int l, const BlockActs& a) const {
     return blocks_[static_cast<size_t>(l)].is_moe ? a.moe.out : a.mlp.out;
@@ -132,7 +132,7 @@ class Decoder final : public Model {
   // precision.fp8: the blocks' linear layers that run in FP8 and their state. After weights_,
   // which it casts from.
   Fp8State fp8_;
-  Recompute recompute_ = Recompute::none;
+  RecomputePlan recompute_;
   int B_ = 0, T_ = 0;
   std::vector<int> moe_blocks_;
   float moe_loss_scale_ = 0;  // this micro-batch's weight of the aux and z losses (1 / grad_accum)

@@ -80,8 +80,21 @@ struct ModelConfig {
 // train.recompute: which activations backward computes again instead of keeping them from
 // forward. light: the norms' outputs and SwiGLU's product; selective: those and the attention
 // core (out and log-sum-exp, from the kept q, k, v); full: each block again from its input.
+// The modes are ordered: each keeps a subset of what the one before it keeps.
 enum class Recompute { none, light, selective, full };
 const char* recompute_name(Recompute r);
+
+// Each block's mode (train.recompute, train.recompute_full_blocks): the first `full_blocks`
+// blocks recompute fully, the rest as `mode` says. Between two modes a block at a time: each
+// full block trades its kept activations for its forward run again in backward.
+struct RecomputePlan {
+  Recompute mode = Recompute::none;
+  int full_blocks = 0;
+  RecomputePlan(Recompute m = Recompute::none, int full = 0)  // NOLINT: a mode is a plan
+      : mode(m), full_blocks(full) {}
+  Recompute at(int block) const { return block < full_blocks ? Recompute::full : mode; }
+  bool keeps_all() const { return mode == Recompute::none && full_blocks == 0; }
+};
 
 // Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit
 // that is not gathered).
@@ -105,9 +118,9 @@ class Model {
   virtual const ModelConfig& config() const = 0;
   virtual const ParamLayout& layout() const = 0;
   // Plans every activation and scratch buffer for micro-batch B x T into `arena`.
-  virtual void plan_activations(Arena& arena, int B, int T, Recompute recompute) = 0;
+  virtual void plan_activations(Arena& arena, int B, int T, const RecomputePlan& recompute) = 0;
   // What that plan holds, in bytes (before the arena's alignment), without planning it.
-  virtual int64_t activation_bytes(int B, int T, Recompute recompute) const = 0;
+  virtual int64_t activation_bytes(int B, int T, const RecomputePlan& recompute) const = 0;
   // Weights used by forward/backward (working dtype) and the f32 grads backward accumulates into.
   virtual void bind_weights(const Locate& locate) = 0;
   virtual void bind_grads(const Locate& locate) = 0;

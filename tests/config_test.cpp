@@ -437,6 +437,30 @@ TEST(ConfigRestarts, RefusedWhereARestartCouldNotResume) {
   EXPECT_NO_THROW(parse_config(kMinimal, {"train.resume=none", "train.checkpoint_every=0"}));
 }
 
+// train.recompute_full_blocks picks blocks of the model that exist, and is refused where
+// every block recomputes fully already.
+TEST(ConfigRecompute, FullBlocksAreCheckedAgainstTheModel) {
+  const Config c = parse_config(kMinimal, {"train.recompute=light", "train.recompute_full_blocks=2"});
+  EXPECT_EQ(c.train.recompute_full_blocks, 2);
+  EXPECT_EQ(parse_config(kMinimal, {}).train.recompute_full_blocks, 0);
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+  const int layers = c.model.n_layer;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"train.recompute_full_blocks=" + std::to_string(layers + 1)},
+       "train.recompute_full_blocks: must be <= model.n_layer (" + std::to_string(layers) +
+           "), got " + std::to_string(layers + 1)},
+      {{"train.recompute=full", "train.recompute_full_blocks=1"},
+       "train.recompute_full_blocks: is set, but train.recompute is full: every block "
+       "recomputes fully already"},
+      {{"train.recompute_full_blocks=-1"}, "train.recompute_full_blocks: must be >= 0"},
+  };
+  for (const auto& [overrides, expect] : cases) {
+    const std::string msg = parse_error(kMinimal, overrides);
+    EXPECT_NE(msg.find(expect), std::string::npos) << overrides[0] << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
 // Every config the repository ships parses and validates.
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name :

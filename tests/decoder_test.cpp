@@ -180,7 +180,7 @@ struct TinyModel {
     c.seq_len = 6;
     return c;
   }
-  explicit TinyModel(const ModelConfig& c = gpt2_tiny(), Recompute recompute = Recompute::none) {
+  explicit TinyModel(const ModelConfig& c = gpt2_tiny(), const RecomputePlan& recompute = {}) {
     cfg = c;
     model = make_model(cfg, *backend);
     const int64_t P = model->layout().total;
@@ -449,18 +449,23 @@ TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
 // train.recompute recomputes in backward what it does not keep: on the CPU the loss and every
 // gradient are bit-identical to keeping everything, for each architecture (and a MoE with
 // dense and MoE blocks, and one of MoE blocks only), with accumulation over two micro-batches,
-// and the plan is smaller.
-TEST(DecoderRecompute, LightSelectiveAndFullAreBitIdenticalToNone) {
+// and the plan is smaller. So are the plans that mix modes (train.recompute_full_blocks: the
+// first block full, the rest another mode), where blocks of two modes share the recomputed
+// buffers.
+TEST(DecoderRecompute, EveryModeAndMixIsBitIdenticalToNone) {
   ModelConfig gelu = TinyModel::gpt2_tiny(), llama = llama_tiny(), qwen3 = qwen3_tiny();
   ModelConfig moe = moe_tiny(), all_moe = moe_tiny();
   all_moe.moe.every = 1;
   all_moe.moe.n_shared_experts = 0;
+  const std::vector<RecomputePlan> plans = {
+      Recompute::none,         Recompute::light,           Recompute::selective,
+      Recompute::full,         {Recompute::none, 1},       {Recompute::light, 1},
+      {Recompute::selective, 1}};
   for (const ModelConfig& c : {gelu, llama, qwen3, moe, all_moe}) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
     std::vector<double> losses;
-    for (Recompute r :
-         {Recompute::none, Recompute::light, Recompute::selective, Recompute::full}) {
+    for (const RecomputePlan& r : plans) {
       TinyModel m(c, r);
       if (p.empty()) {
         p.resize(static_cast<size_t>(m.model->layout().total));
@@ -477,9 +482,11 @@ TEST(DecoderRecompute, LightSelectiveAndFullAreBitIdenticalToNone) {
       grads.emplace_back(p.size());
       m.backend->copy_to_host(grads.back().data(), m.grads);
     }
-    for (size_t i = 1; i < 4; ++i) {
-      EXPECT_EQ(losses[i], losses[0]) << c.arch << " recompute mode " << i;
-      EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " recompute mode " << i;
+    for (size_t i = 1; i < plans.size(); ++i) {
+      const std::string name = std::string(recompute_name(plans[i].mode)) + " with " +
+                               std::to_string(plans[i].full_blocks) + " full";
+      EXPECT_EQ(losses[i], losses[0]) << c.arch << " " << name;
+      EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " " << name;
     }
     const Decoder d(c, cpu());
     const int64_t none = d.activation_bytes(2, 5, Recompute::none);
@@ -489,6 +496,17 @@ TEST(DecoderRecompute, LightSelectiveAndFullAreBitIdenticalToNone) {
     EXPECT_LT(light, none) << c.arch;
     EXPECT_LT(selective, light) << c.arch;
     EXPECT_LT(full, selective) << c.arch;
+    // Every block full is full. A mix lies between its two modes, once more than one block of
+    // each kind (dense, MoE) is full: the first full ones pay for the buffers they share.
+    EXPECT_EQ(d.activation_bytes(2, 5, {Recompute::none, c.n_layer}), full) << c.arch;
+    ModelConfig deeper = c;
+    deeper.n_layer = 6;
+    const Decoder d6(deeper, cpu());
+    for (Recompute r : {Recompute::none, Recompute::light, Recompute::selective}) {
+      const int64_t mixed = d6.activation_bytes(2, 5, {r, 4});
+      EXPECT_LT(mixed, d6.activation_bytes(2, 5, r)) << c.arch << " " << recompute_name(r);
+      EXPECT_GT(mixed, d6.activation_bytes(2, 5, Recompute::full)) << c.arch;
+    }
   }
 }
 

@@ -54,7 +54,7 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
   EXPECT_NE(a.output.find("train.recompute=selective or full"), std::string::npos) << a.output;
   // One sequence too long for a GPU: more ranks sharing it.
   const auto t = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 80GiB "
-                                        "--model.seq_len=32768 --train.recompute=full");
+                                        "--model.seq_len=65536 --train.recompute=full");
   EXPECT_EQ(t.status, 2) << t.output;
   EXPECT_NE(t.output.find("dist.context_parallel=2 (ranks sharing each sequence; now 1)"),
             std::string::npos)
@@ -64,10 +64,11 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
 // precision.deterministic: cuDNN's attention workspace (B x heads x T x T bf16, 4 GiB for 8B at
 // T=8192) is planned, and where it alone tips the plan over, turning it off is the first remedy.
 TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
-  const auto off = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
+  // 72.67 GiB a rank without the workspace.
+  const auto off = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 75GiB");
   EXPECT_EQ(off.status, 0) << off.output;
   const auto on = plan("llama3-8b.yaml",
-                       "--nproc-per-node 4 --plan-gpu-memory h100 --precision.deterministic=true");
+                       "--nproc-per-node 4 --plan-gpu-memory 75GiB --precision.deterministic=true");
   EXPECT_EQ(on.status, 2) << on.output;
   EXPECT_NE(on.output.find("4.00 GiB of it: precision.deterministic's attention workspace"),
             std::string::npos)
@@ -77,10 +78,49 @@ TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
             std::string::npos)
       << on.output;
   // Kiln's own attention kernels need no workspace for it.
-  const auto flash = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100 "
+  const auto flash = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 75GiB "
                                             "--precision.deterministic=true "
                                             "--precision.attention=flash");
   EXPECT_EQ(flash.status, 0) << flash.output;
+}
+
+// Where recomputing more blocks fully would fit, the refusal names the fewest
+// (train.recompute_full_blocks), and that plan fits.
+TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
+  const std::string flags = "--nproc-per-node 4 --plan-gpu-memory 77GiB --train.recompute=light";
+  const auto r = plan("qwen3-8b.yaml", flags);
+  EXPECT_EQ(r.status, 2) << r.output;
+  const std::string key = "train.recompute_full_blocks=";
+  const size_t at = r.output.find(key);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const int n = std::stoi(r.output.substr(at + key.size()));
+  EXPECT_NE(r.output.find(key + std::to_string(n) + " (the fewest that fit; now 0)"),
+            std::string::npos)
+      << r.output;
+  ASSERT_GT(n, 1) << r.output;
+  const auto fits = plan("qwen3-8b.yaml", flags + " --" + key + std::to_string(n));
+  EXPECT_EQ(fits.status, 0) << fits.output;
+  EXPECT_NE(fits.output.find("train.recompute=light with " + key + std::to_string(n) + " saves"),
+            std::string::npos)
+      << fits.output;
+  const auto fewer = plan("qwen3-8b.yaml", flags + " --" + key + std::to_string(n - 1));
+  EXPECT_EQ(fewer.status, 2) << fewer.output;
+}
+
+// fsdp's rotating gather buffers are as wide as a block: the untied head (128256 x 4096) takes
+// the embeddings' buffer in turn.
+TEST(TrainPlan, AnUntiedHeadTakesTheEmbeddingsGatherBuffer) {
+  const auto r = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
+  EXPECT_EQ(r.status, 0) << r.output;
+  auto line = [&](const std::string& name) {
+    const size_t at = r.output.find(name);
+    return at == std::string::npos ? "" : r.output.substr(at, r.output.find('\n', at) - at);
+  };
+  // A block: q 4096 x 4096, k and v 1024 x 4096 each, out 4096 x 4096, SwiGLU 3 x 14336 x 4096
+  // and two norms of 4096.
+  EXPECT_NE(line("fsdp.gather.a.params").find("[218112000]"), std::string::npos) << r.output;
+  EXPECT_NE(line("fsdp.gather.b.grads").find("[218112000]"), std::string::npos) << r.output;
+  EXPECT_NE(line("fsdp.unit0.params").find("[525340672]"), std::string::npos) << r.output;
 }
 
 // Context parallelism: 4 ranks sharing each 32k sequence hold the activations of 8k rows a

@@ -182,6 +182,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, recompute), one_of({"none", "light", "selective", "full"}),
        "activations recomputed in backward instead of kept: light (norm outputs, SwiGLU), "
        "selective (those and the attention core) or full (each block from its input)"},
+      {KILN_FIELD(train, recompute_full_blocks), non_negative(),
+       "the first N blocks recompute fully whatever train.recompute says: a plan between two "
+       "modes, a block at a time (train --plan names the fewest that fit)"},
       {KILN_FIELD(train, cuda_graphs), any(),
        "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
@@ -646,6 +649,14 @@ struct Resolver {
       fail(field("model.padded_vocab_size"), "must be >= model.vocab_size (" +
                                                  std::to_string(m.vocab_size) + "), got " +
                                                  std::to_string(m.padded_vocab_size));
+    const int full_blocks = config.train.recompute_full_blocks;
+    if (full_blocks > m.n_layer)
+      fail(field("train.recompute_full_blocks"),
+           "must be <= model.n_layer (" + std::to_string(m.n_layer) + "), got " +
+               std::to_string(full_blocks));
+    if (full_blocks > 0 && config.train.recompute == "full")
+      fail(field("train.recompute_full_blocks"),
+           "is set, but train.recompute is full: every block recomputes fully already");
     validate_moe();
     validate_context();
     validate_restarts();

@@ -103,7 +103,8 @@ struct TrainSection {
   int term_grace_s = 120;
   int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
   int sample_tokens = 128;
-  std::string recompute = "none";  // none | selective | full: activations recomputed in backward
+  std::string recompute = "none";  // none | light | selective | full: recomputed in backward
+  int recompute_full_blocks = 0;   // the first N blocks recompute fully whatever recompute says
   bool cuda_graphs = false;  // capture the step as one CUDA graph after the eager warm-up
   double peak_tflops = 0.0;  // 0: from the GPU peak table
   bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)

@@ -73,12 +73,13 @@ ModelConfig model_config(const Config& cfg, const Backend& backend, bool log) {
   return m;
 }
 
-Recompute recompute_mode(const TrainSection& t) {
+RecomputePlan recompute_plan(const TrainSection& t) {
   const std::string& r = t.recompute;
-  return r == "full"        ? Recompute::full
-         : r == "selective" ? Recompute::selective
-         : r == "light"     ? Recompute::light
-                            : Recompute::none;
+  const Recompute mode = r == "full"        ? Recompute::full
+                         : r == "selective" ? Recompute::selective
+                         : r == "light"     ? Recompute::light
+                                            : Recompute::none;
+  return {mode, t.recompute_full_blocks};
 }
 
 bool apply_arch_row(const std::string& arch, ModelSection& m) {

@@ -105,11 +105,12 @@ std::vector<float> RankLayout::to_local(const std::vector<float>& global) const 
 
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
                                             const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep) {
+                                            Communicator* data, Communicator* ep, bool tied_head) {
   StrategyOptions o;
   o.name = dist.strategy;
   o.bucket_mb = dist.bucket_mb;
   o.reduce_dtype = dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+  o.head_reads_embeddings = tied_head;
   const ParamLayout& flat = layout.local();
   auto strategy = make_strategy(o, backend, data, plan.data_group(), flat.total, flat.units);
   if (plan.has_experts_split()) strategy->reduce_dense_over(ep, dense_ranges(flat));

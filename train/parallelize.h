@@ -29,9 +29,9 @@ using CommunicatorFactory =
 // The run's communicators over the plan's groups. Destroy them before the backend (NCCL works
 // on its device).
 struct RunCommunicators {
-  Communicator* world = nullptr;   // every rank (null for one process)
-  Communicator* data = nullptr;    // the data-parallel strategy's group (null for a group of one)
-  Communicator* expert = nullptr;  // expert parallelism's group (null without it)
+  Communicator* world = nullptr;    // every rank (null for one process)
+  Communicator* data = nullptr;     // the data-parallel strategy's group (null for a group of one)
+  Communicator* expert = nullptr;   // expert parallelism's group (null without it)
   Communicator* context = nullptr;  // context parallelism's group (null without it)
   std::unique_ptr<Communicator> owned_world, nvtx_world, owned_expert, owned_data, owned_context;
 };
@@ -102,10 +102,10 @@ class RankLayout {
 
 // The dist section's strategy over the plan's data group (communicator `data`, null for a group
 // of one), holding `layout`'s buffer; under expert parallelism the dense parameters are summed
-// over the expert group (`ep`) besides.
+// over the expert group (`ep`) besides. `tied_head`: the head reads the embeddings' weights.
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
                                             const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep);
+                                            Communicator* data, Communicator* ep, bool tied_head);
 
 // Expert parallelism: the model's MoE layers exchange tokens over `ep`, the communicator of the
 // plan's expert group. `log`: say how the experts are spread.

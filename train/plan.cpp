@@ -10,6 +10,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/error.h"
+#include "train/model_config.h"
 
 namespace kiln {
 
@@ -92,7 +93,8 @@ size_t plan_overhead_bytes(const Config& cfg, int world_size) {
 }
 
 int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
-                const PlanTarget& target) {
+                const PlanTarget& target,
+                const std::function<int64_t(const RecomputePlan&)>& activation_bytes) {
   const size_t overhead = plan_overhead_bytes(cfg, world_size);
   const size_t total = state.bytes() + acts.bytes() + overhead;
   spdlog::info("  {:<24} {}", "outside the arenas", format_bytes(overhead));
@@ -129,9 +131,22 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     if (cfg.train.batch_size > 1)
       keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
                      "; raise train.grad_accum to keep the batch)");
-    if (cfg.train.recompute != "full")
-      keys.push_back("train.recompute=" +
-                     std::string(cfg.train.recompute == "selective" ? "full" : "selective or full"));
+    if (cfg.train.recompute != "full") {
+      // More blocks recomputed fully, one at a time: the fewest that fit, if any do.
+      const RecomputePlan now = recompute_plan(cfg.train);
+      const int64_t kept = activation_bytes(now);
+      for (int n = now.full_blocks + 1; n <= cfg.model.n_layer; ++n) {
+        const int64_t saved = kept - activation_bytes({now.mode, n});
+        if (saved > 0 && total - static_cast<size_t>(saved) <= target.bytes) {
+          keys.push_back("train.recompute_full_blocks=" + std::to_string(n) +
+                         " (the fewest that fit; now " + std::to_string(now.full_blocks) + ")");
+          break;
+        }
+      }
+      keys.push_back("train.recompute=" + std::string(cfg.train.recompute == "selective"
+                                                          ? "full"
+                                                          : "selective or full"));
+    }
     // One sequence's rows over more ranks (needs RoPE and a world it divides).
     if (cfg.train.batch_size == 1 && cfg.model.positions == "rope")
       keys.push_back("dist.context_parallel=" + std::to_string(2 * cfg.dist.context_parallel) +

@@ -6,9 +6,12 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <string>
 
 #include "kernels/arena.h"
+#include "model/model.h"
 #include "train/config.h"
 
 namespace kiln {
@@ -32,8 +35,11 @@ size_t plan_overhead_bytes(const Config& cfg, int world_size);
 size_t deterministic_attention_bytes(const Config& cfg);
 
 // The verdict after the plan's table (train/run_log.h) was printed: the total a rank needs
-// against `target`; where it does not fit, why on one line. Returns the exit status (0 / 2).
+// against `target`; where it does not fit, why on one line, with the fewest
+// train.recompute_full_blocks that would fit where some would (`activation_bytes`: the model's
+// activations under a recompute plan). Returns the exit status (0 / 2).
 int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
-                const PlanTarget& target);
+                const PlanTarget& target,
+                const std::function<int64_t(const RecomputePlan&)>& activation_bytes);
 
 }  // namespace kiln

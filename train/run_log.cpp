@@ -5,8 +5,8 @@
 namespace kiln {
 
 void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
-                     const Arena& state, const Arena& acts, int world_size, Recompute recompute,
-                     size_t checkpoint_host_bytes) {
+                     const Arena& state, const Arena& acts, int world_size,
+                     const RecomputePlan& recompute, size_t checkpoint_host_bytes) {
   // A rank's activations hold its rows of each sequence (T / dist.context_parallel).
   const int B = cfg.train.batch_size, T = model.config().seq_len / cfg.dist.context_parallel;
   spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
@@ -19,11 +19,14 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
                    format_bytes(e.bytes));
   spdlog::info("  {:<24} B={} T={}  {} in {} buffers", "activations", B, T,
                format_bytes(acts.bytes()), acts.entries().size());
-  if (recompute != Recompute::none) {
+  if (!recompute.keeps_all()) {
     const int64_t kept = model.activation_bytes(B, T, recompute);
     const int64_t all = model.activation_bytes(B, T, Recompute::none);
-    spdlog::info("  {:<24} train.recompute={} saves {} of {} (backward recomputes the rest)", "",
-                 cfg.train.recompute, format_bytes(static_cast<size_t>(all - kept)),
+    const std::string full = recompute.full_blocks > 0 ? " with train.recompute_full_blocks=" +
+                                                             std::to_string(recompute.full_blocks)
+                                                       : "";
+    spdlog::info("  {:<24} train.recompute={}{} saves {} of {} (backward recomputes the rest)", "",
+                 cfg.train.recompute, full, format_bytes(static_cast<size_t>(all - kept)),
                  format_bytes(static_cast<size_t>(all)));
   }
   spdlog::info("  {:<24} {}", "total", format_bytes(state.bytes() + acts.bytes()));

@@ -14,8 +14,8 @@ namespace kiln {
 
 // `checkpoint_host_bytes`: the host memory train.checkpoint_async's snapshot takes (0: none).
 void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
-                     const Arena& state, const Arena& acts, int world_size, Recompute recompute,
-                     size_t checkpoint_host_bytes);
+                     const Arena& state, const Arena& acts, int world_size,
+                     const RecomputePlan& recompute, size_t checkpoint_host_bytes);
 
 // The run about to start: its steps, the tokens a step and how they are made, the FLOPs a token
 // and the peak MFU is against (`peak_flops` 0: not known).

@@ -198,7 +198,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
   if (plan_.has_experts_split())
     parallelize_experts(*model_, layout_, plan_, *comms_.expert, is_main());
   if (plan_.has_context_split()) parallelize_context(*model_, plan_, *comms_.context, is_main());
-  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert);
+  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert,
+                                model_->config().tie_embeddings);
   parallelize_fp8(*model_, *strategy_, comm_, rank.world_size, is_main());
 }
 
@@ -214,7 +215,7 @@ void Trainer::plan_buffers() {
   if (power_) power_->plan(state_arena_);
   model_->fp8().plan_agreement(state_arena_);
   inputs_.plan(state_arena_);
-  const Recompute recompute = recompute_mode(cfg_.train);
+  const RecomputePlan recompute = recompute_plan(cfg_.train);
   model_->plan_activations(acts_arena_, B(), T(), recompute);
   if (is_main())
     log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,
@@ -223,7 +224,9 @@ void Trainer::plan_buffers() {
 
 int Trainer::plan_only(const PlanTarget& target) {
   plan_buffers();
-  return report_plan(cfg_, state_arena_, acts_arena_, rank_.world_size, target);
+  return report_plan(
+      cfg_, state_arena_, acts_arena_, rank_.world_size, target,
+      [this](const RecomputePlan& r) { return model_->activation_bytes(B(), T(), r); });
 }
 
 void Trainer::plan_memory() {
@@ -335,7 +338,8 @@ int Trainer::run() {
   // cannot be read.
   if (is_main()) check_run_dir(cfg_);
   // Ranks that share a sequence read the same windows (each keeps its rows).
-  const int R = plan_.batch_rank(), W = plan_.batch_ranks(), V = mcfg_.vocab_size, L = mcfg_.seq_len;
+  const int R = plan_.batch_rank(), W = plan_.batch_ranks(), V = mcfg_.vocab_size,
+            L = mcfg_.seq_len;
   const auto seed = static_cast<uint64_t>(t.seed);
   const int sep = cfg_.data.document_mask ? cfg_.data.document_separator : -1;
   if (is_main() && sep >= 0)
@@ -356,7 +360,8 @@ int Trainer::run() {
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
-  report_ = std::make_unique<RunReport>(cfg_, rank_.rank, rank_.world_size, *backend_, *model_, *power_, tokens_per_step());
+  report_ = std::make_unique<RunReport>(cfg_, rank_.rank, rank_.world_size, *backend_, *model_,
+                                        *power_, tokens_per_step());
   plan_memory();
   if (t.save_checkpoints && t.checkpoint_async) {
     async_checkpoints_ = std::make_unique<AsyncCheckpointer>(*backend_);

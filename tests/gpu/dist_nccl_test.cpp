@@ -85,6 +85,24 @@ TEST_F(DistNccl, EveryStrategyFollowsTheSingleGpuCurve) {
     for (int n : worlds) expect_close(single, train(std::string(strategy) + std::to_string(n), n, strategy));
 }
 
+// Under fsdp an untied head takes the embeddings' gather buffer between their forward and
+// their backward (a vocabulary of 4096 makes the two the widest units). With two micro-batches
+// a step and a recompute plan that mixes modes, the gathers and reduce-scatters on the
+// communication stream keep their order against the compute that reads and writes the buffer.
+TEST_F(DistNccl, AnUntiedHeadInTheEmbeddingsBufferFollowsTheSingleGpuCurve) {
+  const std::string llama =
+      "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false "
+      "--model.vocab_size=4096";
+  const std::string single = train("untied_single", 1, "ddp", llama);
+  std::vector<int> worlds = {2};
+  if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
+  for (int n : worlds)
+    expect_close(single, train("untied_fsdp" + std::to_string(n), n, "fsdp",
+                               llama + " --train.grad_accum=2 --train.batch_size=" +
+                                   std::to_string(16 / n / 2) +
+                                   " --train.recompute=light --train.recompute_full_blocks=1"));
+}
+
 // Gradients summed in bf16 (dist.reduce_dtype=bf16) stay on the same curve.
 TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
   const std::string single = train("single", 1, "ddp");

@@ -132,7 +132,7 @@ struct StepRun {
 
   StepRun(const ModelConfig& config, std::unique_ptr<Backend> backend,
           const std::vector<float>& params, const std::vector<int32_t>& tok,
-          const std::vector<int32_t>& tgt, Recompute recompute = Recompute::none)
+          const std::vector<int32_t>& tgt, const RecomputePlan& recompute = {})
       : cfg(config), k(std::move(backend)) {
     model = make_model(cfg, *k);
     arena = std::make_unique<Arena>(*k, "train_step_test");
@@ -308,7 +308,8 @@ TEST(CudaTrainStep, Bf16ResidualStreamMatchesTheCpuStep) {
 }
 
 // train.recompute on CUDA: the same step within the parity tolerance of keeping everything
-// (the recomputed norms read the stored residual where forward fused the add).
+// (the recomputed norms read the stored residual where forward fused the add), each mode and a
+// mix (train.recompute_full_blocks: the first block full, the others light).
 TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   for (const ModelConfig& cfg : {small_config(), small_qwen3(), small_moe(2)}) {
@@ -322,13 +323,16 @@ TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
     StepRun base(cfg, make_cuda_backend(0), params, tok, tgt);
     const float loss = base.forward_backward(true);
     const std::vector<float> g = base.grads_host();
-    for (Recompute r : {Recompute::selective, Recompute::full}) {
+    for (const RecomputePlan& r : {RecomputePlan(Recompute::light),
+                                   RecomputePlan(Recompute::selective),
+                                   RecomputePlan(Recompute::full), RecomputePlan(Recompute::light, 1)}) {
       StepRun run(cfg, make_cuda_backend(0), params, tok, tgt, r);
       const float l = run.forward_backward(true);
       const std::vector<float> gr = run.grads_host();
       const double err = rel_l2(gr.data(), g.data(), static_cast<int64_t>(g.size()));
-      std::cout << "  " << cfg.arch << " recompute " << recompute_name(r) << ": loss " << l
-                << " vs " << loss << ", grads rel L2 " << err << "\n";
+      std::cout << "  " << cfg.arch << " recompute " << recompute_name(r.mode) << " with "
+                << r.full_blocks << " full: loss " << l << " vs " << loss << ", grads rel L2 "
+                << err << "\n";
       EXPECT_LT(rel(l, loss), 1e-3);
       EXPECT_LT(err, kGradTol);
     }
