@@ -87,7 +87,9 @@ TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
 // Where recomputing more blocks fully would fit, the refusal names the fewest
 // (train.recompute_full_blocks), and that plan fits.
 TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
-  const std::string flags = "--nproc-per-node 4 --plan-gpu-memory 77GiB --train.recompute=light";
+  const std::string flags =
+      "--nproc-per-node 4 --plan-gpu-memory 77GiB --train.recompute=light "
+      "--train.recompute_full_blocks=0";
   const auto r = plan("qwen3-8b.yaml", flags);
   EXPECT_EQ(r.status, 2) << r.output;
   const std::string key = "train.recompute_full_blocks=";
