@@ -109,6 +109,25 @@ TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
   EXPECT_EQ(fewer.status, 2) << fewer.output;
 }
 
+// A plan must leave 512 MiB of the GPU spare: qwen3-8b with light recompute alone plans 74 MiB
+// under an H100's memory, and ran out of it on a GPU held to that size. Refused, naming the
+// config's own choice; the config fits.
+TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
+  const auto r = plan("qwen3-8b.yaml",
+                      "--nproc-per-node 4 --plan-gpu-memory h100 --train.recompute_full_blocks=0");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("a plan leaves 512.0 MiB of the GPU spare for what grows during the run "
+                          "(now 74.4 MiB)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("train.recompute_full_blocks=2 (the fewest that fit; now 0)"),
+            std::string::npos)
+      << r.output;
+  const auto config = plan("qwen3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
+  EXPECT_EQ(config.status, 0) << config.output;
+  EXPECT_NE(config.output.find("fits, 844.7 MiB to spare"), std::string::npos) << config.output;
+}
+
 // fsdp's rotating gather buffers are as wide as a block: the untied head (128256 x 4096) takes
 // the embeddings' buffer in turn.
 TEST(TrainPlan, AnUntiedHeadTakesTheEmbeddingsGatherBuffer) {
