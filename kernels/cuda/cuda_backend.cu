@@ -139,7 +139,17 @@ void* CudaBackend::scratch(size_t bytes) {
   KILN_CUDA_CHECK(cudaFree(scratch_));
   scratch_ = nullptr;
   scratch_bytes_ = 0;
-  KILN_CUDA_CHECK(cudaMalloc(&scratch_, grown));
+  if (const cudaError_t err = cudaMalloc(&scratch_, grown); err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw OutOfDeviceMemory(
+        "cuda backend: the scratch could not grow to " + std::to_string(grown) + " bytes on " +
+        name_ + " (" + cudaGetErrorString(err) + "; free " + std::to_string(free_b) + " of " +
+        std::to_string(total_b) +
+        "): the run needs more than its memory plan; `train CONFIG --plan` tells how close the "
+        "plan is to the GPU's memory and what shrinks it");
+  }
   scratch_bytes_ = grown;
   return scratch_;
 }
