@@ -250,6 +250,9 @@ DType Decoder::residual_dtype() const {
 //  light:     as selective, and the attention core's output and log-sum-exp (B*T*NH*hs a block
 //             more): recomputed are the norm outputs and SwiGLU, each a pass over memory.
 //  full:      the block's input alone; backward runs the block's forward again from it.
+// Each block has its own mode (RecomputePlan: the first blocks full, the rest another); the
+// shared set holds what the mode that keeps least leaves out, and every recomputing block
+// reuses it in turn.
 void Decoder::plan(const Planner& planner, Acts& acts, int B, int T,
                    const RecomputePlan& recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
