@@ -16,6 +16,12 @@ kiln::testing::CommandResult plan(const std::string& config, const std::string& 
                                     flags);
 }
 
+// The line of `output` that holds `text`, from there on ("" if none does).
+std::string line_from(const std::string& output, const std::string& text) {
+  const size_t at = output.find(text);
+  return at == std::string::npos ? "" : output.substr(at, output.find('\n', at) - at);
+}
+
 // Llama-3.1-8B under fsdp on 4 GPUs: the plan names its 8.03B parameters and each rank's shard,
 // and it fits a GPU of ample memory.
 TEST(TrainPlan, EightBOnFourGpusIsLaidOutWithoutAGpu) {
@@ -37,9 +43,8 @@ TEST(TrainPlan, EightBOnFourGpusIsLaidOutWithoutAGpu) {
 TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
   const auto r = plan("llama3-8b.yaml", "--plan-gpu-memory h100");
   EXPECT_EQ(r.status, 2) << r.output;
-  const size_t at = r.output.find("plan: does not fit: ");
-  ASSERT_NE(at, std::string::npos) << r.output;
-  const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+  const std::string line = line_from(r.output, "plan: does not fit: ");
+  ASSERT_FALSE(line.empty()) << r.output;
   EXPECT_NE(line.find("on NVIDIA H100 80GB HBM3; largest: "), std::string::npos) << line;
   EXPECT_NE(line.find("adamw"), std::string::npos) << line;
   EXPECT_NE(line.find("more GPUs (--nproc-per-node, --nnodes)"), std::string::npos) << line;
@@ -133,10 +138,7 @@ TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
 TEST(TrainPlan, AnUntiedHeadTakesTheEmbeddingsGatherBuffer) {
   const auto r = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
   EXPECT_EQ(r.status, 0) << r.output;
-  auto line = [&](const std::string& name) {
-    const size_t at = r.output.find(name);
-    return at == std::string::npos ? "" : r.output.substr(at, r.output.find('\n', at) - at);
-  };
+  auto line = [&](const std::string& name) { return line_from(r.output, name); };
   // A block: q 4096 x 4096, k and v 1024 x 4096 each, out 4096 x 4096, SwiGLU 3 x 14336 x 4096
   // and two norms of 4096.
   EXPECT_NE(line("fsdp.gather.a.params").find("[218112000]"), std::string::npos) << r.output;

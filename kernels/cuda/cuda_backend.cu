@@ -60,6 +60,16 @@ struct OutOfDeviceMemory : std::bad_alloc {
   const char* what() const noexcept override { return message.c_str(); }
 };
 
+// A failed cudaMalloc's error and the device's memory then; clears the error so that later
+// calls see success.
+std::string failed_allocation(cudaError_t err) {
+  cudaGetLastError();
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  return std::string(cudaGetErrorString(err)) + "; free " + std::to_string(free_b) + " of " +
+         std::to_string(total_b);
+}
+
 template <class Dst, class Src>
 __global__ void convert_kernel(Dst* dst, const Src* src, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -139,17 +149,12 @@ void* CudaBackend::scratch(size_t bytes) {
   KILN_CUDA_CHECK(cudaFree(scratch_));
   scratch_ = nullptr;
   scratch_bytes_ = 0;
-  if (const cudaError_t err = cudaMalloc(&scratch_, grown); err != cudaSuccess) {
-    cudaGetLastError();
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
+  if (const cudaError_t err = cudaMalloc(&scratch_, grown); err != cudaSuccess)
     throw OutOfDeviceMemory(
         "cuda backend: the scratch could not grow to " + std::to_string(grown) + " bytes on " +
-        name_ + " (" + cudaGetErrorString(err) + "; free " + std::to_string(free_b) + " of " +
-        std::to_string(total_b) +
+        name_ + " (" + failed_allocation(err) +
         "): the run needs more than its memory plan; `train CONFIG --plan` tells how close the "
         "plan is to the GPU's memory and what shrinks it");
-  }
   scratch_bytes_ = grown;
   return scratch_;
 }
@@ -158,14 +163,9 @@ void* CudaBackend::allocate(size_t bytes) {
   KILN_CUDA_CHECK(cudaSetDevice(device_));
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later calls see success
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
+  if (err != cudaSuccess)
     throw OutOfDeviceMemory("cuda allocate: " + std::to_string(bytes) + " bytes on " + name_ +
-                            " failed (" + cudaGetErrorString(err) + "); free " +
-                            std::to_string(free_b) + " of " + std::to_string(total_b));
-  }
+                            " failed (" + failed_allocation(err) + ")");
   KILN_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
   return p;
 }
