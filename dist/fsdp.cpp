@@ -5,6 +5,14 @@
 // unit's backward: the compute stream waits for a unit's gather alone (a mark on the comm stream),
 // and for its reduce-scatter only at the next unit's end. The model calls the unit hooks inside
 // each unit, so a unit is gathered just before its first op and scattered just after its last.
+//
+// With fp8.all_gather, a unit that holds FP8 linears' weights is gathered in two all-gathers: the
+// FP8 bytes of its chunks (cast from each rank's master shard once per step, at the step's
+// scales: half the bf16 bytes, and no cast of the gathered weights), laid out like the unit; and
+// the rest of its values (norm gains, biases), each rank's packed and padded to the same length,
+// then copied to their places in the unit's working-dtype slot when the unit is first used.
+// Other units are gathered whole from the same rest shard. There is no working shard: the two
+// shards are made from the master after each update, and hold a byte a value where it held two.
 #include <algorithm>
 
 #include "dist/strategy.h"
@@ -25,6 +33,13 @@ class Fsdp final : public Strategy {
   void bind() override { gather_src_ = working_shard_.defined() ? working_shard_ : master_; }
   Tensor unit_params(int unit) const override { return in_slot(unit_params_, unit); }
   Tensor unit_grads(int unit) const override { return in_slot(unit_grads_, unit); }
+  void gather_in_fp8(const std::vector<Fp8Range>& ranges) override;
+  Tensor unit_fp8(int unit) const override {
+    return fp8_units_.empty() || !fp8_units_[static_cast<size_t>(unit)].on
+               ? Tensor{}
+               : in_slot(unit_fp8_, unit);
+  }
+  void cast_fp8_shard(Tensor state, const Fp8StateLayout& layout) override;
 
   // Forward runs units 0, 1, ..., last and backward last, ..., 1, 0: each hook prefetches the
   // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
@@ -45,7 +60,10 @@ class Fsdp final : public Strategy {
     if (comm_) comm_->wait();
     finish_reduce(sumsq, /*sharded=*/true);
   }
-  void after_update() override { forget_placement(); }
+  void after_update() override {
+    pack_rest();
+    forget_placement();
+  }
   void forget_placement() override { std::fill(std::begin(held_), std::end(held_), -1); }
   bool holds_whole_model() const override { return false; }
   void refresh_working() override {
@@ -72,21 +90,104 @@ class Fsdp final : public Strategy {
   }
   void gather_unit(int unit);
   void use_unit(int unit, int prefetch);
+  void pack_rest();
+
+  // fp8.all_gather: a unit's pieces, each `n` values from `from` to `to` (offsets below), and
+  // for a cast the FP8 state tensor it is cast with.
+  struct Piece {
+    int64_t from, to, n;
+    int index;
+  };
+  struct UnitFp8 {
+    bool on = false;      // the unit holds FP8 ranges (else its rest is its whole chunk)
+    int64_t fp8_at = 0;   // this rank's chunk of FP8 bytes in fp8_shard_, laid out like the chunk
+    int64_t rest_at = 0;  // its rest, packed, in rest_shard_ (working dtype)
+    int64_t rest = 0;     // the values every rank's packed rest is padded to
+    std::vector<Piece> cast;    // this rank's FP8 pieces: chunk offset -> the same, in fp8_at's
+    std::vector<Piece> pack;    // this rank's rest: chunk offset -> packed offset
+    std::vector<Piece> unpack;  // every rank's rest: offset in the gathered packs -> unit offset
+  };
 
   const bool head_reads_embeddings_;
   Tensor working_shard_;
-  Tensor gather_src_;  // what all-gathers read: the working shard, or the master (CPU)
+  Tensor gather_src_;  // what all-gathers (or FP8 casts and packs) read: the working shard, or
+                       // the master (CPU, and with FP8 all-gathers)
   // Slot 0 holds unit 0 (and an untied head in turn), slots 1-2 rotate the rest.
   Tensor unit_params_[3], unit_grads_[3], scatter_tmp_;
   int held_[3] = {-1, -1, -1};
   uint64_t gathered_[3] = {0, 0, 0};  // the comm stream's mark after each slot's gather
   std::vector<int> unit_slot_;
+  // fp8.all_gather (empty without it): per unit; the shards the gathers read; per slot, the FP8
+  // bytes and the ranks' packed rests, and whether those are in place in unit_params_ yet (units
+  // without FP8 ranges are gathered straight into unit_params_).
+  std::vector<UnitFp8> fp8_units_;
+  Tensor fp8_shard_, rest_shard_, unit_fp8_[3], rest_full_[3];
+  int64_t fp8_shard_bytes_ = 0, rest_shard_size_ = 0;
+  bool unpacked_[3] = {true, true, true};
 };
+
+void Fsdp::gather_in_fp8(const std::vector<Fp8Range>& given) {
+  std::vector<Fp8Range> ranges = given;
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Fp8Range& a, const Fp8Range& b) { return a.begin < b.begin; });
+  fp8_units_.assign(units_.size(), UnitFp8{});
+  int64_t fp8_at = 0, rest_at = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const ShardChunk& c = plan_.chunks[u];
+    UnitFp8& f = fp8_units_[u];
+    for (const Fp8Range& r : ranges) f.on |= r.begin < c.begin + c.real_size && r.end > c.begin;
+    f.rest_at = rest_at;
+    if (!f.on) {  // gathered whole from its chunk in the rest shard
+      f.rest = c.chunk;
+      const int64_t real = std::max<int64_t>(
+          0, std::min(c.real_size, (plan_.rank + 1) * c.chunk) - plan_.rank * c.chunk);
+      if (real > 0) f.pack.push_back({0, 0, real, -1});
+      rest_at += f.rest;
+      continue;
+    }
+    // Rank r's chunk [lo, hi) of the unit's real values, cut into FP8 pieces and the rest; each
+    // rank's rest packed from 0 (`to`), and its unpack pieces' `from` offset by r * f.rest below.
+    std::vector<int> unpack_rank;
+    for (int r = 0; r < plan_.world; ++r) {
+      const int64_t lo = std::min(c.real_size, r * c.chunk);
+      const int64_t hi = std::min(c.real_size, lo + c.chunk);
+      std::vector<Piece> rest;
+      int64_t at = lo, packed = 0;
+      auto rest_until = [&](int64_t e) {
+        if (e <= at) return;
+        rest.push_back({at - lo, packed, e - at, -1});
+        packed += e - at;
+      };
+      for (const Fp8Range& fr : ranges) {
+        const int64_t b = std::max(lo, fr.begin - c.begin), e = std::min(hi, fr.end - c.begin);
+        if (b >= e) continue;
+        rest_until(b);
+        if (r == plan_.rank) f.cast.push_back({b - lo, b - lo, e - b, fr.index});
+        at = e;
+      }
+      rest_until(hi);
+      f.rest = std::max(f.rest, packed);
+      if (r == plan_.rank) f.pack = rest;
+      for (const Piece& p : rest) {
+        f.unpack.push_back({p.to, lo + p.from, p.n, -1});
+        unpack_rank.push_back(r);
+      }
+    }
+    for (size_t i = 0; i < f.unpack.size(); ++i) f.unpack[i].from += unpack_rank[i] * f.rest;
+    // Aligned as the shard's chunk is, so that a piece's cast reads and writes alike-aligned.
+    f.fp8_at = (fp8_at + 15) / 16 * 16 + c.local % 16;
+    fp8_at = f.fp8_at + c.chunk;
+    rest_at += f.rest;
+  }
+  fp8_shard_bytes_ = fp8_at;
+  rest_shard_size_ = rest_at;
+}
 
 void Fsdp::plan_memory(Arena& arena) {
   plan_shard(arena, /*sharded=*/true);
   const DType act = backend_.activation_dtype();
-  if (act != DType::f32)
+  // With FP8 all-gathers every gather reads the FP8 or the rest shard, both made from the master.
+  if (act != DType::f32 && fp8_units_.empty())
     arena.plan(&working_shard_, "params.working (shard)", {plan_.shard_size}, act);
   int64_t widest = 1, widest_chunk = 1, unit0 = 1;
   for (size_t u = 0; u < plan_.chunks.size(); ++u) {
@@ -102,6 +203,24 @@ void Fsdp::plan_memory(Arena& arena) {
     arena.plan(&unit_grads_[s], std::string(names[s]) + ".grads", {n}, DType::f32);
   }
   arena.plan(&scatter_tmp_, "fsdp.scatter_tmp", {widest_chunk}, DType::f32);
+  if (!fp8_units_.empty()) {
+    int64_t fp8_slot[3] = {0, 0, 0}, rest_slot[3] = {0, 0, 0};
+    for (size_t u = 0; u < fp8_units_.size(); ++u) {
+      if (!fp8_units_[u].on) continue;  // gathered straight into unit_params_
+      const int s = slot_of(static_cast<int>(u));
+      fp8_slot[s] = std::max(fp8_slot[s], plan_.chunks[u].chunk * plan_.world);
+      rest_slot[s] = std::max(rest_slot[s], fp8_units_[u].rest * plan_.world);
+    }
+    arena.plan(&fp8_shard_, "fsdp.fp8 (shard)", {fp8_shard_bytes_}, DType::fp8_e4m3);
+    if (rest_shard_size_ > 0)
+      arena.plan(&rest_shard_, "fsdp.fp8.rest (shard)", {rest_shard_size_}, act);
+    for (int s = 0; s < 3; ++s) {
+      if (fp8_slot[s] > 0)
+        arena.plan(&unit_fp8_[s], std::string(names[s]) + ".fp8", {fp8_slot[s]}, DType::fp8_e4m3);
+      if (rest_slot[s] > 0)
+        arena.plan(&rest_full_[s], std::string(names[s]) + ".fp8.rest", {rest_slot[s]}, act);
+    }
+  }
   if (reduce_bf16()) {  // every unit's grads pass through it, the embeddings' too
     arena.plan(&reduce_full_, "fsdp.grads.bf16 (for the reduce)", {std::max(widest, unit0)},
                DType::bf16);
@@ -115,8 +234,20 @@ void Fsdp::gather_unit(int unit) {
   const int slot = slot_of(unit);
   if (held_[slot] == unit) return;
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
-  all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}),
-             gather_src_.slice(c.local, {c.chunk}), /*overlap=*/true);
+  const UnitFp8* f = fp8_units_.empty() ? nullptr : &fp8_units_[static_cast<size_t>(unit)];
+  if (f && f->on) {
+    all_gather(unit_fp8_[slot].slice(0, {c.chunk * plan_.world}),
+               fp8_shard_.slice(f->fp8_at, {c.chunk}), /*overlap=*/true);
+    if (f->rest > 0)
+      all_gather(rest_full_[slot].slice(0, {f->rest * plan_.world}),
+                 rest_shard_.slice(f->rest_at, {f->rest}), /*overlap=*/true);
+    unpacked_[slot] = false;
+  } else {
+    const Tensor src =
+        f ? rest_shard_.slice(f->rest_at, {c.chunk}) : gather_src_.slice(c.local, {c.chunk});
+    all_gather(unit_params_[slot].slice(0, {c.chunk * plan_.world}), src, /*overlap=*/true);
+    unpacked_[slot] = true;
+  }
   if (comm_) gathered_[slot] = comm_->mark();
   if (held_[slot] >= 0) unit_slot_[static_cast<size_t>(held_[slot])] = -1;
   held_[slot] = unit;
@@ -128,9 +259,35 @@ void Fsdp::use_unit(int unit, int prefetch) {
   gather_unit(unit);
   // This unit's gather only: a reduce-scatter issued after it runs on beside this unit's compute,
   // and so does the prefetch, issued after the wait.
-  if (comm_) comm_->wait_until(gathered_[slot_of(unit)]);
+  const int slot = slot_of(unit);
+  if (comm_) comm_->wait_until(gathered_[slot]);
+  if (!unpacked_[slot]) {  // the rest of an FP8-gathered unit, to its places
+    for (const Piece& p : fp8_units_[static_cast<size_t>(unit)].unpack)
+      backend_.copy(unit_params_[slot].slice(p.to, {p.n}), rest_full_[slot].slice(p.from, {p.n}));
+    unpacked_[slot] = true;
+  }
   if (prefetch >= 0) gather_unit(prefetch);
   if (on_placement_changed) on_placement_changed();
+}
+
+void Fsdp::cast_fp8_shard(Tensor state, const Fp8StateLayout& layout) {
+  for (size_t u = 0; u < fp8_units_.size(); ++u) {
+    const UnitFp8& f = fp8_units_[u];
+    const int64_t local = plan_.chunks[u].local;
+    for (const Piece& p : f.cast)
+      backend_.fp8_cast(fp8_shard_.slice(f.fp8_at + p.to, {1, p.n}), Tensor{},
+                        gather_src_.slice(local + p.from, {1, p.n}), state, layout, p.index);
+  }
+}
+
+void Fsdp::pack_rest() {
+  for (size_t u = 0; u < fp8_units_.size(); ++u) {
+    const UnitFp8& f = fp8_units_[u];
+    const int64_t local = plan_.chunks[u].local;
+    for (const Piece& p : f.pack)
+      backend_.copy(rest_shard_.slice(f.rest_at + p.to, {p.n}),
+                    gather_src_.slice(local + p.from, {p.n}));
+  }
 }
 
 void Fsdp::after_backward(int unit) {

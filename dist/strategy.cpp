@@ -40,6 +40,11 @@ void Strategy::plan_shard(Arena& arena, bool sharded) {
   if (ep_) arena.plan(&ep_sumsq_, "grad_sumsq (experts)", {1}, DType::f32);
 }
 
+void Strategy::gather_in_fp8(const std::vector<Fp8Range>&) {
+  throw std::logic_error("dist.strategy=" + plan_.strategy +
+                         " never gathers a unit, so nothing is gathered in FP8");
+}
+
 void Strategy::reduce_dense_over(Communicator* ep, const Units& dense) {
   ep_ = ep;
   // Each owned range, cut where dense ranges begin and end.

@@ -66,6 +66,23 @@ class Strategy {
   // buffers, or of an FSDP gather slot; undefined while the unit is not held.
   virtual Tensor unit_params(int unit) const = 0;
   virtual Tensor unit_grads(int unit) const = 0;
+
+  // precision.fp8 with fp8.all_gather, before plan_memory, under a strategy that gathers units
+  // (fsdp; the others throw std::logic_error): the flat buffer's ranges [begin, end) that FP8
+  // linears' weights hold, each with its FP8 state tensor. Their units are then gathered as FP8
+  // bytes (unit_fp8) cast from each rank's shard (cast_fp8_shard), and the rest of each such
+  // unit in the working dtype into unit_params, where the FP8 ranges are left stale.
+  struct Fp8Range {
+    int64_t begin, end;
+    int index;
+  };
+  virtual void gather_in_fp8(const std::vector<Fp8Range>& ranges);
+  // Where unit u's FP8 bytes are now, laid out like the unit (undefined while it is not held, or
+  // holds no FP8 range).
+  virtual Tensor unit_fp8(int /*unit*/) const { return Tensor{}; }
+  // This rank's shard of the FP8 ranges cast with `state`'s current scales, for the gathers to
+  // read: once the working shard holds the step's weights (after_update) and the scales are set.
+  virtual void cast_fp8_shard(Tensor /*state*/, const Fp8StateLayout& /*layout*/) {}
   // Called when the placement of units changes (FSDP), so the caller points the model again.
   std::function<void()> on_placement_changed;
 

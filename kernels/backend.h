@@ -81,18 +81,24 @@ struct QueryChunks {
 //  - state: the f32 buffer of the run's FP8 state; the layer's input, weight and output gradient
 //    are tensors index + kFp8X, + kFp8W and + kFp8G in it.
 //  - weight8 [OC,C] and weight8_t [C,OC]: the weight in E4M3 and its transpose (the dgrad
-//    operand: Hopper's FP8 GEMMs take only the TN layout), cast once per optimizer step.
+//    operand: Hopper's FP8 GEMMs take only the TN layout); `weights` says where they come from.
 //  - x8 [N,C] (forward), x8_t [C,N] (weight gradient): the input in E4M3; g8 [N,OC], g8_t
 //    [OC,N]: the output gradient in the gradient format. Views of scratch shared by all layers.
+// Where an FP8 linear's weight copies come from:
+//  - per_step: cast once per optimizer step into copies of its own;
+//  - on_use: cast by the layer before each use into scratch shared by all layers (fsdp, whose
+//    units' weights are not held between uses);
+//  - gathered: weight8 is gathered in FP8 with its unit (fsdp with fp8.all_gather, each rank
+//    casting its shard); the layer makes weight8_t from it before each backward, into scratch.
+//    There is no bf16 weight to fall back on: a backend that cannot run the layer in FP8 says so.
+enum class Fp8WeightCopies { per_step, on_use, gathered };
+
 struct Fp8Linear {
   Tensor state;
   Fp8StateLayout layout;
   int index = 0;
-  // The weight's FP8 copies; with cast_weight_on_use (fsdp, where a unit's weights are not held
-  // between uses) the layer casts them into shared scratch before each use, rather than the
-  // model once per optimizer step.
   Tensor weight8, weight8_t;
-  bool cast_weight_on_use = false;
+  Fp8WeightCopies weights = Fp8WeightCopies::per_step;
   Tensor x8, x8_t, g8, g8_t;
 };
 

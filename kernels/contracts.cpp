@@ -531,10 +531,21 @@ void moe_bias_update(const OpCheck& c, Tensor bias, Tensor counts, float rate) {
 
 void fp8_cast(const OpCheck& c, Tensor out, Tensor out_t, Tensor inp, Tensor state,
               const Fp8StateLayout& layout, int index) {
-  c.activation_dtype("inp", inp);
+  if (inp.defined() && inp.dtype == DType::f32 && c.activation != DType::f32) {
+    if (matrix_rows(inp) != 1 || out_t.defined())
+      c.fail("inp", "in f32 must be a vector (one row) cast without a transpose");
+  } else {
+    c.activation_dtype("inp", inp);
+  }
   c.min_ndim("inp", inp, 1);
   check_fp8_state(c, state, layout, index);
   check_cast_outputs(c, "out", out, "out_t", out_t, matrix_rows(inp), inp.dim(-1));
+}
+
+void fp8_transpose(const OpCheck& c, Tensor out_t, Tensor inp) {
+  c.ndim("inp", inp, 2);
+  c.fp8("inp", inp);
+  c.dtype("out_t", out_t, inp.dtype, {inp.dim(1), inp.dim(0)});
 }
 
 void swiglu_forward_fp8(const OpCheck& c, Tensor out, Tensor x8, Tensor inp, Tensor state,

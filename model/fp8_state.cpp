@@ -27,9 +27,10 @@ void Fp8State::plan_into(const Planner& planner, Buffers& into, int B, int T) co
   if (!on()) return;
   int64_t weight_bytes = 0, widest = 0;
   for (const Linear* lin : linears_) {
-    // All the copies, or (cast on use) room for the largest.
-    const int64_t bytes = 2 * lin->in * lin->out;
-    weight_bytes = weights_on_use_ ? std::max(weight_bytes, bytes) : weight_bytes + bytes;
+    // All the copies, or room for the largest layer's (cast on use) or its transpose (gathered).
+    const int64_t bytes = (copies_ == Fp8WeightCopies::gathered ? 1 : 2) * lin->in * lin->out;
+    weight_bytes =
+        copies_ == Fp8WeightCopies::per_step ? weight_bytes + bytes : std::max(weight_bytes, bytes);
     widest = std::max({widest, lin->in, lin->out});
   }
   const Fp8StateLayout& fl = layout_;
@@ -80,11 +81,16 @@ void Fp8State::make_views() {
     f.state = b.state;
     f.layout = layout_;
     f.index = kFp8Roles * static_cast<int>(i);
-    // Cast on use, every linear's copies share the start of the buffer.
-    f.cast_weight_on_use = weights_on_use_;
-    f.weight8 = b.weights.slice(offset, {lin.out, lin.in});
-    f.weight8_t = b.weights.slice(offset + lin.in * lin.out, {lin.in, lin.out});
-    if (!weights_on_use_) offset += 2 * lin.in * lin.out;
+    // Cast on use or gathered, every linear's copies share the start of the buffer; a gathered
+    // weight8 is where its unit is held (point_gathered), its transpose at the start.
+    f.weights = copies_;
+    if (copies_ == Fp8WeightCopies::gathered) {
+      f.weight8_t = b.weights.slice(0, {lin.in, lin.out});
+    } else {
+      f.weight8 = b.weights.slice(offset, {lin.out, lin.in});
+      f.weight8_t = b.weights.slice(offset + lin.in * lin.out, {lin.in, lin.out});
+    }
+    if (copies_ == Fp8WeightCopies::per_step) offset += 2 * lin.in * lin.out;
     f.x8 = as(b.scratch[0], {N, lin.in}, DType::fp8_e4m3);
     f.x8_t = as(b.scratch[0], {lin.in, N}, DType::fp8_e4m3);
     f.g8 = as(b.scratch[1], {N, lin.out}, grad_type);
@@ -136,12 +142,25 @@ void Fp8State::update_scales() {
 }
 
 void Fp8State::cast_weights() {
-  if (weights_on_use_) return;
+  if (!on() || copies_ == Fp8WeightCopies::on_use) return;
+  if (copies_ == Fp8WeightCopies::gathered) return cast_shard_(buffers_.state, layout_);
   for (size_t i = 0; i < linears_.size(); ++i) {
     const Fp8Linear& f = ops_[i];
     backend_.fp8_cast(f.weight8, f.weight8_t, param(weights_, linears_[i]->weight), f.state,
                       f.layout, f.index + kFp8W);
   }
+}
+
+std::vector<std::pair<int, int>> Fp8State::weights() const {
+  std::vector<std::pair<int, int>> out;
+  for (size_t i = 0; i < linears_.size(); ++i)
+    out.emplace_back(linears_[i]->weight, kFp8Roles * static_cast<int>(i) + kFp8W);
+  return out;
+}
+
+void Fp8State::point_gathered(const std::function<Tensor(int param)>& where) {
+  if (copies_ != Fp8WeightCopies::gathered) return;
+  for (size_t i = 0; i < linears_.size(); ++i) ops_[i].weight8 = where(linears_[i]->weight);
 }
 
 void Fp8State::keep_window() {

@@ -67,7 +67,21 @@ class Fp8State {
   // copies are kept (cast_weights does nothing); each FP8 linear casts its weight into scratch
   // shared by all of them before each forward and backward. The same bytes and amaxes as the
   // cast once per step, since weights and scales change only between steps.
-  void cast_weights_on_use() { weights_on_use_ = true; }
+  void cast_weights_on_use() { copies_ = Fp8WeightCopies::on_use; }
+  // Or (fsdp with fp8.all_gather), before plan(): the weights' FP8 copies are gathered with their
+  // units. cast_weights calls `cast_shard`, which casts this rank's part of each weight with the
+  // state's current scales (recording the amaxes, which the ranks' MAX all-reduce makes whole);
+  // point_gathered says where each copy lies while its unit is held. The bytes are the cast's.
+  using CastShard = std::function<void(Tensor state, const Fp8StateLayout& layout)>;
+  void gather_weights(CastShard cast_shard) {
+    copies_ = Fp8WeightCopies::gathered;
+    cast_shard_ = std::move(cast_shard);
+  }
+  // The FP8 linears' weights: (parameter index in the model's layout, state tensor index).
+  std::vector<std::pair<int, int>> weights() const;
+  // Gathered copies: each FP8 linear's weight8 is where(its weight's parameter index), an FP8
+  // tensor of the weight's shape (undefined while its unit is not held); otherwise nothing.
+  void point_gathered(const std::function<Tensor(int param)>& where);
   // The ranks the state is agreed over; before plan_agreement().
   void set_ranks(Fp8Ranks ranks) { ranks_ = std::move(ranks); }
 
@@ -118,7 +132,8 @@ class Fp8State {
   // Each FP8 linear's operands, in state order; a deque, so adding one never moves those the
   // linears already point at.
   std::deque<Fp8Linear> ops_;
-  bool weights_on_use_ = false;
+  Fp8WeightCopies copies_ = Fp8WeightCopies::per_step;
+  CastShard cast_shard_;
   Buffers buffers_;
   int B_ = 0, T_ = 0;
   Fp8Ranks ranks_;

@@ -411,7 +411,7 @@ TEST_F(DistTrain, BfloatGradientReductionStaysOnTheCurve) {
 // FP8 (the CPU emulation) under ddp and zero1 on 2 ranks. Each rank's amaxes are reduced with
 // MAX before the scale update, so both ranks quantize alike: the run checks at each checkpoint
 // that the ranks' scales and amax histories agree (rank 0 alone writes them). ddp, zero1 and
-// fsdp (which casts each block's FP8 weights when its unit is first gathered in a step, an
+// fsdp (which gathers each block's FP8 weights as the bytes each rank cast from its shard, an
 // evaluation in between included) follow one curve, and resume bit for bit. They stay near the
 // 1-rank FP8 curve, but not within float tolerance: a rank's loss is a mean over half the batch, so
 // its gradients are twice the 1-rank ones, and at step 1, before any amax is known, the scale of 1
@@ -447,10 +447,39 @@ TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
     ASSERT_EQ(b.size(), 6u) << s;
     for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[6 + i]) << s;
   }
-  // fsdp's weights cast on use are cast again by full recomputation: the same bytes, the same
-  // losses bit for bit.
+  // Full recomputation reads fsdp's gathered FP8 weights again: the same losses bit for bit.
   const auto fsdp = losses((dir_ / "fp8_fsdp").string());
   EXPECT_EQ(losses(train("fp8_fsdp_recompute", 2, "fsdp", fp8 + " --train.recompute=full")), fsdp);
+}
+
+// fsdp's FP8 all-gather (fp8.all_gather, the default) against casting each weight where it is
+// used from the bf16 gather: the same bytes at the same scales, so the same losses bit for bit,
+// with recomputation too. On 2 and 4 ranks, whose chunks cut the weights, the biases and norm
+// gains (gathered apart, in the working dtype) in different places; for GPT-2 (biases), LLaMA
+// (an untied head, which fsdp gathers into the embeddings' slot) and Qwen3 (QK-norm gains).
+TEST_F(DistTrain, Fp8AllGatherUnderFsdpMatchesCastingOnUse) {
+  const std::string fp8 =
+      "--precision.fp8=true --fp8.amax_history_len=4 --train.max_steps=8 --train.eval_every=4";
+  for (const std::string model :
+       {std::string(""),
+        std::string("--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false"),
+        std::string("--model.arch=qwen3 --model.n_kv_head=1 --model.head_dim=32")})
+    for (const int nproc : {2, 4}) {
+      const std::string name = "fp8_gather_" +
+                               (model.empty() ? std::string("gpt2") : model.substr(13, 5)) + "_" +
+                               std::to_string(nproc);
+      const std::string args = fp8 + " " + model;
+      const auto gathered = losses(train(name, nproc, "fsdp", args));
+      ASSERT_EQ(gathered.size(), 8u) << name;
+      EXPECT_EQ(losses(train(name + "_on_use", nproc, "fsdp", args + " --fp8.all_gather=false")),
+                gathered)
+          << name;
+      if (nproc == 2)
+        EXPECT_EQ(
+            losses(train(name + "_recompute", nproc, "fsdp", args + " --train.recompute=full")),
+            gathered)
+            << name;
+    }
 }
 
 // train.nvtx wraps the model's unit hooks and the communicator (fsdp uses every kind of hook

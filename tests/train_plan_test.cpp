@@ -118,8 +118,10 @@ TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
 // under an H100's memory, and ran out of it on a GPU held to that size. Refused, naming the
 // config's own choice; the config fits.
 TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
+  // Gathered in bf16, with a working shard: measured to run out of memory at step 1.
   const auto r = plan("qwen3-8b.yaml",
-                      "--nproc-per-node 4 --plan-gpu-memory h100 --train.recompute_full_blocks=0");
+                      "--nproc-per-node 4 --plan-gpu-memory h100 --train.recompute_full_blocks=0 "
+                      "--fp8.all_gather=false");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("a plan leaves 512.0 MiB of the GPU spare for what grows during the run "
                           "(now 74.4 MiB)"),
@@ -130,7 +132,28 @@ TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
       << r.output;
   const auto config = plan("qwen3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
   EXPECT_EQ(config.status, 0) << config.output;
-  EXPECT_NE(config.output.find("fits, 844.7 MiB to spare"), std::string::npos) << config.output;
+  EXPECT_NE(config.output.find("fits, 2.18 GiB to spare"), std::string::npos) << config.output;
+}
+
+// fsdp's FP8 all-gather keeps no working shard (two bytes a value) but an FP8 shard of the blocks
+// (one) and the rest in bf16, and adds FP8 gather buffers a block wide: at llama3-8b on 4 ranks,
+// 1.36 GiB less than gathering in bf16.
+TEST(TrainPlan, Fp8AllGatherKeepsNoWorkingShard) {
+  const auto gathered = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
+  const auto bf16 =
+      plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100 --fp8.all_gather=false");
+  ASSERT_EQ(gathered.status, 0) << gathered.output;
+  ASSERT_EQ(bf16.status, 0) << bf16.output;
+  EXPECT_EQ(line_from(gathered.output, "params.working"), "") << gathered.output;
+  EXPECT_NE(line_from(bf16.output, "params.working (shard)").find("3.74 GiB"), std::string::npos)
+      << bf16.output;
+  // A block's 218,112,000 values, a quarter a rank, over 32 blocks.
+  EXPECT_NE(line_from(gathered.output, "fsdp.fp8 (shard)").find("[1744896"), std::string::npos)
+      << gathered.output;
+  EXPECT_NE(line_from(gathered.output, "fsdp.gather.a.fp8").find("[218112000]"), std::string::npos)
+      << gathered.output;
+  EXPECT_NE(line_from(gathered.output, "plan: 72.01 GiB"), "") << gathered.output;
+  EXPECT_NE(line_from(bf16.output, "plan: 73.34 GiB"), "") << bf16.output;
 }
 
 // fsdp's rotating gather buffers are as wide as a block: the untied head (128256 x 4096) takes

@@ -239,6 +239,9 @@ const std::vector<Field>& schema() {
        "the amax a scale is set from: the history's max or its newest"},
       {KILN_FIELD(fp8, margin), range(0, false, 16, false), "scale = fp8_max / amax / 2^margin"},
       {KILN_FIELD(fp8, bf16_edges), any(), "keep the first and last blocks' linear layers in bf16"},
+      {KILN_FIELD(fp8, all_gather), any(),
+       "dist.strategy=fsdp: all-gather the FP8 linear layers' weights as FP8 bytes, each rank "
+       "casting its shard once a step (false: gather bf16 and cast each weight where it is used)"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
       {KILN_FIELD(dist, expert_parallel), positive(),
        "ranks each MoE block's experts are spread over (expert parallelism; dividing the world "

@@ -146,6 +146,7 @@ struct Fp8Section {
   std::string amax_compute_algo = "max";  // max | most_recent: the amax a scale is set from
   int margin = 0;                    // scale = fp8_max / amax / 2^margin
   bool bf16_edges = false;           // keep the first and last blocks in bf16
+  bool all_gather = true;            // fsdp: gather the FP8 linears' weights in FP8
 };
 
 struct DistSection {

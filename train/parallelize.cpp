@@ -146,6 +146,10 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   auto bind = [&model, &strategy, local] {
     model.bind_weights(unit_locator(strategy, &Strategy::unit_params, local));
     model.bind_grads(unit_locator(strategy, &Strategy::unit_grads, local));
+    const Locate fp8 = unit_locator(strategy, &Strategy::unit_fp8, local);
+    model.fp8().point_gathered([&model, &fp8](int param) {
+      return fp8(model.layout().tensors[static_cast<size_t>(param)]);
+    });
   };
   bind();
   strategy.on_placement_changed = bind;
@@ -213,10 +217,28 @@ void parallelize_context(Model& model, const ParallelPlan& plan, Communicator& c
   }
 }
 
-void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
-                     bool log) {
+void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const ParamLayout* local,
+                     Communicator* world, int world_size, bool log) {
   Fp8State& fp8 = model.fp8();
-  if (!strategy.holds_whole_model()) fp8.cast_weights_on_use();
+  if (!strategy.holds_whole_model() && all_gather && fp8.on()) {
+    std::vector<Strategy::Fp8Range> ranges;
+    for (const auto& [param, index] : fp8.weights()) {
+      const ParamInfo& global = model.layout().tensors[static_cast<size_t>(param)];
+      const ParamInfo& info = local ? local->find(global.name) : global;
+      ranges.push_back({info.offset, info.offset + info.numel(), index});
+    }
+    strategy.gather_in_fp8(ranges);
+    if (log)
+      spdlog::info(
+          "fp8.all_gather: fsdp gathers the {} FP8 linear layers' weights as FP8 bytes, each rank "
+          "casting its shard once a step, and the rest of their units in the working dtype",
+          ranges.size());
+    fp8.gather_weights([&strategy](Tensor state, const Fp8StateLayout& layout) {
+      strategy.cast_fp8_shard(state, layout);
+    });
+  } else if (!strategy.holds_whole_model()) {
+    fp8.cast_weights_on_use();
+  }
   Fp8Ranks ranks;
   ranks.world = world_size;
   ranks.log = log;

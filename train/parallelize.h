@@ -47,12 +47,13 @@ RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backe
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks,
                  const ParamLayout* local = nullptr);
 
-// precision.fp8 on the strategy: under one that never holds the whole model (fsdp) each FP8
-// linear casts its weight where it is used; the ranks' amax windows and the checkpoints'
-// agreement check go over `world` (the world's communicator, null for one process). `log`: this
-// rank says what the FP8 state finds.
-void parallelize_fp8(Model& model, const Strategy& strategy, Communicator* world, int world_size,
-                     bool log);
+// precision.fp8 on the strategy: under one that never holds the whole model (fsdp) the FP8
+// linears' weights are gathered in FP8 with their units (`all_gather`, fp8.all_gather; `local`
+// as parallelize's), or else each linear casts its weight where it is used; the ranks' amax
+// windows and the checkpoints' agreement check go over `world` (the world's communicator, null
+// for one process). `log`: this rank says what the FP8 state finds.
+void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const ParamLayout* local,
+                     Communicator* world, int world_size, bool log);
 
 // Expert parallelism over `ranks` ranks: the layout of rank `rank`'s flat buffer, the model's
 // `global` one with each expert tensor (ParamInfo::experts) holding only the rank's run of

@@ -200,7 +200,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
   if (plan_.has_context_split()) parallelize_context(*model_, plan_, *comms_.context, is_main());
   strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert,
                                 model_->config().tie_embeddings);
-  parallelize_fp8(*model_, *strategy_, comm_, rank.world_size, is_main());
+  parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.expert_local(), comm_,
+                  rank.world_size, is_main());
 }
 
 void Trainer::plan_buffers() {

@@ -59,6 +59,14 @@ void CpuBackend::run_fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state
   s[l.cast() + index] += static_cast<float>(R * C);
 }
 
+void CpuBackend::run_fp8_transpose(Tensor out_t, Tensor inp) {
+  const int64_t R = inp.dim(0), C = inp.dim(1);
+  const uint8_t* x = inp.ptr<uint8_t>();
+  uint8_t* o = out_t.ptr<uint8_t>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t col = 0; col < C; ++col) o[col * R + r] = x[r * C + col];
+}
+
 void CpuBackend::run_fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                                         Tensor pre_gelu, const Fp8Linear& f) {
   const float* s = f.state.ptr<float>();

@@ -14,6 +14,8 @@
 //    one-thread summary: a few hundred tensors, microseconds, no host sync.
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 
@@ -177,6 +179,83 @@ __global__ void __launch_bounds__(kCastThreads)
   win.publish(state, l, index, red);
 }
 
+// fp8_cast of a vector (R == 1, no transpose: fsdp's casts of pieces of its master shard, at any
+// offset), which 64 x 64 tiles would cast one 64-element row a block. A thread casts 8 values at
+// a time: the `head` values before inp's first 16-byte boundary first, then runs of 8 from it,
+// packed where `vec` (out + head 8-byte aligned). f32 values are rounded to bf16 first, as the
+// working copy holds them. The block that starts counts the values cast.
+template <bool kE5M2, class T>
+__global__ void __launch_bounds__(kCastThreads)
+    fp8_cast_vector_kernel(uint8_t* __restrict__ out, const T* __restrict__ inp, int64_t n,
+                           int head, float* state, Fp8StateLayout l, int index, bool vec) {
+  __shared__ float red[32];
+  const float scale = state[l.scale() + index];
+  Window win;
+  if (blockIdx.x == 0) win.cast = n;
+  const int64_t runs = 1 + (n - head + 7) / 8;  // run 0 is the head (maybe empty)
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < runs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = i == 0 ? 0 : head + (i - 1) * 8;
+    const int len = static_cast<int>(i == 0 ? head : (n - at < 8 ? n - at : 8));
+    const bool packed = i > 0 && len == 8;
+    float v[8];
+    if (packed) {
+      load_vec<8>(v, inp + at);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = k < len ? to_float(inp[at + k]) : 0.0f;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = round_bf16(v[k]);
+    }
+    union {
+      uint8_t b[8];
+      uint2 u;
+    } q;
+    win.encode8<kE5M2>(v, scale, q.b);
+    if (packed && vec) {
+      *reinterpret_cast<uint2*>(out + at) = q.u;
+    } else {
+      for (int k = 0; k < len; ++k) out[at + k] = q.b[k];
+    }
+  }
+  win.publish(state, l, index, red);
+}
+
+// out_t [C,R] = inp [R,C], bytes: 64 x 64 tiles through shared memory, stored as fp8_cast
+// stores its transposes. A thread loads 16 bytes of a tile row (`vec`: C % 16 == 0 and inp
+// 16-byte aligned; else byte by byte); `vec_t` as fp8_cast's.
+__global__ void __launch_bounds__(kCastThreads)
+    fp8_transpose_kernel(uint8_t* __restrict__ out_t, const uint8_t* __restrict__ inp, int64_t R,
+                         int64_t C, bool vec, bool vec_t) {
+  __shared__ uint32_t tile[kTile][kTileWords];
+  const int64_t tiles_c = (C + kTile - 1) / kTile;
+  const int64_t tiles = tiles_c * ((R + kTile - 1) / kTile);
+  const int r = threadIdx.x / 4, c = (threadIdx.x % 4) * 16;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileAt at(t, tiles_c, R, C);
+    const bool full = at.rows == kTile && at.cols == kTile;
+    const uint8_t* src = inp + (at.r0 + r) * C + at.c0 + c;
+    union {
+      uint8_t b[16];
+      uint4 u;
+      uint32_t w[4];
+    } v;
+    if (full && vec) {
+      v.u = *reinterpret_cast<const uint4*>(src);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v.b[k] = (r < at.rows && c + k < at.cols) ? src[k] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) tile[r][c / 4 + k] = v.w[k];
+    __syncthreads();
+    store_transposed(tile, out_t, R, at.r0, at.c0, at.rows, at.cols, full && vec_t);
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+}
+
 // SwiGLU's output and its FP8 copy, one stream (no transpose): a thread takes 8 columns of a row
 // at a time. F % 8 == 0 and every pointer 16-byte aligned (the caller checks).
 template <bool kE5M2>
@@ -316,12 +395,44 @@ std::string CudaBackend::fp8_unavailable() const {
          "; FP8 tensor cores need sm_89 (Ada) or newer";
 }
 
+namespace {
+
+template <class T>
+void cast_vector(uint8_t* out, const T* inp, int64_t n, DType format, float* state,
+                 const Fp8StateLayout& l, int index, int sm_count_, cudaStream_t stream_) {
+  const int per_16 = static_cast<int>(16 / sizeof(T));
+  const int64_t head = (per_16 - reinterpret_cast<uintptr_t>(inp) % 16 / sizeof(T)) % per_16;
+  const int h = static_cast<int>(std::min(head, n));
+  const bool vec = aligned(out + h, 8);
+  const int64_t runs = ceil_div(1 + ceil_div(n - h, int64_t{8}), int64_t{kCastThreads});
+  if (format == DType::fp8_e5m2)
+    fp8_cast_vector_kernel<true, T>
+        <<<full_wave(fp8_cast_vector_kernel<true, T>, runs, sm_count_), kCastThreads, 0, stream_>>>(
+            out, inp, n, h, state, l, index, vec);
+  else
+    fp8_cast_vector_kernel<false, T>
+        <<<full_wave(fp8_cast_vector_kernel<false, T>, runs, sm_count_), kCastThreads, 0,
+           stream_>>>(out, inp, n, h, state, l, index, vec);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
 void CudaBackend::run_fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor state,
                                const Fp8StateLayout& l, int index) {
   const int64_t C = inp.dim(-1), R = inp.numel() / C;
   if (R == 0 || C == 0) return;
   auto* o = static_cast<uint8_t*>(out.data);
   auto* ot = static_cast<uint8_t*>(out_t.data);
+  if (R == 1 && !ot) {
+    if (inp.dtype == DType::f32)
+      cast_vector(o, inp.ptr<float>(), C, out.dtype, state.ptr<float>(), l, index, sm_count_,
+                  stream_);
+    else
+      cast_vector(o, inp.ptr<bf16>(), C, out.dtype, state.ptr<float>(), l, index, sm_count_,
+                  stream_);
+    return;
+  }
   const bool vec = C % 8 == 0 && aligned(inp.data, 16) && (!o || aligned(o, 8));
   const bool vec_t = R % 16 == 0 && (!ot || aligned(ot, 16));
   const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
@@ -333,6 +444,18 @@ void CudaBackend::run_fp8_cast(Tensor out, Tensor out_t, Tensor inp, Tensor stat
   else
     fp8_cast_kernel<false><<<full_wave(fp8_cast_kernel<false>, tiles, sm_count_), kCastThreads,
                              0, stream_>>>(o, ot, x, R, C, s, l, index, vec, vec_t);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void CudaBackend::run_fp8_transpose(Tensor out_t, Tensor inp) {
+  const int64_t R = inp.dim(0), C = inp.dim(1);
+  if (R == 0 || C == 0) return;
+  const bool vec = C % 16 == 0 && aligned(inp.data, 16);
+  const bool vec_t = R % 16 == 0 && aligned(out_t.data, 16);
+  const int64_t tiles = static_cast<int64_t>(ceil_div(C, kTile)) * ceil_div(R, kTile);
+  fp8_transpose_kernel<<<full_wave(fp8_transpose_kernel, tiles, sm_count_), kCastThreads, 0,
+                         stream_>>>(static_cast<uint8_t*>(out_t.data),
+                                    static_cast<const uint8_t*>(inp.data), R, C, vec, vec_t);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

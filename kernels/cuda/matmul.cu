@@ -424,6 +424,19 @@ void CudaBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
   if (dbias.defined()) column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
 }
 
+namespace {
+
+// A layer whose weight was gathered in FP8 has no bf16 weight for the fallback to read.
+void refuse_gathered_fallback(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) {
+  if (f.weights != Fp8WeightCopies::gathered) return;
+  throw std::runtime_error("cuBLASLt has no FP8 GEMM for a linear layer of " + std::to_string(N) +
+                           " rows, " + std::to_string(C) + " in, " + std::to_string(OC) +
+                           " out, whose weight fsdp gathered in FP8 only: run with "
+                           "--fp8.all_gather=false");
+}
+
+}  // namespace
+
 void CudaBackend::run_fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
                                          Tensor pre_gelu, const Fp8Linear& f) {
   const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
@@ -444,6 +457,7 @@ void CudaBackend::run_fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, 
   g.fast_accum = true;  // as Transformer Engine's forward; the backward GEMMs promote
   if (!fp8_gemm_ok(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_,
                    stream_, g, out.data)) {
+    refuse_gathered_fallback(f, N, C, OC);
     matmul_forward(out, inp, weight, bias, pre_gelu);
     return;
   }
@@ -491,6 +505,7 @@ void CudaBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor db
                                           const Fp8Linear& f) {
   const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
   if (!fp8_backward_in_fp8(f, N, C, OC)) {
+    refuse_gathered_fallback(f, N, C, OC);
     if (!dout.defined())
       throw std::logic_error("cuda fp8_matmul_backward: cuBLASLt refuses this layer's FP8 "
                              "GEMMs and its gradient exists only in FP8 (the caller should "

@@ -17,7 +17,7 @@ void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tens
     return;
   }
   const Fp8Linear& f = *fp8;
-  if (f.cast_weight_on_use)
+  if (f.weights == Fp8WeightCopies::on_use)
     k.fp8_cast(f.weight8, Tensor{}, param(w, weight), f.state, f.layout, f.index + kFp8W);
   if (!x8_made) k.fp8_cast(f.x8, Tensor{}, inp, f.state, f.layout, f.index + kFp8X);
   k.fp8_matmul_forward(out_t, inp, param(w, weight), param(w, bias), pre_gelu, f);
@@ -32,8 +32,10 @@ void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp,
   }
   const Fp8Linear& f = *fp8;
   // The weight's scale, like the input's, is the forward's: the same bytes again.
-  if (f.cast_weight_on_use)
+  if (f.weights == Fp8WeightCopies::on_use)
     k.fp8_cast(f.weight8, f.weight8_t, param(w, weight), f.state, f.layout, f.index + kFp8W);
+  else if (f.weights == Fp8WeightCopies::gathered)
+    k.fp8_transpose(f.weight8_t, f.weight8);
   if (dout.defined()) k.fp8_cast(f.g8, f.g8_t, dout, f.state, f.layout, f.index + kFp8G);
   // The forward's scale is still in place (scales change between optimizer steps only), so this
   // cast gives the forward's bytes, transposed for the weight gradient: no FP8 copy is kept.

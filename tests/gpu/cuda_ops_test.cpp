@@ -1103,6 +1103,55 @@ TEST_F(CudaFp8, CastMatchesCpuByteForByte) {
   }
 }
 
+// A vector's cast (fsdp's pieces of its weight shard under fp8.all_gather) against the CPU's: the
+// same bytes and window at every alignment of input and output, lengths below, at and far past a
+// run of 8, and a piece longer than one wave of blocks.
+TEST_F(CudaFp8, VectorCastMatchesCpuAtAnyOffset) {
+  const int64_t total = 3 * 1024 * 1024 + 64;
+  const std::vector<float> x = rand(total, 4.0f);
+  const float scale = kFp8E4M3Max / 3.0f;
+  Buf cx = cpu({total}, x), gx = act({total}, x);
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{100},
+                          int64_t{4099}, int64_t{3 * 1024 * 1024}})
+    for (const int64_t in_at : {0, 1, 3, 8})
+      for (const int64_t out_at : {0, 1, 5}) {
+        Fp8Pair st = state({scale});
+        Buf co(*cpu_, {1, n + out_at}, DType::fp8_e4m3),
+            go(*gpu_, {1, n + out_at}, DType::fp8_e4m3);
+        cpu_->fill_zero(co);
+        gpu_->fill_zero(go);
+        const Tensor ci = cx.t.slice(in_at, {1, n}), gi = gx.t.slice(in_at, {1, n});
+        cpu_->fp8_cast(Tensor(co).slice(out_at, {1, n}), Tensor{}, ci, st.cpu, st.l, 0);
+        gpu_->fp8_cast(Tensor(go).slice(out_at, {1, n}), Tensor{}, gi, st.gpu, st.l, 0);
+        const std::string what = std::to_string(n) + " values from " + std::to_string(in_at) +
+                                 " to " + std::to_string(out_at);
+        EXPECT_EQ(bytes(*gpu_, go), bytes(*cpu_, co)) << what;
+        expect_same_floats(host(st.gpu), host(st.cpu), what.c_str());
+      }
+}
+
+// fp8_transpose against the CPU's: full and partial tiles, widths that are not a multiple of 16
+// (bytes one by one), a view at an odd offset, more tiles than one wave; both formats' bytes are
+// moved alike, so one is enough.
+TEST_F(CudaFp8, TransposeMatchesCpu) {
+  struct Shape2 {
+    int64_t R, C, at;
+  };
+  for (const Shape2 sh : {Shape2{128, 256, 0}, Shape2{130, 72, 0}, Shape2{37, 13, 0},
+                          Shape2{64, 64, 3}, Shape2{4096, 1088, 0}}) {
+    const int64_t n = sh.R * sh.C + sh.at;
+    std::vector<uint8_t> q(static_cast<size_t>(n));
+    for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+    Buf ci(*cpu_, {n}, DType::fp8_e4m3), gi(*gpu_, {n}, DType::fp8_e4m3);
+    cpu_->copy_from_host(ci, q.data());
+    gpu_->copy_from_host(gi, q.data());
+    Buf co(*cpu_, {sh.C, sh.R}, DType::fp8_e4m3), go(*gpu_, {sh.C, sh.R}, DType::fp8_e4m3);
+    cpu_->fp8_transpose(co, Tensor(ci).slice(sh.at, {sh.R, sh.C}));
+    gpu_->fp8_transpose(go, Tensor(gi).slice(sh.at, {sh.R, sh.C}));
+    EXPECT_EQ(bytes(*gpu_, go), bytes(*cpu_, co)) << sh.R << "x" << sh.C << " at " << sh.at;
+  }
+}
+
 // SwiGLU fused with the casts (swiglu_forward_fp8, swiglu_backward_fp8) against swiglu_forward /
 // swiglu_backward followed by fp8_cast on CUDA: the same bf16 output, FP8 bytes, transposes and
 // windows. F a multiple of 8 (packed loads) and not (element by element); rows and columns in

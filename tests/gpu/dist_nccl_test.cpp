@@ -103,6 +103,32 @@ TEST_F(DistNccl, AnUntiedHeadInTheEmbeddingsBufferFollowsTheSingleGpuCurve) {
                                    " --train.recompute=light --train.recompute_full_blocks=1"));
 }
 
+// fsdp's FP8 all-gather (fp8.all_gather, the default: each rank casts its shard, the units are
+// gathered as FP8 bytes and each weight's transpose made from them) against casting each weight
+// from its bf16 gather where it is used: the same bytes, so with deterministic kernels the same
+// losses bit for bit, over 2 micro-batches a step and a recompute plan that mixes modes; both
+// on the 1-GPU FP8 curve. LLaMA: an untied head in the embeddings' slot, and norm gains split
+// between the ranks' chunks.
+TEST_F(DistNccl, Fp8AllGatherUnderFsdpMatchesCastingOnUse) {
+  const std::string fp8 =
+      "--precision.fp8=true --precision.deterministic=true --model.arch=llama "
+      "--model.n_kv_head=2 --model.tie_embeddings=false";
+  const std::string single = train("fp8_single", 1, "ddp", fp8);
+  std::vector<int> worlds = {2};
+  if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
+  for (int n : worlds) {
+    const std::string args =
+        fp8 + " --train.grad_accum=2 --train.batch_size=" + std::to_string(16 / n / 2) +
+        " --train.recompute=light --train.recompute_full_blocks=1";
+    const std::string gathered = train("fp8_gathered" + std::to_string(n), n, "fsdp", args);
+    expect_close(single, gathered);
+    EXPECT_EQ(losses(train("fp8_on_use" + std::to_string(n), n, "fsdp",
+                           args + " --fp8.all_gather=false")),
+              losses(gathered))
+        << n << " GPUs";
+  }
+}
+
 // Gradients summed in bf16 (dist.reduce_dtype=bf16) stay on the same curve.
 TEST_F(DistNccl, BfloatGradientReductionFollowsTheSingleGpuCurve) {
   const std::string single = train("single", 1, "ddp");
