@@ -90,6 +90,9 @@ class DeviceRuntime {
   // Enqueues the captured work once more. "" on success, else why the graph no longer fits
   // (memory it used has moved: capture again) and nothing was enqueued.
   virtual std::string graph_replay() { return graph_unavailable(); }
+  // Drops the captured graph, once its replays are done. Before the communicators whose
+  // collectives it holds are destroyed: NCCL's destroy waits for every graph holding them.
+  virtual void graph_release() {}
 
  protected:
   // Throws std::invalid_argument unless slot < kReadbackSlots and `srcs` are f32 tensors of

@@ -15,6 +15,15 @@ StepGraph::StepGraph(Backend& backend, std::function<void(bool)> step_work,
       forget_placement_(std::move(forget_placement)),
       break_capture_(std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr) {}
 
+StepGraph::~StepGraph() {
+  if (mode_ == Mode::off) return;
+  try {
+    backend_.graph_release();
+  } catch (const std::exception& e) {
+    spdlog::warn("train.cuda_graphs: releasing the graph failed: {}", e.what());
+  }
+}
+
 void StepGraph::start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
                       const std::string& what, bool log) {
   if (!enabled) return;

@@ -19,6 +19,11 @@ class StepGraph {
   // itself (Strategy::forget_placement), as a capture must record.
   StepGraph(Backend& backend, std::function<void(bool break_capture)> step_work,
             std::function<void()> forget_placement);
+  // Releases the graph (Backend::graph_release): its owner destroys it before the
+  // communicators, which otherwise wait for it forever.
+  ~StepGraph();
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
 
   // At the run's start: whether graphs apply (`model_why_not`: Model::graph_unavailable), and
   // which step is captured. `what` describes the captured step for the log ("1 micro-batch,

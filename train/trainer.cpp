@@ -155,7 +155,7 @@ class Trainer {
   Tensor decay_spans_, sched_, sumsq_, loss_sum_;
   Tensor checkpoint_failed_;  // settle_checkpoints' flag, summed over the ranks
   StepInputs inputs_;
-  StepGraph graph_;
+  StepGraph graph_;  // after comms_: its graph, holding their collectives, goes first
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<Evaluation> evaluation_;
   std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
@@ -374,15 +374,11 @@ int Trainer::run() {
   report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   const int accum = t.grad_accum;
-  // Several GPUs: a 2-GPU run that replayed its step trained every step, then hung at its end
-  // (docs/cuda.md#cuda-graphs); eager until that is fixed.
-  const bool many_gpus = rank_.world_size > 1 && backend_->device() == Device::cuda;
   // cuDNN's document-masked attention takes each step's count of documents from the host.
   const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn";
   graph_.start(
       t.cuda_graphs,
-      many_gpus ? "more than one GPU: a replayed step left 2-GPU runs hung at their end"
-      : counted_documents
+      counted_documents
           ? "data.document_mask on cuDNN: each step's documents are its attention's batch"
           : model_->graph_unavailable(),
       start_step_, t.max_steps,

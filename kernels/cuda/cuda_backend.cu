@@ -262,6 +262,13 @@ std::string CudaBackend::graph_replay() {
   return "";
 }
 
+void CudaBackend::graph_release() {
+  if (!graph_) return;
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KILN_CUDA_CHECK(cudaGraphExecDestroy(graph_));
+  graph_ = nullptr;
+}
+
 // Pinned staging, so the copies are true DMA that return at once; one event per slot, so
 // waiting for step N's values does not wait for step N+1's work enqueued after them.
 void CudaBackend::read_async(int slot, const std::vector<Tensor>& srcs) {

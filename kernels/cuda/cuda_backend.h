@@ -100,6 +100,7 @@ class CudaBackend final : public Backend {
   void capture_begin() override;
   std::string capture_end() override;
   std::string graph_replay() override;
+  void graph_release() override;
 
   // ---- Backend ----------------------------------------------------------------------------
   DType activation_dtype() const override { return DType::bf16; }
