@@ -157,6 +157,32 @@ TEST(Fp8Cast, CpuCastRecordsTheWindowAndTransposes) {
   EXPECT_TRUE(std::isnan(st.at(st.l.amax(), 0)));
 }
 
+// fp8_transpose of a cast gives the cast's own transpose (what the backward of a weight gathered
+// in FP8 needs), in either format; its contract refuses a transpose of the wrong shape or format.
+TEST(Fp8Transpose, CpuTransposeIsTheCastsTranspose) {
+  auto cpu = make_cpu_backend();
+  const int64_t R = 3, C = 5;
+  std::vector<float> x(R * C);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 0.37f * static_cast<float>(i) - 2.0f;
+  for (const DType d : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+    State st;
+    st.at(st.l.scale(), 0) = 10.0f;
+    std::vector<uint8_t> out(R * C), out_t(R * C), moved(R * C);
+    cpu->fp8_cast(Tensor{out.data(), {R, C}, d, Device::cpu},
+                  Tensor{out_t.data(), {C, R}, d, Device::cpu},
+                  Tensor{x.data(), {R, C}, DType::f32, Device::cpu}, st.tensor(), st.l, 0);
+    cpu->fp8_transpose(Tensor{moved.data(), {C, R}, d, Device::cpu},
+                       Tensor{out.data(), {R, C}, d, Device::cpu});
+    EXPECT_EQ(moved, out_t) << dtype_name(d);
+  }
+  std::vector<uint8_t> a(R * C), b(R * C);
+  const Tensor in{a.data(), {R, C}, DType::fp8_e4m3, Device::cpu};
+  EXPECT_THROW(cpu->fp8_transpose(Tensor{b.data(), {R, C}, DType::fp8_e4m3, Device::cpu}, in),
+               std::invalid_argument);
+  EXPECT_THROW(cpu->fp8_transpose(Tensor{b.data(), {C, R}, DType::fp8_e5m2, Device::cpu}, in),
+               std::invalid_argument);
+}
+
 // The emulated GEMMs are the f32 GEMMs over the decoded, unscaled operands, forward and backward.
 TEST(Fp8Matmul, CpuEmulationIsTheF32GemmOfTheDecodedOperands) {
   auto cpu = make_cpu_backend();
