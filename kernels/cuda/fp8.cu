@@ -181,8 +181,9 @@ __global__ void __launch_bounds__(kCastThreads)
 
 // fp8_cast of a vector (R == 1, no transpose: fsdp's casts of pieces of its master shard, at any
 // offset), which 64 x 64 tiles would cast one 64-element row a block. A thread casts 8 values at
-// a time: the `head` values before inp's first 16-byte boundary first, then runs of 8 from it,
-// packed where `vec` (out + head 8-byte aligned). f32 values are rounded to bf16 first, as the
+// a time: the `head` values before the first whose element index in memory is a multiple of 8
+// (16 bytes of bf16, 32 of f32), then runs of 8 from it, packed where `vec` (out + head 8-byte
+// aligned: fsdp lays its FP8 shard out so that it is). f32 values are rounded to bf16 first, as the
 // working copy holds them. The block that starts counts the values cast.
 template <bool kE5M2, class T>
 __global__ void __launch_bounds__(kCastThreads)
@@ -400,8 +401,7 @@ namespace {
 template <class T>
 void cast_vector(uint8_t* out, const T* inp, int64_t n, DType format, float* state,
                  const Fp8StateLayout& l, int index, int sm_count_, cudaStream_t stream_) {
-  const int per_16 = static_cast<int>(16 / sizeof(T));
-  const int64_t head = (per_16 - reinterpret_cast<uintptr_t>(inp) % 16 / sizeof(T)) % per_16;
+  const int64_t head = (8 - reinterpret_cast<uintptr_t>(inp) / sizeof(T) % 8) % 8;
   const int h = static_cast<int>(std::min(head, n));
   const bool vec = aligned(out + h, 8);
   const int64_t runs = ceil_div(1 + ceil_div(n - h, int64_t{8}), int64_t{kCastThreads});

@@ -1103,31 +1103,40 @@ TEST_F(CudaFp8, CastMatchesCpuByteForByte) {
   }
 }
 
-// A vector's cast (fsdp's pieces of its weight shard under fp8.all_gather) against the CPU's: the
+// A vector's cast (fsdp's pieces of its master shard under fp8.all_gather) against the CPU's: the
 // same bytes and window at every alignment of input and output, lengths below, at and far past a
-// run of 8, and a piece longer than one wave of blocks.
+// run of 8, and a piece longer than one wave of blocks; from bf16, and from f32 values between
+// bf16's, which the GPU rounds to bf16 first (the CPU is given them rounded).
 TEST_F(CudaFp8, VectorCastMatchesCpuAtAnyOffset) {
   const int64_t total = 3 * 1024 * 1024 + 64;
-  const std::vector<float> x = rand(total, 4.0f);
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  std::vector<float> x(static_cast<size_t>(total)), rounded(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = u(gen);
+    rounded[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  }
   const float scale = kFp8E4M3Max / 3.0f;
-  Buf cx = cpu({total}, x), gx = act({total}, x);
-  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{100},
-                          int64_t{4099}, int64_t{3 * 1024 * 1024}})
-    for (const int64_t in_at : {0, 1, 3, 8})
-      for (const int64_t out_at : {0, 1, 5}) {
-        Fp8Pair st = state({scale});
-        Buf co(*cpu_, {1, n + out_at}, DType::fp8_e4m3),
-            go(*gpu_, {1, n + out_at}, DType::fp8_e4m3);
-        cpu_->fill_zero(co);
-        gpu_->fill_zero(go);
-        const Tensor ci = cx.t.slice(in_at, {1, n}), gi = gx.t.slice(in_at, {1, n});
-        cpu_->fp8_cast(Tensor(co).slice(out_at, {1, n}), Tensor{}, ci, st.cpu, st.l, 0);
-        gpu_->fp8_cast(Tensor(go).slice(out_at, {1, n}), Tensor{}, gi, st.gpu, st.l, 0);
-        const std::string what = std::to_string(n) + " values from " + std::to_string(in_at) +
-                                 " to " + std::to_string(out_at);
-        EXPECT_EQ(bytes(*gpu_, go), bytes(*cpu_, co)) << what;
-        expect_same_floats(host(st.gpu), host(st.cpu), what.c_str());
-      }
+  Buf cx = cpu({total}, rounded), gx = act({total}, rounded), fx = gpu({total}, DType::f32, x);
+  for (const Tensor& g : {gx.t, fx.t})
+    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{100},
+                            int64_t{4099}, int64_t{3 * 1024 * 1024}})
+      for (const int64_t in_at : {0, 1, 3, 8})
+        for (const int64_t out_at : {0, 1, 5, 11}) {
+          Fp8Pair st = state({scale});
+          Buf co(*cpu_, {1, n + out_at}, DType::fp8_e4m3),
+              go(*gpu_, {1, n + out_at}, DType::fp8_e4m3);
+          cpu_->fill_zero(co);
+          gpu_->fill_zero(go);
+          const Tensor ci = cx.t.slice(in_at, {1, n}), gi = g.slice(in_at, {1, n});
+          cpu_->fp8_cast(Tensor(co).slice(out_at, {1, n}), Tensor{}, ci, st.cpu, st.l, 0);
+          gpu_->fp8_cast(Tensor(go).slice(out_at, {1, n}), Tensor{}, gi, st.gpu, st.l, 0);
+          const std::string what = std::to_string(n) + " " + dtype_name(g.dtype) +
+                                   " values from " + std::to_string(in_at) + " to " +
+                                   std::to_string(out_at);
+          EXPECT_EQ(bytes(*gpu_, go), bytes(*cpu_, co)) << what;
+          expect_same_floats(host(st.gpu), host(st.cpu), what.c_str());
+        }
 }
 
 // fp8_transpose against the CPU's: full and partial tiles, widths that are not a multiple of 16
