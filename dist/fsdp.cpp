@@ -92,7 +92,7 @@ class Fsdp final : public Strategy {
   void use_unit(int unit, int prefetch);
   void pack_rest();
 
-  // fp8.all_gather: a unit's pieces, each `n` values from `from` to `to` (offsets below), and
+  // fp8.all_gather: a unit's pieces, each `n` values from `from` (to `to`: offsets below), and
   // for a cast the FP8 state tensor it is cast with.
   struct Piece {
     int64_t from, to, n;
@@ -103,7 +103,7 @@ class Fsdp final : public Strategy {
     int64_t fp8_at = 0;   // this rank's chunk of FP8 bytes in fp8_shard_, laid out like the chunk
     int64_t rest_at = 0;  // its rest, packed, in rest_shard_ (working dtype)
     int64_t rest = 0;     // the values every rank's packed rest is padded to
-    std::vector<Piece> cast;    // this rank's FP8 pieces: chunk offset -> the same, in fp8_at's
+    std::vector<Piece> cast;    // this rank's FP8 pieces: chunk offset (FP8 chunk's alike)
     std::vector<Piece> pack;    // this rank's rest: chunk offset -> packed offset
     std::vector<Piece> unpack;  // every rank's rest: offset in the gathered packs -> unit offset
   };
@@ -162,7 +162,7 @@ void Fsdp::gather_in_fp8(const std::vector<Fp8Range>& given) {
         const int64_t b = std::max(lo, fr.begin - c.begin), e = std::min(hi, fr.end - c.begin);
         if (b >= e) continue;
         rest_until(b);
-        if (r == plan_.rank) f.cast.push_back({b - lo, b - lo, e - b, fr.index});
+        if (r == plan_.rank) f.cast.push_back({b - lo, 0, e - b, fr.index});
         at = e;
       }
       rest_until(hi);
@@ -275,7 +275,7 @@ void Fsdp::cast_fp8_shard(Tensor state, const Fp8StateLayout& layout) {
     const UnitFp8& f = fp8_units_[u];
     const int64_t local = plan_.chunks[u].local;
     for (const Piece& p : f.cast)
-      backend_.fp8_cast(fp8_shard_.slice(f.fp8_at + p.to, {1, p.n}), Tensor{},
+      backend_.fp8_cast(fp8_shard_.slice(f.fp8_at + p.from, {1, p.n}), Tensor{},
                         gather_src_.slice(local + p.from, {1, p.n}), state, layout, p.index);
   }
 }

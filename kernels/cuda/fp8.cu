@@ -400,19 +400,19 @@ namespace {
 
 template <class T>
 void cast_vector(uint8_t* out, const T* inp, int64_t n, DType format, float* state,
-                 const Fp8StateLayout& l, int index, int sm_count_, cudaStream_t stream_) {
+                 const Fp8StateLayout& l, int index, int sm_count, cudaStream_t stream) {
   const int64_t head = (8 - reinterpret_cast<uintptr_t>(inp) / sizeof(T) % 8) % 8;
   const int h = static_cast<int>(std::min(head, n));
   const bool vec = aligned(out + h, 8);
   const int64_t runs = ceil_div(1 + ceil_div(n - h, int64_t{8}), int64_t{kCastThreads});
   if (format == DType::fp8_e5m2)
     fp8_cast_vector_kernel<true, T>
-        <<<full_wave(fp8_cast_vector_kernel<true, T>, runs, sm_count_), kCastThreads, 0, stream_>>>(
+        <<<full_wave(fp8_cast_vector_kernel<true, T>, runs, sm_count), kCastThreads, 0, stream>>>(
             out, inp, n, h, state, l, index, vec);
   else
     fp8_cast_vector_kernel<false, T>
-        <<<full_wave(fp8_cast_vector_kernel<false, T>, runs, sm_count_), kCastThreads, 0,
-           stream_>>>(out, inp, n, h, state, l, index, vec);
+        <<<full_wave(fp8_cast_vector_kernel<false, T>, runs, sm_count), kCastThreads, 0,
+           stream>>>(out, inp, n, h, state, l, index, vec);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
