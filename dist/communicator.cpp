@@ -19,6 +19,7 @@ class PlanCommunicator final : public Communicator {
   void all_reduce_max(Tensor) override { unplanned("all_reduce_max"); }
   void reduce_scatter_sum(Tensor, Tensor) override { unplanned("reduce_scatter_sum"); }
   void all_gather(Tensor, Tensor) override { unplanned("all_gather"); }
+  void fill_zero(Tensor) override {}
   void broadcast(Tensor, int) override { unplanned("broadcast"); }
   void all_to_all(Tensor, Tensor) override { unplanned("all_to_all"); }
   void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,

@@ -5,6 +5,10 @@
 // unit's backward: the compute stream waits for a unit's gather alone (a mark on the comm stream),
 // and for its reduce-scatter only at the next unit's end. The model calls the unit hooks inside
 // each unit, so a unit is gathered just before its first op and scattered just after its last.
+// A gradient slot is zero whenever no unit uses it: zeroed once at bind(), then on the comm stream
+// right after each reduce-scatter has read it, beside the next unit's backward rather than before
+// the unit's own. The grad shard is never zeroed: the first micro-batch's reduce-scatters
+// overwrite every chunk of it, and the chunks tile it.
 //
 // With fp8.all_gather, a unit that holds FP8 linears' weights is gathered in two all-gathers: the
 // FP8 bytes of its chunks (cast from each rank's master shard once per step, at the step's
@@ -30,7 +34,10 @@ class Fsdp final : public Strategy {
         unit_slot_(units.size(), -1) {}
 
   void plan_memory(Arena& arena) override;
-  void bind() override { gather_src_ = working_shard_.defined() ? working_shard_ : master_; }
+  void bind() override {
+    gather_src_ = working_shard_.defined() ? working_shard_ : master_;
+    for (const Tensor& g : unit_grads_) backend_.fill_zero(g);
+  }
   Tensor unit_params(int unit) const override { return in_slot(unit_params_, unit); }
   Tensor unit_grads(int unit) const override { return in_slot(unit_grads_, unit); }
   void gather_in_fp8(const std::vector<Fp8Range>& ranges) override;
@@ -47,14 +54,10 @@ class Fsdp final : public Strategy {
   void before_backward(int unit) override {
     // Unit 0 stays in its slot from the forward, unless the untied head took the slot since.
     use_unit(unit, unit > 1 || (unit == 1 && !head_reads_embeddings_) ? unit - 1 : -1);
-    // Unit 0's grads also collect the tied head's, which runs first in backward.
-    if (unit == last() && head_reads_embeddings_) backend_.fill_zero(unit_grads_[0]);
-    if (unit != 0 || !head_reads_embeddings_)
-      backend_.fill_zero(unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
   }
   void after_backward(int unit) override;
 
-  void zero_grads() override { backend_.fill_zero(grad_shard_); }
+  void zero_grads() override {}
   void reduce_grads(Tensor sumsq) override {
     finish_scatter_grads();
     if (comm_) comm_->wait();
@@ -295,9 +298,10 @@ void Fsdp::after_backward(int unit) {
   const Tensor full =
       unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
   // Finished at the next unit's end (issue_scatter_grads finishes the one before), or here for
-  // unit 0, the last: the next micro-batch's backward zeroes its grads first.
+  // unit 0, the last. The slot is zeroed behind it, for the next unit that uses it: the compute
+  // stream writes it again only after the finish. Unit 0's grads also hold a tied head's.
   issue_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
-                      scatter_tmp_);
+                      scatter_tmp_, unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
   if (unit == 0) finish_scatter_grads();
 }
 

@@ -139,6 +139,12 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  void fill_zero(Tensor buf) override {
+    expect_cpu("fill_zero", buf);
+    if (buf.numel() == 0) return;
+    enqueue("fill_zero", buf, [buf] { std::memset(buf.data, 0, buf.nbytes()); });
+  }
+
   void broadcast(Tensor buf, int root) override {
     check_collective(name(), "broadcast", buf, buf, 1, 1);
     expect_cpu("broadcast", buf);

@@ -119,6 +119,15 @@ class NcclCommunicator : public Communicator {
     end();
   }
 
+  void fill_zero(Tensor buf) override {
+    expect_cuda("fill_zero", buf);
+    if (buf.numel() == 0) return;
+    begin();
+    check_cuda(cudaMemsetAsync(buf.data, 0, buf.nbytes(), stream_), name(),
+               "cudaMemsetAsync(fill_zero)");
+    end();
+  }
+
   void all_gather(Tensor out_full, Tensor in_shard) override {
     check_collective(name(), "all_gather", out_full, in_shard, world_, 1);
     expect_cuda("all_gather", in_shard);

@@ -102,7 +102,8 @@ void Strategy::reduce_scatter(Tensor out, Tensor in) {
   comm_->wait();
 }
 
-void Strategy::issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch) {
+void Strategy::issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch,
+                                   Tensor clear) {
   finish_scatter_grads();  // it may share scratch and the bf16 buffers with this one
   const int64_t n = out.numel();
   PendingScatter p{out, accumulate ? scratch.slice(0, {n}) : out, Tensor{}, accumulate, 0};
@@ -114,8 +115,10 @@ void Strategy::issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tenso
   }
   if (!comm_ || plan_.world == 1) {
     backend_.copy(dst, src);
+    if (clear.defined()) backend_.fill_zero(clear);
   } else {
     comm_->reduce_scatter_sum(dst, src);
+    if (clear.defined()) comm_->fill_zero(clear);
     p.mark = comm_->mark();
   }
   pending_scatter_ = p;

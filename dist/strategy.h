@@ -149,7 +149,10 @@ class Strategy {
   // between them: issue_... enqueues it (in, scratch and the bf16 buffers stay in use); finish_...
   // orders the compute stream after it and enqueues what consumes its result (no-op when none
   // is pending). One may be pending at a time: issue_... finishes the one before first.
-  void issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch);
+  // `clear` (optional, holding `in`) is zeroed once the reduce-scatter has read it, on the comm
+  // stream, and finish_... orders the compute stream after that too.
+  void issue_scatter_grads(Tensor out, Tensor in, bool accumulate, Tensor scratch,
+                           Tensor clear = Tensor{});
   void finish_scatter_grads();
   // Unit `unit`'s range of a buffer laid out like the flat parameters.
   Tensor unit_range(Tensor flat, int unit) const {

@@ -73,6 +73,7 @@ class Watchdog::Watched : public Communicator {
     note("all_gather");
     inner_->all_gather(out_full, in_shard);
   }
+  void fill_zero(Tensor buf) override { inner_->fill_zero(buf); }
   void broadcast(Tensor buf, int root) override {
     note("broadcast");
     inner_->broadcast(buf, root);

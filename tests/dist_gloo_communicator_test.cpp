@@ -191,6 +191,14 @@ TEST_P(DistGloo, CollectivesRunAtWaitInIssueOrderOrWhenIssuedIfEager) {
     comm.all_reduce_sum(cpu_f32(x));
     comm.barrier();  // a barrier runs what was issued before it
     EXPECT_EQ(x[0], 2.0f * fn * fn);
+    // fill_zero is one of the sequence: the reduce-scatter issued before it reads y first.
+    std::vector<float> s(4);
+    comm.reduce_scatter_sum(cpu_f32(s), cpu_f32(y));
+    comm.fill_zero(cpu_f32(y));
+    EXPECT_EQ(y[0], 2.0f * fn) << "zeroed before wait()";
+    comm.wait();
+    for (float v : s) EXPECT_EQ(v, 2.0f * fn * fn);
+    for (float v : y) EXPECT_EQ(v, 0.0f);
   });
   ::setenv("KILN_GLOO_EAGER", "1", 1);
   run_world(n, [fn](Communicator& comm) {

@@ -20,7 +20,17 @@ void expect_tiles(const std::string& strategy, int world) {
       EXPECT_LE(local_end, p.shard_size);
       for (int64_t i = o.begin; i < o.end; ++i) ++owners[static_cast<size_t>(i)];
     }
-    for (const auto& c : p.chunks) EXPECT_GE(c.chunk * world, c.real_size);
+    // The chunks, one after the other, fill the shard: what lets fsdp skip zeroing its grad
+    // shard (the first micro-batch's reduce-scatters, one a chunk, overwrite all of it).
+    int64_t chunk_end = 0;
+    for (const auto& c : p.chunks) {
+      EXPECT_GE(c.chunk * world, c.real_size);
+      EXPECT_EQ(c.local, chunk_end);
+      chunk_end = c.local + c.chunk;
+    }
+    if (!p.chunks.empty()) {
+      EXPECT_EQ(chunk_end, p.shard_size) << strategy;
+    }
   }
   for (int i = 0; i < 41; ++i) EXPECT_EQ(owners[static_cast<size_t>(i)], strategy == "ddp" ? world : 1) << strategy << " element " << i;
 }

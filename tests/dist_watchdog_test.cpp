@@ -114,6 +114,7 @@ class DeviceCommunicator : public kiln::Communicator {
   void all_reduce_max(kiln::Tensor) override {}
   void reduce_scatter_sum(kiln::Tensor, kiln::Tensor) override {}
   void all_gather(kiln::Tensor, kiln::Tensor) override {}
+  void fill_zero(kiln::Tensor) override {}
   void broadcast(kiln::Tensor, int) override {}
   void all_to_all(kiln::Tensor, kiln::Tensor) override {}
   void all_to_all_v(kiln::Tensor, const std::vector<int64_t>&, kiln::Tensor,

@@ -78,6 +78,7 @@ class CountingCommunicator : public Communicator {
   void all_reduce_max(Tensor) override { calls.push_back("all_reduce_max"); }
   void reduce_scatter_sum(Tensor, Tensor) override { calls.push_back("reduce_scatter_sum"); }
   void all_gather(Tensor, Tensor) override { calls.push_back("all_gather"); }
+  void fill_zero(Tensor) override { calls.push_back("fill_zero"); }
   void broadcast(Tensor, int root) override { calls.push_back("broadcast " + std::to_string(root)); }
   void all_to_all(Tensor, Tensor) override { calls.push_back("all_to_all"); }
   void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,
@@ -108,6 +109,7 @@ TEST(Nvtx, TheWrappedCommunicatorForwardsEveryCall) {
   c->all_reduce_max(t);
   c->reduce_scatter_sum(t, t);
   c->all_gather(t, t);
+  c->fill_zero(t);
   c->broadcast(t, 2);
   c->all_to_all(t, t);
   c->all_to_all_v(t, {}, t, {});
@@ -115,7 +117,7 @@ TEST(Nvtx, TheWrappedCommunicatorForwardsEveryCall) {
   c->barrier();
   EXPECT_EQ(inner.calls, (std::vector<std::string>{
                              "all_reduce_sum", "overlapped", "all_reduce_max", "reduce_scatter_sum",
-                             "all_gather", "broadcast 2", "all_to_all", "all_to_all_v", "wait",
+                             "all_gather", "fill_zero", "broadcast 2", "all_to_all", "all_to_all_v", "wait",
                              "barrier"}));
   EXPECT_EQ(c->rank(), 1);
   EXPECT_EQ(c->world_size(), 4);

@@ -82,6 +82,10 @@ class NvtxCommunicator : public Communicator {
     Scope s("all_gather " + mib(out_full));
     inner_.all_gather(out_full, in_shard);
   }
+  void fill_zero(Tensor buf) override {
+    Scope s("fill_zero " + mib(buf));
+    inner_.fill_zero(buf);
+  }
   void broadcast(Tensor buf, int root) override {
     Scope s("broadcast " + mib(buf));
     inner_.broadcast(buf, root);

@@ -67,7 +67,17 @@ TEST_P(CudaNcclOneRank, CollectivesAreExact) {
   comm->wait();
   backend->copy_to_host(back.data(), b);
   EXPECT_EQ(back, host);
-  backend->fill_zero(b);
+  // fill_zero in sequence: the reduce-scatter before it reads b whole, then b is zeroed (fsdp
+  // clears a unit's gradient slot so), and a mark after it orders the compute stream after both.
+  backend->fill_zero(a);
+  comm->reduce_scatter_sum(a, b);
+  comm->fill_zero(b);
+  comm->wait_until(comm->mark());
+  backend->copy_to_host(back.data(), a);
+  EXPECT_EQ(back, host);
+  backend->copy_to_host(back.data(), b);
+  EXPECT_EQ(back, std::vector<float>(host.size(), 0.0f));
+  backend->copy_from_host(a, host.data());
   comm->all_gather(b, a);
   comm->broadcast(b, 0);
   comm->wait();
