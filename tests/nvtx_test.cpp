@@ -115,10 +115,10 @@ TEST(Nvtx, TheWrappedCommunicatorForwardsEveryCall) {
   c->all_to_all_v(t, {}, t, {});
   c->wait();
   c->barrier();
-  EXPECT_EQ(inner.calls, (std::vector<std::string>{
-                             "all_reduce_sum", "overlapped", "all_reduce_max", "reduce_scatter_sum",
-                             "all_gather", "fill_zero", "broadcast 2", "all_to_all", "all_to_all_v", "wait",
-                             "barrier"}));
+  EXPECT_EQ(inner.calls, (std::vector<std::string>{"all_reduce_sum", "overlapped", "all_reduce_max",
+                                                   "reduce_scatter_sum", "all_gather", "fill_zero",
+                                                   "broadcast 2", "all_to_all", "all_to_all_v",
+                                                   "wait", "barrier"}));
   EXPECT_EQ(c->rank(), 1);
   EXPECT_EQ(c->world_size(), 4);
   EXPECT_EQ(c->name(), "counting");
