@@ -342,6 +342,11 @@ void Decoder::plan_activations(Arena& arena, int B, int T, const RecomputePlan& 
     throw std::invalid_argument("train.recompute_full_blocks " +
                                 std::to_string(recompute.full_blocks) + " is outside [0, " +
                                 std::to_string(cfg_.n_layer) + "] (model.n_layer)");
+  if (recompute.kept_from < recompute.full_blocks)
+    throw std::invalid_argument("train.recompute_kept_blocks: block " +
+                                std::to_string(recompute.kept_from) +
+                                " on keep every activation, but the first " +
+                                std::to_string(recompute.full_blocks) + " recompute fully");
   B_ = B;
   T_ = T;
   recompute_ = recompute;

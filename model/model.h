@@ -84,16 +84,24 @@ struct ModelConfig {
 enum class Recompute { none, light, selective, full };
 const char* recompute_name(Recompute r);
 
-// Each block's mode (train.recompute, train.recompute_full_blocks): the first `full_blocks`
-// blocks recompute fully, the rest as `mode` says. Between two modes a block at a time: each
-// full block trades its kept activations for its forward run again in backward.
+// Each block's mode (train.recompute, train.recompute_full_blocks, train.recompute_kept_blocks):
+// the first `full_blocks` blocks recompute fully, blocks from `kept_from` on recompute nothing,
+// and the rest do as `mode` says. Between modes a block at a time: each full block trades its
+// kept activations for its forward run again in backward, each kept block the other way.
 struct RecomputePlan {
+  static constexpr int kNoneKept = 1 << 30;
   Recompute mode = Recompute::none;
   int full_blocks = 0;
-  RecomputePlan(Recompute m = Recompute::none, int full = 0)  // NOLINT: a mode is a plan
-      : mode(m), full_blocks(full) {}
-  Recompute at(int block) const { return block < full_blocks ? Recompute::full : mode; }
-  bool keeps_all() const { return mode == Recompute::none && full_blocks == 0; }
+  int kept_from = kNoneKept;  // the first of the last blocks that keep every activation
+  RecomputePlan(Recompute m = Recompute::none, int full = 0,  // NOLINT: a mode is a plan
+                int kept = kNoneKept)
+      : mode(m), full_blocks(full), kept_from(kept) {}
+  Recompute at(int block) const {
+    return block < full_blocks ? Recompute::full : block >= kept_from ? Recompute::none : mode;
+  }
+  bool keeps_all() const {
+    return full_blocks == 0 && (mode == Recompute::none || kept_from <= 0);
+  }
 };
 
 // Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit

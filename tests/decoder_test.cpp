@@ -450,8 +450,8 @@ TEST(DecoderGradient, Qwen3MatchesFiniteDifferences) {
 // gradient are bit-identical to keeping everything, for each architecture (and a MoE with
 // dense and MoE blocks, and one of MoE blocks only), with accumulation over two micro-batches,
 // and the plan is smaller. So are the plans that mix modes (train.recompute_full_blocks: the
-// first block full, the rest another mode), where blocks of two modes share the recomputed
-// buffers.
+// first block full, the rest another mode; train.recompute_kept_blocks: the last block keeping
+// everything), where blocks of two modes share the recomputed buffers.
 TEST(DecoderRecompute, EveryModeAndMixIsBitIdenticalToNone) {
   ModelConfig gelu = TinyModel::gpt2_tiny(), llama = llama_tiny(), qwen3 = qwen3_tiny();
   ModelConfig moe = moe_tiny(), all_moe = moe_tiny();
@@ -460,7 +460,8 @@ TEST(DecoderRecompute, EveryModeAndMixIsBitIdenticalToNone) {
   const std::vector<RecomputePlan> plans = {
       Recompute::none,         Recompute::light,           Recompute::selective,
       Recompute::full,         {Recompute::none, 1},       {Recompute::light, 1},
-      {Recompute::selective, 1}};
+      {Recompute::selective, 1}, {Recompute::light, 0, 1}, {Recompute::selective, 0, 1},
+      {Recompute::full, 0, 1}};
   for (const ModelConfig& c : {gelu, llama, qwen3, moe, all_moe}) {
     std::vector<float> p;
     std::vector<std::vector<float>> grads;
@@ -484,7 +485,8 @@ TEST(DecoderRecompute, EveryModeAndMixIsBitIdenticalToNone) {
     }
     for (size_t i = 1; i < plans.size(); ++i) {
       const std::string name = std::string(recompute_name(plans[i].mode)) + " with " +
-                               std::to_string(plans[i].full_blocks) + " full";
+                               std::to_string(plans[i].full_blocks) + " full, kept from " +
+                               std::to_string(plans[i].kept_from);
       EXPECT_EQ(losses[i], losses[0]) << c.arch << " " << name;
       EXPECT_TRUE(grads[i] == grads[0]) << c.arch << " " << name;
     }
@@ -506,6 +508,18 @@ TEST(DecoderRecompute, EveryModeAndMixIsBitIdenticalToNone) {
       const int64_t mixed = d6.activation_bytes(2, 5, {r, 4});
       EXPECT_LT(mixed, d6.activation_bytes(2, 5, r)) << c.arch << " " << recompute_name(r);
       EXPECT_GT(mixed, d6.activation_bytes(2, 5, Recompute::full)) << c.arch;
+    }
+    // Each block kept from the end costs more while others still recompute (and share the
+    // recomputed buffers); all kept is none.
+    for (Recompute r : {Recompute::light, Recompute::selective, Recompute::full}) {
+      int64_t before = d6.activation_bytes(2, 5, r);
+      for (int kept = 1; kept < 6; ++kept) {
+        const int64_t now = d6.activation_bytes(2, 5, {r, 0, 6 - kept});
+        EXPECT_GT(now, before) << c.arch << " " << recompute_name(r) << " " << kept;
+        before = now;
+      }
+      EXPECT_EQ(d6.activation_bytes(2, 5, {r, 0, 0}), d6.activation_bytes(2, 5, Recompute::none))
+          << c.arch;
     }
   }
 }

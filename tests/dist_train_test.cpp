@@ -385,7 +385,9 @@ TEST_F(DistTrain, AnUntiedHeadInTheEmbeddingsBufferFollowsTheCurve) {
   ::unsetenv("KILN_GLOO_EAGER");
   expect_same_curve(single,
                     train("untied_fsdp_mixed", 2, "fsdp",
-                          accum + " --train.recompute=light --train.recompute_full_blocks=1"),
+                          accum +
+                              " --train.recompute=light --train.recompute_full_blocks=1 "
+                              "--train.recompute_kept_blocks=1"),
                     1e-5);
 }
 

@@ -114,6 +114,31 @@ TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
   EXPECT_EQ(fewer.status, 2) << fewer.output;
 }
 
+// Where a plan fits with memory to spare, it names the most blocks that could keep every
+// activation (train.recompute_kept_blocks), and that plan fits where one more would not.
+TEST(TrainPlan, TheMostKeptBlocksThatFitAreNamed) {
+  const std::string flags = "--nproc-per-node 4 --plan-gpu-memory h100";
+  const auto r = plan("llama3-8b.yaml", flags + " --train.recompute_kept_blocks=0");
+  EXPECT_EQ(r.status, 0) << r.output;
+  const std::string key = "train.recompute_kept_blocks=";
+  const size_t at = r.output.find(key);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const int n = std::stoi(r.output.substr(at + key.size()));
+  EXPECT_NE(r.output.find(key + std::to_string(n) +
+                          " would spend it recomputing less (the most that fit; now 0)"),
+            std::string::npos)
+      << r.output;
+  ASSERT_GT(n, 1) << r.output;
+  const auto most = plan("llama3-8b.yaml", flags + " --" + key + std::to_string(n));
+  EXPECT_EQ(most.status, 0) << most.output;
+  EXPECT_EQ(most.output.find("would spend it"), std::string::npos) << most.output;
+  EXPECT_NE(most.output.find("train.recompute=light with " + key + std::to_string(n) + " saves"),
+            std::string::npos)
+      << most.output;
+  const auto more = plan("llama3-8b.yaml", flags + " --" + key + std::to_string(n + 1));
+  EXPECT_EQ(more.status, 2) << more.output;
+}
+
 // A plan must leave 512 MiB of the GPU spare: qwen3-8b with light recompute alone, gathering its
 // FP8 weights in bf16, plans 74 MiB under an H100's memory, and ran out of it on a GPU held to
 // that size. Refused, naming what would fit; the config (the FP8 weights gathered in FP8, 1.36

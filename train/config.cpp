@@ -185,6 +185,9 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(train, recompute_full_blocks), non_negative(),
        "the first N blocks recompute fully whatever train.recompute says: a plan between two "
        "modes, a block at a time (train --plan names the fewest that fit)"},
+      {KILN_FIELD(train, recompute_kept_blocks), non_negative(),
+       "the last N blocks keep every activation whatever train.recompute says: memory to spare "
+       "spent on recomputing less, a block at a time (train --plan names the most that fit)"},
       {KILN_FIELD(train, cuda_graphs), any(),
        "capture the whole step as one CUDA graph after 2 eager steps, replay it (docs/cuda.md)"},
       {KILN_FIELD(train, peak_tflops), non_negative(), "MFU denominator (0: GPU peak table)"},
@@ -660,6 +663,15 @@ struct Resolver {
     if (full_blocks > 0 && config.train.recompute == "full")
       fail(field("train.recompute_full_blocks"),
            "is set, but train.recompute is full: every block recomputes fully already");
+    const int kept_blocks = config.train.recompute_kept_blocks;
+    if (kept_blocks > 0 && config.train.recompute == "none")
+      fail(field("train.recompute_kept_blocks"),
+           "is set, but train.recompute is none: every block keeps its activations already");
+    if (full_blocks + kept_blocks > m.n_layer)
+      fail(field("train.recompute_kept_blocks"),
+           "and train.recompute_full_blocks (" + std::to_string(full_blocks) +
+               ") must add up to <= model.n_layer (" + std::to_string(m.n_layer) + "), got " +
+               std::to_string(kept_blocks));
     validate_moe();
     validate_context();
     validate_restarts();

@@ -105,6 +105,7 @@ struct TrainSection {
   int sample_tokens = 128;
   std::string recompute = "none";  // none | light | selective | full: recomputed in backward
   int recompute_full_blocks = 0;   // the first N blocks recompute fully whatever recompute says
+  int recompute_kept_blocks = 0;   // the last N blocks recompute nothing whatever recompute says
   bool cuda_graphs = false;  // capture the step as one CUDA graph after the eager warm-up
   double peak_tflops = 0.0;  // 0: from the GPU peak table
   bool nvtx = false;  // NVTX ranges for Nsight Systems (train/nvtx.h)

@@ -73,13 +73,14 @@ ModelConfig model_config(const Config& cfg, const Backend& backend, bool log) {
   return m;
 }
 
-RecomputePlan recompute_plan(const TrainSection& t) {
+RecomputePlan recompute_plan(const TrainSection& t, int n_layer) {
   const std::string& r = t.recompute;
   const Recompute mode = r == "full"        ? Recompute::full
                          : r == "selective" ? Recompute::selective
                          : r == "light"     ? Recompute::light
                                             : Recompute::none;
-  return {mode, t.recompute_full_blocks};
+  const int kept = t.recompute_kept_blocks;
+  return {mode, t.recompute_full_blocks, kept > 0 ? n_layer - kept : RecomputePlan::kNoneKept};
 }
 
 bool apply_arch_row(const std::string& arch, ModelSection& m) {

@@ -23,8 +23,9 @@ ModelConfig model_config(const ModelSection& model, const MoeSection& moe);
 // GEMMs, the CPU emulates them, for tests; an older GPU says why and runs bf16). `log`: say so.
 ModelConfig model_config(const Config& config, const Backend& backend, bool log);
 
-// train.recompute and train.recompute_full_blocks: which activations backward computes again.
-RecomputePlan recompute_plan(const TrainSection& train);
+// train.recompute, train.recompute_full_blocks and train.recompute_kept_blocks for a model of
+// n_layer blocks: which activations backward computes again.
+RecomputePlan recompute_plan(const TrainSection& train, int n_layer);
 
 // model.arch's row (model/arch.cpp) in the model section: the row's layer choices (norm and eps,
 // positions and RoPE base, MLP, biases, QK-norm, tied head) written over `m`'s, as the defaults

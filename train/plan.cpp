@@ -108,8 +108,26 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
   constexpr size_t kHeadroom = size_t{512} << 20;
   const size_t limit = target.bytes > kHeadroom ? target.bytes - kHeadroom : 0;
   if (total <= limit) {
-    spdlog::info("plan: {}{} of {} ({}): fits, {} to spare", format_bytes(total), per,
-                 format_bytes(target.bytes), target.gpu, format_bytes(target.bytes - total));
+    // Memory to spare buys less recomputation: the most blocks that could keep everything.
+    std::string spend;
+    if (cfg.train.recompute != "none") {
+      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
+      const int64_t kept = activation_bytes(now);
+      const int have = cfg.train.recompute_kept_blocks;
+      int most = have;
+      for (int n = have + 1; n <= cfg.model.n_layer - now.full_blocks; ++n) {
+        const int64_t more =
+            activation_bytes({now.mode, now.full_blocks, cfg.model.n_layer - n}) - kept;
+        if (total + static_cast<size_t>(std::max<int64_t>(more, 0)) <= limit) most = n;
+      }
+      if (most > have)
+        spend = "; train.recompute_kept_blocks=" + std::to_string(most) +
+                " would spend it recomputing less (the most that fit; now " +
+                std::to_string(have) + ")";
+    }
+    spdlog::info("plan: {}{} of {} ({}): fits, {} to spare{}", format_bytes(total), per,
+                 format_bytes(target.bytes), target.gpu, format_bytes(target.bytes - total),
+                 spend);
     return 0;
   }
   // The three largest buffers, and what shrinks each kind.
@@ -138,10 +156,10 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
                      "; raise train.grad_accum to keep the batch)");
     if (cfg.train.recompute != "full") {
       // More blocks recomputed fully, one at a time: the fewest that fit, if any do.
-      const RecomputePlan now = recompute_plan(cfg.train);
+      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
       const int64_t kept = activation_bytes(now);
       for (int n = now.full_blocks + 1; n <= cfg.model.n_layer; ++n) {
-        const int64_t saved = kept - activation_bytes({now.mode, n});
+        const int64_t saved = kept - activation_bytes({now.mode, n, now.kept_from});
         if (saved > 0 && total - static_cast<size_t>(saved) <= limit) {
           keys.push_back("train.recompute_full_blocks=" + std::to_string(n) +
                          " (the fewest that fit; now " + std::to_string(now.full_blocks) + ")");

@@ -22,11 +22,14 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
   if (!recompute.keeps_all()) {
     const int64_t kept = model.activation_bytes(B, T, recompute);
     const int64_t all = model.activation_bytes(B, T, Recompute::none);
-    const std::string full = recompute.full_blocks > 0 ? " with train.recompute_full_blocks=" +
-                                                             std::to_string(recompute.full_blocks)
-                                                       : "";
-    spdlog::info("  {:<24} train.recompute={}{} saves {} of {} (backward recomputes the rest)", "",
-                 cfg.train.recompute, full, format_bytes(static_cast<size_t>(all - kept)),
+    std::string mix;
+    if (cfg.train.recompute_full_blocks > 0)
+      mix += " train.recompute_full_blocks=" + std::to_string(cfg.train.recompute_full_blocks);
+    if (cfg.train.recompute_kept_blocks > 0)
+      mix += " train.recompute_kept_blocks=" + std::to_string(cfg.train.recompute_kept_blocks);
+    spdlog::info("  {:<24} train.recompute={}{}{} saves {} of {} (backward recomputes the rest)",
+                 "", cfg.train.recompute, mix.empty() ? "" : " with", mix,
+                 format_bytes(static_cast<size_t>(all - kept)),
                  format_bytes(static_cast<size_t>(all)));
   }
   spdlog::info("  {:<24} {}", "total", format_bytes(state.bytes() + acts.bytes()));

@@ -216,7 +216,7 @@ void Trainer::plan_buffers() {
   if (power_) power_->plan(state_arena_);
   model_->fp8().plan_agreement(state_arena_);
   inputs_.plan(state_arena_);
-  const RecomputePlan recompute = recompute_plan(cfg_.train);
+  const RecomputePlan recompute = recompute_plan(cfg_.train, cfg_.model.n_layer);
   model_->plan_activations(acts_arena_, B(), T(), recompute);
   if (is_main())
     log_memory_plan(cfg_, *backend_, *model_, state_arena_, acts_arena_, rank_.world_size,

@@ -309,7 +309,8 @@ TEST(CudaTrainStep, Bf16ResidualStreamMatchesTheCpuStep) {
 
 // train.recompute on CUDA: the same step within the parity tolerance of keeping everything
 // (the recomputed norms read the stored residual where forward fused the add), each mode and a
-// mix (train.recompute_full_blocks: the first block full, the others light).
+// mix (train.recompute_full_blocks: the first block full, the others light), and light with
+// the last block keeping everything (train.recompute_kept_blocks).
 TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
   for (const ModelConfig& cfg : {small_config(), small_qwen3(), small_moe(2)}) {
@@ -325,13 +326,15 @@ TEST(CudaTrainStep, RecomputeMatchesKeepingEveryActivation) {
     const std::vector<float> g = base.grads_host();
     for (const RecomputePlan& r : {RecomputePlan(Recompute::light),
                                    RecomputePlan(Recompute::selective),
-                                   RecomputePlan(Recompute::full), RecomputePlan(Recompute::light, 1)}) {
+                                   RecomputePlan(Recompute::full), RecomputePlan(Recompute::light, 1),
+                                   RecomputePlan(Recompute::light, 0, cfg.n_layer - 1)}) {
       StepRun run(cfg, make_cuda_backend(0), params, tok, tgt, r);
       const float l = run.forward_backward(true);
       const std::vector<float> gr = run.grads_host();
       const double err = rel_l2(gr.data(), g.data(), static_cast<int64_t>(g.size()));
       std::cout << "  " << cfg.arch << " recompute " << recompute_name(r.mode) << " with "
-                << r.full_blocks << " full: loss " << l << " vs " << loss << ", grads rel L2 "
+                << r.full_blocks << " full, kept from " << r.kept_from << ": loss " << l << " vs "
+                << loss << ", grads rel L2 "
                 << err << "\n";
       EXPECT_LT(rel(l, loss), 1e-3);
       EXPECT_LT(err, kGradTol);
