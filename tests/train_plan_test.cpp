@@ -51,7 +51,7 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
   // Activations past the GPU: a smaller batch or more recompute.
   const auto a = plan("llama3-8b.yaml",
                       "--nproc-per-node 4 --plan-gpu-memory 80GiB --train.batch_size=16 "
-                      "--train.recompute=none");
+                      "--train.recompute=light --train.recompute_kept_blocks=32");
   EXPECT_EQ(a.status, 2) << a.output;
   EXPECT_NE(a.output.find("a lower train.batch_size (16; raise train.grad_accum"),
             std::string::npos)
@@ -69,11 +69,12 @@ TEST(TrainPlan, APlanThatDoesNotFitExitsWithStatus2NamingWhatToShrink) {
 // precision.deterministic: cuDNN's attention workspace (B x heads x T x T bf16, 4 GiB for 8B at
 // T=8192) is planned, and where it alone tips the plan over, turning it off is the first remedy.
 TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
-  // 72.67 GiB a rank without the workspace.
-  const auto off = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 75GiB");
+  // 72.01 GiB a rank without the workspace, light recompute in every block.
+  const std::string light = "--nproc-per-node 4 --train.recompute_kept_blocks=0 ";
+  const auto off = plan("llama3-8b.yaml", light + "--plan-gpu-memory 75GiB");
   EXPECT_EQ(off.status, 0) << off.output;
-  const auto on = plan("llama3-8b.yaml",
-                       "--nproc-per-node 4 --plan-gpu-memory 75GiB --precision.deterministic=true");
+  const auto on =
+      plan("llama3-8b.yaml", light + "--plan-gpu-memory 75GiB --precision.deterministic=true");
   EXPECT_EQ(on.status, 2) << on.output;
   EXPECT_NE(on.output.find("4.00 GiB of it: precision.deterministic's attention workspace"),
             std::string::npos)
@@ -83,9 +84,10 @@ TEST(TrainPlan, TheDeterministicAttentionWorkspaceIsPlanned) {
             std::string::npos)
       << on.output;
   // Kiln's own attention kernels need no workspace for it.
-  const auto flash = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory 75GiB "
-                                            "--precision.deterministic=true "
-                                            "--precision.attention=flash");
+  const auto flash = plan("llama3-8b.yaml", light +
+                                                "--plan-gpu-memory 75GiB "
+                                                "--precision.deterministic=true "
+                                                "--precision.attention=flash");
   EXPECT_EQ(flash.status, 0) << flash.output;
 }
 
@@ -115,7 +117,8 @@ TEST(TrainPlan, TheFewestFullyRecomputedBlocksThatFitAreNamed) {
 }
 
 // Where a plan fits with memory to spare, it names the most blocks that could keep every
-// activation (train.recompute_kept_blocks), and that plan fits where one more would not.
+// activation (train.recompute_kept_blocks), and that plan fits where one more would not, whose
+// refusal names it in turn.
 TEST(TrainPlan, TheMostKeptBlocksThatFitAreNamed) {
   const std::string flags = "--nproc-per-node 4 --plan-gpu-memory h100";
   const auto r = plan("llama3-8b.yaml", flags + " --train.recompute_kept_blocks=0");
@@ -137,6 +140,10 @@ TEST(TrainPlan, TheMostKeptBlocksThatFitAreNamed) {
       << most.output;
   const auto more = plan("llama3-8b.yaml", flags + " --" + key + std::to_string(n + 1));
   EXPECT_EQ(more.status, 2) << more.output;
+  EXPECT_NE(more.output.find(key + std::to_string(n) + " (the most that fit; now " +
+                             std::to_string(n + 1) + ")"),
+            std::string::npos)
+      << more.output;
 }
 
 // A plan must leave 512 MiB of the GPU spare: qwen3-8b with light recompute alone, gathering its
@@ -165,9 +172,9 @@ TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
 // (one) and the rest in bf16, and adds FP8 gather buffers a block wide: at llama3-8b on 4 ranks,
 // 1.36 GiB less than gathering in bf16.
 TEST(TrainPlan, Fp8AllGatherKeepsNoWorkingShard) {
-  const auto gathered = plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100");
-  const auto bf16 =
-      plan("llama3-8b.yaml", "--nproc-per-node 4 --plan-gpu-memory h100 --fp8.all_gather=false");
+  const std::string light = "--nproc-per-node 4 --plan-gpu-memory h100 --train.recompute_kept_blocks=0";
+  const auto gathered = plan("llama3-8b.yaml", light);
+  const auto bf16 = plan("llama3-8b.yaml", light + " --fp8.all_gather=false");
   ASSERT_EQ(gathered.status, 0) << gathered.output;
   ASSERT_EQ(bf16.status, 0) << bf16.output;
   EXPECT_EQ(line_from(gathered.output, "params.working"), "") << gathered.output;

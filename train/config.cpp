@@ -664,9 +664,6 @@ struct Resolver {
       fail(field("train.recompute_full_blocks"),
            "is set, but train.recompute is full: every block recomputes fully already");
     const int kept_blocks = config.train.recompute_kept_blocks;
-    if (kept_blocks > 0 && config.train.recompute == "none")
-      fail(field("train.recompute_kept_blocks"),
-           "is set, but train.recompute is none: every block keeps its activations already");
     if (full_blocks + kept_blocks > m.n_layer)
       fail(field("train.recompute_kept_blocks"),
            "and train.recompute_full_blocks (" + std::to_string(full_blocks) +

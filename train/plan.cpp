@@ -154,6 +154,22 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     if (cfg.train.batch_size > 1)
       keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
                      "; raise train.grad_accum to keep the batch)");
+    if (cfg.train.recompute_kept_blocks > 0) {
+      // Fewer blocks keeping everything: the most that fit, if any do.
+      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
+      const int64_t kept = activation_bytes(now);
+      for (int n = cfg.train.recompute_kept_blocks - 1; n >= 0; --n) {
+        const RecomputePlan fewer(now.mode, now.full_blocks,
+                                  n > 0 ? cfg.model.n_layer - n : RecomputePlan::kNoneKept);
+        const int64_t saved = kept - activation_bytes(fewer);
+        if (saved > 0 && total - static_cast<size_t>(saved) <= limit) {
+          keys.push_back("train.recompute_kept_blocks=" + std::to_string(n) +
+                         " (the most that fit; now " +
+                         std::to_string(cfg.train.recompute_kept_blocks) + ")");
+          break;
+        }
+      }
+    }
     if (cfg.train.recompute != "full") {
       // More blocks recomputed fully, one at a time: the fewest that fit, if any do.
       const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
