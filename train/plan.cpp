@@ -107,23 +107,23 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
   // their plans, and qwen3-8b planned 74 MiB under an H100's memory ran out of it.
   constexpr size_t kHeadroom = size_t{512} << 20;
   const size_t limit = target.bytes > kHeadroom ? target.bytes - kHeadroom : 0;
+  // The run's recompute plan and its activations, against which the keys below are weighed.
+  const int layers = cfg.model.n_layer, kept_blocks = cfg.train.recompute_kept_blocks;
+  const RecomputePlan now = recompute_plan(cfg.train, layers);
+  const int64_t kept_bytes = activation_bytes(now);
   if (total <= limit) {
     // Memory to spare buys less recomputation: the most blocks that could keep everything.
     std::string spend;
     if (cfg.train.recompute != "none") {
-      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
-      const int64_t kept = activation_bytes(now);
-      const int have = cfg.train.recompute_kept_blocks;
-      int most = have;
-      for (int n = have + 1; n <= cfg.model.n_layer - now.full_blocks; ++n) {
-        const int64_t more =
-            activation_bytes({now.mode, now.full_blocks, cfg.model.n_layer - n}) - kept;
+      int most = kept_blocks;
+      for (int n = kept_blocks + 1; n <= layers - now.full_blocks; ++n) {
+        const int64_t more = activation_bytes({now.mode, now.full_blocks, layers - n}) - kept_bytes;
         if (total + static_cast<size_t>(std::max<int64_t>(more, 0)) <= limit) most = n;
       }
-      if (most > have)
+      if (most > kept_blocks)
         spend = "; train.recompute_kept_blocks=" + std::to_string(most) +
                 " would spend it recomputing less (the most that fit; now " +
-                std::to_string(have) + ")";
+                std::to_string(kept_blocks) + ")";
     }
     spdlog::info("plan: {}{} of {} ({}): fits, {} to spare{}", format_bytes(total), per,
                  format_bytes(target.bytes), target.gpu, format_bytes(target.bytes - total),
@@ -154,28 +154,21 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     if (cfg.train.batch_size > 1)
       keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
                      "; raise train.grad_accum to keep the batch)");
-    if (cfg.train.recompute_kept_blocks > 0) {
-      // Fewer blocks keeping everything: the most that fit, if any do.
-      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
-      const int64_t kept = activation_bytes(now);
-      for (int n = cfg.train.recompute_kept_blocks - 1; n >= 0; --n) {
-        const RecomputePlan fewer(now.mode, now.full_blocks,
-                                  n > 0 ? cfg.model.n_layer - n : RecomputePlan::kNoneKept);
-        const int64_t saved = kept - activation_bytes(fewer);
-        if (saved > 0 && total - static_cast<size_t>(saved) <= limit) {
-          keys.push_back("train.recompute_kept_blocks=" + std::to_string(n) +
-                         " (the most that fit; now " +
-                         std::to_string(cfg.train.recompute_kept_blocks) + ")");
-          break;
-        }
+    // Fewer blocks keeping everything: the most that fit, if any do.
+    for (int n = kept_blocks - 1; n >= 0; --n) {
+      const int64_t saved =
+          kept_bytes - activation_bytes({now.mode, now.full_blocks,
+                                   n > 0 ? layers - n : RecomputePlan::kNoneKept});
+      if (saved > 0 && total - static_cast<size_t>(saved) <= limit) {
+        keys.push_back("train.recompute_kept_blocks=" + std::to_string(n) +
+                       " (the most that fit; now " + std::to_string(kept_blocks) + ")");
+        break;
       }
     }
     if (cfg.train.recompute != "full") {
-      // More blocks recomputed fully, one at a time: the fewest that fit, if any do.
-      const RecomputePlan now = recompute_plan(cfg.train, cfg.model.n_layer);
-      const int64_t kept = activation_bytes(now);
-      for (int n = now.full_blocks + 1; n <= cfg.model.n_layer; ++n) {
-        const int64_t saved = kept - activation_bytes({now.mode, n, now.kept_from});
+      // More blocks recomputed fully, one at a time (not the kept ones): the fewest that fit.
+      for (int n = now.full_blocks + 1; n <= layers - kept_blocks; ++n) {
+        const int64_t saved = kept_bytes - activation_bytes({now.mode, n, now.kept_from});
         if (saved > 0 && total - static_cast<size_t>(saved) <= limit) {
           keys.push_back("train.recompute_full_blocks=" + std::to_string(n) +
                          " (the fewest that fit; now " + std::to_string(now.full_blocks) + ")");

@@ -35,9 +35,10 @@ size_t plan_overhead_bytes(const Config& cfg, int world_size);
 size_t deterministic_attention_bytes(const Config& cfg);
 
 // The verdict after the plan's table (train/run_log.h) was printed: the total a rank needs
-// against `target`; where it does not fit, why on one line, with the fewest
-// train.recompute_full_blocks that would fit where some would (`activation_bytes`: the model's
-// activations under a recompute plan). Returns the exit status (0 / 2).
+// against `target`; where it fits with memory to spare, the most train.recompute_kept_blocks
+// that would still fit; where it does not fit, why on one line, with the fewer kept blocks or
+// the fewest train.recompute_full_blocks that would fit where some would (`activation_bytes`:
+// the model's activations under a recompute plan). Returns the exit status (0 / 2).
 int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
                 const PlanTarget& target,
                 const std::function<int64_t(const RecomputePlan&)>& activation_bytes);
