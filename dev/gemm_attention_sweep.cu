@@ -26,24 +26,8 @@
 
 static cudaStream_t stream;
 
-float median_ms(const std::function<bool()>& op, int reps = 10) {
-  for (int i = 0; i < 2; ++i)
-    if (!op()) return -1;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a, stream);
-    if (!op()) return -1;
-    cudaEventRecord(b, stream);
-    cudaEventSynchronize(b);
-    float t;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+float median_ms(const std::function<bool()>& op) {
+  return probe_median_ms(stream, op);
 }
 
 void* dev(size_t bytes, uint32_t seed) {

@@ -1,6 +1,6 @@
 // What the standalone GPU measurement programs in dev/ (gemm_attention_sweep.cu,
-// sm_share_probe.cu, swiglu_gemm_probe.cu) share: a check that exits on any failing
-// CUDA/cuBLASLt/cuDNN call, a fill of bf16 buffers with hashed uniform values (never zeros:
+// attention_fp8_probe.cu, sm_share_probe.cu, swiglu_gemm_probe.cu) share: a check that exits on any
+// failing CUDA/cuBLASLt/cuDNN call, a fill of bf16 buffers with hashed uniform values (never zeros:
 // zeros run faster than data), and cuBLASLt's heuristic candidates for a GEMM.
 #pragma once
 
@@ -8,9 +8,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #define PROBE_CHECK(x)                                                             \
@@ -32,6 +34,30 @@ __global__ void probe_fill(__nv_bfloat16* p, size_t n, uint32_t seed) {
     x ^= x >> 15;
     p[i] = __float2bfloat16(((x & 0xffff) / 65535.0f - 0.5f) * 0.2f);
   }
+}
+
+// The median ms of `reps` back-to-back runs of op on `stream`, after two untimed ones; -1 when
+// op returns false.
+inline float probe_median_ms(cudaStream_t stream, const std::function<bool()>& op, int reps = 10) {
+  for (int i = 0; i < 2; ++i)
+    if (!op()) return -1;
+  cudaEvent_t a, b;
+  PROBE_CHECK(cudaEventCreate(&a));
+  PROBE_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, stream);
+    if (!op()) return -1;
+    cudaEventRecord(b, stream);
+    PROBE_CHECK(cudaEventSynchronize(b));
+    float t;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 // cuBLASLt's candidates for desc over layouts a, b and c (D = C), best first, at most `want`,
