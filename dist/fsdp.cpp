@@ -17,7 +17,20 @@
 // then copied to their places in the unit's working-dtype slot when the unit is first used.
 // Other units are gathered whole from the same rest shard. There is no working shard: the two
 // shards are made from the master after each update, and hold a byte a value where it held two.
+//
+// Sparse embedding gradient: where unit 0 is the token table alone and the head is untied, a
+// micro-batch's embedding gradient touches only the rows of its tokens. Rather than scatter them
+// into the whole table on each rank and reduce-scatter it (a Vp x C f32 collective at the very end
+// of backward, with nothing left to hide it), the ranks all-gather their tokens and the gradient
+// at the embedding's output (world x rows x C), and each scatters them into the rows its shard
+// holds, in the same order on every rank. It is chosen when those are fewer rows than the table
+// has and fit in slot 0's gradient buffer, which is free by then and holds them as scratch; unit
+// 0's weights are not gathered for backward at all.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "dist/strategy.h"
 
@@ -31,7 +44,9 @@ class Fsdp final : public Strategy {
        int64_t total, const Units& units)
       : Strategy(o, backend, comm, rank, world, total, units),
         head_reads_embeddings_(o.head_reads_embeddings),
-        unit_slot_(units.size(), -1) {}
+        unit_slot_(units.size(), -1) {
+    choose_sparse_embedding(o.embedding_rows, o.rows_per_micro_batch);
+  }
 
   void plan_memory(Arena& arena) override;
   void bind() override {
@@ -52,10 +67,14 @@ class Fsdp final : public Strategy {
   // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
   void before_forward(int unit) override { use_unit(unit, unit < last() ? unit + 1 : -1); }
   void before_backward(int unit) override {
-    // Unit 0 stays in its slot from the forward, unless the untied head took the slot since.
-    use_unit(unit, unit > 1 || (unit == 1 && !head_reads_embeddings_) ? unit - 1 : -1);
+    // Unit 0 stays in its slot from the forward, unless the untied head took the slot since;
+    // the sparse embedding gradient needs none of its weights.
+    if (unit == 0 && sparse_embedding_) return;
+    const bool gather_unit0 = !head_reads_embeddings_ && !sparse_embedding_;
+    use_unit(unit, unit > 1 || (unit == 1 && gather_unit0) ? unit - 1 : -1);
   }
   void after_backward(int unit) override;
+  bool embedding_backward(Tensor dout, Tensor tokens) override;
 
   void zero_grads() override {}
   void reduce_grads(Tensor sumsq) override {
@@ -94,6 +113,7 @@ class Fsdp final : public Strategy {
   void gather_unit(int unit);
   void use_unit(int unit, int prefetch);
   void pack_rest();
+  void choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch);
 
   // fp8.all_gather: a unit's pieces, each `n` values from `from` (to `to`: offsets below), and
   // for a cast the FP8 state tensor it is cast with.
@@ -127,7 +147,71 @@ class Fsdp final : public Strategy {
   Tensor fp8_shard_, rest_shard_, unit_fp8_[3], rest_full_[3];
   int64_t fp8_shard_bytes_ = 0, rest_shard_size_ = 0;
   bool unpacked_[3] = {true, true, true};
+  // The sparse embedding gradient (the same choice on every rank): the table's width, the
+  // tokens of a rank's micro-batch, and the scratch in slot 0's grads: up to `window_` of the
+  // table's rows from 0 on, then the ranks' gradients, then their tokens.
+  bool sparse_embedding_ = false;
+  int64_t embed_width_ = 0, embed_tokens_ = 0, embed_window_ = 0;
 };
+
+void Fsdp::choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch) {
+  const ShardChunk& c = plan_.chunks.front();
+  if (!comm_ || plan_.world == 1 || head_reads_embeddings_ || reduce_bf16() || table_rows <= 0 ||
+      rows_per_micro_batch <= 0 || c.real_size % table_rows != 0)
+    return;
+  const int64_t C = c.real_size / table_rows, gathered = plan_.world * rows_per_micro_batch;
+  const int64_t window = c.chunk / C + 2;  // a chunk's rows, the partial ones at its ends counted
+  if (gathered >= table_rows || (window + gathered) * C + gathered > c.chunk * plan_.world) return;
+  sparse_embedding_ = true;
+  embed_width_ = C, embed_tokens_ = rows_per_micro_batch, embed_window_ = window;
+  if (plan_.rank == 0)
+    spdlog::info(
+        "fsdp: the embeddings' gradient from every rank's tokens ({} x {} rows all-gathered) "
+        "into each rank's rows of the table, not a reduce-scatter of its {} x {}",
+        plan_.world, rows_per_micro_batch, table_rows, C);
+}
+
+bool Fsdp::embedding_backward(Tensor dout, Tensor tokens) {
+  if (!sparse_embedding_) return false;
+  const int64_t C = embed_width_, N = embed_tokens_, W = plan_.world;
+  if (tokens.numel() != N || dout.numel() != N * C)
+    throw std::logic_error("fsdp: the embedding's backward got " + tokens.str() + " and " +
+                           dout.str() + ", planned for " + std::to_string(N) + " tokens");
+  // Views of slot 0's f32 gradient buffer as other dtypes of no more bytes a value.
+  const Tensor scratch = unit_grads_[0];
+  auto region = [&scratch](int64_t at, Shape shape, DType dtype) {
+    Tensor t = scratch.slice(at, shape);
+    t.dtype = dtype;
+    return t;
+  };
+  const int64_t rows_at = embed_window_ * C, tokens_at = rows_at + W * N * C;
+  const Tensor all_dout = region(rows_at, {W, N, C}, dout.dtype);
+  const Tensor all_tokens = region(tokens_at, {W, N}, DType::i32);
+  comm_->all_gather(all_tokens.view({W * N}), tokens.view({N}));
+  comm_->all_gather(all_dout.view({W * N * C}), dout.view({N * C}));
+  comm_->wait_until(comm_->mark());
+
+  // This rank's chunk [lo, hi) of the table's values lies in its rows [first, first + rows).
+  const ShardChunk& c = plan_.chunks.front();
+  const int64_t lo = std::min(c.real_size, plan_.rank * c.chunk);
+  const int64_t hi = std::min(c.real_size, lo + c.chunk), first = lo / C;
+  const int64_t rows = (hi + C - 1) / C - first;
+  const Tensor shard = grad_shard_.slice(c.local, {c.chunk});
+  if (hi > lo) {
+    const Tensor window = scratch.slice(0, {rows, C});
+    backend_.encoder_backward(window, Tensor{}, all_dout, all_tokens, first);
+    const Tensor mine = scratch.slice(lo - first * C, {hi - lo});
+    if (micro_ > 0)
+      backend_.add(shard.slice(0, {hi - lo}), mine);
+    else
+      backend_.copy(shard.slice(0, {hi - lo}), mine);
+  }
+  if (micro_ == 0 && hi - lo < c.chunk)
+    backend_.fill_zero(shard.slice(hi - lo, {c.chunk - (hi - lo)}));
+  // Slot 0 is zero whenever no unit uses it: cleared on the comm stream, after the reads above.
+  comm_->fill_zero(scratch.slice(0, {tokens_at + W * N}));
+  return true;
+}
 
 void Fsdp::gather_in_fp8(const std::vector<Fp8Range>& given) {
   std::vector<Fp8Range> ranges = given;
@@ -294,6 +378,7 @@ void Fsdp::pack_rest() {
 }
 
 void Fsdp::after_backward(int unit) {
+  if (unit == 0 && sparse_embedding_) return finish_scatter_grads();  // embedding_backward's
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   const Tensor full =
       unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});

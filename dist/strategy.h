@@ -45,6 +45,11 @@ struct StrategyOptions {
   // The last unit (the head) reads unit 0's parameters (tied embeddings). fsdp keeps unit 0
   // gathered for the whole step then; otherwise the head takes its gather buffer in turn.
   bool head_reads_embeddings = true;
+  // Unit 0 is the token embedding table alone, of this many rows (0: it is not), and each
+  // micro-batch's backward scatters this many rows of gradient into it on each rank: what
+  // decides fsdp's sparse embedding gradient (embedding_backward).
+  int64_t embedding_rows = 0;
+  int64_t rows_per_micro_batch = 0;
 };
 
 class Strategy {
@@ -90,6 +95,9 @@ class Strategy {
   virtual void before_forward(int /*unit*/) {}
   virtual void before_backward(int /*unit*/) {}
   virtual void after_backward(int /*unit*/) {}
+  // The embedding's backward in the strategy's hands (UnitHooks::embedding_backward): false
+  // leaves it to the model.
+  virtual bool embedding_backward(Tensor /*dout*/, Tensor /*tokens*/) { return false; }
 
   virtual void zero_grads() = 0;
   void set_micro_batch(int micro, int grad_accum) {

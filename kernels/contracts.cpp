@@ -216,8 +216,10 @@ void encoder_forward(const OpCheck& c, Tensor out, Tensor tokens, Tensor wte, Te
   check_embedding(c, tokens, c.activation, "wte", wte, "wpe", wpe, "out", out);
 }
 
-void encoder_backward(const OpCheck& c, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
+void encoder_backward(const OpCheck& c, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                      int64_t first_row) {
   check_embedding(c, tokens, DType::f32, "dwte", dwte, "dwpe", dwpe, "dout", dout);
+  if (first_row < 0) c.fail("first_row", "is " + std::to_string(first_row) + " < 0");
 }
 
 void layernorm_forward(const OpCheck& c, Tensor out, Tensor mean, Tensor rstd, Tensor inp,

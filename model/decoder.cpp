@@ -596,7 +596,9 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     hook(&UnitHooks::after_backward, l + 1);
   }
   hook(&UnitHooks::before_backward, 0);
-  embed_.backward(k, g, acts_.dresidual, tokens);
+  const bool taken = embed_.wpe < 0 && hooks_ && hooks_->embedding_backward &&
+                     hooks_->embedding_backward(acts_.dresidual, tokens);
+  if (!taken) embed_.backward(k, g, acts_.dresidual, tokens);
   hook(&UnitHooks::after_backward, 0);
 }
 

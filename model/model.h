@@ -118,6 +118,11 @@ struct UnitHooks {
   std::function<void(int unit)> before_forward;
   std::function<void(int unit)> before_backward;
   std::function<void(int unit)> after_backward;
+  // In place of the token embedding's own backward (a model without learned positions, whose
+  // unit 0 is the table alone), between before_backward(0) and after_backward(0): dout is the
+  // gradient at the embedding's output, tokens its input. True: the gradient is taken care of
+  // (fsdp's sparse path) and the model leaves unit 0's grads alone; false: the model scatters.
+  std::function<bool(Tensor dout, Tensor tokens)> embedding_backward;
 };
 
 class Model {

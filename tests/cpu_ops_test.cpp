@@ -75,7 +75,7 @@ TEST(CpuEncoder, ForwardAndGradCheck) {
 
   auto dwte = zeros(Vp * C), dwpe = zeros(maxT * C);
   cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {maxT, C}), f32(R, {B, T, C}),
-                         i32(tokens, {B, T}));
+                         i32(tokens, {B, T}), 0);
   expect_grad_near(dwte, numeric_grad(wte, kStep, forward), "dwte");
   expect_grad_near(dwpe, numeric_grad(wpe, kStep, forward), "dwpe");
 }
@@ -87,7 +87,7 @@ TEST(CpuEncoder, BackwardAccumulates) {
   auto dwte = zeros(Vp * C), dwpe = zeros(T * C);
   auto run = [&] {
     cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {T, C}), f32(dout, {B, T, C}),
-                           i32(tokens, {B, T}));
+                           i32(tokens, {B, T}), 0);
   };
   run();
   auto once_te = dwte, once_pe = dwpe;
@@ -120,10 +120,39 @@ TEST(CpuEncoder, WithoutWpeIsTheTokenLookup) {
 
   auto dout = random_floats(B * T * C, 7);
   auto dwte = zeros(Vp * C), dwte_ref = zeros(Vp * C), dwpe_ref = zeros(T * C);
-  cpu().encoder_backward(f32(dwte, {Vp, C}), Tensor{}, f32(dout, {B, T, C}), i32(tokens, {B, T}));
+  cpu().encoder_backward(f32(dwte, {Vp, C}), Tensor{}, f32(dout, {B, T, C}), i32(tokens, {B, T}),
+                         0);
   cpu().encoder_backward(f32(dwte_ref, {Vp, C}), f32(dwpe_ref, {T, C}), f32(dout, {B, T, C}),
-                         i32(tokens, {B, T}));
+                         i32(tokens, {B, T}), 0);
   EXPECT_TRUE(bit_identical(dwte, dwte_ref));
+}
+
+// fsdp scatters every rank's tokens into its shard's rows of dwte: a window [first, first + R)
+// of the table's rows gets exactly those rows of the whole table's gradient, and the tokens
+// outside it change nothing (the window's neighbours in the buffer stay as they were).
+TEST(CpuEncoder, BackwardIntoAWindowOfRowsIsThoseRowsOfTheWhole) {
+  const int64_t B = 2, T = 6, C = 4, Vp = 9;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 8, 1, 1, 4, 3, 0, 7, 2};
+  auto dout = random_floats(B * T * C, 11);
+  auto whole = zeros(Vp * C);
+  cpu().encoder_backward(f32(whole, {Vp, C}), Tensor{}, f32(dout, {B, T, C}), i32(tokens, {B, T}),
+                         0);
+  for (const auto& [first, R] :
+       {std::pair<int64_t, int64_t>{0, 2}, {1, 4}, {3, 3}, {7, 2}, {5, 1}}) {
+    // One guard row on either side of the window.
+    std::vector<float> buf(static_cast<size_t>((R + 2) * C), -7.0f);
+    cpu().encoder_backward(f32(buf, {R + 2, C}).slice(C, {R, C}), Tensor{}, f32(dout, {B, T, C}),
+                           i32(tokens, {B, T}), first);
+    for (int64_t i = 0; i < C; ++i) {
+      EXPECT_EQ(buf[static_cast<size_t>(i)], -7.0f) << first;
+      EXPECT_EQ(buf[static_cast<size_t>((R + 1) * C + i)], -7.0f) << first;
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < C; ++i)
+        EXPECT_EQ(buf[static_cast<size_t>((r + 1) * C + i)],
+                  whole[static_cast<size_t>((first + r) * C + i)] - 7.0f)
+            << "window " << first << "+" << R << " row " << r;
+  }
 }
 
 // ---- layernorm -------------------------------------------------------------------------------
@@ -1463,7 +1492,7 @@ TEST(CpuDeterminism, EncoderLayerNormAndSumsBitIdenticalAcrossThreads) {
         auto mean = zeros(B * T), rstd = zeros(B * T), dx = zeros(B * T * C), dw = zeros(C),
              db = zeros(C), s = zeros(1);
         cpu().encoder_backward(f32(dwte, {Vp, C}), f32(dwpe, {T, C}), f32(dout, {B, T, C}),
-                               i32(tokens, {B, T}));
+                               i32(tokens, {B, T}), 0);
         cpu().layernorm_forward(f32(out, {B, T, C}), f32(mean, {B, T}), f32(rstd, {B, T}),
                                 f32(x, {B, T, C}), f32(w, {C}), f32(b, {C}));
         cpu().layernorm_backward(f32(dx, {B, T, C}), f32(dw, {C}), f32(db, {C}),

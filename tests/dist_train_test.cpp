@@ -110,8 +110,14 @@ TEST_F(DistTrain, LlamaAndQwen3FollowTheSingleProcessCurveUnderEveryStrategy) {
     const std::string steps = std::string(model) + " --train.max_steps=12";
     const std::string single = train(arch + "_single", 1, "ddp", steps);
     ASSERT_EQ(losses(single).size(), 12u);
-    for (const char* strategy : {"ddp", "zero1", "fsdp"})
-      expect_same_curve(single, train(arch + "_" + strategy + "_2", 2, strategy, steps), 1e-5);
+    for (const char* strategy : {"ddp", "zero1", "fsdp"}) {
+      std::string output;
+      expect_same_curve(single, train(arch + "_" + strategy + "_2", 2, strategy, steps, &output),
+                        1e-5);
+      // 2 x 256 tokens a step against a table of 256 rows: its reduce-scatter moves less.
+      EXPECT_EQ(output.find("the embeddings' gradient from every rank's tokens"), std::string::npos)
+          << output;
+    }
   }
 }
 
@@ -369,7 +375,9 @@ TEST_F(DistTrain, GradientAccumulationMatchesTheLargerBatch) {
 // Under fsdp an untied head takes the embeddings' gather buffer between their forward and their
 // backward (the head as wide as they are, with a vocabulary of 2048). With two micro-batches a
 // step, an evaluation between steps, and either end of Gloo's window, 2 ranks follow 1: a buffer
-// used too early or too late moves the curve. So does a recompute plan that mixes modes.
+// used too early or too late moves the curve. So does a recompute plan that mixes modes. The
+// embeddings' gradient comes from the ranks' 2 x 128 tokens, scattered into each rank's rows of
+// the table (the sparse path, for a table of 2048 rows), also over 4 ranks.
 TEST_F(DistTrain, AnUntiedHeadInTheEmbeddingsBufferFollowsTheCurve) {
   const std::string llama =
       "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false "
@@ -377,10 +385,16 @@ TEST_F(DistTrain, AnUntiedHeadInTheEmbeddingsBufferFollowsTheCurve) {
   const std::string single = train("untied_single", 1, "ddp", llama);
   ASSERT_EQ(losses(single).size(), 12u);
   const std::string accum = llama + " --train.batch_size=2 --train.grad_accum=2";
+  const std::string sparse = "fsdp: the embeddings' gradient from every rank's tokens";
   for (const char* eager : {"0", "1"}) {
     ::setenv("KILN_GLOO_EAGER", eager, 1);
-    expect_same_curve(single, train(std::string("untied_fsdp_eager") + eager, 2, "fsdp", accum),
-                      1e-5);
+    std::string output;
+    expect_same_curve(
+        single, train(std::string("untied_fsdp_eager") + eager, 2, "fsdp", accum, &output), 1e-5);
+    EXPECT_NE(output.find(sparse + " (2 x 128 rows all-gathered) into each rank's rows of the "
+                                   "table, not a reduce-scatter of its 2048 x 64"),
+              std::string::npos)
+        << output;
   }
   ::unsetenv("KILN_GLOO_EAGER");
   expect_same_curve(single,
@@ -389,6 +403,9 @@ TEST_F(DistTrain, AnUntiedHeadInTheEmbeddingsBufferFollowsTheCurve) {
                               " --train.recompute=light --train.recompute_full_blocks=1 "
                               "--train.recompute_kept_blocks=1"),
                     1e-5);
+  std::string output;
+  expect_same_curve(single, train("untied_fsdp_4", 4, "fsdp", llama, &output), 1e-5);
+  EXPECT_NE(output.find(sparse + " (4 x 128 rows"), std::string::npos) << output;
 }
 
 // dist.reduce_dtype=bf16 rounds each rank's gradients to bf16 before the sum: the curve moves

@@ -103,10 +103,12 @@ class RankLayout {
 
 // The dist section's strategy over the plan's data group (communicator `data`, null for a group
 // of one), holding `layout`'s buffer; under expert parallelism the dense parameters are summed
-// over the expert group (`ep`) besides. `tied_head`: the head reads the embeddings' weights.
+// over the expert group (`ep`) besides. `tied_head`: the head reads the embeddings' weights;
+// `rows_per_micro_batch`: the tokens a rank's micro-batch holds.
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
                                             const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep, bool tied_head);
+                                            Communicator* data, Communicator* ep, bool tied_head,
+                                            int64_t rows_per_micro_batch);
 
 // Expert parallelism: the model's MoE layers exchange tokens over `ep`, the communicator of the
 // plan's expert group. `log`: say how the experts are spread.

@@ -64,6 +64,8 @@ class StepInputs {
   // Copies one batch into micro-batch 0 and waits (evaluation).
   void copy_batch(const DataLoader::Batch& batch);
 
+  // Tokens a micro-batch holds on this rank: B x its rows of the window.
+  int64_t rows() const { return int64_t{B_} * T_; }
   // Micro-batch `micro`'s [B, T] view of the tokens and targets (evaluation writes micro 0).
   Tensor tokens(int micro) const { return micro_batch(tokens_, micro); }
   Tensor targets(int micro) const { return micro_batch(targets_, micro); }

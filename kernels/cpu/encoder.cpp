@@ -1,9 +1,10 @@
 // Token + position embedding. Forward is a gather, backward a scatter-add. The scatter is made
 // deterministic without atomics: positions are bucketed by token id (a counting sort), then each
-// vocab row sums its positions in increasing (b,t) order and is added to dwte once. Threads split
-// over vocab rows (and over t for dwpe), never over the tokens that share a row. wpe/dwpe are
-// optional: a model with rotary positions (RoPE) has no learned position table.
+// vocab row (of those dwte holds) sums its positions in increasing (b,t) order and is added to dwte
+// once. Threads split over vocab rows (and over t for dwpe), never over the tokens that share a
+// row. wpe/dwpe are optional: a model with rotary positions (RoPE) has no learned position table.
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,23 +34,30 @@ void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tens
   }
 }
 
-void CpuBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
-  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), Vp = dwte.dim(0);
-  op_check("encoder_backward").indices("tokens", tokens, Vp);
+void CpuBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                                      int64_t first_row) {
+  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), R = dwte.dim(0);
+  // Any id is a row of the table; those outside dwte's rows are skipped (the forward refuses
+  // ids past the vocabulary).
+  op_check("encoder_backward").indices("tokens", tokens, std::numeric_limits<int32_t>::max());
 
   const int32_t* tok = tokens.ptr<int32_t>();
   const float* g = dout.ptr<float>();
+  auto row_of = [&](int64_t i) { return static_cast<int64_t>(tok[i]) - first_row; };
+  auto held = [&](int64_t i) { return row_of(i) >= 0 && row_of(i) < R; };
 
-  // Counting sort of positions by token id; within a bucket positions stay in (b,t) order.
+  // Counting sort of positions by row; within a bucket positions stay in (b,t) order.
   const int64_t N = B * T;
-  std::vector<int64_t> start(static_cast<size_t>(Vp + 1), 0);
-  for (int64_t i = 0; i < N; ++i) ++start[static_cast<size_t>(tok[i]) + 1];
-  for (int64_t v = 0; v < Vp; ++v) start[v + 1] += start[v];
-  std::vector<int64_t> order(static_cast<size_t>(N));
+  std::vector<int64_t> start(static_cast<size_t>(R + 1), 0);
+  for (int64_t i = 0; i < N; ++i)
+    if (held(i)) ++start[static_cast<size_t>(row_of(i)) + 1];
+  for (int64_t v = 0; v < R; ++v) start[v + 1] += start[v];
+  std::vector<int64_t> order(static_cast<size_t>(start[R]));
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t i = 0; i < N; ++i) order[fill[tok[i]]++] = i;
-  std::vector<int32_t> used;  // distinct token ids, ascending
-  for (int64_t v = 0; v < Vp; ++v)
+  for (int64_t i = 0; i < N; ++i)
+    if (held(i)) order[fill[row_of(i)]++] = i;
+  std::vector<int32_t> used;  // rows with a token, ascending
+  for (int64_t v = 0; v < R; ++v)
     if (start[v + 1] > start[v]) used.push_back(static_cast<int32_t>(v));
 
   float* dwte_p = dwte.ptr<float>();

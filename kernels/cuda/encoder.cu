@@ -8,8 +8,9 @@
 // a block each, so a frequent token (a byte vocabulary's space: thousands of positions a batch)
 // is summed by many blocks rather than one: a run that starts and ends inside a chunk is added
 // into dwte[token] there; a run that crosses chunks leaves a partial per chunk, and the chunk
-// where it starts adds them in chunk order. dwpe needs no sort: one thread per (t, c) sums over
-// the batch.
+// where it starts adds them in chunk order. dwte may hold a window of the table's rows (fsdp's
+// shard of them): tokens outside it are skipped. dwpe needs no sort: one thread per (t, c) sums
+// over the batch.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/common.cuh"
@@ -65,27 +66,37 @@ __device__ inline bool run_ends_at(const int* tok, int i, int n) {
   return i + 1 == n || tok[i + 1] != tok[i];
 }
 
+// dwte holds the table's rows [first_row, first_row + rows): a token's row there, or -1.
+__device__ inline int64_t held_row(int token, int first_row, int rows) {
+  const int r = token - first_row;
+  return r >= 0 && r < rows ? r : -1;
+}
+
 // Chunk k = blockIdx.x of the sorted positions. Its segments (runs of one token within the
 // chunk) that are whole runs go into dwte; the first segment, where it continues a run from an
 // earlier chunk or goes on past this one, into head[k]; the last, where it goes on past this
-// chunk, into tail[k].
+// chunk, into tail[k]. Tokens dwte does not hold are skipped (their partials never written).
 template <class R>
 __global__ void encoder_dwte_chunks_kernel(float* dwte, float* head, float* tail, const R* dout,
-                                           const int* tok, const int* pos, int BT, int C) {
+                                           const int* tok, const int* pos, int BT, int C,
+                                           int first_row, int rows) {
   const int k = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int begin = k * kDwteChunk, end = min(BT, begin + kDwteChunk);
   float acc = 0.0f;
   int seg = begin;
   for (int i = begin; i < end; ++i) {
-    acc += to_float(dout[static_cast<int64_t>(pos[i]) * C + c]);
+    const int64_t row = held_row(tok[i], first_row, rows);
+    if (row >= 0) acc += to_float(dout[static_cast<int64_t>(pos[i]) * C + c]);
     if (i + 1 < end && tok[i + 1] == tok[i]) continue;
-    if (run_starts_at(tok, seg) && run_ends_at(tok, i, BT))
-      dwte[static_cast<int64_t>(tok[i]) * C + c] += acc;
-    else if (seg == begin)
-      head[static_cast<int64_t>(k) * C + c] = acc;
-    else
-      tail[static_cast<int64_t>(k) * C + c] = acc;
+    if (row >= 0) {
+      if (run_starts_at(tok, seg) && run_ends_at(tok, i, BT))
+        dwte[row * C + c] += acc;
+      else if (seg == begin)
+        head[static_cast<int64_t>(k) * C + c] = acc;
+      else
+        tail[static_cast<int64_t>(k) * C + c] = acc;
+    }
     acc = 0.0f;
     seg = i + 1;
   }
@@ -95,12 +106,14 @@ __global__ void encoder_dwte_chunks_kernel(float* dwte, float* head, float* tail
 // there (tail, or head when the run fills the chunk from its start), then each later chunk's
 // head, in order, up to the chunk where it ends.
 __global__ void encoder_dwte_crossing_kernel(float* dwte, const float* head, const float* tail,
-                                             const int* tok, int BT, int chunks, int C) {
+                                             const int* tok, int BT, int chunks, int C,
+                                             int first_row, int rows) {
   const int k = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int begin = k * kDwteChunk, end = min(BT, begin + kDwteChunk);
   const int t = tok[end - 1];
-  if (run_ends_at(tok, end - 1, BT)) return;  // the last run of this chunk ends in it
+  const int64_t row = held_row(t, first_row, rows);
+  if (row < 0 || run_ends_at(tok, end - 1, BT)) return;  // not held; or ends in this chunk
   const bool fills_chunk = tok[begin] == t;
   if (fills_chunk && !run_starts_at(tok, begin)) return;  // started in an earlier chunk
   float total = fills_chunk ? head[static_cast<int64_t>(k) * C + c]
@@ -110,7 +123,7 @@ __global__ void encoder_dwte_crossing_kernel(float* dwte, const float* head, con
     const int last = min(BT, (j + 1) * kDwteChunk) - 1;
     if (tok[last] != t || run_ends_at(tok, last, BT)) break;
   }
-  dwte[static_cast<int64_t>(t) * C + c] += total;
+  dwte[row * C + c] += total;
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
@@ -152,10 +165,11 @@ void CudaBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Ten
     launch_encoder_forward<bf16>(stream_, out, tokens, wte, wpe, BT, T, C);
 }
 
-void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens) {
+void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
+                                       int64_t first_row) {
   const int B = static_cast<int>(tokens.dim(0)), T = static_cast<int>(tokens.dim(1));
   const int C = static_cast<int>(dwte.dim(-1));
-  const int Vp = static_cast<int>(dwte.dim(0));
+  const int rows = static_cast<int>(dwte.dim(0)), first = static_cast<int>(first_row);
   const int BT = B * T;
   const int threads = 256;
   if (BT == 0) return;
@@ -171,8 +185,8 @@ void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Te
     KILN_CUDA_LAUNCH_CHECK();
   }
 
-  int end_bit = 1;
-  while (end_bit < 31 && (1 << end_bit) < Vp) ++end_bit;
+  // Token ids are any non-negative i32 (dwte may hold a window of the table's rows).
+  const int end_bit = 31;
   size_t sort_bytes = 0;
   KILN_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<int*>(nullptr),
                                                   static_cast<int*>(nullptr),
@@ -197,14 +211,16 @@ void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Te
   const int cthreads = 128;
   const dim3 grid(chunks, ceil_div(C, cthreads));
   if (dout.dtype == DType::f32)
-    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(
-        dwte.ptr<float>(), head, tail, dout.ptr<float>(), sorted_tokens, sorted_pos, BT, C);
+    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), head, tail,
+                                                               dout.ptr<float>(), sorted_tokens,
+                                                               sorted_pos, BT, C, first, rows);
   else
-    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(
-        dwte.ptr<float>(), head, tail, dout.ptr<bf16>(), sorted_tokens, sorted_pos, BT, C);
+    encoder_dwte_chunks_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), head, tail,
+                                                               dout.ptr<bf16>(), sorted_tokens,
+                                                               sorted_pos, BT, C, first, rows);
   KILN_CUDA_LAUNCH_CHECK();
-  encoder_dwte_crossing_kernel<<<grid, cthreads, 0, stream_>>>(dwte.ptr<float>(), head, tail,
-                                                               sorted_tokens, BT, chunks, C);
+  encoder_dwte_crossing_kernel<<<grid, cthreads, 0, stream_>>>(
+      dwte.ptr<float>(), head, tail, sorted_tokens, BT, chunks, C, first, rows);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -23,7 +23,7 @@ struct Embedding {
     k.encoder_forward(out, tokens, param(w, wte), positions);
   }
   void backward(Backend& k, const Params& g, Tensor dout, Tensor tokens) const {
-    k.encoder_backward(param(g, wte), param(g, wpe), dout, tokens);
+    k.encoder_backward(param(g, wte), param(g, wpe), dout, tokens, /*first_row=*/0);
   }
 };
 

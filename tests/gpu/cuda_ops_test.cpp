@@ -132,8 +132,8 @@ TEST_P(CudaEncoder, ForwardBackward) {
   Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
   Buf cdwte = cpu({Vp, C}, dwte0), cdwpe = cpu({maxT, C}, dwpe0);
   Buf gdwte = gpu({Vp, C}, DType::f32, dwte0), gdwpe = gpu({maxT, C}, DType::f32, dwpe0);
-  cpu_->encoder_backward(cdwte, cdwpe, cdout, ctok);
-  gpu_->encoder_backward(gdwte, gdwpe, gdout, gtok);
+  cpu_->encoder_backward(cdwte, cdwpe, cdout, ctok, 0);
+  gpu_->encoder_backward(gdwte, gdwpe, gdout, gtok, 0);
   std::vector<float> first_dwte = host(gdwte), first_dwpe = host(gdwpe);
   EXPECT_CLOSE(first_dwte, host(cdwte), kF32Tol, "encoder dwte (+=)");
   EXPECT_CLOSE(first_dwpe, host(cdwpe), kF32Tol, "encoder dwpe (+=)");
@@ -141,7 +141,7 @@ TEST_P(CudaEncoder, ForwardBackward) {
   // Determinism: the same backward from the same start is bit-identical.
   upload(*gpu_, gdwte, dwte0);
   upload(*gpu_, gdwpe, dwpe0);
-  gpu_->encoder_backward(gdwte, gdwpe, gdout, gtok);
+  gpu_->encoder_backward(gdwte, gdwpe, gdout, gtok, 0);
   std::vector<float> second_dwte = host(gdwte), second_dwpe = host(gdwpe);
   EXPECT_EQ(0, std::memcmp(first_dwte.data(), second_dwte.data(), first_dwte.size() * 4));
   EXPECT_EQ(0, std::memcmp(first_dwpe.data(), second_dwpe.data(), first_dwpe.size() * 4));
@@ -162,9 +162,28 @@ TEST_P(CudaEncoder, WithoutPositions) {
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
   Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
   Buf cdwte = cpu({Vp, C}, dwte0), gdwte = gpu({Vp, C}, DType::f32, dwte0);
-  cpu_->encoder_backward(cdwte, Tensor{}, cdout, ctok);
-  gpu_->encoder_backward(gdwte, Tensor{}, gdout, gtok);
+  cpu_->encoder_backward(cdwte, Tensor{}, cdout, ctok, 0);
+  gpu_->encoder_backward(gdwte, Tensor{}, gdout, gtok, 0);
   EXPECT_CLOSE(host(gdwte), host(cdwte), kF32Tol, "encoder dwte (+=), no wpe");
+}
+
+// fsdp's window of the table's rows (a rank's shard of them, every rank's tokens scattered into
+// it): the frequent tokens' runs cross the backward's chunks both inside the window (7) and
+// outside it (3, 40), and the window's result is its rows of the whole table's.
+TEST_P(CudaEncoder, BackwardIntoAWindowOfRows) {
+  const int B = 4, T = 64, C = width(), Vp = 96, first = 5, R = 30;
+  std::vector<int32_t> tok = rand_ints(B * T, Vp);
+  for (int i = 0; i < B * T; i += 2) tok[i] = 7;
+  for (int i = 1; i < B * T; i += 4) tok[i] = i % 8 == 1 ? 3 : 40;
+  std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
+  Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
+  Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
+  Buf cdwte = cpu({Vp, C}, dwte0), gdwte = gpu({Vp, C}, DType::f32, dwte0);
+  cpu_->encoder_backward(cdwte, Tensor{}, cdout, ctok, 0);
+  gpu_->encoder_backward(gdwte.t.slice(first * C, {R, C}), Tensor{}, gdout, gtok, first);
+  std::vector<float> want = dwte0, whole = host(cdwte);
+  std::copy(whole.begin() + first * C, whole.begin() + (first + R) * C, want.begin() + first * C);
+  EXPECT_CLOSE(host(gdwte), want, kF32Tol, "encoder dwte rows [5, 35) (+=), the rest untouched");
 }
 
 // 256: 16-byte loads; 100: the scalar path.

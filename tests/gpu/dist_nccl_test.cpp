@@ -89,7 +89,8 @@ TEST_F(DistNccl, EveryStrategyFollowsTheSingleGpuCurve) {
 // Under fsdp an untied head takes the embeddings' gather buffer between their forward and
 // their backward (a vocabulary of 4096 makes the two the widest units). With two micro-batches
 // a step and a recompute plan that mixes modes, the gathers and reduce-scatters on the
-// communication stream keep their order against the compute that reads and writes the buffer.
+// communication stream keep their order against the compute that reads and writes the buffer,
+// which also holds the sparse embedding gradient's scratch.
 TEST_F(DistNccl, AnUntiedHeadInTheEmbeddingsBufferFollowsTheSingleGpuCurve) {
   const std::string llama =
       "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false "
@@ -97,11 +98,19 @@ TEST_F(DistNccl, AnUntiedHeadInTheEmbeddingsBufferFollowsTheSingleGpuCurve) {
   const std::string single = train("untied_single", 1, "ddp", llama);
   std::vector<int> worlds = {2};
   if (kiln::cuda_device_count() >= 4) worlds.push_back(4);
-  for (int n : worlds)
+  for (int n : worlds) {
+    std::string output;
     expect_close(single, train("untied_fsdp" + std::to_string(n), n, "fsdp",
                                llama + " --train.grad_accum=2 --train.batch_size=" +
                                    std::to_string(16 / n / 2) +
-                                   " --train.recompute=light --train.recompute_full_blocks=1"));
+                                   " --train.recompute=light --train.recompute_full_blocks=1",
+                               &output));
+    // The embeddings' gradient by the sparse path: every rank's tokens scattered into its rows.
+    EXPECT_NE(output.find("fsdp: the embeddings' gradient from every rank's tokens (" +
+                          std::to_string(n) + " x " + std::to_string(16 / n / 2 * 128) + " rows"),
+              std::string::npos)
+        << output;
+  }
 }
 
 // fsdp's FP8 all-gather (fp8.all_gather, the default: each rank casts its shard, the units are
@@ -133,27 +142,33 @@ TEST_F(DistNccl, Fp8AllGatherUnderFsdpMatchesCastingOnUse) {
 // CUDA graphs on several GPUs: the step, its collectives on the communication stream included,
 // captured at step 3 and replayed, gives the eager run's losses bit for bit (deterministic
 // kernels) under ddp (with buckets overlapping backward), zero1 and fsdp (FP8 weights gathered
-// in FP8, two micro-batches, evaluations and a checkpoint between replays), and the run exits:
-// NCCL's communicators wait, when destroyed, for every graph that holds their collectives, and
-// a run that destroyed them first hung at its end.
+// in FP8, two micro-batches, evaluations and a checkpoint between replays; and a LLaMA's untied
+// table, whose gradient takes the sparse path), and the run exits: NCCL's communicators wait,
+// when destroyed, for every graph that holds their collectives, and a run that destroyed them
+// first hung at its end.
 TEST_F(DistNccl, CudaGraphsReplayTheEagerStepAndTheRunExits) {
   struct Case {
+    const char* name;
     const char* strategy;
     std::string args;
   };
   const std::string det = "--precision.deterministic=true --train.eval_every=8 --data.val='" +
                           (dir_ / "data").string() + "/val_*.bin' --train.eval_steps=2";
-  for (const Case& c :
-       {Case{"ddp", "--dist.bucket_mb=0.05"}, Case{"zero1", ""},
-        Case{"fsdp", "--precision.fp8=true --train.grad_accum=2 --train.batch_size=4 "
-                     "--train.save_checkpoints=true --train.checkpoint_every=10"}}) {
-    const std::string name = std::string("graphs_") + c.strategy;
+  const std::string accum = "--train.grad_accum=2 --train.batch_size=4 ";
+  for (const Case& c : {Case{"ddp", "ddp", "--dist.bucket_mb=0.05"}, Case{"zero1", "zero1", ""},
+                        Case{"fsdp", "fsdp",
+                             "--precision.fp8=true " + accum +
+                                 "--train.save_checkpoints=true --train.checkpoint_every=10"},
+                        Case{"fsdp_sparse", "fsdp",
+                             accum + "--model.arch=llama --model.n_kv_head=2 "
+                                     "--model.tie_embeddings=false --model.vocab_size=4096"}}) {
+    const std::string name = std::string("graphs_") + c.name;
     const std::string eager = train(name + "_eager", 2, c.strategy, det + " " + c.args);
     std::string output;
     const std::string graphs = train(name, 2, c.strategy,
                                      det + " " + c.args + " --train.cuda_graphs=true", &output);
     EXPECT_NE(output.find("train.cuda_graphs: step 3 captured"), std::string::npos) << output;
-    EXPECT_EQ(losses(graphs), losses(eager)) << c.strategy;
+    EXPECT_EQ(losses(graphs), losses(eager)) << c.name;
   }
 }
 
