@@ -67,10 +67,11 @@ class Fsdp final : public Strategy {
   // unit after the one it readies, so that unit's all-gather runs beside this one's compute.
   void before_forward(int unit) override { use_unit(unit, unit < last() ? unit + 1 : -1); }
   void before_backward(int unit) override {
-    // Unit 0 stays in its slot from the forward, unless the untied head took the slot since;
-    // the sparse embedding gradient needs none of its weights.
+    // Unit 0 stays in its slot from the forward, unless the untied head took the slot since.
+    // The sparse embedding gradient needs none of its weights: they are gathered back (behind
+    // block 0's backward) only for the next micro-batch's forward.
     if (unit == 0 && sparse_embedding_) return;
-    const bool gather_unit0 = !head_reads_embeddings_ && !sparse_embedding_;
+    const bool gather_unit0 = !head_reads_embeddings_ && (!sparse_embedding_ || !last_micro_);
     use_unit(unit, unit > 1 || (unit == 1 && gather_unit0) ? unit - 1 : -1);
   }
   void after_backward(int unit) override;
@@ -113,6 +114,7 @@ class Fsdp final : public Strategy {
   void gather_unit(int unit);
   void use_unit(int unit, int prefetch);
   void pack_rest();
+  void scatter_unit(int unit);
   void choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch);
 
   // fp8.all_gather: a unit's pieces, each `n` values from `from` (to `to`: offsets below), and
@@ -152,6 +154,8 @@ class Fsdp final : public Strategy {
   // table's rows from 0 on, then the ranks' gradients, then their tokens.
   bool sparse_embedding_ = false;
   int64_t embed_width_ = 0, embed_tokens_ = 0, embed_window_ = 0;
+  // Block 0's reduce-scatter, held back so that the embedding's gathers run before it.
+  bool block0_held_ = false;
 };
 
 void Fsdp::choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch) {
@@ -189,7 +193,13 @@ bool Fsdp::embedding_backward(Tensor dout, Tensor tokens) {
   const Tensor all_tokens = region(tokens_at, {W, N}, DType::i32);
   comm_->all_gather(all_tokens.view({W * N}), tokens.view({N}));
   comm_->all_gather(all_dout.view({W * N * C}), dout.view({N * C}));
-  comm_->wait_until(comm_->mark());
+  const uint64_t gathered = comm_->mark();
+  // Block 0's reduce-scatter after them, beside the scatter below rather than before it.
+  if (block0_held_) {
+    block0_held_ = false;
+    scatter_unit(1);
+  }
+  comm_->wait_until(gathered);
 
   // This rank's chunk [lo, hi) of the table's values lies in its rows [first, first + rows).
   const ShardChunk& c = plan_.chunks.front();
@@ -378,7 +388,19 @@ void Fsdp::pack_rest() {
 }
 
 void Fsdp::after_backward(int unit) {
-  if (unit == 0 && sparse_embedding_) return finish_scatter_grads();  // embedding_backward's
+  if (sparse_embedding_ && unit == 1 && unit < last()) {
+    block0_held_ = true;  // issued by embedding_backward
+    return;
+  }
+  if (unit == 0 && sparse_embedding_) {
+    if (block0_held_) throw std::logic_error("fsdp: the embeddings' backward did not run");
+    finish_scatter_grads();  // block 0's
+    return;
+  }
+  scatter_unit(unit);
+}
+
+void Fsdp::scatter_unit(int unit) {
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
   const Tensor full =
       unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
