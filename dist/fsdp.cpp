@@ -86,6 +86,10 @@ class Fsdp final : public Strategy {
   void after_update() override {
     pack_rest();
     forget_placement();
+    // The next forward starts with unit 0: its gather runs now, beside the FP8 shard's casts
+    // (which its bytes do not wait for) and the host's work between steps, rather than in front
+    // of the step's first kernel.
+    if (fp8_units_.empty() || !fp8_units_.front().on) gather_unit(0);
   }
   void forget_placement() override { std::fill(std::begin(held_), std::end(held_), -1); }
   bool holds_whole_model() const override { return false; }

@@ -111,8 +111,9 @@ class Strategy {
   ParamShard shard() const { return {master_, grad_shard_, m_, v_, working_out()}; }
   // After AdamW: the updated parameters where the next forward reads them.
   virtual void after_update() = 0;
-  // Before a step is captured as a CUDA graph, and after a capture is abandoned (none of its
-  // work ran): forget which units' parameters are held, so the step gathers every unit itself.
+  // Before a step is captured as a CUDA graph, after a capture is abandoned (none of its work
+  // ran), and after one succeeds (its collectives' marks exist only inside the graph): forget
+  // which units' parameters are held, so the next step gathers every unit itself.
   virtual void forget_placement() {}
 
   // Expert parallelism (dist.expert_parallel), before plan_memory: this strategy's comm spans

@@ -84,6 +84,10 @@ void StepGraph::capture(int step) {
                    what_);
     mode_ = Mode::replaying;
     status_ = "replayed";
+    // What the capture left held (fsdp's prefetch of the next step's first unit) carries marks
+    // recorded inside it, which nothing outside the graph may wait on: eager work after it
+    // (evaluations) gathers again.
+    forget_placement_();
     return;
   }
   // Nothing the capture recorded ran: the step runs now, eagerly, from the same state.

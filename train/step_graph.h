@@ -16,7 +16,8 @@ class StepGraph {
  public:
   // `step_work(break_capture)` enqueues one step's device work (`break_capture`, for tests: do
   // what no capture can hold); `forget_placement` makes the next step gather every FSDP unit
-  // itself (Strategy::forget_placement), as a capture must record.
+  // itself (Strategy::forget_placement), as a capture must record and as eager work after a
+  // capture must too.
   StepGraph(Backend& backend, std::function<void(bool break_capture)> step_work,
             std::function<void()> forget_placement);
   // Releases the graph (Backend::graph_release): its owner destroys it before the
