@@ -25,7 +25,7 @@
 // at the embedding's output (world x rows x C), and each scatters them into the rows its shard
 // holds, in the same order on every rank. It is chosen when those are fewer rows than the table
 // has and fit in slot 0's gradient buffer, which is free by then and holds them as scratch; unit
-// 0's weights are not gathered for backward at all.
+// 0's weights are gathered in backward only for the next micro-batch's forward.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -154,8 +154,8 @@ class Fsdp final : public Strategy {
   int64_t fp8_shard_bytes_ = 0, rest_shard_size_ = 0;
   bool unpacked_[3] = {true, true, true};
   // The sparse embedding gradient (the same choice on every rank): the table's width, the
-  // tokens of a rank's micro-batch, and the scratch in slot 0's grads: up to `window_` of the
-  // table's rows from 0 on, then the ranks' gradients, then their tokens.
+  // tokens of a rank's micro-batch, and the scratch in slot 0's grads: up to `embed_window_` of
+  // the table's rows from 0 on, then the ranks' gradients, then their tokens.
   bool sparse_embedding_ = false;
   int64_t embed_width_ = 0, embed_tokens_ = 0, embed_window_ = 0;
   // Block 0's reduce-scatter, held back so that the embedding's gathers run before it.
