@@ -256,10 +256,15 @@ int main(int argc, char** argv) {
   float* s_desc = dev_scalar(1.f / s_scale);
   float* amax[6];
   for (auto& a : amax) a = dev_scalar(0.f);
-  to_fp8<__nv_fp8_e4m3>
-      <<<1024, 256, 0, stream>>>((__nv_fp8_e4m3*)qkv8, (const __nv_bfloat16*)qkv, N * S, in_scale);
-  to_fp8<__nv_fp8_e5m2><<<1024, 256, 0, stream>>>((__nv_fp8_e5m2*)dout8, (const __nv_bfloat16*)dout,
-                                                  N * O, in_scale);
+  // FP8's casts: qkv to E4M3 (what RoPE's kernel would write beside its bf16 output), dO to
+  // E5M2; dQKV back to bf16 would be RoPE backward's read.
+  auto cast_in = [&] {
+    to_fp8<__nv_fp8_e4m3><<<1024, 256, 0, stream>>>((__nv_fp8_e4m3*)qkv8, (const __nv_bfloat16*)qkv,
+                                                    N * S, in_scale);
+    to_fp8<__nv_fp8_e5m2><<<1024, 256, 0, stream>>>((__nv_fp8_e5m2*)dout8,
+                                                    (const __nv_bfloat16*)dout, N * O, in_scale);
+  };
+  cast_in();
   const size_t kb = d.NH * d.hs, vb = (d.NH + d.KV) * d.hs;
   auto at = [](void* p, size_t bytes) { return (void*)((char*)p + bytes); };
   std::unordered_map<int64_t, void*> bf = {
@@ -297,8 +302,8 @@ int main(int argc, char** argv) {
   auto fwd16 = build(h, graph(d, false, false)), bwd16 = build(h, graph(d, false, true));
   auto fwd8 = build(h, graph(d, true, false)), bwd8 = build(h, graph(d, true, true));
   auto run = [&](fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack) {
-    return [&] {
-      auto e = g.execute(h, pack, ws);
+    return [&h, ws, gr = &g, pk = &pack] {
+      auto e = gr->execute(h, *pk, ws);
       if (e.is_bad()) {
         std::printf("FAIL execute: %s\n", e.get_message().c_str());
         std::exit(1);
@@ -308,14 +313,6 @@ int main(int argc, char** argv) {
   run(*fwd16, bf)();
   run(*fwd8, f8)();
   PROBE_CHECK(cudaStreamSynchronize(stream));
-  // FP8's casts: qkv to E4M3 (what RoPE's kernel would write beside its bf16 output), dO to
-  // E5M2; dQKV back to bf16 would be RoPE backward's read.
-  auto cast_in = [&] {
-    to_fp8<__nv_fp8_e4m3><<<1024, 256, 0, stream>>>((__nv_fp8_e4m3*)qkv8, (const __nv_bfloat16*)qkv,
-                                                    N * S, in_scale);
-    to_fp8<__nv_fp8_e5m2><<<1024, 256, 0, stream>>>((__nv_fp8_e5m2*)dout8,
-                                                    (const __nv_bfloat16*)dout, N * O, in_scale);
-  };
   const char* names[5] = {"bf16 forward", "FP8 forward", "bf16 backward", "FP8 backward",
                           "FP8 input casts"};
   std::function<void()> ops[5] = {run(*fwd16, bf), run(*fwd8, f8), run(*bwd16, bf), run(*bwd8, f8),
