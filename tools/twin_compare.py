@@ -13,6 +13,11 @@ between evaluations, and the speed-up over the reference.
       [--kiln 'bf16res=--precision.residual=bf16'] [--twin 'resid=--kiln-numerics resid_fwd'] \\
       [--set train.cuda_graphs=true] --out runs/quality
 
+A kiln variant may train past the reference's last step (NAME=--train.max_steps=N, its schedule
+stretched to N): trained until the target is reached, as a user who wants that loss would. Its time
+to loss is read along all of its own evaluations; the final table stays at the reference's last
+step.
+
 A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). --set
 applies a config override to every run, kiln's and the twin's. With several configs each gets
 --out/<config name>. --report-only re-reads --out.
@@ -232,9 +237,11 @@ def report(config, requested):
 
     def reach(n):
         """(train_s, tokens) where n's mean curve first reaches `target`, linear between
-        evaluations; None if it never does."""
+        evaluations; None if it never does. A variant that trains past the reference's last step
+        (--kiln 'NAME=--train.max_steps=...': trained until the target is reached) is read along
+        all of its own evaluations."""
         prev = None
-        for st in steps:
+        for st in sorted(table[n]):
             rows = table[n][st]
             row = (st, mean([r[1] for r in rows]), mean([r[2] for r in rows]), rows[0][3])
             if row[1] <= target:
@@ -265,6 +272,12 @@ def report(config, requested):
               f"{max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
               f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
               f"{speed if speed else nan:>8.3f}")
+    for n in names:
+        last = max(table[n])
+        if last > final:
+            rows = table[n][last]
+            print(f"{n:>12} ran to step {last}: val mean {mean([r[1] for r in rows]):.4f}, "
+                  f"train s {mean([r[2] for r in rows]):.1f}")
     if a.paired and len(seeds) > 1:
         # Seed s of each variant started from the same weights and read the same windows as the
         # reference's seed s: the per-seed ratios hold the numerics' effect alone.

@@ -1,0 +1,69 @@
+// tools/twin_compare.py's report (--report-only, no GPU or torch: runs written here): the time to
+// the reference's final val loss is read along each variant's mean curve, linear between
+// evaluations, in training seconds; a kiln variant that trains past the reference's last step
+// (trained until the target is reached) is read along all of its own evaluations, and one that
+// never reaches the target has none.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tests/test_process.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kSrc = KILN_SOURCE_DIR;
+
+// A kiln run: every step takes 100 ms; val_loss at the given steps.
+void write_kiln_run(const fs::path& run, int steps, const std::map<int, double>& val) {
+  fs::create_directories(run);
+  std::ofstream(run / "summary.json") << R"({"tokens_per_step": 1000})";
+  std::ofstream m(run / "metrics.jsonl");
+  for (int s = 1; s <= steps; ++s) {
+    nlohmann::json line = {{"step", s}, {"ms", 100.0}};
+    if (val.count(s)) line["val_loss"] = val.at(s);
+    m << line.dump() << "\n";
+  }
+}
+
+TEST(TwinCompare, ALongerKilnRunIsReadAlongItsOwnEvaluations) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  for (int seed : {1, 2}) {
+    // The reference: 0.9 at its last step (100), reached at 20 s.
+    std::ofstream t(out / ("twin-s" + std::to_string(seed) + ".jsonl"));
+    t << "compiling\n"
+      << R"({"step": 50, "val_loss": 1.0, "train_s": 10.0, "tokens": 50000})"
+      << "\n"
+      << R"({"step": 100, "val_loss": 0.9, "train_s": 20.0, "tokens": 100000})"
+      << "\n";
+    const std::string s = "-s" + std::to_string(seed);
+    write_kiln_run(out / ("short" + s), 100, {{50, 1.0}, {100, 0.92}});
+    // 0.95 at step 100 (10 s), 0.85 at step 150 (15 s): 0.9 halfway, at 12.5 s.
+    write_kiln_run(out / ("long" + s), 150, {{50, 1.0}, {100, 0.95}, {150, 0.85}});
+  }
+  const auto r = kiln::testing::run_command(
+      "python3 " + kSrc + "/tools/twin_compare.py configs/quality/llama-bytes.yaml --report-only " +
+      "--seeds 1,2 --twin twin --kiln short --kiln 'long=--train.max_steps=150' --out " +
+      out.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("long ran to step 150: val mean 0.8500, train s 15.0"), std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  EXPECT_DOUBLE_EQ(summary["target"].get<double>(), 0.9);
+  const auto& v = summary["variants"];
+  EXPECT_DOUBLE_EQ(v["twin"]["time_to_loss_s"].get<double>(), 20.0);
+  EXPECT_TRUE(v["short"]["time_to_loss_s"].is_null()) << r.output;
+  EXPECT_NEAR(v["long"]["time_to_loss_s"].get<double>(), 12.5, 1e-9) << r.output;
+  EXPECT_NEAR(v["long"]["tokens_to_loss"].get<double>(), 125000.0, 1e-6);
+  EXPECT_NEAR(v["long"]["speedup_vs_ref"].get<double>(), 1.6, 1e-9);
+  // The final table stays at the reference's last step, where every variant evaluated.
+  EXPECT_NEAR(v["long"]["mean"].get<double>(), 0.95, 1e-12);
+}
+
+}  // namespace
