@@ -237,9 +237,7 @@ def report(config, requested):
 
     def reach(n):
         """(train_s, tokens) where n's mean curve first reaches `target`, linear between
-        evaluations; None if it never does. A variant that trains past the reference's last step
-        (--kiln 'NAME=--train.max_steps=...': trained until the target is reached) is read along
-        all of its own evaluations."""
+        evaluations, along all of n's own (past `final` too); None if it never does."""
         prev = None
         for st in sorted(table[n]):
             rows = table[n][st]
@@ -288,7 +286,10 @@ def report(config, requested):
             m = mean(d)
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
             summary["variants"][n]["paired_pct"] = {"per_seed": d, "mean": m, "stderr": se}
-            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d)}  mean {m:+.3f} +- {se:.3f}")
+            # A variant that ran past `final` had a stretched schedule: not numerics alone.
+            longer = " (its schedule stretched)" if max(table[n]) > final else ""
+            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d)}  mean {m:+.3f} +- {se:.3f}"
+                  f"{longer}")
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
     return summary
 
