@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-step figures from kernel traces written by libkiln_trace.so (dev/kernel_trace.cpp).
 
-  python3 dev/trace_summary.py TRACE.csv [--vs BASE.csv] [--skip 5] [--top 15]
+  python3 dev/trace_summary.py TRACE.csv [--vs BASE.csv] [--api API.csv] [--skip 5] [--top 15]
 
 Steps are cut at the last AdamW kernel of each step. For each step (the first --skip dropped),
 medians over steps of:
@@ -13,8 +13,12 @@ medians over steps of:
   idle      no kernel at all;
   slowdown  extra time of compute kernels that ran beside NCCL, against the median of the same
             kernel (by name) when it ran alone: what overlapping costs the compute it overlaps.
+Memsets and memcpys count as compute ("[memset]", "[memcpy DtoD]": they hold their stream).
 Then where the idle time is: gaps between kernels by size, and the longest gaps with the
-kernels on either side. With --vs, also the kernels whose time per step differs most between
+kernels on either side. With --api (the same process's api.<pid>.csv, KILN_TRACE_API=1), each
+of those gaps also says when the host launched the op after it (a launch inside the gap: the
+host was late; before it: the op waited on the GPU for something) and the longest host calls
+running during the gap. With --vs, also the kernels whose time per step differs most between
 BASE and TRACE.
 """
 import argparse
@@ -133,14 +137,42 @@ def figures(rows, skip):
         for (s0, e0), (s1, e1) in zip(busy, busy[1:]):
             before = ends[bisect.bisect_right(end_t, e0) - 1][1]
             after = starts[bisect.bisect_left(start_t, s1)][1]
-            gaps.append((s1 - e0, before, after))
+            gaps.append((s1 - e0, before, after, e0, s1))
     return med, {n: t / 1e6 for n, t in kernels.items()}, len(per_step), gaps
+
+
+def host_in_gaps(trace, api, gaps):
+    """For each gap: when the op after it was launched, and the host calls running during it."""
+    with open(trace, newline="") as f:
+        corr = {int(r["start_ns"]): int(r["correlation"]) for r in csv.DictReader(f)}
+    with open(api, newline="") as f:
+        calls = sorted((int(r["start_ns"]), int(r["end_ns"]), int(r["thread"]),
+                        int(r["correlation"]), r["name"]) for r in csv.DictReader(f))
+    launch = {c[3]: c for c in calls}
+    starts = [c[0] for c in calls]
+    longest_call = max((c[1] - c[0] for c in calls), default=0)
+    print("\n| gap (us) | op after it launched at (us from the gap's start) | longest host calls "
+          "during the gap (us inside it) |")
+    print("|---|---|---|")
+    for g, _, after, e0, s1 in gaps:
+        c = launch.get(corr.get(s1, -1))
+        when = f"{(c[0] - e0) / 1e3:+.0f} ({c[4]})" if c else "?"
+        lo = bisect.bisect_left(starts, e0 - longest_call)
+        inside = []
+        for cs, ce, thread, _, name in calls[lo:bisect.bisect_right(starts, s1)]:
+            o = min(ce, s1) - max(cs, e0)
+            if o > 0:
+                inside.append((o, name, thread))
+        top = ", ".join(f"{n} {o / 1e3:.0f} (thread {t})" for o, n, t in sorted(inside)[::-1][:3])
+        print(f"| {g / 1e3:.0f} | {when} | {top or '-'} |")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--vs", help="a baseline trace (e.g. one GPU alone)")
+    ap.add_argument("--api", help="the api.<pid>.csv of the same process")
+    ap.add_argument("--gaps", type=int, default=5, help="how many of the longest gaps to show")
     ap.add_argument("--skip", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args()
@@ -160,8 +192,11 @@ def main():
         print(f"| {label} | {len(sel) / nsteps:.0f} | {sum(g[0] for g in sel) / 1e6 / nsteps:.3f} |")
     print("\n| longest gaps (us) | after kernel | before kernel |")
     print("|---|---|---|")
-    for g, before, after in sorted(gaps, reverse=True)[:5]:
+    longest = sorted(gaps, reverse=True)[: a.gaps]
+    for g, before, after, _, _ in longest:
         print(f"| {g / 1e3:.0f} | {before[:60]} | {after[:60]} |")
+    if a.api:
+        host_in_gaps(a.trace, a.api, longest)
     if a.vs:
         t, b = res["trace"][1], res["base"][1]
         diff = sorted(((t.get(n, 0) - b.get(n, 0), n) for n in set(t) | set(b)),
