@@ -76,6 +76,9 @@ class Fsdp final : public Strategy {
   }
   void after_backward(int unit) override;
   bool embedding_backward(Tensor dout, Tensor tokens) override;
+  // Every unit but the embeddings writes every gradient of its own, so a slot is cleared only
+  // for the embeddings, whose gradient is a scatter-add (scatter_unit).
+  bool grads_fresh(int unit) const override { return unit != 0; }
 
   void zero_grads() override {}
   void reduce_grads(Tensor sumsq) override {
@@ -222,8 +225,8 @@ bool Fsdp::embedding_backward(Tensor dout, Tensor tokens) {
   }
   if (micro_ == 0 && hi - lo < c.chunk)
     backend_.fill_zero(shard.slice(hi - lo, {c.chunk - (hi - lo)}));
-  // Slot 0 is zero whenever no unit uses it: cleared on the comm stream, after the reads above.
-  comm_->fill_zero(scratch.slice(0, {tokens_at + W * N}));
+  // Slot 0 is left as it is: the untied head, its next user, overwrites it, and the window is
+  // cleared after the head's reduce-scatter.
   return true;
 }
 
@@ -406,13 +409,22 @@ void Fsdp::after_backward(int unit) {
 
 void Fsdp::scatter_unit(int unit) {
   const ShardChunk& c = plan_.chunks[static_cast<size_t>(unit)];
-  const Tensor full =
-      unit_grads_[unit_slot_[static_cast<size_t>(unit)]].slice(0, {c.chunk * plan_.world});
+  const int slot = unit_slot_[static_cast<size_t>(unit)];
+  const Tensor full = unit_grads_[slot].slice(0, {c.chunk * plan_.world});
   // Finished at the next unit's end (issue_scatter_grads finishes the one before), or here for
-  // unit 0, the last. The slot is zeroed behind it, for the next unit that uses it: the compute
-  // stream writes it again only after the finish. Unit 0's grads also hold a tied head's.
+  // unit 0, the last. Slot 0 is zeroed behind it where the embeddings use it next (the compute
+  // stream writes it again only after the finish): after an untied head (only the window of
+  // rows the sparse gradient scatters into: its gathers overwrite the rest), or after the
+  // embeddings themselves when the head is tied (their grads hold the head's too). Every other
+  // unit overwrites its slot (grads_fresh).
+  Tensor clear;
+  if (slot == 0 && unit != 0)
+    clear = sparse_embedding_ ? unit_grads_[0].slice(0, {embed_window_ * embed_width_})
+                              : unit_grads_[0];
+  else if (unit == 0 && head_reads_embeddings_)
+    clear = unit_grads_[0];
   issue_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
-                      scatter_tmp_, unit_grads_[unit_slot_[static_cast<size_t>(unit)]]);
+                      scatter_tmp_, clear);
   if (unit == 0) finish_scatter_grads();
 }
 

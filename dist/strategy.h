@@ -98,6 +98,9 @@ class Strategy {
   // The embedding's backward in the strategy's hands (UnitHooks::embedding_backward): false
   // leaves it to the model.
   virtual bool embedding_backward(Tensor /*dout*/, Tensor /*tokens*/) { return false; }
+  // Whether the unit's gradients are stale when its backward starts (UnitHooks::grads_fresh):
+  // the model then writes them instead of adding to them.
+  virtual bool grads_fresh(int /*unit*/) const { return false; }
 
   virtual void zero_grads() = 0;
   void set_micro_batch(int micro, int grad_accum) {

@@ -259,7 +259,7 @@ void matmul_forward(const OpCheck& c, Tensor out, Tensor inp, Tensor weight, Ten
 }
 
 void matmul_backward(const OpCheck& c, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                     Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+                     Tensor inp, Tensor weight, Tensor inp_pre_gelu, bool /*accumulate*/) {
   check_linear_grads(c, dinp, dweight, inp, weight, inp_pre_gelu);
   const int64_t OC = weight.dim(0);
   c.activation_dtype("dout", dout);
@@ -402,8 +402,9 @@ void swiglu_backward(const OpCheck& c, Tensor dinp, Tensor dout, Tensor inp) {
 // The weight gradient's GEMM as matmul_backward's, and act, dact [N,F] the halves of pre, dpre
 // [N,2F].
 void swiglu_matmul_backward(const OpCheck& c, Tensor dpre, Tensor dweight, Tensor dbias,
-                            Tensor dout, Tensor act, Tensor weight, Tensor pre, Tensor dact) {
-  matmul_backward(c, Tensor{}, dweight, dbias, dout, act, weight, Tensor{});
+                            Tensor dout, Tensor act, Tensor weight, Tensor pre, Tensor dact,
+                            bool accumulate) {
+  matmul_backward(c, Tensor{}, dweight, dbias, dout, act, weight, Tensor{}, accumulate);
   const Shape half = check_swiglu_inp(c, "pre", pre);
   c.shape("act", act, half);
   c.activation_dtype("dpre", dpre, pre.shape);
@@ -578,9 +579,10 @@ void fp8_matmul_forward(const OpCheck& c, Tensor out, Tensor inp, Tensor weight,
 // casts of both layouts: weight8 [OC,C] and weight8_t [C,OC], x8_t [C,N] in E4M3, g8 [N,OC]
 // and g8_t [OC,N] in the gradient format.
 void fp8_matmul_backward(const OpCheck& c, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                         Tensor inp, Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f) {
+                         Tensor inp, Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f,
+                         bool accumulate) {
   if (dout.defined())
-    matmul_backward(c, dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu);
+    matmul_backward(c, dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu, accumulate);
   else if (dbias.defined())
     c.fail("dout", "is needed for dbias (the gradient exists only in FP8)");
   else

@@ -559,19 +559,31 @@ Tensor Decoder::decode(Tensor token, int pos) {
   return decode_.logits;
 }
 
+bool Decoder::grads_fresh(int unit) const {
+  return hooks_ && hooks_->grads_fresh && hooks_->grads_fresh(unit);
+}
+
+void Decoder::zero_unit_grads(int unit) {
+  for (size_t i = 0; i < layout_.tensors.size(); ++i)
+    if (layout_.tensors[i].unit == unit && grads_[i].defined()) backend_.fill_zero(grads_[i]);
+}
+
 void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
   Backend& k = backend_;
   const Params &w = weights_, &g = grads_;
   const int L = cfg_.n_layer;
 
   hook(&UnitHooks::before_backward, L + 1);
+  // A tied head's gradient lands in unit 0's (wte).
+  const int head_unit = layout_.tensors[static_cast<size_t>(lm_head_)].unit;
   // logits now hold dlogits (written in place by softmax_cross_entropy).
   k.matmul_backward(acts_.dlnf, param(g, lm_head_), Tensor{}, acts_.logits, acts_.lnf.out,
-                    param(w, lm_head_), Tensor{});
+                    param(w, lm_head_), Tensor{}, !grads_fresh(head_unit));
   k.fill_zero(acts_.dresidual);
   // dbranch: each norm's backward leaves dresidual's activation copy for the branch below it.
   const Tensor dbranch = this->dbranch(), copy = acts_.dbranch;
-  lnf_.backward(k, w, g, acts_.dresidual, acts_.dlnf, acts_.residual_out, acts_.lnf, copy);
+  lnf_.backward(k, w, g, acts_.dresidual, acts_.dlnf, acts_.residual_out, acts_.lnf,
+                !grads_fresh(L + 1), copy);
   // With untied embeddings the head is in the last unit; tied, wte's grad lands in unit 0's.
   hook(&UnitHooks::after_backward, L + 1);
 
@@ -581,17 +593,21 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     const BlockActs a = acts(l);
     const Recompute mode = recompute_.at(l);
     if (mode != Recompute::none) recompute_block(l, a, docs);
+    // A MoE block's experts accumulate (an expert no token reached adds nothing): cleared here.
+    const bool fresh = grads_fresh(l + 1);
+    if (fresh && blk.is_moe) zero_unit_grads(l + 1);
+    const bool accumulate = !fresh || blk.is_moe;
     // dresidual: gradient w.r.t. the block's output == w.r.t. residual_mid through the skip.
     if (blk.is_moe)
       blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe, moe_loss_scale_);
     else
-      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp);
-    blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, copy);
+      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp, accumulate);
+    blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, accumulate, copy);
     // Recomputation ran the block's attention forward just now: its keys are gathered.
-    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs,
+    blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs, accumulate,
                       mode == Recompute::selective || mode == Recompute::full);
     // Block 0's ln1 feeds the embedding, which reads dresidual itself: no copy.
-    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1,
+    blk.ln1.backward(k, w, g, acts_.dresidual, acts_.dln, block_input(acts_, l), a.ln1, accumulate,
                      l > 0 ? copy : Tensor{});
     hook(&UnitHooks::after_backward, l + 1);
   }

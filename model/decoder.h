@@ -116,6 +116,10 @@ class Decoder final : public Model {
   void hook(const std::function<void(int)> UnitHooks::*which, int unit) const {
     if (hooks_ && hooks_->*which) (hooks_->*which)(unit);
   }
+  // UnitHooks::grads_fresh: the unit's backward writes its gradients rather than adding to them.
+  bool grads_fresh(int unit) const;
+  // Clears a unit's gradients (a fresh unit's layers that can only accumulate).
+  void zero_unit_grads(int unit);
 
   ModelConfig cfg_;
   Backend& backend_;

@@ -123,6 +123,10 @@ struct UnitHooks {
   // gradient at the embedding's output, tokens its input. True: the gradient is taken care of
   // (fsdp's sparse path) and the model leaves unit 0's grads alone; false: the model scatters.
   std::function<bool(Tensor dout, Tensor tokens)> embedding_backward;
+  // Whether a unit's gradient tensors hold stale values when its backward starts, so that the
+  // model writes (=) its gradients rather than adding to them (fsdp, whose block slots are not
+  // cleared between units). Unset or false: they accumulate (+=), as the ops do.
+  std::function<bool(int unit)> grads_fresh;
 };
 
 class Model {

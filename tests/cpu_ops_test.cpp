@@ -378,10 +378,11 @@ struct MatmulCase {
                          with_bias ? f32(bias, {OC}) : Tensor{}, Tensor{});
     return weighted_sum(out, R);
   }
-  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db) {
+  void backward(std::vector<float>& dinp, std::vector<float>& dw, std::vector<float>& db,
+                bool accumulate = true) {
     cpu().matmul_backward(dinp.empty() ? Tensor{} : f32(dinp, {B, T, C}), f32(dw, {OC, C}),
                           db.empty() ? Tensor{} : f32(db, {OC}), f32(R, {B, T, OC}),
-                          f32(inp, {B, T, C}), f32(weight, {OC, C}), Tensor{});
+                          f32(inp, {B, T, C}), f32(weight, {OC, C}), Tensor{}, accumulate);
   }
 };
 
@@ -424,6 +425,12 @@ TEST(CpuMatmul, BackwardTwiceDoublesParamGradsAndOptionalsMayBeAbsent) {
   auto dw_only = zeros(k.weight.size());
   k.backward(none, dw_only, none);  // no dinp, no dbias
   EXPECT_TRUE(bit_identical(dw_only, dw1));
+
+  // accumulate = false writes the parameter grads: NaN before, the first pass's bits after.
+  std::vector<float> dw_nan(k.weight.size(), NAN), db_nan(static_cast<size_t>(k.OC), NAN);
+  k.backward(dinp, dw_nan, db_nan, /*accumulate=*/false);
+  EXPECT_TRUE(bit_identical(dw_nan, dw1));
+  EXPECT_TRUE(bit_identical(db_nan, db1));
 }
 
 // Two layers with the GELU epilogue between them: out = gelu(x W1^T + b1) W2^T + b2. Checks the
@@ -449,9 +456,9 @@ TEST(CpuMatmul, GeluEpilogueGradCheck) {
   auto dpre = zeros(N * H), dw2 = zeros(OC * H), db2 = zeros(OC);
   auto dx = zeros(N * C), dw1 = zeros(H * C), db1 = zeros(H);
   cpu().matmul_backward(f32(dpre, {N, H}), f32(dw2, {OC, H}), f32(db2, {OC}), f32(R, {N, OC}),
-                        f32(h, {N, H}), f32(w2, {OC, H}), f32(pre, {N, H}));
+                        f32(h, {N, H}), f32(w2, {OC, H}), f32(pre, {N, H}), true);
   cpu().matmul_backward(f32(dx, {N, C}), f32(dw1, {H, C}), f32(db1, {H}), f32(dpre, {N, H}),
-                        f32(x, {N, C}), f32(w1, {H, C}), Tensor{});
+                        f32(x, {N, C}), f32(w1, {H, C}), Tensor{}, true);
   expect_grad_near(dx, numeric_grad(x, kStep, forward), "gelu chain dx");
   expect_grad_near(dw1, numeric_grad(w1, kStep, forward), "gelu chain dw1");
   expect_grad_near(db1, numeric_grad(b1, kStep, forward), "gelu chain db1");
@@ -523,14 +530,21 @@ TEST(CpuSwiGlu, MatmulBackwardGradCheck) {
   std::vector<float> dw0 = random_floats(C * F, 137), db0 = random_floats(C, 138);
   std::vector<float> dw = dw0, db = db0, dpre = random_floats(N * 2 * F, 139);
   std::vector<float> dact = random_floats(N * F, 140);  // scratch
-  cpu().swiglu_matmul_backward(f32(dpre, {N, 2 * F}), f32(dw, {C, F}), f32(db, {C}),
-                               f32(R, {N, C}), f32(act, {N, F}), f32(w, {C, F}),
-                               f32(pre, {N, 2 * F}), f32(dact, {N, F}));
+  cpu().swiglu_matmul_backward(f32(dpre, {N, 2 * F}), f32(dw, {C, F}), f32(db, {C}), f32(R, {N, C}),
+                               f32(act, {N, F}), f32(w, {C, F}), f32(pre, {N, 2 * F}),
+                               f32(dact, {N, F}), true);
   for (size_t i = 0; i < dw.size(); ++i) dw[i] -= dw0[i];
   for (size_t i = 0; i < db.size(); ++i) db[i] -= db0[i];
   expect_grad_near(dpre, numeric_grad(pre, kStep, forward), "swiglu_matmul dpre");
   expect_grad_near(dw, numeric_grad(w, kStep, forward), "swiglu_matmul dweight");
   expect_grad_near(db, numeric_grad(b, kStep, forward), "swiglu_matmul dbias");
+  // accumulate = false: written over NaN.
+  std::vector<float> dw_nan(dw.size(), NAN), db_nan(db.size(), NAN);
+  cpu().swiglu_matmul_backward(f32(dpre, {N, 2 * F}), f32(dw_nan, {C, F}), f32(db_nan, {C}),
+                               f32(R, {N, C}), f32(act, {N, F}), f32(w, {C, F}),
+                               f32(pre, {N, 2 * F}), f32(dact, {N, F}), false);
+  expect_grad_near(dw_nan, numeric_grad(w, kStep, forward), "swiglu_matmul dweight (=)");
+  expect_grad_near(db_nan, numeric_grad(b, kStep, forward), "swiglu_matmul dbias (=)");
 }
 
 TEST(CpuSwiGlu, RejectsBadShapesNamingOpAndTensor) {
@@ -1456,7 +1470,7 @@ TEST(CpuDeterminism, MatmulBackwardBitIdenticalAcrossRunsAndThreads) {
         cpu().matmul_forward(f32(out, {N, OC}), f32(x, {N, C}), f32(w, {OC, C}), f32(db, {OC}),
                              Tensor{});
         cpu().matmul_backward(f32(dinp, {N, C}), f32(dw, {OC, C}), f32(db, {OC}), f32(g, {N, OC}),
-                              f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}));
+                              f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}), true);
         std::vector<float> all = out;
         for (auto* v : {&dinp, &dw, &db}) all.insert(all.end(), v->begin(), v->end());
         return all;

@@ -246,11 +246,10 @@ TEST(Fp8Matmul, CpuEmulationIsTheF32GemmOfTheDecodedOperands) {
 
   std::vector<float> dinp(N * C), dw(OC * C, 0.5f), db(OC, 0.25f);
   std::vector<float> dinp_ref(N * C), dw_ref(OC * C, 0.5f), db_ref(OC, 0.25f);
-  cpu->fp8_matmul_backward(f32(dinp, {N, C}), f32(dw, {OC, C}), f32(db, {OC}),
-                           f32(dout, {N, OC}), f32(x, {N, C}), f32(w, {OC, C}),
-                           f32(pre, {N, C}), f);
+  cpu->fp8_matmul_backward(f32(dinp, {N, C}), f32(dw, {OC, C}), f32(db, {OC}), f32(dout, {N, OC}),
+                           f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}), f, true);
   cpu->matmul_backward(f32(dinp_ref, {N, C}), f32(dw_ref, {OC, C}), Tensor{}, f32(gd, {N, OC}),
-                       f32(xd, {N, C}), f32(wd, {OC, C}), f32(pre, {N, C}));
+                       f32(xd, {N, C}), f32(wd, {OC, C}), f32(pre, {N, C}), true);
   EXPECT_EQ(dinp, dinp_ref);
   EXPECT_EQ(dw, dw_ref);
   // dbias sums the gradient itself, not its FP8 copy (+= onto 0.25).
@@ -263,12 +262,21 @@ TEST(Fp8Matmul, CpuEmulationIsTheF32GemmOfTheDecodedOperands) {
   // dbias then has nothing to sum and is refused.
   std::vector<float> dinp2(N * C), dw2(OC * C, 0.5f);
   cpu->fp8_matmul_backward(f32(dinp2, {N, C}), f32(dw2, {OC, C}), Tensor{}, Tensor{},
-                           f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}), f);
+                           f32(x, {N, C}), f32(w, {OC, C}), f32(pre, {N, C}), f, true);
   EXPECT_EQ(dinp2, dinp_ref);
   EXPECT_EQ(dw2, dw_ref);
-  EXPECT_THROW(cpu->fp8_matmul_backward(f32(dinp2, {N, C}), f32(dw2, {OC, C}), f32(db, {OC}),
-                                        Tensor{}, f32(x, {N, C}), f32(w, {OC, C}), Tensor{}, f),
-               std::invalid_argument);
+  // accumulate = false: dweight and dbias written over NaN.
+  std::vector<float> dw3(OC * C, NAN), db3(OC, NAN), dw_zero(OC * C, 0.0f), db_zero(OC, 0.0f);
+  cpu->fp8_matmul_backward(Tensor{}, f32(dw3, {OC, C}), f32(db3, {OC}), f32(dout, {N, OC}),
+                           f32(x, {N, C}), f32(w, {OC, C}), Tensor{}, f, false);
+  cpu->fp8_matmul_backward(Tensor{}, f32(dw_zero, {OC, C}), f32(db_zero, {OC}), f32(dout, {N, OC}),
+                           f32(x, {N, C}), f32(w, {OC, C}), Tensor{}, f, true);
+  EXPECT_EQ(dw3, dw_zero);
+  EXPECT_EQ(db3, db_zero);
+  EXPECT_THROW(
+      cpu->fp8_matmul_backward(f32(dinp2, {N, C}), f32(dw2, {OC, C}), f32(db, {OC}), Tensor{},
+                               f32(x, {N, C}), f32(w, {OC, C}), Tensor{}, f, true),
+      std::invalid_argument);
 }
 
 // The fused SwiGLU casts on the CPU are the plain op and the cast: the same bytes and window.

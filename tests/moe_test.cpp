@@ -294,7 +294,7 @@ TEST(GroupedMatmul, EachGroupIsItsExpertsMatmulAndBackwardMatchesFiniteDifferenc
   std::vector<float> g(dout.begin() + b * OC, dout.end()), in(inp.begin() + b * C, inp.end()),
       w(weight.begin() + e * OC * C, weight.end()), pr(pre.begin() + b * C, pre.end());
   cpu().matmul_backward(f32(ref_dinp, {n, C}), f32(ref_dw, {OC, C}), Tensor{}, f32(g, {n, OC}),
-                        f32(in, {n, C}), f32(w, {OC, C}), f32(pr, {n, C}));
+                        f32(in, {n, C}), f32(w, {OC, C}), f32(pr, {n, C}), true);
   EXPECT_TRUE(std::equal(ref_dinp.begin(), ref_dinp.end(), dinp.begin() + b * C));
   EXPECT_TRUE(std::equal(ref_dw.begin(), ref_dw.end(), dweight.begin() + e * OC * C));
 }
@@ -389,7 +389,7 @@ TEST(MoeLayer, OneExpertWithTopOneIsTheDenseMlpBitForBit) {
     k.copy_from_host(dy, dout.data());
     rig.moe.backward(k, rig.w, rig.g, rig.moe_scratch, rig.dx, dy, rig.x, rig.moe_acts, 1.0f);
     const std::vector<float> dx_moe = rig.host(rig.dx);
-    rig.mlp.backward(k, rig.w, rig.g, rig.mlp_scratch, rig.dx, dy, rig.x, rig.mlp_acts);
+    rig.mlp.backward(k, rig.w, rig.g, rig.mlp_scratch, rig.dx, dy, rig.x, rig.mlp_acts, true);
     EXPECT_EQ(dx_moe, rig.host(rig.dx));
     const std::vector<float> grads = rig.host(rig.grads);
     for (const char* m : {"fc", "proj"}) {

@@ -166,6 +166,7 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   hooks.embedding_backward = [&strategy](Tensor dout, Tensor tokens) {
     return strategy.embedding_backward(dout, tokens);
   };
+  hooks.grads_fresh = [&strategy](int unit) { return strategy.grads_fresh(unit); };
   model.set_hooks(&hooks);
 }
 

@@ -77,7 +77,7 @@ void CpuBackend::run_fp8_matmul_forward(Tensor out, Tensor inp, Tensor weight, T
 
 void CpuBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
                                          Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                                         const Fp8Linear& f) {
+                                         const Fp8Linear& f, bool accumulate) {
   const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
   const float* s = f.state.ptr<float>();
   auto inv = [&](int role) { return s[f.layout.scale_inv(f.index + role)]; };
@@ -86,14 +86,14 @@ void CpuBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbi
   std::vector<float> x = decode(f.x8_t, inv(kFp8X), true);
   std::vector<float> w = decode(f.weight8, inv(kFp8W), false);
   matmul_backward(dinp, dweight, Tensor{}, host_f32(g, {N, OC}), host_f32(x, inp.shape),
-                  host_f32(w, {OC, C}), inp_pre_gelu);
+                  host_f32(w, {OC, C}), inp_pre_gelu, accumulate);
   if (dbias.defined()) {
     const float* d = dout.ptr<float>();
     float* db = dbias.ptr<float>();
     for (int64_t o = 0; o < OC; ++o) {
       float sum = 0.0f;
       for (int64_t n = 0; n < N; ++n) sum += d[n * OC + o];
-      db[o] += sum;
+      db[o] = (accumulate ? db[o] : 0.0f) + sum;
     }
   }
 }

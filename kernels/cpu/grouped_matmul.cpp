@@ -43,7 +43,8 @@ void CpuBackend::run_grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor
     if (off[e + 1] == off[e]) continue;
     matmul_backward(rows(dinp, off[e], off[e + 1]), dweight.slice(e * OC * C, {OC, C}), Tensor{},
                     rows(dout, off[e], off[e + 1]), rows(inp, off[e], off[e + 1]),
-                    weight.slice(e * OC * C, {OC, C}), rows(inp_pre_gelu, off[e], off[e + 1]));
+                    weight.slice(e * OC * C, {OC, C}), rows(inp_pre_gelu, off[e], off[e + 1]),
+                    /*accumulate=*/true);
   }
 }
 

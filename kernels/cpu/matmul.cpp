@@ -95,7 +95,8 @@ void CpuBackend::run_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tenso
 }
 
 void CpuBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                     Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+                                     Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                     bool accumulate) {
   const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
 
   const float *x = inp.ptr<float>(), *w = weight.ptr<float>(), *g = dout.ptr<float>();
@@ -121,7 +122,7 @@ void CpuBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
     }
   }
 
-  // dweight[o,:] += sum_n dout[n,o] * inp[n,:], kRows weight rows per pass over inp.
+  // dweight[o,:] (+)= sum_n dout[n,o] * inp[n,:], kRows weight rows per pass over inp.
   float* dw = dweight.ptr<float>();
   const int64_t o_blocks = (OC + kRows - 1) / kRows;
 #pragma omp parallel if (cpu::worth_parallel(N * OC * C))
@@ -137,11 +138,13 @@ void CpuBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
         for (int64_t r = 0; r < rows; ++r)
           axpy_rows<1>(acc.data() + r * C, g + o0 + r, OC, 1, x, N, C);
       }
-      for (int64_t i = 0; i < rows * C; ++i) dw[o0 * C + i] += acc[static_cast<size_t>(i)];
+      float* d = dw + o0 * C;
+      for (int64_t i = 0; i < rows * C; ++i)
+        d[i] = (accumulate ? d[i] : 0.0f) + acc[static_cast<size_t>(i)];
     }
   }
 
-  // dbias[o] += sum_n dout[n,o], in double, column blocks per thread.
+  // dbias[o] (+)= sum_n dout[n,o], in double, column blocks per thread.
   if (dbias.defined()) {
     float* db = dbias.ptr<float>();
     const int64_t c_blocks = (OC + kColBlock - 1) / kColBlock;
@@ -151,7 +154,8 @@ void CpuBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
       double acc[kColBlock] = {};
       for (int64_t n = 0; n < N; ++n)
         for (int64_t o = c0; o < c1; ++o) acc[o - c0] += g[n * OC + o];
-      for (int64_t o = c0; o < c1; ++o) db[o] += static_cast<float>(acc[o - c0]);
+      for (int64_t o = c0; o < c1; ++o)
+        db[o] = (accumulate ? db[o] : 0.0f) + static_cast<float>(acc[o - c0]);
     }
   }
 }

@@ -49,8 +49,9 @@ void CpuBackend::run_swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
 // The reference is the two ops it stands for, in that order, so that it computes exactly what
 // they do (dact holds dout @ weight afterwards).
 void CpuBackend::run_swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
-                                            Tensor act, Tensor weight, Tensor pre, Tensor dact) {
-  matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{});
+                                            Tensor act, Tensor weight, Tensor pre, Tensor dact,
+                                            bool accumulate) {
+  matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{}, accumulate);
   swiglu_backward(dpre, dact, pre);
 }
 

@@ -110,8 +110,9 @@ class CudaBackend final : public Backend {
   std::string fp8_unavailable() const override;
   bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override;
 
-  // Deterministic column sums of a bf16 [N,C] matrix added into f32 out[C] (bias gradients).
-  void column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C);
+  // Deterministic column sums of a bf16 [N,C] matrix added into (accumulate) or written to f32
+  // out[C] (bias gradients).
+  void column_sum(float* out, const void* x_bf16, int64_t N, int64_t C, bool accumulate);
 
  protected:
   // The ops, one file per op family (see above).

@@ -6,9 +6,9 @@
 //    written as the aux output). Backward applies gelu' to the dinp GEMM either as cuBLASLt's
 //    DGELU epilogue (aux = inp_pre_gelu) or as a kernel of its own after a plain GEMM,
 //    whichever timed faster for the shape at its first call. dweight is a bf16 x bf16 -> f32
-//    GEMM with beta = 1, accumulating straight into the f32 gradient. dbias is NOT cuBLASLt's
-//    BGRADB epilogue: that overwrites, and the interface accumulates, so a deterministic
-//    column-sum kernel adds into the f32 bias grad.
+//    GEMM with beta = 1, accumulating straight into the f32 gradient (beta = 0 where the
+//    caller overwrites). dbias is a deterministic column-sum kernel that adds into (or writes)
+//    the f32 bias grad, not cuBLASLt's BGRADB epilogue, which can only overwrite.
 //  - Descriptors, layouts and the heuristic's algorithm are built once per (shape, transposes,
 //    epilogue, dtypes, pointer alignment) and cached; per call only the pointers are set.
 #include <spdlog/spdlog.h>
@@ -368,7 +368,8 @@ void CudaBackend::run_matmul_forward(Tensor out, Tensor inp, Tensor weight, Tens
 }
 
 void CudaBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                                      Tensor inp, Tensor weight, Tensor inp_pre_gelu) {
+                                      Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                                      bool accumulate) {
   const int64_t C = inp.dim(-1);
   const int64_t N = inp.numel() / C;
   const int64_t OC = weight.dim(0);
@@ -419,9 +420,10 @@ void CudaBackend::run_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias,
       sep ? separate() : fused();
     }
   }
-  GemmArgs gw{C, OC, N, false, true, inp.data, dout.data, dweight.data, CUDA_R_32F, 1.0f};
+  GemmArgs gw{C, OC, N, false, true, inp.data, dout.data, dweight.data, CUDA_R_32F,
+              accumulate ? 1.0f : 0.0f};
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
-  if (dbias.defined()) column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
+  if (dbias.defined()) column_sum(dbias.ptr<float>(), dout.data, N, OC, accumulate);
 }
 
 namespace {
@@ -502,7 +504,7 @@ bool CudaBackend::fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, 
 
 void CudaBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
                                           Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                                          const Fp8Linear& f) {
+                                          const Fp8Linear& f, bool accumulate) {
   const int64_t C = inp.dim(-1), N = inp.numel() / C, OC = weight.dim(0);
   if (!fp8_backward_in_fp8(f, N, C, OC)) {
     refuse_gathered_fallback(f, N, C, OC);
@@ -510,10 +512,11 @@ void CudaBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor db
       throw std::logic_error("cuda fp8_matmul_backward: cuBLASLt refuses this layer's FP8 "
                              "GEMMs and its gradient exists only in FP8 (the caller should "
                              "have asked fp8_backward_in_fp8)");
-    matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu);
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu, accumulate);
     return;
   }
   auto [gd, gw] = fp8_backward_gemms(f, N, C, OC, dinp.data, dweight.data);
+  gw.beta = accumulate ? 1.0f : 0.0f;
   if (dinp.defined()) {
     gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gd);
     if (inp_pre_gelu.defined()) {
@@ -522,7 +525,7 @@ void CudaBackend::run_fp8_matmul_backward(Tensor dinp, Tensor dweight, Tensor db
     }
   }
   gemm(*matmul_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gw);
-  if (dbias.defined()) column_sum_accumulate(dbias.ptr<float>(), dout.data, N, OC);
+  if (dbias.defined()) column_sum(dbias.ptr<float>(), dout.data, N, OC, accumulate);
 }
 
 // The grouped GEMMs group by group (o: the E+1 offsets, in host memory): rows [o[e], o[e+1]) of

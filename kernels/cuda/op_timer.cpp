@@ -80,7 +80,8 @@ std::string OpTimer::key(OpTag<Op::matmul_forward>, Tensor out, Tensor inp, Tens
   return key;
 }
 std::string OpTimer::key(OpTag<Op::matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
-                         Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu) const {
+                         Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                         bool /*accumulate*/) const {
   std::string key = "matmul_backward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (dbias.defined()) key += " +dbias";
   if (inp_pre_gelu.defined()) key += " +dgelu";
@@ -94,7 +95,7 @@ std::string OpTimer::key(OpTag<Op::fp8_matmul_forward>, Tensor out, Tensor inp, 
 }
 std::string OpTimer::key(OpTag<Op::fp8_matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
                          Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                         const Fp8Linear& f) const {
+                         const Fp8Linear& f, bool /*accumulate*/) const {
   std::string key = "fp8_matmul_backward " + gemm_tag(weight.dim(1), weight.dim(0));
   if (inp_pre_gelu.defined()) key += " +gelu";
   return key;

@@ -108,12 +108,13 @@ class OpTimer final : public Backend {
   std::string key(OpTag<Op::matmul_forward>, Tensor out, Tensor inp, Tensor weight, Tensor bias,
                   Tensor pre_gelu) const;
   std::string key(OpTag<Op::matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
-                  Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu) const;
+                  Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
+                  bool accumulate) const;
   std::string key(OpTag<Op::fp8_matmul_forward>, Tensor out, Tensor inp, Tensor weight, Tensor bias,
                   Tensor pre_gelu, const Fp8Linear& f) const;
   std::string key(OpTag<Op::fp8_matmul_backward>, Tensor dinp, Tensor dweight, Tensor dbias,
-                  Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu,
-                  const Fp8Linear& f) const;
+                  Tensor dout, Tensor inp, Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f,
+                  bool accumulate) const;
   std::string key(OpTag<Op::attention_forward>, Tensor out, Tensor lse, Tensor qkv,
                   const AttentionDims& a, Tensor key_start) const;
   std::string key(OpTag<Op::attention_backward>, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,

@@ -96,12 +96,13 @@ __global__ void __launch_bounds__(kColLanes* kColRows)
   partials[blockIdx.y * C + c] = total;
 }
 
-__global__ void column_final_kernel(float* out, const float* partials, int chunks, int64_t C) {
+__global__ void column_final_kernel(float* out, const float* partials, int chunks, int64_t C,
+                                    bool accumulate) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= C) return;
   float acc = 0.0f;
   for (int k = 0; k < chunks; ++k) acc += partials[k * C + c];
-  out[c] += acc;
+  out[c] = (accumulate ? out[c] : 0.0f) + acc;
 }
 
 __global__ void grad_norm_clip_kernel(float* sched, const float* sumsq, float max_norm,
@@ -161,8 +162,13 @@ void CudaBackend::run_sum_squares(Tensor out, Tensor x, bool accumulate) {
   reduce(out, x, true, accumulate);
 }
 
-void CudaBackend::column_sum_accumulate(float* out, const void* x_bf16, int64_t N, int64_t C) {
-  if (N <= 0 || C <= 0) return;
+void CudaBackend::column_sum(float* out, const void* x_bf16, int64_t N, int64_t C,
+                             bool accumulate) {
+  if (C <= 0) return;
+  if (N <= 0) {
+    if (!accumulate) KILN_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(C) * 4, stream_));
+    return;
+  }
   const bf16* x = static_cast<const bf16*>(x_bf16);
   const int threads = 128;
   const bool vectorized = C % kColVec == 0 && aligned(x_bf16, 16);
@@ -183,7 +189,7 @@ void CudaBackend::column_sum_accumulate(float* out, const void* x_bf16, int64_t 
         partials, x, N, C, rows_per_chunk);
   KILN_CUDA_LAUNCH_CHECK();
   column_final_kernel<<<ceil_div(C, threads), threads, 0, stream_>>>(out, partials, used_chunks,
-                                                                     C);
+                                                                     C, accumulate);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

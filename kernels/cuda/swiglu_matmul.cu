@@ -175,14 +175,15 @@ namespace kiln {
 using namespace cuda;
 
 void CudaBackend::run_swiglu_matmul_backward(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout,
-                                             Tensor act, Tensor weight, Tensor pre, Tensor dact) {
+                                             Tensor act, Tensor weight, Tensor pre, Tensor dact,
+                                             bool accumulate) {
   if (!swiglu_fused_ || !swiglu_dgrad_fusable(dpre, dout, weight, pre)) {
-    matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{});
+    matmul_backward(dact, dweight, dbias, dout, act, weight, Tensor{}, accumulate);
     swiglu_backward(dpre, dact, pre);
     return;
   }
   // The weight's gradient first, then the fused input gradient.
-  matmul_backward(Tensor{}, dweight, dbias, dout, act, weight, Tensor{});
+  matmul_backward(Tensor{}, dweight, dbias, dout, act, weight, Tensor{}, accumulate);
   if (pre.numel() == 0) return;
   swiglu_dgrad(dpre, dout, weight, pre);
 }

@@ -104,8 +104,8 @@ void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, T
 
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
-                         const DocumentMask& docs, bool kv_gathered) const {
-  proj.backward(k, w, g, s.dy, dout, a.y);
+                         const DocumentMask& docs, bool accumulate, bool kv_gathered) const {
+  proj.backward(k, w, g, s.dy, dout, a.y, accumulate);
   if (!cp.on()) {
     k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, counted(docs), docs.key_start);
   } else {
@@ -122,11 +122,15 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
   if (rope) k.rope_backward(s.dqkv, s.dqkv, dims, rope_params, docs.positions);
   Tensor dqkv = s.dqkv;
   if (qk_norm) {
+    if (!accumulate) {  // the op accumulates; the gains are a few hundred bytes
+      k.fill_zero(param(g, q_norm));
+      k.fill_zero(param(g, k_norm));
+    }
     k.qk_norm_backward(s.dqkv_raw, param(g, q_norm), param(g, k_norm), s.dqkv, a.qkv_raw,
                        param(w, q_norm), param(w, k_norm), a.qk_rstd, dims);
     dqkv = s.dqkv_raw;
   }
-  qkv.backward(k, w, g, dinp, dqkv, inp);
+  qkv.backward(k, w, g, dinp, dqkv, inp, accumulate);
 }
 
 }  // namespace kiln

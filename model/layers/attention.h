@@ -56,11 +56,12 @@ struct Attention {
   // pos, rotated there for position pos, and its query attends over rows 0..pos.
   void decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
               int64_t pos) const;
-  // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out.
+  // dinp = gradient w.r.t. inp (overwritten); dout: gradient w.r.t. a.out. The grads are added
+  // to, or overwritten where not `accumulate`.
   // kv_gathered (context parallelism): s.kv already holds this block's gathered keys and
   // values (recomputation just ran its forward), so backward need not gather them again.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
-                Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs,
+                Tensor dout, Tensor inp, const Acts& a, const DocumentMask& docs, bool accumulate,
                 bool kv_gathered = false) const;
 
  private:

@@ -2,8 +2,10 @@
 // model's ParamLayout (resolved once, when the layer declares them by name), the shapes it
 // needs, and forward/backward functions over Backend ops. Weights and grads are passed in as
 // the model's bound tensors (Params, indexed like layout.tensors), so a layer owns no memory.
-// Backward follows the op convention: parameter grads accumulate (+=), activation grads are
-// overwritten, except where a layer says it accumulates into the residual stream's gradient.
+// Backward follows the op convention: parameter grads accumulate (+=), or are written (=) where
+// the caller passes accumulate = false (a unit whose gradients are stale, UnitHooks::grads_fresh);
+// activation grads are overwritten, except where a layer says it accumulates into the residual
+// stream's gradient.
 #pragma once
 
 #include <functional>

@@ -24,10 +24,10 @@ void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tens
 }
 
 void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,
-                      Tensor inp, Tensor inp_pre_gelu) const {
+                      Tensor inp, bool accumulate, Tensor inp_pre_gelu) const {
   if (!fp8) {
     k.matmul_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
-                      inp_pre_gelu);
+                      inp_pre_gelu, accumulate);
     return;
   }
   const Fp8Linear& f = *fp8;
@@ -41,13 +41,14 @@ void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp,
   // cast gives the forward's bytes, transposed for the weight gradient: no FP8 copy is kept.
   k.fp8_cast(Tensor{}, f.x8_t, inp, f.state, f.layout, f.index + kFp8X);
   k.fp8_matmul_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
-                        inp_pre_gelu, f);
+                        inp_pre_gelu, f, accumulate);
 }
 
 void Linear::backward_through_swiglu(Backend& k, const Params& w, const Params& g, Tensor dpre,
-                                     Tensor dout, Tensor inp, Tensor pre, Tensor dact) const {
+                                     Tensor dout, Tensor inp, Tensor pre, Tensor dact,
+                                     bool accumulate) const {
   k.swiglu_matmul_backward(dpre, param(g, weight), param(g, bias), dout, inp, param(w, weight), pre,
-                           dact);
+                           dact, accumulate);
 }
 
 }  // namespace kiln

@@ -22,16 +22,18 @@ struct Linear {
   // (swiglu_forward_fp8), so the layer does not cast it.
   void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {},
                bool x8_made = false) const;
-  // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp. An
-  // undefined dout means the output gradient was made in FP8 only (fp8->g8 and g8_t, by
-  // swiglu_backward_fp8), which the caller may do where the backend's fp8_backward_in_fp8 holds.
+  // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp, or =
+  // where not `accumulate`. An undefined dout means the output gradient was made in FP8 only
+  // (fp8->g8 and g8_t, by swiglu_backward_fp8), which the caller may do where the backend's
+  // fp8_backward_in_fp8 holds.
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
-                Tensor inp_pre_gelu = {}) const;
+                bool accumulate, Tensor inp_pre_gelu = {}) const;
   // The backward when inp = swiglu(pre) (the SwiGLU MLP's proj, bf16 or f32, not FP8):
-  // dpre = swiglu_backward(dout @ weight, pre), grads += dout^T @ inp; dact is [N,in] scratch for
-  // a backend that does not fuse SwiGLU into the GEMM (Backend::swiglu_matmul_backward).
+  // dpre = swiglu_backward(dout @ weight, pre), grads (+)= dout^T @ inp; dact is [N,in] scratch
+  // for a backend that does not fuse SwiGLU into the GEMM (Backend::swiglu_matmul_backward).
   void backward_through_swiglu(Backend& k, const Params& w, const Params& g, Tensor dpre,
-                               Tensor dout, Tensor inp, Tensor pre, Tensor dact) const;
+                               Tensor dout, Tensor inp, Tensor pre, Tensor dact,
+                               bool accumulate) const;
 };
 
 }  // namespace kiln

@@ -38,28 +38,28 @@ void Mlp::forward(Backend& k, const Params& w, const Acts& a, Tensor inp, bool p
 }
 
 void Mlp::backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
-                   Tensor dout, Tensor inp, const Acts& a) const {
+                   Tensor dout, Tensor inp, const Acts& a, bool accumulate) const {
   if (kind == MlpKind::gelu) {
-    proj.backward(k, w, g, s.dpre, dout, a.act, a.pre);
-    fc.backward(k, w, g, dinp, s.dpre, inp);
+    proj.backward(k, w, g, s.dpre, dout, a.act, accumulate, a.pre);
+    fc.backward(k, w, g, dinp, s.dpre, inp, accumulate);
     return;
   }
   const int64_t N = inp.numel() / fc.in;
   if (fc.fp8 && fc.bias < 0 && k.fp8_backward_in_fp8(*fc.fp8, N, fc.in, fc.out)) {
     // fc's output gradient goes straight to FP8: its bf16 copy is never written or read back.
-    proj.backward(k, w, g, s.dact, dout, a.act);
+    proj.backward(k, w, g, s.dact, dout, a.act, accumulate);
     const Fp8Linear& f = *fc.fp8;
     k.swiglu_backward_fp8(f.g8, f.g8_t, s.dact, a.pre, f.state, f.layout, f.index + kFp8G);
-    fc.backward(k, w, g, dinp, Tensor{}, inp);
+    fc.backward(k, w, g, dinp, Tensor{}, inp, accumulate);
     return;
   }
   if (proj.fp8) {
-    proj.backward(k, w, g, s.dact, dout, a.act);
+    proj.backward(k, w, g, s.dact, dout, a.act, accumulate);
     k.swiglu_backward(s.dpre, s.dact, a.pre);
   } else {
-    proj.backward_through_swiglu(k, w, g, s.dpre, dout, a.act, a.pre, s.dact);
+    proj.backward_through_swiglu(k, w, g, s.dpre, dout, a.act, a.pre, s.dact, accumulate);
   }
-  fc.backward(k, w, g, dinp, s.dpre, inp);
+  fc.backward(k, w, g, dinp, s.dpre, inp, accumulate);
 }
 
 }  // namespace kiln

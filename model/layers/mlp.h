@@ -37,9 +37,10 @@ struct Mlp {
   void recompute_act(Backend& k, const Acts& a) const {
     if (kind == MlpKind::swiglu) k.swiglu_forward(a.act, a.pre);
   }
-  // dinp = gradient w.r.t. inp (overwritten).
+  // dinp = gradient w.r.t. inp (overwritten); the grads are added to, or overwritten where not
+  // `accumulate`.
   void backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
-                Tensor dout, Tensor inp, const Acts& a) const;
+                Tensor dout, Tensor inp, const Acts& a, bool accumulate) const;
 };
 
 }  // namespace kiln

@@ -196,12 +196,12 @@ void Moe::backward(Backend& k, const Params& w, const Params& g, const Scratch& 
   k.moe_unpermute(dx, s.dxp, a.slot_row, Tensor{}, false);
   k.moe_router_backward(s.dlogits, s.dtopk_w, a.logits, a.scores, a.topk_idx, a.counts, routing,
                         loss_scale);
-  router.backward(k, w, g, s.dx.view({N, C}), s.dlogits, x);
+  router.backward(k, w, g, s.dx.view({N, C}), s.dlogits, x, /*accumulate=*/true);
   k.add(dinp, s.dx);
   if (has_shared) {
     Mlp::Acts sa = a.shared;
     sa.out = a.out;
-    shared.backward(k, w, g, s.shared, s.dx, dout, inp, sa);
+    shared.backward(k, w, g, s.shared, s.dx, dout, inp, sa, /*accumulate=*/true);
     k.add(dinp, s.dx);
   }
 }

@@ -31,7 +31,12 @@ void Norm::residual_forward(Backend& k, const Params& w, const Acts& a, Tensor r
 }
 
 void Norm::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,
-                    Tensor inp, const Acts& a, Tensor dinp_act) const {
+                    Tensor inp, const Acts& a, bool accumulate, Tensor dinp_act) const {
+  // The ops accumulate; a gain is a few kilobytes to clear.
+  if (!accumulate) {
+    k.fill_zero(param(g, weight));
+    if (bias >= 0) k.fill_zero(param(g, bias));
+  }
   if (kind == NormKind::layernorm)
     k.layernorm_backward(dinp, param(g, weight), param(g, bias), dout, inp, param(w, weight),
                          a.mean, a.rstd, dinp_act);

@@ -29,10 +29,11 @@ struct Norm {
   // residual = x + y, then a.out = norm(residual).
   void residual_forward(Backend& k, const Params& w, const Acts& a, Tensor residual, Tensor x,
                         Tensor y) const;
-  // dinp += d/dinp; weight (and bias) grads +=; dinp_act (optional) = dinp in the activation
-  // dtype, for the branch below when the residual stream is wider (Backend::layernorm_backward).
+  // dinp += d/dinp; weight (and bias) grads +=, or = where not `accumulate`; dinp_act
+  // (optional) = dinp in the activation dtype, for the branch below when the residual stream is
+  // wider (Backend::layernorm_backward).
   void backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout, Tensor inp,
-                const Acts& a, Tensor dinp_act = {}) const;
+                const Acts& a, bool accumulate, Tensor dinp_act = {}) const;
 };
 
 }  // namespace kiln

@@ -481,11 +481,11 @@ TEST_P(CudaSwiGluMatmul, BackwardMatchesCpuFusedOrNot) {
   Buf cdo = cpu({B, T, C}, dout), cdw = cpu({C, F}, dw0), cdb = cpu({C}, db0);
   Buf cdpre = cpu({B, T, 2 * F}, std::vector<float>(N * 2 * F));
   Buf cdact = cpu({B, T, F}, std::vector<float>(N * F));
-  cpu_->swiglu_matmul_backward(cdpre, cdw, cdb, cdo, cact, cw, cpre, cdact);
+  cpu_->swiglu_matmul_backward(cdpre, cdw, cdb, cdo, cact, cw, cpre, cdact, true);
   // The CPU op is the two it stands for, bit for bit.
   Buf rdpre = cpu({B, T, 2 * F}, std::vector<float>(N * 2 * F));
   Buf rdact = cpu({B, T, F}, std::vector<float>(N * F)), rdw = cpu({C, F}, dw0), rdb = cpu({C}, db0);
-  cpu_->matmul_backward(rdact, rdw, rdb, cdo, cact, cw, Tensor{});
+  cpu_->matmul_backward(rdact, rdw, rdb, cdo, cact, cw, Tensor{}, true);
   cpu_->swiglu_backward(rdpre, rdact, cpre);
   EXPECT_EQ(host(cdpre), host(rdpre));
   EXPECT_EQ(host(cdw), host(rdw));
@@ -498,11 +498,25 @@ TEST_P(CudaSwiGluMatmul, BackwardMatchesCpuFusedOrNot) {
     gpu_->set_swiglu_fused(fused);
     Buf gdpre = poisoned({B, T, 2 * F}, DType::bf16), gdact = poisoned({B, T, F}, DType::bf16);
     Buf gdw = gpu({C, F}, DType::f32, dw0), gdb = gpu({C}, DType::f32, db0);
-    gpu_->swiglu_matmul_backward(gdpre, gdw, gdb, gdo, gact, gw, gpre, gdact);
+    gpu_->swiglu_matmul_backward(gdpre, gdw, gdb, gdo, gact, gw, gpre, gdact, true);
     gpu_->set_swiglu_fused(true);
     EXPECT_CLOSE(host(gdpre), host(cdpre), kBf16Tol, ("dpre" + what).c_str());
     EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, ("dweight (+=)" + what).c_str());
     EXPECT_CLOSE(host(gdb), host(cdb), kF32Tol, ("dbias (+=)" + what).c_str());
+  }
+  // accumulate = false: the grads written over NaN, fused or not.
+  Buf odw = cpu({C, F}, dw0), odb = cpu({C}, db0);
+  cpu_->swiglu_matmul_backward(cdpre, odw, odb, cdo, cact, cw, cpre, cdact, false);
+  for (const bool fused : {true, false}) {
+    const std::string what = fused ? " (fused where it can be)" : " (two ops)";
+    gpu_->set_swiglu_fused(fused);
+    Buf gdpre = poisoned({B, T, 2 * F}, DType::bf16), gdact = poisoned({B, T, F}, DType::bf16);
+    Buf gdw = gpu({C, F}, DType::f32, std::vector<float>(C * F, NAN));
+    Buf gdb = gpu({C}, DType::f32, std::vector<float>(C, NAN));
+    gpu_->swiglu_matmul_backward(gdpre, gdw, gdb, gdo, gact, gw, gpre, gdact, false);
+    gpu_->set_swiglu_fused(true);
+    EXPECT_CLOSE(host(gdw), host(odw), kF32Tol, ("dweight (=)" + what).c_str());
+    EXPECT_CLOSE(host(gdb), host(odb), kF32Tol, ("dbias (=)" + what).c_str());
   }
 }
 
@@ -549,15 +563,15 @@ TEST_P(CudaMatmul, ForwardBackward) {
   Buf cdw = cpu({OC, C}, dw0), gdw = gpu({OC, C}, DType::f32, dw0);
   Buf cdb = cpu({OC}, db0), gdb = gpu({OC}, DType::f32, db0);
   cpu_->matmul_backward(cdi, cdw, mc.bias ? Tensor(cdb) : Tensor{}, cdo, cx, cw,
-                        mc.gelu ? Tensor(cpreIn) : Tensor{});
+                        mc.gelu ? Tensor(cpreIn) : Tensor{}, true);
   gpu_->matmul_backward(gdi, gdw, mc.bias ? Tensor(gdb) : Tensor{}, gdo, gx, gw,
-                        mc.gelu ? Tensor(gpreIn) : Tensor{});
+                        mc.gelu ? Tensor(gpreIn) : Tensor{}, true);
   EXPECT_CLOSE(host(gdi), host(cdi), kBf16Tol, mc.gelu ? "matmul dinp (times gelu', auto)" : "matmul dinp");
   if (mc.gelu) {  // each way of applying gelu', forced (dweight is not compared: it accumulates)
     for (GeluBackward g : {GeluBackward::epilogue, GeluBackward::kernel}) {
       gpu_->set_gelu_backward(g);
       Buf gdi2 = poisoned({B, T, C}, DType::bf16), gdw2 = gpu({OC, C}, DType::f32, dw0);
-      gpu_->matmul_backward(gdi2, gdw2, Tensor{}, gdo, gx, gw, gpreIn);
+      gpu_->matmul_backward(gdi2, gdw2, Tensor{}, gdo, gx, gw, gpreIn, true);
       gpu_->set_gelu_backward(GeluBackward::automatic);
       EXPECT_CLOSE(host(gdi2), host(cdi), kBf16Tol,
                    g == GeluBackward::kernel ? "matmul dinp (gelu' kernel)" : "matmul dinp (DGELU epilogue)");
@@ -568,9 +582,21 @@ TEST_P(CudaMatmul, ForwardBackward) {
   else EXPECT_EQ(host(gdb), db0) << "dbias touched although absent";
 
   // dinp absent: only the parameter grads, accumulated a second time.
-  gpu_->matmul_backward(Tensor{}, gdw, mc.bias ? Tensor(gdb) : Tensor{}, gdo, gx, gw, Tensor{});
-  cpu_->matmul_backward(Tensor{}, cdw, mc.bias ? Tensor(cdb) : Tensor{}, cdo, cx, cw, Tensor{});
+  gpu_->matmul_backward(Tensor{}, gdw, mc.bias ? Tensor(gdb) : Tensor{}, gdo, gx, gw, Tensor{},
+                        true);
+  cpu_->matmul_backward(Tensor{}, cdw, mc.bias ? Tensor(cdb) : Tensor{}, cdo, cx, cw, Tensor{},
+                        true);
   EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, "matmul dweight, second accumulation");
+
+  // accumulate = false: written over NaN (never read), as the CPU writes over its own.
+  Buf gdw3 = gpu({OC, C}, DType::f32, std::vector<float>(OC * C, NAN));
+  Buf gdb3 = gpu({OC}, DType::f32, std::vector<float>(OC, NAN));
+  gpu_->matmul_backward(Tensor{}, gdw3, mc.bias ? Tensor(gdb3) : Tensor{}, gdo, gx, gw, Tensor{},
+                        false);
+  cpu_->matmul_backward(Tensor{}, cdw, mc.bias ? Tensor(cdb) : Tensor{}, cdo, cx, cw, Tensor{},
+                        false);
+  EXPECT_CLOSE(host(gdw3), host(cdw), kF32Tol, "matmul dweight (=)");
+  if (mc.bias) EXPECT_CLOSE(host(gdb3), host(cdb), kF32Tol, "matmul dbias (=)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Epilogues, CudaMatmul,
@@ -923,21 +949,25 @@ INSTANTIATE_TEST_SUITE_P(
              (d.rotate ? "_rope" : "");
     });
 
-// Bias gradients: column sums of bf16 [N,C] added into f32, against sums in double. C=768 and
-// 3072 take the vectorised kernel (N not a multiple of its row unroll), C=100 the one-column one.
-TEST_F(CudaOps, ColumnSumAccumulate) {
-  for (const auto& [N, C] : {std::pair<int64_t, int64_t>{1000, 768}, {4099, 3072}, {77, 100}}) {
-    const std::vector<float> x = rand(N * C), base = rand(C);
-    Buf gx = act({N, C}, x), out = gpu({C}, DType::f32, base);
-    gpu_->column_sum_accumulate(out.t.ptr<float>(), gx.t.data, N, C);
-    const std::vector<float> got = host(out);
-    for (int64_t c = 0; c < C; ++c) {
-      double want = base[static_cast<size_t>(c)];
-      for (int64_t r = 0; r < N; ++r) want += x[static_cast<size_t>(r * C + c)];
-      ASSERT_NEAR(got[static_cast<size_t>(c)], want, 1e-4 * std::sqrt(double(N)) + 1e-5)
-          << "N=" << N << " C=" << C << " column " << c;
+// Bias gradients: column sums of bf16 [N,C] added into f32 (or written over NaN), against sums
+// in double. C=768 and 3072 take the vectorised kernel (N not a multiple of its row unroll),
+// C=100 the one-column one.
+TEST_F(CudaOps, ColumnSum) {
+  for (const bool accumulate : {true, false})
+    for (const auto& [N, C] : {std::pair<int64_t, int64_t>{1000, 768}, {4099, 3072}, {77, 100}}) {
+      const std::vector<float> x = rand(N * C), base = rand(C);
+      Buf gx = act({N, C}, x);
+      Buf out =
+          gpu({C}, DType::f32, accumulate ? base : std::vector<float>(static_cast<size_t>(C), NAN));
+      gpu_->column_sum(out.t.ptr<float>(), gx.t.data, N, C, accumulate);
+      const std::vector<float> got = host(out);
+      for (int64_t c = 0; c < C; ++c) {
+        double want = accumulate ? base[static_cast<size_t>(c)] : 0.0;
+        for (int64_t r = 0; r < N; ++r) want += x[static_cast<size_t>(r * C + c)];
+        ASSERT_NEAR(got[static_cast<size_t>(c)], want, 1e-4 * std::sqrt(double(N)) + 1e-5)
+            << "N=" << N << " C=" << C << " column " << c << " accumulate " << accumulate;
+      }
     }
-  }
 }
 
 // ---- softmax cross-entropy ----------------------------------------------------------------
@@ -1300,22 +1330,30 @@ TEST_F(CudaFp8, MatmulMatchesCpuEmulationAndTracksBf16) {
       k->fp8_cast(f.g8, f.g8_t, dd, f.state, f.layout, kFp8G);
       k->fp8_cast(Tensor{}, f.x8_t, xx, f.state, f.layout, kFp8X);
     }
-    cpu_->fp8_matmul_backward(cdin, cdw, cdb, cd, cx, cw, gelu ? cp.t : Tensor{}, cf);
-    gpu_->fp8_matmul_backward(gdin, gdw, gdb, gd, gx, gw, gelu ? gp.t : Tensor{}, gf);
+    cpu_->fp8_matmul_backward(cdin, cdw, cdb, cd, cx, cw, gelu ? cp.t : Tensor{}, cf, true);
+    gpu_->fp8_matmul_backward(gdin, gdw, gdb, gd, gx, gw, gelu ? gp.t : Tensor{}, gf, true);
     EXPECT_CLOSE(host(gdin), host(cdin), kBf16Tol, "fp8 dinp vs cpu emulation" + tag);
     EXPECT_CLOSE(host(gdw), host(cdw), kF32Tol, "fp8 dweight vs cpu emulation" + tag);
     EXPECT_CLOSE(host(gdb), host(cdb), kF32Tol, "fp8 dbias vs cpu" + tag);
     Buf rdin = poisoned({N, C}, DType::bf16), rdw = gpu({OC, C}, DType::f32, dw0);
-    gpu_->matmul_backward(rdin, rdw, Tensor{}, gd, gx, gw, gelu ? gp.t : Tensor{});
+    gpu_->matmul_backward(rdin, rdw, Tensor{}, gd, gx, gw, gelu ? gp.t : Tensor{}, true);
     // E5M2 keeps 2 mantissa bits: the gradient's operand within 2^-3.
     EXPECT_CLOSE(host(gdin), host(rdin), 0.15, "fp8 dinp vs bf16 GEMM" + tag);
     EXPECT_CLOSE(host(gdw), host(rdw), 0.15, "fp8 dweight vs bf16 GEMM" + tag);
     // Without dout (the gradient made in FP8 only): the same GEMMs, bit for bit.
     ASSERT_TRUE(gpu_->fp8_backward_in_fp8(gf, N, C, OC));
     Buf gdin2 = poisoned({N, C}, DType::bf16), gdw2 = gpu({OC, C}, DType::f32, dw0);
-    gpu_->fp8_matmul_backward(gdin2, gdw2, Tensor{}, Tensor{}, gx, gw, gelu ? gp.t : Tensor{}, gf);
+    gpu_->fp8_matmul_backward(gdin2, gdw2, Tensor{}, Tensor{}, gx, gw, gelu ? gp.t : Tensor{}, gf,
+                              true);
     EXPECT_EQ(bytes(*gpu_, gdin2), bytes(*gpu_, gdin)) << "fp8 dinp without dout" << tag;
     EXPECT_EQ(bytes(*gpu_, gdw2), bytes(*gpu_, gdw)) << "fp8 dweight without dout" << tag;
+    // accumulate = false: dweight and dbias written over NaN, as the CPU's over its own.
+    Buf gdw3 = gpu({OC, C}, DType::f32, std::vector<float>(OC * C, NAN));
+    Buf gdb3 = gpu({OC}, DType::f32, std::vector<float>(OC, NAN));
+    gpu_->fp8_matmul_backward(Tensor{}, gdw3, gdb3, gd, gx, gw, Tensor{}, gf, false);
+    cpu_->fp8_matmul_backward(Tensor{}, cdw, cdb, cd, cx, cw, Tensor{}, cf, false);
+    EXPECT_CLOSE(host(gdw3), host(cdw), kF32Tol, "fp8 dweight (=) vs cpu emulation" + tag);
+    EXPECT_CLOSE(host(gdb3), host(cdb), kF32Tol, "fp8 dbias (=) vs cpu" + tag);
   }
 }
 

@@ -130,25 +130,28 @@ TEST(CudaPerf, DISABLED_Gpt2Shapes) {
   row("matmul_forward fc (bias)", median_ms(gpu, [&] { gpu.matmul_forward(out, x, w, bias, Tensor{}); }),
       mm_flops, 0);
   row("matmul_backward fc (dinp+dweight+dbias)",
-      median_ms(gpu, [&] { gpu.matmul_backward(dx, dw, db, dout, x, w, Tensor{}); }), 2 * mm_flops, 0);
-  row("matmul_backward fc dweight only", median_ms(gpu, [&] {
-        gpu.matmul_backward(Tensor{}, dw, Tensor{}, dout, x, w, Tensor{});
-      }), mm_flops, 0);
-  row("matmul_backward fc dweight+dbias", median_ms(gpu, [&] {
-        gpu.matmul_backward(Tensor{}, dw, db, dout, x, w, Tensor{});
-      }), mm_flops, 0);
-  row("column_sum_accumulate fc dbias (dout read once)", median_ms(gpu, [&] {
-        gpu.column_sum_accumulate(static_cast<float*>(db.t.data), dout.t.data, N, OC);
-      }), 0, 2.0 * N * OC);
+      median_ms(gpu, [&] { gpu.matmul_backward(dx, dw, db, dout, x, w, Tensor{}, true); }),
+      2 * mm_flops, 0);
+  row("matmul_backward fc dweight only",
+      median_ms(gpu,
+                [&] { gpu.matmul_backward(Tensor{}, dw, Tensor{}, dout, x, w, Tensor{}, true); }),
+      mm_flops, 0);
+  row("matmul_backward fc dweight+dbias",
+      median_ms(gpu, [&] { gpu.matmul_backward(Tensor{}, dw, db, dout, x, w, Tensor{}, true); }),
+      mm_flops, 0);
+  row("column_sum fc dbias (dout read once)",
+      median_ms(gpu,
+                [&] { gpu.column_sum(static_cast<float*>(db.t.data), dout.t.data, N, OC, true); }),
+      0, 2.0 * N * OC);
   // mlp.proj: inp = gelu output [N,OC], dinp through the DGELU epilogue (aux = pre-GELU).
   DevTensor w2(gpu, {C, OC}, DType::bf16, rng, 0.05f), dw2(gpu, {C, OC}, DType::f32, rng),
       db2(gpu, {C}, DType::f32, rng), dinp2(gpu, {B, T, OC}, DType::bf16, rng);
-  row("matmul_backward proj (dinp DGELU+dweight+dbias)", median_ms(gpu, [&] {
-        gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, pre);
-      }), 2 * mm_flops, 0);
-  row("matmul_backward proj (dinp+dweight+dbias)", median_ms(gpu, [&] {
-        gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, Tensor{});
-      }), 2 * mm_flops, 0);
+  row("matmul_backward proj (dinp DGELU+dweight+dbias)",
+      median_ms(gpu, [&] { gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, pre, true); }),
+      2 * mm_flops, 0);
+  row("matmul_backward proj (dinp+dweight+dbias)",
+      median_ms(gpu, [&] { gpu.matmul_backward(dinp2, dw2, db2, dx, out, w2, Tensor{}, true); }),
+      2 * mm_flops, 0);
 
   DevTensor qkv(gpu, {B, T, 3 * C}, DType::bf16, rng), att(gpu, {B, T, C}, DType::bf16, rng),
       lse(gpu, {B, NH, T}, DType::f32, rng), datt(gpu, {B, T, C}, DType::bf16, rng),
@@ -280,7 +283,9 @@ TEST(CudaPerf, DISABLED_LlamaShapes) {
     for (const bool fused : {true, false}) {
       gpu.set_swiglu_fused(fused);
       row(fused ? "swiglu_matmul_backward (fused dinp)" : "swiglu_matmul_backward (two ops)",
-          median_ms(gpu, [&] { gpu.swiglu_matmul_backward(dh, dw, Tensor{}, dy, out, w, h, dout); }),
+          median_ms(
+              gpu,
+              [&] { gpu.swiglu_matmul_backward(dh, dw, Tensor{}, dy, out, w, h, dout, true); }),
           proj_flops, 0);
     }
     gpu.set_swiglu_fused(true);
