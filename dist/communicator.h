@@ -42,8 +42,9 @@ class Communicator {
   virtual void all_gather(Tensor out_full, Tensor in_shard) = 0;
   // buf = 0, in sequence with the collectives (not one: no peer takes part): after those issued
   // before it are done with buf, on NCCL's stream beside the compute that follows (fsdp clears
-  // a unit's gradient slot once its reduce-scatter has read it). Ordered like a collective: the
-  // compute stream may write buf again after wait(), or wait_until() a mark taken after it.
+  // the embeddings' gradient slot once the reduce-scatter before them has read it). Ordered
+  // like a collective: the compute stream may write buf again after wait(), or wait_until() a
+  // mark taken after it.
   virtual void fill_zero(Tensor buf) = 0;
   // buf on every rank = buf on `root`.
   virtual void broadcast(Tensor buf, int root) = 0;
