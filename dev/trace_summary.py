@@ -154,7 +154,7 @@ def host_in_gaps(trace, api, gaps):
     print("\n| gap (us) | op after it launched at (us from the gap's start) | longest host calls "
           "during the gap (us inside it) |")
     print("|---|---|---|")
-    for g, _, after, e0, s1 in gaps:
+    for g, _, _, e0, s1 in gaps:
         c = launch.get(corr.get(s1, -1))
         when = f"{(c[0] - e0) / 1e3:+.0f} ({c[4]})" if c else "?"
         lo = bisect.bisect_left(starts, e0 - longest_call)
