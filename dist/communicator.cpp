@@ -96,7 +96,7 @@ size_t check_all_to_all_v(const std::string& who, const Tensor& out,
 
 #ifndef KILN_WITH_CUDA
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient&, int, int, int, void*, int,
-                                                     const std::string&) {
+                                                     const std::string&, bool) {
   throw InputError("NCCL needs a CUDA build of kiln; this one is CPU-only (use gloo)");
 }
 #endif

@@ -78,6 +78,16 @@ class Communicator {
   // Runs what was issued before it, then returns once every rank has entered (NCCL: also waits
   // for the comm stream's work).
   virtual void barrier() = 0;
+  // `bytes` of memory for buffers that gathers move (a strategy's state arena, laid out alike on
+  // every rank), or nullptr: allocate it as usual. NCCL made with copy_engine_gathers allocates it
+  // with ncclMemAlloc and registers it on every rank as a symmetric window, so that an
+  // all_gather whose two buffers lie in it runs on the copy engines and holds no SM beside the
+  // compute. Collective: every rank calls it with the same size, in the same order. The
+  // communicator owns the memory and frees it at its end.
+  virtual void* allocate_shared(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
   virtual std::string name() const = 0;  // "gloo rank 1/4", "nccl rank 3/8 (cuda:3)"
   // Whether every rank is on one host and NVLink joins every pair of their GPUs (what ddp's
   // default bucket size rests on); the same answer on every rank, and *why what was found.
@@ -107,10 +117,14 @@ std::unique_ptr<Communicator> make_gloo_communicator(StoreClient& store, int ran
 // at most that many CTAs. Each rank also publishes its GPU's site (host, PCI bus id) under
 // "<prefix>/site/<rank>"; rank 0 decides nvlink_joined() for all (NVML; false where
 // NCCL_P2P_DISABLE is set) under "<prefix>/nvlink". Built without CUDA, throws InputError.
+// copy_engine_gathers: all_gather()s between buffers from allocate_shared() run on a communicator
+// split from the first with CTAPolicy ZERO, which NCCL (2.28 and newer, on one host whose GPUs
+// all reach each other directly) runs on the copy engines; older NCCL throws InputError.
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
                                                      int overlap_ctas = 0,
-                                                     const std::string& prefix = "nccl");
+                                                     const std::string& prefix = "nccl",
+                                                     bool copy_engine_gathers = false);
 
 // A communicator that only knows its place in the group (rank, size) for `train --plan`, which
 // lays a run out without starting its processes: every collective is a std::logic_error.

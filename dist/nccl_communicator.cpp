@@ -8,7 +8,11 @@
 // that many SMs instead of NCCL's ~24, and the GEMMs beside them keep their single wave.
 // Sums take f32 or bf16; gathers and broadcasts move bytes (ncclInt8), so any dtype works.
 // At creation the ranks also settle, through the store, whether NVLink joins all their GPUs
-// (dist/topology.h), which ddp's default bucket size asks.
+// (dist/topology.h), which ddp's default bucket size asks. With copy_engine_gathers a third
+// communicator, split with CTAPolicy ZERO, runs the all-gathers between buffers of the memory
+// allocate_shared() gave (ncclMemAlloc'd, registered as a symmetric window): NCCL moves those
+// with the copy engines, and the GEMMs beside them keep every SM. Sends and receives both must
+// lie in a window; any other gather runs on the first communicator, on the same stream.
 // Compiled only with CUDA; communicator.cpp has the CPU-only stand-in.
 #ifdef KILN_WITH_CUDA
 
@@ -20,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -41,12 +46,21 @@ void check_cuda(cudaError_t err, const std::string& who, const char* what) {
     throw std::runtime_error(who + ": " + what + ": " + cudaGetErrorString(err));
 }
 
+// A failed ncclMemAlloc is the memory plan not fitting, as a failed cudaMalloc is.
+struct WindowAllocFailed : std::bad_alloc {
+  std::string message;
+  explicit WindowAllocFailed(std::string m) : message(std::move(m)) {}
+  const char* what() const noexcept override { return message.c_str(); }
+};
+
 class NcclCommunicator : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, ncclComm_t overlap_comm, cudaStream_t compute, int rank,
-                   int world, int device, bool nvlink_joined, std::string nvlink_why)
+  NcclCommunicator(ncclComm_t comm, ncclComm_t overlap_comm, ncclComm_t gather_comm,
+                   cudaStream_t compute, int rank, int world, int device, bool nvlink_joined,
+                   std::string nvlink_why)
       : comm_(comm),
         overlap_comm_(overlap_comm),
+        gather_comm_(gather_comm),
         compute_(compute),
         rank_(rank),
         world_(world),
@@ -131,10 +145,31 @@ class NcclCommunicator : public Communicator {
   void all_gather(Tensor out_full, Tensor in_shard) override {
     check_collective(name(), "all_gather", out_full, in_shard, world_, 1);
     expect_cuda("all_gather", in_shard);
+    const bool windowed = in_window(in_shard) && in_window(out_full);
     begin();
-    check("all_gather",
-          ncclAllGather(in_shard.data, out_full.data, in_shard.nbytes(), ncclInt8, comm_, stream_));
+    check("all_gather", ncclAllGather(in_shard.data, out_full.data, in_shard.nbytes(), ncclInt8,
+                                      windowed ? gather_comm_ : comm_, stream_));
     end();
+  }
+
+  void* allocate_shared(size_t bytes) override {
+    if (!gather_comm_ || bytes == 0) return nullptr;
+    // Windows start and end on NCCL's required alignment; every rank rounds alike.
+    const size_t size = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
+                        NCCL_WIN_REQUIRED_ALIGNMENT;
+    Window w;
+    w.size = size;
+    if (const ncclResult_t r = ncclMemAlloc(&w.base, size); r != ncclSuccess)
+      throw WindowAllocFailed(name() + ": ncclMemAlloc of " + std::to_string(size) +
+                              " bytes: " + ncclGetErrorString(r));
+    const ncclResult_t r =
+        ncclCommWindowRegister(gather_comm_, w.base, size, &w.window, NCCL_WIN_COLL_SYMMETRIC);
+    if (r != ncclSuccess) {
+      ncclMemFree(w.base);
+      check("ncclCommWindowRegister", r);
+    }
+    windows_.push_back(w);
+    return w.base;
   }
 
   void broadcast(Tensor buf, int root) override {
@@ -196,7 +231,7 @@ class NcclCommunicator : public Communicator {
 
   std::string async_error() override {
     ncclResult_t r = ncclSuccess;
-    for (ncclComm_t c : {comm_, overlap_comm_}) {
+    for (ncclComm_t c : {comm_, overlap_comm_, gather_comm_}) {
       if (c == nullptr || aborted_) continue;
       if (ncclCommGetAsyncError(c, &r) != ncclSuccess) continue;
       if (r != ncclSuccess && r != ncclInProgress)
@@ -206,6 +241,7 @@ class NcclCommunicator : public Communicator {
   }
   void abort() override {
     if (aborted_.exchange(true)) return;
+    if (gather_comm_) ncclCommAbort(gather_comm_);
     if (overlap_comm_) ncclCommAbort(overlap_comm_);
     ncclCommAbort(comm_);
   }
@@ -240,9 +276,21 @@ class NcclCommunicator : public Communicator {
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
     if (stream_) cudaStreamDestroy(stream_);
     if (barrier_buf_) cudaFree(barrier_buf_);
+    if (!aborted_)  // deregistering is collective: an aborted communicator has no peers left
+      for (const Window& w : windows_) ncclCommWindowDeregister(gather_comm_, w.window);
+    for (const Window& w : windows_) ncclMemFree(w.base);
     if (aborted_) return;  // an aborted communicator is already released
+    if (gather_comm_) ncclCommDestroy(gather_comm_);
     if (overlap_comm_) ncclCommDestroy(overlap_comm_);
     ncclCommDestroy(comm_);
+  }
+  bool in_window(const Tensor& t) const {
+    const char* p = static_cast<const char*>(t.data);
+    for (const Window& w : windows_) {
+      const char* base = static_cast<const char*>(w.base);
+      if (p >= base && p + t.nbytes() <= base + w.size) return true;
+    }
+    return false;
   }
   void expect_cuda(const char* op, const Tensor& t) const {
     if (t.device != Device::cuda)
@@ -263,6 +311,13 @@ class NcclCommunicator : public Communicator {
 
   ncclComm_t comm_;
   ncclComm_t overlap_comm_;  // null: overlapped sums use comm_
+  ncclComm_t gather_comm_;   // CTAPolicy ZERO, for gathers within windows_; null without them
+  struct Window {
+    void* base = nullptr;
+    size_t size = 0;
+    ncclWindow_t window = nullptr;
+  };
+  std::vector<Window> windows_;
   cudaStream_t compute_;
   cudaStream_t stream_ = nullptr;  // communication
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
@@ -322,7 +377,8 @@ std::pair<bool, std::string> decide_nvlink(StoreClient& store, int rank, int wor
 
 std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int rank, int world_size,
                                                      int local_rank, void* cuda_stream,
-                                                     int overlap_ctas, const std::string& prefix) {
+                                                     int overlap_ctas, const std::string& prefix,
+                                                     bool copy_engine_gathers) {
   const std::string who = rank_str(rank, world_size);
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("make_nccl_communicator: bad rank for " + who);
@@ -347,20 +403,30 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
   if (r != ncclSuccess)
     throw std::runtime_error(who + ": ncclCommInitRank: " + ncclGetErrorString(r) + " (" +
                              ncclGetLastError(comm) + ")");
-  ncclComm_t overlap_comm = nullptr;
-  // Split at any world size, so that one GPU tests it too.
+  ncclComm_t overlap_comm = nullptr, gather_comm = nullptr;
+  auto destroy = [&] {
+    if (gather_comm) ncclCommDestroy(gather_comm);
+    if (overlap_comm) ncclCommDestroy(overlap_comm);
+    ncclCommDestroy(comm);
+  };
+  // A communicator split from the first with `config`, for `key`; if it fails, all go. Split at
+  // any world size, so that one GPU tests it too.
+  auto split = [&](ncclConfig_t config, const std::string& key) {
+    ncclComm_t out = nullptr;
+    const ncclResult_t sr = ncclCommSplit(comm, 0, rank, &out, &config);
+    if (sr != ncclSuccess) {
+      const std::string why = ncclGetLastError(comm);
+      destroy();
+      throw std::runtime_error(who + ": ncclCommSplit for " + key + ": " + ncclGetErrorString(sr) +
+                               " (" + why + ")");
+    }
+    return out;
+  };
   if (overlap_ctas > 0) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.minCTAs = 1;
     config.maxCTAs = overlap_ctas;
-    r = ncclCommSplit(comm, 0, rank, &overlap_comm, &config);
-    if (r != ncclSuccess) {
-      const std::string why = ncclGetLastError(comm);
-      ncclCommDestroy(comm);
-      throw std::runtime_error(
-          who + ": ncclCommSplit for dist.overlap_ctas=" + std::to_string(overlap_ctas) + ": " +
-          ncclGetErrorString(r) + " (" + why + ")");
-    }
+    overlap_comm = split(config, "dist.overlap_ctas=" + std::to_string(overlap_ctas));
     if (rank == 0)
       spdlog::info(
           "nccl: ddp's bucket all-reduces during backward on a second communicator of "
@@ -368,15 +434,32 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
           "collective on the first",
           overlap_ctas);
   }
+  if (copy_engine_gathers) {
+    int version = 0;
+    ncclGetVersion(&version);
+    if (version < 22800) {
+      destroy();
+      throw InputError(who + ": dist.copy_engine_gathers needs NCCL 2.28 or newer; this one is " +
+                       std::to_string(version));
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    gather_comm = split(config, "dist.copy_engine_gathers");
+    if (rank == 0)
+      spdlog::info(
+          "nccl: all-gathers within the strategy's memory on the copy engines "
+          "(dist.copy_engine_gathers: NCCL {}, a communicator of CTAPolicy ZERO, symmetric "
+          "windows)",
+          version);
+  }
   std::pair<bool, std::string> nvlink;
   try {
     nvlink = decide_nvlink(store, rank, world_size, local_rank, prefix, who);
   } catch (...) {
-    if (overlap_comm) ncclCommDestroy(overlap_comm);
-    ncclCommDestroy(comm);
+    destroy();
     throw;
   }
-  return std::make_unique<NcclCommunicator>(comm, overlap_comm,
+  return std::make_unique<NcclCommunicator>(comm, overlap_comm, gather_comm,
                                             static_cast<cudaStream_t>(cuda_stream), rank,
                                             world_size, local_rank, nvlink.first, nvlink.second);
 }

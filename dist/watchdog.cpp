@@ -105,6 +105,7 @@ class Watchdog::Watched : public Communicator {
   }
   std::string name() const override { return inner_->name(); }
   bool nvlink_joined(std::string* why) const override { return inner_->nvlink_joined(why); }
+  void* allocate_shared(size_t bytes) override { return inner_->allocate_shared(bytes); }
   std::string async_error() override { return inner_->async_error(); }
   void abort() override { inner_->abort(); }
 

@@ -13,7 +13,7 @@ constexpr size_t kAlign = 256;
 Arena::Arena(Backend& backend, std::string name) : backend_(backend), name_(std::move(name)) {}
 
 Arena::~Arena() {
-  if (base_) backend_.release(base_);
+  if (base_ && owned_) backend_.release(base_);
 }
 
 void Arena::plan(Tensor* slot, const std::string& name, Shape shape, DType dtype) {
@@ -32,11 +32,21 @@ void Arena::plan(Tensor* slot, const std::string& name, Shape shape, DType dtype
 }
 
 void Arena::allocate() {
+  allocate([](size_t) { return nullptr; });
+}
+
+void Arena::allocate(const std::function<void*(size_t)>& provide) {
   if (allocated_) throw std::logic_error("Arena " + name_ + ": allocate() twice");
-  if (total_ > 0) base_ = backend_.allocate(total_);  // may throw: then nothing changed
+  if (total_ > 0) {  // either may throw: then nothing changed
+    base_ = provide(total_);
+    owned_ = base_ == nullptr;
+    if (owned_) base_ = backend_.allocate(total_);
+  }
   allocated_ = true;
-  for (size_t i = 0; i < entries_.size(); ++i)
+  for (size_t i = 0; i < entries_.size(); ++i) {
     slots_[i]->data = static_cast<char*>(base_) + entries_[i].offset;
+    if (!owned_) backend_.fill_zero(*slots_[i]);  // the backend's allocations come zeroed
+  }
 }
 
 std::string format_bytes(size_t bytes) {

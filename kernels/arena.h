@@ -4,6 +4,7 @@
 // capture them) and memory use is known before step 0; table() is what the trainer prints.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ class Arena {
   // allocate() call and must not move before it.
   void plan(Tensor* slot, const std::string& name, Shape shape, DType dtype);
   void allocate();
+  // The same in memory that `provide(bytes)` gives, which its provider owns and frees (a
+  // communicator's shared memory); where it gives nullptr, allocate() as above.
+  void allocate(const std::function<void*(size_t)>& provide);
 
   bool allocated() const { return allocated_; }
   size_t bytes() const { return total_; }
@@ -43,6 +47,7 @@ class Arena {
   std::vector<Tensor*> slots_;
   size_t total_ = 0;
   void* base_ = nullptr;
+  bool owned_ = true;       // base_ is the backend's, released with the arena
   bool allocated_ = false;  // also true for an empty arena, which never gets a base_
 };
 

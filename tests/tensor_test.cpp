@@ -107,6 +107,34 @@ TEST(Arena, RejectsPlanAfterAllocateSecondAllocateAndEmptyShapes) {
   EXPECT_THROW(arena.allocate(), std::logic_error);
 }
 
+// A provider's memory (a communicator's shared windows) holds the arena as the backend's would;
+// the arena never releases it, and where the provider gives nothing the backend allocates.
+TEST(Arena, AllocatesInTheMemoryAProviderGivesAndLeavesItToThem) {
+  auto backend = make_cpu_backend();
+  alignas(256) static unsigned char given[1024];
+  size_t asked = 0;
+  {
+    Arena arena(*backend, "state");
+    Tensor a, b;
+    arena.plan(&a, "a", {3}, DType::f32);
+    arena.plan(&b, "b", {5, 7}, DType::bf16);
+    arena.allocate([&](size_t bytes) {
+      asked = bytes;
+      return static_cast<void*>(given);
+    });
+    EXPECT_EQ(asked, arena.bytes());
+    EXPECT_EQ(a.data, static_cast<void*>(given));
+    EXPECT_EQ(b.data, static_cast<void*>(given + 256));
+    EXPECT_THROW(arena.allocate(), std::logic_error);
+  }  // a release of `given` by the backend would abort here
+  Arena fallback(*backend, "state");
+  Tensor c;
+  fallback.plan(&c, "c", {4}, DType::f32);
+  fallback.allocate([](size_t) { return nullptr; });
+  ASSERT_TRUE(c.defined());
+  EXPECT_EQ(static_cast<const float*>(c.data)[3], 0.0f);
+}
+
 TEST(Arena, EmptyArenaIsAllocatedToo) {
   auto backend = make_cpu_backend();
   Arena arena(*backend, "empty");

@@ -812,6 +812,10 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
       {"context parallelism with expert parallelism",
        "--model.arch=llama --moe.n_experts=4 --dist.expert_parallel=2 --dist.context_parallel=2",
        "do not combine"},
+      {"copy-engine gathers under ddp", "--dist.copy_engine_gathers=true",
+       "dist.copy_engine_gathers: is true, but dist.strategy ddp gathers nothing"},
+      {"copy-engine gathers on the CPU", "--dist.strategy=fsdp --dist.copy_engine_gathers=true",
+       "dist.copy_engine_gathers: true needs NCCL, a CUDA run (train.device is cpu)"},
   };
   for (const auto& c : cases) {
     const Result r = run(kBin + "/train " + cfg + " " + c.args);

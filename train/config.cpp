@@ -260,6 +260,10 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(dist, overlap_ctas), range(0, false, 64, false),
        "NCCL: most SMs (CTAs) ddp's bucket all-reduces take while backward runs, on a second "
        "communicator (0: NCCL's choice, one communicator)"},
+      {KILN_FIELD(dist, copy_engine_gathers), any(),
+       "NCCL 2.28+, dist.strategy zero1 or fsdp: run the strategy's all-gathers of parameters on "
+       "the GPUs' copy engines (its memory in NCCL symmetric windows), leaving every SM to the "
+       "compute beside them"},
       {KILN_FIELD(dist, timeout_s), at_least(1),
        "collective and rendezvous timeout (seconds); a rank stuck this long in a collective ends "
        "the job, naming who did not arrive"},
@@ -515,6 +519,13 @@ struct Resolver {
     }
   }
 
+  // Only zero1 and fsdp gather parameters.
+  void validate_gathers() {
+    if (config.dist.copy_engine_gathers && config.dist.strategy == "ddp")
+      fail(*find_field("dist", "copy_engine_gathers"),
+           "is true, but dist.strategy ddp gathers nothing (it applies to zero1 and fsdp)");
+  }
+
   // Context parallelism splits a sequence into 2N chunks and positions its rows by RoPE.
   void validate_context() {
     const int cp = config.dist.context_parallel;
@@ -671,6 +682,7 @@ struct Resolver {
                std::to_string(kept_blocks));
     validate_moe();
     validate_context();
+    validate_gathers();
     validate_restarts();
     validate_data();
     validate_metrics_address();

@@ -155,6 +155,7 @@ struct DistSection {
   double bucket_mb = 0;          // DDP gradient bucket size (0: by the link between the ranks)
   std::string reduce_dtype = "fp32";  // fp32 | bf16: the dtype gradients are summed across ranks in
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
+  bool copy_engine_gathers = false;  // NCCL: zero1/fsdp's all-gathers on the copy engines
   int timeout_s = 300;           // collectives and rendezvous
   int expert_parallel = 1;       // ranks a MoE block's experts spread over (parallel_plan.h)
   int context_parallel = 1;      // ranks that share each sequence (model/context_parallel.h)

@@ -114,6 +114,7 @@ class NvtxCommunicator : public Communicator {
   }
   std::string name() const override { return inner_.name(); }
   bool nvlink_joined(std::string* why) const override { return inner_.nvlink_joined(why); }
+  void* allocate_shared(size_t bytes) override { return inner_.allocate_shared(bytes); }
 
  private:
   struct Scope {

@@ -193,6 +193,9 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
           *backend_, [this](bool break_capture) { step_work(break_capture); },
           [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
+  if (cfg.dist.copy_engine_gathers && backend_->device() != Device::cuda)
+    throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run (train.device is " +
+                     cfg.train.device + ")");
   comms_ = make_run_communicators(plan_, *backend_, make_comm, nvtx_);
   comm_ = comms_.world;
   if (plan_.has_experts_split())
@@ -233,7 +236,11 @@ int Trainer::plan_only(const PlanTarget& target) {
 void Trainer::plan_memory() {
   plan_buffers();
   try {
-    state_arena_.allocate();
+    // dist.copy_engine_gathers: the strategy's gathers move between buffers of this arena,
+    // which the data group's communicator then holds in its windows.
+    Communicator* gathers = cfg_.dist.copy_engine_gathers ? comms_.data : nullptr;
+    state_arena_.allocate(
+        [gathers](size_t bytes) { return gathers ? gathers->allocate_shared(bytes) : nullptr; });
     acts_arena_.allocate();
   } catch (const std::bad_alloc& e) {
     throw InputError(std::string("the memory plan does not fit on ") + backend_->name() + " (" +

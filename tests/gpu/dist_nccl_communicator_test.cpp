@@ -1,6 +1,7 @@
 // NCCL communicator and NVML on a GPU host (label gpu; one GPU is enough): a one-rank
 // communicator's collectives are exact, with and without the second communicator of
-// dist.overlap_ctas (split at any world size so that this covers its setup); NVML knows this
+// dist.overlap_ctas (split at any world size so that this covers its setup), and with the
+// copy-engine gathers' communicator and window; NVML knows this
 // GPU by the PCI bus id CUDA gives, and answers for a pair of GPUs where there are two.
 // Several ranks are tested through the real launcher in dist_nccl_test.cpp.
 #ifdef KILN_WITH_CUDA
@@ -108,6 +109,42 @@ TEST_P(CudaNcclOneRank, CollectivesAreExact) {
 
 INSTANTIATE_TEST_SUITE_P(OverlapCtas, CudaNcclOneRank, ::testing::Values(0, 4),
                          [](const auto& info) { return "ctas" + std::to_string(info.param); });
+
+// dist.copy_engine_gathers: an arena in the communicator's shared memory (ncclMemAlloc'd, a
+// symmetric window) starts zeroed, and gathers within it, and from it to memory outside it,
+// are exact. Several ranks: DistNccl.CopyEngineGathers*.
+TEST(CudaNcclOneRankCopyEngine, GathersWithinTheWindowAndOutOfItAreExact) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  std::unique_ptr<Backend> backend = make_cuda_backend(0);
+  StoreServer server("tok", 0, "127.0.0.1");
+  StoreClient store("127.0.0.1", server.port(), "tok", 5s, 20s);
+  auto comm = make_nccl_communicator(store, 0, 1, 0, backend->native_stream(), 0, "nccl",
+                                     /*copy_engine_gathers=*/true);
+  const int64_t n = (1 << 20) + 3;
+  Tensor a, b, outside;
+  Arena shared(*backend, "shared"), plain(*backend, "plain");
+  shared.plan(&a, "a", {n}, DType::bf16);
+  shared.plan(&b, "b", {n}, DType::bf16);
+  plain.plan(&outside, "outside", {n}, DType::bf16);
+  void* given = nullptr;
+  shared.allocate([&](size_t bytes) { return given = comm->allocate_shared(bytes); });
+  plain.allocate();
+  ASSERT_NE(given, nullptr);
+  EXPECT_EQ(a.data, given);
+  std::vector<uint16_t> host(static_cast<size_t>(n)), back(host.size());
+  backend->copy_to_host(back.data(), b);
+  EXPECT_EQ(back, std::vector<uint16_t>(host.size(), 0));
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint16_t>(0x3f80 + i % 97);
+  backend->copy_from_host(a, host.data());
+  comm->all_gather(b, a);
+  comm->all_gather(outside, b);
+  comm->wait();
+  backend->copy_to_host(back.data(), b);
+  EXPECT_EQ(back, host);
+  backend->copy_to_host(back.data(), outside);
+  EXPECT_EQ(back, host);
+  comm->barrier();
+}
 
 TEST(CudaTopology, NvmlKnowsTheGpusByCudaBusId) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";

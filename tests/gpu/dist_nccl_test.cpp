@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dist/topology.h"
@@ -169,6 +170,33 @@ TEST_F(DistNccl, CudaGraphsReplayTheEagerStepAndTheRunExits) {
                                      det + " " + c.args + " --train.cuda_graphs=true", &output);
     EXPECT_NE(output.find("train.cuda_graphs: step 3 captured"), std::string::npos) << output;
     EXPECT_EQ(losses(graphs), losses(eager)) << c.name;
+  }
+}
+
+// dist.copy_engine_gathers: the strategy's memory in NCCL symmetric windows and its gathers on
+// the copy engines move the same bytes, so with deterministic kernels the losses are the kernel
+// gathers' bit for bit: zero1, and fsdp with FP8 weights gathered in FP8, two micro-batches and
+// an untied head (whose sparse gradient's gathers, from activations outside the windows, stay
+// on the kernels), eager and replayed from a CUDA graph.
+TEST_F(DistNccl, CopyEngineGathersGiveTheKernelGathersLossesBitForBit) {
+  const std::string det = "--precision.deterministic=true ";
+  const std::string fsdp =
+      det +
+      "--precision.fp8=true --train.grad_accum=2 --train.batch_size=4 --model.arch=llama "
+      "--model.n_kv_head=2 --model.tie_embeddings=false --model.vocab_size=4096";
+  for (const auto& [name, strategy, args] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"zero1", "zero1", det},
+           {"fsdp", "fsdp", fsdp},
+           {"fsdp_graphs", "fsdp", fsdp + " --train.cuda_graphs=true"}}) {
+    const std::string kernels = train("ce_off_" + name, 2, strategy, args);
+    std::string output;
+    const std::string copies =
+        train("ce_on_" + name, 2, strategy, args + " --dist.copy_engine_gathers=true", &output);
+    EXPECT_NE(output.find("all-gathers within the strategy's memory on the copy engines"),
+              std::string::npos)
+        << output;
+    EXPECT_EQ(losses(copies), losses(kernels)) << name;
   }
 }
 
