@@ -459,6 +459,15 @@ std::unique_ptr<Communicator> make_nccl_communicator(StoreClient& store, int ran
     destroy();
     throw;
   }
+  // NCCL's copy engines gather only within one host whose GPUs all reach each other directly;
+  // elsewhere it would quietly run the kernels the key is meant to replace.
+  if (copy_engine_gathers && !nvlink.first) {
+    destroy();
+    throw InputError(who +
+                     ": dist.copy_engine_gathers needs every rank on one host, NVLink "
+                     "joining every pair of GPUs: " +
+                     nvlink.second);
+  }
   return std::make_unique<NcclCommunicator>(comm, overlap_comm, gather_comm,
                                             static_cast<cudaStream_t>(cuda_stream), rank,
                                             world_size, local_rank, nvlink.first, nvlink.second);
