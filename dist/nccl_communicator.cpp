@@ -276,10 +276,12 @@ class NcclCommunicator : public Communicator {
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
     if (stream_) cudaStreamDestroy(stream_);
     if (barrier_buf_) cudaFree(barrier_buf_);
-    if (!aborted_)  // deregistering is collective: an aborted communicator has no peers left
+    if (aborted_) return;  // an aborted communicator is already released (the process ends)
+    if (!windows_.empty()) {
+      cudaDeviceSynchronize();  // nothing may still read or write the windows' memory
       for (const Window& w : windows_) ncclCommWindowDeregister(gather_comm_, w.window);
-    for (const Window& w : windows_) ncclMemFree(w.base);
-    if (aborted_) return;  // an aborted communicator is already released
+      for (const Window& w : windows_) ncclMemFree(w.base);
+    }
     if (gather_comm_) ncclCommDestroy(gather_comm_);
     if (overlap_comm_) ncclCommDestroy(overlap_comm_);
     ncclCommDestroy(comm_);
