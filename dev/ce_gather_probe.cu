@@ -4,7 +4,9 @@
 // of in kernels on the SMs. One process drives every visible GPU. It prints NCCL's version, each
 // gather's time and bandwidth both ways, whether the two give the same bytes, and the time of a
 // run of bf16 GEMMs alone, beside kernel gathers and beside copy-engine gathers, the three taking
-// turns over rounds so that each meets the power cap alike. By hand:
+// turns over rounds so that each meets the power cap alike. On one GPU NCCL copies locally
+// either way, so two stand-ins run too: a copy kernel on 24 SMs (what NCCL's kernels hold) and
+// the copy engine, each writing PROXY_PEERS (3) shards, as a rank of 4 receives. By hand:
 //   nvcc -O2 -std=c++17 -arch=sm_90a -I. dev/ce_gather_probe.cu -o ce_gather_probe \
 //     -lcublasLt -lnccl
 //   NCCL_NVLS_ENABLE=0 ./ce_gather_probe [shard MiB (54: a llama3-8b block's FP8 bytes over 4)]
@@ -99,8 +101,30 @@ double time_gathers(std::vector<Rank>& ranks, size_t shard, bool zero, int reps)
          reps;
 }
 
+// What one GPU can stand in for (no peers: NCCL copies locally either way): `peers` shards
+// written by a copy kernel on kProxyCtas SMs, as NCCL's kernels hold, or by the copy engine.
+constexpr int kProxyCtas = 24;
+__global__ void sm_copy(int4* dst, const int4* src, size_t n16, size_t src_n16) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16;
+       i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = src[i % src_n16];
+}
+void proxy_copy(Rank& r, void* dst, size_t shard, int peers, bool engine) {
+  if (engine) {
+    for (int p = 0; p < peers; ++p)
+      PROBE_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + p * shard, r.send, shard,
+                                  cudaMemcpyDeviceToDevice, r.comm_stream));
+    return;
+  }
+  sm_copy<<<kProxyCtas, 512, 0, r.comm_stream>>>(
+      static_cast<int4*>(dst), static_cast<const int4*>(r.send), shard * peers / 16, shard / 16);
+}
+std::vector<void*> proxy_dst;
+int proxy_peers = 3;
+
 // Wall ms of `gemms` GEMMs on every rank's compute stream, with `gathers` all-gathers issued
-// beside them on the comm streams (mode 0: none, 1: kernels, 2: copy engines).
+// beside them on the comm streams (mode 0: none, 1: kernels, 2: copy engines; 3 and 4: the
+// one-GPU stand-ins, an SM copy kernel and the copy engine).
 double time_gemms(std::vector<Rank>& ranks, size_t shard, int mode, int gemms, int gathers) {
   sync_all(ranks);
   std::vector<cudaEvent_t> start(ranks.size()), stop(ranks.size());
@@ -112,8 +136,14 @@ double time_gemms(std::vector<Rank>& ranks, size_t shard, int mode, int gemms, i
     for (int g = 0; g < gemms; ++g) gemm(ranks[i]);
     PROBE_CHECK(cudaEventRecord(stop[i], ranks[i].compute));
   }
-  if (mode > 0)
+  if (mode == 1 || mode == 2)
     for (int g = 0; g < gathers; ++g) gather(ranks, shard, mode == 2);
+  if (mode >= 3)
+    for (int g = 0; g < gathers; ++g)
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        PROBE_CHECK(cudaSetDevice(ranks[i].dev));
+        proxy_copy(ranks[i], proxy_dst[i], shard, proxy_peers, mode == 4);
+      }
   sync_all(ranks);
   double worst = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -206,20 +236,29 @@ int main(int argc, char** argv) {
     }
   // GEMMs beside gathers: about a block's backward of GEMM time beside two gathers' worth.
   const int gemms = 40, gathers = 2 * 40 / 8;
-  const char* names[3] = {"alone", "kernel gathers", "copy-engine gathers"};
-  double sum[3] = {0, 0, 0};
-  const int rounds = 5;
+  const char* names[5] = {"alone", "kernel gathers", "copy-engine gathers", "SM copies",
+                          "copy-engine copies"};
+  double sum[5] = {0, 0, 0, 0, 0};
+  const int rounds = std::getenv("ROUNDS") ? std::atoi(std::getenv("ROUNDS")) : 5;
+  if (const char* p = std::getenv("PROXY_PEERS")) proxy_peers = std::atoi(p);
+  for (Rank& r : ranks) {
+    PROBE_CHECK(cudaSetDevice(r.dev));
+    void* d = nullptr;
+    PROBE_CHECK(cudaMalloc(&d, shard * proxy_peers));
+    proxy_dst.push_back(d);
+  }
   for (int round = 0; round < rounds; ++round)
-    for (int mode = 0; mode < 3; ++mode) {
+    for (int mode = 0; mode < 5; ++mode) {
       const double ms = time_gemms(ranks, shard, mode, gemms, gathers);
       sum[mode] += ms;
       std::printf("round %d %d GEMMs %-20s %.2f ms (%.0f TFLOP/s)\n", round, gemms, names[mode], ms,
                   2.0 * kN * kN * kN * gemms / ms / 1e9);
     }
-  for (int mode = 0; mode < 3; ++mode)
-    std::printf("mean %-20s %.2f ms (%+.2f%% against alone), %d gathers of %.1f MiB beside\n",
+  for (int mode = 0; mode < 5; ++mode)
+    std::printf("mean %-20s %.2f ms (%+.2f%% against alone), %d %s of %.1f MiB beside\n",
                 names[mode], sum[mode] / rounds, 100.0 * (sum[mode] / sum[0] - 1),
-                mode ? gathers : 0, shard / 1048576.0);
+                mode ? gathers : 0, mode >= 3 ? "stand-ins, each copying" : "gathers",
+                (mode >= 3 ? proxy_peers : 1) * shard / 1048576.0);
 
   NCCL_OK(ncclGroupStart());
   for (Rank& r : ranks) {
