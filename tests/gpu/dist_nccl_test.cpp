@@ -58,10 +58,12 @@ class DistNccl : public ::testing::Test {
            " --train.out_dir=" + (dir_ / name).string();
   }
   // `output`, if given, receives everything the run printed.
+  // `env`: variables set for the run ("NCCL_DEBUG=INFO ").
   std::string train(const std::string& name, int nproc, const std::string& strategy,
-                    const std::string& extra = "", std::string* output = nullptr) {
+                    const std::string& extra = "", std::string* output = nullptr,
+                    const std::string& env = "") {
     // A run that does not exit fails its test rather than hanging the suite.
-    std::string cmd = "NCCL_NVLS_ENABLE=0 timeout 120 " + base(name, 16 / nproc) +
+    std::string cmd = env + "NCCL_NVLS_ENABLE=0 timeout 120 " + base(name, 16 / nproc) +
                       " --dist.strategy=" + strategy + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
     const auto r = kiln::testing::run_command(cmd);
@@ -177,7 +179,9 @@ TEST_F(DistNccl, CudaGraphsReplayTheEagerStepAndTheRunExits) {
 // the copy engines move the same bytes, so with deterministic kernels the losses are the kernel
 // gathers' bit for bit: zero1, and fsdp with FP8 weights gathered in FP8, two micro-batches and
 // an untied head (whose sparse gradient's gathers, from activations outside the windows, stay
-// on the kernels), eager and replayed from a CUDA graph.
+// on the kernels), eager and replayed from a CUDA graph. NCCL's own log (NCCL_DEBUG=INFO,
+// subsystem COLL) must say that a copy engine ran them: a fallback to its kernels would give
+// the same losses.
 TEST_F(DistNccl, CopyEngineGathersGiveTheKernelGathersLossesBitForBit) {
   const std::string det = "--precision.deterministic=true ";
   const std::string fsdp =
@@ -192,10 +196,12 @@ TEST_F(DistNccl, CopyEngineGathersGiveTheKernelGathersLossesBitForBit) {
     const std::string kernels = train("ce_off_" + name, 2, strategy, args);
     std::string output;
     const std::string copies =
-        train("ce_on_" + name, 2, strategy, args + " --dist.copy_engine_gathers=true", &output);
+        train("ce_on_" + name, 2, strategy, args + " --dist.copy_engine_gathers=true", &output,
+              "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL ");
     EXPECT_NE(output.find("all-gathers within the strategy's memory on the copy engines"),
               std::string::npos)
         << output;
+    EXPECT_NE(output.find("Copy Engine"), std::string::npos) << name << ": no copy engine ran";
     EXPECT_EQ(losses(copies), losses(kernels)) << name;
   }
 }
