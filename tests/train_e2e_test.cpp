@@ -815,7 +815,7 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
       {"copy-engine gathers under ddp", "--dist.copy_engine_gathers=true",
        "dist.copy_engine_gathers: is true, but dist.strategy ddp gathers nothing"},
       {"copy-engine gathers on the CPU", "--dist.strategy=fsdp --dist.copy_engine_gathers=true",
-       "dist.copy_engine_gathers: true needs NCCL, a CUDA run (train.device is cpu)"},
+       "dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on cpu"},
   };
   for (const auto& c : cases) {
     const Result r = run(kBin + "/train " + cfg + " " + c.args);

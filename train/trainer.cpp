@@ -194,8 +194,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
           [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
   if (cfg.dist.copy_engine_gathers && backend_->device() != Device::cuda)
-    throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run (train.device is " +
-                     cfg.train.device + ")");
+    throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on " +
+                     backend_->name());
   comms_ = make_run_communicators(plan_, *backend_, make_comm, nvtx_);
   comm_ = comms_.world;
   if (plan_.has_experts_split())
