@@ -43,7 +43,7 @@ CommGroup ParallelPlan::expert_group() const {
 
 CommGroup ParallelPlan::data_group() const {
   if (!has_experts_split()) return world_group();
-  return {expert_group_index(), replicas(), "replica" + std::to_string(expert_rank())};
+  return {expert_group_index(), replicas(), "replica" + std::to_string(expert_rank()), true};
 }
 
 }  // namespace kiln

@@ -28,6 +28,9 @@ namespace kiln {
 struct CommGroup {
   int rank = 0, size = 1;
   std::string name;
+  // The data-parallel strategy shards its state over this group (zero1/fsdp's all-gathers run
+  // here): only its communicator needs dist.copy_engine_gathers' windows.
+  bool data = false;
 };
 
 struct ParallelPlan {
@@ -49,7 +52,7 @@ struct ParallelPlan {
   int batch_rank() const { return rank / context_parallel; }
   int batch_ranks() const { return world / context_parallel; }
 
-  CommGroup world_group() const { return {rank, world, ""}; }
+  CommGroup world_group() const { return {rank, world, "", !has_experts_split()}; }
   CommGroup expert_group() const;
   // The group the data-parallel strategy spans: the world, or the replica group.
   CommGroup data_group() const;

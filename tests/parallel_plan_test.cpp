@@ -74,6 +74,10 @@ TEST(ParallelPlan, NamesTheGroupsOfEightRanksByTwo) {
   EXPECT_EQ(plan.data_group().rank, 2);
   EXPECT_EQ(plan.data_peer(3), 7);
   EXPECT_EQ(plan.expert_peer(0), 4);
+  // Only the replica group's communicator carries the strategy's all-gathers.
+  EXPECT_TRUE(plan.data_group().data);
+  EXPECT_FALSE(plan.expert_group().data);
+  EXPECT_FALSE(plan.world_group().data);
 }
 
 TEST(ParallelPlan, RefusesAnExpertParallelSizeThatDoesNotDivideTheWorld) {
@@ -98,6 +102,8 @@ TEST(ParallelPlan, ContextGroupsShareABatchAndTheStrategySpansTheWorld) {
         EXPECT_EQ(cp.rank, r % N);
         EXPECT_EQ(plan.batch_ranks(), world / N);
         EXPECT_EQ(plan.data_group().size, world);
+        EXPECT_TRUE(plan.world_group().data);
+        EXPECT_FALSE(cp.data);
         members[cp.name].insert(r);
         batches[plan.batch_rank()].insert(r / N);
       }

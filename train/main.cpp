@@ -87,7 +87,7 @@ int run_worker(const Config& config, const WorkerInfo& worker, StopSignals& sign
       return watchdog.watch(
           make_nccl_communicator(rendezvous.store(), group.rank, group.size, worker.local_rank,
                                  backend.native_stream(), config.dist.overlap_ctas, at + "nccl",
-                                 config.dist.copy_engine_gathers),
+                                 config.dist.copy_engine_gathers && group.data),
           true);
     if (config.dist.overlap_ctas > 0 && worker.rank == 0 && group.name.empty())
       spdlog::warn("dist.overlap_ctas={} applies to NCCL; over gloo it changes nothing",
