@@ -2,9 +2,12 @@
 // (tests/tensorboard_check.py, PyPI's tensorboard), holds every number of metrics.jsonl at its
 // step and the resolved config as text; a run resumed from an earlier checkpoint leaves no step
 // twice (its SessionLog START supersedes the first file's later steps); a fresh run in the same
-// directory moves the earlier events aside. The framing and CRCs: tests/tfrecord_test.cpp.
+// directory moves the earlier events aside; on a full disk the run ends naming the log it could
+// not finish, and both logs hold whole records. The framing and CRCs: tests/tfrecord_test.cpp.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -82,6 +85,61 @@ TEST(TensorBoard, OffByDefaultAndABadValueIsRefused) {
                                               "/configs/tiny.yaml --train.tensorboard=maybe");
   EXPECT_EQ(bad.status, 2) << bad.output;
   EXPECT_NE(bad.output.find("train.tensorboard"), std::string::npos) << bad.output;
+}
+
+// Whether `bytes` is a sequence of whole TFRecords (length, its CRC, data, its CRC) to its end.
+bool whole_records(const std::string& bytes, int* records) {
+  size_t at = 0;
+  *records = 0;
+  while (at < bytes.size()) {
+    if (bytes.size() - at < 12) return false;
+    uint64_t len = 0;
+    std::memcpy(&len, bytes.data() + at, 8);
+    if (bytes.size() - at - 12 < len + 4) return false;
+    at += 12 + len + 4;
+    ++*records;
+  }
+  return true;
+}
+
+// A full disk (a file-size limit the shell sets, SIGXFSZ ignored) that refuses metrics.jsonl's
+// and the events' later records: the run trains on, then ends with status 2 naming metrics.jsonl
+// and how many lines never reached it; both files hold whole records and nothing cut short.
+TEST(TensorBoard, AFullDiskEndsTheRunNamingTheLogAndLeavesWholeRecords) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_tensorboard_full_");
+  const auto prepared = kiln::testing::prepare_corpus(kBin, kSrc, (dir / "data").string());
+  ASSERT_EQ(prepared.status, 0) << prepared.output;
+  const fs::path run = dir / "run";
+  const std::string limit = "trap '' XFSZ; ulimit -f 16; ";  // 8 KiB a file (512-byte blocks)
+  const auto r = kiln::testing::run_command(
+      limit + kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu --data.train='" +
+      (dir / "data").string() + "/train_*.bin' --model.n_layer=1 --model.n_embd=32" +
+      " --model.n_head=2 --model.seq_len=32 --train.batch_size=4 --train.max_steps=120" +
+      " --train.eval_every=0 --train.save_checkpoints=false --train.tensorboard=true" +
+      " --train.out_dir=" + run.string());
+  ASSERT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("records not written to " + (run / "metrics.jsonl").string()),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("are held in memory"), std::string::npos) << r.output;
+
+  const std::string metrics = kiln::testing::read_file((run / "metrics.jsonl").string());
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_LE(metrics.size(), 8192u);
+  EXPECT_EQ(metrics.back(), '\n');
+  const auto losses = kiln::testing::read_losses(run.string());
+  ASSERT_GT(losses.size(), 10u);
+  EXPECT_LT(losses.size(), 120u);
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i].step, static_cast<int>(i) + 1);
+
+  std::string events;
+  for (const auto& e : fs::directory_iterator(run))
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
+      events = kiln::testing::read_file(e.path().string());
+  int records = 0;
+  EXPECT_TRUE(whole_records(events, &records)) << events.size() << " bytes";
+  EXPECT_GT(records, 0);
+  EXPECT_LE(events.size(), 8192u);
 }
 
 }  // namespace

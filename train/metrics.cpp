@@ -108,14 +108,7 @@ double load_mean(const StepMetrics::MoeBlock& b) {
 
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& path) : path_(path) {
-  file_ = std::fopen(path.c_str(), "a");
-  if (!file_) throw InputError(path + ": cannot open for writing: " + std::strerror(errno));
-}
-
-MetricsLog::~MetricsLog() {
-  if (file_) std::fclose(file_);
-}
+MetricsLog::MetricsLog(const std::string& path) : path_(path), log_(path, "metrics") {}
 
 void MetricsLog::write(const StepMetrics& m) {
   write_line(metrics_json(m));
@@ -129,8 +122,7 @@ void MetricsLog::write_pending(const StepMetrics& m) {
 }
 
 void MetricsLog::write_line(const std::string& json) {
-  std::fprintf(file_, "%s\n", json.c_str());
-  std::fflush(file_);
+  log_.append(json + "\n");
 }
 
 std::string metrics_json(const StepMetrics& m) {

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "train/append_log.h"
+
 namespace kiln {
 
 // Dense peak FLOP/s per GPU for a device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...),
@@ -89,11 +91,9 @@ double load_gini(const std::vector<float>& load);
 
 class MetricsLog {
  public:
-  // Appends to path (created if missing). Throws InputError if it cannot be opened.
+  // Appends to path (created if missing). Throws InputError if it cannot be opened. A line the
+  // disk refuses is held and written later (AppendLog); finish() says if any never were.
   explicit MetricsLog(const std::string& path);
-  ~MetricsLog();
-  MetricsLog(const MetricsLog&) = delete;
-  MetricsLog& operator=(const MetricsLog&) = delete;
   // Appends the step's line (and drops the pending copy of it, if any).
   void write(const StepMetrics& m);
   // Keeps the step's line, as it is before its checkpoint is saved, in path.pending (fsynced):
@@ -103,10 +103,12 @@ class MetricsLog {
   void write_pending(const StepMetrics& m);
   // One line of JSON that is not a step's (an event: train/run_dir.h).
   void write_line(const std::string& json);
+  // At the run's end: InputError naming metrics.jsonl if lines are still held.
+  void finish() { log_.finish(); }
 
  private:
   std::string path_;
-  std::FILE* file_ = nullptr;
+  AppendLog log_;
   bool pending_ = false;
 };
 

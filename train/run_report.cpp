@@ -123,6 +123,10 @@ RankReport RunReport::rank_report(const StepMetrics& sm, const PendingStep& p,
 void RunReport::write_summary(size_t memory_bytes, const std::string& cuda_graphs,
                               std::optional<double> tokens_per_joule, const StopPoint* stop) const {
   if (!is_main()) return;
+  // Lines and events a full disk refused during the run are written now, or the run ends
+  // naming the file.
+  metrics_->finish();
+  if (tensorboard_) tensorboard_->finish();
   RunSummary s;
   s.backend = backend_.name();
   s.attention = backend_.attention_name();

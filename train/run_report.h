@@ -70,7 +70,8 @@ class RunReport {
   // "gpu_throttled" where its GPU is read).
   RankReport rank_report(const StepMetrics& sm, const PendingStep& p, int64_t memory_in_use) const;
   // Rank 0: summary.json, for a run that used `memory_bytes` in its arenas, whose CUDA graphs
-  // did `cuda_graphs` (StepGraph::status) and which ended at `stop` (null: it finished).
+  // did `cuda_graphs` (StepGraph::status) and which ended at `stop` (null: it finished). First
+  // the logs' held lines are written (InputError naming the file if the disk still refuses).
   void write_summary(size_t memory_bytes, const std::string& cuda_graphs,
                      std::optional<double> tokens_per_joule, const StopPoint* stop = nullptr) const;
 

@@ -83,23 +83,17 @@ std::string host_name() {
 
 TensorBoardWriter::TensorBoardWriter(const std::string& out_dir, std::optional<int> resumed_at) {
   const long now = static_cast<long>(wall_time());
-  path_ = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name();
+  std::string path = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name();
   // Two processes in one second on one host (a quick restart) get distinct files.
-  for (int i = 1; ::access(path_.c_str(), F_OK) == 0; ++i)
-    path_ = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name() + "." +
-            std::to_string(i);
-  file_ = std::fopen(path_.c_str(), "wb");
-  if (!file_)
-    throw InputError("train.tensorboard: cannot create " + path_ + ": " + std::strerror(errno));
+  for (int i = 1; ::access(path.c_str(), F_OK) == 0; ++i)
+    path = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name() + "." +
+           std::to_string(i);
+  log_ = std::make_unique<AppendLog>(path, "train.tensorboard", true);
   write_record(event_at(0).bytes(kFileVersion, "brain.Event:2").str());
   if (resumed_at)
     write_record(event_at(*resumed_at + 1)
                      .message(kSessionLog, Proto().varint(kSessionStatus, kStart))
                      .str());
-}
-
-TensorBoardWriter::~TensorBoardWriter() {
-  if (file_) std::fclose(file_);
 }
 
 void TensorBoardWriter::write_step(const StepMetrics& m) {
@@ -122,16 +116,7 @@ void TensorBoardWriter::write_text(const std::string& tag, const std::string& ma
 }
 
 void TensorBoardWriter::write_record(const std::string& event) {
-  if (!file_) return;
-  const std::string record = tfrecord(event);
-  if (std::fwrite(record.data(), 1, record.size(), file_) == record.size() &&
-      std::fflush(file_) == 0)
-    return;
-  // A log that cannot be written (a full disk) is not worth the run: say so once, write no more.
-  spdlog::warn("train.tensorboard: writing {} failed ({}); no more TensorBoard events this run",
-               path_, std::strerror(errno));
-  std::fclose(file_);
-  file_ = nullptr;
+  log_->append(tfrecord(event));
 }
 
 }  // namespace kiln

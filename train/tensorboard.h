@@ -17,10 +17,11 @@
 // retrained).
 #pragma once
 
-#include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 
+#include "train/append_log.h"
 #include "train/metrics.h"
 
 namespace kiln {
@@ -31,22 +32,21 @@ class TensorBoardWriter {
   // after `resumed_at` steps, the START that supersedes later steps). InputError naming
   // train.tensorboard and the path where it cannot.
   TensorBoardWriter(const std::string& out_dir, std::optional<int> resumed_at);
-  ~TensorBoardWriter();
-  TensorBoardWriter(const TensorBoardWriter&) = delete;
-  TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
 
-  // A write that fails (a full disk) is logged once and ends the file, not the run.
+  // An event the disk refuses (a full disk) is held and written later (AppendLog), so the file
+  // stays whole records; finish() says if any never were.
   // One event at m.step holding every value of step_scalars(m).
   void write_step(const StepMetrics& m);
   // A text summary (TensorBoard's text plugin renders it as Markdown) at `step`.
   void write_text(const std::string& tag, const std::string& markdown, int step);
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return log_->path(); }
+  // At the run's end: InputError naming the file if events are still held.
+  void finish() { log_->finish(); }
 
  private:
   void write_record(const std::string& event);
 
-  std::string path_;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<AppendLog> log_;
 };
 
 }  // namespace kiln
