@@ -1,10 +1,12 @@
-// prepare_data: runs the built binary; its shards decode back to the joined text, and bad
-// input exits with status 2.
+// prepare_data: runs the built binary; its shards decode back to the joined text, bad input
+// exits with status 2, and a new set replaces an earlier one whole or, on a full disk, not at all.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -85,6 +87,12 @@ TEST(PrepareDataTest, BadInputExitsWithStatus2) {
   EXPECT_EQ(prepare_data(in), 2);   // no --out
   EXPECT_EQ(prepare_data(out), 2);  // no inputs
   EXPECT_EQ(prepare_data("--help"), 0);
+  // Output that did not reach its file is an error too (kiln::run_tool, every tool).
+  const auto full = kiln::testing::run_command("sh -c '" + std::string(KILN_BIN_DIR) +
+                                               "/prepare_data --help >/dev/full'");
+  EXPECT_EQ(full.status, 2) << full.output;
+  EXPECT_NE(full.output.find("prepare_data: cannot write standard output"), std::string::npos)
+      << full.output;
 }
 
 // --doc-separator: each file is a document preceded by the byte, so the shards hold exactly
@@ -107,6 +115,41 @@ TEST(PrepareDataTest, DocSeparatorPrecedesEachDocument) {
   EXPECT_EQ(prepare_data(out + "--tokenizer " + dir + "/tokenizer.json --doc-separator 0 " + dir +
                          "/a.txt"),
             2);
+}
+
+// The names and bytes of every file in `dir`.
+std::vector<std::pair<std::string, std::string>> files_in(const std::string& dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    out.emplace_back(e.path().filename().string(), kiln::testing::read_file(e.path().string()));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A second run into the same --out leaves its own set alone: no shard of the earlier, larger set
+// is left for train_*.bin to mix in. On a full disk (a file-size limit the shell sets) the run
+// fails naming the shard, and the set before it is there byte for byte.
+TEST(PrepareDataTest, ANewSetReplacesTheEarlierWholeOrNotAtAll) {
+  const std::string dir = make_temp_dir();
+  std::string big;
+  for (int i = 0; i < 400; ++i) big += "line " + std::to_string(i) + " of the first corpus\n";
+  write_text(dir + "/big.txt", big);
+  write_text(dir + "/small.txt", "a second, smaller corpus\n");
+  const std::string out = " --out " + dir + "/out --val-fraction 0.1 --shard-tokens 2000 ";
+  ASSERT_EQ(prepare_data(out + dir + "/big.txt"), 0);
+  EXPECT_EQ(expand_glob(dir + "/out/train_*.bin").size(), 6u);
+  ASSERT_EQ(prepare_data(out + dir + "/small.txt"), 0);
+  EXPECT_EQ(expand_glob(dir + "/out/train_*.bin").size(), 1u);
+  EXPECT_EQ(decode_shards(dir + "/out/val_*.bin") + decode_shards(dir + "/out/train_*.bin"),
+            "a second, smaller corpus\n");
+  const auto before = files_in(dir + "/out");
+
+  const auto r =
+      kiln::testing::run_command("trap '' XFSZ; ulimit -f 4; " + std::string(KILN_BIN_DIR) +
+                                 "/prepare_data" + out + dir + "/big.txt");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("write failed"), std::string::npos) << r.output;
+  EXPECT_EQ(files_in(dir + "/out"), before);  // no staging directory left either
 }
 
 }  // namespace

@@ -71,39 +71,42 @@ def main():
 
     start, total_tokens, total_bytes = time.time(), 0, 0
     eos_inside, eos_inside_first = 0, ""
-    with open(args.out, "wb") as out:
-        batch, paths, batch_bytes = [], [], 0
+    try:
+        with open(args.out, "wb") as out:
+            batch, paths, batch_bytes = [], [], 0
 
-        def flush():
-            nonlocal total_tokens, eos_inside, eos_inside_first
-            for path, encoding in zip(paths, tokenizer.encode_batch(batch, add_special_tokens=False)):
-                if eos_id in encoding.ids:
-                    eos_inside += 1
-                    eos_inside_first = eos_inside_first or path
-                ids = array.array("I", [eos_id])
-                ids.extend(encoding.ids)
-                if sys.byteorder != "little":
-                    ids.byteswap()
-                out.write(ids.tobytes())
-                total_tokens += len(ids)
-            batch.clear()
-            paths.clear()
+            def flush():
+                nonlocal total_tokens, eos_inside, eos_inside_first
+                for path, encoding in zip(paths, tokenizer.encode_batch(batch, add_special_tokens=False)):
+                    if eos_id in encoding.ids:
+                        eos_inside += 1
+                        eos_inside_first = eos_inside_first or path
+                    ids = array.array("I", [eos_id])
+                    ids.extend(encoding.ids)
+                    if sys.byteorder != "little":
+                        ids.byteswap()
+                    out.write(ids.tobytes())
+                    total_tokens += len(ids)
+                batch.clear()
+                paths.clear()
 
-        for path in args.files:
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read()
-            except OSError as e:
-                fail(f"{path}: cannot read: {e.strerror}")
-            total_bytes += len(raw)
-            batch.append(raw.decode("utf-8", errors="replace"))
-            paths.append(path)
-            batch_bytes += len(raw)
-            if batch_bytes >= BATCH_BYTES:
+            for path in args.files:
+                try:
+                    with open(path, "rb") as f:
+                        raw = f.read()
+                except OSError as e:
+                    fail(f"{path}: cannot read: {e.strerror}")
+                total_bytes += len(raw)
+                batch.append(raw.decode("utf-8", errors="replace"))
+                paths.append(path)
+                batch_bytes += len(raw)
+                if batch_bytes >= BATCH_BYTES:
+                    flush()
+                    batch_bytes = 0
+            if batch:
                 flush()
-                batch_bytes = 0
-        if batch:
-            flush()
+    except OSError as e:  # a full disk: one line naming the file, not a traceback
+        fail(f"{args.out}: cannot write: {e.strerror or e}")
     print(json.dumps({"vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
                       "eos_id": eos_id, "eos_token": eos, "tokens": total_tokens,
                       "bytes": total_bytes, "seconds": round(time.time() - start, 3),

@@ -10,10 +10,13 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +35,7 @@
 namespace {
 
 using kiln::InputError;
+namespace fs = std::filesystem;
 
 constexpr const char* kUsage =
     "usage: prepare_data --out DIR [--tokenizer byte|FILE.json] [--eos TOKEN] [--val-fraction F]\n"
@@ -141,26 +145,108 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
+// The shard set a run writes into --out. Every shard is written into a staging directory
+// inside --out, then all are renamed into place, then the shards of an earlier set that the new
+// one does not replace are removed: a full disk or a crash before the renames leaves the earlier
+// set as it was, and no stale shard of it is left for a train_*.bin glob to mix in.
+class ShardSet {
+ public:
+  explicit ShardSet(const std::string& out)
+      : out_(out), staging_(out_ / fmt::format(".prepare_data.{}", ::getpid())) {
+    std::error_code ec;
+    for (const fs::path& p : entries()) {  // staging left by a killed run
+      const std::string name = p.filename().string();
+      if (name.rfind(".prepare_data.", 0) != 0) continue;
+      const long pid = std::strtol(name.c_str() + 14, nullptr, 10);
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+        fs::remove_all(p, ec);
+    }
+    fs::remove_all(staging_, ec);
+    if (!fs::create_directory(staging_, ec) || ec)
+      throw InputError(fmt::format("{}: cannot create a staging directory: {}", staging_.string(),
+                                   ec ? ec.message() : std::string("exists")));
+  }
+  ~ShardSet() {
+    std::error_code ec;
+    fs::remove_all(staging_, ec);
+  }
+  ShardSet(const ShardSet&) = delete;
+  ShardSet& operator=(const ShardSet&) = delete;
+
+  // Where the shard `name` is written until publish().
+  std::string stage(const std::string& name) {
+    names_.push_back(name);
+    return (staging_ / name).string();
+  }
+
+  void publish() {
+    for (const std::string& name : names_) {
+      std::error_code ec;
+      fs::rename(staging_ / name, out_ / name, ec);
+      if (ec)
+        throw InputError(
+            fmt::format("{}: cannot rename into place: {}", (out_ / name).string(), ec.message()));
+    }
+    int removed = 0;
+    for (const fs::path& p : entries()) {
+      const std::string name = p.filename().string();
+      if (!is_shard_name(name) || std::count(names_.begin(), names_.end(), name)) continue;
+      std::error_code ec;
+      if (fs::remove(p, ec)) ++removed;
+      if (ec)
+        throw InputError(fmt::format("{}: a shard of an earlier set, cannot remove it: {}",
+                                     p.string(), ec.message()));
+    }
+    if (removed)
+      spdlog::info("removed {} shard(s) of an earlier set from {}", removed, out_.string());
+  }
+
+ private:
+  // --out's entries, listed before any is removed.
+  std::vector<fs::path> entries() const {
+    std::vector<fs::path> paths;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(out_, ec)) paths.push_back(e.path());
+    return paths;
+  }
+
+  // What write_split names its shards: train_NNNNNN.bin, val_NNNNNN.bin.
+  static bool is_shard_name(const std::string& name) {
+    const auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
+    for (const char* prefix : {"train_", "val_"}) {
+      const size_t n = std::strlen(prefix);
+      if (name.size() == n + 10 && name.compare(0, n, prefix) == 0 &&
+          name.compare(n + 6, 4, ".bin") == 0 &&
+          std::all_of(name.begin() + static_cast<ptrdiff_t>(n),
+                      name.begin() + static_cast<ptrdiff_t>(n + 6), digit))
+        return true;
+    }
+    return false;
+  }
+
+  fs::path out_, staging_;
+  std::vector<std::string> names_;
+};
+
 // Writes tokens[begin, end) as PREFIX_000000.bin, PREFIX_000001.bin, ...: as few shards as fit
 // shard_tokens each, split evenly, so no tail shard is too short for the loader's windows.
 template <class Token>
-int write_split(const Options& opt, const std::string& prefix, const std::vector<Token>& tokens,
-                size_t begin, size_t end) {
+int write_split(const Options& opt, ShardSet& set, const std::string& prefix,
+                const std::vector<Token>& tokens, size_t begin, size_t end) {
   const size_t count = end - begin;
   const size_t per = static_cast<size_t>(opt.shard_tokens);
   const size_t files = (count + per - 1) / per;
   for (size_t k = 0; k < files; ++k) {
     const size_t lo = begin + k * count / files;
     const size_t hi = begin + (k + 1) * count / files;
-    const std::string path =
-        (std::filesystem::path(opt.out) / fmt::format("{}_{:06d}.bin", prefix, k)).string();
+    const std::string name = fmt::format("{}_{:06d}.bin", prefix, k);
     const std::vector<Token> part(tokens.begin() + static_cast<ptrdiff_t>(lo),
                                   tokens.begin() + static_cast<ptrdiff_t>(hi));
     if constexpr (sizeof(Token) == 2)
-      kiln::write_shard(path, part);
+      kiln::write_shard(set.stage(name), part);
     else
-      kiln::write_shard32(path, part);
-    spdlog::info("wrote {} ({} tokens)", path, hi - lo);
+      kiln::write_shard32(set.stage(name), part);
+    spdlog::info("wrote {} ({} tokens)", (fs::path(opt.out) / name).string(), hi - lo);
   }
   return static_cast<int>(files);
 }
@@ -234,8 +320,10 @@ HfTokens hf_tokenize(const Options& opt) {
 template <class Token>
 void write_splits(const Options& opt, const std::vector<Token>& tokens) {
   const auto n_val = static_cast<size_t>(opt.val_fraction * static_cast<double>(tokens.size()));
-  const int val_files = write_split(opt, "val", tokens, 0, n_val);
-  const int train_files = write_split(opt, "train", tokens, n_val, tokens.size());
+  ShardSet set(opt.out);
+  const int val_files = write_split(opt, set, "val", tokens, 0, n_val);
+  const int train_files = write_split(opt, set, "train", tokens, n_val, tokens.size());
+  set.publish();
   spdlog::info(
       "{} tokens ({} tokenizer, {}-bit shards) from {} files: {} val tokens in {} shards, {} "
       "train tokens in {} shards, in {}",
