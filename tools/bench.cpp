@@ -25,8 +25,8 @@
 // The run directory (train.out_dir) is a temp dir removed at exit; no checkpoint is written.
 #include <fmt/format.h>
 #include <glob.h>
-#include <sys/wait.h>
 #include <spdlog/spdlog.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
@@ -48,6 +48,8 @@
 #include "kernels/error.h"
 #include "model/model.h"
 #include "tools/tool_args.h"
+#include "train/append_log.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -591,9 +593,9 @@ int run_tiers(const Options& opt) {
   for (const std::string& l : lines) std::printf("%s\n", l.c_str());
   for (const std::string& j : json_lines) std::printf("%s\n", j.c_str());
   if (!opt.json_path.empty()) {
-    std::ofstream out(opt.json_path);
-    for (const std::string& j : json_lines) out << j << "\n";
-    if (!out) throw InputError("--json: cannot write " + opt.json_path);
+    std::string text;
+    for (const std::string& j : json_lines) text += j + "\n";
+    replace_output_file("--json", opt.json_path, text);
   }
   return 0;
 }
@@ -632,13 +634,11 @@ int run(const Options& opt) {
   std::printf("  %.0f tokens/s, MFU %s, memory %s\n", m.tok_s, mfu_text.c_str(),
               format_bytes(summary["memory_bytes"].as<size_t>()).c_str());
   std::printf("%s\n", json.c_str());
-  if (!opt.json_path.empty()) {
-    std::ofstream out(opt.json_path);
-    if (!(out << json << "\n")) throw InputError("--json: cannot write " + opt.json_path);
-  }
+  if (!opt.json_path.empty()) replace_output_file("--json", opt.json_path, json + "\n");
   if (!opt.history_path.empty()) {
-    std::ofstream out(opt.history_path, std::ios::app);
-    if (!(out << json << "\n")) throw InputError("--history: cannot append to " + opt.history_path);
+    AppendLog history(opt.history_path, "--history");
+    history.append(json + "\n");
+    history.finish();  // a full disk: InputError, and no part of the line in the file
   }
   return opt.baseline_path.empty() ? 0 : compare_with_baseline(json, baseline, opt);
 }

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -18,6 +17,7 @@
 #include "kernels/cpu/threads.h"
 #include "kernels/error.h"
 #include "tools/tool_args.h"
+#include "train/checkpoint.h"
 #include "train/init_from.h"
 #include "train/step_inputs.h"
 
@@ -143,11 +143,7 @@ int run(int argc, char** argv) {
       {"tokens", count},        {"loss", loss},    {"perplexity", std::exp(loss)}};
   const std::string text = result.dump();
   std::printf("%s\n", text.c_str());
-  if (!out_path.empty()) {
-    std::ofstream out(out_path);
-    out << text << "\n";
-    if (!out) throw InputError(out_path + ": cannot write");
-  }
+  if (!out_path.empty()) replace_output_file("--out", out_path, text + "\n");
   return 0;
 }
 

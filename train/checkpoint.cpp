@@ -173,6 +173,15 @@ void replace_file_synced(const std::string& path, const std::string& text) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) fail_io("cannot rename into place", path);
 }
 
+void replace_output_file(const std::string& flag, const std::string& path,
+                         const std::string& text) {
+  try {
+    replace_file_synced(path, text);
+  } catch (const std::exception& e) {
+    throw InputError(flag + ": " + e.what());
+  }
+}
+
 namespace {
 
 // Returns the file's checksum.

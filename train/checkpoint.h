@@ -28,6 +28,8 @@ namespace kiln {
 // old contents or the new ones, never a partial write: on a full disk it is left as it was and
 // std::runtime_error names the file and the cause.
 void replace_file_synced(const std::string& path, const std::string& text);
+// The same for a file a tool's flag names (`flag`: "--json"), failing with InputError.
+void replace_output_file(const std::string& flag, const std::string& path, const std::string& text);
 
 struct TrainingState {
   int step = 0;  // optimizer steps completed
