@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include "kernels/error.h"
 #include "model/param_layout.h"
+#include "tests/input_error.h"
 #include "tests/test_process.h"
 
 namespace kiln {
@@ -269,6 +271,43 @@ TEST(Checkpoint, VersionOneChecksumsAreStillRead) {
   write_bytes(file, bytes);
   EXPECT_THROW(load_optimizer_range(read, one_tensor(n), 0, n, master.data(), m.data(), v.data()),
                InputError);
+}
+
+// A manifest whose fields are out of kiln's range is refused naming the file and the field,
+// never read into memory it overruns (a shape of 6 dimensions wrote past Shape's 4) or a vector
+// the size it claims: each case edits a good manifest in one place.
+TEST(Checkpoint, AManifestOutOfRangeIsRefusedNamingTheField) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_range_");
+  const std::string dir = one_rank_checkpoint(out, 100, 5);
+  const YAML::Node good = YAML::LoadFile(dir + "/manifest.yaml");
+  const auto refused = [&](const std::function<void(YAML::Node&)>& edit, const std::string& what) {
+    YAML::Node bad = YAML::Clone(good);
+    edit(bad);
+    YAML::Emitter e;
+    e << bad;
+    write_bytes(dir + "/manifest.yaml", e.c_str());
+    const std::string msg = kiln::testing::input_error([&] { read_manifest(dir); });
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  };
+  refused(
+      [](YAML::Node& m) { m["tensors"][0]["shape"] = std::vector<int64_t>{1, 1, 1, 1, 100, 7}; },
+      "tensor w: a shape of at most 4 dimensions");
+  refused(
+      [](YAML::Node& m) {
+        m["tensors"][0]["shape"] = std::vector<int64_t>{100, 0};
+      },
+      "tensor w: dimension 0");
+  refused([](YAML::Node& m) { m["step"] = -5; }, "step -5 < 0");
+  refused([](YAML::Node& m) { m["step"] = 7; }, "step 7 in a directory named step_00000005");
+  refused([](YAML::Node& m) { m["world_size"] = 0; }, "world_size 0 < 1");
+  refused([](YAML::Node& m) { m["strategy"] = "bogus"; }, "strategy 'bogus'");
+  refused(
+      [&](YAML::Node& m) {
+        m["moe_bias"]["file"] = good["files"][0]["file"];
+        m["moe_bias"]["floats"] = uint64_t{2000000000};
+        m["moe_bias"]["checksum"] = 0;
+      },
+      "missing, truncated or too long (MoE bias of 2000000000 floats)");
 }
 
 }  // namespace

@@ -345,7 +345,13 @@ void prune_checkpoints(const std::string& root, int keep) {
 // A state file the manifest names under `node` (file, floats, checksum), read and verified.
 std::vector<float> read_floats(const std::string& dir, const YAML::Node& node, const char* what) {
   const std::string file = dir + "/" + node["file"].as<std::string>();
-  std::vector<float> values(node["floats"].as<size_t>());
+  const uint64_t floats = node["floats"].as<uint64_t>();
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(file, ec);
+  if (ec || size != floats * sizeof(float) || floats > (uint64_t{1} << 40))
+    throw InputError(file + ": missing, truncated or too long (" + what + " of " +
+                     std::to_string(floats) + " floats)");
+  std::vector<float> values(static_cast<size_t>(floats));
   std::ifstream in(file, std::ios::binary);
   const auto bytes = static_cast<std::streamsize>(values.size() * sizeof(float));
   if (!in.read(reinterpret_cast<char*>(values.data()), bytes) ||
@@ -512,6 +518,15 @@ CheckpointManifest read_manifest(const std::string& dir) {
     if (m.version != 1 && m.version != kFormatVersion)
       throw InputError(path + ": unsupported checkpoint version " + n["version"].as<std::string>());
     m.state.step = n["step"].as<int>();
+    if (m.state.step < 0)
+      throw InputError(path + ": step " + std::to_string(m.state.step) + " < 0");
+    // step_NNNNNNNN: the directory's name is the step its manifest must hold.
+    const std::string name = fs::path(dir).lexically_normal().filename().string();
+    if (name.rfind("step_", 0) == 0 &&
+        name.find_first_not_of("0123456789", 5) == std::string::npos && name.size() > 5 &&
+        std::stoll(name.substr(5)) != m.state.step)
+      throw InputError(path + ": step " + std::to_string(m.state.step) + " in a directory named " +
+                       name);
     m.state.loader_epoch = n["loader_epoch"].as<uint64_t>();
     m.state.loader_cursor = n["loader_cursor"].as<uint64_t>();
     for (const auto& p : n["loader_sources"])
@@ -520,7 +535,11 @@ CheckpointManifest read_manifest(const std::string& dir) {
                                         p["drawn"].as<uint64_t>(), p["total"].as<uint64_t>()});
     m.state.rng_state = n["rng_state"].as<std::string>();
     m.world_size = n["world_size"].as<int>();
+    if (m.world_size < 1)
+      throw InputError(path + ": world_size " + std::to_string(m.world_size) + " < 1");
     m.strategy = n["strategy"].as<std::string>();
+    if (m.strategy != "ddp" && m.strategy != "zero1" && m.strategy != "fsdp")
+      throw InputError(path + ": strategy '" + m.strategy + "' is not ddp, zero1 or fsdp");
     m.param_count = n["param_count"].as<int64_t>();
     m.config_yaml = n["config"].as<std::string>();
     if (const YAML::Node f = n["fp8"]) {
@@ -534,7 +553,15 @@ CheckpointManifest read_manifest(const std::string& dir) {
                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});
     for (const auto& t : n["tensors"]) {
       ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false};
-      for (const auto& d : t["shape"]) info.shape.dims[static_cast<size_t>(info.shape.ndim++)] = d.as<int64_t>();
+      if (!t["shape"].IsSequence() || t["shape"].size() > static_cast<size_t>(kMaxDims))
+        throw InputError(path + ": tensor " + info.name + ": a shape of at most " +
+                         std::to_string(kMaxDims) + " dimensions expected");
+      for (const auto& d : t["shape"]) {
+        const int64_t dim = d.as<int64_t>();
+        if (dim < 1)
+          throw InputError(path + ": tensor " + info.name + ": dimension " + std::to_string(dim));
+        info.shape.dims[static_cast<size_t>(info.shape.ndim++)] = dim;
+      }
       m.tensors.push_back(info);
     }
   } catch (const YAML::Exception& e) {
