@@ -223,11 +223,11 @@ TEST(ConfigErrors, OutOfRangeValuesNameKeyAndRange) {
   };
   for (const Case& c : std::vector<Case>{
            {"train: {batch_size: -4}", "train.batch_size: must be > 0, got -4"},
-           {"model: {n_layer: 0}", "model.n_layer: must be > 0, got 0"},
+           {"model: {n_layer: 0}", "model.n_layer: must be in (0, 4096], got 0"},
+           {"model: {n_layer: 5000}", "model.n_layer: must be in (0, 4096], got 5000"},
            {"model: {n_embd: 100}", "model.n_embd: must be divisible by model.n_head (12)"},
            {"model: {n_kv_head: 5}", "model.n_kv_head: must divide model.n_head (12), got 5"},
-           {"model: {vocab_size: 600000}",
-            "model.vocab_size: must be in (0, 524288], got 600000"},
+           {"model: {vocab_size: 600000}", "model.vocab_size: must be in (0, 524288], got 600000"},
            {"model: {vocab_size: 300, padded_vocab_size: 256}",
             "model.padded_vocab_size: must be >= model.vocab_size (300), got 256"},
            {"optim: {lr: 0}", "optim.lr: must be > 0, got 0"},
@@ -238,7 +238,8 @@ TEST(ConfigErrors, OutOfRangeValuesNameKeyAndRange) {
            {"train: {keep_checkpoints: 0}", "train.keep_checkpoints: must be >= 1, got 0"},
            {"dist: {timeout_s: 0}", "dist.timeout_s: must be >= 1, got 0"},
            {"dist: {bucket_mb: -1}", "dist.bucket_mb: must be >= 0, got -1"},
-           {"dist: {reduce_dtype: fp16}", "dist.reduce_dtype: must be one of fp32, bf16, got 'fp16'"},
+           {"dist: {reduce_dtype: fp16}",
+            "dist.reduce_dtype: must be one of fp32, bf16, got 'fp16'"},
            {"dist: {overlap_ctas: 65}", "dist.overlap_ctas: must be in [0, 64], got 65"},
            {"dist: {overlap_ctas: 2.5}", "dist.overlap_ctas"},
        }) {

@@ -542,6 +542,21 @@ TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
   EXPECT_EQ(fs::file_size(out + "/metrics.jsonl"), size_before);
 }
 
+// A train.max_steps below the step the run resumes at is refused before the run's files are
+// touched (it once logged "training -2 steps" and exited 0).
+TEST_F(TrainE2E, AMaxStepsBelowTheResumedStepIsRefused) {
+  const std::string out = (dir_ / "run_below").string();
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);
+  const std::string metrics = kiln::testing::read_file(out + "/metrics.jsonl");
+  const Result r = run(train_cmd(out, "--train.max_steps=2"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("train.max_steps=2 is below step 4, where the run resumes"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(kiln::testing::read_file(out + "/metrics.jsonl"), metrics);
+  EXPECT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);  // nothing left to train
+}
+
 // A resume that cannot write (a full disk, here a file-size limit of 0 with SIGXFSZ ignored, so
 // every write fails as on a full disk) fails without replacing config.yaml or metrics.jsonl.
 TEST_F(TrainE2E, AResumeThatCannotWriteLosesNothing) {
@@ -816,6 +831,11 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
        "dist.copy_engine_gathers: is true, but dist.strategy ddp gathers nothing"},
       {"copy-engine gathers on the CPU", "--dist.strategy=fsdp --dist.copy_engine_gathers=true",
        "dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on cpu"},
+      {"a micro-batch of over 2^31 tokens", "--plan --train.batch_size=2000000000",
+       "train.batch_size: x model.seq_len = "},
+      {"blocks past kiln's range", "--plan --model.n_layer=2000000000", "model.n_layer"},
+      {"a plan for more ranks than an int holds", "--plan --nproc-per-node=65536 --nnodes=65536",
+       "--plan: --nproc-per-node 65536 x --nnodes 65536"},
   };
   for (const auto& c : cases) {
     const Result r = run(kBin + "/train " + cfg + " " + c.args);
@@ -852,6 +872,8 @@ TEST_F(TrainBadInput, CommandLinesFromOutsideExitWithStatus2) {
       {"sample --top-k=-1", sample + " --top-k=-1", "--top-k must be >= 0"},
       {"sample --temperature -1", sample + " --temperature -1", "--temperature must be"},
       {"sample --temperature nan", sample + " --temperature nan", "--temperature must be"},
+      {"a device as the config (it never ends)", kBin + "/train /dev/zero",
+       "/dev/zero: cannot read config file: is a device"},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);

@@ -221,6 +221,8 @@ TEST(TrainPlan, BadFlagsExitWithStatus2) {
   for (const Case& c :
        {Case{"--plan-gpu-memory lots", "--plan-gpu-memory: expected a size such as 80GiB"},
         Case{"--plan-gpu-memory 0GiB", "--plan-gpu-memory: expected a size"},
+        Case{"--plan-gpu-memory 1e-300GiB", "--plan-gpu-memory: expected a size"},
+        Case{"--plan-gpu-memory 0x10GiB", "--plan-gpu-memory: expected a size"},
         Case{"--plan-gpu-memory", "--plan-gpu-memory: missing value"},
         Case{"--train.device=cpu", "--plan: plans a CUDA run, but train.device is cpu"},
         Case{"--precision.dtype=fp32",

@@ -6,6 +6,7 @@
 // config written out, are train/config_values.cpp's.
 #include "train/config.h"
 
+#include <arpa/inet.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -16,11 +17,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <variant>
-
-#include <arpa/inet.h>
 
 #include "kernels/error.h"
 #include "model/arch.h"
@@ -70,7 +70,7 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(model, arch), one_of(arch_names()),
        "model family: sets the defaults of norm, norm_eps, positions, rope_theta, mlp, bias, "
        "qkv_bias, qk_norm and tie_embeddings (gpt2's are shown)"},
-      {KILN_FIELD(model, n_layer), positive(), "transformer blocks"},
+      {KILN_FIELD(model, n_layer), range(0, true, 4096, false), "transformer blocks"},
       {KILN_FIELD(model, n_head), positive(),
        "attention (query) heads; must divide n_embd unless head_dim is set"},
       {KILN_FIELD(model, n_kv_head), non_negative(),
@@ -519,6 +519,15 @@ struct Resolver {
     }
   }
 
+  // A micro-batch's tokens index int32 buffers (losses, targets, positions).
+  void validate_tokens() {
+    const int64_t tokens = int64_t{config.train.batch_size} * config.model.seq_len;
+    if (tokens > std::numeric_limits<int32_t>::max())
+      fail(*find_field("train", "batch_size"),
+           "x model.seq_len = " + std::to_string(tokens) +
+               " tokens a micro-batch, over 2^31 - 1: lower one of them");
+  }
+
   // Only zero1 and fsdp gather parameters.
   void validate_gathers() {
     if (config.dist.copy_engine_gathers && config.dist.strategy == "ddp")
@@ -683,6 +692,7 @@ struct Resolver {
     validate_moe();
     validate_context();
     validate_gathers();
+    validate_tokens();
     validate_restarts();
     validate_data();
     validate_metrics_address();
@@ -720,6 +730,9 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw InputError(path + ": cannot read config file: is a directory");
+  // A device (/dev/zero) never ends; a pipe (`train <(envsubst < c.yaml)`) does.
+  if (std::filesystem::is_character_file(path, ec) || std::filesystem::is_block_file(path, ec))
+    throw InputError(path + ": cannot read config file: is a device");
   std::ifstream in(path);
   if (!in) throw InputError(path + ": cannot read config file: " + std::strerror(errno));
   std::ostringstream text;

@@ -171,11 +171,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cli.plan) {
+      const int64_t world = int64_t{cli.launch.nproc_per_node} * cli.launch.nnodes;
+      if (cli.launch.nproc_per_node < 1 || cli.launch.nnodes < 1 || world > (1 << 20))
+        throw InputError("--plan: --nproc-per-node " + std::to_string(cli.launch.nproc_per_node) +
+                         " x --nnodes " + std::to_string(cli.launch.nnodes) +
+                         ": each must be >= 1, and the ranks at most 1048576");
       if (config.train.device == "cpu")
         throw InputError("--plan: plans a CUDA run, but train.device is cpu");
       check_cuda_config(config);
-      return plan_training(config, cli.launch.nproc_per_node * cli.launch.nnodes,
-                           plan_target(cli.plan_gpu_memory));
+      return plan_training(config, static_cast<int>(world), plan_target(cli.plan_gpu_memory));
     }
     const std::chrono::seconds grace(config.train.term_grace_s);
     if (auto worker = worker_from_environment()) {

@@ -61,7 +61,10 @@ PlanTarget plan_target(const std::string& text) {
                        : unit == "mib" ? 1024.0 * 1024.0
                        : unit == "mb"  ? 1e6
                                        : 0.0;
-  if (used == 0 || scale == 0 || !std::isfinite(v) || v <= 0 || v * scale > 1e15) {
+  // stod reads hex ("0x10"): only decimal digits and a point are a size here. At least 1 MiB.
+  const bool decimal = t.find_first_not_of("0123456789.") >= used;
+  if (used == 0 || !decimal || scale == 0 || !std::isfinite(v) || v * scale < 1048576.0 ||
+      v * scale > 1e15) {
     std::string names;
     for (const KnownGpu& g : kGpus) names += std::string(names.empty() ? "" : ", ") + g.key;
     throw InputError(
