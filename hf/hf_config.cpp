@@ -206,6 +206,18 @@ ModelConfig read_hf_config(const std::string& dir) {
   if (m.n_head % m.n_kv_head != 0)
     c.fail("num_key_value_heads", "must divide the number of attention heads");
   m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
+  // kiln's own limits (train/config.cpp's ranges for the same keys), then the model's shape
+  // rules, each naming this file rather than failing later as a bug.
+  if (m.vocab_size > 524288) c.fail("vocab_size", "must be at most 524288");
+  if (m.n_layer > 4096)
+    c.fail(type == "gpt2" ? "n_layer" : "num_hidden_layers", "must be at most 4096");
+  if (m.positions == PositionKind::learned && m.seq_len > (1 << 20))
+    c.fail("n_positions", "must be at most 1048576 (a learned position table)");
+  try {
+    check_model_config(m);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(path + ": " + e.what());
+  }
   return m;
 }
 

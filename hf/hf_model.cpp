@@ -17,12 +17,16 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 json read_json(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) throw InputError(path + ": cannot read: not a file");
   std::ifstream in(path);
   if (!in) throw InputError(path + ": cannot read");
   try {
     return json::parse(in);
   } catch (const json::parse_error& e) {
     throw InputError(path + ": malformed JSON: " + e.what());
+  } catch (const std::exception& e) {  // a read error
+    throw InputError(path + ": cannot read: " + e.what());
   }
 }
 

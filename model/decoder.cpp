@@ -6,9 +6,7 @@
 
 namespace kiln {
 
-namespace {
-
-void check_config(const ModelConfig& c) {
+void check_model_config(const ModelConfig& c) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("model: " + what); };
   if (c.n_layer <= 0 || c.n_head <= 0 || c.n_embd <= 0 || c.ffn_dim <= 0 || c.seq_len <= 0)
     fail("n_layer, n_head, n_embd, ffn_dim and seq_len must be positive");
@@ -30,8 +28,6 @@ void check_config(const ModelConfig& c) {
   }
 }
 
-}  // namespace
-
 Locate flat_params(Tensor flat) {
   return [flat](const ParamInfo& info) { return flat.slice(info.offset, info.shape); };
 }
@@ -42,7 +38,7 @@ std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend) {
 
 Decoder::Decoder(const ModelConfig& cfg, Backend& backend)
     : cfg_(cfg), backend_(backend), fp8_(backend, cfg.fp8_options, weights_) {
-  check_config(cfg);
+  check_model_config(cfg);
   const int64_t C = cfg.n_embd;
   LayoutBuilder b;
   embed_.declare(b, cfg.padded_vocab_size, C, cfg.seq_len, cfg.positions == PositionKind::learned);

@@ -203,5 +203,8 @@ class Model {
 
 // The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.
 std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend);
+// The shape rules make_model holds a config to (heads divide the width, RoPE's head_dim even,
+// ...): std::invalid_argument saying which, for readers of outside configs to name their file.
+void check_model_config(const ModelConfig& cfg);
 
 }  // namespace kiln

@@ -339,6 +339,30 @@ TEST(HfConfig, RefusesWhatKilnDoesNotImplement) {
     "n_positions": 16, "vocab_size": 50, "activation_function": "relu"})");
   e = input_error([&] { read_hf_config(dir); });
   EXPECT_NE(e.find("activation_function: 'relu'"), std::string::npos) << e;
+  // Shapes the decoder cannot build, and sizes past kiln's range, name the file, not a bug.
+  write_text(dir + "/config.json", R"({"model_type": "llama", "head_dim": 15, )" + base + "}");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: model: RoPE needs an even head_dim, got 15"),
+            std::string::npos)
+      << e;
+  write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 3, "n_embd": 8,
+    "n_positions": 16, "vocab_size": 50})");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: model: n_embd must be divisible by n_head"),
+            std::string::npos)
+      << e;
+  write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+    "n_positions": 2147483647, "vocab_size": 50})");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("n_positions: must be at most 1048576"), std::string::npos) << e;
+  write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+    "n_positions": 16, "vocab_size": 1000000000})");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find("vocab_size: must be at most 524288"), std::string::npos) << e;
+  std::filesystem::remove(dir + "/config.json");
+  std::filesystem::create_directory(dir + "/config.json");
+  e = input_error([&] { read_hf_config(dir); });
+  EXPECT_NE(e.find(dir + "/config.json: cannot read: not a file"), std::string::npos) << e;
 }
 
 TEST(HfConfig, MismatchesNameEveryKey) {
