@@ -10,8 +10,8 @@
 #include <csignal>
 #include <string>
 
-#include "input_error.h"
-#include "test_process.h"
+#include "tests/input_error.h"
+#include "tests/test_process.h"
 
 namespace kiln {
 namespace {

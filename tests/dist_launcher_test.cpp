@@ -397,6 +397,16 @@ TEST(DistLauncher, CommBenchRunsTwoWorkers) {
   EXPECT_NE(c.output().find("65536"), std::string::npos) << c.output();
 }
 
+// Sizes below the correctness check's 5 floats a rank still leave it room (a segfault once).
+TEST(DistLauncher, CommBenchOfTinySizesChecksAndRuns) {
+  Child c({kCommBench, "--backend", "gloo", "--min-bytes", "8", "--max-bytes", "8", "--iters", "1",
+           "--warmup", "1", "--nproc-per-node", "2"});
+  int status = c.wait(25s);
+  ASSERT_TRUE(WIFEXITED(status)) << c.output();
+  EXPECT_EQ(WEXITSTATUS(status), 0) << c.output();
+  EXPECT_NE(c.output().find("# correctness: ok"), std::string::npos) << c.output();
+}
+
 // Without a GPU the default is Gloo, and NCCL asked for by name is an input error naming Gloo.
 TEST(DistLauncher, CommBenchWithoutAGpuPicksGloo) {
   if (cuda_available()) GTEST_SKIP() << "a GPU is visible: NCCL is the default here";

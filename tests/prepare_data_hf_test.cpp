@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/shard.h"
@@ -165,6 +167,21 @@ TEST_F(PrepareDataHf, BadEosOrTokenizerExitsTwo) {
                   join(corpus()));
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("not a Hugging Face tokenizer.json"), std::string::npos) << r.output;
+  // The tokenizer_config.json beside it: malformed, or naming an end-of-text token the
+  // vocabulary lacks, is one line naming it (a Python traceback once, or a silent fallback).
+  const std::string config = dir_ + "/eos/tokenizer_config.json";
+  for (const auto& [text, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"{not json", "tokenizer_config.json: not a readable tokenizer_config.json"},
+           {"[1, 2]", "not a tokenizer_config.json (a JSON object expected)"},
+           {"{\"eos_token\": \"<absent>\"}", "eos_token '<absent>' is not a token of"}}) {
+    std::ofstream(config) << text;
+    r = run_command(kBin + "/prepare_data --out " + dir_ + "/x --tokenizer " + tok +
+                    join(corpus()));
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("Traceback"), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(config);
 }
 
 }  // namespace

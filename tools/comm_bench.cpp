@@ -319,7 +319,8 @@ int run_worker(const WorkerInfo& w, const Options& o) {
   Rendezvous rendezvous(w, timeout);
   const bool cuda = o.backend == "nccl";
   const int n = w.world_size;
-  const int64_t max_elems = std::max<int64_t>(o.max_bytes / 4 / n, 1) * n;
+  // check_results' 5 floats a rank fit, whatever --max-bytes is.
+  const int64_t max_elems = std::max<int64_t>(o.max_bytes / 4 / n, 5) * n;
   Buffers buf(cuda, w.local_rank, max_elems);
   std::unique_ptr<Communicator> comm =
       cuda ? make_nccl_communicator(rendezvous.store(), w.rank, n, w.local_rank, buf.stream())

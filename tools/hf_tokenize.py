@@ -39,11 +39,20 @@ def find_eos(tokenizer, tokenizer_path, requested):
         return requested
     config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_path)), "tokenizer_config.json")
     if os.path.exists(config):
-        with open(config, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
+        try:
+            with open(config, encoding="utf-8") as f:
+                settings = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            fail(f"{config}: not a readable tokenizer_config.json: {e}")
+        if not isinstance(settings, dict):
+            fail(f"{config}: not a tokenizer_config.json (a JSON object expected)")
+        eos = settings.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
-        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+        if isinstance(eos, str):
+            if tokenizer.token_to_id(eos) is None:
+                fail(f"{config}: eos_token {eos!r} is not a token of {tokenizer_path} "
+                     "(name one with --eos)")
             return eos
     for name in USUAL_EOS:
         if tokenizer.token_to_id(name) is not None:

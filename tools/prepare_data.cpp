@@ -137,6 +137,9 @@ std::string read_file(const std::string& path) {
   if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
     throw InputError(fmt::format("{}: is a directory, not a text file", path));
   }
+  // A device (/dev/zero) never ends; a pipe does.
+  if (::stat(path.c_str(), &st) == 0 && (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)))
+    throw InputError(fmt::format("{}: is a device, not a text file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(fmt::format("{}: cannot read: {}", path, std::strerror(errno)));
   std::ostringstream text;
