@@ -43,7 +43,7 @@ AppendLog::AppendLog(std::string path, std::string what, bool truncate)
     throw InputError(what_ + ": cannot open " + path_ + " for writing: " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    const int err = errno;
+    const int err = S_ISREG(st.st_mode) ? errno : 0;
     ::close(fd_);
     fd_ = -1;
     throw InputError(what_ + ": " + path_ + (err ? ": " + std::string(std::strerror(err)) : "") +
