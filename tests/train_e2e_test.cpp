@@ -831,6 +831,8 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
        "dist.copy_engine_gathers: is true, but dist.strategy ddp gathers nothing"},
       {"copy-engine gathers on the CPU", "--dist.strategy=fsdp --dist.copy_engine_gathers=true",
        "dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on cpu"},
+      {"a CUDA attention kernel on the CPU", "--precision.attention=flash",
+       "precision.attention=flash picks a CUDA attention kernel; this run is on cpu"},
       {"a micro-batch of over 2^31 tokens", "--plan --train.batch_size=2000000000",
        "train.batch_size: x model.seq_len = "},
       {"blocks past kiln's range", "--plan --model.n_layer=2000000000", "model.n_layer"},
@@ -858,6 +860,7 @@ TEST_F(TrainBadInput, CommandLinesFromOutsideExitWithStatus2) {
   fs::create_directories(bad);
   std::ofstream(bad / "a_file") << "not a directory\n";
   std::ofstream(bad / "empty.yaml") << "# nothing but a comment\n";
+  std::ofstream(bad / "newline.yaml") << "model: {arch: \"gpt2\\nline2\"}\n";
   const std::string good = (dir_ / "data" / "train_000000.bin").string();
   const std::string train = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
                             " --data.train=" + good + " --train.max_steps=2";
@@ -874,12 +877,17 @@ TEST_F(TrainBadInput, CommandLinesFromOutsideExitWithStatus2) {
       {"sample --temperature nan", sample + " --temperature nan", "--temperature must be"},
       {"a device as the config (it never ends)", kBin + "/train /dev/zero",
        "/dev/zero: cannot read config file: is a device"},
+      {"a newline inside a value stays on the error's one line",
+       kBin + "/train " + (bad / "newline.yaml").string(), "'gpt2\\nline2'"},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);
     EXPECT_EQ(r.status, 2) << c.name << ":\n" << r.output;
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.name << ":\n" << r.output;
     EXPECT_EQ(r.output.find("fatal"), std::string::npos) << c.name << ":\n" << r.output;
+    const std::string last = r.output.substr(r.output.rfind('\n', r.output.size() - 2) + 1);
+    EXPECT_NE(last.find(c.expect), std::string::npos) << c.name << ": not on one line:\n"
+                                                      << r.output;
   }
 }
 

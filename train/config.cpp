@@ -226,7 +226,8 @@ const std::vector<Field>& schema() {
        "FP8 GEMMs in the blocks' linear layers with delayed scaling (docs/fp8.md): Hopper and "
        "newer; emulated on the CPU; older GPUs say so and run bf16"},
       {KILN_FIELD(precision, attention), one_of({"auto", "cudnn", "flash", "naive"}),
-       "attention implementation"},
+       "attention implementation on CUDA (a CPU run takes auto only: its attention is the "
+       "reference)"},
       {KILN_FIELD(precision, residual), one_of({"fp32", "bf16"}),
        "dtype of the residual stream and its gradient where activations are bf16 (fp32: as "
        "PyTorch's autocast; bf16: half those buffers, worse loss: docs/quality.md)"},

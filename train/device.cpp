@@ -46,6 +46,10 @@ std::unique_ptr<Backend> make_run_backend(const Config& cfg, int local_rank) {
     }
     return backend;
   }
+  if (cfg.precision.attention != "auto")
+    throw InputError("precision.attention=" + cfg.precision.attention +
+                     " picks a CUDA attention kernel; this run is on cpu, whose attention is the "
+                     "reference (leave it auto)");
   if (cfg.precision.dtype == "bf16")
     spdlog::info(
         "cpu backend: computing in fp32 (the reference); precision.dtype=bf16 and "
