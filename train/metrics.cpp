@@ -108,16 +108,16 @@ double load_mean(const StepMetrics::MoeBlock& b) {
 
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& path) : path_(path), log_(path, "metrics") {}
+MetricsLog::MetricsLog(const std::string& path) : log_(path, "metrics") {}
 
 void MetricsLog::write(const StepMetrics& m) {
   write_line(metrics_json(m));
-  if (pending_) std::remove((path_ + ".pending").c_str());
+  if (pending_) std::remove((log_.path() + ".pending").c_str());
   pending_ = false;
 }
 
 void MetricsLog::write_pending(const StepMetrics& m) {
-  replace_file_synced(path_ + ".pending", metrics_json(m) + "\n");
+  replace_file_synced(log_.path() + ".pending", metrics_json(m) + "\n");
   pending_ = true;
 }
 

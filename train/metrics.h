@@ -107,7 +107,6 @@ class MetricsLog {
   void finish() { log_.finish(); }
 
  private:
-  std::string path_;
   AppendLog log_;
   bool pending_ = false;
 };

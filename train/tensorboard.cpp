@@ -79,16 +79,20 @@ std::string host_name() {
   return buf;
 }
 
+// A new file's name in out_dir: two processes in one second on one host (a quick restart) get
+// distinct files.
+std::string new_event_file(const std::string& out_dir) {
+  const std::string base = out_dir + "/events.out.tfevents." +
+                           std::to_string(static_cast<long>(wall_time())) + "." + host_name();
+  std::string path = base;
+  for (int i = 1; ::access(path.c_str(), F_OK) == 0; ++i) path = base + "." + std::to_string(i);
+  return path;
+}
+
 }  // namespace
 
-TensorBoardWriter::TensorBoardWriter(const std::string& out_dir, std::optional<int> resumed_at) {
-  const long now = static_cast<long>(wall_time());
-  std::string path = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name();
-  // Two processes in one second on one host (a quick restart) get distinct files.
-  for (int i = 1; ::access(path.c_str(), F_OK) == 0; ++i)
-    path = out_dir + "/events.out.tfevents." + std::to_string(now) + "." + host_name() + "." +
-           std::to_string(i);
-  log_ = std::make_unique<AppendLog>(path, "train.tensorboard", true);
+TensorBoardWriter::TensorBoardWriter(const std::string& out_dir, std::optional<int> resumed_at)
+    : log_(new_event_file(out_dir), "train.tensorboard", true) {
   write_record(event_at(0).bytes(kFileVersion, "brain.Event:2").str());
   if (resumed_at)
     write_record(event_at(*resumed_at + 1)
@@ -116,7 +120,7 @@ void TensorBoardWriter::write_text(const std::string& tag, const std::string& ma
 }
 
 void TensorBoardWriter::write_record(const std::string& event) {
-  log_->append(tfrecord(event));
+  log_.append(tfrecord(event));
 }
 
 }  // namespace kiln

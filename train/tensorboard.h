@@ -17,7 +17,6 @@
 // retrained).
 #pragma once
 
-#include <memory>
 #include <optional>
 #include <string>
 
@@ -39,14 +38,14 @@ class TensorBoardWriter {
   void write_step(const StepMetrics& m);
   // A text summary (TensorBoard's text plugin renders it as Markdown) at `step`.
   void write_text(const std::string& tag, const std::string& markdown, int step);
-  const std::string& path() const { return log_->path(); }
+  const std::string& path() const { return log_.path(); }
   // At the run's end: InputError naming the file if events are still held.
-  void finish() { log_->finish(); }
+  void finish() { log_.finish(); }
 
  private:
   void write_record(const std::string& event);
 
-  std::unique_ptr<AppendLog> log_;
+  AppendLog log_;
 };
 
 }  // namespace kiln
