@@ -397,7 +397,7 @@ TEST(DistLauncher, CommBenchRunsTwoWorkers) {
   EXPECT_NE(c.output().find("65536"), std::string::npos) << c.output();
 }
 
-// Sizes below the correctness check's 5 floats a rank still leave it room (a segfault once).
+// Sizes below the correctness check's 5 floats a rank still leave it room for them.
 TEST(DistLauncher, CommBenchOfTinySizesChecksAndRuns) {
   Child c({kCommBench, "--backend", "gloo", "--min-bytes", "8", "--max-bytes", "8", "--iters", "1",
            "--warmup", "1", "--nproc-per-node", "2"});

@@ -168,7 +168,7 @@ TEST_F(PrepareDataHf, BadEosOrTokenizerExitsTwo) {
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("not a Hugging Face tokenizer.json"), std::string::npos) << r.output;
   // The tokenizer_config.json beside it: malformed, or naming an end-of-text token the
-  // vocabulary lacks, is one line naming it (a Python traceback once, or a silent fallback).
+  // vocabulary lacks, is one line naming it: no traceback, no quiet fallback to another token.
   const std::string config = dir_ + "/eos/tokenizer_config.json";
   for (const auto& [text, expect] : std::vector<std::pair<std::string, std::string>>{
            {"{not json", "tokenizer_config.json: not a readable tokenizer_config.json"},

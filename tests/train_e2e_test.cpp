@@ -543,7 +543,7 @@ TEST_F(TrainE2E, CorruptCheckpointIsRefusedAndNothingIsOverwritten) {
 }
 
 // A train.max_steps below the step the run resumes at is refused before the run's files are
-// touched (it once logged "training -2 steps" and exited 0).
+// touched: there is no negative number of steps to train.
 TEST_F(TrainE2E, AMaxStepsBelowTheResumedStepIsRefused) {
   const std::string out = (dir_ / "run_below").string();
   ASSERT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);
