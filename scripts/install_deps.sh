@@ -58,8 +58,10 @@ if ! python3 -c "import tensorboard" >/dev/null 2>&1; then
     python3 -m pip install -q --user --break-system-packages tensorboard
 fi
 
-# The cuDNN frontend is header-only C++; only the CUDA build needs it.
-if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+# The cuDNN frontend is header-only C++; only the CUDA build needs it (KILN_CUDA=off: a CPU-only
+# build, `make ... CUDA=off`, fetches it no more than a machine without nvcc does).
+if [ "${KILN_CUDA:-on}" != off ] &&
+   { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then
   dest=.deps/cudnn-frontend
   if [ ! -f "$dest/include/cudnn_frontend.h" ]; then
     echo "install_deps: fetching cuDNN frontend headers $CUDNN_FRONTEND_VERSION"
