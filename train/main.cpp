@@ -20,6 +20,7 @@
 #include "dist/watchdog.h"
 #include "kernels/cpu/threads.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "train/cli.h"
 #include "train/config.h"
 #include "train/device.h"
@@ -154,13 +155,15 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  // Step lines are train's output: stdout (kernels/log.h).
+  spdlog::set_pattern(kLogPattern);
   return run_tool("train", [&] {
     CommandLine cli = parse_command_line(argc, argv);
     if (cli.help) {
       std::printf("%s", usage_text().c_str());
       return 0;
     }
+    if (cli.print_config) log_to_stderr();  // stdout is the YAML (tools/twin_compare.py reads it)
     // Validate the config before starting anything, in the launcher as in a worker.
     // --max-restarts is dist.max_restarts set after every override: the flag wins.
     if (cli.launch.max_restarts >= 0)
