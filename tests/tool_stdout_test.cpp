@@ -1,7 +1,7 @@
 // stdout is data (kernels/log.h, issue 52): each tool run with stdout and stderr apart writes
 // only its output to stdout (sample's text, eval's JSON, bench's table and JSON, comm_bench's
 // table; prepare_data and convert nothing) and its log lines to stderr, so `tool > file` holds
-// the output alone. train --print-config's stdout is the YAML alone.
+// the output alone. train --print-config's stdout is the YAML, its warnings on stderr.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <yaml-cpp/yaml.h>
@@ -102,7 +102,8 @@ TEST_F(ToolStdout, ConvertWritesNothingToStdout) {
   EXPECT_TRUE(has_log_line(c.err)) << c.err;
 }
 
-// bench: its report and JSON line on stdout; the trainer's step lines on stderr.
+// bench: its report and JSON line on stdout; the trainer's step lines, and the config's warning
+// about the checkpoints bench turns off, on stderr.
 TEST_F(ToolStdout, BenchStdoutIsItsReport) {
   const Split b = run_split("cd " + dir_ + " && " + kBin + "/bench " + kSrc +
                                 "/configs/tiny.yaml --train.device=cpu" +
@@ -119,6 +120,7 @@ TEST_F(ToolStdout, BenchStdoutIsItsReport) {
     }
   EXPECT_EQ(json_lines, 1) << b.out;
   EXPECT_NE(b.err.find("] info step"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("train.checkpoint_every: ignored"), std::string::npos) << b.err;
 }
 
 // comm_bench over two Gloo processes: rank 0's table on stdout, the launcher's lines on stderr.
@@ -133,7 +135,7 @@ TEST_F(ToolStdout, CommBenchStdoutIsItsTable) {
   EXPECT_TRUE(has_log_line(c.err)) << c.err;
 }
 
-// train --print-config: stdout reads back as the config.
+// train --print-config: stdout reads back as the config; what it ignores is warned on stderr.
 TEST_F(ToolStdout, TrainPrintConfigStdoutIsTheYaml) {
   const std::string config = kSrc + "/configs/tiny.yaml";
   const Split t =
@@ -141,6 +143,11 @@ TEST_F(ToolStdout, TrainPrintConfigStdoutIsTheYaml) {
   ASSERT_EQ(t.status, 0) << t.err;
   EXPECT_EQ(parse_config(t.out, {}), load_config(config, {"train.save_checkpoints=false"}))
       << t.out;
+  EXPECT_TRUE(has_log_line(t.err)) << t.err;
+  EXPECT_NE(t.err.find("override 'train.save_checkpoints=false': train.checkpoint_every: "
+                       "ignored"),
+            std::string::npos)
+      << t.err;
 }
 
 }  // namespace
