@@ -4,11 +4,15 @@
 #include "train/model_config.h"
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "kernels/error.h"
@@ -52,11 +56,11 @@ TEST(ConfigParse, FullFileParses) {
   Config c = parse_config(R"(
 model:     {arch: gpt2, n_layer: 4, n_head: 8, n_kv_head: 2, n_embd: 256, ffn_dim: 1000,
             vocab_size: 256, padded_vocab_size: 512, seq_len: 128, tie_embeddings: false,
-            rope_theta: 500000}
+            positions: rope, rope_theta: 500000}
 data:      {train: "data/x/train_*.bin", val: "data/x/val_*.bin", shuffle: false, prefetch: false}
 train:     {device: cpu, batch_size: 4, grad_accum: 2, max_steps: 50, eval_every: 10,
             eval_steps: 2, log_every: 5, seed: -7, out_dir: runs/x, checkpoint_every: 25,
-            keep_checkpoints: 3, resume: none, sample_every: 0, sample_tokens: 16,
+            keep_checkpoints: 3, resume: none, sample_every: 10, sample_tokens: 16,
             cuda_graphs: false, peak_tflops: 989.5}
 optim:     {name: adamw, lr: 6.0e-4, min_lr: 6e-5, warmup_steps: 0, schedule: linear,
             weight_decay: 0, beta1: 0.8, beta2: 0.99, eps: 1.0e-8, grad_clip: 0.5}
@@ -381,18 +385,20 @@ TEST(ConfigArch, InconsistentChoicesAreRefusedNamingTheKey) {
       {"model: {arch: mamba}", "model.arch: must be one of gpt2, llama, qwen3"},
       {"model: {norm: batchnorm}", "model.norm: must be one of layernorm, rmsnorm"},
       {"model: {norm_eps: 1.0e-6}", "model.norm_eps: layernorm's epsilon is fixed at 1e-5"},
-      {"model: {arch: llama, bias: true}",
-       "model.qkv_bias: false contradicts model.bias: true"},
+      {"model: {arch: llama, bias: true}", "model.qkv_bias: false contradicts model.bias: true"},
       {"model: {arch: llama, n_head: 4, n_embd: 20}", "model.n_embd: RoPE rotates pairs"},
       {"model: {arch: llama, head_dim: 7}", "model.head_dim: RoPE rotates pairs"},
       {"model: {n_embd: 100, head_dim: 64}", ""},  // head_dim set: n_embd need not divide
-      {"model: {rope_scaling: llama3}", "model.rope_scaling: llama3 scales RoPE, but"},
-      {"model: {arch: llama, rope_scaling: yarn}", "model.rope_scaling: must be one of none, llama3"},
-      {"model: {arch: llama, rope_factor: 8}", ""},  // the default: nothing is changed
+      {"model: {rope_scaling: llama3}",
+       "model.rope_scaling: is set, but model.positions is learned"},
+      {"model: {arch: llama, rope_scaling: yarn}",
+       "model.rope_scaling: must be one of none, llama3"},
+      {"model: {arch: llama, rope_scaling: llama3, rope_factor: 8}", ""},  // with its enabler
       {"model: {arch: llama, rope_factor: 16}",
-       "model.rope_factor: is used only with model.rope_scaling: llama3"},
+       "model.rope_factor: is set, but model.rope_scaling is none (only model.rope_scaling: "
+       "llama3 reads it)"},
       {"model: {arch: llama, rope_original_max_position: 4096}",
-       "model.rope_original_max_position: is used only with model.rope_scaling: llama3"},
+       "model.rope_original_max_position: is set, but model.rope_scaling is none"},
       {"model: {arch: llama, rope_scaling: llama3, rope_low_freq_factor: 4}",
        "model.rope_high_freq_factor: must be > model.rope_low_freq_factor (4), got 4"},
       {"model: {arch: llama, rope_scaling: llama3, rope_factor: 0}", "model.rope_factor"},
@@ -672,6 +678,227 @@ TEST(ConfigDocuments, AcceptedCombinations) {
                    {"--data.document_mask=true", "--data.document_separator=255"});
   EXPECT_EQ(c.data.document_separator, 255);
   EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+}
+
+// ---- Keys that do nothing (docs/config.md; issue 52): refused, or warned once ----
+
+// What spdlog logs while `body` runs.
+std::string logged(const std::function<void()>& body) {
+  std::ostringstream out;
+  const auto saved = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>(
+      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(out)));
+  try {
+    body();
+  } catch (...) {
+    spdlog::set_default_logger(saved);
+    throw;
+  }
+  spdlog::set_default_logger(saved);
+  return out.str();
+}
+
+// Each rule refuses its key where its enabler leaves it unread, naming the key, where it was
+// given and the enabler's state, on one line. A key given at its default value counts too:
+// given means given (in the file or an override), not "differs from the default".
+TEST(ConfigKeyUse, RefusedKeyNamesItselfAndItsEnabler) {
+  struct Case {
+    std::string yaml;
+    std::vector<std::string> overrides;
+    std::string expect;
+  };
+  const std::string quality = kMinimal + "train: {save_checkpoints: false}\n";
+  const std::vector<Case> cases = {
+      {quality,
+       {"--train.checkpoint_every=200"},
+       "override '--train.checkpoint_every=200': train.checkpoint_every: is set, but "
+       "train.save_checkpoints is false (no checkpoint is written)"},
+      {quality,
+       {"train.keep_checkpoints=2"},
+       "train.keep_checkpoints: is set, but train.save_checkpoints is false"},
+      {quality,
+       {"train.checkpoint_async=true"},
+       "train.checkpoint_async: is set, but train.save_checkpoints is false"},
+      {kMinimal + "fp8: {margin: 2}\n",
+       {},
+       "run.yaml:3: fp8.margin: is set, but precision.fp8 is false"},
+      {kMinimal,
+       {"model.rope_theta=500000"},
+       "model.rope_theta: is set, but model.positions is learned (only model.positions: rope "
+       "reads the RoPE keys)"},
+      {kMinimal, {"model.rope_theta=10000"}, "model.rope_theta: is set, but model.positions"},
+      {kMinimal + "model: {arch: qwen3, positions: learned, rope_theta: 1000000}\n",
+       {},
+       "run.yaml:3: model.rope_theta: is set, but model.positions is learned"},
+      {kMinimal,
+       {"train.sample_tokens=64"},
+       "train.sample_tokens: is set, but train.sample_every is 0"},
+      {kMinimal,
+       {"data.val=v.bin", "train.eval_every=0", "train.eval_steps=5"},
+       "train.eval_steps: is set, but train.eval_every is 0"},
+      {kMinimal, {"train.eval_every=10"}, "train.eval_every: is set, but data.val is empty"},
+      {kMinimal,
+       {"train.metrics_address=127.0.0.1"},
+       "train.metrics_address: is set, but train.metrics_port is 0"},
+      {kMinimal,
+       {"optim.schedule=constant", "optim.min_lr=0"},
+       "optim.min_lr: is set, but optim.schedule is constant"},
+      {kMinimal,
+       {"precision.fp8=true", "fp8.all_gather=false"},
+       "fp8.all_gather: is set, but dist.strategy is ddp"},
+      {kMinimal,
+       {"dist.copy_engine_gathers=false"},
+       "dist.copy_engine_gathers: is set, but dist.strategy is ddp"},
+      {kMinimal, {"moe.every=1"}, "moe.every: is set, but moe.n_experts is 0"},
+      {kMinimal, {"dist.expert_parallel=1"}, "dist.expert_parallel: is set, but moe.n_experts"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = parse_error(c.yaml, c.overrides);
+    EXPECT_NE(msg.find(c.expect), std::string::npos) << c.yaml << "\n" << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
+// The same keys with what turns them on are accepted and reach the config.
+TEST(ConfigKeyUse, KeyGivenWithItsEnablerIsAccepted) {
+  const std::string quality = kMinimal + "train: {save_checkpoints: false}\n";
+  Config c = parse_config(quality, {"--train.save_checkpoints=true", "--train.checkpoint_every=200",
+                                    "train.keep_checkpoints=3", "train.checkpoint_async=true"});
+  EXPECT_EQ(c.train.checkpoint_every, 200);
+  EXPECT_EQ(c.train.keep_checkpoints, 3);
+  c = parse_config(kMinimal + "precision: {fp8: true}\nfp8: {margin: 2, format: e4m3}\n", {});
+  EXPECT_EQ(c.fp8.margin, 2);
+  EXPECT_EQ(c.fp8.format, "e4m3");
+  c = parse_config(kMinimal, {"model.positions=rope", "model.rope_theta=500000"});
+  EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000.0);
+  c = parse_config(kMinimal,
+                   {"train.sample_every=5", "train.sample_tokens=64", "data.val=v.bin",
+                    "train.eval_every=10", "train.eval_steps=5", "train.metrics_port=9400",
+                    "train.metrics_address=127.0.0.1", "optim.min_lr=0", "dist.strategy=fsdp",
+                    "precision.fp8=true", "fp8.all_gather=false", "dist.copy_engine_gathers=true"});
+  EXPECT_EQ(c.train.sample_tokens, 64);
+  EXPECT_EQ(c.train.eval_steps, 5);
+  EXPECT_EQ(c.train.metrics_address, "127.0.0.1");
+  EXPECT_FALSE(c.fp8.all_gather);
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+}
+
+// model.arch's row sets keys without giving them: qwen3's rope_theta is no user's, so learned
+// positions do not refuse it, and the resolved config (where it is a comment) reads back.
+TEST(ConfigKeyUse, ArchDefaultDoesNotCountAsSet) {
+  std::vector<std::string> warnings;
+  const Config q = parse_config(kMinimal + "model: {arch: qwen3, positions: learned}\n", {},
+                                "run.yaml", &warnings);
+  EXPECT_DOUBLE_EQ(q.model.rope_theta, 1e6);  // the row's, unread
+  EXPECT_TRUE(warnings.empty()) << warnings[0];
+  const Config l = parse_config(kMinimal, {"--model.arch=llama", "--model.positions=learned"},
+                                "run.yaml", &warnings);
+  EXPECT_TRUE(warnings.empty()) << warnings[0];
+  const std::string yaml = config_to_yaml(q);
+  EXPECT_NE(yaml.find("  # rope_theta: 1e+06  # unused: model.positions is learned"),
+            std::string::npos)
+      << yaml;
+  EXPECT_EQ(parse_config(yaml, {}), q);
+  EXPECT_EQ(parse_config(config_to_yaml(l), {}), l);
+}
+
+// Where an override switches off a feature keys given before it configure (--precision.fp8=false
+// on an FP8 config: dev/fsdp_8b_session.sh's bf16 runs; a benchmark's
+// --train.save_checkpoints=false), those keys are ignored with one warning line naming the
+// override and every key, and reset to their defaults, so the run's config.yaml reads back the
+// same. Logged once per process. The last word wins: a key given after the switch is refused.
+TEST(ConfigKeyUse, OverrideThatSwitchesAFeatureOffWarnsOnce) {
+  const std::string fp8 =
+      kMinimal + "precision: {fp8: true}\nfp8: {margin: 3, amax_history_len: 7}\n";
+  std::vector<std::string> warnings;
+  const Config c = parse_config(fp8, {"--precision.fp8=false"}, "run.yaml", &warnings);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0],
+            "override '--precision.fp8=false': fp8.amax_history_len, fp8.margin: ignored, as "
+            "precision.fp8 is false (only FP8 runs read the fp8 keys)");
+  EXPECT_EQ(c.fp8.margin, 0);
+  EXPECT_EQ(c.fp8.amax_history_len, 1024);
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+  // Without a list to fill, spdlog::warn says it, once however often the config is read.
+  const std::string log = logged([&] {
+    parse_config(fp8, {"--precision.fp8=false"}, "run.yaml");
+    parse_config(fp8, {"--precision.fp8=false"}, "run.yaml");
+  });
+  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 1) << log;
+  EXPECT_NE(log.find("warning"), std::string::npos) << log;
+  EXPECT_NE(log.find("fp8.margin: ignored"), std::string::npos) << log;
+  // A key the same command line gives with the switch is a contradiction: refused.
+  const std::string checkpoints = kMinimal + "train: {checkpoint_every: 100}\n";
+  EXPECT_NO_THROW(
+      parse_config(checkpoints, {"train.save_checkpoints=false"}, "run.yaml", &warnings));
+  EXPECT_NE(parse_error(checkpoints, {"train.save_checkpoints=false", "train.keep_checkpoints=4"})
+                .find("train.keep_checkpoints: is set, but train.save_checkpoints is false"),
+            std::string::npos);
+}
+
+// dist.bucket_mb and dist.overlap_ctas under zero1 or fsdp: warned, not refused, and kept, as a
+// sweep gives every strategy the same flags (dev/dist_gpu_session.sh's EXTRA).
+TEST(ConfigKeyUse, WarnOnlyKeyIsKeptAndWarned) {
+  std::vector<std::string> warnings;
+  const Config c = parse_config(kMinimal + "dist: {strategy: zero1, bucket_mb: 50}\n",
+                                {"dist.overlap_ctas=4"}, "run.yaml", &warnings);
+  EXPECT_DOUBLE_EQ(c.dist.bucket_mb, 50.0);
+  EXPECT_EQ(c.dist.overlap_ctas, 4);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0],
+            "run.yaml:3: dist.bucket_mb, dist.overlap_ctas: ignored, as dist.strategy is zero1 "
+            "(only ddp all-reduces in buckets)");
+  EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
+}
+
+// Every config the repository ships reads without a warning, and the documented commands that
+// switch one of its features off are accepted (README, docs/PERF.md, dev/, tools/).
+TEST(ConfigKeyUse, ShippedConfigsAndDocumentedSwitchesAreAccepted) {
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/configs";
+  int configs = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (entry.path().extension() != ".yaml") continue;
+    std::vector<std::string> warnings;
+    EXPECT_NO_THROW(load_config(entry.path().string(), {}, &warnings)) << entry.path();
+    EXPECT_TRUE(warnings.empty()) << entry.path() << ": " << warnings[0];
+    ++configs;
+  }
+  EXPECT_GE(configs, 15);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> commands = {
+      {"llama3-8b", {"--precision.fp8=false"}},
+      {"gpt2-124m", {"--train.save_checkpoints=false", "--train.eval_every=0"}},
+      {"gpt2-124m", {"--nproc-per-node=2", "--dist.strategy=fsdp", "--data.val="}},
+      {"moe-2.9b-a1b", {"--moe.n_experts=0", "--model.ffn_dim=4096"}},
+      {"llama-tiny-docs", {"--data.document_mask=false"}},
+      {"quality/gpt2-bytes", {"--train.save_checkpoints=false", "--train.resume=none"}},
+      {"tiny",
+       {"--train.save_checkpoints=false", "--train.eval_every=0", "--optim.lr=1e-30",
+        "--optim.min_lr=0", "--train.save_checkpoints=true"}},
+  };
+  for (const auto& [name, overrides] : commands) {
+    std::vector<std::string> flags;
+    for (const std::string& o : overrides)
+      if (o.rfind("--nproc", 0) != 0) flags.push_back(o);  // a launcher flag, not config
+    EXPECT_NO_THROW(load_config(dir + "/" + name + ".yaml", flags, nullptr)) << name;
+  }
+}
+
+// A checkpoint's stored config from before the rule holds every key, read or not: the tools and
+// init.from still read it, while the same text as a user's config is refused.
+TEST(ConfigKeyUse, StoredConfigWithEveryKeyStillReads) {
+  const Config c = parse_config(kMinimal, {});
+  std::string every_key;
+  std::istringstream lines(config_to_yaml(c));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("  # ", 0) == 0) line = "  " + line.substr(4, line.find("  # unused") - 4);
+    every_key += line + "\n";
+  }
+  EXPECT_NE(every_key.find("\n  rope_theta: 10000\n"), std::string::npos) << every_key;
+  EXPECT_EQ(parse_stored_config(every_key, "manifest.yaml"), c);
+  EXPECT_NE(input_error([&] {
+              parse_config(every_key, {}, "manifest.yaml");
+            }).find("moe.top_k: is set, but moe.n_experts is 0"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -479,7 +479,7 @@ TEST_F(DistTrain, Fp8UnderEveryStrategyScalesAlikeOnEveryRank) {
 TEST_F(DistTrain, Fp8AllGatherUnderFsdpMatchesCastingOnUse) {
   const std::string fp8 =
       "--precision.fp8=true --fp8.amax_history_len=4 --train.max_steps=8 --train.eval_every=4";
-  for (const std::string model :
+  for (const std::string& model :
        {std::string(""),
         std::string("--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false"),
         std::string("--model.arch=qwen3 --model.n_kv_head=1 --model.head_dim=32")})
@@ -493,11 +493,12 @@ TEST_F(DistTrain, Fp8AllGatherUnderFsdpMatchesCastingOnUse) {
       EXPECT_EQ(losses(train(name + "_on_use", nproc, "fsdp", args + " --fp8.all_gather=false")),
                 gathered)
           << name;
-      if (nproc == 2)
+      if (nproc == 2) {
         EXPECT_EQ(
             losses(train(name + "_recompute", nproc, "fsdp", args + " --train.recompute=full")),
             gathered)
             << name;
+      }
     }
 }
 

@@ -828,7 +828,7 @@ TEST_F(TrainBadInput, ExitsWithStatus2AndNamesTheCause) {
        "--model.arch=llama --moe.n_experts=4 --dist.expert_parallel=2 --dist.context_parallel=2",
        "do not combine"},
       {"copy-engine gathers under ddp", "--dist.copy_engine_gathers=true",
-       "dist.copy_engine_gathers: is true, but dist.strategy ddp gathers nothing"},
+       "dist.copy_engine_gathers: is set, but dist.strategy is ddp (it gathers nothing"},
       {"copy-engine gathers on the CPU", "--dist.strategy=fsdp --dist.copy_engine_gathers=true",
        "dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on cpu"},
       {"a CUDA attention kernel on the CPU", "--precision.attention=flash",
@@ -879,6 +879,12 @@ TEST_F(TrainBadInput, CommandLinesFromOutsideExitWithStatus2) {
        "/dev/zero: cannot read config file: is a device"},
       {"a newline inside a value stays on the error's one line",
        kBin + "/train " + (bad / "newline.yaml").string(), "'gpt2\\nline2'"},
+      // Issue 52: a key that is accepted does what it says (docs/config.md).
+      {"a checkpoint interval where no checkpoint is written",
+       kBin + "/train " + kSrc + "/configs/quality/gpt2-bytes.yaml --train.device=cpu" +
+           " --train.checkpoint_every=200",
+       "override 'train.checkpoint_every=200': train.checkpoint_every: is set, but "
+       "train.save_checkpoints is false"},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);

@@ -123,7 +123,8 @@ TEST_F(TrainMixture, BadMixturesExitWithStatus2AndOneLine) {
       {sources(0.7, 0.3) + " --data.train='" + w + "/train_*.bin'",
        "data.train: is set beside data.sources"},
       {sources(0.7, 0), "weight must be > 0"},
-      {"--data.sources='[{name: web, train: \"" + w + "/nothing_*.bin\"}]'",
+      {"--data.sources='[{name: web, train: \"" + w + "/nothing_*.bin\", val: \"" + w +
+           "/val_*.bin\"}]'",
        "data.sources: source 'web'"},
       {"--data.sources='[{name: web, train: \"" + w + "/train_*.bin\", val: \"" + w +
            "/nothing_*.bin\"}]'",
@@ -136,7 +137,8 @@ TEST_F(TrainMixture, BadMixturesExitWithStatus2AndOneLine) {
   }
   // Resuming a one-glob run's checkpoint as a mixture names both.
   const std::string plain = (dir_ / "plain").string();
-  Result r = run(train_cmd(plain, "--data.train='" + w + "/train_*.bin' --train.max_steps=2"));
+  Result r = run(train_cmd(plain, "--data.train='" + w + "/train_*.bin' --data.val='" + w +
+                                     "/val_*.bin' --train.max_steps=2"));
   ASSERT_EQ(r.status, 0) << r.output;
   r = run(train_cmd(plain, sources(0.7, 0.3) + " --train.max_steps=4"));
   EXPECT_EQ(r.status, 2) << r.output;

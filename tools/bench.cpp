@@ -46,6 +46,7 @@
 #include "data/shard.h"
 #include "kernels/backend.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "model/model.h"
 #include "tools/tool_args.h"
 #include "train/append_log.h"
@@ -431,14 +432,15 @@ std::string shell_quote(const std::string& s) {
 }
 
 // `train CONFIG --overrides... --nproc-per-node N`, the train binary beside this one, as a user
-// would run it; its exit status.
+// would run it; its exit status. Its step lines go to stderr with bench's own log lines: stdout
+// is bench's table and JSON.
 int run_train_processes(const Options& opt, const std::vector<std::string>& overrides) {
   const fs::path train = fs::read_symlink("/proc/self/exe").parent_path() / "train";
   if (!fs::exists(train))
     throw InputError("--nproc-per-node runs " + train.string() + ", which is not there");
   std::string cmd = shell_quote(train.string()) + " " + shell_quote(opt.config_path);
   for (const std::string& o : overrides) cmd += " " + shell_quote("--" + o);
-  cmd += " --nproc-per-node=" + std::to_string(opt.nproc);
+  cmd += " --nproc-per-node=" + std::to_string(opt.nproc) + " 1>&2";
   std::fflush(stdout);
   const int status = std::system(cmd.c_str());
   if (status == -1) throw std::runtime_error("bench: cannot run " + cmd);
@@ -647,6 +649,6 @@ int run(const Options& opt) {
 }  // namespace kiln
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  kiln::log_to_stderr();  // stdout is the tool's output alone
   return kiln::run_tool("bench", [&] { return kiln::run(kiln::parse_options(argc, argv)); });
 }

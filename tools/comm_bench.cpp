@@ -29,6 +29,7 @@
 #include "dist/communicator.h"
 #include "dist/launcher.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 
 #ifdef KILN_WITH_CUDA
 #include <cuda_runtime.h>
@@ -376,7 +377,7 @@ int run_worker(const WorkerInfo& w, const Options& o) {
 
 int main(int argc, char** argv) {
   using namespace kiln;
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
+  log_to_stderr();  // stdout is the tool's output alone
   std::optional<WorkerInfo> worker;
   try {
     Options o = parse_args(argc, argv);

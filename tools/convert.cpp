@@ -23,6 +23,7 @@
 
 #include "hf/hf_model.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "tools/tool_args.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -255,6 +256,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  log_to_stderr();  // stdout is the tool's output alone
   return run_tool("convert", [&] { return run(argc, argv); });
 }

@@ -16,6 +16,7 @@
 #include "kernels/arena.h"
 #include "kernels/cpu/threads.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "tools/tool_args.h"
 #include "train/checkpoint.h"
 #include "train/init_from.h"
@@ -150,6 +151,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  log_to_stderr();  // stdout is the tool's output alone
   return run_tool("eval", [&] { return run(argc, argv); });
 }

@@ -30,6 +30,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "tools/tool_args.h"
 
 namespace {
@@ -389,7 +390,7 @@ void run(const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
+  kiln::log_to_stderr();  // stdout is the tool's output alone
   return kiln::run_tool("prepare_data", [&] {
     const Options opt = parse_args(argc, argv);
     if (opt.help) return 0;  // the usage is printed

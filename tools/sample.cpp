@@ -19,6 +19,7 @@
 #include "kernels/arena.h"
 #include "kernels/cpu/threads.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "tools/tool_args.h"
 #include "train/init_from.h"
 #include "train/sampler.h"
@@ -168,6 +169,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");  // as train's and the other tools' lines
+  log_to_stderr();  // stdout is the tool's output alone
   return run_tool("sample", [&] { return run(argc, argv); });
 }

@@ -7,6 +7,7 @@
 #include "train/config.h"
 
 #include <arpa/inet.h>
+#include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <variant>
@@ -282,6 +284,132 @@ const std::vector<Field>& schema() {
 
 namespace {
 
+bool no_validation_data(const Config& c) {
+  if (c.data.sources.empty()) return c.data.val.empty();
+  return std::none_of(c.data.sources.begin(), c.data.sources.end(),
+                      [](const DataSource& s) { return !s.val.empty(); });
+}
+
+// Every key of `section` but `except`, in schema order.
+std::vector<std::string> section_keys(const char* section, const char* except) {
+  std::vector<std::string> keys;
+  for (const Field& f : schema())
+    if (std::string(f.section) == section && std::string(f.key) != except) keys.push_back(f.path());
+  return keys;
+}
+
+}  // namespace
+
+// docs/config.md, "Keys that do nothing": the table the Resolver refuses or warns by, and
+// config_to_yaml() comments out by. A key in two rows is judged by the first that applies.
+const std::vector<KeyUse>& key_uses() {
+  static const std::vector<KeyUse> rules = {
+      {section_keys("moe", "n_experts"), "moe.n_experts",
+       [](const Config& c) { return c.moe.n_experts == 0; },
+       [](const Config&) -> std::string { return "moe.n_experts is 0"; },
+       " (a dense model reads no other moe key)"},
+      {{"dist.expert_parallel"},
+       "moe.n_experts",
+       [](const Config& c) { return c.moe.n_experts == 0; },
+       [](const Config&) -> std::string { return "moe.n_experts is 0"; },
+       " (the model has no MoE blocks to spread)"},
+      {{"moe.bias_update_rate"},
+       "moe.balance",
+       [](const Config& c) { return c.moe.balance != "bias"; },
+       [](const Config& c) { return "moe.balance is " + c.moe.balance; },
+       " (only moe.balance: bias reads it)"},
+      {{"model.rope_theta", "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
+        "model.rope_high_freq_factor", "model.rope_original_max_position"},
+       "model.positions",
+       [](const Config& c) { return c.model.positions != "rope"; },
+       [](const Config& c) { return "model.positions is " + c.model.positions; },
+       " (only model.positions: rope reads the RoPE keys)"},
+      {{"model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+        "model.rope_original_max_position"},
+       "model.rope_scaling",
+       [](const Config& c) { return c.model.rope_scaling != "llama3"; },
+       [](const Config& c) { return "model.rope_scaling is " + c.model.rope_scaling; },
+       " (only model.rope_scaling: llama3 reads it)"},
+      {{"data.document_separator", "data.document_positions"},
+       "data.document_mask",
+       [](const Config& c) { return !c.data.document_mask; },
+       [](const Config&) -> std::string { return "data.document_mask is false"; },
+       " (nothing reads it)"},
+      {{"train.eval_every", "train.eval_steps"},
+       "data.val",
+       no_validation_data,
+       [](const Config& c) -> std::string {
+         return c.data.sources.empty() ? "data.val is empty" : "no data.sources entry has a val";
+       },
+       " (there is no validation data to evaluate)"},
+      {{"train.eval_steps"},
+       "train.eval_every",
+       [](const Config& c) { return c.train.eval_every == 0; },
+       [](const Config&) -> std::string { return "train.eval_every is 0"; },
+       " (no evaluation)"},
+      {{"train.checkpoint_every", "train.keep_checkpoints", "train.checkpoint_async"},
+       "train.save_checkpoints",
+       [](const Config& c) { return !c.train.save_checkpoints; },
+       [](const Config&) -> std::string { return "train.save_checkpoints is false"; },
+       " (no checkpoint is written)"},
+      {{"train.sample_tokens"},
+       "train.sample_every",
+       [](const Config& c) { return c.train.sample_every == 0; },
+       [](const Config&) -> std::string { return "train.sample_every is 0"; },
+       " (no sample is printed)"},
+      {{"train.recompute_full_blocks"},
+       "train.recompute",
+       [](const Config& c) { return c.train.recompute == "full"; },
+       [](const Config&) -> std::string { return "train.recompute is full"; },
+       ": every block recomputes fully already"},
+      {{"train.metrics_address"},
+       "train.metrics_port",
+       [](const Config& c) { return c.train.metrics_port == 0; },
+       [](const Config&) -> std::string { return "train.metrics_port is 0"; },
+       " (nothing listens)"},
+      {{"optim.min_lr"},
+       "optim.schedule",
+       [](const Config& c) { return c.optim.schedule == "constant"; },
+       [](const Config&) -> std::string { return "optim.schedule is constant"; },
+       " (the learning rate never decays)"},
+      {section_keys("fp8", ""), "precision.fp8", [](const Config& c) { return !c.precision.fp8; },
+       [](const Config&) -> std::string { return "precision.fp8 is false"; },
+       " (only FP8 runs read the fp8 keys)"},
+      {{"fp8.all_gather"},
+       "dist.strategy",
+       [](const Config& c) { return c.dist.strategy != "fsdp"; },
+       [](const Config& c) { return "dist.strategy is " + c.dist.strategy; },
+       " (only fsdp gathers weights a step)"},
+      {{"dist.copy_engine_gathers"},
+       "dist.strategy",
+       [](const Config& c) { return c.dist.strategy == "ddp"; },
+       [](const Config&) -> std::string { return "dist.strategy is ddp"; },
+       " (it gathers nothing; the key applies to zero1 and fsdp)"},
+      // dev/dist_gpu_session.sh and dev/ddp_diag.sh give every strategy of a sweep the same
+      // flags (EXTRA, FLAGS_tag): refusing would end the sweep at its first zero1 run.
+      {{"dist.bucket_mb", "dist.overlap_ctas"},
+       "dist.strategy",
+       [](const Config& c) { return c.dist.strategy != "ddp"; },
+       [](const Config& c) { return "dist.strategy is " + c.dist.strategy; },
+       " (only ddp all-reduces in buckets)",
+       true},
+  };
+  return rules;
+}
+
+std::string unused_because(const Config& c, const Field& f) {
+  Config value = c, unset;  // non-const: the accessors hand out mutable pointers
+  apply_arch_row(c.model.arch, unset.model);
+  const bool is_default = value_to_yaml(f.member(value)) == value_to_yaml(f.member(unset));
+  for (const KeyUse& rule : key_uses())
+    if (std::find(rule.keys.begin(), rule.keys.end(), f.path()) != rule.keys.end() &&
+        rule.unused(c))
+      return rule.warn_only && !is_default ? "" : rule.state(c) + rule.note;
+  return "";
+}
+
+namespace {
+
 std::vector<std::string> section_names() {
   std::vector<std::string> names;
   for (const Field& f : schema())
@@ -335,12 +463,30 @@ std::string unknown_key_message(const std::string& section, const std::string& k
 }
 
 // Builds a Config and remembers where each field's value came from, so a validation error can
-// point at the file line or the override that set the bad value.
+// point at the file line or the override that set the bad value, and when the user gave each
+// key: a key is given when the file or an override names it, never by a default or
+// model.arch's row.
 struct Resolver {
+  static constexpr int kNotGiven = -1;
   Config config;
   std::vector<std::string> origin = std::vector<std::string>(schema().size());
+  // The layer that last gave each key: 0 the file, k + 1 the k-th override.
+  std::vector<int> given_at = std::vector<int>(schema().size(), kNotGiven);
+  std::vector<Config> layers;          // the config after the file, and after each override
+  std::vector<std::string> layer_from; // each layer's origin ("override '--x=y'")
+  bool stored = false;                 // a run's own resolved config (parse_stored_config)
+  std::vector<std::string> warnings;
+
+  // After the file (where = its name) or an override: what the keys given so far turn on.
+  void end_layer(const std::string& where) {
+    layers.push_back(config);
+    layer_from.push_back(where);
+  }
 
   size_t index(const Field& f) const { return &f - schema().data(); }
+  static const Field& field(const std::string& path) {
+    return *find_field(path.substr(0, path.find('.')), path.substr(path.find('.') + 1));
+  }
   FieldPtr get(const Field& f) { return f.member(config); }
 
   [[noreturn]] void fail(const Field& f, const std::string& what) {
@@ -355,6 +501,7 @@ struct Resolver {
     if (!expected.empty())
       throw InputError(where + ": " + f.path() + ": expected " + expected + ", got " + shown);
     origin[index(f)] = where;
+    given_at[index(f)] = static_cast<int>(layers.size());
   }
 
   void apply_yaml(const YAML::Node& root, const std::string& source) {
@@ -391,6 +538,7 @@ struct Resolver {
               parse_sources(value, *std::get<std::vector<DataSource>*>(get(*f)));
           if (!problem.empty()) throw InputError(where(value) + ": " + f->path() + ": " + problem);
           origin[index(*f)] = where(value);
+          given_at[index(*f)] = static_cast<int>(layers.size());
           continue;
         }
         if (!value.IsScalar() && !value.IsNull())
@@ -431,6 +579,7 @@ struct Resolver {
     const Field* f = find_field(section, key);
     if (!f) throw InputError(where + ": " + unknown_key_message(section, key));
     set(*f, value, where, "'" + value + "'");  // the value is one scalar, taken verbatim
+    end_layer(where);
   }
 
   void fill_derived() {
@@ -450,19 +599,13 @@ struct Resolver {
       if (sources[i].name.empty()) sources[i].name = "source" + std::to_string(i);
   }
 
-  // Document masking's keys: the separator is a token id, and no key is accepted that
-  // nothing would read.
+  // Document masking's keys: the separator is a token id (without the mask, check_key_use()
+  // refuses both keys).
   void validate_documents() {
     const DataSection& d = config.data;
     const Field& separator = *find_field("data", "document_separator");
     const Field& positions = *find_field("data", "document_positions");
-    if (!d.document_mask) {
-      if (d.document_separator != -1)
-        fail(separator, "is set, but data.document_mask is false (nothing reads it)");
-      if (!d.document_positions)
-        fail(positions, "is set, but data.document_mask is false (nothing reads it)");
-      return;
-    }
+    if (!d.document_mask) return;
     if (d.document_separator == -1)
       fail(separator,
            "is required with data.document_mask: true: the token id that begins each document "
@@ -529,13 +672,6 @@ struct Resolver {
                " tokens a micro-batch, over 2^31 - 1: lower one of them");
   }
 
-  // Only zero1 and fsdp gather parameters.
-  void validate_gathers() {
-    if (config.dist.copy_engine_gathers && config.dist.strategy == "ddp")
-      fail(*find_field("dist", "copy_engine_gathers"),
-           "is true, but dist.strategy ddp gathers nothing (it applies to zero1 and fsdp)");
-  }
-
   // Context parallelism splits a sequence into 2N chunks and positions its rows by RoPE.
   void validate_context() {
     const int cp = config.dist.context_parallel;
@@ -557,43 +693,26 @@ struct Resolver {
 
   void validate_moe() {
     const MoeSection& e = config.moe;
-    auto field = [](const char* key) -> const Field& { return *find_field("moe", key); };
-    if (const int ep = config.dist.expert_parallel; ep > 1) {
-      const Field& f = *find_field("dist", "expert_parallel");
-      if (e.n_experts == 0) fail(f, "is " + std::to_string(ep) + ", but the model has no MoE blocks (moe.n_experts 0)");
-      if (e.n_experts % ep != 0)
-        fail(f, "must divide moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
-                    std::to_string(ep));
-    }
-    // A key that is accepted does what it says: a moe key set away from its default where
-    // nothing reads it is refused rather than ignored.
-    Config defaults;  // non-const: the accessors hand out mutable pointers
-    auto changed = [&](const char* key) {
-      const Field& f = field(key);
-      return value_to_yaml(get(f)) != value_to_yaml(f.member(defaults));
-    };
-    if (e.n_experts == 0) {
-      for (const Field& f : schema())
-        if (std::string(f.section) == "moe" && std::string(f.key) != "n_experts" && changed(f.key))
-          fail(f, "is set, but moe.n_experts is 0 (a dense model reads no other moe key)");
-      return;
-    }
-    if (e.balance != "bias" && changed("bias_update_rate"))
-      fail(field("bias_update_rate"),
-           "is read by moe.balance=bias only (this run's is " + e.balance + ")");
+    auto moe = [](const char* key) -> const Field& { return *find_field("moe", key); };
+    // A dense model's moe keys, and the bias rate without the bias, are check_key_use()'s.
+    if (e.n_experts == 0) return;
+    if (const int ep = config.dist.expert_parallel; e.n_experts % ep != 0)
+      fail(*find_field("dist", "expert_parallel"), "must divide moe.n_experts (" +
+                                                       std::to_string(e.n_experts) + "), got " +
+                                                       std::to_string(ep));
     if (e.every > config.model.n_layer)
-      fail(field("every"), "leaves no block MoE: it must be <= model.n_layer (" +
-                               std::to_string(config.model.n_layer) + "), got " +
-                               std::to_string(e.every));
+      fail(moe("every"), "leaves no block MoE: it must be <= model.n_layer (" +
+                             std::to_string(config.model.n_layer) + "), got " +
+                             std::to_string(e.every));
     if (e.top_k > e.n_experts)
-      fail(field("top_k"), "must be <= moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
-                               std::to_string(e.top_k));
+      fail(moe("top_k"), "must be <= moe.n_experts (" + std::to_string(e.n_experts) + "), got " +
+                             std::to_string(e.top_k));
     if (e.balance == "aux_loss" && e.aux_loss_coef == 0)
-      fail(field("aux_loss_coef"),
+      fail(moe("aux_loss_coef"),
            "moe.balance=aux_loss needs a positive coefficient (or "
            "moe.balance=none)");
     if (e.balance == "none" && e.aux_loss_coef > 0)
-      fail(field("aux_loss_coef"),
+      fail(moe("aux_loss_coef"),
            "must be 0 with moe.balance=none, got " + format_double(e.aux_loss_coef));
     if (config.model.bias)
       fail(*find_field("model", "bias"),
@@ -628,12 +747,40 @@ struct Resolver {
                   "start again from step 0; set train.checkpoint_every");
   }
 
+  // docs/config.md, "Keys that do nothing": a key given where nothing reads it (key_uses()) is
+  // refused, naming it and why. The last word wins, as for any override: a key given before a
+  // later override switched its feature off (`--precision.fp8=false` on an FP8 config, a
+  // benchmark's --train.save_checkpoints=false) is warned about instead and reset to its
+  // default, so the config the run writes says what the run does; a warn_only rule's key is
+  // warned about and kept.
+  void check_key_use() {
+    Config unset;
+    apply_arch_row(config.model.arch, unset.model);
+    for (const KeyUse& rule : key_uses()) {
+      if (!rule.unused(config)) continue;
+      // The layer from which on nothing reads the keys: keys given before it were switched off.
+      int off = static_cast<int>(layers.size()) - 1;
+      while (off > 0 && rule.unused(layers[off - 1])) --off;
+      const std::string why = rule.state(config) + rule.note;
+      std::string ignored, at;
+      for (const std::string& path : rule.keys) {
+        const Field& f = field(path);
+        const size_t i = index(f);
+        if (given_at[i] == kNotGiven) continue;
+        if (!rule.warn_only && given_at[i] >= off) fail(f, "is set, but " + why);
+        if (ignored.empty()) at = rule.warn_only ? origin[i] : layer_from[off];
+        ignored += (ignored.empty() ? "" : ", ") + path;
+        if (!rule.warn_only)
+          std::visit([&](auto* to) { *to = *std::get<decltype(to)>(f.member(unset)); }, get(f));
+        given_at[i] = kNotGiven;  // judged: a later rule leaves it alone
+      }
+      if (!ignored.empty()) warnings.push_back(at + ": " + ignored + ": ignored, as " + why);
+    }
+  }
+
   void validate_relations() {
+    if (!stored) check_key_use();
     const ModelSection& m = config.model;
-    auto field = [](const char* path) -> const Field& {
-      std::string s(path);
-      return *find_field(s.substr(0, s.find('.')), s.substr(s.find('.') + 1));
-    };
     if (m.head_dim == 0 && m.n_embd % m.n_head != 0)
       fail(field("model.n_embd"), "must be divisible by model.n_head (" + std::to_string(m.n_head) +
                                       ") unless model.head_dim is set, got " +
@@ -642,27 +789,12 @@ struct Resolver {
     if (m.positions == "rope" && head_dim % 2 != 0)
       fail(field(m.head_dim > 0 ? "model.head_dim" : "model.n_embd"),
            "RoPE rotates pairs: the head width must be even, got " + std::to_string(head_dim));
-    const ModelSection defaults;
-    if (m.rope_scaling == "llama3") {
-      if (m.positions != "rope")
-        fail(field("model.rope_scaling"), "llama3 scales RoPE, but model.positions is " +
-                                              m.positions);
-      if (!(m.rope_high_freq_factor > m.rope_low_freq_factor))
-        fail(field("model.rope_high_freq_factor"),
-             "must be > model.rope_low_freq_factor (" + format_double(m.rope_low_freq_factor) +
-                 "), got " + format_double(m.rope_high_freq_factor));
-    } else {
-      using Set = std::pair<const char*, bool>;
-      for (const auto& [key, differs] :
-           {Set{"model.rope_factor", m.rope_factor != defaults.rope_factor},
-            Set{"model.rope_low_freq_factor",
-                m.rope_low_freq_factor != defaults.rope_low_freq_factor},
-            Set{"model.rope_high_freq_factor",
-                m.rope_high_freq_factor != defaults.rope_high_freq_factor},
-            Set{"model.rope_original_max_position",
-                m.rope_original_max_position != defaults.rope_original_max_position}})
-        if (differs) fail(field(key), "is used only with model.rope_scaling: llama3");
-    }
+    // llama3 scaling on learned positions, or its keys without it, are check_key_use()'s.
+    if (m.positions == "rope" && m.rope_scaling == "llama3" &&
+        !(m.rope_high_freq_factor > m.rope_low_freq_factor))
+      fail(field("model.rope_high_freq_factor"),
+           "must be > model.rope_low_freq_factor (" + format_double(m.rope_low_freq_factor) +
+               "), got " + format_double(m.rope_high_freq_factor));
     if (m.norm == "layernorm" && m.norm_eps != 1e-5)
       fail(field("model.norm_eps"), "layernorm's epsilon is fixed at 1e-5, got " +
                                         format_double(m.norm_eps) + " (rmsnorm takes any)");
@@ -681,9 +813,6 @@ struct Resolver {
       fail(field("train.recompute_full_blocks"),
            "must be <= model.n_layer (" + std::to_string(m.n_layer) + "), got " +
                std::to_string(full_blocks));
-    if (full_blocks > 0 && config.train.recompute == "full")
-      fail(field("train.recompute_full_blocks"),
-           "is set, but train.recompute is full: every block recomputes fully already");
     const int kept_blocks = config.train.recompute_kept_blocks;
     if (full_blocks + kept_blocks > m.n_layer)
       fail(field("train.recompute_kept_blocks"),
@@ -692,12 +821,11 @@ struct Resolver {
                std::to_string(kept_blocks));
     validate_moe();
     validate_context();
-    validate_gathers();
     validate_tokens();
     validate_restarts();
     validate_data();
     validate_metrics_address();
-    if (config.optim.min_lr > config.optim.lr)
+    if (config.optim.schedule != "constant" && config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));
   }
@@ -705,9 +833,22 @@ struct Resolver {
 
 }  // namespace
 
-Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
-                    const std::string& source_name) {
+namespace {
+
+// Once per process and message: a tool that reads its config more than once (bench --tiers)
+// says what it ignores once.
+void warn_once(const std::vector<std::string>& warnings) {
+  static std::mutex mutex;
+  static std::set<std::string> said;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const std::string& w : warnings)
+    if (said.insert(w).second) spdlog::warn("{}", w);
+}
+
+Config resolve(const std::string& yaml_text, const std::vector<std::string>& overrides,
+               const std::string& source_name, bool stored, std::vector<std::string>* warnings) {
   Resolver r;
+  r.stored = stored;
   r.origin.assign(schema().size(), source_name);  // defaults: blame the file that omitted them
   YAML::Node root;
   try {
@@ -720,14 +861,31 @@ Config parse_config(const std::string& yaml_text, const std::vector<std::string>
   }
   r.apply_arch_defaults(root, overrides);
   r.apply_yaml(root, source_name);
+  r.end_layer(source_name);
   for (const std::string& o : overrides) r.apply_override(o);
   r.validate_fields();
   r.fill_derived();
   r.validate_relations();
+  if (warnings)
+    warnings->insert(warnings->end(), r.warnings.begin(), r.warnings.end());
+  else
+    warn_once(r.warnings);
   return r.config;
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+}  // namespace
+
+Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                    const std::string& source_name, std::vector<std::string>* warnings) {
+  return resolve(yaml_text, overrides, source_name, false, warnings);
+}
+
+Config parse_stored_config(const std::string& yaml_text, const std::string& source_name) {
+  return resolve(yaml_text, {}, source_name, true, nullptr);
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   std::vector<std::string>* warnings) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw InputError(path + ": cannot read config file: is a directory");
@@ -749,7 +907,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   if (empty)
     throw InputError(path + ": the config file is empty (nothing but blanks or comments); "
                      "a run needs at least data.train (configs/tiny.yaml is a complete example)");
-  return parse_config(text.str(), overrides, path);
+  return parse_config(text.str(), overrides, path, warnings);
 }
 
 }  // namespace kiln

@@ -177,12 +177,20 @@ struct Config {
 
 // Reads `path` (YAML), applies `overrides` ("section.key=value", leading "--" optional) in
 // order, fills derived defaults (n_kv_head, ffn_dim, padded_vocab_size) and validates.
-// Throws InputError naming the file/key on any problem.
-Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+// Throws InputError naming the file/key on any problem, a key given where nothing reads it
+// included (docs/config.md, "Keys that do nothing"). A key ignored instead (an override switched
+// its feature off) is one line of `warnings`, or without them logged once with spdlog::warn.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   std::vector<std::string>* warnings = nullptr);
 // Same, from YAML text (tests).
 Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
-                    const std::string& source_name = "<string>");
-// The resolved config as YAML, every key present; load_config() of it gives the same Config.
+                    const std::string& source_name = "<string>",
+                    std::vector<std::string>* warnings = nullptr);
+// A run's own resolved config, as a checkpoint keeps it (init.from, the tools): validated when
+// it was written; a key nothing reads is not refused, as kiln wrote every key before the rule.
+Config parse_stored_config(const std::string& yaml_text, const std::string& source_name);
+// The resolved config as YAML, every key present: a key the combination does not read is a
+// comment saying why, so load_config() of it gives the same Config.
 std::string config_to_yaml(const Config& config);
 // The key reference (one Markdown table per section) generated from the schema table that
 // parsing uses; docs/config.md embeds it and a test keeps the two in sync.

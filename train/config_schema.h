@@ -40,6 +40,24 @@ struct Field {
 // Every key, in the order of config.yaml and docs/config.md (train/config.cpp).
 const std::vector<Field>& schema();
 
+// Keys another key can leave unread (docs/config.md, "Keys that do nothing"). One given in the
+// file or an override where `unused` holds is refused ("is set, but <state><note>"), unless a
+// later override switched its feature off (warned about once, reset to its default) or the rule
+// is `warn_only` (warned about once, kept).
+struct KeyUse {
+  std::vector<std::string> keys;  // "section.key"
+  const char* enabler;            // the key that turns them on; its override is named in a warning
+  bool (*unused)(const Config&);  // nothing reads `keys` in this combination
+  std::string (*state)(const Config&);  // why, as "train.save_checkpoints is false"
+  const char* note;                     // what follows the state: " (no checkpoint is written)"
+  bool warn_only = false;  // refusing would break a documented workflow (a sweep's shared flags)
+};
+const std::vector<KeyUse>& key_uses();
+// Why nothing reads `f` in `c` ("train.save_checkpoints is false (no checkpoint is written)"),
+// or "" where something does, or where a warn_only rule's key holds a value of its own (kept as
+// given, and warned about again when read back).
+std::string unused_because(const Config& c, const Field& f);
+
 // ---- A field's value as text (train/config_values.cpp) ----
 // Shortest text that reads back to the same double, %g-style (0.0006, 1e-08).
 std::string format_double(double v);

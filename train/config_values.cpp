@@ -183,11 +183,16 @@ bool satisfies(const Check& c, const FieldPtr& ptr) {
 
 std::string config_to_yaml(const Config& config) {
   Config copy = config;  // the accessors hand out mutable pointers
-  std::string out = "# kiln config: every key, resolved (reference: docs/config.md)\n";
+  std::string out =
+      "# kiln config: every key, resolved; one nothing reads is a comment (docs/config.md)\n";
   const char* section = "";
   for (const Field& f : schema()) {
     if (std::strcmp(section, f.section) != 0) out += std::string(section = f.section) + ":\n";
-    out += std::string("  ") + f.key + ": " + value_to_yaml(f.member(copy)) + "\n";
+    // Given, such a key would be refused; left out, it reads back as its default, which a
+    // parsed config holds for it (check_key_use() resets one it ignores).
+    const std::string unused = unused_because(copy, f);
+    out += std::string(unused.empty() ? "  " : "  # ") + f.key + ": " +
+           value_to_yaml(f.member(copy)) + (unused.empty() ? "" : "  # unused: " + unused) + "\n";
   }
   return out;
 }

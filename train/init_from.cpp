@@ -45,7 +45,7 @@ LoadedModel load_model(const std::string& spec) {
   }
   const std::string dir = checkpoint_dir(spec);
   const CheckpointManifest manifest = read_manifest(dir);
-  out.run_config = parse_config(manifest.config_yaml, {}, dir + "/manifest.yaml");
+  out.run_config = parse_stored_config(manifest.config_yaml, dir + "/manifest.yaml");
   out.config = model_config(out.run_config.model, out.run_config.moe);
   out.params = read_master_weights(manifest, layout_of(out.config));
   out.moe_bias = manifest.state.moe_bias;

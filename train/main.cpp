@@ -20,6 +20,7 @@
 #include "dist/watchdog.h"
 #include "kernels/cpu/threads.h"
 #include "kernels/error.h"
+#include "kernels/log.h"
 #include "train/cli.h"
 #include "train/config.h"
 #include "train/device.h"
@@ -154,23 +155,31 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
 }  // namespace
 
 int main(int argc, char** argv) {
-  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  // Step lines are train's output: stdout (kernels/log.h).
+  spdlog::set_pattern(kLogPattern);
   return run_tool("train", [&] {
     CommandLine cli = parse_command_line(argc, argv);
     if (cli.help) {
       std::printf("%s", usage_text().c_str());
       return 0;
     }
+    if (cli.print_config) log_to_stderr();  // stdout is the YAML (tools/twin_compare.py reads it)
     // Validate the config before starting anything, in the launcher as in a worker.
     // --max-restarts is dist.max_restarts set after every override: the flag wins.
     if (cli.launch.max_restarts >= 0)
       cli.overrides.push_back("dist.max_restarts=" + std::to_string(cli.launch.max_restarts));
-    Config config = load_config(cli.config_path, cli.overrides);
+    std::vector<std::string> ignored;  // keys given that this run ignores, one line each
+    Config config = load_config(cli.config_path, cli.overrides, &ignored);
+    auto warn_ignored = [&] {
+      for (const std::string& line : ignored) spdlog::warn("{}", line);
+    };
     if (cli.print_config) {
+      warn_ignored();
       std::printf("%s", config_to_yaml(config).c_str());
       return 0;
     }
     if (cli.plan) {
+      warn_ignored();
       const int64_t world = int64_t{cli.launch.nproc_per_node} * cli.launch.nnodes;
       if (cli.launch.nproc_per_node < 1 || cli.launch.nnodes < 1 || world > (1 << 20))
         throw InputError("--plan: --nproc-per-node " + std::to_string(cli.launch.nproc_per_node) +
@@ -183,11 +192,14 @@ int main(int argc, char** argv) {
     }
     const std::chrono::seconds grace(config.train.term_grace_s);
     if (auto worker = worker_from_environment()) {
+      // One process says what the config ignores: kiln's launcher, or else global rank 0.
+      if (worker->source != "kiln" && worker->rank == 0) warn_ignored();
       // Under kiln's launcher a Ctrl-C reaches a worker twice (the terminal's, the launcher's);
       // the launcher escalates a second one.
       StopSignals signals(grace, worker->source != "kiln");
       return run_worker(config, *worker, signals);
     }
+    warn_ignored();
     // Restarts need a launcher to supervise, even for one process.
     if (cli.launch.nproc_per_node > 1 || cli.launch.nnodes > 1 || config.dist.max_restarts > 0)
       return launch(cli.launch, config, argc, argv);
