@@ -212,8 +212,10 @@ void check_sched(const OpCheck& c, const Tensor& sched) {
 
 // ---- embedding, norm, linear, attention, loss ---------------------------------------------
 
-void encoder_forward(const OpCheck& c, Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
+void encoder_forward(const OpCheck& c, Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                     int64_t first_row) {
   check_embedding(c, tokens, c.activation, "wte", wte, "wpe", wpe, "out", out);
+  if (first_row < 0) c.fail("first_row", "is " + std::to_string(first_row) + " < 0");
 }
 
 void encoder_backward(const OpCheck& c, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,

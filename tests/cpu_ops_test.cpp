@@ -65,7 +65,7 @@ TEST(CpuEncoder, ForwardAndGradCheck) {
   auto R = random_floats(B * T * C, 3), out = zeros(B * T * C);
   auto forward = [&] {
     cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}),
-                          f32(wpe, {maxT, C}));
+                          f32(wpe, {maxT, C}), 0);
     return weighted_sum(out, R);
   };
   forward();
@@ -96,16 +96,23 @@ TEST(CpuEncoder, BackwardAccumulates) {
   for (size_t i = 0; i < dwpe.size(); ++i) ASSERT_EQ(dwpe[i], 2 * once_pe[i]) << i;
 }
 
-TEST(CpuEncoder, TokenOutOfRangeThrows) {
-  std::vector<int32_t> tokens = {0, 6};
+// A token id is any non-negative i32 (one past the rows wte holds belongs to another rank's
+// slice of the vocabulary); a negative one, or a negative first row, is refused.
+TEST(CpuEncoder, NegativeTokenOrFirstRowThrows) {
+  std::vector<int32_t> tokens = {0, -1}, fine = {0, 1};
   auto wte = zeros(6 * 4), wpe = zeros(2 * 4), out = zeros(2 * 4);
-  try {
-    cpu().encoder_forward(f32(out, {1, 2, 4}), i32(tokens, {1, 2}), f32(wte, {6, 4}),
-                          f32(wpe, {2, 4}));
-    FAIL() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("tokens"), std::string::npos) << e.what();
-  }
+  expect_rejects(
+      [&] {
+        cpu().encoder_forward(f32(out, {1, 2, 4}), i32(tokens, {1, 2}), f32(wte, {6, 4}),
+                              f32(wpe, {2, 4}), 0);
+      },
+      "encoder_forward", "tokens");
+  expect_rejects(
+      [&] {
+        cpu().encoder_forward(f32(out, {1, 2, 4}), i32(fine, {1, 2}), f32(wte, {6, 4}),
+                              f32(wpe, {2, 4}), -1);
+      },
+      "encoder_forward", "first_row");
 }
 
 // A model with rotary positions has no wpe: the forward is the bare wte lookup and the backward
@@ -114,7 +121,7 @@ TEST(CpuEncoder, WithoutWpeIsTheTokenLookup) {
   const int64_t B = 2, T = 5, C = 8, Vp = 6;
   std::vector<int32_t> tokens = {3, 1, 3, 0, 5, 1, 1, 4, 3, 0};
   auto wte = random_floats(Vp * C, 5), out = random_floats(B * T * C, 6);
-  cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{});
+  cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{}, 0);
   for (int64_t bt = 0; bt < B * T; ++bt)
     for (int64_t i = 0; i < C; ++i) ASSERT_EQ(out[bt * C + i], wte[tokens[bt] * C + i]) << bt;
 
@@ -152,6 +159,46 @@ TEST(CpuEncoder, BackwardIntoAWindowOfRowsIsThoseRowsOfTheWhole) {
         EXPECT_EQ(buf[static_cast<size_t>((r + 1) * C + i)],
                   whole[static_cast<size_t>((first + r) * C + i)] - 7.0f)
             << "window " << first << "+" << R << " row " << r;
+  }
+}
+
+// Tensor parallelism's vocabulary-parallel embedding: each rank holds a slice of wte's rows and
+// gives the tokens outside it a zero row, so the slices' outputs summed are the whole table's
+// (exactly: one of the addends is the row, the rest zeros). With wpe, a slice's output is the
+// whole table's where it holds the token and wpe[t] alone where it does not, bit for bit.
+TEST(CpuEncoder, ForwardFromSlicesOfRowsSumsToTheWhole) {
+  const int64_t B = 2, T = 6, C = 4, Vp = 9;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 8, 1, 1, 4, 3, 0, 7, 2};
+  auto wte = random_floats(Vp * C, 12), wpe = random_floats(T * C, 13);
+  auto whole = zeros(B * T * C), whole_pe = zeros(B * T * C);
+  cpu().encoder_forward(f32(whole, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{}, 0);
+  cpu().encoder_forward(f32(whole_pe, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}),
+                        f32(wpe, {T, C}), 0);
+  for (const std::vector<int64_t>& bounds :
+       {std::vector<int64_t>{0, 4, 9}, {0, 3, 6, 9}, {0, 1, 8, 9}}) {
+    auto sum = zeros(B * T * C);
+    for (size_t p = 0; p + 1 < bounds.size(); ++p) {
+      const int64_t first = bounds[p], R = bounds[p + 1] - first;
+      std::vector<float> slice(wte.begin() + first * C, wte.begin() + (first + R) * C);
+      auto out = random_floats(B * T * C, 14), out_pe = random_floats(B * T * C, 15);
+      cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(slice, {R, C}), Tensor{},
+                            first);
+      cpu().encoder_forward(f32(out_pe, {B, T, C}), i32(tokens, {B, T}), f32(slice, {R, C}),
+                            f32(wpe, {T, C}), first);
+      for (int64_t bt = 0; bt < B * T; ++bt) {
+        const bool held = tokens[bt] >= first && tokens[bt] < first + R;
+        for (int64_t i = 0; i < C; ++i) {
+          const size_t k = static_cast<size_t>(bt * C + i);
+          sum[k] += out[k];
+          ASSERT_EQ(out_pe[k], held ? whole_pe[k] : wpe[(bt % T) * C + i])
+              << "slice from " << first << " position " << bt;
+          if (!held) {
+            ASSERT_EQ(out[k], 0.0f) << "slice from " << first << " position " << bt;
+          }
+        }
+      }
+    }
+    EXPECT_TRUE(bit_identical(sum, whole)) << bounds.size() - 1 << " slices";
   }
 }
 

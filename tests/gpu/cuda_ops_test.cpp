@@ -124,8 +124,8 @@ TEST_P(CudaEncoder, ForwardBackward) {
   Buf gwte = act({Vp, C}, wte), gwpe = act({maxT, C}, wpe);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C, 0.0f));
   Buf gout = poisoned({B, T, C}, res());
-  cpu_->encoder_forward(cout_, ctok, cwte, cwpe);
-  gpu_->encoder_forward(gout, gtok, gwte, gwpe);
+  cpu_->encoder_forward(cout_, ctok, cwte, cwpe, 0);
+  gpu_->encoder_forward(gout, gtok, gwte, gwpe, 0);
   EXPECT_CLOSE(host(gout), host(cout_), res_tol(), "encoder out");
 
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C), dwpe0 = rand(maxT * C);
@@ -156,8 +156,8 @@ TEST_P(CudaEncoder, WithoutPositions) {
   Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
   Buf cwte = cpu({Vp, C}, wte), gwte = act({Vp, C}, wte);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), gout = poisoned({B, T, C}, res());
-  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{});
-  gpu_->encoder_forward(gout, gtok, gwte, Tensor{});
+  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{}, 0);
+  gpu_->encoder_forward(gout, gtok, gwte, Tensor{}, 0);
   EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows must be exact";
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
   Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
@@ -184,6 +184,26 @@ TEST_P(CudaEncoder, BackwardIntoAWindowOfRows) {
   std::vector<float> want = dwte0, whole = host(cdwte);
   std::copy(whole.begin() + first * C, whole.begin() + (first + R) * C, want.begin() + first * C);
   EXPECT_CLOSE(host(gdwte), want, kF32Tol, "encoder dwte rows [5, 35) (+=), the rest untouched");
+}
+
+// Tensor parallelism's vocabulary-parallel embedding: wte holds rows [40, 70) of the table and
+// the tokens outside them read as zero rows, with wpe and without (then a gather of bf16 rows
+// and zeros: exact).
+TEST_P(CudaEncoder, ForwardFromASliceOfRows) {
+  const int B = 4, T = 64, C = width(), Vp = 96, maxT = 80, first = 40, R = 30;
+  std::vector<int32_t> tok = rand_ints(B * T, Vp);
+  std::vector<float> wte = rand(R * C), wpe = rand(maxT * C);
+  Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
+  Buf cwte = cpu({R, C}, wte), cwpe = cpu({maxT, C}, wpe);
+  Buf gwte = act({R, C}, wte), gwpe = act({maxT, C}, wpe);
+  Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), gout = poisoned({B, T, C}, res());
+  cpu_->encoder_forward(cout_, ctok, cwte, cwpe, first);
+  gpu_->encoder_forward(gout, gtok, gwte, gwpe, first);
+  EXPECT_CLOSE(host(gout), host(cout_), res_tol(), "encoder out, rows [40, 70)");
+  gout = poisoned({B, T, C}, res());
+  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{}, first);
+  gpu_->encoder_forward(gout, gtok, gwte, Tensor{}, first);
+  EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows and zeros must be exact";
 }
 
 // 256: 16-byte loads; 100: the scalar path.
