@@ -1334,6 +1334,149 @@ TEST(CpuSoftmaxCrossEntropy, DlogitsInPlaceMatchFiniteDifferencesOfMeanLoss) {
   EXPECT_GT(expected_mean, 0.0);
 }
 
+// ---- vocabulary-parallel softmax cross-entropy (tensor parallelism's head) -------------------
+
+// logits[N,Vp] split at `bounds` (P+1 column offsets from 0 to Vp) as tensor parallelism's ranks
+// hold them: each slice's stats, gathered in rank order into [P,N,3], then each slice's combine.
+// Returns the losses (every rank's, which must be bit-identical); with write_dlogits the slices'
+// dlogits are put back side by side in x.
+std::vector<float> split_cross_entropy(std::vector<float>& x, int64_t N, int64_t Vp, int V,
+                                       std::vector<int32_t>& targets,
+                                       const std::vector<int64_t>& bounds, float scale,
+                                       bool write_dlogits) {
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<std::vector<float>> slices;
+  std::vector<float> stats_all;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = bounds[p], Vl = bounds[p + 1] - first;
+    std::vector<float> slice(static_cast<size_t>(N * Vl));
+    for (int64_t n = 0; n < N; ++n)
+      std::copy_n(x.begin() + n * Vp + first, Vl, slice.begin() + n * Vl);
+    auto stats = random_floats(N * kCrossEntropyStats, 51);  // every element must be written
+    cpu().softmax_cross_entropy_stats(f32(stats, {N, kCrossEntropyStats}), f32(slice, {N, Vl}),
+                                      i32(targets, {N}), first, V);
+    stats_all.insert(stats_all.end(), stats.begin(), stats.end());
+    slices.push_back(std::move(slice));
+  }
+  std::vector<float> losses;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = bounds[p], Vl = bounds[p + 1] - first;
+    std::vector<float>& slice = slices[static_cast<size_t>(p)];
+    const auto before = slice;
+    auto rank_losses = random_floats(N, 52);
+    cpu().softmax_cross_entropy_combine(f32(rank_losses, {N}), f32(slice, {N, Vl}),
+                                        f32(stats_all, {P, N, kCrossEntropyStats}),
+                                        i32(targets, {N}), first, V, scale, write_dlogits);
+    if (!write_dlogits) {
+      EXPECT_TRUE(bit_identical(slice, before)) << "rank " << p;
+    }
+    if (p == 0) losses = rank_losses;
+    EXPECT_TRUE(bit_identical(rank_losses, losses)) << "rank " << p << "'s losses";
+    if (write_dlogits)
+      for (int64_t n = 0; n < N; ++n)
+        std::copy_n(slice.begin() + n * Vl, Vl, x.begin() + n * Vp + first);
+  }
+  return losses;
+}
+
+// |got - ref| <= 1e-6 (|ref| + floor) element by element: the split path's only departures from
+// the fused op are f32 roundings of each slice's sum of exponentials (6e-8 relative) carried
+// into the log-sum-exp, and of the outputs.
+void expect_close_to_fused(const std::vector<float>& got, const std::vector<float>& ref,
+                           double floor, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (size_t i = 0; i < ref.size(); ++i)
+    ASSERT_NEAR(got[i], ref[i], 1e-6 * (std::fabs(ref[i]) + floor)) << what << " element " << i;
+}
+
+// The fused op's case with the vocabulary split at `bounds`, for targets at every slice's edges.
+void expect_split_is_fused(int64_t Vp, int V, const std::vector<int64_t>& bounds,
+                           std::vector<int32_t> targets) {
+  const int64_t N = static_cast<int64_t>(targets.size());
+  const std::string what = "Vp=" + std::to_string(Vp) + " V=" + std::to_string(V) +
+                           " P=" + std::to_string(bounds.size() - 1);
+  auto logits = random_floats(N * Vp, 53, -3.0f, 3.0f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = V; i < Vp; ++i) logits[n * Vp + i] = 100.0f;  // padding must not count
+  const float scale = 1.0f / static_cast<float>(N);
+  auto fused = logits, fused_losses = zeros(N);
+  cpu().softmax_cross_entropy(f32(fused_losses, {N}), f32(fused, {N, Vp}), i32(targets, {N}), V,
+                              scale, true);
+  auto x = logits;
+  expect_close_to_fused(split_cross_entropy(x, N, Vp, V, targets, bounds, scale, false),
+                        fused_losses, 0.0, what + " losses, no dlogits");
+  EXPECT_TRUE(bit_identical(x, logits)) << what;
+  expect_close_to_fused(split_cross_entropy(x, N, Vp, V, targets, bounds, scale, true),
+                        fused_losses, 0.0, what + " losses");
+  expect_close_to_fused(x, fused, scale, what + " dlogits");
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = V; i < Vp; ++i)
+      ASSERT_EQ(x[n * Vp + i], 0.0f) << what << " padded column " << i << " of row " << n;
+}
+
+TEST(CpuSoftmaxCrossEntropy, VocabParallelOneRankIsTheFusedOp) {
+  expect_split_is_fused(12, 9, {0, 12}, {0, 8, 3, 3, 7, 1, 2, 5, 4, 6});
+  expect_split_is_fused(9, 9, {0, 9}, {0, 8, 3, 3, 7, 1, 2, 5, 4, 6});
+}
+
+// Vp=24 split evenly as tensor parallelism splits it: with V=21 the last slice is part padding,
+// with V=14 and P=3 wholly padding; and an uneven split. Targets sit at the slices' edges.
+TEST(CpuSoftmaxCrossEntropy, VocabParallelSlicesGiveTheFusedOp) {
+  const std::vector<int32_t> targets21 = {0, 7, 8, 11, 12, 15, 16, 20, 3, 13, 19, 5};
+  const std::vector<int32_t> targets14 = {0, 7, 8, 11, 12, 13, 5, 9, 1, 10, 6, 2};
+  expect_split_is_fused(24, 21, {0, 12, 24}, targets21);
+  expect_split_is_fused(24, 21, {0, 8, 16, 24}, targets21);
+  expect_split_is_fused(24, 14, {0, 12, 24}, targets14);
+  expect_split_is_fused(24, 14, {0, 8, 16, 24}, targets14);
+  expect_split_is_fused(24, 21, {0, 5, 13, 24}, targets21);
+}
+
+// The gradient through the split path: the mean loss that the ranks' stats and combine give,
+// against finite differences of it w.r.t. the whole logits (a perturbed logit changes one
+// slice's stats, so every rank's loss sees it through the gathered stats).
+TEST(CpuSoftmaxCrossEntropy, VocabParallelDlogitsMatchFiniteDifferences) {
+  const int64_t N = 6, Vp = 24;
+  const int V = 21;
+  const std::vector<int64_t> bounds = {0, 8, 16, 24};
+  std::vector<int32_t> targets = {0, 8, 15, 16, 20, 4};
+  auto logits = random_floats(N * Vp, 54, -3.0f, 3.0f);
+  auto mean_loss = [&] {
+    double s = 0.0;
+    for (float l : split_cross_entropy(logits, N, Vp, V, targets, bounds, 1.0f, false)) s += l;
+    return s / static_cast<double>(N);
+  };
+  auto numeric = numeric_grad(logits, kStep, mean_loss);
+  auto dlogits = logits;
+  split_cross_entropy(dlogits, N, Vp, V, targets, bounds, 1.0f / static_cast<float>(N), true);
+  expect_grad_near(dlogits, numeric, "split dlogits");
+}
+
+TEST(CpuSoftmaxCrossEntropy, VocabParallelRejectsBadCallsNamingTheArgument) {
+  const int64_t N = 4, Vl = 8;
+  auto logits = random_floats(N * Vl, 55), stats = zeros(N * 3), stats_all = zeros(2 * N * 3),
+       odd = zeros(2 * N * 3 + 1), losses = zeros(N);
+  std::vector<int32_t> targets = {0, 3, 9, 12}, past = {0, 3, 9, 21};
+  auto stats_op = [&](std::vector<int32_t>& t, std::vector<float>& st, int64_t first, int V) {
+    return [&, first, V] {
+      cpu().softmax_cross_entropy_stats(f32(st, {static_cast<int64_t>(st.size())}),
+                                        f32(logits, {N, Vl}), i32(t, {N}), first, V);
+    };
+  };
+  auto combine_op = [&](std::vector<float>& all, int64_t first) {
+    return [&, first] {
+      cpu().softmax_cross_entropy_combine(f32(losses, {N}), f32(logits, {N, Vl}),
+                                          f32(all, {static_cast<int64_t>(all.size())}),
+                                          i32(targets, {N}), first, 21, 1.0f, true);
+    };
+  };
+  expect_rejects(stats_op(targets, stats, -8, 21), "softmax_cross_entropy_stats", "first_col");
+  expect_rejects(stats_op(targets, stats, 8, 0), "softmax_cross_entropy_stats", "vocab_size");
+  expect_rejects(stats_op(past, stats, 8, 21), "softmax_cross_entropy_stats", "targets");
+  expect_rejects(stats_op(targets, stats_all, 8, 21), "softmax_cross_entropy_stats", "stats");
+  expect_rejects(combine_op(odd, 8), "softmax_cross_entropy_combine", "stats_all");
+  expect_rejects(combine_op(stats_all, -1), "softmax_cross_entropy_combine", "first_col");
+}
+
 // ---- reductions and the optimizer ------------------------------------------------------------
 
 TEST(CpuReductions, SumAndSumSquaresInDoubleWithAccumulate) {

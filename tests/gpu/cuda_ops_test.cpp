@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -1020,6 +1021,82 @@ INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCE,
                                            std::make_pair(250, 259), std::make_pair(50257, 50304),
                                            std::make_pair(32000, 32000),
                                            std::make_pair(30001, 32768)));
+
+// Tensor parallelism's vocabulary-parallel loss: the padded vocabulary split evenly over P
+// ranks; each slice's stats on both backends (max and target logit exact: both pick one of the
+// same bf16 values), gathered in rank order, then each slice's combine: losses and the slice's
+// dlogits in place, padded columns exactly 0.
+using VocabSplit = std::tuple<int, int, int>;  // V, Vp, P
+
+class CudaSoftmaxCEVocabParallel : public CudaOps,
+                                   public ::testing::WithParamInterface<VocabSplit> {};
+
+TEST_P(CudaSoftmaxCEVocabParallel, StatsThenCombineMatchCpu) {
+  const auto [V, Vp, P] = GetParam();
+  const int N = 48, Vl = Vp / P;
+  std::vector<float> logits = rand(static_cast<int64_t>(N) * Vp, 4.0f);
+  std::vector<int32_t> tgt = rand_ints(N, V);
+  tgt[0] = 0;
+  tgt[1] = V - 1;
+  const float scale = 1.0f / N;
+  Buf ctgt = ints(*cpu_, {N}, DType::i32, tgt), gtgt = ints(*gpu_, {N}, DType::i32, tgt);
+  Buf cstats = cpu({P, N, 3}, std::vector<float>(static_cast<size_t>(P) * N * 3));
+  Buf gstats = poisoned({P, N, 3}, DType::f32);
+  std::vector<std::vector<float>> slices;
+  std::vector<Buf> clog, glog;
+  for (int p = 0; p < P; ++p) {
+    std::vector<float> slice(static_cast<size_t>(N) * Vl);
+    for (int n = 0; n < N; ++n)
+      std::copy_n(logits.begin() + static_cast<int64_t>(n) * Vp + p * Vl, Vl,
+                  slice.begin() + static_cast<int64_t>(n) * Vl);
+    clog.push_back(cpu({N, Vl}, slice));
+    glog.push_back(act({N, Vl}, slice));
+    slices.push_back(std::move(slice));
+    const int64_t at = static_cast<int64_t>(p) * N * 3;
+    cpu_->softmax_cross_entropy_stats(cstats.t.slice(at, {N, 3}), clog[p], ctgt,
+                                      static_cast<int64_t>(p) * Vl, V);
+    gpu_->softmax_cross_entropy_stats(gstats.t.slice(at, {N, 3}), glog[p], gtgt,
+                                      static_cast<int64_t>(p) * Vl, V);
+  }
+  EXPECT_EQ(host(glog[0]), slices[0]) << "stats wrote to the logits";
+  const std::vector<float> cs = host(cstats), gs = host(gstats);
+  std::vector<float> csum, gsum;
+  for (size_t r = 0; r < cs.size() / 3; ++r) {
+    ASSERT_EQ(gs[r * 3 + kCeMax], cs[r * 3 + kCeMax])
+        << "max of rank " << r / N << " row " << r % N;
+    ASSERT_EQ(gs[r * 3 + kCeTarget], cs[r * 3 + kCeTarget]) << "target logit, row " << r;
+    csum.push_back(cs[r * 3 + kCeSumExp]);
+    gsum.push_back(gs[r * 3 + kCeSumExp]);
+  }
+  EXPECT_CLOSE(gsum, csum, kF32Tol, "sums of exp");
+
+  for (int p = 0; p < P; ++p) {
+    const int64_t first = static_cast<int64_t>(p) * Vl;
+    Buf closs = cpu({N}, std::vector<float>(N)), gloss = poisoned({N}, DType::f32);
+    cpu_->softmax_cross_entropy_combine(closs, clog[p], cstats, ctgt, first, V, scale, false);
+    gpu_->softmax_cross_entropy_combine(gloss, glog[p], gstats, gtgt, first, V, scale, false);
+    EXPECT_EQ(host(glog[p]), slices[p]) << "logits changed without write_dlogits, rank " << p;
+    EXPECT_CLOSE(host(gloss), host(closs), kF32Tol, "losses, no dlogits");
+    gloss = poisoned({N}, DType::f32);
+    cpu_->softmax_cross_entropy_combine(closs, clog[p], cstats, ctgt, first, V, scale, true);
+    gpu_->softmax_cross_entropy_combine(gloss, glog[p], gstats, gtgt, first, V, scale, true);
+    EXPECT_CLOSE(host(gloss), host(closs), kF32Tol, "losses");
+    const std::vector<float> d = host(glog[p]), cd = host(clog[p]);
+    if (first < V) {
+      EXPECT_CLOSE(d, cd, kBf16Tol, "dlogits of rank " + std::to_string(p) + " (in place)");
+    }
+    for (int n = 0; n < N; ++n)
+      for (int64_t c = std::max<int64_t>(V - first, 0); c < Vl; ++c)
+        ASSERT_EQ(d[static_cast<size_t>(n) * Vl + c], 0.0f) << "padded column " << first + c;
+  }
+}
+
+// 1024/4: 16-byte loads, the last slice part padding; 700 of 1024 over 4: the last wholly
+// padding; 261/3 = 87 columns: the scalar path; GPT-2's and LLaMA's vocabularies.
+INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCEVocabParallel,
+                         ::testing::Values(VocabSplit{1000, 1024, 4}, VocabSplit{700, 1024, 4},
+                                           VocabSplit{250, 261, 3}, VocabSplit{50257, 50304, 2},
+                                           VocabSplit{32000, 32000, 8}));
 
 // ---- reductions and optimizer -------------------------------------------------------------
 
