@@ -41,6 +41,12 @@ namespace kiln {
 enum SchedSlot : int { kSchedLr = 0, kSchedStep = 1, kSchedGradScale = 2, kSchedGradNorm = 3 };
 constexpr int kSchedSize = 4;
 
+// The vocabulary-parallel loss's per-row statistics of one rank's slice of the vocabulary
+// (softmax_cross_entropy_stats), f32[N, kCrossEntropyStats]: the max of the row's logits there,
+// the sum of their exp(x - max), and the target's logit where the slice holds it.
+enum CrossEntropyStat : int { kCeMax = 0, kCeSumExp = 1, kCeTarget = 2 };
+constexpr int kCrossEntropyStats = 3;
+
 struct AdamWHyper {
   float beta1 = 0.9f;
   float beta2 = 0.95f;

@@ -5,6 +5,7 @@
 // What one backend needs beyond this stays with it: the CPU reads index and offset values
 // (its tensors are host memory), CUDA its alignment and the sizes its kernels take.
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "kernels/backend.h"
@@ -203,6 +204,24 @@ void check_reduction(const OpCheck& c, const Tensor& out, const Tensor& x) {
   c.f32_or_activation("x", x);
 }
 
+// A rank's slice of the vocabulary-parallel loss: logits [..., Vl] are the padded vocabulary's
+// columns [first_col, first_col + Vl), numbered in i32 as the targets are; targets i32[N].
+// Returns N.
+int64_t check_vocab_slice(const OpCheck& c, const Tensor& logits, const Tensor& targets,
+                          int64_t first_col, int vocab_size) {
+  c.activation_dtype("logits", logits);
+  c.min_ndim("logits", logits, 1);
+  const int64_t N = matrix_rows(logits), Vl = logits.dim(-1);
+  if (first_col < 0) c.fail("first_col", "is " + std::to_string(first_col) + " < 0");
+  if (first_col + Vl > std::numeric_limits<int32_t>::max())
+    c.fail("logits", "columns [" + std::to_string(first_col) + ", " +
+                         std::to_string(first_col + Vl) + ") pass the i32 targets' range");
+  if (vocab_size <= 0) c.fail("vocab_size", "is " + std::to_string(vocab_size) + " <= 0");
+  c.dtype("targets", targets, DType::i32);
+  c.numel("targets", targets, N);
+  return N;
+}
+
 void check_sched(const OpCheck& c, const Tensor& sched) {
   c.f32("sched", sched);
   c.numel("sched", sched, kSchedSize);
@@ -212,8 +231,10 @@ void check_sched(const OpCheck& c, const Tensor& sched) {
 
 // ---- embedding, norm, linear, attention, loss ---------------------------------------------
 
-void encoder_forward(const OpCheck& c, Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
+void encoder_forward(const OpCheck& c, Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                     int64_t first_row) {
   check_embedding(c, tokens, c.activation, "wte", wte, "wpe", wpe, "out", out);
+  if (first_row < 0) c.fail("first_row", "is " + std::to_string(first_row) + " < 0");
 }
 
 void encoder_backward(const OpCheck& c, Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
@@ -423,6 +444,27 @@ void softmax_cross_entropy(const OpCheck& c, Tensor losses, Tensor logits, Tenso
   c.numel("losses", losses, N);
   c.dtype("targets", targets, DType::i32);
   c.numel("targets", targets, N);
+}
+
+void softmax_cross_entropy_stats(const OpCheck& c, Tensor stats, Tensor logits, Tensor targets,
+                                 int64_t first_col, int vocab_size) {
+  const int64_t N = check_vocab_slice(c, logits, targets, first_col, vocab_size);
+  c.f32("stats", stats);
+  c.numel("stats", stats, N * kCrossEntropyStats);
+}
+
+void softmax_cross_entropy_combine(const OpCheck& c, Tensor losses, Tensor logits, Tensor stats_all,
+                                   Tensor targets, int64_t first_col, int vocab_size,
+                                   float dloss_scale, bool write_dlogits) {
+  const int64_t N = check_vocab_slice(c, logits, targets, first_col, vocab_size);
+  c.f32("losses", losses);
+  c.numel("losses", losses, N);
+  c.f32("stats_all", stats_all);
+  const int64_t per_rank = N * kCrossEntropyStats;
+  if (per_rank > 0 && (stats_all.numel() == 0 || stats_all.numel() % per_rank != 0))
+    c.fail("stats_all", "must hold P >= 1 ranks' stats of " + std::to_string(N) + " rows, [P," +
+                            std::to_string(N) + "," + std::to_string(kCrossEntropyStats) +
+                            "], got " + stats_all.str());
 }
 
 // ---- Mixture-of-Experts ---------------------------------------------------------------------

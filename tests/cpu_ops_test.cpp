@@ -65,7 +65,7 @@ TEST(CpuEncoder, ForwardAndGradCheck) {
   auto R = random_floats(B * T * C, 3), out = zeros(B * T * C);
   auto forward = [&] {
     cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}),
-                          f32(wpe, {maxT, C}));
+                          f32(wpe, {maxT, C}), 0);
     return weighted_sum(out, R);
   };
   forward();
@@ -96,16 +96,23 @@ TEST(CpuEncoder, BackwardAccumulates) {
   for (size_t i = 0; i < dwpe.size(); ++i) ASSERT_EQ(dwpe[i], 2 * once_pe[i]) << i;
 }
 
-TEST(CpuEncoder, TokenOutOfRangeThrows) {
-  std::vector<int32_t> tokens = {0, 6};
+// A token id is any non-negative i32 (one past the rows wte holds belongs to another rank's
+// slice of the vocabulary); a negative one, or a negative first row, is refused.
+TEST(CpuEncoder, NegativeTokenOrFirstRowThrows) {
+  std::vector<int32_t> tokens = {0, -1}, fine = {0, 1};
   auto wte = zeros(6 * 4), wpe = zeros(2 * 4), out = zeros(2 * 4);
-  try {
-    cpu().encoder_forward(f32(out, {1, 2, 4}), i32(tokens, {1, 2}), f32(wte, {6, 4}),
-                          f32(wpe, {2, 4}));
-    FAIL() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("tokens"), std::string::npos) << e.what();
-  }
+  expect_rejects(
+      [&] {
+        cpu().encoder_forward(f32(out, {1, 2, 4}), i32(tokens, {1, 2}), f32(wte, {6, 4}),
+                              f32(wpe, {2, 4}), 0);
+      },
+      "encoder_forward", "tokens");
+  expect_rejects(
+      [&] {
+        cpu().encoder_forward(f32(out, {1, 2, 4}), i32(fine, {1, 2}), f32(wte, {6, 4}),
+                              f32(wpe, {2, 4}), -1);
+      },
+      "encoder_forward", "first_row");
 }
 
 // A model with rotary positions has no wpe: the forward is the bare wte lookup and the backward
@@ -114,7 +121,7 @@ TEST(CpuEncoder, WithoutWpeIsTheTokenLookup) {
   const int64_t B = 2, T = 5, C = 8, Vp = 6;
   std::vector<int32_t> tokens = {3, 1, 3, 0, 5, 1, 1, 4, 3, 0};
   auto wte = random_floats(Vp * C, 5), out = random_floats(B * T * C, 6);
-  cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{});
+  cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{}, 0);
   for (int64_t bt = 0; bt < B * T; ++bt)
     for (int64_t i = 0; i < C; ++i) ASSERT_EQ(out[bt * C + i], wte[tokens[bt] * C + i]) << bt;
 
@@ -152,6 +159,46 @@ TEST(CpuEncoder, BackwardIntoAWindowOfRowsIsThoseRowsOfTheWhole) {
         EXPECT_EQ(buf[static_cast<size_t>((r + 1) * C + i)],
                   whole[static_cast<size_t>((first + r) * C + i)] - 7.0f)
             << "window " << first << "+" << R << " row " << r;
+  }
+}
+
+// Tensor parallelism's vocabulary-parallel embedding: each rank holds a slice of wte's rows and
+// gives the tokens outside it a zero row, so the slices' outputs summed are the whole table's
+// (exactly: one of the addends is the row, the rest zeros). With wpe, a slice's output is the
+// whole table's where it holds the token and wpe[t] alone where it does not, bit for bit.
+TEST(CpuEncoder, ForwardFromSlicesOfRowsSumsToTheWhole) {
+  const int64_t B = 2, T = 6, C = 4, Vp = 9;
+  std::vector<int32_t> tokens = {3, 1, 3, 0, 8, 1, 1, 4, 3, 0, 7, 2};
+  auto wte = random_floats(Vp * C, 12), wpe = random_floats(T * C, 13);
+  auto whole = zeros(B * T * C), whole_pe = zeros(B * T * C);
+  cpu().encoder_forward(f32(whole, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}), Tensor{}, 0);
+  cpu().encoder_forward(f32(whole_pe, {B, T, C}), i32(tokens, {B, T}), f32(wte, {Vp, C}),
+                        f32(wpe, {T, C}), 0);
+  for (const std::vector<int64_t>& bounds :
+       {std::vector<int64_t>{0, 4, 9}, {0, 3, 6, 9}, {0, 1, 8, 9}}) {
+    auto sum = zeros(B * T * C);
+    for (size_t p = 0; p + 1 < bounds.size(); ++p) {
+      const int64_t first = bounds[p], R = bounds[p + 1] - first;
+      std::vector<float> slice(wte.begin() + first * C, wte.begin() + (first + R) * C);
+      auto out = random_floats(B * T * C, 14), out_pe = random_floats(B * T * C, 15);
+      cpu().encoder_forward(f32(out, {B, T, C}), i32(tokens, {B, T}), f32(slice, {R, C}), Tensor{},
+                            first);
+      cpu().encoder_forward(f32(out_pe, {B, T, C}), i32(tokens, {B, T}), f32(slice, {R, C}),
+                            f32(wpe, {T, C}), first);
+      for (int64_t bt = 0; bt < B * T; ++bt) {
+        const bool held = tokens[bt] >= first && tokens[bt] < first + R;
+        for (int64_t i = 0; i < C; ++i) {
+          const size_t k = static_cast<size_t>(bt * C + i);
+          sum[k] += out[k];
+          ASSERT_EQ(out_pe[k], held ? whole_pe[k] : wpe[(bt % T) * C + i])
+              << "slice from " << first << " position " << bt;
+          if (!held) {
+            ASSERT_EQ(out[k], 0.0f) << "slice from " << first << " position " << bt;
+          }
+        }
+      }
+    }
+    EXPECT_TRUE(bit_identical(sum, whole)) << bounds.size() - 1 << " slices";
   }
 }
 
@@ -1285,6 +1332,149 @@ TEST(CpuSoftmaxCrossEntropy, DlogitsInPlaceMatchFiniteDifferencesOfMeanLoss) {
     for (int64_t i = k.V; i < k.Vp; ++i) ASSERT_EQ(numeric[n * k.Vp + i], 0.0);
   expect_grad_near(dlogits, numeric, "dlogits");
   EXPECT_GT(expected_mean, 0.0);
+}
+
+// ---- vocabulary-parallel softmax cross-entropy (tensor parallelism's head) -------------------
+
+// logits[N,Vp] split at `bounds` (P+1 column offsets from 0 to Vp) as tensor parallelism's ranks
+// hold them: each slice's stats, gathered in rank order into [P,N,3], then each slice's combine.
+// Returns the losses (every rank's, which must be bit-identical); with write_dlogits the slices'
+// dlogits are put back side by side in x.
+std::vector<float> split_cross_entropy(std::vector<float>& x, int64_t N, int64_t Vp, int V,
+                                       std::vector<int32_t>& targets,
+                                       const std::vector<int64_t>& bounds, float scale,
+                                       bool write_dlogits) {
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<std::vector<float>> slices;
+  std::vector<float> stats_all;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = bounds[p], Vl = bounds[p + 1] - first;
+    std::vector<float> slice(static_cast<size_t>(N * Vl));
+    for (int64_t n = 0; n < N; ++n)
+      std::copy_n(x.begin() + n * Vp + first, Vl, slice.begin() + n * Vl);
+    auto stats = random_floats(N * kCrossEntropyStats, 51);  // every element must be written
+    cpu().softmax_cross_entropy_stats(f32(stats, {N, kCrossEntropyStats}), f32(slice, {N, Vl}),
+                                      i32(targets, {N}), first, V);
+    stats_all.insert(stats_all.end(), stats.begin(), stats.end());
+    slices.push_back(std::move(slice));
+  }
+  std::vector<float> losses;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = bounds[p], Vl = bounds[p + 1] - first;
+    std::vector<float>& slice = slices[static_cast<size_t>(p)];
+    const auto before = slice;
+    auto rank_losses = random_floats(N, 52);
+    cpu().softmax_cross_entropy_combine(f32(rank_losses, {N}), f32(slice, {N, Vl}),
+                                        f32(stats_all, {P, N, kCrossEntropyStats}),
+                                        i32(targets, {N}), first, V, scale, write_dlogits);
+    if (!write_dlogits) {
+      EXPECT_TRUE(bit_identical(slice, before)) << "rank " << p;
+    }
+    if (p == 0) losses = rank_losses;
+    EXPECT_TRUE(bit_identical(rank_losses, losses)) << "rank " << p << "'s losses";
+    if (write_dlogits)
+      for (int64_t n = 0; n < N; ++n)
+        std::copy_n(slice.begin() + n * Vl, Vl, x.begin() + n * Vp + first);
+  }
+  return losses;
+}
+
+// |got - ref| <= 1e-6 (|ref| + floor) element by element: the split path's only departures from
+// the fused op are f32 roundings of each slice's sum of exponentials (6e-8 relative) carried
+// into the log-sum-exp, and of the outputs.
+void expect_close_to_fused(const std::vector<float>& got, const std::vector<float>& ref,
+                           double floor, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (size_t i = 0; i < ref.size(); ++i)
+    ASSERT_NEAR(got[i], ref[i], 1e-6 * (std::fabs(ref[i]) + floor)) << what << " element " << i;
+}
+
+// The fused op's case with the vocabulary split at `bounds`, for targets at every slice's edges.
+void expect_split_is_fused(int64_t Vp, int V, const std::vector<int64_t>& bounds,
+                           std::vector<int32_t> targets) {
+  const int64_t N = static_cast<int64_t>(targets.size());
+  const std::string what = "Vp=" + std::to_string(Vp) + " V=" + std::to_string(V) +
+                           " P=" + std::to_string(bounds.size() - 1);
+  auto logits = random_floats(N * Vp, 53, -3.0f, 3.0f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = V; i < Vp; ++i) logits[n * Vp + i] = 100.0f;  // padding must not count
+  const float scale = 1.0f / static_cast<float>(N);
+  auto fused = logits, fused_losses = zeros(N);
+  cpu().softmax_cross_entropy(f32(fused_losses, {N}), f32(fused, {N, Vp}), i32(targets, {N}), V,
+                              scale, true);
+  auto x = logits;
+  expect_close_to_fused(split_cross_entropy(x, N, Vp, V, targets, bounds, scale, false),
+                        fused_losses, 0.0, what + " losses, no dlogits");
+  EXPECT_TRUE(bit_identical(x, logits)) << what;
+  expect_close_to_fused(split_cross_entropy(x, N, Vp, V, targets, bounds, scale, true),
+                        fused_losses, 0.0, what + " losses");
+  expect_close_to_fused(x, fused, scale, what + " dlogits");
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = V; i < Vp; ++i)
+      ASSERT_EQ(x[n * Vp + i], 0.0f) << what << " padded column " << i << " of row " << n;
+}
+
+TEST(CpuSoftmaxCrossEntropy, VocabParallelOneRankIsTheFusedOp) {
+  expect_split_is_fused(12, 9, {0, 12}, {0, 8, 3, 3, 7, 1, 2, 5, 4, 6});
+  expect_split_is_fused(9, 9, {0, 9}, {0, 8, 3, 3, 7, 1, 2, 5, 4, 6});
+}
+
+// Vp=24 split evenly as tensor parallelism splits it: with V=21 the last slice is part padding,
+// with V=14 and P=3 wholly padding; and an uneven split. Targets sit at the slices' edges.
+TEST(CpuSoftmaxCrossEntropy, VocabParallelSlicesGiveTheFusedOp) {
+  const std::vector<int32_t> targets21 = {0, 7, 8, 11, 12, 15, 16, 20, 3, 13, 19, 5};
+  const std::vector<int32_t> targets14 = {0, 7, 8, 11, 12, 13, 5, 9, 1, 10, 6, 2};
+  expect_split_is_fused(24, 21, {0, 12, 24}, targets21);
+  expect_split_is_fused(24, 21, {0, 8, 16, 24}, targets21);
+  expect_split_is_fused(24, 14, {0, 12, 24}, targets14);
+  expect_split_is_fused(24, 14, {0, 8, 16, 24}, targets14);
+  expect_split_is_fused(24, 21, {0, 5, 13, 24}, targets21);
+}
+
+// The gradient through the split path: the mean loss that the ranks' stats and combine give,
+// against finite differences of it w.r.t. the whole logits (a perturbed logit changes one
+// slice's stats, so every rank's loss sees it through the gathered stats).
+TEST(CpuSoftmaxCrossEntropy, VocabParallelDlogitsMatchFiniteDifferences) {
+  const int64_t N = 6, Vp = 24;
+  const int V = 21;
+  const std::vector<int64_t> bounds = {0, 8, 16, 24};
+  std::vector<int32_t> targets = {0, 8, 15, 16, 20, 4};
+  auto logits = random_floats(N * Vp, 54, -3.0f, 3.0f);
+  auto mean_loss = [&] {
+    double s = 0.0;
+    for (float l : split_cross_entropy(logits, N, Vp, V, targets, bounds, 1.0f, false)) s += l;
+    return s / static_cast<double>(N);
+  };
+  auto numeric = numeric_grad(logits, kStep, mean_loss);
+  auto dlogits = logits;
+  split_cross_entropy(dlogits, N, Vp, V, targets, bounds, 1.0f / static_cast<float>(N), true);
+  expect_grad_near(dlogits, numeric, "split dlogits");
+}
+
+TEST(CpuSoftmaxCrossEntropy, VocabParallelRejectsBadCallsNamingTheArgument) {
+  const int64_t N = 4, Vl = 8;
+  auto logits = random_floats(N * Vl, 55), stats = zeros(N * 3), stats_all = zeros(2 * N * 3),
+       odd = zeros(2 * N * 3 + 1), losses = zeros(N);
+  std::vector<int32_t> targets = {0, 3, 9, 12}, past = {0, 3, 9, 21};
+  auto stats_op = [&](std::vector<int32_t>& t, std::vector<float>& st, int64_t first, int V) {
+    return [&, first, V] {
+      cpu().softmax_cross_entropy_stats(f32(st, {static_cast<int64_t>(st.size())}),
+                                        f32(logits, {N, Vl}), i32(t, {N}), first, V);
+    };
+  };
+  auto combine_op = [&](std::vector<float>& all, int64_t first) {
+    return [&, first] {
+      cpu().softmax_cross_entropy_combine(f32(losses, {N}), f32(logits, {N, Vl}),
+                                          f32(all, {static_cast<int64_t>(all.size())}),
+                                          i32(targets, {N}), first, 21, 1.0f, true);
+    };
+  };
+  expect_rejects(stats_op(targets, stats, -8, 21), "softmax_cross_entropy_stats", "first_col");
+  expect_rejects(stats_op(targets, stats, 8, 0), "softmax_cross_entropy_stats", "vocab_size");
+  expect_rejects(stats_op(past, stats, 8, 21), "softmax_cross_entropy_stats", "targets");
+  expect_rejects(stats_op(targets, stats_all, 8, 21), "softmax_cross_entropy_stats", "stats");
+  expect_rejects(combine_op(odd, 8), "softmax_cross_entropy_combine", "stats_all");
+  expect_rejects(combine_op(stats_all, -1), "softmax_cross_entropy_combine", "first_col");
 }
 
 // ---- reductions and the optimizer ------------------------------------------------------------

@@ -1,8 +1,10 @@
-// Token + position embedding. Forward is a gather, backward a scatter-add. The scatter is made
-// deterministic without atomics: positions are bucketed by token id (a counting sort), then each
-// vocab row (of those dwte holds) sums its positions in increasing (b,t) order and is added to dwte
-// once. Threads split over vocab rows (and over t for dwpe), never over the tokens that share a
-// row. wpe/dwpe are optional: a model with rotary positions (RoPE) has no learned position table.
+// Token + position embedding. Forward is a gather from the rows wte holds (a token outside them,
+// in another rank's slice of the vocabulary, gives a zero row), backward a scatter-add. The
+// scatter is made deterministic without atomics: positions are bucketed by token id (a counting
+// sort), then each vocab row (of those dwte holds) sums its positions in increasing (b,t) order
+// and is added to dwte once. Threads split over vocab rows (and over t for dwpe), never over the
+// tokens that share a row. wpe/dwpe are optional: a model with rotary positions (RoPE) has no
+// learned position table.
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -13,9 +15,11 @@
 
 namespace kiln {
 
-void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
-  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), Vp = wte.dim(0);
-  op_check("encoder_forward").indices("tokens", tokens, Vp);
+void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                                     int64_t first_row) {
+  const int64_t B = tokens.dim(0), T = tokens.dim(1), C = wte.dim(1), R = wte.dim(0);
+  // Any id is a row of the table; those outside wte's rows read as zero (a vocabulary slice's).
+  op_check("encoder_forward").indices("tokens", tokens, std::numeric_limits<int32_t>::max());
 
   const int32_t* tok = tokens.ptr<int32_t>();
   const float* wte_p = wte.ptr<float>();
@@ -23,13 +27,18 @@ void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tens
   float* out_p = out.ptr<float>();
 #pragma omp parallel for schedule(static) if (cpu::worth_parallel(B * T * C))
   for (int64_t bt = 0; bt < B * T; ++bt) {
-    const float* te = wte_p + tok[bt] * C;
+    const int64_t row = tok[bt] - first_row;
+    const float* te = row >= 0 && row < R ? wte_p + row * C : nullptr;
     float* o = out_p + bt * C;
-    if (wpe_p) {
-      const float* pe = wpe_p + (bt % T) * C;
+    const float* pe = wpe_p ? wpe_p + (bt % T) * C : nullptr;
+    if (te && pe) {
       for (int64_t i = 0; i < C; ++i) o[i] = te[i] + pe[i];
-    } else {
+    } else if (te) {
       std::copy(te, te + C, o);
+    } else if (pe) {
+      std::copy(pe, pe + C, o);
+    } else {
+      std::fill(o, o + C, 0.0f);
     }
   }
 }
@@ -37,8 +46,7 @@ void CpuBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tens
 void CpuBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,
                                       int64_t first_row) {
   const int64_t B = tokens.dim(0), T = tokens.dim(1), C = dwte.dim(1), R = dwte.dim(0);
-  // Any id is a row of the table; those outside dwte's rows are skipped (the forward refuses
-  // ids past the vocabulary).
+  // Any id is a row of the table; those outside dwte's rows are skipped.
   op_check("encoder_backward").indices("tokens", tokens, std::numeric_limits<int32_t>::max());
 
   const int32_t* tok = tokens.ptr<int32_t>();

@@ -1,5 +1,7 @@
 // Token + position embedding, forward and backward. wpe may be undefined (RoPE models have no
-// learned positions): the forward is then a plain gather of wte rows and dwpe is skipped. The
+// learned positions): the forward is then a plain gather of wte rows and dwpe is skipped. wte
+// may hold a slice of the table's rows (tensor parallelism's vocabulary-parallel embedding):
+// the forward gives a token outside it a zero row. The
 // output and its gradient are the residual stream, f32 or bf16 (template R; the sum of the two
 // bf16 embeddings is taken in f32 and rounded once).
 // Design choice (backward): the scatter-add into dwte is made deterministic WITHOUT float
@@ -23,16 +25,23 @@ using namespace cuda;
 namespace {
 
 // Each thread writes kVec consecutive channels (kVec = 8: 16-byte loads and stores).
-// kPositions: add wpe[t] (GPT-2); without, out is wte's row as it is.
+// kPositions: add wpe[t] (GPT-2); without, out is wte's row as it is. wte holds the table's
+// rows [first_row, first_row + rows); a token outside them reads as a zero row.
 template <int kVec, bool kPositions, class R>
-__global__ void encoder_forward_kernel(R* out, const int* tokens, const bf16* wte,
-                                       const bf16* wpe, int64_t BT, int T, int C) {
+__global__ void encoder_forward_kernel(R* out, const int* tokens, const bf16* wte, const bf16* wpe,
+                                       int64_t BT, int T, int C, int64_t first_row, int64_t rows) {
   const int64_t idx = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kVec;
   if (idx >= BT * C) return;
   const int64_t bt = idx / C;
   const int c = static_cast<int>(idx % C);
+  const int64_t row = tokens[bt] - first_row;
   float v[kVec];
-  load_vec<kVec>(v, wte + static_cast<int64_t>(tokens[bt]) * C + c);
+  if (row >= 0 && row < rows) {
+    load_vec<kVec>(v, wte + row * C + c);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
+  }
   if constexpr (kPositions) {
     float p[kVec];
     load_vec<kVec>(p, wpe + static_cast<int64_t>(bt % T) * C + c);
@@ -129,17 +138,17 @@ __global__ void encoder_dwte_crossing_kernel(float* dwte, const float* head, con
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 template <class R>
-void launch_encoder_forward(cudaStream_t stream, Tensor out, Tensor tokens, Tensor wte,
-                            Tensor wpe, int64_t BT, int T, int C) {
+void launch_encoder_forward(cudaStream_t stream, Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                            int64_t first_row, int64_t BT, int T, int C) {
   const int threads = 256;
   const bool has_wpe = wpe.defined();
   const bool vec8 = C % 8 == 0 && aligned(out.data, 16) && aligned(wte.data, 16) &&
                     (!has_wpe || aligned(wpe.data, 16));
   const int blocks = ceil_div(vec8 ? BT * C / 8 : BT * C, threads);
   const bf16* wpe_ptr = has_wpe ? wpe.ptr<bf16>() : nullptr;
-#define KILN_ENCODER_FWD(vec, positions)                                                   \
-  encoder_forward_kernel<vec, positions, R><<<blocks, threads, 0, stream>>>(               \
-      out.ptr<R>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C)
+#define KILN_ENCODER_FWD(vec, positions)                                     \
+  encoder_forward_kernel<vec, positions, R><<<blocks, threads, 0, stream>>>( \
+      out.ptr<R>(), tokens.ptr<int>(), wte.ptr<bf16>(), wpe_ptr, BT, T, C, first_row, wte.dim(0))
   if (vec8 && has_wpe)
     KILN_ENCODER_FWD(8, true);
   else if (vec8)
@@ -154,15 +163,16 @@ void launch_encoder_forward(cudaStream_t stream, Tensor out, Tensor tokens, Tens
 
 }  // namespace
 
-void CudaBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe) {
+void CudaBackend::run_encoder_forward(Tensor out, Tensor tokens, Tensor wte, Tensor wpe,
+                                      int64_t first_row) {
   const int B = static_cast<int>(tokens.dim(0)), T = static_cast<int>(tokens.dim(1));
   const int C = static_cast<int>(wte.dim(-1));
   const int64_t BT = static_cast<int64_t>(B) * T;
   if (BT == 0) return;
   if (out.dtype == DType::f32)
-    launch_encoder_forward<float>(stream_, out, tokens, wte, wpe, BT, T, C);
+    launch_encoder_forward<float>(stream_, out, tokens, wte, wpe, first_row, BT, T, C);
   else
-    launch_encoder_forward<bf16>(stream_, out, tokens, wte, wpe, BT, T, C);
+    launch_encoder_forward<bf16>(stream_, out, tokens, wte, wpe, first_row, BT, T, C);
 }
 
 void CudaBackend::run_encoder_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens,

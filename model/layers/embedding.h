@@ -20,7 +20,7 @@ struct Embedding {
       const int64_t C = positions.dim(1);
       positions = positions.slice(first * C, {positions.dim(0) - first, C});
     }
-    k.encoder_forward(out, tokens, param(w, wte), positions);
+    k.encoder_forward(out, tokens, param(w, wte), positions, /*first_row=*/0);
   }
   void backward(Backend& k, const Params& g, Tensor dout, Tensor tokens) const {
     k.encoder_backward(param(g, wte), param(g, wpe), dout, tokens, /*first_row=*/0);

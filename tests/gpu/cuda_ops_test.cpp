@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -124,8 +125,8 @@ TEST_P(CudaEncoder, ForwardBackward) {
   Buf gwte = act({Vp, C}, wte), gwpe = act({maxT, C}, wpe);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C, 0.0f));
   Buf gout = poisoned({B, T, C}, res());
-  cpu_->encoder_forward(cout_, ctok, cwte, cwpe);
-  gpu_->encoder_forward(gout, gtok, gwte, gwpe);
+  cpu_->encoder_forward(cout_, ctok, cwte, cwpe, 0);
+  gpu_->encoder_forward(gout, gtok, gwte, gwpe, 0);
   EXPECT_CLOSE(host(gout), host(cout_), res_tol(), "encoder out");
 
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C), dwpe0 = rand(maxT * C);
@@ -156,8 +157,8 @@ TEST_P(CudaEncoder, WithoutPositions) {
   Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
   Buf cwte = cpu({Vp, C}, wte), gwte = act({Vp, C}, wte);
   Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), gout = poisoned({B, T, C}, res());
-  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{});
-  gpu_->encoder_forward(gout, gtok, gwte, Tensor{});
+  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{}, 0);
+  gpu_->encoder_forward(gout, gtok, gwte, Tensor{}, 0);
   EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows must be exact";
   std::vector<float> dout = rand(B * T * C), dwte0 = rand(Vp * C);
   Buf cdout = cpu({B, T, C}, dout), gdout = stream({B, T, C}, dout);
@@ -184,6 +185,26 @@ TEST_P(CudaEncoder, BackwardIntoAWindowOfRows) {
   std::vector<float> want = dwte0, whole = host(cdwte);
   std::copy(whole.begin() + first * C, whole.begin() + (first + R) * C, want.begin() + first * C);
   EXPECT_CLOSE(host(gdwte), want, kF32Tol, "encoder dwte rows [5, 35) (+=), the rest untouched");
+}
+
+// Tensor parallelism's vocabulary-parallel embedding: wte holds rows [40, 70) of the table and
+// the tokens outside them read as zero rows, with wpe and without (then a gather of bf16 rows
+// and zeros: exact).
+TEST_P(CudaEncoder, ForwardFromASliceOfRows) {
+  const int B = 4, T = 64, C = width(), Vp = 96, maxT = 80, first = 40, R = 30;
+  std::vector<int32_t> tok = rand_ints(B * T, Vp);
+  std::vector<float> wte = rand(R * C), wpe = rand(maxT * C);
+  Buf ctok = ints(*cpu_, {B, T}, DType::i32, tok), gtok = ints(*gpu_, {B, T}, DType::i32, tok);
+  Buf cwte = cpu({R, C}, wte), cwpe = cpu({maxT, C}, wpe);
+  Buf gwte = act({R, C}, wte), gwpe = act({maxT, C}, wpe);
+  Buf cout_ = cpu({B, T, C}, std::vector<float>(B * T * C)), gout = poisoned({B, T, C}, res());
+  cpu_->encoder_forward(cout_, ctok, cwte, cwpe, first);
+  gpu_->encoder_forward(gout, gtok, gwte, gwpe, first);
+  EXPECT_CLOSE(host(gout), host(cout_), res_tol(), "encoder out, rows [40, 70)");
+  gout = poisoned({B, T, C}, res());
+  cpu_->encoder_forward(cout_, ctok, cwte, Tensor{}, first);
+  gpu_->encoder_forward(gout, gtok, gwte, Tensor{}, first);
+  EXPECT_EQ(host(gout), host(cout_)) << "a gather of bf16 rows and zeros must be exact";
 }
 
 // 256: 16-byte loads; 100: the scalar path.
@@ -1000,6 +1021,82 @@ INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCE,
                                            std::make_pair(250, 259), std::make_pair(50257, 50304),
                                            std::make_pair(32000, 32000),
                                            std::make_pair(30001, 32768)));
+
+// Tensor parallelism's vocabulary-parallel loss: the padded vocabulary split evenly over P
+// ranks; each slice's stats on both backends (max and target logit exact: both pick one of the
+// same bf16 values), gathered in rank order, then each slice's combine: losses and the slice's
+// dlogits in place, padded columns exactly 0.
+using VocabSplit = std::tuple<int, int, int>;  // V, Vp, P
+
+class CudaSoftmaxCEVocabParallel : public CudaOps,
+                                   public ::testing::WithParamInterface<VocabSplit> {};
+
+TEST_P(CudaSoftmaxCEVocabParallel, StatsThenCombineMatchCpu) {
+  const auto [V, Vp, P] = GetParam();
+  const int N = 48, Vl = Vp / P;
+  std::vector<float> logits = rand(static_cast<int64_t>(N) * Vp, 4.0f);
+  std::vector<int32_t> tgt = rand_ints(N, V);
+  tgt[0] = 0;
+  tgt[1] = V - 1;
+  const float scale = 1.0f / N;
+  Buf ctgt = ints(*cpu_, {N}, DType::i32, tgt), gtgt = ints(*gpu_, {N}, DType::i32, tgt);
+  Buf cstats = cpu({P, N, 3}, std::vector<float>(static_cast<size_t>(P) * N * 3));
+  Buf gstats = poisoned({P, N, 3}, DType::f32);
+  std::vector<std::vector<float>> slices;
+  std::vector<Buf> clog, glog;
+  for (int p = 0; p < P; ++p) {
+    std::vector<float> slice(static_cast<size_t>(N) * Vl);
+    for (int n = 0; n < N; ++n)
+      std::copy_n(logits.begin() + static_cast<int64_t>(n) * Vp + p * Vl, Vl,
+                  slice.begin() + static_cast<int64_t>(n) * Vl);
+    clog.push_back(cpu({N, Vl}, slice));
+    glog.push_back(act({N, Vl}, slice));
+    slices.push_back(std::move(slice));
+    const int64_t at = static_cast<int64_t>(p) * N * 3;
+    cpu_->softmax_cross_entropy_stats(cstats.t.slice(at, {N, 3}), clog[p], ctgt,
+                                      static_cast<int64_t>(p) * Vl, V);
+    gpu_->softmax_cross_entropy_stats(gstats.t.slice(at, {N, 3}), glog[p], gtgt,
+                                      static_cast<int64_t>(p) * Vl, V);
+  }
+  EXPECT_EQ(host(glog[0]), slices[0]) << "stats wrote to the logits";
+  const std::vector<float> cs = host(cstats), gs = host(gstats);
+  std::vector<float> csum, gsum;
+  for (size_t r = 0; r < cs.size() / 3; ++r) {
+    ASSERT_EQ(gs[r * 3 + kCeMax], cs[r * 3 + kCeMax])
+        << "max of rank " << r / N << " row " << r % N;
+    ASSERT_EQ(gs[r * 3 + kCeTarget], cs[r * 3 + kCeTarget]) << "target logit, row " << r;
+    csum.push_back(cs[r * 3 + kCeSumExp]);
+    gsum.push_back(gs[r * 3 + kCeSumExp]);
+  }
+  EXPECT_CLOSE(gsum, csum, kF32Tol, "sums of exp");
+
+  for (int p = 0; p < P; ++p) {
+    const int64_t first = static_cast<int64_t>(p) * Vl;
+    Buf closs = cpu({N}, std::vector<float>(N)), gloss = poisoned({N}, DType::f32);
+    cpu_->softmax_cross_entropy_combine(closs, clog[p], cstats, ctgt, first, V, scale, false);
+    gpu_->softmax_cross_entropy_combine(gloss, glog[p], gstats, gtgt, first, V, scale, false);
+    EXPECT_EQ(host(glog[p]), slices[p]) << "logits changed without write_dlogits, rank " << p;
+    EXPECT_CLOSE(host(gloss), host(closs), kF32Tol, "losses, no dlogits");
+    gloss = poisoned({N}, DType::f32);
+    cpu_->softmax_cross_entropy_combine(closs, clog[p], cstats, ctgt, first, V, scale, true);
+    gpu_->softmax_cross_entropy_combine(gloss, glog[p], gstats, gtgt, first, V, scale, true);
+    EXPECT_CLOSE(host(gloss), host(closs), kF32Tol, "losses");
+    const std::vector<float> d = host(glog[p]), cd = host(clog[p]);
+    if (first < V) {
+      EXPECT_CLOSE(d, cd, kBf16Tol, "dlogits of rank " + std::to_string(p) + " (in place)");
+    }
+    for (int n = 0; n < N; ++n)
+      for (int64_t c = std::max<int64_t>(V - first, 0); c < Vl; ++c)
+        ASSERT_EQ(d[static_cast<size_t>(n) * Vl + c], 0.0f) << "padded column " << first + c;
+  }
+}
+
+// 1024/4: 16-byte loads, the last slice part padding; 700 of 1024 over 4: the last wholly
+// padding; 261/3 = 87 columns: the scalar path; GPT-2's and LLaMA's vocabularies.
+INSTANTIATE_TEST_SUITE_P(Vocab, CudaSoftmaxCEVocabParallel,
+                         ::testing::Values(VocabSplit{1000, 1024, 4}, VocabSplit{700, 1024, 4},
+                                           VocabSplit{250, 261, 3}, VocabSplit{50257, 50304, 2},
+                                           VocabSplit{32000, 32000, 8}));
 
 // ---- reductions and optimizer -------------------------------------------------------------
 
