@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "kernels/error.h"
+#include "kernels/input_file.h"
 
 namespace kiln {
 
@@ -346,19 +347,16 @@ void prune_checkpoints(const std::string& root, int keep) {
 std::vector<float> read_floats(const std::string& dir, const YAML::Node& node, const char* what) {
   const std::string file = dir + "/" + node["file"].as<std::string>();
   const uint64_t floats = node["floats"].as<uint64_t>();
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(file, ec);
-  if (ec || size != floats * sizeof(float) || floats > (uint64_t{1} << 40))
+  InputFile in(file, what);
+  if (static_cast<uint64_t>(in.size()) != floats * sizeof(float) || floats > (uint64_t{1} << 40))
     throw InputError(file + ": missing, truncated or too long (" + what + " of " +
                      std::to_string(floats) + " floats)");
   std::vector<float> values(static_cast<size_t>(floats));
-  std::ifstream in(file, std::ios::binary);
-  const auto bytes = static_cast<std::streamsize>(values.size() * sizeof(float));
-  if (!in.read(reinterpret_cast<char*>(values.data()), bytes) ||
-      in.peek() != std::char_traits<char>::eof())
+  const size_t bytes = values.size() * sizeof(float);
+  if (!in.read(values.data(), bytes))
     throw InputError(file + ": missing, truncated or too long (" + what + " of " +
                      std::to_string(values.size()) + " floats)");
-  if (fnv1a(kFnvSeed, values.data(), static_cast<size_t>(bytes)) != node["checksum"].as<uint64_t>())
+  if (fnv1a(kFnvSeed, values.data(), bytes) != node["checksum"].as<uint64_t>())
     throw InputError(file + ": checksum mismatch (corrupt " + what + ")");
   return values;
 }
@@ -508,10 +506,12 @@ std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {
 CheckpointManifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/manifest.yaml";
   if (!fs::exists(path)) throw InputError(path + ": no checkpoint manifest here");
+  // Read here rather than by YAML::LoadFile, which hangs on a FIFO and names no file.
+  const std::string text = InputFile(path, "checkpoint manifest").read_all();
   CheckpointManifest m;
   m.dir = dir;
   try {
-    YAML::Node n = YAML::LoadFile(path);
+    YAML::Node n = YAML::Load(text);
     if (n["format"].as<std::string>() != "kiln-checkpoint")
       throw InputError(path + ": not a kiln checkpoint manifest");
     m.version = n["version"].as<uint32_t>();
@@ -577,19 +577,18 @@ namespace {
 void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int64_t begin,
                 int64_t end, float* master, float* m, float* v) {
   const std::string path = manifest.dir + "/" + f.file;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open checkpoint shard");
+  InputFile in(path, "checkpoint shard");
   const int64_t lo = std::max(begin, f.begin), hi = std::min(end, f.end), n = f.end - f.begin;
   ShardHeader h{};
   ShardChecksum checksum(manifest.version);
-  in.read(reinterpret_cast<char*>(&h), sizeof h);
+  if (!in.read(&h, sizeof h)) throw InputError(path + ": truncated checkpoint shard");
   checksum.update(&h, sizeof h);
   constexpr int64_t kBlock = int64_t{1} << 20;  // floats: 4 MiB
   std::vector<float> buf(static_cast<size_t>(std::min(n, kBlock)));
   for (float* dst : {master, m, v})
     for (int64_t at = 0; at < n; at += kBlock) {
       const int64_t k = std::min(kBlock, n - at);
-      if (!in.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(k * 4)))
+      if (!in.read(buf.data(), static_cast<size_t>(k) * 4))
         throw InputError(path + ": truncated checkpoint shard");
       checksum.update(buf.data(), static_cast<size_t>(k) * 4);
       const int64_t a = std::max(lo, f.begin + at), b = std::min(hi, f.begin + at + k);
@@ -598,8 +597,7 @@ void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int
                   dst + (a - begin));
     }
   uint64_t stored = 0;
-  in.read(reinterpret_cast<char*>(&stored), sizeof stored);
-  if (!in || stored != checksum.value() || stored != f.checksum)
+  if (!in.read(&stored, sizeof stored) || stored != checksum.value() || stored != f.checksum)
     throw InputError(path + ": checksum mismatch (corrupt or truncated checkpoint shard)");
 }
 
