@@ -129,6 +129,13 @@ std::string rank_marker(int rank, const char* suffix) {
   return buf;
 }
 
+std::string range_text(int64_t begin, int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+std::string file_range(const CheckpointFile& f) {
+  return f.file + " " + range_text(f.begin, f.end);
+}
+
 [[noreturn]] void fail_io(const std::string& what, const std::string& path) {
   throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
 }
@@ -548,9 +555,16 @@ CheckpointManifest read_manifest(const std::string& dir) {
       m.state.fp8.state = read_floats(dir, f, "FP8 state");
     }
     if (const YAML::Node f = n["moe_bias"]) m.state.moe_bias = read_floats(dir, f, "MoE bias");
-    for (const auto& f : n["files"])
+    for (const auto& f : n["files"]) {
       m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});
+      const CheckpointFile& file = m.files.back();
+      if (file.begin >= file.end)
+        throw InputError(path + ": file " + file_range(file) + " is empty");
+      if (file.begin < 0 || file.end > m.param_count)
+        throw InputError(path + ": file " + file_range(file) + " is out of the " +
+                         std::to_string(m.param_count) + " parameters");
+    }
     for (const auto& t : n["tensors"]) {
       ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false};
       if (!t["shape"].IsSequence() || t["shape"].size() > static_cast<size_t>(kMaxDims))
@@ -573,7 +587,9 @@ CheckpointManifest read_manifest(const std::string& dir) {
 namespace {
 
 // File f's part of [begin, end) into master, m and v (each skipped where null), streamed in
-// blocks so memory stays small whatever the file's size; its whole checksum verified.
+// blocks so memory stays small whatever the file's size; its whole checksum verified. The file
+// is what the manifest says it is: its header holds f's range, and after the header come the
+// three arrays and the checksum, nothing more.
 void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int64_t begin,
                 int64_t end, float* master, float* m, float* v) {
   const std::string path = manifest.dir + "/" + f.file;
@@ -581,7 +597,18 @@ void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int
   const int64_t lo = std::max(begin, f.begin), hi = std::min(end, f.end), n = f.end - f.begin;
   ShardHeader h{};
   ShardChecksum checksum(manifest.version);
-  if (!in.read(&h, sizeof h)) throw InputError(path + ": truncated checkpoint shard");
+  if (!in.read(&h, sizeof h) || std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
+    throw InputError(path + ": not a kiln checkpoint shard (no " +
+                     std::string(kShardMagic, sizeof kShardMagic) + " header)");
+  if (h.begin != f.begin || h.end != f.end)
+    throw InputError(path + ": holds " + range_text(h.begin, h.end) +
+                     " by its header; the manifest says " + range_text(f.begin, f.end));
+  // Unsigned: a size computed from a range no file has wraps rather than overflows.
+  const uint64_t bytes = sizeof h + 3 * static_cast<uint64_t>(n) * sizeof(float) + sizeof(uint64_t);
+  if (static_cast<uint64_t>(in.size()) != bytes)
+    throw InputError(path + ": " + std::to_string(in.size()) + " bytes, but its " +
+                     std::to_string(n) + " parameters take " + std::to_string(bytes) +
+                     " (a header, master weights, m, v and a checksum)");
   checksum.update(&h, sizeof h);
   constexpr int64_t kBlock = int64_t{1} << 20;  // floats: 4 MiB
   std::vector<float> buf(static_cast<size_t>(std::min(n, kBlock)));
@@ -619,17 +646,25 @@ void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout&
                        b.name + b.shape.str());
   }
   // The files that overlap [begin, end), read on threads of their own (each file's whole
-  // checksum is verified, so every byte of it is read and hashed).
+  // checksum is verified, so every byte of it is read and hashed). In order they tile it, no
+  // gap and no overlap: a sum of their lengths passed a range shifted into its neighbour's.
   std::vector<const CheckpointFile*> files;
-  int64_t covered = 0;
   for (const auto& f : manifest.files)
-    if (std::max(begin, f.begin) < std::min(end, f.end)) {
-      files.push_back(&f);
-      covered += std::min(end, f.end) - std::max(begin, f.begin);
-    }
-  if (covered != end - begin)
-    throw InputError(where + ": files cover " + std::to_string(covered) + " of the " +
-                     std::to_string(end - begin) + " parameters requested");
+    if (std::max(begin, f.begin) < std::min(end, f.end)) files.push_back(&f);
+  std::stable_sort(
+      files.begin(), files.end(),
+      [](const CheckpointFile* a, const CheckpointFile* b) { return a->begin < b->begin; });
+  int64_t at = begin;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const CheckpointFile& f = *files[i];
+    if (i > 0 && f.begin < files[i - 1]->end)
+      throw InputError(where + ": files " + file_range(*files[i - 1]) + " and " + file_range(f) +
+                       " overlap");
+    if (f.begin > at)
+      throw InputError(where + ": no file holds parameters " + range_text(at, f.begin));
+    at = f.end;
+  }
+  if (at < end) throw InputError(where + ": no file holds parameters " + range_text(at, end));
   std::vector<std::string> errors(files.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
