@@ -376,5 +376,21 @@ TEST(Checkpoint, AShardWithTrailingBytesIsRefused) {
       << msg;
 }
 
+// A second Ctrl-C mid-save leaves step_N.tmp behind, which no later save of another step would
+// clear: the next save removes every step_*.tmp, and never a published checkpoint.
+TEST(Checkpoint, TheNextSaveRemovesEveryLeftoverTmpDirectory) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_leftover_");
+  const std::string published = one_rank_checkpoint(out, 10, 2);
+  for (const char* left : {"step_00000003.tmp", "step_00000009.tmp"}) {
+    fs::create_directories(out + "/checkpoints/" + left);
+    write_bytes(out + "/checkpoints/" + left + "/rank_00000_000.bin", "partial");
+  }
+  begin_checkpoint(out, 4);
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000003.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000009.tmp"));
+  EXPECT_TRUE(fs::is_empty(out + "/checkpoints/step_00000004.tmp"));
+  EXPECT_TRUE(fs::exists(published + "/manifest.yaml"));
+}
+
 }  // namespace
 }  // namespace kiln

@@ -385,10 +385,19 @@ CheckpointManifest checkpoint_manifest(const TrainingState& state, const ParamLa
 
 void begin_checkpoint(const std::string& out_dir, int step) {
   const std::string root = out_dir + "/checkpoints";
-  const std::string tmp_dir = root + "/" + step_name(step) + ".tmp";
   fs::create_directories(root);
-  fs::remove_all(tmp_dir);  // left by a crash mid-write, with its markers
-  fs::create_directory(tmp_dir);
+  // Every step_N.tmp a crash or a second Ctrl-C left mid-write, markers and all: this step's,
+  // and any other step's, which no resume reads and no prune would remove. A published
+  // checkpoint's name has no '.'.
+  std::vector<fs::path> left;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.size() > 9 &&
+        name.compare(name.size() - 4, 4, ".tmp") == 0)
+      left.push_back(e.path());
+  }
+  for (const fs::path& p : left) fs::remove_all(p);
+  fs::create_directory(root + "/" + step_name(step) + ".tmp");
 }
 
 void write_rank_files(const std::string& out_dir, int step, int rank,
