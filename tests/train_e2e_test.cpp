@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -581,6 +582,27 @@ TEST_F(TrainE2E, AResumeThatCannotWriteLosesNothing) {
   // With room again, the resume goes on from step 2 as if nothing had happened.
   ASSERT_EQ(run(train_cmd(out, args)).status, 0);
   EXPECT_EQ(read_losses(out).size(), 4u);
+}
+
+// Every file of `dir` and below with its bytes: what a refused command must leave as it was.
+std::map<std::string, std::string> tree_of(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    files[e.path().string()] = e.is_regular_file() ? kiln::testing::read_file(e.path()) : "";
+  return files;
+}
+
+// A resume refused by the checkpoint (a model of another width) writes nothing: config.yaml still
+// says what the checkpoint was trained with, not what the refused command asked for.
+TEST_F(TrainE2E, ARefusedResumeLeavesTheRunDirectoryAsItWas) {
+  const std::string out = (dir_ / "run_refused").string();
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=2")).status, 0);
+  const auto before = tree_of(out);
+  const Result r = run(train_cmd(out, "--train.max_steps=4 --model.n_embd=128"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("checkpoint has"), std::string::npos) << r.output;
+  EXPECT_TRUE(tree_of(out) == before) << "the run directory changed:\n" << r.output;
+  EXPECT_NE(kiln::testing::read_file(out + "/config.yaml").find("n_embd: 64"), std::string::npos);
 }
 
 // A checkpoint's manifest or shard that is a FIFO or a directory is refused, naming it, by
