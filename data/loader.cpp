@@ -87,19 +87,20 @@ DataLoader::DataLoader(const std::vector<LoaderSource>& sources, int batch_size,
     throw InputError(fmt::format("data loader '{}': rank {} is not in a world of size {}", glob_,
                                  rank, world_size));
   }
-  double weights = 0;
+  std::vector<double> weights;
   for (const LoaderSource& s : sources) {
     if (!(s.weight > 0) || !std::isfinite(s.weight))
       throw InputError(
           fmt::format("data source '{}': weight must be > 0, got {}", s.name, s.weight));
-    weights += s.weight;
+    weights.push_back(s.weight);
   }
+  const std::vector<double> shares = mixture_shares(weights);
   for (size_t i = 0; i < sources.size(); ++i) {
     Source& src = sources_.emplace_back();
     src.name = sources[i].name;
     src.glob = sources[i].glob;
     src.weight = sources[i].weight;
-    src.share = sources[i].weight / weights;
+    src.share = shares[i];
     src.seed = seed + i;
     try {
       open_source(src, vocab_size);
@@ -150,6 +151,15 @@ void DataLoader::open_source(Source& src, int vocab_size) {
     src.total_windows += windows;
     src.shards.push_back(std::move(shard));
   }
+}
+
+std::vector<double> mixture_shares(const std::vector<double>& weights) {
+  const double largest = weights.empty() ? 1 : *std::max_element(weights.begin(), weights.end());
+  double sum = 0;  // at most weights.size()
+  for (const double w : weights) sum += w / largest;
+  std::vector<double> shares;
+  for (const double w : weights) shares.push_back(w / largest / sum);
+  return shares;
 }
 
 DataLoader::~DataLoader() {

@@ -36,6 +36,11 @@ struct LoaderSource {
   double weight = 1.0;
 };
 
+// Each weight's share of their sum (each finite and > 0): a mixture's shares of the windows,
+// and of the validation loss's mean. Taken over the largest weight first, so weights near the
+// largest double (1.6e308 and 8e307) keep their ratio instead of an overflowed sum's 0 each.
+std::vector<double> mixture_shares(const std::vector<double>& weights);
+
 class DataLoader {
  public:
   // Row b of inputs/targets (T ids each) is window b of this rank; targets = inputs shifted by 1.
@@ -95,7 +100,7 @@ class DataLoader {
   // One glob's shards and its epoch orders.
   struct Source {
     std::string name, glob;
-    double weight = 1.0, share = 1.0;  // share: weight / the sum of the weights
+    double weight = 1.0, share = 1.0;  // share: mixture_shares' of the weights
     uint64_t seed = 0;
     std::vector<TokenShard> shards;
     std::vector<int64_t> shard_windows;

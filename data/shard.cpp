@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "kernels/error.h"
+#include "kernels/input_file.h"
 
 namespace kiln {
 namespace {
@@ -65,16 +66,11 @@ void check_token_ids(const TokenShard& shard, const Token* tokens, int vocab_siz
 TokenShard TokenShard::open(const std::string& path, int vocab_size) {
   TokenShard shard;
   shard.path_ = path;
-  // O_NONBLOCK: a FIFO must not hang the open; the fstat below refuses anything but a file.
-  Fd file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
-  if (file.fd < 0) fail_errno(path, "cannot open shard");
-  struct stat st {};
-  if (::fstat(file.fd, &st) != 0) fail_errno(path, "cannot stat shard");
-  if (!S_ISREG(st.st_mode)) throw InputError(fmt::format("{}: not a regular file", path));
-  const int64_t file_bytes = st.st_size;
+  const InputFile file(path, "shard");  // a FIFO, a directory: refused, not a hang
+  const int64_t file_bytes = file.size();
   if (file_bytes == 0) throw InputError(fmt::format("{}: shard is empty (0 bytes)", path));
 
-  void* map = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_SHARED, file.fd, 0);
+  void* map = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_SHARED, file.fd(), 0);
   if (map == MAP_FAILED) fail_errno(path, "mmap failed");
   shard.map_ = map;
   shard.map_bytes_ = static_cast<size_t>(file_bytes);

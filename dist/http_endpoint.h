@@ -1,9 +1,12 @@
 // A minimal HTTP server for one read-only path (the Prometheus /metrics endpoint): one thread of
-// its own that accepts a connection at a time, answers GET `path` with the body `render` returns
-// at that moment, and closes the connection. Scrapes come seconds apart, so nothing more is
-// needed. It is hand-written rather than civetweb (prometheus-cpp's pull library) because
-// civetweb starts its threads with a ~100 KiB stack, which glibc refuses (EINVAL) in a process
-// whose libraries need more static TLS than that: cuBLASLt alone takes 92 KiB.
+// its own that answers GET `path` with the body `render` returns at that moment, and closes the
+// connection. The thread polls every open connection at once, each with its own deadline (2 s
+// from its accept to the end of its request head, then 2 s to take the response), so a client
+// that stalls or trickles its request a byte at a time neither holds the endpoint nor delays a
+// scrape; past 64 open connections the oldest is dropped for the new one. It is hand-written
+// rather than civetweb (prometheus-cpp's pull library) because civetweb starts its threads with
+// a ~100 KiB stack, which glibc refuses (EINVAL) in a process whose libraries need more static
+// TLS than that: cuBLASLt alone takes 92 KiB.
 #pragma once
 
 #include <atomic>
@@ -26,8 +29,12 @@ class HttpEndpoint {
   int port() const { return port_; }
 
  private:
+  struct Connection;  // one open connection (http_endpoint.cpp)
   void serve();
-  void answer(int fd);
+  // Reads more of c's request head (answering it once whole) or sends more of its response.
+  void serve_ready(Connection& c);
+  // The response to a request head; empty where there is nothing to answer.
+  std::string answer(const std::string& head);
 
   std::string path_, content_type_;
   std::function<std::string()> render_;

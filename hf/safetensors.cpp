@@ -17,6 +17,7 @@
 
 #include "kernels/bf16.h"
 #include "kernels/error.h"
+#include "kernels/input_file.h"
 
 namespace kiln {
 
@@ -157,16 +158,11 @@ float f16_to_f32(uint16_t h) {
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
-  // O_NONBLOCK: a FIFO must not hang the open; the fstat below refuses anything but a file.
-  Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
-  if (fd.fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd.fd, &st) != 0) fail(path, std::string("cannot stat: ") + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
-  const auto file_bytes = static_cast<uint64_t>(st.st_size);
+  const InputFile in(path, "safetensors file");  // a FIFO, a directory: refused, not a hang
+  const auto file_bytes = static_cast<uint64_t>(in.size());
   if (file_bytes < 8)
     fail(path, "too short for a safetensors file (" + std::to_string(file_bytes) + " bytes)");
-  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd.fd, 0);
+  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, in.fd(), 0);
   if (map == MAP_FAILED) fail(path, std::string("mmap failed: ") + std::strerror(errno));
   file.map_ = map;
   file.map_bytes_ = file_bytes;

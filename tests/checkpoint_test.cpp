@@ -310,5 +310,87 @@ TEST(Checkpoint, AManifestOutOfRangeIsRefusedNamingTheField) {
       "missing, truncated or too long (MoE bias of 2000000000 floats)");
 }
 
+
+// The manifest's file ranges are what the files hold: each agrees with its file's header, and
+// together they tile the range a load needs, no gap, no overlap. A sum of the lengths let two
+// wrong ranges pass: rank 1's file listed at [4, 9) covers 5 of [0, 10) as [5, 10) does, and
+// loaded its weights one element early.
+TEST(Checkpoint, ManifestRangesMustBeTheFilesOwnAndTileTheLoad) {
+  TwoRanks w;
+  begin_checkpoint(w.out, 3);
+  write_rank_files(w.out, 3, 0, w.shards(0));
+  write_rank_files(w.out, 3, 1, w.shards(1));
+  const std::string dir = publish_checkpoint(w.out, w.manifest(3, 2), 5, 30.0);
+  const YAML::Node good = YAML::LoadFile(dir + "/manifest.yaml");
+  std::vector<float> master(10), m(10), v(10);
+  const auto refused = [&](const std::function<void(YAML::Node&)>& edit, const std::string& what) {
+    YAML::Node bad = YAML::Clone(good);
+    edit(bad);
+    YAML::Emitter e;
+    e << bad;
+    write_bytes(dir + "/manifest.yaml", e.c_str());
+    const std::string msg = kiln::testing::input_error([&] {
+      load_optimizer_range(read_manifest(dir), w.layout, 0, 10, master.data(), m.data(), v.data());
+    });
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  };
+  refused(
+      [](YAML::Node& n) {
+        n["files"][1]["begin"] = 4;
+        n["files"][1]["end"] = 9;
+      },
+      "files rank_00000_000.bin [0, 5) and rank_00001_000.bin [4, 9) overlap");
+  // Both entries name rank 0's file: each agrees with its header, and together they cover 10.
+  refused([&](YAML::Node& n) { n["files"][1] = YAML::Clone(good["files"][0]); },
+          "files rank_00000_000.bin [0, 5) and rank_00000_000.bin [0, 5) overlap");
+  // The ranges swapped: they tile [0, 10), but neither is what its file holds.
+  refused(
+      [](YAML::Node& n) {
+        n["files"][0]["begin"] = 5;
+        n["files"][0]["end"] = 10;
+        n["files"][1]["begin"] = 0;
+        n["files"][1]["end"] = 5;
+      },
+      dir + "/rank_00001_000.bin: holds [5, 10) by its header; the manifest says [0, 5)");
+  refused([](YAML::Node& n) { n["files"][1]["end"] = 11; },
+          "file rank_00001_000.bin [5, 11) is out of the 10 parameters");
+  refused([](YAML::Node& n) { n["files"][0]["end"] = 4; }, "no file holds parameters [4, 5)");
+  refused([](YAML::Node& n) { n["files"].remove(1); }, "no file holds parameters [5, 10)");
+  // The good manifest back: it loads.
+  write_bytes(dir + "/manifest.yaml", YAML::Dump(good));
+  load_optimizer_range(read_manifest(dir), w.layout, 0, 10, master.data(), m.data(), v.data());
+  EXPECT_EQ(master, w.master);
+}
+
+// A shard file holds its header, three arrays and the checksum, and nothing after them.
+TEST(Checkpoint, AShardWithTrailingBytesIsRefused) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_trailing_");
+  const std::string dir = one_rank_checkpoint(out, 100, 2);
+  const CheckpointManifest manifest = read_manifest(dir);
+  const std::string file = dir + "/" + manifest.files[0].file;
+  write_bytes(file, read_bytes(file) + std::string(4, '\0'));
+  std::vector<float> all(100);
+  const std::string msg = kiln::testing::input_error(
+      [&] { load_optimizer_range(manifest, one_tensor(100), 0, 100, all.data(), nullptr, nullptr); });
+  EXPECT_NE(msg.find(file + ": 1244 bytes, but its 100 parameters take 1240"), std::string::npos)
+      << msg;
+}
+
+// A second Ctrl-C mid-save leaves step_N.tmp behind, which no later save of another step would
+// clear: the next save removes every step_*.tmp, and never a published checkpoint.
+TEST(Checkpoint, TheNextSaveRemovesEveryLeftoverTmpDirectory) {
+  const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_leftover_");
+  const std::string published = one_rank_checkpoint(out, 10, 2);
+  for (const char* left : {"step_00000003.tmp", "step_00000009.tmp"}) {
+    fs::create_directories(out + "/checkpoints/" + left);
+    write_bytes(out + "/checkpoints/" + left + "/rank_00000_000.bin", "partial");
+  }
+  begin_checkpoint(out, 4);
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000003.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step_00000009.tmp"));
+  EXPECT_TRUE(fs::is_empty(out + "/checkpoints/step_00000004.tmp"));
+  EXPECT_TRUE(fs::exists(published + "/manifest.yaml"));
+}
+
 }  // namespace
 }  // namespace kiln

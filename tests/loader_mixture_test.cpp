@@ -170,5 +170,19 @@ TEST(LoaderMixture, APositionOfOtherDataIsRefused) {
   EXPECT_NE(msg.find("source 'gone'"), std::string::npos) << msg;
 }
 
+// Weights whose sum overflows a double (1.6e308 + 8e307) keep their 2:1 shares: their sum taken
+// as it came was inf, each share 0 ("0.00% of the windows"), and the windows were dealt alike.
+TEST(LoaderMixture, WeightsNearTheLargestDoubleKeepTheirShares) {
+  DataLoader loader(two_sources(1.6e308, 8e307), 12, kT, 0, 1, kVocab, false, 0, false);
+  const DataLoader::Batch& b = loader.next();
+  int counts[2] = {0, 0};
+  for (int row = 0; row < 12; ++row) ++counts[source_of(b.inputs[static_cast<size_t>(row) * kT])];
+  EXPECT_EQ(counts[0], 8);
+  EXPECT_EQ(counts[1], 4);
+  const std::vector<double> shares = mixture_shares({1.6e308, 8e307});  // the val loss's too
+  EXPECT_NEAR(shares[0], 2.0 / 3, 1e-15);
+  EXPECT_NEAR(shares[1], 1.0 / 3, 1e-15);
+}
+
 }  // namespace
 }  // namespace kiln

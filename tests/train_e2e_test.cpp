@@ -4,6 +4,7 @@
 // exits with status 2 and a one-line error.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -580,6 +582,59 @@ TEST_F(TrainE2E, AResumeThatCannotWriteLosesNothing) {
   // With room again, the resume goes on from step 2 as if nothing had happened.
   ASSERT_EQ(run(train_cmd(out, args)).status, 0);
   EXPECT_EQ(read_losses(out).size(), 4u);
+}
+
+// Every file of `dir` and below with its bytes: what a refused command must leave as it was.
+std::map<std::string, std::string> tree_of(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    files[e.path().string()] = e.is_regular_file() ? kiln::testing::read_file(e.path()) : "";
+  return files;
+}
+
+// A resume refused by the checkpoint (a model of another width) writes nothing: config.yaml still
+// says what the checkpoint was trained with, not what the refused command asked for.
+TEST_F(TrainE2E, ARefusedResumeLeavesTheRunDirectoryAsItWas) {
+  const std::string out = (dir_ / "run_refused").string();
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=2")).status, 0);
+  const auto before = tree_of(out);
+  const Result r = run(train_cmd(out, "--train.max_steps=4 --model.n_embd=128"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("checkpoint has"), std::string::npos) << r.output;
+  EXPECT_TRUE(tree_of(out) == before) << "the run directory changed:\n" << r.output;
+  EXPECT_NE(kiln::testing::read_file(out + "/config.yaml").find("n_embd: 64"), std::string::npos);
+}
+
+// A checkpoint's manifest or shard that is a FIFO or a directory is refused, naming it, by
+// `train` resuming and by `eval` reading it: never a hang on a FIFO no one writes, nor a stream
+// error that names no file. `timeout` turns a hang into a failure of this test.
+TEST_F(TrainE2E, ACheckpointFileThatIsNotAFileIsRefusedNotAHang) {
+  const std::string out = (dir_ / "run_not_a_file").string();
+  ASSERT_EQ(run(train_cmd(out, "--train.max_steps=2")).status, 0);
+  const std::string ckpt = out + "/checkpoints/step_00000002";
+  for (const char* name : {"manifest.yaml", "rank_00000_000.bin"}) {
+    const std::string path = ckpt + "/" + name;
+    fs::rename(path, path + ".good");
+    for (const bool fifo : {true, false}) {
+      if (fifo) {
+        ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+      } else {
+        fs::create_directory(path);
+      }
+      for (const std::string& cmd :
+           {train_cmd(out, "--train.max_steps=4"), kBin + "/eval " + ckpt + " --device cpu"}) {
+        const Result r = run("timeout 30 " + cmd);
+        const char* kind = fifo ? "a FIFO" : "a directory";
+        EXPECT_EQ(r.status, 2) << name << " " << kind << ": " << cmd << "\n" << r.output;
+        EXPECT_NE(r.output.find(path + ": not a regular file"), std::string::npos)
+            << name << " " << kind << ": " << cmd << "\n"
+            << r.output;
+      }
+      fs::remove(path);
+    }
+    fs::rename(path + ".good", path);
+  }
+  EXPECT_EQ(run(train_cmd(out, "--train.max_steps=4")).status, 0);
 }
 
 // The steps whose metrics.jsonl line carries a field `key`.

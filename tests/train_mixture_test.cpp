@@ -148,4 +148,21 @@ TEST_F(TrainMixture, BadMixturesExitWithStatus2AndOneLine) {
       << r.output;
 }
 
+// A resume the checkpoint refuses (a source renamed, or the mixture resumed as one glob) leaves
+// config.yaml as the checkpoint's run wrote it.
+TEST_F(TrainMixture, ARefusedResumeLeavesConfigYamlAsItWas) {
+  const std::string out = (dir_ / "refused").string();
+  Result r = run(train_cmd(out, sources(0.7, 0.3) + " --train.max_steps=2"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string config = kiln::testing::read_file(out + "/config.yaml");
+  std::string renamed = sources(0.7, 0.3);
+  renamed.replace(renamed.find("name: code"), 10, "name: books");
+  const std::string w = (dir_ / "web").string();
+  for (const std::string& args : {renamed, "--data.train='" + w + "/train_*.bin'"}) {
+    r = run(train_cmd(out, args + " --train.max_steps=4"));
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_EQ(kiln::testing::read_file(out + "/config.yaml"), config) << args << "\n" << r.output;
+  }
+}
+
 }  // namespace

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "kernels/error.h"
+#include "kernels/input_file.h"
 
 namespace kiln {
 
@@ -126,6 +127,13 @@ std::string rank_marker(int rank, const char* suffix) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "rank_%05d.%s", rank, suffix);
   return buf;
+}
+
+std::string range_text(int64_t begin, int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+std::string file_range(const CheckpointFile& f) {
+  return f.file + " " + range_text(f.begin, f.end);
 }
 
 [[noreturn]] void fail_io(const std::string& what, const std::string& path) {
@@ -346,19 +354,16 @@ void prune_checkpoints(const std::string& root, int keep) {
 std::vector<float> read_floats(const std::string& dir, const YAML::Node& node, const char* what) {
   const std::string file = dir + "/" + node["file"].as<std::string>();
   const uint64_t floats = node["floats"].as<uint64_t>();
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(file, ec);
-  if (ec || size != floats * sizeof(float) || floats > (uint64_t{1} << 40))
+  InputFile in(file, what);
+  if (static_cast<uint64_t>(in.size()) != floats * sizeof(float) || floats > (uint64_t{1} << 40))
     throw InputError(file + ": missing, truncated or too long (" + what + " of " +
                      std::to_string(floats) + " floats)");
   std::vector<float> values(static_cast<size_t>(floats));
-  std::ifstream in(file, std::ios::binary);
-  const auto bytes = static_cast<std::streamsize>(values.size() * sizeof(float));
-  if (!in.read(reinterpret_cast<char*>(values.data()), bytes) ||
-      in.peek() != std::char_traits<char>::eof())
+  const size_t bytes = values.size() * sizeof(float);
+  if (!in.read(values.data(), bytes))
     throw InputError(file + ": missing, truncated or too long (" + what + " of " +
                      std::to_string(values.size()) + " floats)");
-  if (fnv1a(kFnvSeed, values.data(), static_cast<size_t>(bytes)) != node["checksum"].as<uint64_t>())
+  if (fnv1a(kFnvSeed, values.data(), bytes) != node["checksum"].as<uint64_t>())
     throw InputError(file + ": checksum mismatch (corrupt " + what + ")");
   return values;
 }
@@ -380,10 +385,19 @@ CheckpointManifest checkpoint_manifest(const TrainingState& state, const ParamLa
 
 void begin_checkpoint(const std::string& out_dir, int step) {
   const std::string root = out_dir + "/checkpoints";
-  const std::string tmp_dir = root + "/" + step_name(step) + ".tmp";
   fs::create_directories(root);
-  fs::remove_all(tmp_dir);  // left by a crash mid-write, with its markers
-  fs::create_directory(tmp_dir);
+  // Every step_N.tmp a crash or a second Ctrl-C left mid-write, markers and all: this step's,
+  // and any other step's, which no resume reads and no prune would remove. A published
+  // checkpoint's name has no '.'.
+  std::vector<fs::path> left;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.size() > 9 &&
+        name.compare(name.size() - 4, 4, ".tmp") == 0)
+      left.push_back(e.path());
+  }
+  for (const fs::path& p : left) fs::remove_all(p);
+  fs::create_directory(root + "/" + step_name(step) + ".tmp");
 }
 
 void write_rank_files(const std::string& out_dir, int step, int rank,
@@ -508,10 +522,12 @@ std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {
 CheckpointManifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/manifest.yaml";
   if (!fs::exists(path)) throw InputError(path + ": no checkpoint manifest here");
+  // Read here rather than by YAML::LoadFile, which hangs on a FIFO and names no file.
+  const std::string text = InputFile(path, "checkpoint manifest").read_all();
   CheckpointManifest m;
   m.dir = dir;
   try {
-    YAML::Node n = YAML::LoadFile(path);
+    YAML::Node n = YAML::Load(text);
     if (n["format"].as<std::string>() != "kiln-checkpoint")
       throw InputError(path + ": not a kiln checkpoint manifest");
     m.version = n["version"].as<uint32_t>();
@@ -548,9 +564,16 @@ CheckpointManifest read_manifest(const std::string& dir) {
       m.state.fp8.state = read_floats(dir, f, "FP8 state");
     }
     if (const YAML::Node f = n["moe_bias"]) m.state.moe_bias = read_floats(dir, f, "MoE bias");
-    for (const auto& f : n["files"])
+    for (const auto& f : n["files"]) {
       m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});
+      const CheckpointFile& file = m.files.back();
+      if (file.begin >= file.end)
+        throw InputError(path + ": file " + file_range(file) + " is empty");
+      if (file.begin < 0 || file.end > m.param_count)
+        throw InputError(path + ": file " + file_range(file) + " is out of the " +
+                         std::to_string(m.param_count) + " parameters");
+    }
     for (const auto& t : n["tensors"]) {
       ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false};
       if (!t["shape"].IsSequence() || t["shape"].size() > static_cast<size_t>(kMaxDims))
@@ -573,23 +596,35 @@ CheckpointManifest read_manifest(const std::string& dir) {
 namespace {
 
 // File f's part of [begin, end) into master, m and v (each skipped where null), streamed in
-// blocks so memory stays small whatever the file's size; its whole checksum verified.
+// blocks so memory stays small whatever the file's size; its whole checksum verified. The file
+// is what the manifest says it is: its header holds f's range, and after the header come the
+// three arrays and the checksum, nothing more.
 void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int64_t begin,
                 int64_t end, float* master, float* m, float* v) {
   const std::string path = manifest.dir + "/" + f.file;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open checkpoint shard");
+  InputFile in(path, "checkpoint shard");
   const int64_t lo = std::max(begin, f.begin), hi = std::min(end, f.end), n = f.end - f.begin;
   ShardHeader h{};
   ShardChecksum checksum(manifest.version);
-  in.read(reinterpret_cast<char*>(&h), sizeof h);
+  if (!in.read(&h, sizeof h) || std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
+    throw InputError(path + ": not a kiln checkpoint shard (no " +
+                     std::string(kShardMagic, sizeof kShardMagic) + " header)");
+  if (h.begin != f.begin || h.end != f.end)
+    throw InputError(path + ": holds " + range_text(h.begin, h.end) +
+                     " by its header; the manifest says " + range_text(f.begin, f.end));
+  // Unsigned: a size computed from a range no file has wraps rather than overflows.
+  const uint64_t bytes = sizeof h + 3 * static_cast<uint64_t>(n) * sizeof(float) + sizeof(uint64_t);
+  if (static_cast<uint64_t>(in.size()) != bytes)
+    throw InputError(path + ": " + std::to_string(in.size()) + " bytes, but its " +
+                     std::to_string(n) + " parameters take " + std::to_string(bytes) +
+                     " (a header, master weights, m, v and a checksum)");
   checksum.update(&h, sizeof h);
   constexpr int64_t kBlock = int64_t{1} << 20;  // floats: 4 MiB
   std::vector<float> buf(static_cast<size_t>(std::min(n, kBlock)));
   for (float* dst : {master, m, v})
     for (int64_t at = 0; at < n; at += kBlock) {
       const int64_t k = std::min(kBlock, n - at);
-      if (!in.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(k * 4)))
+      if (!in.read(buf.data(), static_cast<size_t>(k) * 4))
         throw InputError(path + ": truncated checkpoint shard");
       checksum.update(buf.data(), static_cast<size_t>(k) * 4);
       const int64_t a = std::max(lo, f.begin + at), b = std::min(hi, f.begin + at + k);
@@ -598,8 +633,7 @@ void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int
                   dst + (a - begin));
     }
   uint64_t stored = 0;
-  in.read(reinterpret_cast<char*>(&stored), sizeof stored);
-  if (!in || stored != checksum.value() || stored != f.checksum)
+  if (!in.read(&stored, sizeof stored) || stored != checksum.value() || stored != f.checksum)
     throw InputError(path + ": checksum mismatch (corrupt or truncated checkpoint shard)");
 }
 
@@ -621,17 +655,25 @@ void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout&
                        b.name + b.shape.str());
   }
   // The files that overlap [begin, end), read on threads of their own (each file's whole
-  // checksum is verified, so every byte of it is read and hashed).
+  // checksum is verified, so every byte of it is read and hashed). In order they tile it, no
+  // gap and no overlap: a sum of their lengths passed a range shifted into its neighbour's.
   std::vector<const CheckpointFile*> files;
-  int64_t covered = 0;
   for (const auto& f : manifest.files)
-    if (std::max(begin, f.begin) < std::min(end, f.end)) {
-      files.push_back(&f);
-      covered += std::min(end, f.end) - std::max(begin, f.begin);
-    }
-  if (covered != end - begin)
-    throw InputError(where + ": files cover " + std::to_string(covered) + " of the " +
-                     std::to_string(end - begin) + " parameters requested");
+    if (std::max(begin, f.begin) < std::min(end, f.end)) files.push_back(&f);
+  std::stable_sort(
+      files.begin(), files.end(),
+      [](const CheckpointFile* a, const CheckpointFile* b) { return a->begin < b->begin; });
+  int64_t at = begin;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const CheckpointFile& f = *files[i];
+    if (i > 0 && f.begin < files[i - 1]->end)
+      throw InputError(where + ": files " + file_range(*files[i - 1]) + " and " + file_range(f) +
+                       " overlap");
+    if (f.begin > at)
+      throw InputError(where + ": no file holds parameters " + range_text(at, f.begin));
+    at = f.end;
+  }
+  if (at < end) throw InputError(where + ": no file holds parameters " + range_text(at, end));
   std::vector<std::string> errors(files.size());
   std::atomic<size_t> next{0};
   auto work = [&] {

@@ -86,8 +86,9 @@ std::string save_checkpoint(const std::string& out_dir, const TrainingState& sta
 
 // The three steps of a save, none of them collective. `abandoned`, where given, is asked between
 // files and while waiting: true stops the step with an exception, publishing nothing.
-// 1. Rank 0, before any rank writes (a barrier follows): clears what a crash mid-write left in
-//    step `step`'s .tmp directory, stale markers included, and creates it.
+// 1. Rank 0, before any rank writes (a barrier follows): removes every step_*.tmp directory a
+//    crash or a second Ctrl-C left mid-write (this step's, stale markers included, and any
+//    other step's), never a published checkpoint, and creates this step's.
 void begin_checkpoint(const std::string& out_dir, int step);
 // 2. Every rank: writes its ranges (each file fsynced), then its marker rank_RRRRR.done listing
 //    them. On failure it removes the files it wrote, leaves rank_RRRRR.failed naming the cause

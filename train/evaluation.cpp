@@ -32,7 +32,7 @@ Evaluation::Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& bac
 }
 
 void Evaluation::run(StepMetrics& sm) {
-  double weighted = 0, weights = 0;
+  std::vector<double> losses, weights;
   for (ValLoader& v : loaders_) {
     const double loss = mean_loss(*v.loader);
     if (v.source.empty()) {
@@ -40,10 +40,13 @@ void Evaluation::run(StepMetrics& sm) {
       return;
     }
     sm.source_val_loss.emplace_back(v.source, loss);
-    weighted += v.weight * loss;
-    weights += v.weight;
+    losses.push_back(loss);
+    weights.push_back(v.weight);
   }
-  sm.val_loss = weighted / weights;
+  const std::vector<double> shares = mixture_shares(weights);
+  double mean = 0;
+  for (size_t i = 0; i < losses.size(); ++i) mean += shares[i] * losses[i];
+  sm.val_loss = mean;
 }
 
 double Evaluation::mean_loss(DataLoader& loader) {

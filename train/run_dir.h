@@ -25,7 +25,8 @@ namespace kiln {
 // folder not writable); creates nothing.
 void check_run_dir(const Config& config);
 // Creates out_dir and writes the resolved config into it (only if it changed). InputError where
-// it cannot.
+// it cannot. Called once a resume is accepted (RunReport::start): a refused one leaves
+// config.yaml saying what the checkpoint was trained with.
 void create_run_dir(const Config& config);
 
 // out_dir/metrics.jsonl opened for this run. A resumed run (`resumed_at`, the checkpoint's

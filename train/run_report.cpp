@@ -24,6 +24,7 @@ void RunReport::start(int start_step, bool resumed) {
   if (resumed) timer_ = StepTimer(start_step);
   if (is_main()) {
     const std::optional<int> resumed_at = resumed ? std::optional<int>(start_step) : std::nullopt;
+    create_run_dir(cfg_);
     metrics_ = open_metrics(t.out_dir, resumed_at);
     if (t.tensorboard) {
       tensorboard_ = std::make_unique<TensorBoardWriter>(t.out_dir, resumed_at);

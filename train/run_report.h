@@ -40,10 +40,11 @@ class RunReport {
  public:
   RunReport(const Config& cfg, int rank, int world_size, Backend& backend, const Model& model,
             RunPower& power, int64_t tokens_per_step);
-  // At the run's start, `start_step` steps in (`resumed`: from a checkpoint): rank 0 opens
-  // metrics.jsonl and the TensorBoard events, and the peaks MFU is against are set. MFU is
-  // against the bf16 peak, as peers report it, FP8 or not; FP8 runs also report mfu_fp8,
-  // against the FP8 peak.
+  // At the run's start, `start_step` steps in (`resumed`: from a checkpoint), once the resume
+  // is accepted: rank 0 writes config.yaml and opens metrics.jsonl and the TensorBoard events
+  // (nothing of the run directory is written before), and the peaks MFU is against are set.
+  // MFU is against the bf16 peak, as peers report it, FP8 or not; FP8 runs also report
+  // mfu_fp8, against the FP8 peak.
   void start(int start_step, bool resumed);
   double flops_per_token() const { return flops_per_token_; }
   double peak_flops() const { return peak_; }

@@ -342,8 +342,8 @@ bool Trainer::finish_step(const PendingStep& p) {
 
 int Trainer::run() {
   const auto& t = cfg_.train;
-  // Refused before the run directory is touched: an out_dir that cannot be made, then data that
-  // cannot be read.
+  // Refused before the run directory is touched (report_->start writes it): an out_dir that
+  // cannot be made, data that cannot be read, then a checkpoint this run cannot resume.
   if (is_main()) check_run_dir(cfg_);
   // Ranks that share a sequence read the same windows (each keeps its rows).
   const int R = plan_.batch_rank(), W = plan_.batch_ranks(), V = mcfg_.vocab_size,
@@ -364,7 +364,6 @@ int Trainer::run() {
   }
   evaluation_ = std::make_unique<Evaluation>(cfg_, plan_, *backend_, *model_, inputs_, loss_sum_,
                                              nvtx_, [this](Tensor t) { all_reduce(t); });
-  if (is_main()) create_run_dir(cfg_);
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,
                                       rank_.local_rank, t.log_every);
