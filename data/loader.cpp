@@ -12,7 +12,7 @@
 #include <numeric>
 #include <random>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 namespace {

@@ -17,8 +17,8 @@
 #include <new>
 #include <utility>
 
-#include "kernels/error.h"
-#include "kernels/input_file.h"
+#include "base/error.h"
+#include "base/input_file.h"
 
 namespace kiln {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 namespace {

@@ -32,11 +32,11 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "dist/communicator.h"
 #include "dist/net.h"
 #include "dist/store.h"
 #include "kernels/bf16.h"
-#include "kernels/error.h"
 
 namespace kiln {
 namespace {

@@ -24,10 +24,8 @@
 #include <thread>
 #include <vector>
 
-#include "dist/metrics_channel.h"
+#include "base/error.h"
 #include "dist/node_group.h"
-#include "dist/prometheus.h"
-#include "kernels/error.h"
 
 extern char** environ;
 
@@ -92,10 +90,10 @@ std::string describe_exit(const Worker& w, int status) {
   return who + " exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
-// The worker's environment: ours minus any stale KILN_* identity, plus its own, and
-// KILN_METRICS_FD where `metrics_fd` >= 0.
+// The worker's environment: ours minus any stale KILN_* identity, plus its own, and the reports'
+// channel where there is one.
 std::vector<std::string> worker_env(const WorkerInfo& w, const std::string& restarts,
-                                    int metrics_fd) {
+                                    const WorkerReports* reports) {
   static const char* kKeys[] = {"KILN_RANK",        "KILN_LOCAL_RANK",
                                 "KILN_WORLD_SIZE",  "KILN_LOCAL_WORLD_SIZE",
                                 "KILN_NODE_RANK",   "KILN_NNODES",
@@ -122,14 +120,14 @@ std::vector<std::string> worker_env(const WorkerInfo& w, const std::string& rest
                                 restarts};
   for (size_t i = 0; i < std::size(values); ++i)
     env.push_back(std::string(kKeys[i]) + "=" + values[i]);
-  if (metrics_fd >= 0)
-    env.push_back(std::string(kMetricsFdVariable) + "=" + std::to_string(metrics_fd));
+  if (reports)
+    env.push_back(std::string(kMetricsFdVariable) + "=" + std::to_string(reports->worker_fd()));
   return env;
 }
 
 pid_t spawn_worker(const WorkerInfo& w, const std::string& restarts, char** argv,
-                   int metrics_fd) {
-  std::vector<std::string> env = worker_env(w, restarts, metrics_fd);
+                   const WorkerReports* reports) {
+  std::vector<std::string> env = worker_env(w, restarts, reports);
   std::vector<char*> envp;
   for (auto& s : env) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -177,15 +175,14 @@ struct GenerationEnd {
 // Supervises this node's workers of one generation; see the file comment.
 class Supervisor {
  public:
-  // `metrics`: where the workers' reports go (train.metrics_port), read from `metrics_fd`.
+  // `reports`: where the workers' reports go (train.metrics_port), or null.
   Supervisor(const LaunchConfig& cfg, NodeGroup& group, int generation, std::vector<Worker> workers,
-             MetricsExporter* metrics, int metrics_fd)
+             WorkerReports* reports)
       : cfg_(cfg),
         group_(group),
         generation_(generation),
         workers_(std::move(workers)),
-        metrics_(metrics),
-        metrics_fd_(metrics_fd) {}
+        reports_(reports) {}
   ~Supervisor() {
     for (const Worker& w : workers_)
       if (w.pidfd >= 0) close(w.pidfd);
@@ -233,10 +230,9 @@ class Supervisor {
       }
       publish_pending(false);
       wait_for_event();
-      if (metrics_)
-        for (const RankReport& r : receive_reports(metrics_fd_)) metrics_->update(r);
+      if (reports_) reports_->receive();
     }
-    if (metrics_) metrics_->set_up(false);
+    if (reports_) reports_->set_up(false);
     while (publish_after_ != Clock::time_point{} && Clock::now() < publish_after_) {
       try {
         if (group_.failure(generation_)) break;
@@ -324,7 +320,7 @@ class Supervisor {
     std::vector<pollfd> fds;
     for (const Worker& w : workers_)
       if (w.alive && w.pidfd >= 0) fds.push_back({w.pidfd, POLLIN, 0});
-    if (metrics_ && !fds.empty()) fds.push_back({metrics_fd_, POLLIN, 0});
+    if (reports_ && !fds.empty()) fds.push_back({reports_->launcher_fd(), POLLIN, 0});
     if (fds.empty()) {
       std::this_thread::sleep_for(50ms);
       return;
@@ -400,8 +396,7 @@ class Supervisor {
   NodeGroup& group_;
   const int generation_;
   std::vector<Worker> workers_;
-  MetricsExporter* metrics_;
-  int metrics_fd_;
+  WorkerReports* reports_;
   bool stopping_ = false, killed_ = false, stop_ = false;
   Clock::time_point stop_started_;
   Clock::time_point publish_after_{};  // a failure of ours not yet published (see reap)
@@ -413,7 +408,7 @@ class Supervisor {
 // Starts this node's workers of generation g (their environment names g and the restarts so far).
 std::vector<Worker> start_workers(const LaunchConfig& cfg, WorkerInfo info,
                                   const std::vector<RestartRecord>& restarts, char** argv,
-                                  int metrics_fd) {
+                                  const WorkerReports* reports) {
   const std::string history = encode_restarts(restarts);
   std::vector<Worker> workers;
   for (int local = 0; local < cfg.nproc_per_node; ++local) {
@@ -422,7 +417,7 @@ std::vector<Worker> start_workers(const LaunchConfig& cfg, WorkerInfo info,
     Worker w;
     w.rank = info.rank;
     w.local_rank = local;
-    w.pid = spawn_worker(info, history, argv, metrics_fd);
+    w.pid = spawn_worker(info, history, argv, reports);
     w.pidfd = static_cast<int>(syscall(SYS_pidfd_open, w.pid, 0));
     w.alive = true;
     workers.push_back(w);
@@ -491,7 +486,7 @@ std::vector<RestartRecord> restarts_from_environment() {
   return v == nullptr ? std::vector<RestartRecord>{} : decode_restarts(v);
 }
 
-int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
+int launch_workers(const LaunchConfig& cfg, int argc, char** argv, WorkerReports* reports) {
   validate(cfg);
   std::string token;
   if (const char* t = std::getenv("KILN_RUN_TOKEN"); t != nullptr && *t != '\0') token = t;
@@ -509,24 +504,6 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
   std::string master = single ? "127.0.0.1" : cfg.master_addr;
 
   SignalGuard signals;
-  // Before the store, so a port in use fails before any node waits on this one. The exporter
-  // and its socket outlive the generations: a restart keeps the series (kiln_up drops between).
-  std::unique_ptr<MetricsExporter> metrics;
-  MetricsSocketPair metrics_sockets;
-  if (cfg.metrics_port > 0) {
-    metrics = std::make_unique<MetricsExporter>(cfg.metrics_port, cfg.metrics_address);
-    metrics_sockets = make_metrics_socket_pair();
-    spdlog::info("launcher node {}: Prometheus metrics at http://{}:{}/metrics "
-                 "(train.metrics_port)",
-                 cfg.node_rank, cfg.metrics_address, cfg.metrics_port);
-  }
-  struct CloseSockets {
-    MetricsSocketPair& p;
-    ~CloseSockets() {
-      if (p.worker_fd >= 0) close(p.worker_fd);
-      if (p.launcher_fd >= 0) close(p.launcher_fd);
-    }
-  } close_sockets{metrics_sockets};
   std::unique_ptr<StoreServer> server;
   if (cfg.node_rank == 0) {
     server = std::make_unique<StoreServer>(token, port, single ? "127.0.0.1" : "0.0.0.0");
@@ -568,14 +545,12 @@ int launch_workers(const LaunchConfig& cfg, int argc, char** argv) {
                    cfg.nproc_per_node, cfg.node_rank * cfg.nproc_per_node,
                    (cfg.node_rank + 1) * cfg.nproc_per_node - 1,
                    g > 0 ? ", restart " + std::to_string(g) : std::string(), store.address());
-      if (metrics) {
-        metrics->set_up(true);
-        metrics->set_restarts(g);
+      if (reports) {
+        reports->set_up(true);
+        reports->set_restarts(g);
       }
       end = Supervisor(cfg, group, g,
-                       start_workers(cfg, info, group.restarts_before(g), argv,
-                                     metrics_sockets.worker_fd),
-                       metrics.get(), metrics_sockets.launcher_fd)
+                       start_workers(cfg, info, group.restarts_before(g), argv, reports), reports)
                 .run();
       if (end.kind == GenerationEnd::kSucceeded) {
         bool all_done = true;

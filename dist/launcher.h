@@ -91,10 +91,6 @@ struct LaunchConfig {
   // Between forwarding a stop signal (SIGINT, SIGTERM or SIGUSR1 to a launcher) and SIGKILL: the
   // workers' time to checkpoint and exit (train: train.term_grace_s + 10).
   std::chrono::seconds stop_grace{5};
-  // train.metrics_port: serve /metrics for this node's workers (dist/prometheus.h), which send
-  // their numbers over a socket the launcher passes down (dist/metrics_channel.h). 0: off.
-  int metrics_port = 0;
-  std::string metrics_address = "0.0.0.0";  // train.metrics_address
   // Supervised restarts: how often a failed generation of workers is replaced by a new one
   // (which resumes from the newest checkpoint), and the wait before the first restart, doubling
   // for each later one up to kMaxRestartBackoff (or restart_backoff itself, if longer).
@@ -107,13 +103,32 @@ struct LaunchConfig {
 
 constexpr std::chrono::seconds kMaxRestartBackoff{60};
 
+// The variable that hands each worker its end of the reports' channel (below).
+constexpr const char* kMetricsFdVariable = "KILN_METRICS_FD";
+
+// Where this node's workers send a report after each step (train.metrics_port): the node's
+// /metrics endpoint (telemetry/prometheus.h), which the caller makes, so that the launcher only
+// hands each worker its end of the channel (`worker_fd`, as kMetricsFdVariable) and passes on
+// what arrives. It outlives the generations: a restart keeps the series.
+class WorkerReports {
+ public:
+  virtual ~WorkerReports() = default;
+  virtual int worker_fd() const = 0;    // inherited by every worker
+  virtual int launcher_fd() const = 0;  // polled by the launcher
+  virtual void receive() = 0;           // whatever arrived, without blocking
+  virtual void set_up(bool up) = 0;     // the workers of a generation run, or no longer
+  virtual void set_restarts(int restarts) = 0;
+};
+
 // Runs the job's processes on this node and supervises them; returns the exit status for the
 // launcher: 0 when every worker on every node succeeded (in the last generation), else the
 // failing worker's exit status (128 + signal for a signal), 1 when another node failed, once no
 // restart is left. A launcher or worker stopped by SIGINT, SIGTERM or SIGUSR1 restarts nothing
 // (128 + signal). argv is re-executed as is (from /proc/self/exe). Throws InputError for a bad
 // config or a missing KILN_RUN_TOKEN when nnodes > 1 (single-node runs make a fresh token).
-int launch_workers(const LaunchConfig& cfg, int argc, char** argv);
+// `reports`: where the workers' reports go (null: nowhere).
+int launch_workers(const LaunchConfig& cfg, int argc, char** argv,
+                   WorkerReports* reports = nullptr);
 
 // A worker's connection to the store. For Slurm/Open MPI workers, global rank 0 also hosts
 // the StoreServer in a thread, and its destructor keeps serving until every rank's Rendezvous

@@ -29,10 +29,10 @@
 #include <utility>
 #include <vector>
 
+#include "base/error.h"
 #include "dist/communicator.h"
 #include "dist/store.h"
 #include "dist/topology.h"
-#include "kernels/error.h"
 
 namespace kiln {
 namespace {

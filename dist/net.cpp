@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 

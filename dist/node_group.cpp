@@ -6,7 +6,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 namespace {

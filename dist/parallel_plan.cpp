@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 

@@ -14,9 +14,9 @@
 #include <cerrno>
 #include <thread>
 
+#include "base/error.h"
 #include "dist/net.h"
 #include "dist/store_wire.h"
-#include "kernels/error.h"
 
 namespace kiln {
 

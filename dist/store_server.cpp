@@ -18,10 +18,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "base/error.h"
 #include "dist/net.h"
 #include "dist/store.h"
 #include "dist/store_wire.h"
-#include "kernels/error.h"
 
 namespace kiln {
 

@@ -9,9 +9,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "base/error.h"
 #include "dist/launcher.h"
 #include "dist/net.h"
-#include "kernels/error.h"
 
 namespace kiln {
 namespace {

@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "base/error.h"
 #include "hf/hf_files.h"
 #include "hf/hf_model.h"
-#include "kernels/error.h"
 
 namespace kiln {
 
@@ -206,7 +206,7 @@ ModelConfig read_hf_config(const std::string& dir) {
   if (m.n_head % m.n_kv_head != 0)
     c.fail("num_key_value_heads", "must divide the number of attention heads");
   m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
-  // kiln's own limits (train/config.cpp's ranges for the same keys), then the model's shape
+  // kiln's own limits (config/config.cpp's ranges for the same keys), then the model's shape
   // rules, each naming this file rather than failing later as a bug.
   if (m.vocab_size > 524288) c.fail("vocab_size", "must be at most 524288");
   if (m.n_layer > 4096)

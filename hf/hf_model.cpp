@@ -8,8 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "base/error.h"
 #include "hf/hf_files.h"
-#include "kernels/error.h"
 
 namespace kiln {
 

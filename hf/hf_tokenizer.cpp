@@ -4,9 +4,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "base/error.h"
 #include "hf/hf_files.h"
 #include "hf/hf_model.h"
-#include "kernels/error.h"
 
 namespace kiln {
 

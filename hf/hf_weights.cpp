@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "base/error.h"
 #include "hf/hf_files.h"
 #include "hf/hf_model.h"
 #include "hf/safetensors.h"
-#include "kernels/error.h"
 
 namespace kiln {
 

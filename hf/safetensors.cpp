@@ -15,9 +15,9 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "base/error.h"
+#include "base/input_file.h"
 #include "kernels/bf16.h"
-#include "kernels/error.h"
-#include "kernels/input_file.h"
 
 namespace kiln {
 

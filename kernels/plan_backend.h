@@ -2,7 +2,7 @@
 // answers about dtypes and capabilities (bf16 activations, FP8, CUTLASS grouped GEMMs, graph
 // capture), so a model, a strategy and the FP8 recipe lay out their buffers as they would on that
 // GPU, on a machine without one. Allocating, moving data or running an op through it is a
-// std::logic_error. `train --plan` (train/plan.h) uses it.
+// std::logic_error. `train --plan` (config/plan.h) uses it.
 #pragma once
 
 #include <memory>

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "model/layers/linear.h"
 #include "model/param_layout.h"
 

@@ -23,7 +23,7 @@
 
 namespace kiln {
 
-// model.moe (train/config.h's moe section): which blocks' feed-forward is a Mixture-of-Experts
+// model.moe (config/config.h's moe section): which blocks' feed-forward is a Mixture-of-Experts
 // layer (model/layers/moe.h) and how it routes and balances. n_experts 0: a dense model.
 struct MoeConfig {
   int n_experts = 0;

@@ -58,7 +58,7 @@ class LayoutBuilder {
 };
 
 // FNV-1a over bytes, continuing from `hash`: the checksum of checkpoint files (ranges of the
-// flat buffer, train/checkpoint.h) and of the state ranks must hold alike (model/fp8_state.h):
+// flat buffer, state/checkpoint.h) and of the state ranks must hold alike (model/fp8_state.h):
 // cheap, and enough to catch truncation, bit rot, or two ranks whose state should be alike and
 // is not.
 uint64_t fnv1a_bytes(const void* data, size_t n, uint64_t hash = 14695981039346656037ull);

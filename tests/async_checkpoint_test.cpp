@@ -1,9 +1,9 @@
-// AsyncCheckpointer (train/async_checkpoint.h), the writer thread of train.checkpoint_async: one
+// AsyncCheckpointer (state/async_checkpoint.h), the writer thread of train.checkpoint_async: one
 // save in flight at a time (a second one waits for the first, and cannot be started or given the
 // snapshot buffers before), a failed save's error comes back at the next check, the end of its
 // scope lets the save finish, and an exception unwinding past it abandons the save instead; the
 // buffers reserved on the writer thread are the ones the saves then use.
-#include "train/async_checkpoint.h"
+#include "state/async_checkpoint.h"
 
 #include <gtest/gtest.h>
 

@@ -1,9 +1,9 @@
-// Checkpoint publication (train/checkpoint.h) without collectives, two ranks played by two
+// Checkpoint publication (state/checkpoint.h) without collectives, two ranks played by two
 // threads of this process: rank 0 publishes once every rank's marker is there and the result
 // reads back; a rank that fails, or never finishes, leaves nothing published and the previous
 // checkpoint the newest; what a crash left in a .tmp directory, stale markers too, is cleared
 // before the next attempt at that step.
-#include "train/checkpoint.h"
+#include "state/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "model/param_layout.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"

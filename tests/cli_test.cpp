@@ -1,10 +1,10 @@
-// Tests for train/cli.cpp: config path, override pass-through, every launcher flag form, and
+// Tests for config/cli.cpp: config path, override pass-through, every launcher flag form, and
 // the InputErrors for unknown flags, bad values, a second positional and a missing config.
-#include "train/cli.h"
+#include "config/cli.h"
 
 #include <gtest/gtest.h>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "tests/input_error.h"
 
 namespace kiln {

@@ -1,7 +1,7 @@
-// Tests for train/config.cpp: defaults, parsing, overrides, derived fields, every error path
+// Tests for config/config.cpp: defaults, parsing, overrides, derived fields, every error path
 // (each must throw InputError naming the key), config_to_yaml round-trip, and docs/config.md.
-#include "train/config.h"
-#include "train/model_config.h"
+#include "config/config.h"
+#include "config/model_config.h"
 
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
@@ -15,7 +15,7 @@
 #include <functional>
 #include <sstream>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include "base/error.h"
 #include "dist/launcher.h"
 #include "kernels/backend.h"
-#include "kernels/error.h"
 
 extern char** environ;
 

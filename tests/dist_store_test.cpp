@@ -7,9 +7,9 @@
 #include <atomic>
 #include <thread>
 
+#include "base/error.h"
 #include "dist/store.h"
 #include "dist/store_wire.h"
-#include "kernels/error.h"
 #include "tests/store_peer.h"
 
 namespace kiln {

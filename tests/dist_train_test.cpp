@@ -23,11 +23,11 @@
 #include <tuple>
 #include <vector>
 
+#include "base/error.h"
 #include "dist/store.h"
-#include "kernels/error.h"
+#include "state/checkpoint.h"
 #include "tests/store_peer.h"
 #include "tests/test_process.h"
-#include "train/checkpoint.h"
 
 namespace {
 

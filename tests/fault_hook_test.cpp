@@ -1,10 +1,10 @@
 // Tests for train/fault_hook: KILN_FAULT's text (the supervised-restart tests' fault; they run
 // it for real in tests/dist_restart_test.cpp).
-#include "train/fault_hook.h"
+#include "base/fault_hook.h"
 
 #include <gtest/gtest.h>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "tests/input_error.h"
 
 namespace kiln {

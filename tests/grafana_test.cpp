@@ -1,7 +1,7 @@
 // tools/grafana/kiln.json (the dashboard) and tools/grafana/kiln-alerts.yml (alert rules) against
 // the /metrics endpoint: both parse, the dashboard has what Grafana needs to import it (uid,
 // title, schemaVersion, a Prometheus datasource variable, panels with a type, a place and
-// queries), every kiln_ series either names is one dist/prometheus.h exports, and where
+// queries), every kiln_ series either names is one telemetry/prometheus.h exports, and where
 // Prometheus' promtool is installed, the rules pass `promtool check rules` and every dashboard
 // query parses as PromQL (checked as a recording rule). Grafana itself is not packaged in Debian,
 // so the dashboard is not loaded into one here.
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/prometheus.h"
+#include "telemetry/prometheus.h"
 #include "tests/test_process.h"
 
 namespace {

@@ -15,9 +15,9 @@
 #include <fstream>
 #include <random>
 
+#include "base/error.h"
 #include "hf/safetensors.h"
 #include "kernels/bf16.h"
-#include "kernels/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/arena.h"
-#include "train/init_from.h"
+#include "state/init_from.h"
 #include "train/sampler.h"
 
 namespace kiln::testing {

@@ -1,7 +1,7 @@
-// The /metrics endpoint's HTTP server (dist/http_endpoint.h) against clients that never finish:
+// The /metrics endpoint's HTTP server (telemetry/http_endpoint.h) against clients that never finish:
 // one that trickles its request head a byte at a time is cut off at the request's deadline, and
 // a scrape is answered at once while idle connections are open.
-#include "dist/http_endpoint.h"
+#include "telemetry/http_endpoint.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln::testing {
 

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "data/loader.h"
 #include "data/shard.h"
-#include "kernels/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

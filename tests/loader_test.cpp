@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "base/error.h"
 #include "data/shard.h"
-#include "kernels/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

@@ -18,14 +18,14 @@
 #include <thread>
 #include <vector>
 
+#include "config/config.h"
+#include "config/model_config.h"
 #include "kernels/arena.h"
 #include "kernels/backend.h"
 #include "model/layers/mlp.h"
 #include "model/model.h"
+#include "telemetry/metrics.h"
 #include "tests/gradcheck.h"
-#include "train/config.h"
-#include "train/metrics.h"
-#include "train/model_config.h"
 
 namespace kiln {
 namespace {

@@ -2,7 +2,7 @@
 // strategy's, once each and in order; off, the hooks are left as they were; the wrapped
 // communicator forwards every call to the one it wraps (the defaulted overlapped sum too).
 // Whole runs with train.nvtx on follow the same losses: tests/dist_train_test.cpp.
-#include "train/nvtx.h"
+#include "telemetry/nvtx.h"
 
 #include <gtest/gtest.h>
 

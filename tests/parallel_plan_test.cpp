@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 namespace {

@@ -3,7 +3,7 @@
 // once), rank 0's tally (energy so far, J/token over a window), the metrics' power fields
 // (present when measured, absent otherwise), and no sampler on the CPU backend, with the reason.
 // The real NVML is read on a GPU host: tests/gpu/power_test.cpp.
-#include "train/power.h"
+#include "telemetry/power.h"
 
 #include <gtest/gtest.h>
 

@@ -1,16 +1,16 @@
-// dist/prometheus.h and dist/metrics_channel.h: a report survives the channel's encoding and a
+// telemetry/prometheus.h and telemetry/metrics_channel.h: a report survives the channel's encoding and a
 // real socket pair; the endpoint's text exposition holds the run-wide series from the lowest
 // rank and the per-rank ones labelled; a port in use or out of range is refused naming
 // train.metrics_port.
 // The real Prometheus scraping a 2-rank run: tests/prometheus_scrape_test.cpp.
-#include "dist/prometheus.h"
+#include "telemetry/prometheus.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <string>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "tests/http_get.h"
 #include "tests/test_process.h"
 

@@ -1,7 +1,7 @@
 // Tests for train/run_dir: metrics.jsonl across a resume, with what supervised restarts add to
 // it: restart lines survive the cut and are written once, a checkpoint step's line that a crash
 // took after the save comes back, a line cut short goes, and summary.json lists the restarts.
-#include "train/run_dir.h"
+#include "telemetry/run_dir.h"
 
 #include <gtest/gtest.h>
 

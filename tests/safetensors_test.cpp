@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "kernels/bf16.h"
-#include "kernels/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

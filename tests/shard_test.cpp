@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/error.h"
+#include "base/error.h"
 #include "tests/input_error.h"
 #include "tests/test_process.h"
 

@@ -11,7 +11,7 @@ import sys
 
 from tensorboard.backend.event_processing import event_accumulator as ea
 
-# Decimals metrics.jsonl prints a key with (train/metrics.cpp metrics_json's %.Nf); the others
+# Decimals metrics.jsonl prints a key with (telemetry/metrics.cpp metrics_json's %.Nf); the others
 # are printed with 6 or more significant digits (%.6g, %.6e), within the relative tolerance.
 DECIMALS = {"loss": 6, "grad_norm": 6, "ms": 3, "tok_s": 1, "mfu": 5, "val_loss": 6,
             "checkpoint_stall_ms": 3, "power_w": 1, "energy_kj": 4, "mfu_fp8": 5,
@@ -20,7 +20,7 @@ NOT_SCALARS = {"step", "fp8_worst", "moe_blocks", "moe_load"}
 
 
 def expected(path):
-    """{tag: {step: value}} from metrics.jsonl, named as train/metrics.cpp step_scalars does."""
+    """{tag: {step: value}} from metrics.jsonl, named as telemetry/metrics.cpp step_scalars does."""
     out = {}
     with open(path) as f:
         for line in f:

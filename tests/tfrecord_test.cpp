@@ -1,6 +1,6 @@
-// train/tfrecord.h: CRC32C against published check values (RFC 3720's iSCSI vectors and the
+// telemetry/tfrecord.h: CRC32C against published check values (RFC 3720's iSCSI vectors and the
 // "123456789" check), continuation across calls, and a TFRecord's framing byte by byte.
-#include "train/tfrecord.h"
+#include "telemetry/tfrecord.h"
 
 #include <gtest/gtest.h>
 

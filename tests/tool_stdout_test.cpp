@@ -1,4 +1,4 @@
-// stdout is data (kernels/log.h, issue 52): each tool run with stdout and stderr apart writes
+// stdout is data (base/log.h, issue 52): each tool run with stdout and stderr apart writes
 // only its output to stdout (sample's text, eval's JSON, bench's table and JSON, comm_bench's
 // table; prepare_data and convert nothing) and its log lines to stderr, so `tool > file` holds
 // the output alone. train --print-config's stdout is the YAML, its warnings on stderr.
@@ -11,8 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include "config/config.h"
 #include "tests/test_process.h"
-#include "train/config.h"
 
 namespace kiln {
 namespace {

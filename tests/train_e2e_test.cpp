@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "state/checkpoint.h"
 #include "tests/test_process.h"
-#include "train/checkpoint.h"
 
 namespace {
 

@@ -19,7 +19,7 @@
 // --history appends this run's JSON line to a JSONL file (docs/cuda.md: nightly).
 //
 // --profile-ops (CUDA): afterwards, trains N more steps with the trainer's backend wrapped in an
-// OpTimer (kernels/cuda/op_timer.h, through TrainObserver) and times every op with CUDA events:
+// OpTimer (telemetry/op_timer.h, through TrainObserver) and times every op with CUDA events:
 // a per-op table of GPU time per step of the real training step.
 //
 // The run directory (train.out_dir) is a temp dir removed at exit; no checkpoint is written.
@@ -43,20 +43,19 @@
 #include <string>
 #include <vector>
 
+#include "base/durable_write.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "config/config.h"
 #include "data/shard.h"
 #include "kernels/backend.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
 #include "model/model.h"
 #include "tools/tool_args.h"
-#include "train/append_log.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
 #include "train/trainer.h"
 
 #ifdef KILN_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/op_timer.h"
+#include "telemetry/op_timer.h"
 #endif
 
 namespace kiln {
@@ -484,7 +483,7 @@ Measured measure(const Options& opt, std::vector<std::string> overrides, const f
   m.tok_s = static_cast<double>(tokens_per_step) / (m.med_ms / 1000.0);
   m.mfu_pct = 100.0 * median(mfu);
   // Energy per token over the timed steps: a step's energy_kj holds the work before its start
-  // (train/power.h), so the rise from the first timed step's row to the last's is the work of
+  // (telemetry/power.h), so the rise from the first timed step's row to the last's is the work of
   // every timed step but the last.
   const StepRecord& w = steps[static_cast<size_t>(opt.warmup)];
   if (opt.steps > 1 && w.energy_kj && steps.back().energy_kj) {

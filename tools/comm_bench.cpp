@@ -26,10 +26,10 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
+#include "base/log.h"
 #include "dist/communicator.h"
 #include "dist/launcher.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
 
 #ifdef KILN_WITH_CUDA
 #include <cuda_runtime.h>

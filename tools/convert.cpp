@@ -21,14 +21,14 @@
 #include <fstream>
 #include <string>
 
+#include "base/error.h"
+#include "base/log.h"
+#include "config/config.h"
+#include "config/model_config.h"
 #include "hf/hf_model.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "state/checkpoint.h"
+#include "state/init_from.h"
 #include "tools/tool_args.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
-#include "train/init_from.h"
-#include "train/model_config.h"
 
 using namespace kiln;
 

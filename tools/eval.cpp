@@ -12,14 +12,14 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "base/durable_write.h"
+#include "base/error.h"
+#include "base/log.h"
 #include "data/loader.h"
 #include "kernels/arena.h"
 #include "kernels/cpu/threads.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "state/init_from.h"
 #include "tools/tool_args.h"
-#include "train/checkpoint.h"
-#include "train/init_from.h"
 #include "train/step_inputs.h"
 
 using namespace kiln;

@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
+#include "base/log.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
 #include "tools/tool_args.h"
 
 namespace {

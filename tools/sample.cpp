@@ -15,13 +15,13 @@
 #include <optional>
 #include <string>
 
+#include "base/error.h"
+#include "base/log.h"
 #include "data/tokenizer.h"
 #include "kernels/arena.h"
 #include "kernels/cpu/threads.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "state/init_from.h"
 #include "tools/tool_args.h"
-#include "train/init_from.h"
 #include "train/sampler.h"
 
 using namespace kiln;

@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 

@@ -256,7 +256,7 @@ class Twin(nn.Module):  # parameter names are kiln's (model/decoder.cpp), "wte" 
 
 
 def load_kiln_checkpoint(model, path):
-    """The fp32 master weights of a kiln checkpoint directory (train/checkpoint.h) into model."""
+    """The fp32 master weights of a kiln checkpoint directory (state/checkpoint.h) into model."""
     man = yaml.safe_load(open(os.path.join(path, "manifest.yaml")))
     flat = np.zeros(man["param_count"], dtype=np.float32)
     for f in man["files"]:

@@ -4,7 +4,7 @@
 
 #include <stdexcept>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 

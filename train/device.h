@@ -6,8 +6,8 @@
 
 #include <memory>
 
+#include "config/config.h"
 #include "kernels/backend.h"
-#include "train/config.h"
 
 namespace kiln {
 

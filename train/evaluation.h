@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
 #include "data/loader.h"
 #include "dist/parallel_plan.h"
 #include "model/model.h"
-#include "train/config.h"
-#include "train/metrics.h"
-#include "train/nvtx.h"
+#include "telemetry/metrics.h"
+#include "telemetry/nvtx.h"
 #include "train/step_inputs.h"
 
 namespace kiln {

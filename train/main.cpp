@@ -12,19 +12,19 @@
 #include <cmath>
 #include <cstdio>
 
+#include "base/error.h"
+#include "base/log.h"
+#include "config/cli.h"
+#include "config/config.h"
+#include "config/plan.h"
 #include "dist/communicator.h"
 #include "dist/launcher.h"
-#include "dist/metrics_channel.h"
-#include "dist/prometheus.h"
 #include "dist/store.h"
 #include "dist/watchdog.h"
 #include "kernels/cpu/threads.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
-#include "train/cli.h"
-#include "train/config.h"
+#include "telemetry/metrics_channel.h"
+#include "telemetry/prometheus.h"
 #include "train/device.h"
-#include "train/plan.h"
 #include "train/stop.h"
 #include "train/trainer.h"
 
@@ -147,15 +147,21 @@ int launch(const LaunchOptions& opts, const Config& config, int argc, char** arg
       std::chrono::milliseconds(std::llround(config.dist.restart_backoff_s * 1000.0));
   // The workers' own bound on a stop (train/stop.h), and time to print why they exit.
   launch.stop_grace = std::chrono::seconds(config.train.term_grace_s + 10);
-  launch.metrics_port = config.train.metrics_port;
-  launch.metrics_address = config.train.metrics_address;
-  return launch_workers(launch, argc, argv);
+  // Before the store, so a port in use fails before any node waits on this one.
+  std::unique_ptr<NodeMetrics> metrics;
+  if (const TrainSection& t = config.train; t.metrics_port > 0) {
+    metrics = std::make_unique<NodeMetrics>(t.metrics_port, t.metrics_address);
+    spdlog::info("launcher node {}: Prometheus metrics at http://{}:{}/metrics "
+                 "(train.metrics_port)",
+                 opts.node_rank, t.metrics_address, t.metrics_port);
+  }
+  return launch_workers(launch, argc, argv, metrics.get());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Step lines are train's output: stdout (kernels/log.h).
+  // Step lines are train's output: stdout (base/log.h).
   spdlog::set_pattern(kLogPattern);
   return run_tool("train", [&] {
     CommandLine cli = parse_command_line(argc, argv);

@@ -7,10 +7,10 @@
 
 #include <vector>
 
+#include "config/config.h"
 #include "dist/sharding.h"
 #include "dist/strategy.h"
 #include "kernels/backend.h"
-#include "train/config.h"
 
 namespace kiln {
 

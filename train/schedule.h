@@ -3,7 +3,7 @@
 // (s+1)-th optimizer update, so warmup reaches the full lr on step warmup_steps - 1.
 #pragma once
 
-#include "train/config.h"
+#include "config/config.h"
 
 namespace kiln {
 

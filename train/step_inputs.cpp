@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kernels/error.h"
+#include "base/error.h"
 
 namespace kiln {
 

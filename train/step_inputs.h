@@ -20,7 +20,7 @@
 #include "kernels/arena.h"
 #include "model/context_parallel.h"
 #include "model/layers/layer.h"
-#include "train/nvtx.h"
+#include "telemetry/nvtx.h"
 
 namespace kiln {
 

@@ -40,8 +40,8 @@
 #include <string>
 #include <thread>
 
+#include "config/config.h"
 #include "kernels/device_runtime.h"
-#include "train/config.h"
 
 namespace kiln {
 

@@ -7,27 +7,27 @@
 #include <optional>
 #include <random>
 
+#include "base/error.h"
+#include "base/fault_hook.h"
+#include "config/model_config.h"
+#include "config/plan.h"
 #include "data/loader.h"
 #include "dist/communicator.h"
 #include "dist/strategy.h"
 #include "kernels/arena.h"
-#include "kernels/error.h"
 #include "kernels/plan_backend.h"
-#include "train/async_checkpoint.h"
+#include "state/async_checkpoint.h"
+#include "state/resume.h"
+#include "telemetry/run_dir.h"
+#include "telemetry/metrics.h"
+#include "telemetry/nvtx.h"
+#include "telemetry/power.h"
+#include "telemetry/run_log.h"
+#include "telemetry/run_report.h"
 #include "train/device.h"
 #include "train/evaluation.h"
-#include "train/fault_hook.h"
-#include "train/metrics.h"
-#include "train/model_config.h"
-#include "train/nvtx.h"
 #include "train/optimizer.h"
 #include "train/parallelize.h"
-#include "train/plan.h"
-#include "train/power.h"
-#include "train/resume.h"
-#include "train/run_dir.h"
-#include "train/run_log.h"
-#include "train/run_report.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
 #include "train/step_graph.h"
@@ -158,7 +158,7 @@ class Trainer {
   StepGraph graph_;  // after comms_: its graph, holding their collectives, goes first
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<Evaluation> evaluation_;
-  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (train/power.h)
+  std::unique_ptr<RunPower> power_;  // the GPUs' power and energy (telemetry/power.h)
   std::unique_ptr<RunReport> report_;
   std::mt19937_64 rng_;
   int start_step_ = 0;
@@ -442,7 +442,8 @@ int Trainer::run() {
 }
 
 int Trainer::report_stop(std::optional<double> tokens_per_joule) {
-  report_->write_summary(memory_bytes(), graph_.status(), tokens_per_joule, &*stop_at_);
+  const StoppedRun stopped{stop_signal_name(stop_at_->signal), stop_at_->step};
+  report_->write_summary(memory_bytes(), graph_.status(), tokens_per_joule, &stopped);
   if (is_main()) log_stopped(*stop_at_, cfg_.train);
   return 128 + stop_at_->signal;
 }

@@ -1,4 +1,4 @@
-// Power and energy on a GPU host (train/power.h, NVML opened at run time): a ~20 s training run
+// Power and energy on a GPU host (telemetry/power.h, NVML opened at run time): a ~20 s training run
 // logs power (W), energy so far (kJ) and J/token on its lines and in metrics.jsonl, all present
 // and positive; energy only grows, and its rise over the run is the integral of the logged power
 // over the steps' time; summary.json holds tokens per joule. Skips without a GPU; where NVML
@@ -62,7 +62,7 @@ TEST(GpuPowerRun, PowerAndEnergyArePresentPositiveAndEnergyIsThePowersIntegral) 
     EXPECT_GE(energy_j.back(), 0.0) << "step " << step << ": " << line;
     if (step > 1) {
       // Each step (~22 ms here) is shorter than the sampler's 100 ms period: it still gets
-      // energy (train/power.h: PowerSampler::take).
+      // energy (telemetry/power.h: PowerSampler::take).
       EXPECT_GT(energy_j.back(), energy_j[step - 2]) << "step " << step << ": " << line;
       EXPECT_GT(jpt, 0.0) << "step " << step << ": " << line;
     }

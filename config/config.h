@@ -1,0 +1,205 @@
+// Config: the typed schema of a run. Field names are the YAML keys and the CLI override paths
+// (`--optim.lr=3e-4`), so this file is the config reference. load_config() reads YAML with
+// yaml-cpp, applies overrides, and validates: an unknown key, a wrong type or an out-of-range
+// value throws InputError naming the key, before anything touches a device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kiln {
+
+// model.arch (gpt2 | llama | qwen3) sets the defaults of the layer-choice keys from its row in
+// model/arch.cpp; keys given in the file or on the command line override them. The defaults
+// below are gpt2's.
+struct ModelSection {
+  std::string arch = "gpt2";
+  int n_layer = 12;
+  int n_head = 12;
+  int n_kv_head = 0;  // 0: same as n_head
+  int head_dim = 0;   // 0: n_embd / n_head
+  int n_embd = 768;
+  int ffn_dim = 0;  // 0: 4 * n_embd (gelu), 8/3 * n_embd rounded up to 256 (swiglu)
+  int vocab_size = 50257;
+  int padded_vocab_size = 0;  // 0: vocab_size rounded up to a multiple of 128
+  int seq_len = 1024;
+  bool tie_embeddings = true;
+  std::string norm = "layernorm";  // layernorm | rmsnorm
+  double norm_eps = 1e-5;
+  std::string positions = "learned";  // learned | rope
+  double rope_theta = 10000.0;
+  // Llama 3.1's RoPE frequency scaling (rope_type "llama3" in transformers); the four numbers
+  // below are used only with it.
+  std::string rope_scaling = "none";  // none | llama3
+  double rope_factor = 8.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int rope_original_max_position = 8192;
+  std::string mlp = "gelu";  // gelu | swiglu
+  bool bias = true;          // biases on the linear layers
+  bool qkv_bias = true;      // a bias on the qkv projection (set when bias is)
+  bool qk_norm = false;      // RMSNorm of each query and key head (Qwen3)
+};
+
+// Mixture-of-Experts feed-forward layers (model/layers/moe.h, docs/moe.md). n_experts 0: a
+// dense model, and the other keys are not used.
+struct MoeSection {
+  int n_experts = 0;                 // routed experts per MoE block (0: no MoE)
+  int top_k = 2;                     // experts per token
+  int expert_ffn_dim = 0;            // each expert's hidden width (0: model.ffn_dim)
+  int n_shared_experts = 0;          // experts every token goes through, beside the routed ones
+  int every = 1;                     // block l is MoE when (l + 1) % every == 0
+  std::string score = "softmax";     // softmax | sigmoid (DeepSeek-V3)
+  bool renormalize = true;           // the top-k weights divided by their sum
+  std::string balance = "aux_loss";  // aux_loss | bias | none
+  double aux_loss_coef = 0.01;       // Switch/GShard load-balancing loss weight
+  double z_loss_coef = 0.0;          // router z-loss weight
+  double bias_update_rate = 0.001;   // balance=bias: the bias step per optimizer step
+};
+
+// One corpus of a weighted mixture (data.sources): its shards and its share of the windows.
+struct DataSource {
+  std::string name;     // names its metrics (tokens_<name>, val_loss_<name>); "": source<i>
+  std::string train;    // glob of train shards
+  std::string val;      // glob of val shards ("" = this source is not evaluated)
+  double weight = 1.0;  // share of the train windows, relative to the other sources' weights
+  bool operator==(const DataSource& o) const {
+    return name == o.name && train == o.train && val == o.val && weight == o.weight;
+  }
+};
+
+struct DataSection {
+  std::string train;  // glob of train shards
+  std::string val;    // glob of val shards ("" = no validation)
+  // A weighted mixture instead of train/val (data/loader.h); names are filled in when unset.
+  std::vector<DataSource> sources;
+  bool shuffle = true;  // permute window order per shard and epoch (seeded by train.seed)
+  bool prefetch = true; // background loader thread
+  // Document masking (docs/data.md#document-masking): attention stays within each document of
+  // a window, documents beginning at the separator token; RoPE positions restart with each.
+  bool document_mask = false;
+  int document_separator = -1;     // the token id that begins each document (-1: unset)
+  bool document_positions = true;  // with document_mask: RoPE positions restart per document
+};
+
+struct TrainSection {
+  std::string device = "auto";  // auto | cpu | cuda
+  int batch_size = 8;            // micro-batch per rank
+  int grad_accum = 1;
+  int max_steps = 1000;
+  int eval_every = 100;  // 0: never
+  int eval_steps = 20;
+  int log_every = 1;
+  int64_t seed = 1337;
+  std::string out_dir = "runs/default";
+  int checkpoint_every = 0;  // 0: only at the end of the run
+  int keep_checkpoints = 2;  // newest N kept
+  bool save_checkpoints = true;  // false: write none (benchmarks)
+  bool checkpoint_async = false;  // write checkpoints on a background thread (docs/distributed.md)
+  std::string resume = "auto";  // auto (latest in out_dir, if any) | none | PATH
+  // SIGTERM, SIGINT or SIGUSR1: checkpoint at the next step boundary and exit 128 + signal,
+  // within this many seconds, else exit without one (train/stop.h).
+  int term_grace_s = 120;
+  int sample_every = 0;  // 0: never; print a sample of sample_tokens tokens every N steps
+  int sample_tokens = 128;
+  std::string recompute = "none";  // none | light | selective | full: recomputed in backward
+  int recompute_full_blocks = 0;   // the first N blocks recompute fully whatever recompute says
+  int recompute_kept_blocks = 0;   // the last N blocks recompute nothing whatever recompute says
+  bool cuda_graphs = false;  // capture the step as one CUDA graph after the eager warm-up
+  double peak_tflops = 0.0;  // 0: from the GPU peak table
+  bool nvtx = false;  // NVTX ranges for Nsight Systems (telemetry/nvtx.h)
+  bool tensorboard = false;  // rank 0 writes a TensorBoard event file (telemetry/tensorboard.h)
+  int metrics_port = 0;  // 0: off; else /metrics for Prometheus on this port (telemetry/prometheus.h)
+  std::string metrics_address = "0.0.0.0";  // the address /metrics listens on
+};
+
+// Where a fresh run's parameters come from (a resumed run takes its checkpoint's instead).
+struct InitSection {
+  std::string from;  // "": random (train.seed) | hf:DIR (Hugging Face model) | kiln run or checkpoint
+};
+
+struct OptimSection {
+  std::string name = "adamw";
+  double lr = 6.0e-4;
+  double min_lr = 6.0e-5;
+  int warmup_steps = 100;
+  std::string schedule = "cosine";  // cosine | linear | constant
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1.0e-8;
+  double grad_clip = 1.0;  // 0: no clipping
+};
+
+struct PrecisionSection {
+  std::string dtype = "bf16";        // bf16 | fp32 (the CPU backend always computes in fp32)
+  bool fp8 = false;
+  std::string attention = "auto";    // auto | cudnn | flash | naive
+  std::string residual = "fp32";     // fp32 | bf16: the residual stream and its gradient
+  bool deterministic = false;        // bit-reproducible CUDA steps (docs/cuda.md, Determinism)
+};
+
+// FP8 with delayed scaling (precision.fp8: true); docs/fp8.md.
+struct Fp8Section {
+  std::string format = "hybrid";     // hybrid (E4M3 forward, E5M2 gradients) | e4m3
+  int amax_history_len = 1024;       // steps of amax kept per tensor
+  std::string amax_compute_algo = "max";  // max | most_recent: the amax a scale is set from
+  int margin = 0;                    // scale = fp8_max / amax / 2^margin
+  bool bf16_edges = false;           // keep the first and last blocks in bf16
+  bool all_gather = true;            // fsdp: gather the FP8 linears' weights in FP8
+};
+
+struct DistSection {
+  std::string strategy = "ddp";  // ddp | zero1 | fsdp
+  double bucket_mb = 0;          // DDP gradient bucket size (0: by the link between the ranks)
+  std::string reduce_dtype = "fp32";  // fp32 | bf16: the dtype gradients are summed across ranks in
+  int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
+  bool copy_engine_gathers = false;  // NCCL: zero1/fsdp's all-gathers on the copy engines
+  int timeout_s = 300;           // collectives and rendezvous
+  int expert_parallel = 1;       // ranks a MoE block's experts spread over (parallel_plan.h)
+  int context_parallel = 1;      // ranks that share each sequence (model/context_parallel.h)
+  int max_restarts = 0;          // supervised restarts from the newest checkpoint (launcher.h)
+  double restart_backoff_s = 1;  // the wait before the first restart, doubling after (cap 60 s)
+};
+
+struct Config {
+  ModelSection model;
+  MoeSection moe;
+  DataSection data;
+  TrainSection train;
+  InitSection init;
+  OptimSection optim;
+  PrecisionSection precision;
+  Fp8Section fp8;
+  DistSection dist;
+};
+
+// Reads `path` (YAML), applies `overrides` ("section.key=value", leading "--" optional) in
+// order, fills derived defaults (n_kv_head, ffn_dim, padded_vocab_size) and validates.
+// Throws InputError naming the file/key on any problem, a key given where nothing reads it
+// included (docs/config.md, "Keys that do nothing"). A key ignored instead (an override switched
+// its feature off) is one line of `warnings`, or without them logged once with spdlog::warn.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   std::vector<std::string>* warnings = nullptr);
+// Same, from YAML text (tests).
+Config parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                    const std::string& source_name = "<string>",
+                    std::vector<std::string>* warnings = nullptr);
+// A run's own resolved config, as a checkpoint keeps it (init.from, the tools): validated when
+// it was written; a key nothing reads is not refused, as kiln wrote every key before the rule.
+Config parse_stored_config(const std::string& yaml_text, const std::string& source_name);
+// The resolved config as YAML, every key present: a key the combination does not read is a
+// comment saying why, so load_config() of it gives the same Config.
+std::string config_to_yaml(const Config& config);
+// The key reference (one Markdown table per section) generated from the schema table that
+// parsing uses; docs/config.md embeds it and a test keeps the two in sync.
+std::string config_reference_markdown();
+
+// Field-by-field equality over every key of the schema.
+bool operator==(const Config& a, const Config& b);
+inline bool operator!=(const Config& a, const Config& b) {
+  return !(a == b);
+}
+
+}  // namespace kiln
