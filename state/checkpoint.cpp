@@ -11,7 +11,6 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +22,7 @@
 #include "base/durable_write.h"
 #include "base/error.h"
 #include "base/input_file.h"
+#include "base/test_faults.h"
 
 namespace kiln {
 
@@ -193,23 +193,6 @@ void check_abandoned(const std::function<bool()>& abandoned, const std::string& 
   if (abandoned && abandoned()) throw std::runtime_error(dir + ": abandoned (the run is stopping)");
 }
 
-// Tests only (tests/train_e2e_test.cpp, tests/dist_train_test.cpp): KILN_TEST_CHECKPOINT_CRASH=
-// STEP:RANK kills that rank once its shard files of step STEP are written and before its marker,
-// as a crash mid-write would; STEP:RANK:fail makes that rank's write fail there instead, as a
-// full disk would.
-void test_crash_here(int step, int rank) {
-  const char* spec = std::getenv("KILN_TEST_CHECKPOINT_CRASH");
-  int at_step = -1, at_rank = -1;
-  char mode[8] = "";
-  if (!spec || std::sscanf(spec, "%d:%d:%7s", &at_step, &at_rank, mode) < 2 || at_step != step ||
-      at_rank != rank)
-    return;
-  if (std::strcmp(mode, "fail") == 0)
-    throw std::runtime_error("KILN_TEST_CHECKPOINT_CRASH: rank " + std::to_string(rank) +
-                             "'s write failed");
-  std::raise(SIGKILL);
-}
-
 std::string manifest_yaml(const CheckpointManifest& m) {
   YAML::Emitter out;
   out << YAML::BeginMap;
@@ -367,7 +350,7 @@ void write_rank_files(const std::string& out_dir, int step, int rank,
       files.push_back({writing, shards[i].begin, shards[i].end,
                        write_shard(tmp_dir + "/" + writing, shards[i])});
     }
-    test_crash_here(step, rank);
+    test_faults::checkpoint_files_written(step, rank);
     // Renamed into place whole, so rank 0 never reads half a marker.
     const std::string done = tmp_dir + "/" + rank_marker(rank, "done");
     const std::string text = marker_text(files);

@@ -2,18 +2,18 @@
 
 #include <spdlog/spdlog.h>
 
-#include <cstdlib>
 #include <exception>
 #include <utility>
 
+#include "base/test_faults.h"
+
 namespace kiln {
 
-StepGraph::StepGraph(Backend& backend, std::function<void(bool)> step_work,
+StepGraph::StepGraph(Backend& backend, std::function<void()> step_work,
                      std::function<void()> forget_placement)
     : backend_(backend),
       step_work_(std::move(step_work)),
-      forget_placement_(std::move(forget_placement)),
-      break_capture_(std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr) {}
+      forget_placement_(std::move(forget_placement)) {}
 
 StepGraph::~StepGraph() {
   if (mode_ == Mode::off) return;
@@ -54,7 +54,7 @@ void StepGraph::start(bool enabled, const std::string& model_why_not, int start_
 
 void StepGraph::run(int step) {
   if (mode_ == Mode::off || step < capture_at_) {
-    step_work_(false);
+    step_work_();
     return;
   }
   if (mode_ == Mode::replaying) {
@@ -71,7 +71,8 @@ void StepGraph::capture(int step) {
   std::string why;
   backend_.capture_begin();
   try {
-    step_work_(break_capture_);
+    step_work_();
+    if (test_faults::break_capture()) backend_.synchronize();
   } catch (const std::exception& e) {
     why = e.what();
   }
@@ -99,7 +100,7 @@ void StepGraph::capture(int step) {
         "train.cuda_graphs: step {} could not be captured ({}); running eagerly from "
         "here on",
         step + 1, why);
-  step_work_(false);
+  step_work_();
 }
 
 }  // namespace kiln

@@ -14,11 +14,10 @@ namespace kiln {
 
 class StepGraph {
  public:
-  // `step_work(break_capture)` enqueues one step's device work (`break_capture`, for tests: do
-  // what no capture can hold); `forget_placement` makes the next step gather every FSDP unit
-  // itself (Strategy::forget_placement), as a capture must record and as eager work after a
-  // capture must too.
-  StepGraph(Backend& backend, std::function<void(bool break_capture)> step_work,
+  // `step_work` enqueues one step's device work; `forget_placement` makes the next step gather
+  // every FSDP unit itself (Strategy::forget_placement), as a capture must record and as eager
+  // work after a capture must too.
+  StepGraph(Backend& backend, std::function<void()> step_work,
             std::function<void()> forget_placement);
   // Releases the graph (Backend::graph_release): its owner destroys it before the
   // communicators, which otherwise wait for it forever.
@@ -46,14 +45,13 @@ class StepGraph {
   enum class Mode { off, warming, replaying };
 
   Backend& backend_;
-  std::function<void(bool)> step_work_;
+  std::function<void()> step_work_;
   std::function<void()> forget_placement_;
   Mode mode_ = Mode::off;
   int capture_at_ = 0;
   std::string what_;
   bool log_ = false;
   std::string status_ = "off";
-  bool break_capture_;
 };
 
 }  // namespace kiln

@@ -8,7 +8,7 @@
 #include <random>
 
 #include "base/error.h"
-#include "base/fault_hook.h"
+#include "base/test_faults.h"
 #include "config/model_config.h"
 #include "config/plan.h"
 #include "data/loader.h"
@@ -69,9 +69,8 @@ class Trainer {
   void plan_buffers();  // every buffer into the two arenas, then the table on rank 0
   void plan_memory();   // plan_buffers(), then allocate and bind them
   // The step's device work, which reads everything that changes per step from device memory:
-  // micro-batches, gradient sync, FP8 scaling, clipping, AdamW. `break_capture` (tests only)
-  // makes it do what a capture cannot.
-  void step_work(bool break_capture);
+  // micro-batches, gradient sync, FP8 scaling, clipping, AdamW.
+  void step_work();
   // Does everything that needs the step's values on the host: log, evaluate, sample, save.
   // Returns false when training must stop (non-finite loss).
   bool finish_step(const PendingStep& p);
@@ -190,7 +189,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
                              cfg.data.document_mask && cfg.data.document_positions},
               context_split(plan_)),
       graph_(
-          *backend_, [this](bool break_capture) { step_work(break_capture); },
+          *backend_, [this] { step_work(); },
           [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
   if (cfg.dist.copy_engine_gathers && backend_->device() != Device::cuda)
@@ -261,7 +260,7 @@ void Trainer::plan_memory() {
   nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
 }
 
-void Trainer::step_work(bool break_capture) {
+void Trainer::step_work() {
   Backend& k = *backend_;
   const int accum = cfg_.train.grad_accum;
   const float dloss_scale = 1.0f / static_cast<float>(static_cast<int64_t>(B()) * T() * accum);
@@ -272,7 +271,6 @@ void Trainer::step_work(bool break_capture) {
     strategy_->set_micro_batch(micro, accum);
     const DocumentMask docs = inputs_.documents(micro);
     model_->forward(tokens, inputs_.targets(micro), docs, dloss_scale, true);
-    if (break_capture) k.synchronize();  // a host sync: what no capture can hold
     k.reduce_sum(loss_sum_, model_->losses(), micro > 0);
     model_->backward(tokens, docs);
   }
@@ -334,7 +332,7 @@ bool Trainer::finish_step(const PendingStep& p) {
   report_->write(sm);  // after the save: the line holds its stall
   report(sm, p, in_use);
   if (observer_ && observer_->on_step) observer_->on_step(sm.step);
-  fault_hook_after_step(rank_.rank, sm.step);
+  test_faults::after_step(rank_.rank, sm.step);
   // Host work (eval, checkpoint) is not the next step's device time.
   if (host_step(sm.step)) report_->host_work_done();
   return true;

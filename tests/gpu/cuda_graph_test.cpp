@@ -208,8 +208,8 @@ TEST_F(CudaGraphRun, ResumeUnderGraphsMatchesTheUninterruptedEagerRun) {
   EXPECT_TRUE(final_state("eager", 12) == final_state("graph", 12));
 }
 
-// KILN_TEST_BREAK_CAPTURE makes the captured step synchronize with the host after its first
-// forward, which no capture can hold: the run says why, runs that step eagerly from the state
+// KILN_TEST_BREAK_CAPTURE (base/test_faults.h) makes the capture of the step synchronize with
+// the host, which no capture can hold: the run says why, runs that step eagerly from the state
 // the capture left untouched, and stays eager, with the eager run's numbers.
 TEST_F(CudaGraphRun, AFailedCaptureFallsBackWithTheEagerLosses) {
   for (const std::string strategy : {"ddp", "fsdp"}) {

@@ -1,11 +1,15 @@
-#include "base/fault_hook.h"
+#include "base/test_faults.h"
 
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "base/error.h"
 
@@ -49,7 +53,9 @@ Fault parse_fault(const std::string& text) {
   return f;
 }
 
-void fault_hook_after_step(int rank, int step) {
+namespace test_faults {
+
+void after_step(int rank, int step) {
   static const std::optional<Fault> fault = []() -> std::optional<Fault> {
     const char* text = std::getenv("KILN_FAULT");
     if (text == nullptr || *text == '\0') return std::nullopt;
@@ -64,4 +70,23 @@ void fault_hook_after_step(int rank, int step) {
   ::kill(::getpid(), SIGKILL);
 }
 
+void checkpoint_files_written(int step, int rank) {
+  static const char* const spec = std::getenv("KILN_TEST_CHECKPOINT_CRASH");
+  int at_step = -1, at_rank = -1;
+  char mode[8] = "";
+  if (!spec || std::sscanf(spec, "%d:%d:%7s", &at_step, &at_rank, mode) < 2 || at_step != step ||
+      at_rank != rank)
+    return;
+  if (std::strcmp(mode, "fail") == 0)
+    throw std::runtime_error("KILN_TEST_CHECKPOINT_CRASH: rank " + std::to_string(rank) +
+                             "'s write failed");
+  std::raise(SIGKILL);
+}
+
+bool break_capture() {
+  static const bool on = std::getenv("KILN_TEST_BREAK_CAPTURE") != nullptr;
+  return on;
+}
+
+}  // namespace test_faults
 }  // namespace kiln

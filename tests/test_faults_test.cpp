@@ -1,6 +1,6 @@
-// Tests for train/fault_hook: KILN_FAULT's text (the supervised-restart tests' fault; they run
+// Tests for base/test_faults: KILN_FAULT's text (the supervised-restart tests' fault; they run
 // it for real in tests/dist_restart_test.cpp).
-#include "base/fault_hook.h"
+#include "base/test_faults.h"
 
 #include <gtest/gtest.h>
 
