@@ -43,9 +43,9 @@ class Fsdp final : public Strategy {
   Fsdp(const StrategyOptions& o, Backend& backend, Communicator* comm, int rank, int world,
        int64_t total, const Units& units)
       : Strategy(o, backend, comm, rank, world, total, units),
-        head_reads_embeddings_(o.head_reads_embeddings),
+        last_reads_first_(o.last_unit_reads_first),
         unit_slot_(units.size(), -1) {
-    choose_sparse_embedding(o.embedding_rows, o.rows_per_micro_batch);
+    choose_sparse_table(o.first_unit_rows, o.rows_per_micro_batch);
   }
 
   void plan_memory(Arena& arena) override;
@@ -70,12 +70,12 @@ class Fsdp final : public Strategy {
     // Unit 0 stays in its slot from the forward, unless the untied head took the slot since.
     // The sparse embedding gradient needs none of its weights: they are gathered back (behind
     // block 0's backward) only for the next micro-batch's forward.
-    if (unit == 0 && sparse_embedding_) return;
-    const bool gather_unit0 = !head_reads_embeddings_ && (!sparse_embedding_ || !last_micro_);
+    if (unit == 0 && sparse_table_) return;
+    const bool gather_unit0 = !last_reads_first_ && (!sparse_table_ || !last_micro_);
     use_unit(unit, unit > 1 || (unit == 1 && gather_unit0) ? unit - 1 : -1);
   }
   void after_backward(int unit) override;
-  bool embedding_backward(Tensor dout, Tensor tokens) override;
+  bool scatter_first_unit(Tensor dout, Tensor tokens) override;
   // Every unit but the embeddings writes every gradient of its own, so a slot is cleared only
   // for the embeddings, whose gradient is a scatter-add (scatter_unit).
   bool grads_fresh(int unit) const override { return unit != 0; }
@@ -110,7 +110,7 @@ class Fsdp final : public Strategy {
   // step; an untied head, as wide as they are, takes slot 0 after their forward and gives it back
   // before their backward, so slots 1-2 need only be as wide as a block.
   int slot_of(int unit) const {
-    return unit == 0 || (unit == last() && !head_reads_embeddings_) ? 0 : 1 + unit % 2;
+    return unit == 0 || (unit == last() && !last_reads_first_) ? 0 : 1 + unit % 2;
   }
   Tensor in_slot(const Tensor* slots, int unit) const {
     const int slot = unit_slot_[static_cast<size_t>(unit)];
@@ -122,7 +122,7 @@ class Fsdp final : public Strategy {
   void use_unit(int unit, int prefetch);
   void pack_rest();
   void scatter_unit(int unit);
-  void choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch);
+  void choose_sparse_table(int64_t table_rows, int64_t rows_per_micro_batch);
 
   // fp8.all_gather: a unit's pieces, each `n` values from `from` (to `to`: offsets below), and
   // for a cast the FP8 state tensor it is cast with.
@@ -140,7 +140,7 @@ class Fsdp final : public Strategy {
     std::vector<Piece> unpack;  // every rank's rest: offset in the gathered packs -> unit offset
   };
 
-  const bool head_reads_embeddings_;
+  const bool last_reads_first_;
   Tensor working_shard_;
   Tensor gather_src_;  // what all-gathers (or FP8 casts and packs) read: the working shard, or
                        // the master (CPU, and with FP8 all-gathers)
@@ -159,21 +159,21 @@ class Fsdp final : public Strategy {
   // The sparse embedding gradient (the same choice on every rank): the table's width, the
   // tokens of a rank's micro-batch, and the scratch in slot 0's grads: up to `embed_window_` of
   // the table's rows from 0 on, then the ranks' gradients, then their tokens.
-  bool sparse_embedding_ = false;
+  bool sparse_table_ = false;
   int64_t embed_width_ = 0, embed_tokens_ = 0, embed_window_ = 0;
   // Block 0's reduce-scatter, held back so that the embedding's gathers run before it.
   bool block0_held_ = false;
 };
 
-void Fsdp::choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_batch) {
+void Fsdp::choose_sparse_table(int64_t table_rows, int64_t rows_per_micro_batch) {
   const ShardChunk& c = plan_.chunks.front();
-  if (!comm_ || plan_.world == 1 || head_reads_embeddings_ || reduce_bf16() || table_rows <= 0 ||
+  if (!comm_ || plan_.world == 1 || last_reads_first_ || reduce_bf16() || table_rows <= 0 ||
       rows_per_micro_batch <= 0 || c.real_size % table_rows != 0)
     return;
   const int64_t C = c.real_size / table_rows, gathered = plan_.world * rows_per_micro_batch;
   const int64_t window = c.chunk / C + 2;  // a chunk's rows, the partial ones at its ends counted
   if (gathered >= table_rows || (window + gathered) * C + gathered > c.chunk * plan_.world) return;
-  sparse_embedding_ = true;
+  sparse_table_ = true;
   embed_width_ = C, embed_tokens_ = rows_per_micro_batch, embed_window_ = window;
   if (plan_.rank == 0)
     spdlog::info(
@@ -182,8 +182,8 @@ void Fsdp::choose_sparse_embedding(int64_t table_rows, int64_t rows_per_micro_ba
         plan_.world, rows_per_micro_batch, table_rows, C);
 }
 
-bool Fsdp::embedding_backward(Tensor dout, Tensor tokens) {
-  if (!sparse_embedding_) return false;
+bool Fsdp::scatter_first_unit(Tensor dout, Tensor tokens) {
+  if (!sparse_table_) return false;
   const int64_t C = embed_width_, N = embed_tokens_, W = plan_.world;
   if (tokens.numel() != N || dout.numel() != N * C)
     throw std::logic_error("fsdp: the embedding's backward got " + tokens.str() + " and " +
@@ -395,11 +395,11 @@ void Fsdp::pack_rest() {
 }
 
 void Fsdp::after_backward(int unit) {
-  if (sparse_embedding_ && unit == 1 && unit < last()) {
-    block0_held_ = true;  // issued by embedding_backward
+  if (sparse_table_ && unit == 1 && unit < last()) {
+    block0_held_ = true;  // issued by scatter_first_unit
     return;
   }
-  if (unit == 0 && sparse_embedding_) {
+  if (unit == 0 && sparse_table_) {
     if (block0_held_) throw std::logic_error("fsdp: the embeddings' backward did not run");
     finish_scatter_grads();  // block 0's
     return;
@@ -419,9 +419,9 @@ void Fsdp::scatter_unit(int unit) {
   // unit overwrites its slot (grads_fresh).
   Tensor clear;
   if (slot == 0 && unit != 0)
-    clear = sparse_embedding_ ? unit_grads_[0].slice(0, {embed_window_ * embed_width_})
+    clear = sparse_table_ ? unit_grads_[0].slice(0, {embed_window_ * embed_width_})
                               : unit_grads_[0];
-  else if (unit == 0 && head_reads_embeddings_)
+  else if (unit == 0 && last_reads_first_)
     clear = unit_grads_[0];
   issue_scatter_grads(grad_shard_.slice(c.local, {c.chunk}), full, /*accumulate=*/micro_ > 0,
                       scatter_tmp_, clear);

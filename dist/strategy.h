@@ -42,13 +42,15 @@ struct StrategyOptions {
   std::string name = "ddp";  // ddp | zero1 | fsdp
   double bucket_mb = 0;      // ddp: 0 = by the link between the ranks
   DType reduce_dtype = DType::f32;
-  // The last unit (the head) reads unit 0's parameters (tied embeddings). fsdp keeps unit 0
-  // gathered for the whole step then; otherwise the head takes its gather buffer in turn.
-  bool head_reads_embeddings = true;
-  // Unit 0 is the token embedding table alone, of this many rows (0: it is not), and each
-  // micro-batch's backward scatters this many rows of gradient into it on each rank: what
-  // decides fsdp's sparse embedding gradient (embedding_backward).
-  int64_t embedding_rows = 0;
+  // Facts of the buffer besides its units, which the model states in its layout
+  // (ParamLayout::last_unit_reads_first, first_unit_rows) so that dist knows no tensor:
+  // The last unit reads unit 0's parameters too (a head tied to the token table). fsdp keeps
+  // unit 0 gathered for the whole step then; otherwise the last unit takes its slot in turn.
+  bool last_unit_reads_first = true;
+  // Unit 0 is one table of this many rows (0: it is not), and each micro-batch's backward
+  // scatters this many rows of gradient into it on each rank: what decides fsdp's sparse
+  // gradient of the table (scatter_first_unit).
+  int64_t first_unit_rows = 0;
   int64_t rows_per_micro_batch = 0;
 };
 
@@ -95,9 +97,10 @@ class Strategy {
   virtual void before_forward(int /*unit*/) {}
   virtual void before_backward(int /*unit*/) {}
   virtual void after_backward(int /*unit*/) {}
-  // The embedding's backward in the strategy's hands (UnitHooks::embedding_backward): false
-  // leaves it to the model.
-  virtual bool embedding_backward(Tensor /*dout*/, Tensor /*tokens*/) { return false; }
+  // Unit 0's gradient, where it is a table of rows, in the strategy's hands: `grads` [N, width]
+  // scattered into the rows `rows` (i32[N]) name (UnitHooks::embedding_backward). False leaves
+  // it to the model.
+  virtual bool scatter_first_unit(Tensor /*grads*/, Tensor /*rows*/) { return false; }
   // Whether the unit's gradients are stale when its backward starts (UnitHooks::grads_fresh):
   // the model then writes them instead of adding to them.
   virtual bool grads_fresh(int /*unit*/) const { return false; }

@@ -77,6 +77,9 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend)
   lm_head_ = cfg.tie_embeddings ? embed_.wte : b.add("lm_head", {cfg.padded_vocab_size, C}, true);
   b.close_unit();
   layout_ = b.finish();
+  layout_.last_unit_reads_first = cfg.tie_embeddings;
+  // Without learned positions unit 0 is the token table alone.
+  if (embed_.wpe < 0) layout_.first_unit_rows = cfg.padded_vocab_size;
 
   // GPT-2's init (and torchtitan's LLaMA one): N(0, 0.02) for matrices, the residual
   // projections scaled by 1/sqrt(2 * n_layer), norm gains 1, biases 0.

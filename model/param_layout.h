@@ -32,6 +32,12 @@ struct ParamLayout {
   int64_t total = 0;                                     // elements
   std::vector<std::pair<int64_t, int64_t>> units;        // [begin, end) per unit
   std::vector<std::pair<int64_t, int64_t>> decay_spans;  // merged [begin, end) with decay
+  // What a sharding strategy needs of the model besides ranges, stated here by the model so that
+  // dist knows no tensor (dist/strategy.h, StrategyOptions): the last unit reads unit 0's
+  // parameters too (a head tied to the token table), and unit 0 is one table of this many rows
+  // whose gradient is a scatter of rows (0: it is not).
+  bool last_unit_reads_first = false;
+  int64_t first_unit_rows = 0;
 
   const ParamInfo& find(const std::string& name) const;
   // Index of `name` in tensors; throws std::out_of_range naming it when absent.

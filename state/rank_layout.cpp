@@ -24,7 +24,10 @@ ParamLayout expert_local_layout(const ParamLayout& global, int ranks) {
     b.add(t.name, shape, t.decay, experts);
   }
   for (; unit < static_cast<int>(global.units.size()); ++unit) b.close_unit();
-  return b.finish();
+  ParamLayout local = b.finish();
+  local.last_unit_reads_first = global.last_unit_reads_first;
+  local.first_unit_rows = global.first_unit_rows;
+  return local;
 }
 
 std::vector<std::pair<int64_t, int64_t>> dense_ranges(const ParamLayout& layout) {

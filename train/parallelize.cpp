@@ -29,19 +29,15 @@ Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(in
 
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
                                             const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep, bool tied_head,
+                                            Communicator* data, Communicator* ep,
                                             int64_t rows_per_micro_batch) {
   StrategyOptions o;
   o.name = dist.strategy;
   o.bucket_mb = dist.bucket_mb;
   o.reduce_dtype = dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
-  o.head_reads_embeddings = tied_head;
   const ParamLayout& flat = layout.local();
-  // Unit 0 the token table alone (no learned positions): its rows.
-  std::vector<const ParamInfo*> unit0;
-  for (const ParamInfo& p : flat.tensors)
-    if (p.unit == 0) unit0.push_back(&p);
-  if (unit0.size() == 1 && unit0[0]->shape.ndim == 2) o.embedding_rows = unit0[0]->shape[0];
+  o.last_unit_reads_first = flat.last_unit_reads_first;
+  o.first_unit_rows = flat.first_unit_rows;
   o.rows_per_micro_batch = rows_per_micro_batch;
   auto strategy = make_strategy(o, backend, data, plan.data_group(), flat.total, flat.units);
   if (plan.has_experts_split()) strategy->reduce_dense_over(ep, dense_ranges(flat));
@@ -88,7 +84,7 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   hooks.before_backward = [&strategy](int unit) { strategy.before_backward(unit); };
   hooks.after_backward = [&strategy](int unit) { strategy.after_backward(unit); };
   hooks.embedding_backward = [&strategy](Tensor dout, Tensor tokens) {
-    return strategy.embedding_backward(dout, tokens);
+    return strategy.scatter_first_unit(dout, tokens);
   };
   hooks.grads_fresh = [&strategy](int unit) { return strategy.grads_fresh(unit); };
   model.set_hooks(&hooks);

@@ -58,11 +58,12 @@ void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const Pa
 
 // The dist section's strategy over the plan's data group (communicator `data`, null for a group
 // of one), holding `layout`'s buffer; under expert parallelism the dense parameters are summed
-// over the expert group (`ep`) besides. `tied_head`: the head reads the embeddings' weights;
-// `rows_per_micro_batch`: the tokens a rank's micro-batch holds.
+// over the expert group (`ep`) besides. What the strategy needs of the model comes from its
+// layout (ParamLayout::last_unit_reads_first, first_unit_rows); `rows_per_micro_batch`: the
+// tokens a rank's micro-batch holds.
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
                                             const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep, bool tied_head,
+                                            Communicator* data, Communicator* ep,
                                             int64_t rows_per_micro_batch);
 
 // Expert parallelism: the model's MoE layers exchange tokens over `ep`, the communicator of the

@@ -201,7 +201,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
     parallelize_experts(*model_, layout_, plan_, *comms_.expert, is_main());
   if (plan_.has_context_split()) parallelize_context(*model_, plan_, *comms_.context, is_main());
   strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert,
-                                model_->config().tie_embeddings, inputs_.rows());
+                                inputs_.rows());
   parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.expert_local(), comm_,
                   rank.world_size, is_main());
 }
