@@ -245,4 +245,24 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double 
   return stall;
 }
 
+double settle_async_checkpoints(const RunParts& run, AsyncCheckpointer* async, Tensor flag) {
+  if (!async) return 0;
+  std::string error;
+  const double waited = async->wait(&error);
+  float failed = error.empty() ? 0.0f : 1.0f;
+  if (run.comm && run.world_size > 1) {
+    run.backend.copy_from_host(flag, &failed);
+    run.comm->all_reduce_sum(flag);
+    run.comm->wait();
+    run.backend.copy_to_host(&failed, flag);
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+  if (failed > 0)
+    throw std::runtime_error(
+        "an asynchronous checkpoint failed on " + std::to_string(static_cast<int>(failed)) +
+        " other rank(s) (train.checkpoint_async; their lines say why); the newest complete "
+        "checkpoint is intact");
+  return waited;
+}
+
 }  // namespace kiln

@@ -49,6 +49,14 @@ size_t checkpoint_snapshot_bytes(const TrainSection& train, const Strategy& stra
 // before the first save (AsyncCheckpointer::reserve).
 void reserve_checkpoint_snapshot(const RunParts& run, AsyncCheckpointer& async);
 
+// train.checkpoint_async: waits for this rank's save in flight (`async`; null: none), and agrees
+// with every rank on whether any save failed, summing `flag` (f32[1] in backend memory) over the
+// world (collective: called at checkpoint steps and on the way out, where every rank is). A
+// failure one rank alone saw would send it out of the loop while the others wait for it in their
+// next collective. Throws on every rank where one failed: this rank's error, or one naming the
+// others. Returns the milliseconds it waited for the writer.
+double settle_async_checkpoints(const RunParts& run, AsyncCheckpointer* async, Tensor flag);
+
 // Writes the checkpoint of step `step` (collective: every rank calls it): the whole save here,
 // or, with `async` (train.checkpoint_async), a copy of the state into its host buffers that its
 // thread writes and publishes; the caller has waited `waited_ms` for the previous save and

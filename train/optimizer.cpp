@@ -26,4 +26,28 @@ OptimizerStep optimizer_step(const OptimSection& optim, int world) {
   return s;
 }
 
+void Optimizer::plan(Arena& arena, const ParamLayout& local) {
+  arena.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(local.decay_spans.size()), 2},
+             DType::i64);
+  arena.plan(&sched_, "sched", {kSchedSize}, DType::f32);
+  arena.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
+}
+
+void Optimizer::upload(Backend& k, const ParamLayout& local) {
+  std::vector<int64_t> flat;
+  for (const auto& [b, e] : local.decay_spans) {
+    flat.push_back(b);
+    flat.push_back(e);
+  }
+  k.copy_from_host(decay_spans_, flat.data());
+}
+
+void Optimizer::step(Backend& k, Strategy& strategy, const Nvtx& nvtx) {
+  strategy.reduce_grads(sumsq_);
+  Nvtx::Range range = nvtx.range("optimizer");
+  clip_and_adamw(k, strategy.shard(), strategy.plan().owned, sched_, sumsq_, decay_spans_, step_);
+  range.end();
+  strategy.after_update();
+}
+
 }  // namespace kiln

@@ -10,7 +10,10 @@
 #include "config/config.h"
 #include "dist/sharding.h"
 #include "dist/strategy.h"
+#include "kernels/arena.h"
 #include "kernels/backend.h"
+#include "model/param_layout.h"
+#include "telemetry/nvtx.h"
 
 namespace kiln {
 
@@ -32,5 +35,28 @@ OptimizerStep optimizer_step(const OptimSection& optim, int world);
 // offsets where weight decay applies.
 void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<OwnedRange>& owned,
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s);
+
+// A run's optimizer: the state it keeps besides the strategy's shard (the schedule's scalars, the
+// gradient's global sum of squares, the weight-decay spans of the rank's buffer), planned into the
+// run's state arena, and its step over the strategy.
+class Optimizer {
+ public:
+  // `gradient_ranks`: the ranks whose gradients are averaged (docs: OptimizerStep::grad_scale).
+  Optimizer(const OptimSection& optim, int gradient_ranks)
+      : step_(optimizer_step(optim, gradient_ranks)) {}
+  // The state, for a rank whose buffer is laid out as `local`.
+  void plan(Arena& arena, const ParamLayout& local);
+  // Once the arena is allocated: the decay spans into device memory.
+  void upload(Backend& k, const ParamLayout& local);
+  // f32[kSchedSize]: lr and step in (staged each step), the grad norm out.
+  Tensor sched() const { return sched_; }
+  // After the last micro-batch's backward: the strategy's reduction, clipping and AdamW (the
+  // NVTX range "optimizer"), and the updated parameters where the next forward reads them.
+  void step(Backend& k, Strategy& strategy, const Nvtx& nvtx);
+
+ private:
+  OptimizerStep step_;
+  Tensor decay_spans_, sched_, sumsq_;
+};
 
 }  // namespace kiln

@@ -1,5 +1,7 @@
 #include "train/step_inputs.h"
 
+#include <spdlog/spdlog.h>
+
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -173,6 +175,22 @@ double StepInputs::stage(int step, double lr, DataLoader& loader, Tensor sched, 
   backend_.upload_done(slot);
   if (wait) backend_.upload_wait(slot);
   return std::chrono::duration<double>(waited).count();
+}
+
+std::unique_ptr<DataLoader> open_train_data(const Config& cfg, const ModelConfig& model, int rank,
+                                            int ranks, bool log) {
+  const DataSection& d = cfg.data;
+  const int B = cfg.train.batch_size, T = model.seq_len, V = model.vocab_size;
+  const auto seed = static_cast<uint64_t>(cfg.train.seed);
+  const int sep = d.document_mask ? d.document_separator : -1;
+  if (log && sep >= 0)
+    spdlog::info("document masking: on (documents begin at token {}; RoPE positions {})", sep,
+                 d.document_positions ? "restart per document" : "run over the window");
+  if (d.sources.empty())
+    return open_data("data.train", d.train, B, T, rank, ranks, V, d.shuffle, seed, d.prefetch, sep);
+  std::vector<LoaderSource> sources;
+  for (const DataSource& s : d.sources) sources.push_back({s.name, s.train, s.weight});
+  return open_mixture(sources, B, T, rank, ranks, V, d.shuffle, seed, d.prefetch, sep);
 }
 
 }  // namespace kiln

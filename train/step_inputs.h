@@ -16,13 +16,21 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
 #include "data/loader.h"
 #include "kernels/arena.h"
 #include "model/context_parallel.h"
 #include "model/layers/layer.h"
+#include "model/model.h"
 #include "telemetry/nvtx.h"
 
 namespace kiln {
+
+// The training data the config names (data.train, or data.sources' mixture) for batch rank `rank`
+// of `ranks` (the ranks that share a sequence or a layer's matrices read the same batch), in
+// windows of the model's seq_len. `log`: say whether document masking is on.
+std::unique_ptr<DataLoader> open_train_data(const Config& cfg, const ModelConfig& model, int rank,
+                                            int ranks, bool log);
 
 // The loader of the data section's `key` (data.train, data.val) for this rank: a glob or shard
 // it cannot read is an InputError naming the key. document_separator: DataLoader's (-1: none).

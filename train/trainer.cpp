@@ -102,28 +102,8 @@ class Trainer {
     settle_checkpoints();
     return status;
   }
-  // train.checkpoint_async: waits for this rank's save in flight, and agrees with every rank on
-  // whether any save failed (collective: called at checkpoint steps and on the way out, where
-  // every rank is). A failure one rank alone saw would send it out of the loop while the others
-  // wait for it in their next collective. Throws on every rank where one failed: this rank's
-  // error, or one naming the others. Returns the milliseconds it waited for the writer.
   double settle_checkpoints() {
-    if (!async_checkpoints_) return 0;
-    std::string error;
-    const double waited = async_checkpoints_->wait(&error);
-    float failed = error.empty() ? 0.0f : 1.0f;
-    if (comm_ && rank_.world_size > 1) {
-      backend_->copy_from_host(checkpoint_failed_, &failed);
-      all_reduce(checkpoint_failed_);
-      backend_->copy_to_host(&failed, checkpoint_failed_);
-    }
-    if (!error.empty()) throw std::runtime_error(error);
-    if (failed > 0)
-      throw std::runtime_error(
-          "an asynchronous checkpoint failed on " + std::to_string(static_cast<int>(failed)) +
-          " other rank(s) (train.checkpoint_async; their lines say why); the newest complete "
-          "checkpoint is intact");
-    return waited;
+    return settle_async_checkpoints(parts(), async_checkpoints_.get(), checkpoint_failed_);
   }
   void all_reduce(Tensor t) {
     if (!comm_ || rank_.world_size == 1) return;
@@ -150,8 +130,8 @@ class Trainer {
   // Parameters, grads and AdamW state, laid out and synchronized per dist.strategy.
   std::unique_ptr<Strategy> strategy_;
   UnitHooks hooks_;
-  OptimizerStep optimizer_;
-  Tensor decay_spans_, sched_, sumsq_, loss_sum_;
+  Optimizer optimizer_;
+  Tensor loss_sum_;
   Tensor checkpoint_failed_;  // settle_checkpoints' flag, summed over the ranks
   StepInputs inputs_;
   StepGraph graph_;  // after comms_: its graph, holding their collectives, goes first
@@ -183,7 +163,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       layout_(model_->layout(), plan_),
       state_arena_(*backend_, "parameters and optimizer"),
       acts_arena_(*backend_, "activations"),
-      optimizer_(optimizer_step(cfg.optim, rank.world_size)),
+      optimizer_(cfg.optim, rank.world_size),
       inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len,
               DocumentInputs{cfg.data.document_mask,
                              cfg.data.document_mask && cfg.data.document_positions},
@@ -208,11 +188,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
 
 void Trainer::plan_buffers() {
   strategy_->plan_memory(state_arena_);
-  const auto& spans = layout_.local().decay_spans;
-  state_arena_.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(spans.size()), 2},
-                    DType::i64);
-  state_arena_.plan(&sched_, "sched", {kSchedSize}, DType::f32);
-  state_arena_.plan(&sumsq_, "grad_sumsq", {1}, DType::f32);
+  optimizer_.plan(state_arena_, layout_.local());
   state_arena_.plan(&loss_sum_, "loss_sum", {1}, DType::f32);
   state_arena_.plan(&checkpoint_failed_, "checkpoint_failed", {1}, DType::f32);
   if (power_) power_->plan(state_arena_);
@@ -248,12 +224,7 @@ void Trainer::plan_memory() {
                      "shard with dist.strategy=zero1|fsdp, or shrink the model. " +
                      e.what());
   }
-  std::vector<int64_t> flat;
-  for (const auto& [b, e] : layout_.local().decay_spans) {
-    flat.push_back(b);
-    flat.push_back(e);
-  }
-  backend_->copy_from_host(decay_spans_, flat.data());
+  optimizer_.upload(*backend_, layout_.local());
   inputs_.allocate_staging();
   strategy_->bind();
   parallelize(*model_, *strategy_, hooks_, layout_.expert_local());
@@ -282,12 +253,7 @@ void Trainer::step_work() {
     model_->moe_update_bias();
   }
   model_->fp8().update_scales();
-  strategy_->reduce_grads(sumsq_);
-  Nvtx::Range optimizer = nvtx_.range("optimizer");
-  clip_and_adamw(k, strategy_->shard(), strategy_->plan().owned, sched_, sumsq_, decay_spans_,
-                 optimizer_);
-  optimizer.end();
-  strategy_->after_update();
+  optimizer_.step(k, *strategy_, nvtx_);
   model_->fp8().cast_weights();
 }
 
@@ -344,22 +310,7 @@ int Trainer::run() {
   // cannot be made, data that cannot be read, then a checkpoint this run cannot resume.
   if (is_main()) check_run_dir(cfg_);
   // Ranks that share a sequence read the same windows (each keeps its rows).
-  const int R = plan_.batch_rank(), W = plan_.batch_ranks(), V = mcfg_.vocab_size,
-            L = mcfg_.seq_len;
-  const auto seed = static_cast<uint64_t>(t.seed);
-  const int sep = cfg_.data.document_mask ? cfg_.data.document_separator : -1;
-  if (is_main() && sep >= 0)
-    spdlog::info("document masking: on (documents begin at token {}; RoPE positions {})", sep,
-                 cfg_.data.document_positions ? "restart per document" : "run over the window");
-  if (cfg_.data.sources.empty()) {
-    train_loader_ = open_data("data.train", cfg_.data.train, B(), L, R, W, V, cfg_.data.shuffle,
-                              seed, cfg_.data.prefetch, sep);
-  } else {
-    std::vector<LoaderSource> sources;
-    for (const DataSource& s : cfg_.data.sources) sources.push_back({s.name, s.train, s.weight});
-    train_loader_ =
-        open_mixture(sources, B(), L, R, W, V, cfg_.data.shuffle, seed, cfg_.data.prefetch, sep);
-  }
+  train_loader_ = open_train_data(cfg_, mcfg_, plan_.batch_rank(), plan_.batch_ranks(), is_main());
   evaluation_ = std::make_unique<Evaluation>(cfg_, plan_, *backend_, *model_, inputs_, loss_sum_,
                                              nvtx_, [this](Tensor t) { all_reduce(t); });
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
@@ -410,10 +361,10 @@ int Trainer::run() {
     backend_->mark_step_start(slot);
     const double lr = learning_rate(cfg_.optim, step, t.max_steps);
     const double data_wait_s =
-        inputs_.stage(step, lr, *train_loader_, sched_, nvtx_, !cfg_.data.prefetch);
+        inputs_.stage(step, lr, *train_loader_, optimizer_.sched(), nvtx_, !cfg_.data.prefetch);
     power_->enqueue_step(slot);
     graph_.run(step);
-    backend_->read_async(slot, report_->readback(loss_sum_, sched_.slice(kSchedGradNorm, {1})));
+    backend_->read_async(slot, report_->readback(loss_sum_, optimizer_.sched().slice(kSchedGradNorm, {1})));
     const Clock::time_point enqueue_end = Clock::now();
     // While the device runs the step just enqueued: off its critical path.
     if (stop_ && !stop_at_) {
