@@ -77,7 +77,23 @@ __global__ void convert_kernel(Dst* dst, const Src* src, int64_t n) {
     dst[i] = from_float<Dst>(to_float(src[i]));
 }
 
+// Why this backend runs the portable paths rather than the sm_90a kernels; "" where it runs them.
+std::string sm90_kernels_off(int compute_capability) {
+  if (!CudaBackend::sm90_kernels_built())
+    return "not built: KILN_CUDA_ARCH has no 90a, or no CUTLASS headers";
+  if (compute_capability != 90) return "compute capability is not 9.0";
+  return "";
+}
+
 }  // namespace
+
+bool CudaBackend::sm90_kernels_built() {
+#ifdef KILN_WITH_SM90_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
 
 const char* attention_kind_name(AttentionKind kind) {
   switch (kind) {
@@ -100,6 +116,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   sm_count_ = prop.multiProcessorCount;
   compute_capability_ = prop.major * 10 + prop.minor;
   name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+  const std::string sm90_off = sm90_kernels_off(compute_capability_);
+  sm90_kernels_ = sm90_off.empty();
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   KILN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
   cublaslt_workspace_bytes_ = kCublasLtWorkspaceBytes;
@@ -112,8 +130,10 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   for (cudaEvent_t& e : step_start_) KILN_CUDA_CHECK(cudaEventCreate(&e));
   for (cudaEvent_t& e : upload_done_)
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
-               prop.minor);
+  spdlog::info(
+      "cuda backend: {}, {} SMs, compute capability {}.{}, built for {}; Hopper kernels {}", name_,
+      sm_count_, prop.major, prop.minor, KILN_CUDA_ARCHS,
+      sm90_kernels_ ? "on" : "off (" + sm90_off + "): portable paths");
   set_attention("auto");
 }
 
