@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -82,6 +83,10 @@ std::string sm90_kernels_off(int compute_capability) {
   if (!CudaBackend::sm90_kernels_built())
     return "not built: KILN_CUDA_ARCH has no 90a, or no CUTLASS headers";
   if (compute_capability != 90) return "compute capability is not 9.0";
+  // The portable paths on a Hopper GPU, so that they are tested before a GPU that needs them is.
+  const char* forced = std::getenv("KILN_PORTABLE_KERNELS");
+  if (forced && *forced && std::strcmp(forced, "0") != 0)
+    return std::string("KILN_PORTABLE_KERNELS=") + forced;
   return "";
 }
 

@@ -9,7 +9,8 @@
 // attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, moe_*.cu, grouped_matmul*.cu);
 // this header is the only one other layers (trainer, NCCL) need.
 // The Hopper-only kernels (*_sm90.cu) are built for sm_90a alone and run only where
-// sm90_kernels() says so; every other GPU runs the portable paths.
+// sm90_kernels() says so; every other GPU, and a Hopper GPU with KILN_PORTABLE_KERNELS=1, runs
+// the portable paths (docs/cuda.md, Architectures).
 #pragma once
 
 #include <cublasLt.h>
@@ -72,8 +73,9 @@ class CudaBackend final : public Backend {
   static bool cudnn_built();  // compiled with the cuDNN frontend
   static bool sm90_kernels_built();  // compiled with the sm_90a kernels (*_sm90.cu, CUTLASS)
   // Whether this backend runs the sm_90a kernels (the MoE grouped GEMMs reading device group
-  // sizes, the fused SwiGLU backward): built with them and a compute capability 9.0 GPU.
-  // Decided once, in the constructor, and logged there.
+  // sizes, the fused SwiGLU backward): built with them, a compute capability 9.0 GPU, and the
+  // environment variable KILN_PORTABLE_KERNELS unset or 0 when the backend was made. Decided
+  // once, in the constructor, and logged there.
   bool sm90_kernels() const { return sm90_kernels_; }
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
