@@ -121,6 +121,20 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   sm_count_ = prop.multiProcessorCount;
   compute_capability_ = prop.major * 10 + prop.minor;
   name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+  // A binary built for other architectures would fail at its first kernel with a bare "no kernel
+  // image"; say which build this GPU needs instead.
+  cudaFuncAttributes kernel{};
+  if (const cudaError_t err = cudaFuncGetAttributes(&kernel, convert_kernel<bf16, float>);
+      err != cudaSuccess) {
+    cudaGetLastError();
+    const std::string cc = std::to_string(compute_capability_);
+    throw std::runtime_error(
+        "cuda: " + name_ + " is compute capability " + std::to_string(prop.major) + "." +
+        std::to_string(prop.minor) +
+        " and this build holds no kernels it can run (KILN_CUDA_ARCH=" + KILN_CUDA_ARCHS + ": " +
+        cudaGetErrorString(err) + "); build with -DKILN_CUDA_ARCH=" + cc +
+        (prop.major >= 9 ? "a" : "") + " (docs/cuda.md, Architectures)");
+  }
   const std::string sm90_off = sm90_kernels_off(compute_capability_);
   sm90_kernels_ = sm90_off.empty();
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
