@@ -606,9 +606,10 @@ TEST_F(CudaOps, Sm90KernelsRunWhereTheyCanUnlessPortableIsForced) {
   };
   EXPECT_EQ(differing(dpre_of(portable, true), dpre_of(portable, false)), 0)
       << "the forced-portable backend fused SwiGLU's backward into its GEMM";
-  if (gpu_->sm90_kernels())
+  if (gpu_->sm90_kernels()) {
     EXPECT_GT(differing(dpre_of(*gpu_, true), dpre_of(*gpu_, false)), 0)
         << "the fused GEMM gave the two ops' bits: this test cannot tell the paths apart";
+  }
 }
 
 // ---- matmul -------------------------------------------------------------------------------
