@@ -463,7 +463,9 @@ std::string Decoder::graph_unavailable() const {
   return std::string(
              "the MoE blocks' grouped GEMMs read their group sizes on the host at every "
              "call (") +
-         (ranks > 1 ? "dist.expert_parallel" : "no CUTLASS on this build or GPU") +
+         (ranks > 1
+              ? "dist.expert_parallel"
+              : "no sm_90a grouped GEMM runs here: the cuda backend's startup line says why") +
          "), which a graph cannot replay";
 }
 

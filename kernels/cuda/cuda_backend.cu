@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -77,7 +78,27 @@ __global__ void convert_kernel(Dst* dst, const Src* src, int64_t n) {
     dst[i] = from_float<Dst>(to_float(src[i]));
 }
 
+// Why this backend runs the portable paths rather than the sm_90a kernels; "" where it runs them.
+std::string sm90_kernels_off(int compute_capability) {
+  if (!CudaBackend::sm90_kernels_built())
+    return "not built: KILN_CUDA_ARCH has no 90a, or no CUTLASS headers";
+  if (compute_capability != 90) return "compute capability is not 9.0";
+  // The portable paths on a Hopper GPU, so that they are tested before a GPU that needs them is.
+  const char* forced = std::getenv("KILN_PORTABLE_KERNELS");
+  if (forced && *forced && std::strcmp(forced, "0") != 0)
+    return std::string("KILN_PORTABLE_KERNELS=") + forced;
+  return "";
+}
+
 }  // namespace
+
+bool CudaBackend::sm90_kernels_built() {
+#ifdef KILN_WITH_SM90_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
 
 const char* attention_kind_name(AttentionKind kind) {
   switch (kind) {
@@ -100,6 +121,22 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   sm_count_ = prop.multiProcessorCount;
   compute_capability_ = prop.major * 10 + prop.minor;
   name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+  // A binary built for other architectures would fail at its first kernel with a bare "no kernel
+  // image"; say which build this GPU needs instead.
+  cudaFuncAttributes kernel{};
+  if (const cudaError_t err = cudaFuncGetAttributes(&kernel, convert_kernel<bf16, float>);
+      err != cudaSuccess) {
+    cudaGetLastError();
+    const std::string cc = std::to_string(compute_capability_);
+    throw std::runtime_error(
+        "cuda: " + name_ + " is compute capability " + std::to_string(prop.major) + "." +
+        std::to_string(prop.minor) +
+        " and this build holds no kernels it can run (KILN_CUDA_ARCH=" + KILN_CUDA_ARCHS + ": " +
+        cudaGetErrorString(err) + "); build with -DKILN_CUDA_ARCH=" + cc +
+        (prop.major >= 9 ? "a" : "") + " (docs/cuda.md, Architectures)");
+  }
+  const std::string sm90_off = sm90_kernels_off(compute_capability_);
+  sm90_kernels_ = sm90_off.empty();
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   KILN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
   cublaslt_workspace_bytes_ = kCublasLtWorkspaceBytes;
@@ -112,8 +149,10 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   for (cudaEvent_t& e : step_start_) KILN_CUDA_CHECK(cudaEventCreate(&e));
   for (cudaEvent_t& e : upload_done_)
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  spdlog::info("cuda backend: {}, {} SMs, compute capability {}.{}", name_, sm_count_, prop.major,
-               prop.minor);
+  spdlog::info(
+      "cuda backend: {}, {} SMs, compute capability {}.{}, built for {}; Hopper kernels {}", name_,
+      sm_count_, prop.major, prop.minor, KILN_CUDA_ARCHS,
+      sm90_kernels_ ? "on" : "off (" + sm90_off + "): portable paths");
   set_attention("auto");
 }
 

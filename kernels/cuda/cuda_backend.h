@@ -8,6 +8,9 @@
 // (encoder.cu, layernorm.cu, rmsnorm.cu, qk_norm.cu, rope.cu, matmul.cu, swiglu*.cu, fp8.cu,
 // attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, moe_*.cu, grouped_matmul*.cu);
 // this header is the only one other layers (trainer, NCCL) need.
+// The Hopper-only kernels (*_sm90.cu) are built for sm_90a alone and run only where
+// sm90_kernels() says so; every other GPU, and a Hopper GPU with KILN_PORTABLE_KERNELS=1, runs
+// the portable paths (docs/cuda.md, Architectures).
 #pragma once
 
 #include <cublasLt.h>
@@ -26,7 +29,7 @@ const char* attention_kind_name(AttentionKind kind);
 
 struct MatmulPlans;      // matmul.cu: cuBLASLt descriptors and algorithms cached per shape
 struct CudnnAttention;   // attention_cudnn.cpp: cuDNN handle and SDPA graphs cached per shape
-struct GroupedGemms;     // grouped_matmul_cutlass.cu: CUTLASS grouped GEMMs per group count
+struct GroupedGemms;     // grouped_matmul_sm90.cu: CUTLASS grouped GEMMs per group count
 struct MatmulPlansDeleter {
   void operator()(MatmulPlans* p) const;
 };
@@ -68,7 +71,12 @@ class CudaBackend final : public Backend {
   // default), or as matmul_backward + swiglu_backward: tests check both against the CPU.
   void set_swiglu_fused(bool on) { swiglu_fused_ = on; }
   static bool cudnn_built();  // compiled with the cuDNN frontend
-  static bool grouped_device_offsets_built();  // compiled with CUTLASS's grouped GEMM
+  static bool sm90_kernels_built();  // compiled with the sm_90a kernels (*_sm90.cu, CUTLASS)
+  // Whether this backend runs the sm_90a kernels (the MoE grouped GEMMs reading device group
+  // sizes, the fused SwiGLU backward): built with them, a compute capability 9.0 GPU, and the
+  // environment variable KILN_PORTABLE_KERNELS unset or 0 when the backend was made. Decided
+  // once, in the constructor, and logged there.
+  bool sm90_kernels() const { return sm90_kernels_; }
   // Scratch memory for intermediate results inside one op (partial sums, sort buffers). Ops run
   // in stream order, so one buffer serves all. It grows (stream sync + reallocation, logged)
   // when an op needs more: the trainer's warm-up steps size it before any graph capture, and
@@ -104,9 +112,7 @@ class CudaBackend final : public Backend {
 
   // ---- Backend ----------------------------------------------------------------------------
   DType activation_dtype() const override { return DType::bf16; }
-  bool grouped_reads_device_offsets() const override {
-    return grouped_device_offsets_built() && compute_capability_ == 90;
-  }
+  bool grouped_reads_device_offsets() const override { return sm90_kernels_; }
   std::string fp8_unavailable() const override;
   bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) override;
 
@@ -128,15 +134,16 @@ class CudaBackend final : public Backend {
                                        const int* o);
   void grouped_matmul_backward_by_group(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
                                         Tensor weight, Tensor inp_pre_gelu, const int* o);
-  // The grouped GEMMs with the offsets in device memory (grouped_matmul_cutlass.cu): whether
-  // CUTLASS's grouped GEMM takes these operands, and the calls (no epilogue).
+  // The grouped GEMMs with the offsets in device memory (grouped_matmul_sm90.cu): whether
+  // CUTLASS's grouped GEMM takes these operands (grouped_matmul.cu), and the calls (no epilogue).
   bool grouped_takes_device_offsets(const Tensor& inp, const Tensor& weight,
                                     const Tensor& out) const;
   void grouped_matmul_forward_device(Tensor out, Tensor inp, Tensor weight, Tensor offsets);
   void grouped_matmul_backward_device(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
                                       Tensor weight, Tensor offsets);
-  // swiglu_matmul_backward's fused input gradient (swiglu_matmul.cu, CUTLASS): whether these
-  // operands can take it (sm_90, C and F multiples of 8, 16-byte aligned), and the GEMM.
+  // swiglu_matmul_backward's fused input gradient: whether these operands can take it (the sm_90a
+  // kernels, C and F multiples of 8, 16-byte aligned: swiglu_matmul.cu), and the GEMM
+  // (swiglu_matmul_sm90.cu).
   bool swiglu_dgrad_fusable(const Tensor& dpre, const Tensor& dout, const Tensor& weight,
                             const Tensor& pre) const;
   void swiglu_dgrad(Tensor dpre, Tensor dout, Tensor weight, Tensor pre);
@@ -178,10 +185,11 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   int sm_count_ = 0;
   int compute_capability_ = 0;  // 90 for sm_90
+  bool sm90_kernels_ = false;   // sm90_kernels()
   GeluBackward gelu_backward_ = GeluBackward::automatic;
   bool deterministic_ = false;
   bool swiglu_fused_ = true;
-  bool swiglu_dgrad_ready_ = false;  // swiglu_matmul.cu: the fused kernel's attribute is set
+  bool swiglu_dgrad_ready_ = false;  // swiglu_matmul_sm90.cu: the fused kernel's attribute is set
   std::string name_;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;

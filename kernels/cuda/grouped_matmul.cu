@@ -3,10 +3,11 @@
 //   forward:  out[m, o] = sum_c inp[m, c] W[e][o, c]            (+ GELU epilogue)
 //   dinp:     dinp[m, c] = sum_o dout[m, o] W[e][o, c]          (* gelu'(pre))
 //   dweight:  dW[e][o, c] += sum_{m in e} dout[m, o] inp[m, c]  (f32)
-// Offsets in device memory go to CUTLASS's grouped GEMM (grouped_matmul_cutlass.cu), one launch
+// Offsets in device memory go to CUTLASS's grouped GEMM (grouped_matmul_sm90.cu), one launch
 // a call that reads the group sizes on the device: no sync, and a graph can capture it. Offsets
 // in host memory (the MoE layer's copy, once per pass, where the backend reads no device
-// offsets: no CUTLASS, expert parallelism) run every non-empty group as a cuBLASLt GEMM
+// offsets: any GPU but Hopper, a build without the sm_90a kernels, KILN_PORTABLE_KERNELS, expert
+// parallelism) run every non-empty group as a cuBLASLt GEMM
 // (grouped_matmul_*_by_group, matmul.cu). With device offsets GELU is a pass of its own over
 // all M rows after the GEMM (the groups cover them all). Device offsets the CUTLASS path cannot
 // take (unaligned operands, widths not multiples of 8) are copied to the host, warning once.
@@ -25,10 +26,29 @@ using namespace cuda;
 namespace {
 
 constexpr const char* kNotTaken =
-    "CUTLASS's grouped GEMM does not take these operands here (sm_90, C and OC multiples of 8, "
-    "16-byte alignment)";
+    "CUTLASS's grouped GEMM does not take these operands here (the sm_90a kernels, C and OC "
+    "multiples of 8, 16-byte alignment)";
 
 }  // namespace
+
+bool CudaBackend::grouped_takes_device_offsets(const Tensor& inp, const Tensor& weight,
+                                               const Tensor& out) const {
+  return sm90_kernels_ && inp.dim(1) % 8 == 0 && weight.dim(1) % 8 == 0 && aligned(inp.data, 16) &&
+         aligned(weight.data, 16) && aligned(out.data, 16);
+}
+
+#ifndef KILN_WITH_SM90_KERNELS
+struct GroupedGemms {};
+void GroupedGemmsDeleter::operator()(GroupedGemms* p) const {
+  delete p;
+}
+void CudaBackend::grouped_matmul_forward_device(Tensor, Tensor, Tensor, Tensor) {
+  throw std::logic_error("cuda grouped GEMM: built without the sm_90a kernels");
+}
+void CudaBackend::grouped_matmul_backward_device(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+  throw std::logic_error("cuda grouped GEMM: built without the sm_90a kernels");
+}
+#endif
 
 const int* CudaBackend::host_group_offsets(Tensor offsets, int64_t rows, const char* op) const {
   if (capturing_)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -551,6 +552,65 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaSwiGluMatmul,
                            return "T" + std::to_string(i.param.T) + "C" +
                                   std::to_string(i.param.C) + "F" + std::to_string(i.param.F);
                          });
+
+// The sm_90a kernels run exactly where they can (a build with them, a compute capability 9.0
+// GPU) unless KILN_PORTABLE_KERNELS was set when the backend was made. dev/portable_parity.sh
+// runs the GPU tests once with it set: a switch that went unheard would test the Hopper kernels
+// twice and the paths other GPUs run never, and this test would fail instead.
+TEST_F(CudaOps, Sm90KernelsRunWhereTheyCanUnlessPortableIsForced) {
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, gpu_->device_index()), cudaSuccess);
+  const char* env = std::getenv("KILN_PORTABLE_KERNELS");
+  const bool forced = env && *env && std::string(env) != "0";
+  const bool hopper = CudaBackend::sm90_kernels_built() && prop.major == 9 && prop.minor == 0;
+  std::cout << "  sm_90a kernels built " << CudaBackend::sm90_kernels_built() << ", compute "
+            << prop.major << "." << prop.minor << ", KILN_PORTABLE_KERNELS "
+            << (env ? env : "unset") << "\n";
+  EXPECT_EQ(gpu_->sm90_kernels(), hopper && !forced);
+  EXPECT_EQ(gpu_->grouped_reads_device_offsets(), hopper && !forced);
+
+  // A backend made with the switch set runs the portable paths, whatever the GPU.
+  const std::string saved = env ? env : "";
+  setenv("KILN_PORTABLE_KERNELS", "1", 1);
+  CudaBackend portable(gpu_->device_index());
+  if (env)
+    setenv("KILN_PORTABLE_KERNELS", saved.c_str(), 1);
+  else
+    unsetenv("KILN_PORTABLE_KERNELS");
+  EXPECT_FALSE(portable.sm90_kernels());
+  EXPECT_FALSE(portable.grouped_reads_device_offsets());
+
+  // And it does: its swiglu_matmul_backward is the two ops bit for bit, where the fused GEMM's
+  // (dh never rounded to bf16) differs from them, which shows the comparison tells them apart.
+  const int N = 128, C = 256, F = 512;
+  const std::vector<float> pre = rand(N * 2 * F, 4.0f), a = rand(N * F), w = rand(C * F, 0.1f),
+                           dout = rand(N * C);
+  auto dpre_of = [&](CudaBackend& b, bool fused) {
+    Buf bpre(b, {N, 2 * F}, DType::bf16), bact(b, {N, F}, DType::bf16), bw(b, {C, F}, DType::bf16),
+        bdo(b, {N, C}, DType::bf16);
+    upload(b, bpre, pre);
+    upload(b, bact, a);
+    upload(b, bw, w);
+    upload(b, bdo, dout);
+    Buf dpre(b, {N, 2 * F}, DType::bf16), dact(b, {N, F}, DType::bf16), dw(b, {C, F}, DType::f32),
+        db(b, {C}, DType::f32);
+    b.set_swiglu_fused(fused);
+    b.swiglu_matmul_backward(dpre, dw, db, bdo, bact, bw, bpre, dact, false);
+    b.set_swiglu_fused(true);
+    return download(b, dpre);
+  };
+  auto differing = [](const std::vector<float>& x, const std::vector<float>& y) {
+    int64_t n = 0;
+    for (size_t i = 0; i < x.size(); ++i) n += x[i] != y[i];
+    return n;
+  };
+  EXPECT_EQ(differing(dpre_of(portable, true), dpre_of(portable, false)), 0)
+      << "the forced-portable backend fused SwiGLU's backward into its GEMM";
+  if (gpu_->sm90_kernels()) {
+    EXPECT_GT(differing(dpre_of(*gpu_, true), dpre_of(*gpu_, false)), 0)
+        << "the fused GEMM gave the two ops' bits: this test cannot tell the paths apart";
+  }
+}
 
 // ---- matmul -------------------------------------------------------------------------------
 
@@ -1616,14 +1676,12 @@ TEST_F(CudaMoe, ExpertParallelOpsMatchTheCpu) {
 // the 64-row tile, widths not multiples of 64): forward plain and with GELU, dinp plain and
 // through GELU, dweight accumulated onto random values (+=) and untouched for the empty group.
 // Offsets in host memory (cuBLASLt group by group) and in device memory (CUTLASS's grouped GEMM
-// where built, reading the sizes on the device; GELU falls back to a host copy), with an empty
-// group and a one-row group.
+// where the Hopper kernels run, reading the sizes on the device; elsewhere, as with
+// KILN_PORTABLE_KERNELS, copied to the host first), with an empty group and a one-row group.
 class CudaMoeGroupedMatmul : public CudaMoe, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(CudaMoeGroupedMatmul, MatchesTheCpu) {
   const bool device_offsets = GetParam();
-  if (device_offsets && !gpu_->grouped_reads_device_offsets())
-    GTEST_SKIP() << "this build or GPU reads no device offsets (CUTLASS, sm_90)";
   const int64_t C = 96, OC = 80;
   const std::vector<int32_t> offsets = {0, 70, 70, 71, 200, 333};
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1, M = offsets.back();

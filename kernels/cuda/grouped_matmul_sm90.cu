@@ -15,9 +15,9 @@
 // H200 at moe-2.9b-a1b's shapes: forward ~670, dinp ~610, dweight ~450 TFLOP/s, where cuBLASLt
 // group by group (with the sizes on the host) gives ~630-760, ~600-680 and ~530-750 (docs/PERF.md;
 // CudaPerf.DISABLED_MoeShapes times both paths).
+// Hopper only (wgmma, TMA): CMake builds this file for sm_90a alone (kiln_kernels_sm90); the
+// backend calls it where it runs the Hopper kernels (grouped_matmul.cu says when).
 #include "kernels/cuda/cuda_backend.h"
-
-#ifdef KILN_WITH_CUTLASS
 
 #include <map>
 #include <memory>
@@ -210,16 +210,6 @@ void GroupedGemmsDeleter::operator()(GroupedGemms* p) const {
   delete p;
 }
 
-bool CudaBackend::grouped_device_offsets_built() {
-  return true;
-}
-
-bool CudaBackend::grouped_takes_device_offsets(const Tensor& inp, const Tensor& weight,
-                                               const Tensor& out) const {
-  return compute_capability_ == 90 && inp.dim(1) % 8 == 0 && weight.dim(1) % 8 == 0 &&
-         aligned(inp.data, 16) && aligned(weight.data, 16) && aligned(out.data, 16);
-}
-
 void CudaBackend::grouped_matmul_forward_device(Tensor out, Tensor inp, Tensor weight,
                                                 Tensor offsets) {
   if (!grouped_) grouped_.reset(new GroupedGemms);
@@ -254,28 +244,3 @@ void CudaBackend::grouped_matmul_backward_device(Tensor dinp, Tensor dweight, Te
 }
 
 }  // namespace kiln
-
-#else  // built without CUTLASS
-
-namespace kiln {
-
-struct GroupedGemms {};
-void GroupedGemmsDeleter::operator()(GroupedGemms* p) const {
-  delete p;
-}
-bool CudaBackend::grouped_device_offsets_built() {
-  return false;
-}
-bool CudaBackend::grouped_takes_device_offsets(const Tensor&, const Tensor&, const Tensor&) const {
-  return false;
-}
-void CudaBackend::grouped_matmul_forward_device(Tensor, Tensor, Tensor, Tensor) {
-  throw std::logic_error("cuda grouped GEMM: built without CUTLASS");
-}
-void CudaBackend::grouped_matmul_backward_device(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
-  throw std::logic_error("cuda grouped GEMM: built without CUTLASS");
-}
-
-}  // namespace kiln
-
-#endif
