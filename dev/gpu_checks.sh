@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-host session: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32),
+# One call on a one-GPU host: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32),
 # LLaMA 1.36B and Qwen3 1.7B (B=8, T=2048), the PyTorch reference on the same GPU, and a final
-# kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-session-out): session.log
+# kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-checks-out): all.log
 # (everything), build.log, gpu_tests.log, bench_<model>.json, torch_<model>.json, torch_warm.log.
 #
-#   bash dev/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
-#   MODELS="124m llama" bash dev/gpu_session.sh   # a subset of: 124m 350m llama qwen3
+#   bash dev/gpu_checks.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+#   MODELS="124m llama" bash dev/gpu_checks.sh   # a subset of: 124m 350m llama qwen3
 # Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_PERF=1 (no op
 # timings), SKIP_TORCH=1 (no
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
@@ -23,9 +23,9 @@
 # PyTorch reference at shared/bench/torch_reference.py (or ../shared/bench/...).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-$PWD/gpu-session-out}
+OUT=${OUT:-$PWD/gpu-checks-out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/session.log") 2>&1
+exec > >(tee -a "$OUT/all.log") 2>&1
 export PYTHONUNBUFFERED=1
 STEPS=${BENCH_STEPS:-20}
 WARMUP=${BENCH_WARMUP:-5}
