@@ -385,7 +385,7 @@ const std::vector<KeyUse>& key_uses() {
        [](const Config& c) { return c.dist.strategy == "ddp"; },
        [](const Config&) -> std::string { return "dist.strategy is ddp"; },
        " (it gathers nothing; the key applies to zero1 and fsdp)"},
-      // dev/dist_gpu_session.sh and dev/ddp_diag.sh give every strategy of a sweep the same
+      // dev/dist_scaling.sh and dev/ddp_diag.sh give every strategy of a sweep the same
       // flags (EXTRA, FLAGS_tag): refusing would end the sweep at its first zero1 run.
       {{"dist.bucket_mb", "dist.overlap_ctas"},
        "dist.strategy",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Where data-parallel step time goes (docs/perf-history.md, "DDP overhead"): on a host of NPROC GPUs
-# (default 2), gpt2-350m (B=32 per GPU, random tokens) run as
+# Where data-parallel step time goes (docs/perf-history.md, "DDP overhead", 2026-11-21, 233c71a):
+# on a host of NPROC GPUs (default 2), gpt2-350m (B=32 per GPU, random tokens) run as
 #   solo      one GPU alone;
 #   indep     NPROC independent one-GPU runs at once, one per GPU (no communication: what sharing
 #             the host costs, and how fast each GPU is under a full host's power and heat);

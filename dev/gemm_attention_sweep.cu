@@ -2,7 +2,7 @@
 // GEMMs as kiln issues them (forward TN, dinp NN, dweight NT into f32 with beta 1) with every
 // candidate cuBLASLt's heuristic offers timed, and cuDNN SDPA's forward and backward plans under
 // heuristic modes A, B and FALLBACK with the fastest engine's knobs swept one at a time
-// (docs/perf-history.md, thirteenth session). The design choice: on a power-capped GPU a kernel's
+// (docs/perf-history.md, 2026-11-26, 11c46ce). The design choice: on a power-capped GPU a kernel's
 // speed in a training step is set by its energy, so each candidate runs back to back for ~4 ms
 // and the candidates take turns over 5 rounds; the median over rounds is its time. Run on a GPU
 // host; by hand, the build is

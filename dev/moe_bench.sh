@@ -5,7 +5,7 @@
 # Prints both figures and the MFU ratio (the MoE step's share of the dense step's MFU, counting
 # active FLOPs; the goal is at least 0.8). Logs and JSON land in $OUT.
 #
-#   bash dev/moe_bench.sh            # from the source root, after a build (dev/gpu_session.sh
+#   bash dev/moe_bench.sh            # from the source root, after a build (dev/gpu_checks.sh
 #                                    # or `make build`); env: B (micro-batch), STEPS, WARMUP,
 #                                    # ACCUM (micro-batches a step, default 1: the optimizer's
 #                                    # pass over all 2.85B parameters then weighs on every step)

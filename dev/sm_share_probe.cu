@@ -1,8 +1,8 @@
 // A measurement program (target sm_share_probe, built with -DKILN_DEV=ON): under a GPU's power
 // cap, how much does a GEMM lose when cuBLASLt plans it for fewer SMs (SM_COUNT_TARGET), how fast
 // does a streaming kernel run on a few SMs, and what does it cost to run the two side by side on
-// two streams (docs/perf-history.md, thirteenth session: the question behind running AdamW beside
-// the forward). Run on a GPU host; by hand, the build is
+// two streams (docs/perf-history.md, 2026-11-26, 11c46ce: the question behind running AdamW
+// beside the forward). Run on a GPU host; by hand, the build is
 //   nvcc -O2 -std=c++17 -arch=sm_90a -I. dev/sm_share_probe.cu -o sm_share_probe -lcublasLt
 //   ./sm_share_probe
 #include <cublasLt.h>

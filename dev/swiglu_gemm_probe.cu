@@ -10,7 +10,7 @@
 // Fused: an epilogue visitor tree (EVT) loads gate and up beside the accumulator, writes dgate as
 // the GEMM's output (row stride 2F) and dup through an aux store: dh never reaches memory
 // (2 x M x F x 2 bytes, ~8.6 GB a LLaMA 1.36B step).
-// Measured on an H200 (docs/perf-history.md, fourteenth and fifteenth sessions), all agreeing
+// Measured on an H200 (docs/perf-history.md, 2026-11-26, ab8cbd3 and 950d725), all agreeing
 // with the unfused path (rel L2 2.8e-3, dh unrounded), in ms against cuBLASLt's 0.47 + the
 // kernel's 0.21:
 // - cooperative 128x256, a tree with expf and an IEEE divide in the sigmoid: 2.11. Not the

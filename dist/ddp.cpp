@@ -66,10 +66,10 @@ class Ddp final : public Strategy {
 
 // dist.bucket_mb=0 picks by the link between the ranks. On one host whose GPUs NVLink joins, one
 // bucket (one all-reduce after backward) measured 0.4-1.7% faster than 25 MiB buckets overlapped
-// with backward in every comparison made (2 and 4 H200s, three sessions): the overlapped
-// all-reduces slowed the compute beside them by about what they hid (docs/PERF.md). Over slower
-// links overlap is what hides the communication (two socket "nodes": 31.9% of one GPU with
-// 25 MiB buckets, 26.5% with one).
+// with backward in every comparison made (2 and 4 H200s, 2026-11-21: docs/perf-history.md,
+// 233c71a, 115316e..cf4a327, d7bc358..4ec664e): the overlapped all-reduces slowed the compute
+// beside them by about what they hid. Over slower links overlap is what hides the communication
+// (two socket "nodes": 31.9% of one GPU with 25 MiB buckets, 26.5% with one).
 void Ddp::choose_buckets() {
   std::string why = "dist.bucket_mb=" + fmt::format("{:g}", bucket_mb_);
   if (bucket_mb_ == 0) {

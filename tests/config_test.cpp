@@ -803,7 +803,7 @@ TEST(ConfigKeyUse, ArchDefaultDoesNotCountAsSet) {
 }
 
 // Where an override switches off a feature keys given before it configure (--precision.fp8=false
-// on an FP8 config: dev/fsdp_8b_session.sh's bf16 runs; a benchmark's
+// on an FP8 config: dev/fsdp_8b_side_by_side.sh's bf16 runs; a benchmark's
 // --train.save_checkpoints=false), those keys are ignored with one warning line naming the
 // override and every key, and reset to their defaults, so the run's config.yaml reads back the
 // same. Logged once per process. The last word wins: a key given after the switch is refused.
@@ -837,7 +837,7 @@ TEST(ConfigKeyUse, OverrideThatSwitchesAFeatureOffWarnsOnce) {
 }
 
 // dist.bucket_mb and dist.overlap_ctas under zero1 or fsdp: warned, not refused, and kept, as a
-// sweep gives every strategy the same flags (dev/dist_gpu_session.sh's EXTRA).
+// sweep gives every strategy the same flags (dev/dist_scaling.sh's EXTRA).
 TEST(ConfigKeyUse, WarnOnlyKeyIsKeptAndWarned) {
   std::vector<std::string> warnings;
   const Config c = parse_config(kMinimal + "dist: {strategy: zero1, bucket_mb: 50}\n",

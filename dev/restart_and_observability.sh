@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a 4-GPU host (docs/perf-history.md, twentieth session): a supervised restart on NCCL (GPUs 2-3)
-# and TensorBoard + /metrics against neither on the GPT-2 124M step (GPU 0). Logs under $OUT.
+# On a 4-GPU host (docs/perf-history.md, 2026-11-27, 44d94b1..d6fbe4e): a supervised restart on
+# NCCL (GPUs 2-3) and TensorBoard + /metrics against neither on the GPT-2 124M step (GPU 0).
+# Logs under $OUT.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 [ -d .gpu/bin ] && mkdir -p build/bin && cp .gpu/bin/* build/bin/

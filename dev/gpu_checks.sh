@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-host session: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32),
+# One call on a one-GPU host: build, GPU tests, kiln bench of GPT-2 124M (B=64) and 350M (B=32),
 # LLaMA 1.36B and Qwen3 1.7B (B=8, T=2048), the PyTorch reference on the same GPU, and a final
-# kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-session-out): session.log
+# kiln-vs-PyTorch table. Logs and JSON land in $OUT (default ./gpu-checks-out): all.log
 # (everything), build.log, gpu_tests.log, bench_<model>.json, torch_<model>.json, torch_warm.log.
 #
-#   bash dev/gpu_session.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
-#   MODELS="124m llama" bash dev/gpu_session.sh   # a subset of: 124m 350m llama qwen3
+#   bash dev/gpu_checks.sh        # from the source root; env: BENCH_STEPS (20), BENCH_WARMUP (5)
+#   MODELS="124m llama" bash dev/gpu_checks.sh   # a subset of: 124m 350m llama qwen3
 # Optional env switches: SKIP_TESTS=1 (no kiln_gpu_tests, no op timings), SKIP_PERF=1 (no op
 # timings), SKIP_TORCH=1 (no
 # PyTorch reference), KILN_AGAIN=1 (bench kiln once more after PyTorch, no profile, for a
@@ -20,12 +20,12 @@
 # while kiln builds (that only fills Inductor's on-disk caches); the timed PyTorch runs come
 # last, alone on the machine, and hit those caches.
 # Uses the offline dependency bundle in .deps/offline/root when present (docs/cuda.md), and the
-# PyTorch reference at shared/bench/torch_reference.py (or ../shared/bench/...).
+# PyTorch reference dev/torch_reference.py (torch on the host; torchao for FP8=1).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-$PWD/gpu-session-out}
+OUT=${OUT:-$PWD/gpu-checks-out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/session.log") 2>&1
+exec > >(tee -a "$OUT/all.log") 2>&1
 export PYTHONUNBUFFERED=1
 STEPS=${BENCH_STEPS:-20}
 WARMUP=${BENCH_WARMUP:-5}
@@ -38,29 +38,23 @@ nvcc --version | tail -1
 python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
 echo "commit $(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
-TORCH_REF=""
-for f in shared/bench/torch_reference.py ../shared/bench/torch_reference.py; do
-  [ -f "$f" ] && TORCH_REF=$f && break
-done
-[ -n "$TORCH_REF" ] || echo "WARNING: torch_reference.py not found; PyTorch figures skipped"
-# The reference flattens its targets with tgt.view(-1), but they are the strided slice
-# idx[:, 1:], which cannot be viewed flat: it raises, eager or compiled (seen with torch 2.11).
-# Run a copy that uses tgt.reshape(-1) (a 0.5 MB int64 copy per step); nothing else changes.
-if [ -n "$TORCH_REF" ] && grep -q 'tgt\.view(-1)' "$TORCH_REF"; then
-  sed 's/tgt\.view(-1)/tgt.reshape(-1)/' "$TORCH_REF" > /tmp/torch_reference.py
-  TORCH_REF=/tmp/torch_reference.py
-  echo "NOTE: running torch_reference.py with tgt.view(-1) -> tgt.reshape(-1) (see the comment)"
+TORCH_REF=dev/torch_reference.py
+if ! python3 -c 'import torch' 2>/dev/null; then
+  echo "WARNING: no torch for python3 here; PyTorch figures skipped"
+  TORCH_REF=""
 fi
 MODELS=${MODELS:-124m 350m llama qwen3}
 declare -A KILN_CFG=([124m]=configs/gpt2-124m.yaml [350m]=configs/gpt2-350m.yaml
                      [llama]=configs/llama-1.36b.yaml [qwen3]=configs/qwen3-1.7b.yaml)
-# The reference's LLaMA is kiln's llama-1.36b; for Qwen3 it has the same heads (16 q, 8 kv, 128
-# wide), SwiGLU and vocabulary, but no QK-norm and an untied head.
+# The reference runs the shape of kiln's config (its batch included). Qwen3 as PERF.md's rows ran
+# it: the same heads (16 q, 8 kv, 128 wide), SwiGLU and vocabulary, but no QK-norm and an untied
+# head; drop `--qk_norm 0 --tied 0` for Qwen3's own layers on both sides. Before kiln is built (the
+# warm-up below) the reference reads the configs without `train --print-config`, to the same shapes.
 declare -A TORCH_ARGS=(
-  [124m]="--arch gpt2 --layers 12 --dim 768 --heads 12 --batch 64 --seq 1024"
-  [350m]="--arch gpt2 --layers 24 --dim 1024 --heads 16 --batch 32 --seq 1024"
-  [llama]="--arch llama --layers 24 --dim 2048 --heads 16 --ffn 5504 --vocab 32000 --seq 2048 --batch 8"
-  [qwen3]="--arch llama --layers 28 --dim 2048 --heads 16 --kv_heads 8 --ffn 6144 --vocab 65536 --seq 2048 --batch 8")
+  [124m]="--config configs/gpt2-124m.yaml"
+  [350m]="--config configs/gpt2-350m.yaml"
+  [llama]="--config configs/llama-1.36b.yaml"
+  [qwen3]="--config configs/qwen3-1.7b.yaml --qk_norm 0 --tied 0")
 
 stage "PyTorch compile warm-up (background, untimed) + kiln build"
 warm_pid=""
@@ -168,11 +162,11 @@ for m in models:
     if k2: print(f"{m:<6} {'kiln2':<8} {k2['tok_s']:>9.0f} {k2['ms']:>8.2f} {k2['mfu']:>6.1f}  (after PyTorch)")
     if k2 and t: print(f"{m:<6} {'ratio2':<8} {k2['tok_s'] / t['tok_s']:>9.3f}")
     if k: print(f"{m:<6} {'kiln':<8} {k['tok_s']:>9.0f} {k['ms']:>8.2f} {k['mfu']:>6.1f}  B={k['batch_size']} attn={k['attention']} commit={k['commit']} {k['device']}")
-    if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu']:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
+    if t: print(f"{m:<6} {'pytorch':<8} {t['tok_s']:>9.0f} {t['ms']:>8.2f} {t['mfu'] or 0:>6.1f}  B={t['batch']} torch.compile, loss {t['loss']:.3f}")
     if k and t: print(f"{m:<6} {'ratio':<8} {k['tok_s'] / t['tok_s']:>9.3f}  (kiln / PyTorch tokens/s; goal >= 1.15)")
     k8, t8 = load(f"bench_{m}_fp8.json"), load(f"torch_{m}_fp8.json")
     if k8: print(f"{m:<6} {'kiln8':<8} {k8['tok_s']:>9.0f} {k8['ms']:>8.2f} {k8['mfu']:>6.1f}  FP8 (MFU against the bf16 peak)")
-    if t8: print(f"{m:<6} {'torch8':<8} {t8['tok_s']:>9.0f} {t8['ms']:>8.2f} {t8['mfu']:>6.1f}  torchao float8 tensorwise, loss {t8['loss']:.3f}")
+    if t8: print(f"{m:<6} {'torch8':<8} {t8['tok_s']:>9.0f} {t8['ms']:>8.2f} {t8['mfu'] or 0:>6.1f}  torchao float8 tensorwise, loss {t8['loss']:.3f}")
     if k8 and t8: print(f"{m:<6} {'ratio8':<8} {k8['tok_s'] / t8['tok_s']:>9.3f}  (kiln FP8 / torchao FP8; goal >= 1.2)")
     if k8 and k: print(f"{m:<6} {'fp8/bf16':<8} {k8['tok_s'] / k['tok_s']:>9.3f}  (kiln FP8 / kiln bf16; goal >= 1.3)")
 for m in [x for m in models for x in (m, m + "_fp8")]:
