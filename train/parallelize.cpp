@@ -203,7 +203,14 @@ void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const Pa
   fp8.set_ranks(std::move(ranks));
 }
 
-void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm, bool log) {
+void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm,
+                        int64_t micro_batch_tokens, bool log) {
+  // Sequence parallelism: each rank holds 1/ranks of a micro-batch's tokens between the GEMMs.
+  if (micro_batch_tokens % mesh.tensor != 0)
+    throw InputError("dist.tensor_parallel=" + std::to_string(mesh.tensor) + ": a micro-batch of " +
+                     std::to_string(micro_batch_tokens) +
+                     " tokens a rank (train.batch_size x model.seq_len / dist.context_parallel) "
+                     "does not split over it: make it a multiple");
   TensorParallel tp;
   tp.ranks = mesh.tensor;
   tp.rank = mesh.tensor_rank();

@@ -88,7 +88,8 @@ void parallelize_context(Model& model, const DeviceMesh& mesh, Communicator& cp,
 
 // Tensor parallelism: the model's blocks split their matrices and the vocabulary over `tp`, the
 // communicator of the mesh's tensor group; InputError naming dist.tensor_parallel for a model it
-// cannot split. `log`: say how.
-void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& tp, bool log);
+// cannot split, or whose micro-batch of `micro_batch_tokens` a rank does not split. `log`: say how.
+void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& tp,
+                        int64_t micro_batch_tokens, bool log);
 
 }  // namespace kiln

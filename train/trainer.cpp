@@ -177,7 +177,8 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
                      backend_->name());
   comms_ = make_run_communicators(mesh_, *backend_, make_comm, nvtx_);
   comm_ = comms_.world;
-  if (mesh_.has_tensor_split()) parallelize_tensor(*model_, mesh_, *comms_.tensor, is_main());
+  if (mesh_.has_tensor_split())
+    parallelize_tensor(*model_, mesh_, *comms_.tensor, inputs_.rows(), is_main());
   if (mesh_.has_experts_split())
     parallelize_experts(*model_, layout_, mesh_, *comms_.expert, is_main());
   if (mesh_.has_context_split()) parallelize_context(*model_, mesh_, *comms_.context, is_main());
