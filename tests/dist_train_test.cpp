@@ -340,6 +340,15 @@ TEST_F(DistTrain, ExpertParallelThatDoesNotDivideTheWorldIsRefused) {
 // SwiGLU, an untied head) and Qwen3 (QK-norm) follow 1 rank: over 2 and 4 ranks, beside data
 // parallelism under every strategy, with HSDP replicas, with context parallelism, under every
 // recomputation, with accumulation and document masks, in training and validation loss.
+// Tensor parallelism must also leave the gradient norm where one rank has it: every split
+// tensor's sum of squares counted once, every replicated one's once.
+void expect_same_norms(const std::string& a, const std::string& b) {
+  const auto na = kiln::testing::read_metric(a, "grad_norm"),
+             nb = kiln::testing::read_metric(b, "grad_norm");
+  ASSERT_EQ(na.size(), nb.size()) << a << " vs " << b;
+  for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << b << " " << i;
+}
+
 const std::string kTpLlama =
     "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false --train.max_steps=12";
 
@@ -384,7 +393,14 @@ TEST_F(DistTrain, TensorParallelLlamaAndQwen3FollowTheSingleProcessCurve) {
           train("tp_" + arch + "_" + strategy + "_" + std::to_string(nproc), nproc, strategy,
                 model + " --dist.tensor_parallel=2 " + extra);
       expect_same_curve(single, run, 1e-5);
+      expect_same_norms(single, run);
     }
+    // 4 tensor ranks need 4 key-value heads.
+    const std::string mha = model + " --model.n_kv_head=4";
+    expect_same_curve(train("tp_" + arch + "_mha_single", 1, "ddp", mha),
+                      train("tp_" + arch + "_4", 4, "fsdp",
+                            mha + " --dist.tensor_parallel=4 --train.batch_size=8"),
+                      1e-5);
   }
   const std::string single = (dir_ / "tp_llama_single").string();
   for (const char* recompute : {"light", "selective", "full"})
@@ -495,6 +511,47 @@ TEST_F(DistTrain, TensorParallelCheckpointsResumeUnderAnotherLayoutAndLoadHfWeig
   const std::string split = train("tp_hf_2", 2, "fsdp", init + " --dist.tensor_parallel=2");
   expect_same_curve(one, split, 1e-5);
   expect_same_val(one, split);
+  // Imported and exported again after a step too small to move a weight: the same safetensors
+  // from 2 tensor ranks as from 1, and as went in.
+  const std::string still = init + " --train.max_steps=1 --optim.lr=1e-30 --optim.min_lr=0";
+  std::vector<std::string> exported;
+  for (const auto& [name, nproc, extra] :
+       {std::tuple<const char*, int, const char*>{"tp_hf_still_1", 1, ""},
+        {"tp_hf_still_2", 2, " --dist.tensor_parallel=2"}}) {
+    const std::string out = (dir_ / (std::string(name) + "_hf")).string();
+    const auto e = kiln::testing::run_command(kBin + "/convert " + train(name, nproc, "fsdp", still + extra) +
+                                              " --to hf " + out + " --dtype f32");
+    ASSERT_EQ(e.status, 0) << e.output;
+    exported.push_back(kiln::testing::read_file(out + "/model.safetensors"));
+  }
+  EXPECT_EQ(exported[0], exported[1]);
+  EXPECT_EQ(exported[1], kiln::testing::read_file(hf + "/model.safetensors"));
+}
+
+// Two nodes of 2 ranks, as two launchers on this machine, each node a replica (HSDP: the
+// replicas' gradient shards summed across the nodes): fsdp sharding over a node's 2 ranks, or
+// tensor parallelism splitting the layers over them; both on the single-process curve.
+TEST_F(DistTrain, ReplicasAcrossTwoNodesWithFsdpOrTensorParallelInside) {
+  const std::string single = train("nodes_single", 1, "ddp", kTpLlama + " --train.batch_size=8");
+  for (const auto& [name, inside] :
+       {std::pair<const char*, const char*>{"nodes_fsdp", " --train.batch_size=2"},
+        {"nodes_tp", " --dist.tensor_parallel=2 --train.batch_size=4"}}) {
+    const std::string out = (dir_ / name).string();
+    const int port = kiln::testing::free_port();
+    std::vector<kiln::testing::Background> nodes;
+    for (int n = 0; n < 2; ++n)
+      nodes.push_back(kiln::testing::start_command(
+          "env KILN_RUN_TOKEN=replicas-test " +
+              train_command(name, 2, "fsdp",
+                        kTpLlama + " --dist.data_replicate=2" + inside + " --nnodes=2 --master-port=" +
+                            std::to_string(port) + " --node-rank=" + std::to_string(n)),
+          out + "." + std::to_string(n) + ".log"));
+    for (const auto& node : nodes)
+      ASSERT_EQ(kiln::testing::wait_command(node, std::chrono::seconds(120)), 0)
+          << kiln::testing::read_file(node.log_path);
+    expect_same_curve(single, out, 1e-5);
+    expect_same_norms(single, out);
+  }
 }
 
 // A tensor split the world, the heads or a micro-batch do not divide, and HSDP replicas under ddp
