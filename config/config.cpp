@@ -249,6 +249,15 @@ const std::vector<Field>& schema() {
        "dist.strategy=fsdp: all-gather the FP8 linear layers' weights as FP8 bytes, each rank "
        "casting its shard once a step (false: gather bf16 and cast each weight where it is used)"},
       {KILN_FIELD(dist, strategy), one_of({"ddp", "zero1", "fsdp"}), "data-parallel strategy"},
+      {KILN_FIELD(dist, tensor_parallel), positive(),
+       "ranks that split each block's matrices, heads and the vocabulary between them, each "
+       "holding 1/N of the weights and of the residual stream's rows (tensor parallelism with "
+       "sequence parallelism; consecutive ranks, best within a host; dividing the world size, "
+       "model.n_head, model.n_kv_head, model.ffn_dim and train.batch_size x model.seq_len)"},
+      {KILN_FIELD(dist, data_replicate), positive(),
+       "HSDP: replicas of the data-parallel shards; zero1/fsdp shard over world / (this x "
+       "dist.context_parallel x dist.tensor_parallel) ranks and the replicas' gradients are "
+       "summed after (dividing the world size)"},
       {KILN_FIELD(dist, expert_parallel), positive(),
        "ranks each MoE block's experts are spread over (expert parallelism; dividing the world "
        "size and moe.n_experts)"},
@@ -313,6 +322,11 @@ const std::vector<KeyUse>& key_uses() {
        [](const Config& c) { return c.moe.n_experts == 0; },
        [](const Config&) -> std::string { return "moe.n_experts is 0"; },
        " (the model has no MoE blocks to spread)"},
+      {{"dist.data_replicate"},
+       "dist.strategy",
+       [](const Config& c) { return c.dist.strategy == "ddp"; },
+       [](const Config&) -> std::string { return "dist.strategy is ddp"; },
+       " (ddp replicates everything already: set zero1 or fsdp to shard within each replica)"},
       {{"moe.bias_update_rate"},
        "moe.balance",
        [](const Config& c) { return c.moe.balance != "bias"; },
@@ -678,10 +692,6 @@ struct Resolver {
     if (cp == 1) return;
     const Field& f = *find_field("dist", "context_parallel");
     const std::string n = std::to_string(cp);
-    if (config.dist.expert_parallel > 1)
-      fail(f, "is " + n + " with dist.expert_parallel " +
-                  std::to_string(config.dist.expert_parallel) +
-                  ": the two do not combine yet; set one of them to 1");
     if (config.model.positions != "rope")
       fail(f, "needs rotary positions (a rank's rows are not the first of the sequence), but "
               "model.positions is " + config.model.positions);

@@ -157,8 +157,11 @@ struct DistSection {
   int overlap_ctas = 0;          // NCCL: most SMs ddp's bucket all-reduces take beside backward
   bool copy_engine_gathers = false;  // NCCL: zero1/fsdp's all-gathers on the copy engines
   int timeout_s = 300;           // collectives and rendezvous
-  int expert_parallel = 1;       // ranks a MoE block's experts spread over (parallel_plan.h)
-  int context_parallel = 1;      // ranks that share each sequence (model/context_parallel.h)
+  // The device mesh's axes (dist/device_mesh.h); the data shard axis is the rest of the world.
+  int tensor_parallel = 1;   // ranks that split each block's matrices (model/tensor_parallel.h)
+  int context_parallel = 1;  // ranks that share each sequence (model/context_parallel.h)
+  int data_replicate = 1;    // HSDP: replicas of the zero1/fsdp shards
+  int expert_parallel = 1;   // ranks a MoE block's experts spread over (model/expert_parallel.h)
   int max_restarts = 0;          // supervised restarts from the newest checkpoint (launcher.h)
   double restart_backoff_s = 1;  // the wait before the first restart, doubling after (cap 60 s)
 };

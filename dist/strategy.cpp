@@ -1,6 +1,8 @@
 #include "dist/strategy.h"
 
 #include <algorithm>
+#include <iterator>
+#include <map>
 #include <stdexcept>
 
 namespace kiln {
@@ -37,7 +39,11 @@ void Strategy::plan_shard(Arena& arena, bool sharded) {
   arena.plan(&grad_shard_, std::string("grads") + tag, {S}, DType::f32);
   arena.plan(&m_, std::string("adamw.m") + tag, {S}, DType::f32);
   arena.plan(&v_, std::string("adamw.v") + tag, {S}, DType::f32);
-  if (ep_) arena.plan(&ep_sumsq_, "grad_sumsq (experts)", {1}, DType::f32);
+  if (!extra_.empty()) {
+    const int64_t classes = static_cast<int64_t>(norm_classes_.size());
+    arena.plan(&class_sumsq_, "grad_sumsq (by group)", {classes}, DType::f32);
+    arena.plan(&class_scratch_, "grad_sumsq (summed)", {classes}, DType::f32);
+  }
 }
 
 void Strategy::gather_in_fp8(const std::vector<Fp8Range>&) {
@@ -45,40 +51,87 @@ void Strategy::gather_in_fp8(const std::vector<Fp8Range>&) {
                          " never gathers a unit, so nothing is gathered in FP8");
 }
 
-void Strategy::reduce_dense_over(Communicator* ep, const Units& dense) {
-  ep_ = ep;
-  // Each owned range, cut where dense ranges begin and end.
-  for (const OwnedRange& o : plan_.owned) {
-    int64_t at = o.begin;
-    for (const auto& [begin, end] : dense) {
+namespace {
+
+// The shard's pieces (local offset, size) of `ranges` of the buffer: each owned range cut where
+// they begin and end.
+std::vector<std::pair<int64_t, int64_t>> shard_pieces(const ShardPlan& plan,
+                                                      const Strategy::Units& ranges) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const OwnedRange& o : plan.owned)
+    for (const auto& [begin, end] : ranges) {
       const int64_t b = std::max(begin, o.begin), e = std::min(end, o.end);
-      if (b >= e) continue;
-      if (at < b) expert_pieces_.emplace_back(o.local + at - o.begin, b - at);
-      dense_pieces_.emplace_back(o.local + b - o.begin, e - b);
-      at = e;
+      if (b < e) out.emplace_back(o.local + b - o.begin, e - b);
     }
-    if (at < o.end) expert_pieces_.emplace_back(o.local + at - o.begin, o.end - at);
+  return out;
+}
+
+}  // namespace
+
+void Strategy::reduce_over(Communicator* group, const Units& summed) {
+  if (!group || group->world_size() == 1) return;
+  if (extra_.size() >= 4) throw std::logic_error("reduce_over: more than 4 groups");
+  extra_.push_back({group, shard_pieces(plan_, summed)});
+  // Every owned element's class: the groups over which it is distinct (not summed).
+  std::map<int64_t, int> edges;  // shard offsets where a class may change
+  for (const OwnedRange& o : plan_.owned) {
+    edges[o.local] = 0;
+    edges[o.local + o.end - o.begin] = 0;
+  }
+  for (const ExtraSum& x : extra_)
+    for (const auto& [at, n] : x.summed) {
+      edges[at] = 0;
+      edges[at + n] = 0;
+    }
+  norm_classes_.assign(size_t{1} << extra_.size(), {});
+  for (const OwnedRange& o : plan_.owned) {
+    const int64_t at = o.local, n = o.end - o.begin;
+    for (auto it = edges.lower_bound(at); it != edges.end() && it->first < at + n; ++it) {
+      const int64_t b = it->first, e = std::min(std::next(it)->first, at + n);
+      unsigned mask = 0;
+      for (size_t g = 0; g < extra_.size(); ++g) {
+        bool summed_here = false;
+        for (const auto& [sa, sn] : extra_[g].summed) summed_here |= sa <= b && b < sa + sn;
+        if (!summed_here) mask |= 1u << g;
+      }
+      Pieces& p = norm_classes_[mask];
+      if (!p.empty() && p.back().first + p.back().second == b)
+        p.back().second += e - b;
+      else
+        p.emplace_back(b, e - b);
+    }
   }
 }
 
 void Strategy::finish_reduce(Tensor sumsq, bool sharded) {
-  if (!ep_) {
+  if (extra_.empty()) {
     backend_.sum_squares(sumsq, grad_shard_, false);
     if (sharded) all_reduce(sumsq);
     return;
   }
-  for (const auto& [at, n] : dense_pieces_) ep_->all_reduce_sum(grad_shard_.slice(at, {n}));
-  ep_->wait();
-  // Sum of squares over pieces into `out` (0 where there are none).
-  auto pieces_sumsq = [this](Tensor out, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
-    backend_.fill_zero(out);
-    for (const auto& [at, n] : pieces) backend_.sum_squares(out, grad_shard_.slice(at, {n}), true);
-  };
-  pieces_sumsq(ep_sumsq_, expert_pieces_);
-  ep_->all_reduce_sum(ep_sumsq_);
-  ep_->wait();
-  pieces_sumsq(sumsq, dense_pieces_);
-  backend_.add(sumsq, ep_sumsq_);
+  for (const ExtraSum& x : extra_) {
+    for (const auto& [at, n] : x.summed) x.comm->all_reduce_sum(grad_shard_.slice(at, {n}));
+    x.comm->wait();
+  }
+  // Each class's sum of squares, then over each group the classes distinct there summed (the
+  // others, the same on every rank of the group, left out of the sum and kept), then added.
+  auto cls = [](Tensor t, size_t c) { return t.slice(static_cast<int64_t>(c), {1}); };
+  for (size_t c = 0; c < norm_classes_.size(); ++c) {
+    backend_.fill_zero(cls(class_sumsq_, c));
+    for (const auto& [at, n] : norm_classes_[c])
+      backend_.sum_squares(cls(class_sumsq_, c), grad_shard_.slice(at, {n}), true);
+  }
+  for (size_t g = 0; g < extra_.size(); ++g) {
+    backend_.fill_zero(class_scratch_);
+    for (size_t c = 0; c < norm_classes_.size(); ++c)
+      if (c & (size_t{1} << g)) backend_.copy(cls(class_scratch_, c), cls(class_sumsq_, c));
+    extra_[g].comm->all_reduce_sum(class_scratch_);
+    extra_[g].comm->wait();
+    for (size_t c = 0; c < norm_classes_.size(); ++c)
+      if (c & (size_t{1} << g)) backend_.copy(cls(class_sumsq_, c), cls(class_scratch_, c));
+  }
+  backend_.fill_zero(sumsq);
+  for (size_t c = 0; c < norm_classes_.size(); ++c) backend_.add(sumsq, cls(class_sumsq_, c));
   if (sharded) all_reduce(sumsq);
 }
 

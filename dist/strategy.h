@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "dist/communicator.h"
-#include "dist/parallel_plan.h"
+#include "dist/device_mesh.h"
 #include "dist/sharding.h"
 #include "kernels/arena.h"
 
@@ -122,12 +122,16 @@ class Strategy {
   // which units' parameters are held, so the next step gathers every unit itself.
   virtual void forget_placement() {}
 
-  // Expert parallelism (dist.expert_parallel), before plan_memory: this strategy's comm spans
-  // one replica group (the ranks that hold the same experts), and the buffer's `dense` ranges
-  // (every parameter but the experts') are further summed over `ep`, the expert-parallel group,
-  // once the replica group's reduction is done. The norm counts each dense gradient once and
-  // adds every group rank's experts.
-  void reduce_dense_over(Communicator* ep, const Units& dense);
+  // A sum the gradient takes beyond the strategy's own group (dist/device_mesh.h), once that
+  // group's reduction is done and before the norm. Before plan_memory, once per group:
+  //  - `summed`: the buffer's ranges of which each rank of `group` holds a part of the gradient
+  //    (a tensor group's replicated tensors, each rank's from its tokens; an expert group's dense
+  //    parameters; a replica group's everything, HSDP), summed over it; each is then the same
+  //    on every rank of the group and the norm counts it once;
+  //  - the rest are distinct on each rank of `group` (a tensor group's shards, an expert group's
+  //    experts), and the norm adds every rank's.
+  // `group` is null for a group of one (nothing to sum).
+  void reduce_over(Communicator* group, const Units& summed);
 
   // This rank's master weights from `fill`, called once per owned range [begin, end) of the
   // flat buffer with a zeroed host f32 buffer of end - begin values; moments zero. A rank never
@@ -177,8 +181,8 @@ class Strategy {
   // The shard buffers every strategy has: master, grad shard and moments (ddp: everything).
   void plan_shard(Arena& arena, bool sharded);
   // sumsq (f32[1]) = the squared norm of the whole gradient, from the reduced grad shard, which
-  // each rank holds a part of (`sharded`: summed over comm_) or all of; first, under expert
-  // parallelism, the dense gradients are summed over the expert-parallel group.
+  // each rank holds a part of (`sharded`: summed over comm_) or all of; first the sums over the
+  // groups reduce_over named.
   void finish_reduce(Tensor sumsq, bool sharded);
 
   Backend& backend_;
@@ -196,14 +200,21 @@ class Strategy {
     uint64_t mark = 0;
   };
   std::optional<PendingScatter> pending_scatter_;
-  // Expert parallelism: the group, and this rank's shard pieces (offset, size) of dense and of
-  // expert parameters; the experts' part of the norm.
-  Communicator* ep_ = nullptr;
-  std::vector<std::pair<int64_t, int64_t>> dense_pieces_, expert_pieces_;
-  Tensor ep_sumsq_;
+  // reduce_over's groups, each with this rank's shard pieces (offset, size) it sums; and the
+  // norm's classes: class c holds the shard's pieces distinct over the groups of c's bits (bit
+  // g: group g) and summed over the others, its sum of squares summed over each group of its
+  // bits. Every class exists on every rank (maybe empty), so the ranks' collectives match.
+  using Pieces = std::vector<std::pair<int64_t, int64_t>>;
+  struct ExtraSum {
+    Communicator* comm;
+    Pieces summed;
+  };
+  std::vector<ExtraSum> extra_;
+  std::vector<Pieces> norm_classes_;       // 2^groups, by class
+  Tensor class_sumsq_, class_scratch_;      // f32[2^groups]
 };
 
-// The strategy over `group`, the parallel plan's data group (dist/parallel_plan.h), whose
+// The strategy over `group`, the device mesh's data group (dist/device_mesh.h), whose
 // communicator is `comm` (null for a group of one). Throws std::invalid_argument for an unknown
 // strategy name.
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options, Backend& backend,

@@ -5,7 +5,7 @@
 // rank has the same number of query-key pairs. Attention gathers the keys and values of the
 // whole sequence from the group, attends its own queries over them, and in backward returns
 // each rank the sum of the key and value gradients of its rows. The model knows only these two
-// exchanges, never the communicator or the ranks' plan (dist/parallel_plan.h).
+// exchanges, never the communicator or the device mesh (dist/device_mesh.h).
 #pragma once
 
 #include <cstdint>

@@ -74,7 +74,9 @@ Decoder::Decoder(const ModelConfig& cfg, Backend& backend)
   }
   lnf_ = Norm{cfg.norm, cfg.norm_eps};
   lnf_.declare(b, "lnf", C);
-  lm_head_ = cfg.tie_embeddings ? embed_.wte : b.add("lm_head", {cfg.padded_vocab_size, C}, true);
+  lm_head_ = cfg.tie_embeddings ? embed_.wte
+                                 : b.add("lm_head", {cfg.padded_vocab_size, C}, true, 0,
+                                         TensorSplit{0, {}});
   b.close_unit();
   layout_ = b.finish();
   layout_.last_unit_reads_first = cfg.tie_embeddings;
@@ -255,6 +257,8 @@ DType Decoder::residual_dtype() const {
 void Decoder::plan(const Planner& planner, Acts& acts, int B, int T,
                    const RecomputePlan& recompute) const {
   const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab_size;
+  // The residual stream's rows: the rank's tokens under tensor parallelism.
+  const int64_t Bs = stream_b(B, T), Ts = stream_t(B, T);
   const DType act = backend_.activation_dtype(), res = residual_dtype();
   acts.blocks.assign(blocks_.size(), {});
   const BlockActs& probe = acts.shared;
@@ -300,43 +304,58 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T,
     // Attention and the norms have the same shapes in every block; the shared set holds a
     // dense block's MLP and a MoE block's buffers where the model has both kinds.
     const Block& blk = blocks_[shared ? 0 : static_cast<size_t>(l)];
-    if (l != 0) pick(&a.residual_in, p + "residual_in", {B, T, C}, res);
-    blk.ln1.plan(pick, p + "ln1", a.ln1, B, T, C, act);
+    if (l != 0) pick(&a.residual_in, p + "residual_in", {Bs, Ts, C}, res);
+    blk.ln1.plan(pick, p + "ln1", a.ln1, Bs, Ts, C, act);
     blk.attn.plan(pick, p, a.attn, B, T, act);
-    pick(&a.residual_mid, p + "residual_mid", {B, T, C}, res);
-    blk.ln2.plan(pick, p + "ln2", a.ln2, B, T, C, act);
+    pick(&a.residual_mid, p + "residual_mid", {Bs, Ts, C}, res);
+    blk.ln2.plan(pick, p + "ln2", a.ln2, Bs, Ts, C, act);
     const bool any_dense = moe_blocks_.size() < blocks_.size();
     if (shared ? any_dense : !blk.is_moe)
       blocks_.front().mlp.plan(pick, p, a.mlp, B, T, act);  // block 0 is dense if any is
+    // A MoE block routes the rank's tokens.
     if (shared ? !moe_blocks_.empty() : blk.is_moe)
-      blocks_[static_cast<size_t>(moe_blocks_.front())].moe.plan(pick, p, a.moe, B, T, act);
+      blocks_[static_cast<size_t>(moe_blocks_.front())].moe.plan(pick, p, a.moe, Bs, Ts, act);
   };
-  planner(&acts.encoded, "encoded", {B, T, C}, res);
+  planner(&acts.encoded, "encoded", {Bs, Ts, C}, res);
   for (size_t l = 0; l < blocks_.size(); ++l) plan_block(static_cast<int>(l), acts.blocks[l]);
   if (shared_mode != Recompute::none) plan_block(-1, acts.shared);
-  planner(&acts.residual_out, "residual_out", {B, T, C}, res);
-  lnf_.plan(planner, "lnf", acts.lnf, B, T, C, act);
-  planner(&acts.logits, "logits", {B, T, Vp}, act);
+  planner(&acts.residual_out, "residual_out", {Bs, Ts, C}, res);
+  lnf_.plan(planner, "lnf", acts.lnf, Bs, Ts, C, act);
+  planner(&acts.logits, "logits", {B, T, Vp / tp_.ranks}, act);
   planner(&acts.losses, "losses", {B * T}, DType::f32);
-  planner(&acts.dresidual, "d.residual", {B, T, C}, res);
-  if (res != act) planner(&acts.dbranch, "d.branch", {B, T, C}, act);
-  planner(&acts.dln, "d.ln", {B, T, C}, act);
+  planner(&acts.dresidual, "d.residual", {Bs, Ts, C}, res);
+  if (res != act) planner(&acts.dbranch, "d.branch", {Bs, Ts, C}, act);
+  planner(&acts.dln, "d.ln", {Bs, Ts, C}, act);
   blocks_.front().attn.plan_scratch(planner, acts.attn, B, T, act);
+  if (tp_.on()) {
+    // Shared by every block's attention and MLP, and by the LM head (its gathered input).
+    planner(&acts.attn.gathered, "tp.gathered", {B, T, C}, act);
+    planner(&acts.attn.partial, "tp.partial", {B, T, C}, act);
+    planner(&acts.tp_every, "tp.every", {B, T, C}, res);
+    planner(&acts.ce_stats, "ce.stats", {B * T, kCrossEntropyStats}, DType::f32);
+    planner(&acts.ce_stats_all, "ce.stats_all", {tp_.ranks, B * T, kCrossEntropyStats},
+            DType::f32);
+  }
   // Block 0 is dense unless every block is MoE (moe.every 1).
   if (!blocks_.front().is_moe) blocks_.front().mlp.plan_scratch(planner, acts.mlp, B, T, act);
   if (!moe_blocks_.empty()) {
     const Moe& moe = blocks_[static_cast<size_t>(moe_blocks_.front())].moe;
-    moe.plan_scratch(planner, acts.moe, B, T, act);
+    moe.plan_scratch(planner, acts.moe, Bs, Ts, act);
     const int64_t n = static_cast<int64_t>(moe_blocks_.size()), E = moe.n_experts();
     planner(&acts.moe_stats, "moe.stats", {n * (E + kMoeStats)}, DType::f32);
     if (cfg_.moe.bias_balance) planner(&acts.moe_bias, "moe.bias", {n * E}, DType::f32);
   }
-  planner(&acts.dlnf, "d.lnf", {B, T, C}, act);
+  planner(&acts.dlnf, "d.lnf", {Bs, Ts, C}, act);
 }
 
 void Decoder::plan_activations(Arena& arena, int B, int T, const RecomputePlan& recompute) {
   if (T > cfg_.seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(T) + " exceeds model.seq_len");
+  if (tp_.on() && (int64_t{B} * T) % tp_.ranks != 0)
+    throw std::invalid_argument("a micro-batch of " + std::to_string(int64_t{B} * T) +
+                                " tokens does not split over " + std::to_string(tp_.ranks) +
+                                " tensor-parallel ranks (sequence parallelism): make "
+                                "train.batch_size x model.seq_len a multiple of it");
   if (recompute.full_blocks < 0 || recompute.full_blocks > cfg_.n_layer)
     throw std::invalid_argument("train.recompute_full_blocks " +
                                 std::to_string(recompute.full_blocks) + " is outside [0, " +
@@ -420,7 +439,7 @@ void Decoder::recompute_block(int l, const BlockActs& a, const DocumentMask& doc
     if (blk.is_moe)
       blk.moe.forward(k, w, a.moe, acts_.moe, a.ln2.out, /*with_stats=*/false);
     else
-      blk.mlp.forward(k, w, a.mlp, a.ln2.out, /*project=*/false);
+      blk.mlp.forward(k, w, a.mlp, mlp_scratch(acts_), a.ln2.out, /*project=*/false);
   }
 }
 
@@ -440,6 +459,32 @@ void Decoder::set_expert_parallel(const ExpertParallel& ep) {
                                 " ranks needs MoE blocks whose experts it divides (" +
                                 std::to_string(cfg_.moe.n_experts) + ")");
   for (const int l : moe_blocks_) blocks_[static_cast<size_t>(l)].moe.ep = ep;
+}
+
+void Decoder::set_tensor_parallel(const TensorParallel& tp) {
+  if (B_ > 0) throw std::logic_error("set_tensor_parallel: after the activations were planned");
+  if (tp.ranks < 1 || tp.rank < 0 || tp.rank >= tp.ranks ||
+      (tp.on() && (!tp.all_gather || !tp.reduce_scatter)))
+    throw std::invalid_argument("set_tensor_parallel: rank " + std::to_string(tp.rank) + " of " +
+                                std::to_string(tp.ranks) +
+                                " (and all_gather, reduce_scatter past 1 rank)");
+  if (!tp.on()) return;
+  // Each layer checks its own sizes first, so that nothing is changed where one refuses.
+  const AttentionDims a = cfg_.attention();
+  if (a.n_head % tp.ranks != 0 || a.n_kv_head % tp.ranks != 0)
+    throw std::invalid_argument(
+        std::to_string(a.n_head) + " query heads and " + std::to_string(a.n_kv_head) +
+        " key-value heads must each split over " + std::to_string(tp.ranks) +
+        " ranks (model.n_head, model.n_kv_head)");
+  if (moe_blocks_.size() < blocks_.size() && cfg_.ffn_dim % tp.ranks != 0)
+    throw std::invalid_argument("model.ffn_dim " + std::to_string(cfg_.ffn_dim) +
+                                " must split over " + std::to_string(tp.ranks) + " ranks");
+  embed_.set_tensor_parallel(tp, cfg_.padded_vocab_size);
+  for (Block& blk : blocks_) {
+    blk.attn.set_tensor_parallel(tp);
+    if (!blk.is_moe) blk.mlp.set_tensor_parallel(tp);
+  }
+  tp_ = tp;
 }
 
 void Decoder::set_context_parallel(const ContextParallel& cp) {
@@ -496,13 +541,33 @@ void Decoder::forward(Tensor tokens, Tensor targets, const DocumentMask& docs, f
 
   // The aux and z losses are means over this micro-batch's tokens; the step's objective weighs
   // each micro-batch's as dloss_scale weighs its tokens' losses.
-  moe_loss_scale_ = dloss_scale * static_cast<float>(B_) * static_cast<float>(T_);
+  // Under tp each rank's aux and z losses are over its tokens, and the ranks' gradients of the
+  // router (which every rank holds) are summed: each weighs 1/ranks.
+  moe_loss_scale_ = dloss_scale * static_cast<float>(B_) * static_cast<float>(T_) /
+                    static_cast<float>(tp_.ranks);
   hook(&UnitHooks::before_forward, 0);
-  embed_.forward(k, w, acts_.encoded, tokens);
+  embed_.forward(k, w, acts_.encoded, tokens, 0, acts_.tp_every);
   forward_blocks(acts_, recompute_, with_backward, -1, docs);
-  k.softmax_cross_entropy(acts_.losses, acts_.logits.view({B_ * T_, cfg_.padded_vocab_size}),
-                          targets, cfg_.vocab_size, dloss_scale, with_backward);
+  const Tensor logits = acts_.logits.view({B_ * T_, acts_.logits.dim(-1)});
+  if (!tp_.on()) {
+    k.softmax_cross_entropy(acts_.losses, logits, targets, cfg_.vocab_size, dloss_scale,
+                            with_backward);
+  } else {
+    // The vocabulary-parallel cross-entropy: each rank's statistics of its slice, every rank's
+    // gathered, combined into every token's loss and this slice's dlogits.
+    k.softmax_cross_entropy_stats(acts_.ce_stats, logits, targets, head_first(),
+                                  cfg_.vocab_size);
+    tp_.all_gather(acts_.ce_stats_all, acts_.ce_stats);
+    k.softmax_cross_entropy_combine(acts_.losses, logits, acts_.ce_stats_all, targets,
+                                    head_first(), cfg_.vocab_size, dloss_scale, with_backward);
+  }
   if (keep_window) fp8_.restore_window();
+}
+
+Tensor Decoder::losses() const {
+  if (!tp_.on()) return acts_.losses;
+  const int64_t n = acts_.losses.numel() / tp_.ranks;
+  return acts_.losses.slice(tp_.rank * n, {n});
 }
 
 void Decoder::forward_blocks(const Acts& set, const RecomputePlan& recompute, bool with_stats,
@@ -529,12 +594,16 @@ void Decoder::forward_blocks(const Acts& set, const RecomputePlan& recompute, bo
     if (blk.is_moe)
       blk.moe.forward(k, w, a.moe, set.moe, a.ln2.out, with_stats);
     else
-      blk.mlp.forward(k, w, a.mlp, a.ln2.out);
+      blk.mlp.forward(k, w, a.mlp, mlp_scratch(set), a.ln2.out);
   }
   hook(&UnitHooks::before_forward, L + 1);
   const BlockActs last = block_acts(set, recompute, L - 1);
   lnf_.residual_forward(k, w, set.lnf, set.residual_out, last.residual_mid, ffn_out(L - 1, last));
-  k.matmul_forward(set.logits, set.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
+  // Under tp every token's final norm, gathered, times this rank's rows of the head; the
+  // gathered tokens stay for the head's backward.
+  if (tp_.on()) tp_.all_gather(set.attn.gathered, set.lnf.out);
+  k.matmul_forward(set.logits, tp_.on() ? set.attn.gathered : set.lnf.out, param(w, lm_head_),
+                   Tensor{}, Tensor{});
 }
 
 void Decoder::plan_decode(Arena& arena) {
@@ -544,6 +613,7 @@ void Decoder::plan_decode(Arena& arena) {
         "k and v are the cache");
   if (fp8_.on())
     throw std::logic_error("plan_decode: an FP8 model decodes with its bf16 weights (fp8 off)");
+  if (tp_.on()) throw std::logic_error("plan_decode: a tensor-parallel rank holds part of the model");
   plan([&arena](Tensor* slot, const std::string& name, Shape shape,
                 DType dtype) { arena.plan(slot, "decode." + name, shape, dtype); },
        decode_, 1, 1, Recompute::none);
@@ -578,8 +648,16 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
   // A tied head's gradient lands in unit 0's (wte).
   const int head_unit = layout_.tensors[static_cast<size_t>(lm_head_)].unit;
   // logits now hold dlogits (written in place by softmax_cross_entropy).
-  k.matmul_backward(acts_.dlnf, param(g, lm_head_), Tensor{}, acts_.logits, acts_.lnf.out,
-                    param(w, lm_head_), Tensor{}, !grads_fresh(head_unit));
+  if (!tp_.on()) {
+    k.matmul_backward(acts_.dlnf, param(g, lm_head_), Tensor{}, acts_.logits, acts_.lnf.out,
+                      param(w, lm_head_), Tensor{}, !grads_fresh(head_unit));
+  } else {
+    // The forward's gathered final norm is still in place; every token's gradient of it, a
+    // partial sum over this rank's vocabulary, summed into this rank's tokens.
+    k.matmul_backward(acts_.attn.partial, param(g, lm_head_), Tensor{}, acts_.logits,
+                      acts_.attn.gathered, param(w, lm_head_), Tensor{}, !grads_fresh(head_unit));
+    tp_.reduce_scatter(acts_.dlnf, acts_.attn.partial);
+  }
   k.fill_zero(acts_.dresidual);
   // dbranch: each norm's backward leaves dresidual's activation copy for the branch below it.
   const Tensor dbranch = this->dbranch(), copy = acts_.dbranch;
@@ -602,7 +680,7 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     if (blk.is_moe)
       blk.moe.backward(k, w, g, acts_.moe, acts_.dln, dbranch, a.ln2.out, a.moe, moe_loss_scale_);
     else
-      blk.mlp.backward(k, w, g, acts_.mlp, acts_.dln, dbranch, a.ln2.out, a.mlp, accumulate);
+      blk.mlp.backward(k, w, g, mlp_scratch(acts_), acts_.dln, dbranch, a.ln2.out, a.mlp, accumulate);
     blk.ln2.backward(k, w, g, acts_.dresidual, acts_.dln, a.residual_mid, a.ln2, accumulate, copy);
     // Recomputation ran the block's attention forward just now: its keys are gathered.
     blk.attn.backward(k, w, g, acts_.attn, acts_.dln, dbranch, a.ln1.out, a.attn, docs, accumulate,
@@ -615,7 +693,7 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
   hook(&UnitHooks::before_backward, 0);
   const bool taken = embed_.wpe < 0 && hooks_ && hooks_->embedding_backward &&
                      hooks_->embedding_backward(acts_.dresidual, tokens);
-  if (!taken) embed_.backward(k, g, acts_.dresidual, tokens);
+  if (!taken) embed_.backward(k, g, acts_.dresidual, tokens, acts_.tp_every);
   hook(&UnitHooks::after_backward, 0);
 }
 

@@ -8,6 +8,11 @@
 // The residual stream and its gradient are f32 by default (ModelConfig::residual_fp32, as
 // PyTorch's autocast keeps them) while every GEMM reads bf16: each norm's backward also writes
 // the gradient's bf16 copy (dbranch) that the branch below it reads.
+// Under tensor parallelism (model/tensor_parallel.h, docs/distributed.md) the layers split their
+// matrices and the residual stream holds the rank's 1/ranks of the micro-batch's tokens
+// (sequence parallelism); the LM head is vocabulary-parallel and its cross-entropy combines the
+// ranks' per-token statistics (softmax_cross_entropy_stats/_combine) instead of gathering the
+// logits, so every rank of the group holds every token's loss.
 #pragma once
 
 #include <vector>
@@ -40,7 +45,7 @@ class Decoder final : public Model {
   void backward(Tensor tokens, const DocumentMask& docs) override;
   void plan_decode(Arena& arena) override;
   Tensor decode(Tensor token, int pos) override;
-  Tensor losses() const override { return acts_.losses; }
+  Tensor losses() const override;
   Tensor logits() const override { return acts_.logits; }
   const std::vector<int>& moe_blocks() const override { return moe_blocks_; }
   Tensor moe_stats() const override { return acts_.moe_stats; }
@@ -48,6 +53,7 @@ class Decoder final : public Model {
   void moe_update_bias() override;
   void set_expert_parallel(const ExpertParallel& ep) override;
   void set_context_parallel(const ContextParallel& cp) override;
+  void set_tensor_parallel(const TensorParallel& tp) override;
   std::string graph_unavailable() const override;
   Fp8State& fp8() override { return fp8_; }
   const Fp8State& fp8() const override { return fp8_; }
@@ -82,9 +88,13 @@ class Decoder final : public Model {
     // backward scratch; dbranch: dresidual in the activation dtype, for the branches' GEMMs
     // (undefined, and dresidual read instead, where the stream has the activation dtype)
     Tensor dresidual, dbranch, dln, dlnf;
-    Attention::Scratch attn;
+    Attention::Scratch attn;  // under tp its gathered/partial are the mlp's too
     Mlp::Scratch mlp;
     Moe::Scratch moe;
+    // Tensor parallelism: every token's embedding sum (forward) and residual-stream gradient
+    // (backward) [B,T,C] in the residual dtype; the cross-entropy's statistics [N,3] and every
+    // rank's [ranks,N,3].
+    Tensor tp_every, ce_stats, ce_stats_all;
     // model.moe: the MoE blocks' routing statistics and balancing bias (Model::moe_stats).
     Tensor moe_stats, moe_bias;
   };
@@ -95,6 +105,14 @@ class Decoder final : public Model {
   void plan(const Planner& planner, Acts& acts, int B, int T, const RecomputePlan& recompute) const;
   // Block l's activations in `set` (acts_ or decode_) planned under `recompute`, with the MoE
   // state (statistics, bias) of the model's own.
+  // The MLP's scratch, with tensor parallelism's buffers that attention's holds (one pair serves
+  // both; bound only once the arena is allocated).
+  static Mlp::Scratch mlp_scratch(const Acts& set) {
+    Mlp::Scratch s = set.mlp;
+    s.gathered = set.attn.gathered;
+    s.partial = set.attn.partial;
+    return s;
+  }
   BlockActs block_acts(const Acts& set, const RecomputePlan& recompute, int l) const;
   BlockActs acts(int l) const { return block_acts(acts_, recompute_, l); }
   Tensor block_input(const Acts& set, int l) const;
@@ -140,6 +158,13 @@ class Decoder final : public Model {
   int B_ = 0, T_ = 0;
   std::vector<int> moe_blocks_;
   float moe_loss_scale_ = 0;  // this micro-batch's weight of the aux and z losses (1 / grad_accum)
+  TensorParallel tp_;
+  // The rows of the residual stream this rank holds: B x T, or under tp 1 x (B*T / ranks).
+  int64_t stream_b(int64_t B, int64_t T) const { return tp_.on() ? 1 : B; }
+  int64_t stream_t(int64_t B, int64_t T) const { return tp_.on() ? B * T / tp_.ranks : T; }
+  // The LM head's vocabulary rows on this rank, and the first of them.
+  int64_t head_rows() const { return cfg_.padded_vocab_size / tp_.ranks; }
+  int64_t head_first() const { return tp_.rank * head_rows(); }
 };
 
 }  // namespace kiln

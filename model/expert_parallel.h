@@ -5,7 +5,7 @@
 // forward exchanges the rows per expert first and reads them on the host (one copy, a stream
 // sync on the GPU, which the grouped GEMMs need anyway), then sends exactly the rows each rank
 // needs, there and back; the backward reuses those sizes. The model knows only these two
-// exchanges, never the communicator or the ranks' plan (dist/parallel_plan.h).
+// exchanges, never the communicator or the device mesh (dist/device_mesh.h).
 #pragma once
 
 #include <cstdint>

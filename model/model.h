@@ -20,6 +20,7 @@
 #include "model/fp8_state.h"
 #include "model/layers/layer.h"
 #include "model/param_layout.h"
+#include "model/tensor_parallel.h"
 
 namespace kiln {
 
@@ -158,6 +159,9 @@ class Model {
   virtual void forward(Tensor tokens, Tensor targets, const DocumentMask& docs, float dloss_scale,
                        bool with_backward) = 0;
   virtual void backward(Tensor tokens, const DocumentMask& docs) = 0;
+  // This rank's share of the per-token losses: every token's, or under tensor parallelism (every
+  // rank of a tensor group computes every token's) its 1/ranks slice of the rows, so that a sum
+  // over the world counts each token once.
   virtual Tensor losses() const = 0;
   virtual Tensor logits() const = 0;  // [B,T,Vp]
 
@@ -191,6 +195,11 @@ class Model {
   // this rank's rows of the sequence (T / ranks); throws std::invalid_argument for a model with
   // learned positions. forward then needs DocumentMask::positions: each row's position.
   virtual void set_context_parallel(const ContextParallel& cp) = 0;
+  // dist.tensor_parallel (model/tensor_parallel.h), before plan_activations: the blocks split
+  // their matrices and the vocabulary over tp.ranks, and bind the local layout's tensors
+  // (model/shard_layout.h with the same ranks); throws std::invalid_argument where a dimension
+  // does not split (heads, key-value heads, FFN width, the padded vocabulary).
+  virtual void set_tensor_parallel(const TensorParallel& tp) = 0;
   // Why a CUDA graph cannot replay this model's step on its backend, "" where it can: MoE
   // blocks whose grouped GEMMs read their group sizes on the host at every call.
   virtual std::string graph_unavailable() const = 0;

@@ -14,14 +14,24 @@ const ParamInfo& ParamLayout::find(const std::string& name) const {
   return tensors[static_cast<size_t>(index(name))];
 }
 
-int LayoutBuilder::add(const std::string& name, Shape shape, bool decay, int64_t experts) {
+int LayoutBuilder::add(const std::string& name, Shape shape, bool decay, int64_t experts,
+                       TensorSplit split) {
   const int unit = static_cast<int>(layout_.units.size());
   const int index = static_cast<int>(layout_.tensors.size());
   if (!layout_.by_name_.emplace(name, index).second)
     throw std::logic_error("parameter " + name + " added twice");
   if (experts > 0 && (shape.ndim < 1 || shape[0] != experts))
     throw std::logic_error("parameter " + name + ": an expert tensor's first dimension is its experts");
-  layout_.tensors.push_back({name, layout_.total, shape, unit, decay, experts});
+  if (split.split() && (split.dim >= shape.ndim || (split.dim == 1 && split.segments.size() > 1)))
+    throw std::logic_error("parameter " + name + ": a split along dim " +
+                           std::to_string(split.dim) + " of " + shape.str() +
+                           " (columns split as one segment)");
+  int64_t along = 0;
+  for (int64_t s : split.segments) along += s;
+  if (split.split() && !split.segments.empty() && along != shape[split.dim])
+    throw std::logic_error("parameter " + name + ": segments of " + std::to_string(along) +
+                           " along dim " + std::to_string(split.dim) + " of " + shape.str());
+  layout_.tensors.push_back({name, layout_.total, shape, unit, decay, experts, std::move(split)});
   layout_.total += shape.numel();
   return index;
 }

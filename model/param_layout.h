@@ -14,6 +14,17 @@
 
 namespace kiln {
 
+// How tensor parallelism (model/tensor_parallel.h) splits a tensor over the ranks of a tensor
+// group: not at all (dim -1: every rank holds it whole, as norms' gains), or along dim 0 (rows: a
+// column-parallel weight and bias, a vocabulary table) or dim 1 (columns: a row-parallel weight),
+// each of `segments` (consecutive runs along that dim; empty: the whole dim) in equal parts, so
+// that a packed tensor splits per part: qkv's q, k and v heads, SwiGLU's gate and up rows.
+struct TensorSplit {
+  int dim = -1;
+  std::vector<int64_t> segments;
+  bool split() const { return dim >= 0; }
+};
+
 // One named tensor of the flat parameter buffer.
 struct ParamInfo {
   std::string name;  // "h.3.attn.qkv.weight"
@@ -24,6 +35,9 @@ struct ParamInfo {
   // A MoE layer's expert tensor: its first dimension, the experts (0 for any other tensor).
   // Expert parallelism splits it (train/parallelize.h).
   int64_t experts = 0;
+  // Under tensor parallelism: how the tensor splits (a local layout's tensors keep their global
+  // tensor's split, with the global segments).
+  TensorSplit split;
   int64_t numel() const { return shape.numel(); }
 };
 
@@ -51,8 +65,10 @@ struct ParamLayout {
 // Builds a ParamLayout tensor by tensor and unit by unit.
 class LayoutBuilder {
  public:
-  // Adds `name` to the open unit; returns its index in tensors. `experts`: see ParamInfo.
-  int add(const std::string& name, Shape shape, bool decay, int64_t experts = 0);
+  // Adds `name` to the open unit; returns its index in tensors. `experts`, `split`: see
+  // ParamInfo.
+  int add(const std::string& name, Shape shape, bool decay, int64_t experts = 0,
+          TensorSplit split = {});
   // Closes the open unit (every tensor added since the last close) and opens the next.
   void close_unit();
   // The finished layout, with its decay spans merged.

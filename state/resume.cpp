@@ -23,11 +23,12 @@ int restore(const RunParts& run, const std::string& dir) {
   for (const OwnedRange& o : run.strategy.plan().owned) {
     std::vector<float> master(static_cast<size_t>(o.end - o.begin)), m(master.size()),
         v(master.size());
-    for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
-      const size_t at = static_cast<size_t>(p.local - o.begin);
-      load_optimizer_range(manifest, global, p.global, p.global + p.size, master.data() + at,
-                           m.data() + at, v.data() + at);
-    }
+    for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end))
+      for_each_run(p, [&](int64_t local, int64_t g, int64_t n) {
+        const size_t at = static_cast<size_t>(local - o.begin);
+        load_optimizer_range(manifest, global, g, g + n, master.data() + at, m.data() + at,
+                             v.data() + at);
+      });
     run.strategy.load_range(o, master.data(), m.data(), v.data());
   }
   run.strategy.refresh_working();
@@ -87,7 +88,9 @@ void init_parameters(const RunParts& run) {
   const auto seed = static_cast<uint64_t>(cfg.train.seed);
   run.strategy.load_parameters([&](int64_t begin, int64_t end, float* out) {
     for (const LayoutPiece& p : run.layout.global_pieces(begin, end))
-      run.model.init_range(seed, p.global, p.global + p.size, out + (p.local - begin));
+      for_each_run(p, [&](int64_t local, int64_t g, int64_t n) {
+        run.model.init_range(seed, g, g + n, out + (local - begin));
+      });
   });
 }
 
@@ -173,9 +176,11 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double 
     run.strategy.read_range(o, master, m, v);
     for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
       if (!run.layout.writes(p)) continue;
-      const int64_t at = p.local - o.begin;
-      shards.push_back({p.global, p.global + p.size, master + at, m + at, v + at});
-      bytes += 3 * static_cast<size_t>(p.size) * sizeof(float);
+      for_each_run(p, [&](int64_t local, int64_t g, int64_t n) {
+        const int64_t at = local - o.begin;
+        shards.push_back({g, g + n, master + at, m + at, v + at});
+        bytes += 3 * static_cast<size_t>(n) * sizeof(float);
+      });
     }
   }
   const LoaderState ls = run.train_loader.state();

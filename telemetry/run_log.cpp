@@ -44,12 +44,16 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
 void log_run_start(const Config& cfg, const Backend& backend, int steps, int64_t tokens_per_step,
                    int world_size, double flops_per_token, double peak) {
   const TrainSection& t = cfg.train;
-  const int cp = cfg.dist.context_parallel;
+  // The ranks of a context group share each sequence, those of a tensor group each layer.
+  const int cp = cfg.dist.context_parallel, tp = cfg.dist.tensor_parallel;
+  std::string shared;
+  if (cp > 1) shared += ", each sequence over " + std::to_string(cp);
+  if (tp > 1) shared += ", each layer over " + std::to_string(tp);
   spdlog::info(
       "training {} steps of {} tokens ({} x {} x {} accum x {} ranks{}) on {}; "
       "{:.3g} GFLOP/token, peak {}",
-      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum, world_size / cp,
-      cp > 1 ? ", each sequence over " + std::to_string(cp) : std::string(), backend.name(),
+      steps, tokens_per_step, t.batch_size, cfg.model.seq_len, t.grad_accum,
+      world_size / (cp * tp), shared, backend.name(),
       flops_per_token / 1e9,
       peak > 0 ? std::to_string(peak / 1e12) + " TFLOP/s" : "unknown (MFU n/a)");
 }

@@ -333,6 +333,252 @@ TEST_F(DistTrain, ExpertParallelThatDoesNotDivideTheWorldIsRefused) {
       << r.output;
 }
 
+// Tensor parallelism (model/tensor_parallel.h): the ranks of a tensor group split each block's
+// matrices (q, k, v and the MLP's inner layer by output, the projections by input), the heads, the
+// vocabulary (the head's logits and a vocabulary-parallel cross-entropy) and, between the GEMMs,
+// the residual stream by token (sequence parallelism). GPT-2 (biases, a tied head), LLaMA (GQA,
+// SwiGLU, an untied head) and Qwen3 (QK-norm) follow 1 rank: over 2 and 4 ranks, beside data
+// parallelism under every strategy, with HSDP replicas, with context parallelism, under every
+// recomputation, with accumulation and document masks, in training and validation loss.
+// Tensor parallelism must also leave the gradient norm where one rank has it: every split
+// tensor's sum of squares counted once, every replicated one's once.
+void expect_same_norms(const std::string& a, const std::string& b) {
+  const auto na = kiln::testing::read_metric(a, "grad_norm"),
+             nb = kiln::testing::read_metric(b, "grad_norm");
+  ASSERT_EQ(na.size(), nb.size()) << a << " vs " << b;
+  for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << b << " " << i;
+}
+
+const std::string kTpLlama =
+    "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false --train.max_steps=12";
+
+TEST_F(DistTrain, TensorParallelFollowsTheSingleProcessCurve) {
+  const std::string steps = "--train.max_steps=12";
+  const std::string single = train("tp_single", 1, "ddp", steps + " --train.batch_size=8");
+  ASSERT_EQ(losses(single).size(), 12u);
+  std::string output;
+  const std::string tp2 =
+      train("tp_2", 2, "ddp", steps + " --dist.tensor_parallel=2 --train.batch_size=8", &output);
+  EXPECT_NE(output.find("dist.tensor_parallel=2: each block's matrices split over groups of 2"),
+            std::string::npos)
+      << output;
+  // A tensor group reads one batch: the step is 8 x 64 tokens on 2 ranks as on 1.
+  EXPECT_NE(output.find("tokens (8 x 64 x 1 accum x 1 ranks, each layer over 2)"),
+            std::string::npos)
+      << output;
+  for (const std::string& run :
+       {tp2, train("tp_2_zero1", 2, "zero1", steps + " --dist.tensor_parallel=2 --train.batch_size=8"),
+        train("tp_2_fsdp", 2, "fsdp", steps + " --dist.tensor_parallel=2 --train.batch_size=8"),
+        train("tp_4", 4, "ddp", steps + " --dist.tensor_parallel=4 --train.batch_size=8"),
+        train("tp_2x2_fsdp", 4, "fsdp", steps + " --dist.tensor_parallel=2 --train.batch_size=4"),
+        train("tp_hsdp", 4, "fsdp",
+              steps + " --dist.tensor_parallel=2 --dist.data_replicate=2 --train.batch_size=4")}) {
+    expect_same_curve(single, run, 1e-5);
+    expect_same_val(single, run);
+  }
+}
+
+TEST_F(DistTrain, TensorParallelLlamaAndQwen3FollowTheSingleProcessCurve) {
+  const std::string qwen3 =
+      "--model.arch=qwen3 --model.n_kv_head=2 --model.head_dim=32 --train.max_steps=12";
+  for (const std::string& model : {kTpLlama, qwen3}) {
+    const std::string arch = model.substr(13, 5);
+    const std::string single = train("tp_" + arch + "_single", 1, "ddp", model);
+    ASSERT_EQ(losses(single).size(), 12u);
+    for (const auto& [strategy, nproc, extra] :
+         {std::tuple<const char*, int, const char*>{"fsdp", 2, "--train.batch_size=8"},
+          {"zero1", 4, "--train.batch_size=8 --dist.context_parallel=2"},
+          {"ddp", 2, "--train.batch_size=4 --train.grad_accum=2"}}) {
+      const std::string run =
+          train("tp_" + arch + "_" + strategy + "_" + std::to_string(nproc), nproc, strategy,
+                model + " --dist.tensor_parallel=2 " + extra);
+      expect_same_curve(single, run, 1e-5);
+      expect_same_norms(single, run);
+    }
+    // 4 tensor ranks need 4 key-value heads.
+    const std::string mha = model + " --model.n_kv_head=4";
+    expect_same_curve(train("tp_" + arch + "_mha_single", 1, "ddp", mha),
+                      train("tp_" + arch + "_4", 4, "fsdp",
+                            mha + " --dist.tensor_parallel=4 --train.batch_size=8"),
+                      1e-5);
+  }
+  const std::string single = (dir_ / "tp_llama_single").string();
+  for (const char* recompute : {"light", "selective", "full"})
+    expect_same_curve(single,
+                      train(std::string("tp_recompute_") + recompute, 2, "ddp",
+                            kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=8 "
+                                       "--train.recompute=" + recompute),
+                      1e-5);
+  const std::string docs = kTpLlama + " --data.document_mask=true --data.document_separator=10";
+  expect_same_curve(train("tp_docs_single", 1, "ddp", docs),
+                    train("tp_docs_2", 2, "fsdp",
+                          docs + " --dist.tensor_parallel=2 --train.batch_size=8"),
+                    1e-5);
+}
+
+// MoE blocks under tensor parallelism: attention splits, the experts do not (each tensor rank
+// routes its tokens of the sequence-parallel stream); with the experts spread over the other
+// axis (4 ranks: 2 x 2), and expert parallelism beside context parallelism.
+TEST_F(DistTrain, TensorParallelMoeAndExpertParallelFollowTheSingleProcessCurve) {
+  const std::string single = train("tp_moe_single", 1, "ddp", kMoeRun);
+  ASSERT_EQ(losses(single).size(), 12u);
+  expect_same_curve(single, train("tp_moe_2", 2, "ddp",
+                          kMoeRun + " --dist.tensor_parallel=2 --train.batch_size=8"),
+                    1e-5);
+  expect_same_curve(single,
+                    train("tp_moe_ep", 4, "fsdp",
+                          kMoeRun + " --dist.tensor_parallel=2 --dist.expert_parallel=2 "
+                                    "--train.batch_size=4"),
+                    1e-5);
+  expect_same_curve(single,
+                    train("ep_cp", 4, "ddp",
+                          kMoeRun + " --dist.context_parallel=2 --dist.expert_parallel=2 "
+                                    "--train.batch_size=4"),
+                    1e-5);
+}
+
+// FP8 under tensor parallelism: the amaxes are reduced over the world, so every rank of a tensor
+// group quantizes its shard at the whole tensor's scale. The row-parallel GEMMs' partial sums are
+// added in another order than one rank's single GEMM, and FP8 rounds some of those differences
+// into different codes: near the 1-rank FP8 curve, not within float tolerance (the same bound as
+// data parallelism's, Fp8UnderEveryStrategyScalesAlikeOnEveryRank).
+TEST_F(DistTrain, TensorParallelFp8StaysOnTheSingleProcessCurve) {
+  const std::string fp8 = kTpLlama + " --precision.fp8=true --fp8.amax_history_len=4";
+  const std::string single = train("tp_fp8_single", 1, "ddp", fp8 + " --train.batch_size=8");
+  for (const auto& [name, nproc, strategy, extra] :
+       {std::tuple<const char*, int, const char*, const char*>{"tp_fp8_2", 2, "ddp",
+                                                               "--train.batch_size=8"},
+        {"tp_fp8_2x2", 4, "fsdp", "--train.batch_size=4"}}) {
+    std::string output;
+    const std::string run =
+        train(name, nproc, strategy, fp8 + " --dist.tensor_parallel=2 " + extra, &output);
+    expect_same_curve(single, run, 1e-3);  // measured: 1.5e-5 (tp 2), 2.5e-4 (tp 2 x fsdp 2)
+    EXPECT_NE(output.find("scales and amax histories agree"), std::string::npos) << output;
+  }
+}
+
+// Checkpoints hold the global tensors: a run saved by 2 x 2 ranks (tensor x fsdp) resumes bit
+// for bit on that layout, and on the curve on 1 rank and under zero1 with 2 tensor ranks; a GPT-2
+// saved under tensor parallelism 2 resumes under 4. Hugging Face weights load into a
+// tensor-parallel run as into one rank.
+TEST_F(DistTrain, TensorParallelCheckpointsResumeUnderAnotherLayoutAndLoadHfWeights) {
+  auto resume = [](const std::string& from, const std::string& name, int nproc,
+                   const char* strategy, const std::string& args) {
+    const std::string dir = (dir_ / name).string();
+    fs::create_directories(dir + "/checkpoints");
+    fs::copy(from + "/checkpoints/step_00000006", dir + "/checkpoints/step_00000006",
+             fs::copy_options::recursive);
+    train(name, nproc, strategy, args);
+    return dir;
+  };
+  const std::string first =
+      train("tp_ckpt", 4, "fsdp",
+            kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=4 --train.checkpoint_every=6");
+  const auto a = losses(first);
+  ASSERT_EQ(a.size(), 12u);
+  const auto same = losses(resume(first, "tp_ckpt_same", 4, "fsdp",
+                                  kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=4"));
+  ASSERT_EQ(same.size(), 6u);
+  for (size_t i = 0; i < same.size(); ++i) EXPECT_EQ(same[i], a[6 + i]);
+  for (const std::string& other :
+       {resume(first, "tp_ckpt_1", 1, "ddp", kTpLlama + " --train.batch_size=8"),
+        resume(first, "tp_ckpt_zero1", 2, "zero1",
+               kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=8")}) {
+    const auto b = losses(other);
+    ASSERT_EQ(b.size(), 6u) << other;
+    for (size_t i = 0; i < b.size(); ++i)
+      EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second),
+                  1e-5 * std::stod(a[6 + i].second))
+          << other;
+  }
+  const std::string gpt2 = "--train.max_steps=12 --train.batch_size=8";
+  const std::string g2 =
+      train("tp_ckpt_gpt2", 2, "zero1", gpt2 + " --dist.tensor_parallel=2 --train.checkpoint_every=6");
+  const auto g2_losses = losses(g2),
+             g4 = losses(resume(g2, "tp_ckpt_gpt2_4", 4, "fsdp", gpt2 + " --dist.tensor_parallel=4"));
+  ASSERT_EQ(g4.size(), 6u);
+  for (size_t i = 0; i < g4.size(); ++i)
+    EXPECT_NEAR(std::stod(g4[i].second), std::stod(g2_losses[6 + i].second),
+                1e-5 * std::stod(g2_losses[6 + i].second));
+
+  const std::string hf = (dir_ / "tp_hf").string();
+  const auto c = kiln::testing::run_command(kBin + "/convert " + first +
+                                            "/checkpoints/step_00000012 --to hf " + hf +
+                                            " --dtype f32");
+  ASSERT_EQ(c.status, 0) << c.output;
+  const std::string init = kTpLlama + " --train.batch_size=8 --init.from=hf:" + hf;
+  const std::string one = train("tp_hf_1", 1, "ddp", init);
+  const std::string split = train("tp_hf_2", 2, "fsdp", init + " --dist.tensor_parallel=2");
+  expect_same_curve(one, split, 1e-5);
+  expect_same_val(one, split);
+  // Imported and exported again after a step too small to move a weight: the same safetensors
+  // from 2 tensor ranks as from 1, and as went in.
+  const std::string still = init + " --train.max_steps=1 --optim.lr=1e-30 --optim.min_lr=0";
+  std::vector<std::string> exported;
+  for (const auto& [name, nproc, extra] :
+       {std::tuple<const char*, int, const char*>{"tp_hf_still_1", 1, ""},
+        {"tp_hf_still_2", 2, " --dist.tensor_parallel=2"}}) {
+    const std::string out = (dir_ / (std::string(name) + "_hf")).string();
+    const auto e = kiln::testing::run_command(kBin + "/convert " + train(name, nproc, "fsdp", still + extra) +
+                                              " --to hf " + out + " --dtype f32");
+    ASSERT_EQ(e.status, 0) << e.output;
+    exported.push_back(kiln::testing::read_file(out + "/model.safetensors"));
+  }
+  EXPECT_EQ(exported[0], exported[1]);
+  EXPECT_EQ(exported[1], kiln::testing::read_file(hf + "/model.safetensors"));
+}
+
+// Two nodes of 2 ranks, as two launchers on this machine, each node a replica (HSDP: the
+// replicas' gradient shards summed across the nodes): fsdp sharding over a node's 2 ranks, or
+// tensor parallelism splitting the layers over them; both on the single-process curve.
+TEST_F(DistTrain, ReplicasAcrossTwoNodesWithFsdpOrTensorParallelInside) {
+  const std::string single = train("nodes_single", 1, "ddp", kTpLlama + " --train.batch_size=8");
+  for (const auto& [name, inside] :
+       {std::pair<const char*, const char*>{"nodes_fsdp", " --train.batch_size=2"},
+        {"nodes_tp", " --dist.tensor_parallel=2 --train.batch_size=4"}}) {
+    const std::string out = (dir_ / name).string();
+    const int port = kiln::testing::free_port();
+    std::vector<kiln::testing::Background> nodes;
+    for (int n = 0; n < 2; ++n)
+      nodes.push_back(kiln::testing::start_command(
+          "env KILN_RUN_TOKEN=replicas-test " +
+              train_command(name, 2, "fsdp",
+                        kTpLlama + " --dist.data_replicate=2" + inside + " --nnodes=2 --master-port=" +
+                            std::to_string(port) + " --node-rank=" + std::to_string(n)),
+          out + "." + std::to_string(n) + ".log"));
+    for (const auto& node : nodes)
+      ASSERT_EQ(kiln::testing::wait_command(node, std::chrono::seconds(120)), 0)
+          << kiln::testing::read_file(node.log_path);
+    expect_same_curve(single, out, 1e-5);
+    expect_same_norms(single, out);
+  }
+}
+
+// A tensor split the world, the heads or a micro-batch do not divide, and HSDP replicas under ddp
+// (which replicates everything already), are refused before training, naming the key.
+TEST_F(DistTrain, TensorParallelSplitsThatDoNotDivideAreRefused) {
+  for (const auto& [nproc, args, message] :
+       {std::tuple<int, const char*, const char*>{
+            2, "--dist.tensor_parallel=3",
+            "dist.tensor_parallel=3 must divide the world size (2 ranks)"},
+        {4, "--model.arch=llama --model.n_kv_head=2 --dist.tensor_parallel=4",
+         "dist.tensor_parallel=4: 4 query heads and 2 key-value heads must each split over 4 ranks"},
+        {2, "--dist.tensor_parallel=2 --train.batch_size=1 --model.seq_len=63",
+         "dist.tensor_parallel=2: a micro-batch of 63 tokens a rank"},
+        {2, "--dist.data_replicate=2",
+         "dist.data_replicate: is set, but dist.strategy is ddp"}}) {
+    const std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
+                            " --data.train='" + (dir_ / "data").string() + "/train_*.bin'" +
+                            " --model.n_layer=2 --model.n_embd=64 --model.n_head=4" +
+                            " --train.max_steps=2 --train.out_dir=" +
+                            (dir_ / "tp_refused").string() + " " + args +
+                            " --nproc-per-node=" + std::to_string(nproc);
+    const auto r = kiln::testing::run_command(cmd);
+    EXPECT_EQ(r.status, 2) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << cmd << "\n" << r.output;
+  }
+}
+
 // The tiny model fits one 25 MiB bucket; 10 KiB buckets make ddp all-reduce each unit on its
 // own as its backward ends, in f32 and in bf16. These overlapped buckets are the most
 // asynchronous path, so they run with Gloo's collectives both at wait() and when issued (see

@@ -382,7 +382,7 @@ TEST(MoeLayer, OneExpertWithTopOneIsTheDenseMlpBitForBit) {
     std::vector<float> x = random_floats(static_cast<size_t>(rig.x.numel()), 2);
     k.copy_from_host(rig.x, x.data());
     rig.moe.forward(k, rig.w, rig.moe_acts, rig.moe_scratch, rig.x, true);
-    rig.mlp.forward(k, rig.w, rig.mlp_acts, rig.x);
+    rig.mlp.forward(k, rig.w, rig.mlp_acts, rig.mlp_scratch, rig.x);
     EXPECT_EQ(rig.host(rig.moe_acts.out), rig.host(rig.mlp_acts.out));
     std::vector<float> dout = random_floats(static_cast<size_t>(rig.x.numel()), 3);
     Tensor dy = rig.mlp_acts.out;  // reuse as the upstream gradient's home

@@ -2,12 +2,12 @@
 
 namespace kiln {
 
-Evaluation::Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& backend,
+Evaluation::Evaluation(const Config& cfg, const DeviceMesh& mesh, Backend& backend,
                        Model& model, StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
                        std::function<void(Tensor)> sum_over_ranks)
     : cfg_(cfg),
-      world_size_(plan.world),
-      rows_(model.config().seq_len / plan.context_parallel),
+      token_ranks_(mesh.gradient_ranks()),
+      rows_(model.config().seq_len / mesh.context),
       backend_(backend),
       model_(model),
       inputs_(inputs),
@@ -15,8 +15,8 @@ Evaluation::Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& bac
       nvtx_(nvtx),
       sum_over_ranks_(std::move(sum_over_ranks)) {
   if (cfg.train.eval_every == 0) return;
-  const int B = cfg.train.batch_size, T = model.config().seq_len, R = plan.batch_rank(),
-            W = plan.batch_ranks(), V = model.config().vocab_size;
+  const int B = cfg.train.batch_size, T = model.config().seq_len, R = mesh.batch_rank(),
+            W = mesh.batch_ranks(), V = model.config().vocab_size;
   const int sep = cfg.data.document_mask ? cfg.data.document_separator : -1;
   if (cfg.data.sources.empty()) {
     if (!cfg.data.val.empty())
@@ -60,7 +60,7 @@ double Evaluation::mean_loss(DataLoader& loader) {
   }
   sum_over_ranks_(loss_sum_);
   const double n =
-      static_cast<double>(cfg_.train.batch_size) * rows_ * cfg_.train.eval_steps * world_size_;
+      static_cast<double>(cfg_.train.batch_size) * rows_ * cfg_.train.eval_steps * token_ranks_;
   float host[1];
   k.copy_to_host(host, loss_sum_);
   return host[0] / n;

@@ -12,7 +12,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
-#include "dist/parallel_plan.h"
+#include "dist/device_mesh.h"
 #include "model/model.h"
 #include "telemetry/metrics.h"
 #include "telemetry/nvtx.h"
@@ -26,7 +26,7 @@ class Evaluation {
   // 0); a glob it cannot read is an InputError naming its key. A batch goes through `inputs`'
   // micro-batch 0, its losses are summed into `loss_sum` (planned later, read at each run),
   // and `sum_over_ranks` sums that over the ranks.
-  Evaluation(const Config& cfg, const ParallelPlan& plan, Backend& backend, Model& model,
+  Evaluation(const Config& cfg, const DeviceMesh& mesh, Backend& backend, Model& model,
              StepInputs& inputs, const Tensor& loss_sum, Nvtx& nvtx,
              std::function<void(Tensor)> sum_over_ranks);
   bool on() const { return !loaders_.empty(); }
@@ -47,7 +47,9 @@ class Evaluation {
     std::unique_ptr<DataLoader> loader;
   };
   const Config& cfg_;
-  int world_size_;
+  // The ranks whose losses are of distinct tokens: every rank of a tensor group reports its slice
+  // of their rows (Model::losses).
+  int token_ranks_;
   int rows_;  // of each window, on this rank
   Backend& backend_;
   Model& model_;

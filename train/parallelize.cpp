@@ -27,9 +27,18 @@ Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(in
 
 }  // namespace
 
+MeshShape mesh_shape(const DistSection& dist) {
+  MeshShape m;
+  m.data_replicate = dist.data_replicate;
+  m.context = dist.context_parallel;
+  m.tensor = dist.tensor_parallel;
+  m.expert = dist.expert_parallel;
+  return m;
+}
+
 std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& backend,
-                                            const ParallelPlan& plan, const RankLayout& layout,
-                                            Communicator* data, Communicator* ep,
+                                            const DeviceMesh& mesh, const RankLayout& layout,
+                                            const RunCommunicators& comms,
                                             int64_t rows_per_micro_batch) {
   StrategyOptions o;
   o.name = dist.strategy;
@@ -37,18 +46,26 @@ std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& ba
   o.reduce_dtype = dist.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
   const ParamLayout& flat = layout.local();
   o.last_unit_reads_first = flat.last_unit_reads_first;
-  o.first_unit_rows = flat.first_unit_rows;
+  // fsdp's sparse table gradient scatters tokens by their ids; a rank's slice of a
+  // vocabulary-parallel table holds other rows.
+  o.first_unit_rows = mesh.has_tensor_split() ? 0 : flat.first_unit_rows;
   o.rows_per_micro_batch = rows_per_micro_batch;
-  auto strategy = make_strategy(o, backend, data, plan.data_group(), flat.total, flat.units);
-  if (plan.has_experts_split()) strategy->reduce_dense_over(ep, dense_ranges(flat));
+  auto strategy = make_strategy(o, backend, comms.data, mesh.data_group(), flat.total, flat.units);
+  if (mesh.has_tensor_split())
+    strategy->reduce_over(comms.tensor,
+                          ranges_where(flat, [](const ParamInfo& t) { return !t.split.split(); }));
+  if (mesh.has_experts_split())
+    strategy->reduce_over(comms.expert,
+                          ranges_where(flat, [](const ParamInfo& t) { return t.experts == 0; }));
+  if (mesh.has_replicas()) strategy->reduce_over(comms.replicate, {{0, flat.total}});
   return strategy;
 }
 
-void parallelize_experts(Model& model, const RankLayout& layout, const ParallelPlan& plan,
+void parallelize_experts(Model& model, const RankLayout& layout, const DeviceMesh& mesh,
                          Communicator& ep, bool log) {
-  const int P = plan.expert_parallel;
+  const int P = mesh.expert;
   Communicator* c = &ep;
-  model.set_expert_parallel({P, plan.expert_rank(),
+  model.set_expert_parallel({P, mesh.expert_rank(),
                              [c](Tensor out, Tensor in) {
                                c->all_to_all(out, in);
                                c->wait();
@@ -59,7 +76,8 @@ void parallelize_experts(Model& model, const RankLayout& layout, const ParallelP
                                c->wait();
                              }});
   if (!log) return;
-  const int E = model.config().moe.n_experts, El = E / P, replicas = plan.replicas();
+  const int E = model.config().moe.n_experts, El = E / P,
+            replicas = mesh.data_group().size * mesh.replicate;
   spdlog::info(
       "dist.expert_parallel={}: each MoE block's {} experts spread over groups of {} "
       "ranks, {} a rank (rank r holds experts {} * (r mod {}) on, {} of the {} "
@@ -90,40 +108,39 @@ void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const Param
   model.set_hooks(&hooks);
 }
 
-RunCommunicators make_run_communicators(const ParallelPlan& plan, Backend& backend,
+RunCommunicators make_run_communicators(const DeviceMesh& mesh, Backend& backend,
                                         const CommunicatorFactory& make_comm, const Nvtx& nvtx) {
   RunCommunicators c;
-  if (make_comm) {
-    c.owned_world = make_comm(backend, plan.world_group());
-    c.world = c.owned_world.get();
-    if (nvtx.on()) {
-      c.nvtx_world = nvtx.wrap(*c.owned_world);
-      c.world = c.nvtx_world.get();
-    }
+  if (!make_comm) return c;
+  c.owned_world = make_comm(backend, mesh.world_group());
+  c.world = c.owned_world.get();
+  if (nvtx.on()) {
+    c.nvtx_world = nvtx.wrap(*c.owned_world);
+    c.world = c.nvtx_world.get();
   }
-  c.data = c.world;
-  if (plan.has_experts_split()) {
-    c.owned_expert = make_comm(backend, plan.expert_group());
-    if (plan.replicas() > 1) c.owned_data = make_comm(backend, plan.data_group());
-    c.expert = c.owned_expert.get();
-    c.data = c.owned_data.get();
-  }
-  if (plan.has_context_split()) {
-    c.owned_context = make_comm(backend, plan.context_group());
-    c.context = c.owned_context.get();
-  }
+  auto group = [&](const CommGroup& g) -> Communicator* {
+    if (g.size == 1) return nullptr;
+    c.owned.push_back(make_comm(backend, g));
+    return c.owned.back().get();
+  };
+  c.tensor = group(mesh.tensor_group());
+  c.context = group(mesh.context_group());
+  c.expert = group(mesh.expert_group());
+  const CommGroup data = mesh.data_group();
+  c.data = data.size == mesh.world ? c.world : group(data);
+  c.replicate = group(mesh.replicate_group());
   return c;
 }
 
-ContextParallel context_split(const ParallelPlan& plan) {
+ContextParallel context_split(const DeviceMesh& mesh) {
   ContextParallel cp;
-  cp.ranks = plan.context_parallel;
-  cp.rank = plan.context_rank();
+  cp.ranks = mesh.context;
+  cp.rank = mesh.context_rank();
   return cp;
 }
 
-void parallelize_context(Model& model, const ParallelPlan& plan, Communicator& comm, bool log) {
-  ContextParallel cp = context_split(plan);
+void parallelize_context(Model& model, const DeviceMesh& mesh, Communicator& comm, bool log) {
+  ContextParallel cp = context_split(mesh);
   cp.all_gather = [&comm](Tensor all, Tensor mine) {
     comm.all_gather(all, mine);
     comm.wait();
@@ -184,6 +201,40 @@ void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const Pa
     };
   }
   fp8.set_ranks(std::move(ranks));
+}
+
+void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm,
+                        int64_t micro_batch_tokens, bool log) {
+  // Sequence parallelism: each rank holds 1/ranks of a micro-batch's tokens between the GEMMs.
+  if (micro_batch_tokens % mesh.tensor != 0)
+    throw InputError("dist.tensor_parallel=" + std::to_string(mesh.tensor) + ": a micro-batch of " +
+                     std::to_string(micro_batch_tokens) +
+                     " tokens a rank (train.batch_size x model.seq_len / dist.context_parallel) "
+                     "does not split over it: make it a multiple");
+  TensorParallel tp;
+  tp.ranks = mesh.tensor;
+  tp.rank = mesh.tensor_rank();
+  tp.all_gather = [&comm](Tensor all, Tensor mine) {
+    comm.all_gather(all, mine);
+    comm.wait();
+  };
+  tp.reduce_scatter = [&comm](Tensor mine, Tensor all) {
+    comm.reduce_scatter_sum(mine, all);
+    comm.wait();
+  };
+  try {
+    model.set_tensor_parallel(tp);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(std::string("dist.tensor_parallel=") + std::to_string(tp.ranks) + ": " +
+                     e.what());
+  }
+  if (log)
+    spdlog::info(
+        "dist.tensor_parallel={}: each block's matrices split over groups of {} ranks (q, k, v, "
+        "w1/w3 and fc by output, wo, w2 and proj by input), the vocabulary into {} slices, and "
+        "the residual stream by token (sequence parallelism): each rank holds 1/{} of a "
+        "micro-batch's tokens between the GEMMs",
+        tp.ranks, tp.ranks, tp.ranks, tp.ranks);
 }
 
 }  // namespace kiln

@@ -57,9 +57,10 @@ class Trainer {
   int B() const { return cfg_.train.batch_size; }
   // The rows of a sequence this rank holds (all of them without context parallelism); the
   // loaders read windows of model.seq_len.
-  int T() const { return mcfg_.seq_len / plan_.context_parallel; }
+  int T() const { return mcfg_.seq_len / mesh_.context; }
   int64_t tokens_per_step() const {
-    return static_cast<int64_t>(B()) * T() * cfg_.train.grad_accum * rank_.world_size;
+    // A tensor group's ranks read one batch between them.
+    return static_cast<int64_t>(B()) * T() * cfg_.train.grad_accum * mesh_.gradient_ranks();
   }
   size_t memory_bytes() const { return state_arena_.bytes() + acts_arena_.bytes(); }
   RunParts parts() {
@@ -116,7 +117,7 @@ class Trainer {
   const TrainObserver* observer_;
   StopAgreement* stop_;
   std::optional<StopPoint> stop_at_;
-  ParallelPlan plan_;
+  DeviceMesh mesh_;
   std::unique_ptr<Backend> built_backend_;
   Backend* backend_;  // the built one, or an observer's wrapper of it
   Nvtx nvtx_;
@@ -153,21 +154,20 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
       rank_(rank),
       observer_(observer),
       stop_(stop),
-      plan_(make_parallel_plan(rank.rank, rank.world_size, cfg.dist.expert_parallel,
-                               cfg.dist.context_parallel)),
+      mesh_(make_device_mesh(rank.rank, rank.world_size, mesh_shape(cfg.dist))),
       built_backend_(backend ? std::move(backend) : make_run_backend(cfg, rank.local_rank)),
       backend_(observer && observer->wrap_backend ? &observer->wrap_backend(*built_backend_)
                                                   : built_backend_.get()),
       mcfg_(model_config(cfg, *backend_, rank.rank == 0)),
       model_(make_model(mcfg_, *backend_)),
-      layout_(model_->layout(), plan_),
+      layout_(model_->layout(), mesh_),
       state_arena_(*backend_, "parameters and optimizer"),
       acts_arena_(*backend_, "activations"),
-      optimizer_(cfg.optim, rank.world_size),
+      optimizer_(cfg.optim, mesh_.gradient_ranks()),
       inputs_(*backend_, cfg.train.grad_accum, cfg.train.batch_size, mcfg_.seq_len,
               DocumentInputs{cfg.data.document_mask,
                              cfg.data.document_mask && cfg.data.document_positions},
-              context_split(plan_)),
+              context_split(mesh_)),
       graph_(
           *backend_, [this] { step_work(); },
           [this] { strategy_->forget_placement(); }) {
@@ -175,14 +175,15 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
   if (cfg.dist.copy_engine_gathers && backend_->device() != Device::cuda)
     throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on " +
                      backend_->name());
-  comms_ = make_run_communicators(plan_, *backend_, make_comm, nvtx_);
+  comms_ = make_run_communicators(mesh_, *backend_, make_comm, nvtx_);
   comm_ = comms_.world;
-  if (plan_.has_experts_split())
-    parallelize_experts(*model_, layout_, plan_, *comms_.expert, is_main());
-  if (plan_.has_context_split()) parallelize_context(*model_, plan_, *comms_.context, is_main());
-  strategy_ = make_run_strategy(cfg.dist, *backend_, plan_, layout_, comms_.data, comms_.expert,
-                                inputs_.rows());
-  parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.expert_local(), comm_,
+  if (mesh_.has_tensor_split())
+    parallelize_tensor(*model_, mesh_, *comms_.tensor, inputs_.rows(), is_main());
+  if (mesh_.has_experts_split())
+    parallelize_experts(*model_, layout_, mesh_, *comms_.expert, is_main());
+  if (mesh_.has_context_split()) parallelize_context(*model_, mesh_, *comms_.context, is_main());
+  strategy_ = make_run_strategy(cfg.dist, *backend_, mesh_, layout_, comms_, inputs_.rows());
+  parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.sharded(), comm_,
                   rank.world_size, is_main());
 }
 
@@ -227,7 +228,7 @@ void Trainer::plan_memory() {
   optimizer_.upload(*backend_, layout_.local());
   inputs_.allocate_staging();
   strategy_->bind();
-  parallelize(*model_, *strategy_, hooks_, layout_.expert_local());
+  parallelize(*model_, *strategy_, hooks_, layout_.sharded());
   nvtx_.wrap_units(hooks_, static_cast<int>(model_->layout().units.size()));
 }
 
@@ -258,8 +259,8 @@ void Trainer::step_work() {
 }
 
 void Trainer::print_sample(int step) {
-  // fsdp never holds the whole model on one rank, nor does a rank that holds only its experts.
-  if (is_main() && strategy_->full_working().defined() && !plan_.has_experts_split())
+  // fsdp never holds the whole model on one rank, nor does expert or tensor parallelism.
+  if (is_main() && strategy_->full_working().defined() && !layout_.sharded())
     log_sample(*backend_, mcfg_, strategy_->full_working(), model_->moe_bias(),
                cfg_.train.sample_tokens, rng_, step);
 }
@@ -310,8 +311,8 @@ int Trainer::run() {
   // cannot be made, data that cannot be read, then a checkpoint this run cannot resume.
   if (is_main()) check_run_dir(cfg_);
   // Ranks that share a sequence read the same windows (each keeps its rows).
-  train_loader_ = open_train_data(cfg_, mcfg_, plan_.batch_rank(), plan_.batch_ranks(), is_main());
-  evaluation_ = std::make_unique<Evaluation>(cfg_, plan_, *backend_, *model_, inputs_, loss_sum_,
+  train_loader_ = open_train_data(cfg_, mcfg_, mesh_.batch_rank(), mesh_.batch_ranks(), is_main());
+  evaluation_ = std::make_unique<Evaluation>(cfg_, mesh_, *backend_, *model_, inputs_, loss_sum_,
                                              nvtx_, [this](Tensor t) { all_reduce(t); });
   rng_.seed(static_cast<uint64_t>(t.seed) + 1);
   power_ = std::make_unique<RunPower>(*backend_, comm_, rank_.rank, rank_.world_size,

@@ -15,7 +15,7 @@
 #include <string>
 
 #include "config/config.h"
-#include "dist/parallel_plan.h"
+#include "dist/device_mesh.h"
 #include "model/model.h"
 #include "telemetry/metrics_channel.h"
 #include "train/parallelize.h"

@@ -1,15 +1,32 @@
 #include "model/layers/attention.h"
 
+#include <stdexcept>
+#include <string>
+
 namespace kiln {
 
 void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool qkv_bias,
                         bool bias) {
-  qkv.declare(b, name + ".qkv", C, dims.qkv_dim(), qkv_bias);
+  qkv.declare(b, name + ".qkv", C, dims.qkv_dim(), qkv_bias, LinearSplit::column,
+              {dims.q_dim(), dims.kv_dim(), dims.kv_dim()});
   if (qk_norm) {
     q_norm = b.add(name + ".q_norm.weight", {dims.head_dim}, false);
     k_norm = b.add(name + ".k_norm.weight", {dims.head_dim}, false);
   }
-  proj.declare(b, name + ".proj", dims.q_dim(), C, bias);
+  proj.declare(b, name + ".proj", dims.q_dim(), C, bias, LinearSplit::row);
+}
+
+void Attention::set_tensor_parallel(const TensorParallel& t) {
+  if (dims.n_head % t.ranks != 0 || dims.n_kv_head % t.ranks != 0)
+    throw std::invalid_argument(
+        "the attention's " + std::to_string(dims.n_head) + " query heads and " +
+        std::to_string(dims.n_kv_head) + " key-value heads must each split over " +
+        std::to_string(t.ranks) + " ranks (model.n_head, model.n_kv_head)");
+  tp = t;
+  dims.n_head /= t.ranks;
+  dims.n_kv_head /= t.ranks;
+  qkv.set_tensor_parallel(t.ranks, t.rank);
+  proj.set_tensor_parallel(t.ranks, t.rank);
 }
 
 void Attention::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
@@ -21,7 +38,8 @@ void Attention::plan(const Planner& planner, const std::string& name, Acts& a, i
   planner(&a.qkv, name + "qkv", {B, T, dims.qkv_dim()}, act);
   planner(&a.y, name + "atty", {B, T, dims.q_dim()}, act);
   planner(&a.lse, name + "att_lse", {B, dims.n_head, T}, DType::f32);
-  planner(&a.out, name + "attproj", {B, T, proj.out}, act);
+  planner(&a.out, name + "attproj",
+          tp.on() ? Shape{1, B * T / tp.ranks, proj.out} : Shape{B, T, proj.out}, act);
 }
 
 void Attention::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
@@ -80,17 +98,20 @@ void Attention::core(Backend& k, const Acts& a, const DocumentMask& docs,
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
                         const DocumentMask& docs, const Scratch& s) const {
-  qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, inp);
+  if (tp.on()) tp.all_gather(s.gathered, inp);
+  qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, tp.on() ? s.gathered : inp);
   if (qk_norm)
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
   if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params, docs.positions);
   core(k, a, docs, s);
-  proj.forward(k, w, a.out, a.y);
+  proj.forward(k, w, tp.on() ? s.partial : a.out, a.y);
+  if (tp.on()) tp.reduce_scatter(a.out, s.partial);
 }
 
 void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
                        int64_t pos) const {
+  if (tp.on()) throw std::logic_error("Attention::decode: a tensor-parallel rank holds some heads");
   const int64_t D = dims.qkv_dim();
   const Tensor newest = cache.slice(pos * D, {1, 1, D});
   qkv.forward(k, w, qk_norm ? a.qkv_raw : newest, inp);
@@ -105,7 +126,11 @@ void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, T
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
                          const DocumentMask& docs, bool accumulate, bool kv_gathered) const {
-  proj.backward(k, w, g, s.dy, dout, a.y, accumulate);
+  // Under tp, every token's output gradient for the projection's backward, then (in the same
+  // buffer) every token's input for qkv's weight gradient, whose input gradient is summed into
+  // this rank's tokens.
+  if (tp.on()) tp.all_gather(s.gathered, dout);
+  proj.backward(k, w, g, s.dy, tp.on() ? s.gathered : dout, a.y, accumulate);
   if (!cp.on()) {
     k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, counted(docs), docs.key_start);
   } else {
@@ -130,7 +155,13 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
                        param(w, q_norm), param(w, k_norm), a.qk_rstd, dims);
     dqkv = s.dqkv_raw;
   }
-  qkv.backward(k, w, g, dinp, dqkv, inp, accumulate);
+  if (!tp.on()) {
+    qkv.backward(k, w, g, dinp, dqkv, inp, accumulate);
+    return;
+  }
+  tp.all_gather(s.gathered, inp);
+  qkv.backward(k, w, g, s.partial, dqkv, s.gathered, accumulate);
+  tp.reduce_scatter(dinp, s.partial);
 }
 
 }  // namespace kiln

@@ -2,22 +2,37 @@
 // GELU epilogue (pre_gelu) is the MLP's; decay applies to the weight only. With `fp8` set (the
 // decoder points it at the layer's operands under precision.fp8), the input and, in backward,
 // the output gradient are cast to FP8 first and the GEMMs run in FP8 (kernels/fp8.h).
+// Under tensor parallelism (model/tensor_parallel.h) the layer is Megatron's column-parallel
+// linear (its rows split: each rank computes its part of the output, `segments` of a packed
+// output each split apart) or row-parallel one (its columns split: each rank computes a partial
+// sum of the whole output, which the caller sums over the ranks): declare() records the split,
+// set_tensor_parallel() makes in and out the rank's. A row-parallel layer's bias is added once,
+// by the group's first rank (owns_bias), so that the sum holds it once.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "model/layers/layer.h"
 #include "model/param_layout.h"
 
 namespace kiln {
 
+enum class LinearSplit { none, column, row };
+
 struct Linear {
   int weight = -1, bias = -1;
   int64_t in = 0, out = 0;
   const Fp8Linear* fp8 = nullptr;
+  LinearSplit split = LinearSplit::none;
+  bool owns_bias = true;  // row-parallel: the first rank of the tensor group alone adds the bias
 
+  // `segments`: a column split's parts of the output (empty: one).
   void declare(LayoutBuilder& b, const std::string& name, int64_t in_features, int64_t out_features,
-               bool with_bias);
+               bool with_bias, LinearSplit split = LinearSplit::none,
+               std::vector<int64_t> segments = {});
+  // This rank's part of the layer, of `ranks` (a column split divides out, a row split in).
+  void set_tensor_parallel(int ranks, int rank);
   // x8_made: the input's FP8 copy (fp8->x8) was made by the op that produced inp
   // (swiglu_forward_fp8), so the layer does not cast it.
   void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {},
@@ -34,6 +49,16 @@ struct Linear {
   void backward_through_swiglu(Backend& k, const Params& w, const Params& g, Tensor dpre,
                                Tensor dout, Tensor inp, Tensor pre, Tensor dact,
                                bool accumulate) const;
+
+ private:
+  // The bias gradient this rank adds to, or undefined: a rank that does not own the bias leaves
+  // it at zero (cleared here where the gradients are written rather than added to).
+  Tensor own_bias_grad(Backend& k, const Params& g, bool accumulate) const {
+    const Tensor db = param(g, bias);
+    if (owns_bias || !db.defined()) return db;
+    if (!accumulate) k.fill_zero(db);
+    return Tensor{};
+  }
 };
 
 }  // namespace kiln

@@ -14,7 +14,7 @@ void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_sh
   if (has_shared) {
     shared.kind = kind;
     shared.ffn_dim = n_shared * F;
-    shared.declare(b, name + ".shared", C, false);
+    shared.declare(b, name + ".shared", C, false, /*split=*/false);
   }
 }
 
@@ -169,7 +169,7 @@ void Moe::forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, 
   if (has_shared) {
     Mlp::Acts sa = a.shared;
     sa.out = a.out;
-    shared.forward(k, w, sa, inp);
+    shared.forward(k, w, sa, s.shared, inp);
   }
   k.moe_unpermute(a.out.view({N, C}), a.yp, a.slot_row, a.topk_w, has_shared);
 }

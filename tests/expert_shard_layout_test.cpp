@@ -1,8 +1,8 @@
-// Expert parallelism's layouts (train/parallelize.h): a rank's flat buffer holds every
-// non-expert tensor and its run of each expert tensor, in the model's order and units; its
+// Expert parallelism's layouts (model/shard_layout.h) of a MoE model: a rank's flat buffer holds
+// every non-expert tensor and its run of each expert tensor, in the model's order and units; its
 // pieces map back to the global buffer at the rank's experts; and the pieces of all ranks, the
 // dense ones taken once, tile the global buffer exactly.
-#include "train/parallelize.h"
+#include "model/shard_layout.h"
 
 #include <gtest/gtest.h>
 
@@ -28,9 +28,15 @@ ParamLayout layout_of(const ModelConfig& c) {
   return make_model(c, test::cpu())->layout();
 }
 
+ShardCoords experts(int ranks, int rank = 0) {
+  ShardCoords c;
+  c.expert_ranks = ranks, c.expert_rank = rank;
+  return c;
+}
+
 TEST(ExpertLocalLayout, KeepsEveryTensorWithTheRanksShareOfTheExperts) {
   const ParamLayout global = layout_of(moe_config());
-  const ParamLayout local = expert_local_layout(global, 2);
+  const ParamLayout local = shard_layout(global, experts(2));
   ASSERT_EQ(local.tensors.size(), global.tensors.size());
   ASSERT_EQ(local.units.size(), global.units.size());
   int64_t expert_numel = 0;
@@ -48,29 +54,29 @@ TEST(ExpertLocalLayout, KeepsEveryTensorWithTheRanksShareOfTheExperts) {
   EXPECT_GT(expert_numel, 0);
   EXPECT_EQ(local.total, global.total - expert_numel / 2);
   // The dense ranges: before block 1's experts and after them.
-  const auto dense = dense_ranges(local);
+  const auto dense = ranges_where(local, [](const ParamInfo& t) { return t.experts == 0; });
   ASSERT_EQ(dense.size(), 2u);
   EXPECT_EQ(dense[0].first, 0);
   EXPECT_EQ(dense[1].second, local.total);
   EXPECT_EQ(dense[1].first - dense[0].second, expert_numel / 2);
-  EXPECT_THROW(expert_local_layout(global, 3), std::invalid_argument);
+  EXPECT_THROW(shard_layout(global, experts(3)), std::invalid_argument);
 }
 
 TEST(ExpertLocalLayout, PiecesOfAllRanksTileTheGlobalBuffer) {
   const ParamLayout global = layout_of(moe_config());
   for (int ranks : {1, 2, 4}) {
-    const ParamLayout local = expert_local_layout(global, ranks);
+    const ParamLayout local = shard_layout(global, experts(ranks));
     std::vector<int> covered(static_cast<size_t>(global.total), 0);
     std::vector<float> params(static_cast<size_t>(global.total));
     std::iota(params.begin(), params.end(), 0.0f);
     for (int r = 0; r < ranks; ++r) {
-      const std::vector<float> mine = to_local(global, local, r, params);
-      const std::vector<LayoutPiece> pieces = local_to_global(global, local, r, 0, local.total);
+      const std::vector<float> mine = to_local(global, local, experts(ranks, r), params);
+      const std::vector<LayoutPiece> pieces = local_to_global(global, local, experts(ranks, r), 0, local.total);
       int64_t local_covered = 0;
       for (const LayoutPiece& p : pieces) {
         EXPECT_EQ(p.local, local_covered) << "rank " << r;  // in order, no gaps
-        local_covered += p.size;
-        for (int64_t i = 0; i < p.size; ++i) {
+        local_covered += p.size();
+        for (int64_t i = 0; i < p.size(); ++i) {
           EXPECT_EQ(mine[static_cast<size_t>(p.local + i)], params[static_cast<size_t>(p.global + i)]);
           if (p.expert || r == 0) ++covered[static_cast<size_t>(p.global + i)];
         }
@@ -83,7 +89,7 @@ TEST(ExpertLocalLayout, PiecesOfAllRanksTileTheGlobalBuffer) {
       EXPECT_FALSE(pieces.front().expert);
       EXPECT_FALSE(pieces.back().expert);
       // A sub-range cut inside a tensor maps inside it.
-      const std::vector<LayoutPiece> part = local_to_global(global, local, r, 5, 9);
+      const std::vector<LayoutPiece> part = local_to_global(global, local, experts(ranks, r), 5, 9);
       ASSERT_EQ(part.size(), 1u);
       EXPECT_EQ(part[0].global, 5);
     }
