@@ -96,6 +96,69 @@ size_t plan_overhead_bytes(const Config& cfg, int world_size) {
   return static_cast<size_t>(gib * kGiB) + deterministic_attention_bytes(cfg);
 }
 
+namespace {
+
+// The sharded state's bytes (zero1/fsdp's "(shard)" buffers): what grows by the factor the shard
+// group shrinks.
+size_t sharded_bytes(const Arena& state) {
+  size_t bytes = 0;
+  for (const auto& e : state.entries())
+    if (e.name.find("(shard)") != std::string::npos) bytes += e.bytes;
+  return bytes;
+}
+
+// dist.tensor_parallel twice as wide, where the heads split that far and a node holds it.
+std::string wider_tensor_split(const Config& cfg, const PlanTarget& target) {
+  const int tp = 2 * cfg.dist.tensor_parallel;
+  const int kv = cfg.model.n_kv_head > 0 ? cfg.model.n_kv_head : cfg.model.n_head;
+  if (tp > target.gpus_per_node || cfg.model.n_head % tp != 0 || kv % tp != 0) return "";
+  return "dist.tensor_parallel=" + std::to_string(tp) +
+         " (splits each layer's weights and activations inside a node; now " +
+         std::to_string(cfg.dist.tensor_parallel) + ")";
+}
+
+// Across nodes, zero1/fsdp over every node moves the sharded state's gathers over the slower
+// network each step; replicas (HSDP, one per node) keep them inside a node and send only the
+// gradients across, at the price of each node holding all of the sharded state. Says which the
+// plan's memory allows.
+void explain_replicas(const Config& cfg, const Arena& state, int world_size,
+                      const PlanTarget& target, size_t total, size_t limit) {
+  const int nodes = world_size / std::max(1, target.gpus_per_node);
+  if (nodes < 2 || cfg.dist.strategy == "ddp") return;
+  const int R = cfg.dist.data_replicate;
+  const size_t shard = sharded_bytes(state);
+  if (R > 1) {
+    spdlog::info("plan: dist.data_replicate={}: {} shards within each replica and the replicas "
+                 "sum gradients across nodes ({} of sharded state a GPU)",
+                 R, cfg.dist.strategy, format_bytes(shard));
+    return;
+  }
+  const int shards = world_size / (cfg.dist.context_parallel * cfg.dist.tensor_parallel);
+  // R replicas: the shard group is 1/R as wide, each shard R times larger. The most that fit,
+  // else the fewest (2) and what they would need.
+  int best = 0;
+  size_t best_bytes = 0, two_bytes = 0;
+  for (int R = nodes; R >= 2; --R) {
+    if (nodes % R != 0 || shards % R != 0) continue;
+    const size_t bytes = total + shard * static_cast<size_t>(R - 1);
+    if (R == 2) two_bytes = bytes;
+    if (bytes <= limit && best == 0) best = R, best_bytes = bytes;
+  }
+  if (best > 0)
+    spdlog::info(
+        "plan: {} spans all {} nodes, gathering across them each step; dist.data_replicate={} "
+        "(HSDP: {} replicas, only gradients crossing between them) would fit at {} a GPU, the "
+        "faster choice where the nodes' network is slower than NVLink",
+        cfg.dist.strategy, nodes, best, best, format_bytes(best_bytes));
+  else if (two_bytes > 0)
+    spdlog::info(
+        "plan: {} spans all {} nodes, gathering across them each step; replicas (HSDP, "
+        "dist.data_replicate) do not fit: 2 would need {} a GPU",
+        cfg.dist.strategy, nodes, format_bytes(two_bytes));
+}
+
+}  // namespace
+
 int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int world_size,
                 const PlanTarget& target,
                 const std::function<int64_t(const RecomputePlan&)>& activation_bytes) {
@@ -131,6 +194,7 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     spdlog::info("plan: {}{} of {} ({}): fits, {} to spare{}", format_bytes(total), per,
                  format_bytes(target.bytes), target.gpu, format_bytes(target.bytes - total),
                  spend);
+    explain_replicas(cfg, state, world_size, target, total, limit);
     return 0;
   }
   // The three largest buffers, and what shrinks each kind.
@@ -153,6 +217,7 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
   // A kind of buffer that holds a quarter of the arenas is worth shrinking too.
   const size_t quarter = (state.bytes() + acts.bytes()) / 4;
   std::vector<std::string> keys;
+  if (const std::string tp = wider_tensor_split(cfg, target); !tp.empty()) keys.push_back(tp);
   if (acts_big || acts.bytes() >= quarter) {
     if (cfg.train.batch_size > 1)
       keys.push_back("a lower train.batch_size (" + std::to_string(cfg.train.batch_size) +
@@ -192,6 +257,9 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
     if (cfg.dist.strategy != "fsdp")
       keys.push_back("dist.strategy=fsdp (now " + cfg.dist.strategy + ")");
     keys.push_back("more GPUs (--nproc-per-node, --nnodes)");
+    if (cfg.dist.data_replicate > 1)
+      keys.push_back("dist.data_replicate=1 (each replica holds all of the sharded state; now " +
+                     std::to_string(cfg.dist.data_replicate) + ")");
   }
   // The deterministic workspace, where it alone is past what is spare.
   const size_t det = deterministic_attention_bytes(cfg);

@@ -19,6 +19,7 @@ namespace kiln {
 struct PlanTarget {
   std::string gpu;   // what the plan is for: "NVIDIA H100 80GB HBM3", "80 GiB"
   size_t bytes = 0;  // its memory
+  int gpus_per_node = 1;  // --nproc-per-node: how far a tensor group may reach on NVLink
 };
 
 // --plan-gpu-memory's value: a size with its unit ("80GiB", "141GB", "81559MiB") or a GPU name

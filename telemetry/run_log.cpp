@@ -9,9 +9,16 @@ void log_memory_plan(const Config& cfg, const Backend& backend, const Model& mod
                      const RecomputePlan& recompute, size_t checkpoint_host_bytes) {
   // A rank's activations hold its rows of each sequence (T / dist.context_parallel).
   const int B = cfg.train.batch_size, T = model.config().seq_len / cfg.dist.context_parallel;
-  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}):",
-               backend.name(), model.layout().total, cfg.dist.strategy, world_size,
-               world_size > 1 ? ", gradients summed in " + cfg.dist.reduce_dtype : "");
+  // The strategy spans the ranks that hold the same tensor shard (and experts) in one replica.
+  const DistSection& d = cfg.dist;
+  std::string mesh;
+  if (d.tensor_parallel > 1) mesh += ", x " + std::to_string(d.tensor_parallel) + " tensor";
+  if (d.data_replicate > 1) mesh += ", x " + std::to_string(d.data_replicate) + " replicas";
+  if (d.expert_parallel > 1) mesh += ", experts over " + std::to_string(d.expert_parallel);
+  spdlog::info("memory plan on {} ({} parameters, dist.strategy={} over {} ranks{}{}):",
+               backend.name(), model.layout().total, d.strategy,
+               world_size / (d.tensor_parallel * d.data_replicate * d.expert_parallel), mesh,
+               world_size > 1 ? ", gradients summed in " + d.reduce_dtype : "");
   for (const auto& e : state.entries())
     if (e.bytes >= 1024 * 1024 || e.name.rfind("params", 0) == 0 || e.name.rfind("grads", 0) == 0 ||
         e.name.rfind("adamw", 0) == 0)

@@ -486,7 +486,7 @@ TEST(ConfigRecompute, FullBlocksAreCheckedAgainstTheModel) {
 TEST(ConfigArch, ShippedConfigsLoad) {
   for (const char* name :
        {"tiny", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-tiny-docs", "qwen3-tiny",
-        "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b", "llama3-8b", "qwen3-8b"}) {
+        "llama-1.36b", "qwen3-1.7b", "moe-tiny", "moe-2.9b-a1b", "llama3-8b", "llama3-70b", "qwen3-8b"}) {
     const std::string path = std::string(KILN_SOURCE_DIR) + "/configs/" + name + ".yaml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }

@@ -554,6 +554,50 @@ TEST_F(DistTrain, ReplicasAcrossTwoNodesWithFsdpOrTensorParallelInside) {
   }
 }
 
+// The other axes' pairs that the tests above leave out: HSDP replicas beside context and beside
+// expert parallelism, and FP8 under each (FP8 to the bound data parallelism has).
+TEST_F(DistTrain, ReplicasAndFp8ComposeWithContextAndExpertParallelism) {
+  const std::string single = train("mesh_cp_single", 1, "ddp", kCpRun + " --train.batch_size=8");
+  expect_same_curve(single,
+                    train("mesh_rep_cp", 4, "zero1",
+                          kCpRun + " --dist.data_replicate=2 --dist.context_parallel=2 "
+                                   "--train.batch_size=4"),
+                    1e-5);
+  const std::string moe = train("mesh_moe_single", 1, "ddp", kMoeRun + " --train.batch_size=8");
+  expect_same_curve(moe,
+                    train("mesh_rep_ep", 4, "fsdp",
+                          kMoeRun + " --dist.data_replicate=2 --dist.expert_parallel=2 "
+                                    "--train.batch_size=2"),
+                    1e-5);
+  const std::string fp8 = " --precision.fp8=true --fp8.amax_history_len=4";
+  expect_same_curve(train("mesh_fp8_single", 1, "ddp", kCpRun + fp8 + " --train.batch_size=8"),
+                    train("mesh_fp8_cp", 2, "fsdp",
+                          kCpRun + fp8 + " --dist.context_parallel=2 --train.batch_size=8"),
+                    1e-3);
+  expect_same_curve(train("mesh_fp8_single_again", 1, "ddp", kCpRun + fp8 + " --train.batch_size=8"),
+                    train("mesh_fp8_rep", 4, "zero1",
+                          kCpRun + fp8 + " --dist.data_replicate=2 --train.batch_size=2"),
+                    1e-3);
+  // Replicas under full recomputation, and their checkpoint resumed on one rank.
+  const std::string rep = train("mesh_rep_ckpt", 4, "fsdp",
+                                kCpRun + " --dist.data_replicate=2 --train.batch_size=2 "
+                                         "--train.recompute=full --train.checkpoint_every=6");
+  expect_same_curve(single, rep, 1e-5);
+  const std::string resumed = (dir_ / "mesh_rep_resumed").string();
+  fs::create_directories(resumed + "/checkpoints");
+  fs::copy(rep + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006",
+           fs::copy_options::recursive);
+  train("mesh_rep_resumed", 1, "ddp", kCpRun + " --train.batch_size=8");
+  const auto a = losses(single), b = losses(resumed);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < b.size(); ++i)
+    EXPECT_NEAR(std::stod(b[i].second), std::stod(a[6 + i].second), 1e-5 * std::stod(a[6 + i].second));
+  expect_same_curve(train("mesh_fp8_moe_single", 1, "ddp", kMoeRun + fp8 + " --train.batch_size=8"),
+                    train("mesh_fp8_ep", 2, "ddp",
+                          kMoeRun + fp8 + " --dist.expert_parallel=2 --train.batch_size=4"),
+                    1e-3);
+}
+
 // A tensor split the world, the heads or a micro-batch do not divide, and HSDP replicas under ddp
 // (which replicates everything already), are refused before training, naming the key.
 TEST_F(DistTrain, TensorParallelSplitsThatDoNotDivideAreRefused) {

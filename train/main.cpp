@@ -194,7 +194,9 @@ int main(int argc, char** argv) {
       if (config.train.device == "cpu")
         throw InputError("--plan: plans a CUDA run, but train.device is cpu");
       check_cuda_config(config);
-      return plan_training(config, static_cast<int>(world), plan_target(cli.plan_gpu_memory));
+      PlanTarget target = plan_target(cli.plan_gpu_memory);
+      target.gpus_per_node = cli.launch.nproc_per_node;
+      return plan_training(config, static_cast<int>(world), target);
     }
     const std::chrono::seconds grace(config.train.term_grace_s);
     if (auto worker = worker_from_environment()) {
