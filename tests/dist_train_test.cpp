@@ -501,6 +501,13 @@ TEST_F(DistTrain, TensorParallelCheckpointsResumeUnderAnotherLayoutAndLoadHfWeig
     EXPECT_NEAR(std::stod(g4[i].second), std::stod(g2_losses[6 + i].second),
                 1e-5 * std::stod(g2_losses[6 + i].second));
 
+  // eval and sample read a tensor-parallel run's checkpoint as one rank's: the whole model.
+  const auto ev = kiln::testing::run_command(kBin + "/eval " + first + " --device cpu --batches 2");
+  EXPECT_EQ(ev.status, 0) << ev.output;
+  EXPECT_NE(ev.output.find("\"loss\":"), std::string::npos) << ev.output;
+  const auto sa = kiln::testing::run_command(kBin + "/sample " + first + " --device cpu --tokens 8");
+  EXPECT_EQ(sa.status, 0) << sa.output;
+
   const std::string hf = (dir_ / "tp_hf").string();
   const auto c = kiln::testing::run_command(kBin + "/convert " + first +
                                             "/checkpoints/step_00000012 --to hf " + hf +

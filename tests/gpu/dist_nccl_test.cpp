@@ -276,6 +276,50 @@ TEST_F(DistNccl, ContextParallelFollowsTheSingleGpuCurve) {
                                      "--train.recompute=light"));
 }
 
+// Tensor parallelism over NCCL: 2 GPUs splitting each layer (cuBLASLt's GEMMs on the local
+// heads and columns, the vocabulary-parallel loss, sequence-parallel norms) follow one GPU
+// holding the whole model, under fsdp with its step replayed from a CUDA graph, under ddp with
+// selective recomputation, and with a MoE block's experts over the other GPUs; FP8 follows one
+// GPU's FP8 run. On 4 GPUs: 4 tensor ranks, and 2 x 2 with fsdp and HSDP replicas.
+TEST_F(DistNccl, TensorParallelFollowsTheSingleGpuCurve) {
+  const std::string llama = "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false";
+  const std::string single = train("tp_single", 1, "ddp", llama);
+  std::string output;
+  expect_close(single, train("tp2_graphs", 2, "fsdp",
+                             llama + " --dist.tensor_parallel=2 --train.batch_size=16 "
+                                     "--train.cuda_graphs=true",
+                             &output));
+  EXPECT_NE(output.find("dist.tensor_parallel=2: each block's matrices split over groups of 2"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("train.cuda_graphs: step 3 captured"), std::string::npos) << output;
+  expect_close(single, train("tp2_selective", 2, "ddp",
+                             llama + " --dist.tensor_parallel=2 --train.batch_size=16 "
+                                     "--train.recompute=selective"));
+  const std::string gpt2 = train("tp_gpt2_single", 1, "ddp", "");
+  expect_close(gpt2, train("tp2_gpt2", 2, "zero1", "--dist.tensor_parallel=2 --train.batch_size=16"));
+  const std::string fp8 = llama + " --precision.fp8=true";
+  expect_close(train("tp_fp8_single", 1, "ddp", fp8),
+               train("tp2_fp8", 2, "fsdp", fp8 + " --dist.tensor_parallel=2 --train.batch_size=16"));
+  if (kiln::cuda_device_count() < 4) return;
+  const std::string mha = "--model.arch=llama --model.n_kv_head=4 --model.tie_embeddings=false";
+  expect_close(train("tp_mha_single", 1, "ddp", mha),
+               train("tp4", 4, "ddp", mha + " --dist.tensor_parallel=4 --train.batch_size=16"));
+  expect_close(single, train("tp2_fsdp2", 4, "fsdp",
+                             llama + " --dist.tensor_parallel=2 --train.batch_size=8"));
+  expect_close(single, train("tp2_hsdp2", 4, "fsdp",
+                             llama + " --dist.tensor_parallel=2 --dist.data_replicate=2 "
+                                     "--train.batch_size=8"));
+  const std::string moe =
+      "--model.arch=llama --model.n_kv_head=2 --moe.n_experts=4 --moe.top_k=2 "
+      "--moe.expert_ffn_dim=64 --moe.balance=bias --moe.aux_loss_coef=0 "
+      "--moe.bias_update_rate=0.01";
+  expect_close(train("tp_moe_single", 1, "ddp", moe),
+               train("tp2_ep2", 4, "fsdp",
+                     moe + " --dist.tensor_parallel=2 --dist.expert_parallel=2 "
+                           "--train.batch_size=8"));
+}
+
 // ddp's default bucket size follows the link: one bucket where NVML reports NVLink between the
 // two GPUs, 25 MiB buckets otherwise, and always when NCCL may not use peer-to-peer (below).
 TEST_F(DistNccl, TwoSocketNodesMatchOneNode) {
