@@ -237,4 +237,21 @@ void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm
         tp.ranks, tp.ranks, tp.ranks, tp.ranks);
 }
 
+std::unique_ptr<Strategy> parallelize_run(const Config& cfg, Backend& backend, Model& model,
+                                          const DeviceMesh& mesh, const RankLayout& layout,
+                                          const RunCommunicators& comms,
+                                          int64_t rows_per_micro_batch, bool log) {
+  if (cfg.dist.copy_engine_gathers && backend.device() != Device::cuda)
+    throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on " +
+                     backend.name());
+  if (mesh.has_tensor_split())
+    parallelize_tensor(model, mesh, *comms.tensor, rows_per_micro_batch, log);
+  if (mesh.has_experts_split()) parallelize_experts(model, layout, mesh, *comms.expert, log);
+  if (mesh.has_context_split()) parallelize_context(model, mesh, *comms.context, log);
+  auto strategy = make_run_strategy(cfg.dist, backend, mesh, layout, comms, rows_per_micro_batch);
+  parallelize_fp8(model, *strategy, cfg.fp8.all_gather, layout.sharded(), comms.world, mesh.world,
+                  log);
+  return strategy;
+}
+
 }  // namespace kiln

@@ -92,4 +92,13 @@ void parallelize_context(Model& model, const DeviceMesh& mesh, Communicator& cp,
 void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& tp,
                         int64_t micro_batch_tokens, bool log);
 
+// All of the above for a run: the model's layers split over the mesh's tensor, expert and context
+// groups, the dist section's strategy over its data group, FP8 on that strategy. Returns the
+// strategy; `rows_per_micro_batch` as make_run_strategy's. InputError for a split or a dist key
+// the run cannot take. `log`: this rank says how.
+std::unique_ptr<Strategy> parallelize_run(const Config& cfg, Backend& backend, Model& model,
+                                          const DeviceMesh& mesh, const RankLayout& layout,
+                                          const RunCommunicators& comms,
+                                          int64_t rows_per_micro_batch, bool log);
+
 }  // namespace kiln

@@ -172,19 +172,10 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
           *backend_, [this] { step_work(); },
           [this] { strategy_->forget_placement(); }) {
   nvtx_.enable(cfg.train.nvtx, rank.rank == 0);
-  if (cfg.dist.copy_engine_gathers && backend_->device() != Device::cuda)
-    throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on " +
-                     backend_->name());
   comms_ = make_run_communicators(mesh_, *backend_, make_comm, nvtx_);
   comm_ = comms_.world;
-  if (mesh_.has_tensor_split())
-    parallelize_tensor(*model_, mesh_, *comms_.tensor, inputs_.rows(), is_main());
-  if (mesh_.has_experts_split())
-    parallelize_experts(*model_, layout_, mesh_, *comms_.expert, is_main());
-  if (mesh_.has_context_split()) parallelize_context(*model_, mesh_, *comms_.context, is_main());
-  strategy_ = make_run_strategy(cfg.dist, *backend_, mesh_, layout_, comms_, inputs_.rows());
-  parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.sharded(), comm_,
-                  rank.world_size, is_main());
+  strategy_ = parallelize_run(cfg, *backend_, *model_, mesh_, layout_, comms_, inputs_.rows(),
+                              is_main());
 }
 
 void Trainer::plan_buffers() {
