@@ -96,6 +96,8 @@ class Trainer {
   // Returns the exit status, 128 + the signal.
   int report_stop(std::optional<double> tokens_per_joule);
   void print_sample(int step);
+  // fsdp never holds the whole model on one rank, nor does expert or tensor parallelism.
+  bool can_sample() const { return strategy_->full_working().defined() && !layout_.sharded(); }
   // Every way out of run() that returns: the save in flight (train.checkpoint_async) is
   // written and published first, and a failure on any rank thrown on every rank
   // (settle_checkpoints). Returns `status`.
@@ -250,8 +252,7 @@ void Trainer::step_work() {
 }
 
 void Trainer::print_sample(int step) {
-  // fsdp never holds the whole model on one rank, nor does expert or tensor parallelism.
-  if (is_main() && strategy_->full_working().defined() && !layout_.sharded())
+  if (is_main() && can_sample())
     log_sample(*backend_, mcfg_, strategy_->full_working(), model_->moe_bias(),
                cfg_.train.sample_tokens, rng_, step);
 }
@@ -340,6 +341,11 @@ int Trainer::run() {
     log_run_start(cfg_, *backend_, t.max_steps - start_step_, tokens_per_step(), rank_.world_size,
                   report_->flops_per_token(), report_->peak_flops());
     if (moe()) log_moe(cfg_, *model_);
+    if (t.sample_every > 0 && !can_sample())
+      spdlog::warn("train.sample_every={}: no samples during this run, whose rank 0 holds only "
+                   "part of the model ({}); sample from its checkpoints: sample {}",
+                   t.sample_every, layout_.sharded() ? "tensor or expert parallelism" : "fsdp",
+                   t.out_dir);
     log_fp8(cfg_, *model_, report_->peak_fp8_flops());
   }
 
