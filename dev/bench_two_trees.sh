@@ -24,7 +24,8 @@ WARMUP=${WARMUP:-5}
 STAGE=${STAGE:-all}
 CONFIGS=${CONFIGS:-"gpt2=configs/gpt2-124m.yaml llama=configs/llama-1.36b.yaml llama_fp8=configs/llama-1.36b.yaml:--precision.fp8=true"}
 deps=()
-[ -d .deps/offline/root ] && deps=(-DKILN_DEPS="$PWD/.deps/offline/root")
+# Relative, as dev/portable_parity.sh passes it: the same cache value, no rebuild between them.
+[ -d .deps/offline/root ] && deps=(-DKILN_DEPS=.deps/offline/root)
 
 build() {  # source dir, build dir, jobs
   cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release "-DKILN_CUDA_ARCH=$ARCH" "${deps[@]}" &&
