@@ -82,10 +82,10 @@ TEST(ExpertLocalLayout, PiecesOfAllRanksTileTheGlobalBuffer) {
         }
       }
       EXPECT_EQ(local_covered, local.total);
-      // Pieces part only where the buffers do: the dense run before block 1's experts, its fc
-      // and proj (one piece when a rank holds them all, else apart in the global buffer), and
-      // the dense run after.
-      ASSERT_EQ(pieces.size(), ranks == 1 ? 3u : 4u) << ranks;
+      // Pieces part only where the buffers do: one rank holding every expert holds the global
+      // buffer as it is, one piece; else the dense run before block 1's experts, its fc and
+      // proj (apart in the global buffer), and the dense run after.
+      ASSERT_EQ(pieces.size(), ranks == 1 ? 1u : 4u) << ranks;
       EXPECT_FALSE(pieces.front().expert);
       EXPECT_FALSE(pieces.back().expert);
       // A sub-range cut inside a tensor maps inside it.
