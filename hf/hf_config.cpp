@@ -10,6 +10,7 @@
 #include "base/error.h"
 #include "hf/hf_files.h"
 #include "hf/hf_model.h"
+#include "model/model_rules.h"
 
 namespace kiln {
 
@@ -124,6 +125,7 @@ MoeConfig read_hf_moe(const ConfigJson& c, const std::string& type, const ModelC
   moe.every = qwen ? c.get_int("decoder_sparse_step", 1) : 1;
   moe.renormalize = qwen ? c.get_bool("norm_topk_prob", false) : true;
   moe.aux_loss_coef = static_cast<float>(c.get_number("router_aux_loss_coef", 0.001));
+  moe.balance = moe.aux_loss_coef > 0 ? MoeBalance::aux_loss : MoeBalance::none;
   if (qwen && c.has("mlp_only_layers") &&
       !(c.j["mlp_only_layers"].is_array() && c.j["mlp_only_layers"].empty()))
     c.fail("mlp_only_layers", c.j["mlp_only_layers"].dump() +
@@ -205,19 +207,17 @@ ModelConfig read_hf_config(const std::string& dir) {
   }
   if (m.n_head % m.n_kv_head != 0)
     c.fail("num_key_value_heads", "must divide the number of attention heads");
-  m.padded_vocab_size = (m.vocab_size + 127) / 128 * 128;
-  // kiln's own limits (config/config.cpp's ranges for the same keys), then the model's shape
+  m.padded_vocab_size = 0;  // kiln's own padding: resolve_model_sizes()
+  // kiln's own limits (config/schema.cpp's ranges for the same keys), then the model's shape
   // rules, each naming this file rather than failing later as a bug.
   if (m.vocab_size > 524288) c.fail("vocab_size", "must be at most 524288");
   if (m.n_layer > 4096)
     c.fail(type == "gpt2" ? "n_layer" : "num_hidden_layers", "must be at most 4096");
   if (m.positions == PositionKind::learned && m.seq_len > (1 << 20))
     c.fail("n_positions", "must be at most 1048576 (a learned position table)");
-  try {
-    check_model_config(m);
-  } catch (const std::invalid_argument& e) {
-    throw InputError(path + ": " + e.what());
-  }
+  ModelKeyError e = resolve_model_sizes(m);
+  if (!e) e = model_config_error(m);
+  if (e) throw InputError(path + ": " + e.key + ": " + e.what);
   return m;
 }
 
@@ -281,8 +281,7 @@ std::vector<std::string> hf_config_mismatches(const ModelConfig& run, const Mode
     check_moe("n_shared_experts", std::to_string(x.n_shared_experts),
               std::to_string(y.n_shared_experts));
     check_moe("every", std::to_string(x.every), std::to_string(y.every));
-    check_moe("score", x.score == MoeScore::softmax ? "softmax" : "sigmoid",
-              y.score == MoeScore::softmax ? "softmax" : "sigmoid");
+    check_moe("score", enum_name(x.score), enum_name(y.score));
     check_moe("renormalize", str(x.renormalize), str(y.renormalize));
   }
   return out;

@@ -110,7 +110,7 @@ std::string hf_moe_model_type(const ModelConfig& c, const std::string& dense) {
   };
   if (e.score != MoeScore::softmax) refuse("moe.score=sigmoid (both route by softmax)");
   if (e.n_shared_experts > 0) refuse("moe.n_shared_experts > 0 (neither has a shared expert)");
-  if (e.bias_balance)
+  if (e.balance == MoeBalance::bias)
     refuse(
         "moe.balance=bias (the routing bias it learned has no place in either; retrain with "
         "aux_loss or none)");
