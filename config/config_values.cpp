@@ -109,8 +109,9 @@ std::string assign(const FieldPtr& ptr, const std::string& text) {
   } else if (auto p = std::get_if<float*>(&ptr)) {
     double v;
     if (!parse_double(text, v)) return "a number";
-    if (!std::isfinite(static_cast<float>(v))) return "a number within a float's range";
-    **p = static_cast<float>(v);
+    const float f = static_cast<float>(v);
+    if (!std::isfinite(f) || (f == 0 && v != 0)) return "a number within a float's range";
+    **p = f;
   } else if (auto p = std::get_if<bool*>(&ptr)) {
     if (text != "true" && text != "false") return "true or false";
     **p = text == "true";

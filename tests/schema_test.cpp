@@ -12,6 +12,7 @@
 #include "config/config.h"
 #include "config/config_schema.h"
 #include "config/model_config.h"
+#include "tests/input_error.h"
 
 namespace kiln {
 namespace {
@@ -122,6 +123,18 @@ TEST(ModelSchema, AKeysValueReachesEveryReaderThroughItsRowAlone) {
     around.data.train = "data/x/train_*.bin";
     set_model(around, c.model);
     EXPECT_EQ(value(f, parse_stored_config(config_to_yaml(around), "config.yaml")), v) << f.path();
+  }
+}
+
+// The model's numbers are floats: a value a float cannot hold is refused as read, naming the key,
+// rather than becoming infinity or 0.
+TEST(ModelSchema, AFloatKeyRefusesWhatAFloatCannotHold) {
+  for (const std::string value : {"1e39", "1e-50"}) {
+    const std::string e =
+        kiln::testing::input_error([&] { parse_config(kBase, {"model.rope_theta=" + value}); });
+    EXPECT_NE(e.find("model.rope_theta: expected a number within a float's range, got '" + value),
+              std::string::npos)
+        << e;
   }
 }
 
