@@ -2,7 +2,6 @@
 // adapter (hf/hf_adapter.h: each key checked, what kiln does not implement refused by name) and
 // held to kiln's shape rules, compared with a run's, and kiln's written as the config.json
 // transformers loads.
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>

@@ -4,7 +4,7 @@
 // written as HF's tensors.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
