@@ -1,62 +1,17 @@
 // Config: the typed schema of a run. Field names are the YAML keys and the CLI override paths
-// (`--optim.lr=3e-4`), so this file is the config reference. load_config() reads YAML with
-// yaml-cpp, applies overrides, and validates: an unknown key, a wrong type or an out-of-range
-// value throws InputError naming the key, before anything touches a device.
+// (`--optim.lr=3e-4`), so this file (with model/model.h for the model and moe sections) is the
+// config reference. load_config() reads YAML with yaml-cpp, applies overrides, and validates: an
+// unknown key, a wrong type or an out-of-range value throws InputError naming the key, before
+// anything touches a device.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "model/model.h"
+
 namespace kiln {
-
-// model.arch (gpt2 | llama | qwen3) sets the defaults of the layer-choice keys from its row in
-// model/arch.cpp; keys given in the file or on the command line override them. The defaults
-// below are gpt2's.
-struct ModelSection {
-  std::string arch = "gpt2";
-  int n_layer = 12;
-  int n_head = 12;
-  int n_kv_head = 0;  // 0: same as n_head
-  int head_dim = 0;   // 0: n_embd / n_head
-  int n_embd = 768;
-  int ffn_dim = 0;  // 0: 4 * n_embd (gelu), 8/3 * n_embd rounded up to 256 (swiglu)
-  int vocab_size = 50257;
-  int padded_vocab_size = 0;  // 0: vocab_size rounded up to a multiple of 128
-  int seq_len = 1024;
-  bool tie_embeddings = true;
-  std::string norm = "layernorm";  // layernorm | rmsnorm
-  double norm_eps = 1e-5;
-  std::string positions = "learned";  // learned | rope
-  double rope_theta = 10000.0;
-  // Llama 3.1's RoPE frequency scaling (rope_type "llama3" in transformers); the four numbers
-  // below are used only with it.
-  std::string rope_scaling = "none";  // none | llama3
-  double rope_factor = 8.0;
-  double rope_low_freq_factor = 1.0;
-  double rope_high_freq_factor = 4.0;
-  int rope_original_max_position = 8192;
-  std::string mlp = "gelu";  // gelu | swiglu
-  bool bias = true;          // biases on the linear layers
-  bool qkv_bias = true;      // a bias on the qkv projection (set when bias is)
-  bool qk_norm = false;      // RMSNorm of each query and key head (Qwen3)
-};
-
-// Mixture-of-Experts feed-forward layers (model/layers/moe.h, docs/moe.md). n_experts 0: a
-// dense model, and the other keys are not used.
-struct MoeSection {
-  int n_experts = 0;                 // routed experts per MoE block (0: no MoE)
-  int top_k = 2;                     // experts per token
-  int expert_ffn_dim = 0;            // each expert's hidden width (0: model.ffn_dim)
-  int n_shared_experts = 0;          // experts every token goes through, beside the routed ones
-  int every = 1;                     // block l is MoE when (l + 1) % every == 0
-  std::string score = "softmax";     // softmax | sigmoid (DeepSeek-V3)
-  bool renormalize = true;           // the top-k weights divided by their sum
-  std::string balance = "aux_loss";  // aux_loss | bias | none
-  double aux_loss_coef = 0.01;       // Switch/GShard load-balancing loss weight
-  double z_loss_coef = 0.0;          // router z-loss weight
-  double bias_update_rate = 0.001;   // balance=bias: the bias step per optimizer step
-};
 
 // One corpus of a weighted mixture (data.sources): its shards and its share of the windows.
 struct DataSource {
@@ -166,9 +121,18 @@ struct DistSection {
   double restart_backoff_s = 1;  // the wait before the first restart, doubling after (cap 60 s)
 };
 
+// A config file's model section before it is read: ModelConfig's defaults (GPT-2 124M; the
+// layer-choice keys then take model.arch's row, model/arch.cpp), but for the sizes the config
+// derives from other keys (ffn_dim, padded_vocab_size: 0, resolve_model_sizes) and the load
+// balancing a MoE run gets unless it says otherwise (moe.aux_loss_coef 0.01, moe.bias_update_rate
+// 0.001).
+ModelConfig config_model_defaults();
+
 struct Config {
-  ModelSection model;
-  MoeSection moe;
+  // The `model` section, and the `moe` section as model.moe: the model's own config
+  // (model/model.h), its fields the keys. Its fp8, fp8_options and residual_fp32 are not keys:
+  // model_config() (config/model_config.h) derives them for a run.
+  ModelConfig model = config_model_defaults();
   DataSection data;
   TrainSection train;
   InitSection init;
@@ -198,6 +162,11 @@ std::string config_to_yaml(const Config& config);
 // The key reference (one Markdown table per section) generated from the schema table that
 // parsing uses; docs/config.md embeds it and a test keeps the two in sync.
 std::string config_reference_markdown();
+
+// `model` as `config`'s model (a model from elsewhere: init.from=hf:DIR, convert), every model
+// and moe key the config does not read in this combination at the config's default (a dense
+// model's moe keys), so that config_to_yaml() of it reads back as the same model.
+void set_model(Config& config, const ModelConfig& model);
 
 // Field-by-field equality over every key of the schema.
 bool operator==(const Config& a, const Config& b);

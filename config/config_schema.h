@@ -1,15 +1,18 @@
-// What the parts of the config share (config/config.cpp, config/config_values.cpp): the schema
-// table, one row per key (section, key, the Config field it reads and writes, the values it
-// accepts, its meaning), and a field's value as text, both ways, with the checks of one value.
-// config.h is the interface; this header is for those two files.
+// What the parts of the config share: the schema table (config/schema.cpp), one row per key
+// (section, key, the Config field it reads and writes, the values it accepts, its meaning), the
+// rules of keys that do nothing (config/key_uses.cpp), and a field's value as text, both ways,
+// with the checks of one value (config/config_values.cpp). config.h is the interface; this
+// header is for config/'s own files.
 #pragma once
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
 #include "config/config.h"
+#include "model/model_rules.h"
 
 namespace YAML {
 class Node;
@@ -17,8 +20,32 @@ class Node;
 
 namespace kiln {
 
-using FieldPtr =
-    std::variant<int*, int64_t*, double*, bool*, std::string*, std::vector<DataSource>*>;
+// An enum key (model.norm, moe.score, ...) as the index of its spelling in `names` (enum_names:
+// model/arch.h's, model/model_rules.h's): the field is read and written through get and set, so
+// a field that is not an enum but takes a fixed set of spellings (model.rope_scaling's
+// RopeScaling::type, "" for none) is one too.
+struct EnumRef {
+  void* field;
+  int (*get)(const void* field);
+  void (*set)(void* field, int index);
+  const std::vector<std::string>* names;
+};
+
+using FieldPtr = std::variant<int*, int64_t*, double*, float*, bool*, std::string*,
+                              std::vector<DataSource>*, EnumRef>;
+
+// What a schema row's accessor returns for a field of any kind: the pointer, or for an enum its
+// EnumRef over enum_names(Enum).
+template <class T>
+FieldPtr field_ptr(T* field) {
+  if constexpr (std::is_enum_v<T>) {
+    return EnumRef{field, [](const void* f) { return static_cast<int>(*static_cast<const T*>(f)); },
+                   [](void* f, int i) { *static_cast<T*>(f) = static_cast<T>(i); },
+                   &enum_names(T{})};
+  } else {
+    return field;
+  }
+}
 
 // The values one field accepts on its own; rules relating two keys are in validate_relations().
 struct Check {
@@ -37,8 +64,12 @@ struct Field {
   std::string path() const { return std::string(section) + "." + key; }
 };
 
-// Every key, in the order of config.yaml and docs/config.md (config/config.cpp).
+// Every key, in the order of config.yaml and docs/config.md (config/schema.cpp).
 const std::vector<Field>& schema();
+// The row of section.key, or nullptr.
+const Field* find_field(const std::string& section, const std::string& key);
+// The row of "section.key" (one that exists).
+const Field& field(const std::string& path);
 
 // Keys another key can leave unread (docs/config.md, "Keys that do nothing"). One given in the
 // file or an override where `unused` holds is refused ("is set, but <state><note>"), unless a
@@ -63,8 +94,12 @@ std::string unused_because(const Config& c, const Field& f);
 std::string format_double(double v);
 // data.sources from its YAML list; returns "" or what is wrong with it.
 std::string parse_sources(const YAML::Node& node, std::vector<DataSource>& out);
-// Sets the field from scalar text; returns "" or what was expected ("an integer").
+// Sets the field from scalar text; returns "" or what was expected ("an integer", "one of
+// layernorm, rmsnorm").
 std::string assign(const FieldPtr& ptr, const std::string& text);
+// The value of `from` into `to`, two fields of the same key (in two Configs).
+void copy_value(const FieldPtr& to, const FieldPtr& from);
+bool same_value(const FieldPtr& a, const FieldPtr& b);
 // "an integer", "a number", ...: what a value of the field's kind looks like.
 std::string expected_kind(const FieldPtr& ptr);
 // The value as YAML scalar text: plain where that reads back as the same string, else quoted.

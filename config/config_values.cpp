@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <type_traits>
 
 #include "config/config_schema.h"
 
@@ -33,8 +34,21 @@ bool parse_double(const std::string& text, double& out) {
 }
 
 std::string type_name(const FieldPtr& ptr) {
-  static const char* names[] = {"int", "int64", "float", "bool", "string", "list"};
+  static const char* names[] = {"int",  "int64",  "float", "float",
+                                "bool", "string", "list",  "string"};
   return names[ptr.index()];
+}
+
+// The shortest text that reads back to the same float ("1e-06", not 9.99999997e-07).
+std::string format_float(float v) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+}
+
+std::string spellings(const EnumRef& e) {
+  std::string s = "one of ";
+  for (size_t i = 0; i < e.names->size(); ++i) s += (i ? ", " : "") + (*e.names)[i];
+  return s;
 }
 
 }  // namespace
@@ -92,11 +106,21 @@ std::string assign(const FieldPtr& ptr, const std::string& text) {
     if (!parse_int64(text, **p)) return "a 64-bit integer";
   } else if (auto p = std::get_if<double*>(&ptr)) {
     if (!parse_double(text, **p)) return "a number";
+  } else if (auto p = std::get_if<float*>(&ptr)) {
+    double v;
+    if (!parse_double(text, v)) return "a number";
+    const float f = static_cast<float>(v);
+    if (!std::isfinite(f) || (f == 0 && v != 0)) return "a number within a float's range";
+    **p = f;
   } else if (auto p = std::get_if<bool*>(&ptr)) {
     if (text != "true" && text != "false") return "true or false";
     **p = text == "true";
   } else if (auto p = std::get_if<std::string*>(&ptr)) {
     **p = text;
+  } else if (auto p = std::get_if<EnumRef>(&ptr)) {
+    const auto it = std::find(p->names->begin(), p->names->end(), text);
+    if (it == p->names->end()) return spellings(*p);
+    p->set(p->field, static_cast<int>(it - p->names->begin()));
   } else {
     YAML::Node node;
     try {
@@ -110,9 +134,36 @@ std::string assign(const FieldPtr& ptr, const std::string& text) {
 }
 
 std::string expected_kind(const FieldPtr& ptr) {
-  static const char* kinds[] = {"an integer",    "an integer", "a number",
+  if (auto p = std::get_if<EnumRef>(&ptr)) return spellings(*p);
+  static const char* kinds[] = {"an integer",    "an integer", "a number",         "a number",
                                 "true or false", "a string",   "a list of sources"};
   return kinds[ptr.index()];
+}
+
+void copy_value(const FieldPtr& to, const FieldPtr& from) {
+  if (auto t = std::get_if<EnumRef>(&to)) {
+    const EnumRef& f = std::get<EnumRef>(from);
+    t->set(t->field, f.get(f.field));
+    return;
+  }
+  std::visit(
+      [&](auto t) {
+        if constexpr (std::is_pointer_v<decltype(t)>) *t = *std::get<decltype(t)>(from);
+      },
+      to);
+}
+
+bool same_value(const FieldPtr& a, const FieldPtr& b) {
+  if (auto x = std::get_if<EnumRef>(&a)) {
+    const EnumRef& y = std::get<EnumRef>(b);
+    return x->get(x->field) == y.get(y.field);
+  }
+  return std::visit(
+      [&](auto x) {
+        if constexpr (std::is_pointer_v<decltype(x)>) return *x == *std::get<decltype(x)>(b);
+        return false;
+      },
+      a);
 }
 
 // The value as YAML scalar text: plain where that reads back as the same string, else quoted.
@@ -120,7 +171,9 @@ std::string value_to_yaml(const FieldPtr& ptr) {
   if (auto p = std::get_if<int*>(&ptr)) return std::to_string(**p);
   if (auto p = std::get_if<int64_t*>(&ptr)) return std::to_string(**p);
   if (auto p = std::get_if<double*>(&ptr)) return format_double(**p);
+  if (auto p = std::get_if<float*>(&ptr)) return format_float(**p);
   if (auto p = std::get_if<bool*>(&ptr)) return **p ? "true" : "false";
+  if (auto p = std::get_if<EnumRef>(&ptr)) return (*p->names)[p->get(p->field)];
   if (auto p = std::get_if<std::vector<DataSource>*>(&ptr)) {
     // One flow-style line, so the resolved config keeps one line per key.
     YAML::Emitter out;
@@ -176,8 +229,11 @@ bool satisfies(const Check& c, const FieldPtr& ptr) {
     v = static_cast<double>(**p);
   else if (auto p = std::get_if<double*>(&ptr))
     v = **p;
+  else if (auto p = std::get_if<float*>(&ptr))
+    v = **p;
   else
-    return true;  // bool; data.sources is checked in validate_data()
+    return true;  // bool, an enum (its spellings were checked as read); data.sources is
+                  // checked in validate_data()
   return (c.lo_open ? v > c.lo : v >= c.lo) && (c.hi_open ? v < c.hi : v <= c.hi);
 }
 
@@ -199,11 +255,8 @@ std::string config_to_yaml(const Config& config) {
 
 bool operator==(const Config& a, const Config& b) {
   Config ca = a, cb = b;
-  for (const Field& f : schema()) {
-    bool equal = std::visit([&](auto* pa) { return *pa == *std::get<decltype(pa)>(f.member(cb)); },
-                            f.member(ca));
-    if (!equal) return false;
-  }
+  for (const Field& f : schema())
+    if (!same_value(f.member(ca), f.member(cb))) return false;
   return true;
 }
 

@@ -248,7 +248,7 @@ int report_plan(const Config& cfg, const Arena& state, const Arena& acts, int wo
                                                           : "selective or full"));
     }
     // One sequence's rows over more ranks (needs RoPE and a world it divides).
-    if (cfg.train.batch_size == 1 && cfg.model.positions == "rope")
+    if (cfg.train.batch_size == 1 && cfg.model.positions == PositionKind::rope)
       keys.push_back("dist.context_parallel=" + std::to_string(2 * cfg.dist.context_parallel) +
                      " (ranks sharing each sequence; now " +
                      std::to_string(cfg.dist.context_parallel) + ")");

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "hf/hf_adapter.h"
 #include "hf/hf_model.h"
 
 namespace kiln {
@@ -13,14 +14,14 @@ namespace kiln {
 // The JSON at `path`; InputError naming it where it cannot be read or is malformed.
 nlohmann::json read_json(const std::string& path);
 
-// The weights of `cfg` (HF model_type `type`) into DIR as opts.dtype, in shards of at most
+// The weights of `cfg` as `family`'s into DIR as opts.dtype, in shards of at most
 // opts.max_shard_bytes (model.safetensors, or model-0000i-of-0000n.safetensors and
 // model.safetensors.index.json); returns the files written.
 std::vector<std::string> write_hf_weights(const std::string& dir, const ModelConfig& cfg,
-                                          const std::string& type, const ParamLayout& layout,
+                                          const HfAdapter& family, const ParamLayout& layout,
                                           const float* params, const HfExportOptions& opts);
-// DIR/config.json for `cfg` as HF model_type `type`.
-void write_hf_config(const std::string& dir, const ModelConfig& cfg, const std::string& type,
+// DIR/config.json for `cfg` as `family`'s.
+void write_hf_config(const std::string& dir, const ModelConfig& cfg, const HfAdapter& family,
                      const HfExportOptions& opts);
 
 }  // namespace kiln

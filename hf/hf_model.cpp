@@ -40,7 +40,7 @@ std::optional<std::string> hf_dir_of(const std::string& spec) {
 std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cfg,
                                    const ParamLayout& layout, const float* params,
                                    const HfExportOptions& opts) {
-  const std::string type = hf_model_type(cfg);
+  const HfAdapter& family = hf_adapter_for(cfg);
   if (opts.dtype != "bf16" && opts.dtype != "f32")
     throw InputError("export dtype must be bf16 or f32, got '" + opts.dtype + "'");
   std::error_code ec;
@@ -52,8 +52,8 @@ std::vector<std::string> export_hf(const std::string& dir, const ModelConfig& cf
         (e.path().extension() == ".safetensors" || name == "model.safetensors.index.json"))
       fs::remove(e.path());
   }
-  std::vector<std::string> written = write_hf_weights(dir, cfg, type, layout, params, opts);
-  write_hf_config(dir, cfg, type, opts);
+  std::vector<std::string> written = write_hf_weights(dir, cfg, family, layout, params, opts);
+  write_hf_config(dir, cfg, family, opts);
   written.push_back("config.json");
   return written;
 }

@@ -1,17 +1,11 @@
-// Hugging Face model directories <-> kiln parameters, for GPT2LMHeadModel, LlamaForCausalLM,
-// Qwen3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM. A directory holds config.json and model.safetensors, or shards named by
-// model.safetensors.index.json. The one design choice: a single table (hf_weight_map) says, for
-// each kiln tensor, which HF tensors make it up, at which rows and whether transposed; import
-// and export both walk that table, so they cannot disagree. What the table encodes:
-//  - GPT-2's Conv1D weights are stored [in, out]: transposed into kiln's [out, in]. c_attn
-//    already holds q, k, v in kiln's order (q heads, k heads, v heads).
-//  - LLaMA/Qwen3's q_proj, k_proj, v_proj stack into kiln's qkv rows; gate_proj then up_proj
-//    into SwiGLU's fc rows. RoPE is HF's rotate_half convention in both, so no permutation.
-//  - Qwen3-MoE's and Mixtral's experts are one tensor per expert and projection in HF; kiln
-//    stacks them by expert: gate then up (Mixtral's w1, w3) into fc [E, 2F, C], down (w2) into
-//    proj [E, C, F]. The router is HF's gate. Their attention is Qwen3's and LLaMA's.
-//  - The embedding (and an untied head) has vocab_size rows in HF, padded_vocab_size in kiln:
-//    the padding rows are zero on import and dropped on export.
+// Hugging Face model directories <-> kiln parameters, for the families registered in
+// hf/hf_adapter.h (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and
+// MixtralForCausalLM built in, one adapter file each). A directory holds config.json and
+// model.safetensors, or shards named by model.safetensors.index.json. The one design choice: a
+// single table per model (hf_weight_map, from its family's adapter) says, for each kiln tensor,
+// which HF tensors make it up, at which rows and whether transposed; import and export both walk
+// that table, so they cannot disagree. The embedding (and an untied head) has vocab_size rows in
+// HF, padded_vocab_size in kiln: the padding rows are zero on import and dropped on export.
 #pragma once
 
 #include <cstdint>
@@ -26,10 +20,11 @@ namespace kiln {
 // "hf:DIR" -> DIR; nullopt for anything else.
 std::optional<std::string> hf_dir_of(const std::string& spec);
 
-// DIR/config.json -> ModelConfig. seq_len is GPT-2's n_positions (the rows of wpe) or
-// max_position_embeddings; padded_vocab_size is vocab_size rounded up to 128. InputError naming
-// the file and key for a missing key, an unsupported model_type or an option kiln does not
-// implement (rope scaling, sliding windows, biases LLaMA-style models do not have in kiln).
+// DIR/config.json -> ModelConfig, read by the adapter of its model_type. seq_len is GPT-2's
+// n_positions (the rows of wpe) or max_position_embeddings; padded_vocab_size is vocab_size
+// rounded up to 128. InputError naming the file and key for a missing key, an unsupported
+// model_type or an option kiln does not implement (rope scaling other than Llama 3.1's, sliding
+// windows, biases LLaMA-style models do not have in kiln).
 ModelConfig read_hf_config(const std::string& dir);
 
 // The keys on which the run's model config and an HF directory's disagree, one line each
@@ -50,11 +45,12 @@ struct HfTensorMap {
   std::string kiln_name;
   std::vector<HfPiece> pieces;
 };
-// The HF model_type kiln exports `cfg` as (gpt2 | llama | qwen3 | qwen3_moe | mixtral), from
-// its layer choices; InputError when no HF architecture has them.
+// The HF model_type kiln exports `cfg` as (gpt2, llama, qwen3, qwen3_moe, mixtral or a
+// registered family's), from its layer choices; InputError when no HF architecture has them.
 std::string hf_model_type(const ModelConfig& cfg);
-// Every kiln tensor of `cfg`'s model and its HF pieces, in HF's order. `prefix` is GPT-2's
-// "transformer." (present in files saved from GPT2LMHeadModel, absent in the original release).
+// Every kiln tensor of `cfg`'s model and its HF pieces, in HF's order (its family's adapter's
+// map). `prefix` is GPT-2's "transformer." (present in files saved from GPT2LMHeadModel, absent
+// in the original release); other families' names carry none.
 std::vector<HfTensorMap> hf_weight_map(const ModelConfig& cfg, const std::string& prefix = "");
 
 // DIR's weights into a host f32 buffer laid out as `layout` (the model of `cfg`). InputError

@@ -1,9 +1,10 @@
-// The weight map (hf_model.h: for each kiln tensor, which HF tensors make it up, at which rows
-// and whether transposed) and the weights through it, both ways: a directory's safetensors
-// files read into kiln's flat layout, and kiln's parameters written as HF's tensors.
+// The weights through the weight map (hf_model.h: for each kiln tensor, which HF tensors make it
+// up, at which rows and whether transposed; each family's adapter gives its own, hf/hf_adapter.h),
+// both ways: a directory's safetensors files read into kiln's flat layout, and kiln's parameters
+// written as HF's tensors.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -12,6 +13,7 @@
 #include <set>
 
 #include "base/error.h"
+#include "hf/hf_adapter.h"
 #include "hf/hf_files.h"
 #include "hf/hf_model.h"
 #include "hf/safetensors.h"
@@ -80,159 +82,48 @@ HfFiles open_hf_files(const std::string& dir) {
   return out;
 }
 
-// Tensors a checkpoint may carry that are not parameters: GPT-2's causal-mask buffers, old
-// LLaMA's RoPE frequencies.
-bool is_buffer(const std::string& name) {
-  auto ends_with = [&](const char* s) {
-    const size_t n = std::strlen(s);
-    return name.size() >= n && name.compare(name.size() - n, n, s) == 0;
-  };
-  return ends_with(".attn.bias") || ends_with(".attn.masked_bias") ||
-         ends_with("rotary_emb.inv_freq");
-}
-
 // A kiln tensor's rows as the weight map counts them: its last dimension wide (an expert
 // tensor [E, R, W] is E*R rows of W), one value for a vector.
 int64_t row_width(const ParamInfo& p) {
   return p.shape.ndim >= 2 ? p.shape[p.shape.ndim - 1] : 1;
 }
 
-// The HF MoE model_type of a kiln MoE model whose blocks are otherwise `dense`'s (llama or
-// qwen3): Qwen3-MoE (QK-norm) or Mixtral (LLaMA attention, every block routed, renormalized);
-// InputError naming what neither has.
-std::string hf_moe_model_type(const ModelConfig& c, const std::string& dense) {
-  const MoeConfig& e = c.moe;
-  auto refuse = [](const std::string& why) {
-    throw InputError(
-        "no Hugging Face MoE architecture (Qwen3MoeForCausalLM, "
-        "MixtralForCausalLM) has this model's experts: " +
-        why);
-  };
-  if (e.score != MoeScore::softmax) refuse("moe.score=sigmoid (both route by softmax)");
-  if (e.n_shared_experts > 0) refuse("moe.n_shared_experts > 0 (neither has a shared expert)");
-  if (e.bias_balance)
-    refuse(
-        "moe.balance=bias (the routing bias it learned has no place in either; retrain with "
-        "aux_loss or none)");
-  if (dense == "qwen3") return "qwen3_moe";
-  if (e.every != 1) refuse("moe.every > 1 without QK-norm (Mixtral routes every block)");
-  if (!e.renormalize) refuse("moe.renormalize=false (Mixtral renormalizes the top-k weights)");
-  return "mixtral";
-}
-
-// Block l's MoE tensors: the router, then expert e's gate and up stacked into kiln's fc
-// [E, 2F, C] (rows e*2F and e*2F+F) and its down into proj [E, C, F] (rows e*C).
-void add_moe_block(std::vector<HfTensorMap>& map, const ModelConfig& c, const std::string& type,
-                   const std::string& k, const std::string& h) {
-  const int64_t E = c.moe.n_experts, F = c.moe.expert_ffn_dim, C = c.n_embd;
-  const bool qwen = type == "qwen3_moe";
-  const std::string block = h + (qwen ? "mlp." : "block_sparse_moe.");
-  map.push_back({k + "moe.router.weight", {{block + "gate.weight", {E, C}, 0, false}}});
-  HfTensorMap fc{k + "moe.experts.fc.weight", {}}, proj{k + "moe.experts.proj.weight", {}};
-  for (int64_t e = 0; e < E; ++e) {
-    const std::string x = block + "experts." + std::to_string(e) + ".";
-    fc.pieces.push_back({x + (qwen ? "gate_proj" : "w1") + ".weight", {F, C}, e * 2 * F, false});
-    fc.pieces.push_back({x + (qwen ? "up_proj" : "w3") + ".weight", {F, C}, e * 2 * F + F, false});
-    proj.pieces.push_back({x + (qwen ? "down_proj" : "w2") + ".weight", {C, F}, e * C, false});
-  }
-  map.push_back(std::move(fc));
-  map.push_back(std::move(proj));
-}
-
 }  // namespace
 
 std::string hf_model_type(const ModelConfig& c) {
-  const AttentionDims a = c.attention();
-  if (c.norm == NormKind::layernorm && c.positions == PositionKind::learned &&
-      c.mlp == MlpKind::gelu && c.bias && !c.qk_norm && a.n_kv_head == a.n_head &&
-      a.head_dim * a.n_head == c.n_embd && c.moe.n_experts == 0)
-    return "gpt2";
-  if (c.norm == NormKind::rmsnorm && c.positions == PositionKind::rope &&
-      c.mlp == MlpKind::swiglu && !c.bias && !c.qkv_bias) {
-    const std::string dense = c.qk_norm ? "qwen3" : "llama";
-    return c.moe.n_experts > 0 ? hf_moe_model_type(c, dense) : dense;
-  }
-  throw InputError(std::string("no Hugging Face architecture has this model's layers (norm ") +
-                   norm_name(c.norm) + ", positions " + position_name(c.positions) + ", mlp " +
-                   mlp_name(c.mlp) + ", bias " + (c.bias ? "true" : "false") + ", qkv_bias " +
-                   (c.qkv_bias ? "true" : "false") + ", qk_norm " + (c.qk_norm ? "true" : "false") +
-                   "); GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM and their MoE kin "
-                   "(Qwen3MoeForCausalLM, MixtralForCausalLM) are exported");
+  return hf_adapter_for(c).model_type();
 }
 
 std::vector<HfTensorMap> hf_weight_map(const ModelConfig& c, const std::string& prefix) {
-  const std::string type = hf_model_type(c);
-  const AttentionDims a = c.attention();
-  const int64_t C = c.n_embd, F = c.ffn_dim, V = c.vocab_size;
-  const int64_t q = a.q_dim(), kv = static_cast<int64_t>(a.n_kv_head) * a.head_dim;
-  std::vector<HfTensorMap> map;
-  auto one = [&](const std::string& kiln, const std::string& hf, std::vector<int64_t> shape,
-                 bool transpose = false) {
-    map.push_back({kiln, {{hf, std::move(shape), 0, transpose}}});
-  };
-  if (type == "gpt2") {
-    const std::string& p = prefix;
-    one("wte", p + "wte.weight", {V, C});
-    one("wpe", p + "wpe.weight", {c.seq_len, C});
-    for (int l = 0; l < c.n_layer; ++l) {
-      const std::string k = "h." + std::to_string(l) + ".", h = p + k;
-      one(k + "ln1.weight", h + "ln_1.weight", {C});
-      one(k + "ln1.bias", h + "ln_1.bias", {C});
-      one(k + "attn.qkv.weight", h + "attn.c_attn.weight", {C, 3 * C}, true);
-      one(k + "attn.qkv.bias", h + "attn.c_attn.bias", {3 * C});
-      one(k + "attn.proj.weight", h + "attn.c_proj.weight", {C, C}, true);
-      one(k + "attn.proj.bias", h + "attn.c_proj.bias", {C});
-      one(k + "ln2.weight", h + "ln_2.weight", {C});
-      one(k + "ln2.bias", h + "ln_2.bias", {C});
-      one(k + "mlp.fc.weight", h + "mlp.c_fc.weight", {C, F}, true);
-      one(k + "mlp.fc.bias", h + "mlp.c_fc.bias", {F});
-      one(k + "mlp.proj.weight", h + "mlp.c_proj.weight", {F, C}, true);
-      one(k + "mlp.proj.bias", h + "mlp.c_proj.bias", {C});
-    }
-    one("lnf.weight", p + "ln_f.weight", {C});
-    one("lnf.bias", p + "ln_f.bias", {C});
-  } else {
-    one("wte", "model.embed_tokens.weight", {V, C});
-    for (int l = 0; l < c.n_layer; ++l) {
-      const std::string k = "h." + std::to_string(l) + ".";
-      const std::string h = "model.layers." + std::to_string(l) + ".";
-      one(k + "ln1.weight", h + "input_layernorm.weight", {C});
-      map.push_back({k + "attn.qkv.weight",
-                     {{h + "self_attn.q_proj.weight", {q, C}, 0, false},
-                      {h + "self_attn.k_proj.weight", {kv, C}, q, false},
-                      {h + "self_attn.v_proj.weight", {kv, C}, q + kv, false}}});
-      if (c.qk_norm) {
-        one(k + "attn.q_norm.weight", h + "self_attn.q_norm.weight", {a.head_dim});
-        one(k + "attn.k_norm.weight", h + "self_attn.k_norm.weight", {a.head_dim});
-      }
-      one(k + "attn.proj.weight", h + "self_attn.o_proj.weight", {C, q});
-      one(k + "ln2.weight", h + "post_attention_layernorm.weight", {C});
-      if (c.is_moe_block(l)) {
-        add_moe_block(map, c, type, k, h);
-        continue;
-      }
-      map.push_back({k + "mlp.fc.weight",
-                     {{h + "mlp.gate_proj.weight", {F, C}, 0, false},
-                      {h + "mlp.up_proj.weight", {F, C}, F, false}}});
-      one(k + "mlp.proj.weight", h + "mlp.down_proj.weight", {C, F});
-    }
-    one("lnf.weight", "model.norm.weight", {C});
-  }
-  if (!c.tie_embeddings) one("lm_head", "lm_head.weight", {V, C});
-  return map;
+  return hf_adapter_for(c).weight_map(c, prefix);
 }
 
 std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cfg,
                                    const ParamLayout& layout) {
   const HfFiles files = open_hf_files(dir);
-  const std::string type = hf_model_type(cfg);
-  // GPT2LMHeadModel.save_pretrained prefixes "transformer."; the original GPT-2 files do not.
-  const std::string prefix =
-      type == "gpt2" && files.by_name.count("transformer.wte.weight") ? "transformer." : "";
+  const HfAdapter& family = hf_adapter_for(cfg);
+  // The prefix the files' names carry (GPT2LMHeadModel.save_pretrained's "transformer.", none in
+  // the original GPT-2 files): the first of the family's whose first tensor is there.
+  const std::vector<std::string> prefixes = family.weight_prefixes();
+  std::string prefix = prefixes.back();
+  for (const std::string& p : prefixes)
+    if (files.by_name.count(family.weight_map(cfg, p).front().pieces.front().name)) {
+      prefix = p;
+      break;
+    }
+  const std::vector<HfTensorMap> map = family.weight_map(cfg, prefix);
+  // transformers may save a tied head too: the untied model's head, the embedding again.
+  std::string tied_head;
+  if (cfg.tie_embeddings) {
+    ModelConfig untied = cfg;
+    untied.tie_embeddings = false;
+    for (const HfTensorMap& m : family.weight_map(untied, prefix))
+      if (m.kiln_name == "lm_head") tied_head = m.pieces.front().name;
+  }
   std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
   std::set<std::string> used;
   std::vector<float> buf;
-  for (const HfTensorMap& m : hf_weight_map(cfg, prefix)) {
+  for (const HfTensorMap& m : map) {
     const ParamInfo& p = layout.find(m.kiln_name);
     const int64_t cols = row_width(p);
     for (const HfPiece& piece : m.pieces) {
@@ -265,17 +156,15 @@ std::vector<float> load_hf_weights(const std::string& dir, const ModelConfig& cf
     }
   }
   for (const auto& [name, where] : files.by_name) {
-    if (used.count(name) || is_buffer(name)) continue;
-    // transformers may save a tied head too: it is the embedding again.
-    if (cfg.tie_embeddings && name == "lm_head.weight") continue;
+    if (used.count(name) || family.is_buffer(name) || name == tied_head) continue;
     throw InputError(where.first->path() + ": unexpected tensor '" + name + "' (not part of a " +
-                     type + " model of config.json's sizes)");
+                     family.model_type() + " model of config.json's sizes)");
   }
   return params;
 }
 
 std::vector<std::string> write_hf_weights(const std::string& dir, const ModelConfig& cfg,
-                                          const std::string& type, const ParamLayout& layout,
+                                          const HfAdapter& family, const ParamLayout& layout,
                                           const float* params, const HfExportOptions& opts) {
   // The tensors in HF's shapes: rows of the flat buffer where they are rows, else transposed.
   struct Out {
@@ -283,7 +172,7 @@ std::vector<std::string> write_hf_weights(const std::string& dir, const ModelCon
     std::vector<float> owned;
   };
   std::vector<Out> outs;
-  for (const HfTensorMap& m : hf_weight_map(cfg, type == "gpt2" ? "transformer." : "")) {
+  for (const HfTensorMap& m : family.weight_map(cfg, family.weight_prefixes().front())) {
     const ParamInfo& p = layout.find(m.kiln_name);
     const int64_t cols = row_width(p);
     for (const HfPiece& piece : m.pieces) {

@@ -24,14 +24,27 @@ const ArchDefaults kArchs[] = {
 
 }  // namespace
 
+const std::vector<std::string>& enum_names(NormKind) {
+  static const std::vector<std::string> names = {"layernorm", "rmsnorm"};
+  return names;
+}
+const std::vector<std::string>& enum_names(PositionKind) {
+  static const std::vector<std::string> names = {"learned", "rope"};
+  return names;
+}
+const std::vector<std::string>& enum_names(MlpKind) {
+  static const std::vector<std::string> names = {"gelu", "swiglu"};
+  return names;
+}
+
 const char* norm_name(NormKind k) {
-  return k == NormKind::layernorm ? "layernorm" : "rmsnorm";
+  return enum_name(k).c_str();
 }
 const char* position_name(PositionKind k) {
-  return k == PositionKind::learned ? "learned" : "rope";
+  return enum_name(k).c_str();
 }
 const char* mlp_name(MlpKind k) {
-  return k == MlpKind::gelu ? "gelu" : "swiglu";
+  return enum_name(k).c_str();
 }
 
 const ArchDefaults* find_arch(const std::string& name) {
@@ -40,10 +53,9 @@ const ArchDefaults* find_arch(const std::string& name) {
   return nullptr;
 }
 
-ModelConfig arch_config(const std::string& name) {
+bool apply_arch(const std::string& name, ModelConfig& m) {
   const ArchDefaults* a = find_arch(name);
-  if (!a) throw std::invalid_argument("model.arch: unknown architecture '" + name + "'");
-  ModelConfig m;
+  if (!a) return false;
   m.arch = a->name;
   m.norm = a->norm;
   m.norm_eps = static_cast<float>(a->norm_eps);
@@ -54,6 +66,13 @@ ModelConfig arch_config(const std::string& name) {
   m.qkv_bias = a->qkv_bias;
   m.qk_norm = a->qk_norm;
   m.tie_embeddings = a->tie_embeddings;
+  return true;
+}
+
+ModelConfig arch_config(const std::string& name) {
+  ModelConfig m;
+  if (!apply_arch(name, m))
+    throw std::invalid_argument("model.arch: unknown architecture '" + name + "'");
   return m;
 }
 

@@ -6,28 +6,6 @@
 
 namespace kiln {
 
-void check_model_config(const ModelConfig& c) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("model: " + what); };
-  if (c.n_layer <= 0 || c.n_head <= 0 || c.n_embd <= 0 || c.ffn_dim <= 0 || c.seq_len <= 0)
-    fail("n_layer, n_head, n_embd, ffn_dim and seq_len must be positive");
-  const AttentionDims a = c.attention();
-  if (c.head_dim == 0 && c.n_embd % c.n_head != 0)
-    fail("n_embd must be divisible by n_head (or set head_dim)");
-  if (a.n_kv_head <= 0 || a.n_head % a.n_kv_head != 0) fail("n_kv_head must divide n_head");
-  if (c.positions == PositionKind::rope && a.head_dim % 2 != 0)
-    fail("RoPE needs an even head_dim, got " + std::to_string(a.head_dim));
-  if (c.norm == NormKind::layernorm && c.norm_eps != 1e-5f)
-    fail("layernorm's eps is fixed at 1e-5");
-  if (c.padded_vocab_size < c.vocab_size) fail("padded_vocab_size < vocab_size");
-  const MoeConfig& m = c.moe;
-  if (m.n_experts > 0) {
-    if (m.top_k <= 0 || m.top_k > m.n_experts) fail("moe.top_k must be in [1, n_experts]");
-    if (m.expert_ffn_dim <= 0 || m.every <= 0 || m.n_shared_experts < 0)
-      fail("moe.expert_ffn_dim and moe.every must be positive, n_shared_experts >= 0");
-    if (c.bias) fail("MoE experts carry no biases: model.bias must be false");
-  }
-}
-
 Locate flat_params(Tensor flat) {
   return [flat](const ParamInfo& info) { return flat.slice(info.offset, info.shape); };
 }
@@ -343,7 +321,8 @@ void Decoder::plan(const Planner& planner, Acts& acts, int B, int T,
     moe.plan_scratch(planner, acts.moe, Bs, Ts, act);
     const int64_t n = static_cast<int64_t>(moe_blocks_.size()), E = moe.n_experts();
     planner(&acts.moe_stats, "moe.stats", {n * (E + kMoeStats)}, DType::f32);
-    if (cfg_.moe.bias_balance) planner(&acts.moe_bias, "moe.bias", {n * E}, DType::f32);
+    if (cfg_.moe.balance == MoeBalance::bias)
+      planner(&acts.moe_bias, "moe.bias", {n * E}, DType::f32);
   }
   planner(&acts.dlnf, "d.lnf", {Bs, Ts, C}, act);
 }

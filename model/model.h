@@ -24,22 +24,34 @@
 
 namespace kiln {
 
-// model.moe (config/config.h's moe section): which blocks' feed-forward is a Mixture-of-Experts
-// layer (model/layers/moe.h) and how it routes and balances. n_experts 0: a dense model.
+// ModelConfig and MoeConfig are the config's `model` and `moe` sections (config/config.h): each
+// field is a key, and the schema row of config/schema.cpp that names it points at the field
+// itself, so a key is defined here once (docs/models.md, "Adding a model key"). The defaults
+// are a built model's: a GPT-2 124M with its sizes resolved, dense; a config file starts from
+// config_model_defaults() (config/config.h), whose 0 sizes resolve_model_sizes()
+// (model/model_rules.h) derives.
+
+// moe.balance: how a MoE block's expert loads are balanced. aux_loss and none are the same
+// model (the coefficient says how much aux loss); bias is DeepSeek-V3's routing bias.
+enum class MoeBalance { aux_loss, bias, none };
+
+// The moe section: which blocks' feed-forward is a Mixture-of-Experts layer
+// (model/layers/moe.h) and how it routes and balances. n_experts 0: a dense model.
 struct MoeConfig {
   int n_experts = 0;
   int top_k = 2;
-  int expert_ffn_dim = 0;
+  int expert_ffn_dim = 0;  // 0 in a config: model.ffn_dim (resolve_model_sizes)
   int n_shared_experts = 0;
   int every = 1;  // block l is MoE when (l + 1) % every == 0 (Qwen-MoE's decoder_sparse_step)
   MoeScore score = MoeScore::softmax;
   bool renormalize = true;
+  MoeBalance balance = MoeBalance::aux_loss;
   float aux_loss_coef = 0.0f;
   float z_loss_coef = 0.0f;
-  bool bias_balance = false;      // DeepSeek-V3's auxiliary-loss-free balancing bias
-  float bias_update_rate = 0.0f;  // its step per optimizer step
+  float bias_update_rate = 0.0f;  // balance=bias: the bias's step per optimizer step
 };
 
+// The model section, and the model a run trains.
 struct ModelConfig {
   std::string arch = "gpt2";
   int n_layer = 12;
@@ -47,10 +59,10 @@ struct ModelConfig {
   int n_kv_head = 0;  // 0: n_head
   int head_dim = 0;   // 0: n_embd / n_head
   int n_embd = 768;
-  int ffn_dim = 3072;
+  int ffn_dim = 3072;  // 0 in a config: by model.mlp (resolve_model_sizes)
   int vocab_size = 50257;
-  int padded_vocab_size = 50304;
-  int seq_len = 1024;  // max sequence length (rows of wpe)
+  int padded_vocab_size = 50304;  // 0 in a config: vocab_size rounded up to 128
+  int seq_len = 1024;             // max sequence length (rows of wpe)
   bool tie_embeddings = true;
   NormKind norm = NormKind::layernorm;
   float norm_eps = 1e-5f;
@@ -61,6 +73,11 @@ struct ModelConfig {
   bool bias = true;      // linear layers
   bool qkv_bias = true;  // the qkv projection (true when bias is)
   bool qk_norm = false;
+
+  MoeConfig moe;
+
+  // Derived from the run's other sections, never keys: model_config() (config/model_config.h)
+  // sets them from the precision and fp8 sections on the run's backend.
   // precision.fp8: the blocks' linear layers (qkv, attention output, MLP fc and proj) run their
   // GEMMs in FP8 with delayed scaling; the embedding, LM head, norms and attention stay bf16.
   bool fp8 = false;
@@ -69,8 +86,6 @@ struct ModelConfig {
   // its gradient in f32 where activations are bf16, as PyTorch's autocast keeps them; false: in
   // the activation dtype (half those buffers' bytes; docs/quality.md measures what it costs).
   bool residual_fp32 = true;
-
-  MoeConfig moe;
 
   bool is_moe_block(int l) const { return moe.n_experts > 0 && (l + 1) % moe.every == 0; }
   AttentionDims attention() const {
@@ -212,8 +227,8 @@ class Model {
 
 // The decoder for `cfg`; throws std::invalid_argument on an inconsistent config.
 std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend);
-// The shape rules make_model holds a config to (heads divide the width, RoPE's head_dim even,
-// ...): std::invalid_argument saying which, for readers of outside configs to name their file.
+// The shape rules make_model holds a config to (model_config_error(), model/model_rules.h) as
+// std::invalid_argument naming the key ("model.n_kv_head: must divide ...").
 void check_model_config(const ModelConfig& cfg);
 
 }  // namespace kiln

@@ -4,7 +4,7 @@
 #include <filesystem>
 
 #include "base/error.h"
-#include "config/model_config.h"
+#include "config/config.h"
 #include "hf/hf_model.h"
 #include "state/checkpoint.h"
 
@@ -39,14 +39,13 @@ LoadedModel load_model(const std::string& spec) {
     out.config = read_hf_config(*dir);
     out.params = load_hf_weights(*dir, out.config, layout_of(out.config));
     out.source = spec;
-    out.run_config.model = model_section(out.config);
-    out.run_config.moe = moe_section(out.config.moe);
+    set_model(out.run_config, out.config);
     return out;
   }
   const std::string dir = checkpoint_dir(spec);
   const CheckpointManifest manifest = read_manifest(dir);
   out.run_config = parse_stored_config(manifest.config_yaml, dir + "/manifest.yaml");
-  out.config = model_config(out.run_config.model, out.run_config.moe);
+  out.config = out.run_config.model;
   out.params = read_master_weights(manifest, layout_of(out.config));
   out.moe_bias = manifest.state.moe_bias;
   out.source = dir;

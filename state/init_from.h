@@ -17,8 +17,8 @@ struct LoadedModel {
   ModelConfig config;
   std::vector<float> params;
   std::string source;  // the checkpoint directory, or hf:DIR
-  // The run's resolved config (kiln checkpoints); for hf:DIR, defaults around model_section()
-  // (config/model_config.h).
+  // The run's resolved config (kiln checkpoints); for hf:DIR, defaults around the model
+  // (set_model, config/config.h).
   Config run_config;
   // moe.balance=bias: the checkpoint's balancing bias (Model::moe_bias), which routing uses.
   std::vector<float> moe_bias;

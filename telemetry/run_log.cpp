@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "model/model_rules.h"
+
 namespace kiln {
 
 void log_memory_plan(const Config& cfg, const Backend& backend, const Model& model,
@@ -77,7 +79,7 @@ void log_moe(const Config& cfg, const Model& model) {
       "scores, balance {}); {} parameters, {} active per token (MFU counts those)",
       blocks, mc.n_layer, m.top_k, m.n_experts, m.expert_ffn_dim,
       m.n_shared_experts > 0 ? ", " + std::to_string(m.n_shared_experts) + " shared" : "",
-      cfg.moe.score, cfg.moe.balance, model.layout().total, model.layout().total - idle);
+      enum_name(m.score), enum_name(m.balance), model.layout().total, model.layout().total - idle);
 }
 
 void log_fp8(const Config& cfg, const Model& model, double peak_fp8) {

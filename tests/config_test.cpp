@@ -337,17 +337,17 @@ TEST(ConfigYaml, EqualityComparesEveryField) {
 // model.arch sets the layer-choice keys; keys given in the file or as overrides beat it.
 TEST(ConfigArch, ArchSetsTheLayerChoicesAndKeysOverrideThem) {
   const Config g = parse_config(kMinimal, {});
-  EXPECT_EQ(g.model.norm, "layernorm");
-  EXPECT_EQ(g.model.positions, "learned");
-  EXPECT_EQ(g.model.mlp, "gelu");
+  EXPECT_EQ(g.model.norm, NormKind::layernorm);
+  EXPECT_EQ(g.model.positions, PositionKind::learned);
+  EXPECT_EQ(g.model.mlp, MlpKind::gelu);
   EXPECT_TRUE(g.model.bias);
   EXPECT_TRUE(g.model.tie_embeddings);
   EXPECT_EQ(g.model.ffn_dim, 4 * 768);
 
   const Config l = parse_config(kMinimal + "model: {arch: llama}\n", {});
-  EXPECT_EQ(l.model.norm, "rmsnorm");
-  EXPECT_EQ(l.model.positions, "rope");
-  EXPECT_EQ(l.model.mlp, "swiglu");
+  EXPECT_EQ(l.model.norm, NormKind::rmsnorm);
+  EXPECT_EQ(l.model.positions, PositionKind::rope);
+  EXPECT_EQ(l.model.mlp, MlpKind::swiglu);
   EXPECT_FALSE(l.model.bias);
   EXPECT_FALSE(l.model.qkv_bias);
   EXPECT_FALSE(l.model.qk_norm);
@@ -356,24 +356,24 @@ TEST(ConfigArch, ArchSetsTheLayerChoicesAndKeysOverrideThem) {
 
   const Config q = parse_config(kMinimal + "model: {arch: qwen3, tie_embeddings: false}\n", {});
   EXPECT_TRUE(q.model.qk_norm);
-  EXPECT_DOUBLE_EQ(q.model.norm_eps, 1e-6);
-  EXPECT_DOUBLE_EQ(q.model.rope_theta, 1e6);
+  EXPECT_FLOAT_EQ(q.model.norm_eps, 1e-6f);
+  EXPECT_FLOAT_EQ(q.model.rope_theta, 1e6f);
   EXPECT_FALSE(q.model.tie_embeddings);  // the file's key beats the arch's default
 
   // An override of the arch brings its defaults; an override of a choice beats them.
   const Config o = parse_config(kMinimal, {"--model.arch=llama", "--model.mlp=gelu"});
-  EXPECT_EQ(o.model.norm, "rmsnorm");
-  EXPECT_EQ(o.model.mlp, "gelu");
-  // Llama 3.1's scaling: the keys reach ModelConfig.
+  EXPECT_EQ(o.model.norm, NormKind::rmsnorm);
+  EXPECT_EQ(o.model.mlp, MlpKind::gelu);
+  // Llama 3.1's scaling: the keys are ModelConfig's (the model section is the model's config).
   const Config r = parse_config(kMinimal + "model: {arch: llama, rope_theta: 500000, "
                                            "rope_scaling: llama3, rope_original_max_position: 4096}\n",
                                 {});
-  const ModelConfig rm = model_config(r.model);
+  const ModelConfig& rm = r.model;
   EXPECT_EQ(rm.rope_scaling, (RopeScaling{"llama3", 8.0f, 1.0f, 4.0f, 4096}));
   EXPECT_EQ(rm.rope_theta, 500000.0f);
-  EXPECT_EQ(model_config(l.model).rope_scaling, RopeScaling{});
-  EXPECT_TRUE(model_section(rm).rope_scaling == "llama3");
-  EXPECT_EQ(model_section(rm).rope_original_max_position, 4096);
+  EXPECT_EQ(l.model.rope_scaling, RopeScaling{});
+  EXPECT_TRUE(rm.rope_scaling.type == "llama3");
+  EXPECT_EQ(rm.rope_scaling.original_max_position, 4096);
   // The resolved config reads back to itself.
   EXPECT_TRUE(parse_config(config_to_yaml(r), {}) == r);
   EXPECT_TRUE(parse_config(config_to_yaml(q), {}) == q);
@@ -496,7 +496,7 @@ TEST(ConfigArch, ShippedConfigsLoad) {
   EXPECT_TRUE(q.model.qk_norm);
   // Llama-3.1-8B's RoPE: theta 5e5 and its llama3 scaling reach the model.
   const Config l = load_config(std::string(KILN_SOURCE_DIR) + "/configs/llama3-8b.yaml", {});
-  const ModelConfig lm = model_config(l.model);
+  const ModelConfig& lm = l.model;
   EXPECT_EQ(lm.rope_theta, 500000.0f);
   EXPECT_EQ(lm.rope_scaling, (RopeScaling{"llama3", 8.0f, 1.0f, 4.0f, 8192}));
   EXPECT_EQ(lm.seq_len, 8192);
@@ -532,11 +532,11 @@ TEST(ConfigDocs, ReferenceMatchesSchema) {
 TEST(ConfigMoe, ParsesWithDefaultsAndRefusesWhatItCannotDo) {
   const std::string moe = kMinimal + "model: {arch: llama, ffn_dim: 512}\nmoe: {n_experts: 8}\n";
   Config c = parse_config(moe, {});
-  EXPECT_EQ(c.moe.n_experts, 8);
-  EXPECT_EQ(c.moe.top_k, 2);
-  EXPECT_EQ(c.moe.expert_ffn_dim, 512);  // 0 -> model.ffn_dim
-  EXPECT_EQ(c.moe.balance, "aux_loss");
-  EXPECT_EQ(parse_config(moe, {"moe.expert_ffn_dim=64"}).moe.expert_ffn_dim, 64);
+  EXPECT_EQ(c.model.moe.n_experts, 8);
+  EXPECT_EQ(c.model.moe.top_k, 2);
+  EXPECT_EQ(c.model.moe.expert_ffn_dim, 512);  // 0 -> model.ffn_dim
+  EXPECT_EQ(c.model.moe.balance, MoeBalance::aux_loss);
+  EXPECT_EQ(parse_config(moe, {"moe.expert_ffn_dim=64"}).model.moe.expert_ffn_dim, 64);
   EXPECT_EQ(parse_config(config_to_yaml(c), {}), c);
   struct Bad {
     std::string override_text, key;

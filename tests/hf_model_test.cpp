@@ -342,13 +342,16 @@ TEST(HfConfig, RefusesWhatKilnDoesNotImplement) {
   // Shapes the decoder cannot build, and sizes past kiln's range, name the file, not a bug.
   write_text(dir + "/config.json", R"({"model_type": "llama", "head_dim": 15, )" + base + "}");
   e = input_error([&] { read_hf_config(dir); });
-  EXPECT_NE(e.find(dir + "/config.json: model: RoPE needs an even head_dim, got 15"),
-            std::string::npos)
+  EXPECT_NE(
+      e.find(
+          dir +
+          "/config.json: model.head_dim: RoPE rotates pairs: the head width must be even, got 15"),
+      std::string::npos)
       << e;
   write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 3, "n_embd": 8,
     "n_positions": 16, "vocab_size": 50})");
   e = input_error([&] { read_hf_config(dir); });
-  EXPECT_NE(e.find(dir + "/config.json: model: n_embd must be divisible by n_head"),
+  EXPECT_NE(e.find(dir + "/config.json: model.n_embd: must be divisible by model.n_head"),
             std::string::npos)
       << e;
   write_text(dir + "/config.json", R"({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
@@ -474,7 +477,7 @@ TEST(HfExport, RefusesLayersNoHfArchitectureHas) {
   for (const Case& k :
        {Case{"mixtral", "moe.score=sigmoid", [](MoeConfig& m) { m.score = MoeScore::sigmoid; }},
         Case{"qwen3_moe", "moe.n_shared_experts", [](MoeConfig& m) { m.n_shared_experts = 1; }},
-        Case{"qwen3_moe", "moe.balance=bias", [](MoeConfig& m) { m.bias_balance = true; }},
+        Case{"qwen3_moe", "moe.balance=bias", [](MoeConfig& m) { m.balance = MoeBalance::bias; }},
         Case{"mixtral", "moe.every > 1", [](MoeConfig& m) { m.every = 2; }},
         Case{"mixtral", "moe.renormalize=false", [](MoeConfig& m) { m.renormalize = false; }}}) {
     ModelConfig m = tiny_rope(k.base);

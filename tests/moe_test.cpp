@@ -610,7 +610,7 @@ TEST(MoeLayer, WholeLayerGradientMatchesFiniteDifferences) {
 // its memory at its batch: the numbers the model computes.
 TEST(MoeConfigs, H200ConfigHasTheStatedSizes) {
   const Config cfg = load_config(std::string(KILN_SOURCE_DIR) + "/configs/moe-2.9b-a1b.yaml", {});
-  const ModelConfig mc = model_config(cfg.model, cfg.moe);
+  const ModelConfig& mc = cfg.model;
   const std::unique_ptr<Model> model = make_model(mc, cpu());
   const int64_t total = model->layout().total;
   const int64_t per_expert = 3 * int64_t{mc.n_embd} * mc.moe.expert_ffn_dim;

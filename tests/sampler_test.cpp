@@ -47,7 +47,7 @@ ModelConfig tiny(const std::string& arch) {
     c.moe.expert_ffn_dim = 8;
     c.moe.n_shared_experts = 1;
     c.moe.every = 2;
-    c.moe.bias_balance = true;
+    c.moe.balance = MoeBalance::bias;
   }
   return c;
 }
@@ -60,7 +60,7 @@ struct TinyWeights {
   explicit TinyWeights(const std::string& arch) : config(tiny(arch)) {
     const std::unique_ptr<Model> model = make_model(config, cpu());
     params = random_floats(static_cast<size_t>(model->layout().total), 7, -0.4f, 0.4f);
-    if (config.moe.bias_balance)
+    if (config.moe.balance == MoeBalance::bias)
       moe_bias = random_floats(model->moe_blocks().size() * config.moe.n_experts, 8, -0.2f, 0.2f);
   }
   Tensor weights() { return f32(params, {static_cast<int64_t>(params.size())}); }

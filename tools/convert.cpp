@@ -24,7 +24,6 @@
 #include "base/error.h"
 #include "base/log.h"
 #include "config/config.h"
-#include "config/model_config.h"
 #include "hf/hf_model.h"
 #include "state/checkpoint.h"
 #include "state/init_from.h"
@@ -177,7 +176,7 @@ void export_with_tokenizer(const std::string& out, const std::string& from, bool
 
 void write_kiln_run(const std::string& out, const LoadedModel& model, bool overwrite) {
   Config config = model.run_config;
-  config.model = model_section(model.config);
+  set_model(config, model.config);
   // A converted model has no data yet; the placeholder names what to set.
   if (config.data.train.empty() && config.data.sources.empty())
     config.data.train = "set-data.train";

@@ -14,8 +14,9 @@ void check_cuda_config(const Config& cfg) {
         "precision.dtype=fp32: the CUDA backend computes in bf16 only; "
         "train.device=cpu computes in fp32");
   // The router's kernel keeps a token's k picks in registers (kernels/cuda/moe_router.cu).
-  if (cfg.moe.n_experts > 0 && cfg.moe.top_k > 32)
-    throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(cfg.moe.top_k));
+  const MoeConfig& moe = cfg.model.moe;
+  if (moe.n_experts > 0 && moe.top_k > 32)
+    throw InputError("moe.top_k: at most 32 on CUDA, got " + std::to_string(moe.top_k));
 }
 
 std::unique_ptr<Backend> make_run_backend(const Config& cfg, int local_rank) {
