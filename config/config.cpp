@@ -209,7 +209,9 @@ const std::vector<Field>& schema() {
        "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
        "directory; its config.json must match model) or a kiln run or checkpoint directory "
        "(weights only; step 0, fresh optimizer)"},
-      {KILN_FIELD(optim, name), one_of({"adamw"}), "optimizer"},
+      {KILN_FIELD(optim, name), one_of({"adamw", "muon"}),
+       "optimizer: adamw, or muon for the blocks' matrices and AdamW for the rest "
+       "(docs/optimizer.md)"},
       {KILN_FIELD(optim, lr), positive(), "peak learning rate"},
       {KILN_FIELD(optim, min_lr), non_negative(), "final learning rate; <= lr"},
       {KILN_FIELD(optim, warmup_steps), non_negative(), "linear warmup steps"},
@@ -222,6 +224,13 @@ const std::vector<Field>& schema() {
       {KILN_FIELD(optim, beta2), range(0, false, 1, true), "Adam second-moment decay"},
       {KILN_FIELD(optim, eps), positive(), "Adam denominator epsilon"},
       {KILN_FIELD(optim, grad_clip), non_negative(), "global grad-norm clip (0: none)"},
+      {KILN_FIELD(optim, muon_momentum), range(0, false, 1, true),
+       "Muon's Nesterov momentum of the hidden matrices"},
+      {KILN_FIELD(optim, muon_ns_steps), range(1, false, 20, false),
+       "Muon's Newton-Schulz steps (quintic, 3.4445, -4.7750, 2.0315)"},
+      {KILN_FIELD(optim, muon_lr_scale), one_of({"rms_match", "spectral"}),
+       "a Muon matrix's lr (A rows, B columns): rms_match 0.2 sqrt(max(A, B)) (AdamW's update "
+       "RMS: lr and weight_decay as tuned for AdamW), or spectral sqrt(max(1, A/B))"},
       {KILN_FIELD(precision, dtype), one_of({"bf16", "fp32"}),
        "compute dtype (the CPU backend always computes in fp32)"},
       {KILN_FIELD(precision, fp8), any(),
@@ -381,6 +390,11 @@ const std::vector<KeyUse>& key_uses() {
        [](const Config& c) { return c.train.metrics_port == 0; },
        [](const Config&) -> std::string { return "train.metrics_port is 0"; },
        " (nothing listens)"},
+      {{"optim.muon_momentum", "optim.muon_ns_steps", "optim.muon_lr_scale"},
+       "optim.name",
+       [](const Config& c) { return c.optim.name != "muon"; },
+       [](const Config& c) { return "optim.name is " + c.optim.name; },
+       " (only Muon reads it)"},
       {{"optim.min_lr"},
        "optim.schedule",
        [](const Config& c) { return c.optim.schedule == "constant"; },
@@ -835,6 +849,12 @@ struct Resolver {
     validate_restarts();
     validate_data();
     validate_metrics_address();
+    // Muon orthogonalizes each matrix whole; tensor parallelism holds a part of it on each rank.
+    if (config.optim.name == "muon" && config.dist.tensor_parallel > 1)
+      fail(field("optim.name"),
+           "muon needs each matrix whole on one rank, and dist.tensor_parallel=" +
+               std::to_string(config.dist.tensor_parallel) +
+               " splits them: use optim.name=adamw, or dist.tensor_parallel=1");
     if (config.optim.schedule != "constant" && config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));
