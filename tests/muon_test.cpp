@@ -1,9 +1,11 @@
 // Muon (optim.name=muon, docs/optimizer.md): the CPU reference's ops against a straightforward
 // double-precision reference and the orthogonalization they promise; the model's layout naming
 // each logical matrix (q, k, v apart, each expert's apart, no router or embeddings); the owners
-// spread; and through the real launcher on Gloo, every strategy and expert parallelism following
-// the single-process Muon run, resumes bit for bit and across layouts, a change of optimizer on
+// spread; and through the real launcher on Gloo, every strategy, expert and context parallelism
+// following the single-process Muon run, resumes bit for bit and across layouts, a change of optimizer on
 // resume refused by name, and Muon ahead of AdamW on the tiny model.
+#include "train/muon.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,7 +20,6 @@
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "tests/test_process.h"
-#include "train/muon.h"
 
 namespace kiln {
 namespace {
@@ -34,8 +35,7 @@ std::vector<float> randn(size_t n, unsigned seed) {
 }
 
 // The iteration as its definition reads, in double: one matrix [rows, cols].
-std::vector<double> newton_schulz_reference(const float* x, int64_t rows, int64_t cols,
-                                            int steps) {
+std::vector<double> newton_schulz_reference(const float* x, int64_t rows, int64_t cols, int steps) {
   const bool tall = rows > cols;
   const int64_t m = tall ? cols : rows, k = tall ? rows : cols;
   double norm = 0;
@@ -68,7 +68,8 @@ std::vector<double> newton_schulz_reference(const float* x, int64_t rows, int64_
   std::vector<double> out(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
-      out[static_cast<size_t>(r * cols + c)] = X[static_cast<size_t>(tall ? c * rows + r : r * cols + c)];
+      out[static_cast<size_t>(r * cols + c)] =
+          X[static_cast<size_t>(tall ? c * rows + r : r * cols + c)];
   return out;
 }
 
@@ -92,9 +93,7 @@ std::vector<float> run_newton_schulz(Backend& k, const std::vector<float>& x, in
 std::vector<double> singular_values(const float* x, int64_t rows, int64_t cols) {
   const bool tall = rows > cols;
   const int64_t m = tall ? cols : rows, k = tall ? rows : cols;
-  auto at = [&](int64_t i, int64_t l) {
-    return double{tall ? x[l * cols + i] : x[i * cols + l]};
-  };
+  auto at = [&](int64_t i, int64_t l) { return double{tall ? x[l * cols + i] : x[i * cols + l]}; };
   std::vector<double> A(static_cast<size_t>(m * m), 0.0);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < m; ++j)
@@ -193,7 +192,8 @@ TEST(MuonOps, MomentumAndUpdateMatchHandComputed) {
 }
 
 TEST(MuonOps, LearningRateScalesAreMoonlightsAndKellerJordans) {
-  EXPECT_FLOAT_EQ(muon_lr_scale("rms_match", 768, 3072), static_cast<float>(0.2 * std::sqrt(3072.0)));
+  EXPECT_FLOAT_EQ(muon_lr_scale("rms_match", 768, 3072),
+                  static_cast<float>(0.2 * std::sqrt(3072.0)));
   EXPECT_FLOAT_EQ(muon_lr_scale("spectral", 3072, 768), 2.0f);
   EXPECT_FLOAT_EQ(muon_lr_scale("spectral", 768, 3072), 1.0f);
 }
@@ -250,15 +250,14 @@ class MuonTrain : public ::testing::Test {
   static std::string command(const std::string& name, int nproc, const std::string& strategy,
                              const std::string& extra) {
     const std::string data = (dir_ / "data").string();
-    std::string cmd = kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" +
-                      " --data.train='" + data + "/train_*.bin' --data.val='" + data +
-                      "/val_*.bin' --model.arch=llama --model.n_kv_head=2" +
-                      " --model.tie_embeddings=false --model.n_layer=2 --model.n_embd=64" +
-                      " --model.n_head=4 --model.seq_len=64 --train.batch_size=" +
-                      std::to_string(8 / nproc) +
-                      " --train.eval_every=0 --optim.warmup_steps=3 --optim.name=muon" +
-                      " --dist.strategy=" + strategy + " --train.out_dir=" +
-                      (dir_ / name).string() + " " + extra;
+    std::string cmd =
+        kBin + "/train " + kSrc + "/configs/tiny.yaml --train.device=cpu" + " --data.train='" +
+        data + "/train_*.bin' --data.val='" + data +
+        "/val_*.bin' --model.arch=llama --model.n_kv_head=2" +
+        " --model.tie_embeddings=false --model.n_layer=2 --model.n_embd=64" +
+        " --model.n_head=4 --model.seq_len=64 --train.batch_size=" + std::to_string(8 / nproc) +
+        " --train.eval_every=0 --optim.warmup_steps=3 --optim.name=muon" +
+        " --dist.strategy=" + strategy + " --train.out_dir=" + (dir_ / name).string() + " " + extra;
     if (nproc > 1) cmd += " --nproc-per-node=" + std::to_string(nproc);
     return cmd;
   }
@@ -276,7 +275,8 @@ class MuonTrain : public ::testing::Test {
       ASSERT_EQ(x.size(), y.size()) << key << ": " << a << " vs " << b;
       ASSERT_FALSE(x.empty()) << a;
       for (size_t i = 0; i < x.size(); ++i)
-        EXPECT_LE(std::fabs(x[i] - y[i]), rel * std::fabs(x[i])) << key << " " << b << " step " << i;
+        EXPECT_LE(std::fabs(x[i] - y[i]), rel * std::fabs(x[i]))
+            << key << " " << b << " step " << i;
     }
   }
   static fs::path dir_;
@@ -289,10 +289,9 @@ TEST_F(MuonTrain, EveryStrategyFollowsTheSingleProcessRun) {
   ASSERT_EQ(losses(single).size(), 10u);
   for (const char* strategy : {"ddp", "zero1", "fsdp"})
     for (int nproc : {2, 4})
-      expect_same_run(single,
-                      train(std::string(strategy) + "_" + std::to_string(nproc), nproc, strategy,
-                            steps),
-                      1e-5);
+      expect_same_run(
+          single,
+          train(std::string(strategy) + "_" + std::to_string(nproc), nproc, strategy, steps), 1e-5);
 }
 
 // A MoE whose experts' matrices are Muon's, each expert apart: under zero1 on 2 ranks, and with
@@ -305,8 +304,22 @@ TEST_F(MuonTrain, MoeFollowsTheSingleProcessRunWithExpertParallelism) {
   const std::string single = train("moe_single", 1, "ddp", moe);
   expect_same_run(single, train("moe_zero1_2", 2, "zero1", moe), 1e-5);
   expect_same_run(single, train("moe_ep_2", 2, "ddp", moe + " --dist.expert_parallel=2"), 1e-5);
+  expect_same_run(single, train("moe_ep_fsdp_4", 4, "fsdp", moe + " --dist.expert_parallel=2"),
+                  1e-5);
+}
+
+// Context parallelism splits only the data: a group sharing each sequence, under ddp and with two
+// groups under fsdp, follows the single process.
+TEST_F(MuonTrain, ContextParallelFollowsTheSingleProcessRun) {
+  const std::string steps = "--train.max_steps=8";
+  const std::string single = train("cp_single", 1, "ddp", steps);
   expect_same_run(single,
-                  train("moe_ep_fsdp_4", 4, "fsdp", moe + " --dist.expert_parallel=2"), 1e-5);
+                  train("cp_2", 2, "ddp", steps + " --dist.context_parallel=2 --train.batch_size=8"),
+                  1e-5);
+  expect_same_run(
+      single,
+      train("cp_2x2_fsdp", 4, "fsdp", steps + " --dist.context_parallel=2 --train.batch_size=4"),
+      1e-5);
 }
 
 // The momentum is in the checkpoint: resumed at step 5 on the same layout, the run is the
@@ -369,8 +382,8 @@ TEST_F(MuonTrain, MuonKeysUnderAdamWAreRefused) {
 TEST_F(MuonTrain, MuonEndsBelowAdamWOnTheTinyModel) {
   const std::string steps = "--train.max_steps=40 --optim.lr=3e-3 --optim.min_lr=3e-4";
   const std::string muon = train("race_muon", 1, "ddp", steps);
-  const auto r = testing::run_command(command("race_adamw", 1, "ddp", steps) +
-                                      " --optim.name=adamw");
+  const auto r =
+      testing::run_command(command("race_adamw", 1, "ddp", steps) + " --optim.name=adamw");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto a = testing::read_metric(muon, "loss");
   const auto b = testing::read_metric((dir_ / "race_adamw").string(), "loss");

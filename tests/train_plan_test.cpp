@@ -251,7 +251,8 @@ long long planned_elements(const std::string& output, const std::string& buffer)
 TEST(TrainPlan, MuonPlansOneMomentForItsMatrices) {
   for (const std::string ranks : {"", " --nproc-per-node 4"}) {
     const auto adamw = plan("llama-1.36b.yaml", "--plan-gpu-memory 1000GiB" + ranks);
-    const auto muon = plan("llama-1.36b.yaml", "--plan-gpu-memory 1000GiB --optim.name=muon" + ranks);
+    const auto muon =
+        plan("llama-1.36b.yaml", "--plan-gpu-memory 1000GiB --optim.name=muon" + ranks);
     ASSERT_EQ(adamw.status, 0) << adamw.output;
     ASSERT_EQ(muon.status, 0) << muon.output;
     const long long m = planned_elements(adamw.output, "adamw.m (shard)");

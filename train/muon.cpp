@@ -83,8 +83,8 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
   for (int r = 0; r < world_; ++r) {
     std::vector<std::pair<int64_t, int64_t>> shapes;
     for (const MuonMatrix& m : matrices_)
-      if (m.owner == r && std::find(shapes.begin(), shapes.end(), std::make_pair(m.rows, m.cols)) ==
-                              shapes.end())
+      if (m.owner == r &&
+          std::find(shapes.begin(), shapes.end(), std::make_pair(m.rows, m.cols)) == shapes.end())
         shapes.emplace_back(m.rows, m.cols);
     int64_t size = 0;
     for (const auto& [rows, cols] : shapes) {
@@ -99,8 +99,9 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
       }
       if (r == rank_) {
         batches_.push_back(b);
-        work_size_ = std::max(work_size_, newton_schulz_workspace(
-                                              std::min(b.count, batch_piece(rows, cols)), rows, cols));
+        work_size_ = std::max(
+            work_size_,
+            newton_schulz_workspace(std::min(b.count, batch_piece(rows, cols)), rows, cols));
       }
     }
     if (r == rank_) packed_size_ = size;
@@ -115,8 +116,8 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
 int64_t Muon::local_of(const Strategy& strategy, int64_t begin, int64_t n) const {
   for (const OwnedRange& o : strategy.plan().owned)
     if (o.begin <= begin && begin + n <= o.end) return o.local + begin - o.begin;
-  throw std::logic_error("muon: the matrix at " + std::to_string(begin) + " (" +
-                         std::to_string(n) + " values) is not whole in this rank's shard");
+  throw std::logic_error("muon: the matrix at " + std::to_string(begin) + " (" + std::to_string(n) +
+                         " values) is not whole in this rank's shard");
 }
 
 void Muon::plan_replicated(const Strategy& strategy) {
@@ -129,18 +130,17 @@ void Muon::plan_sharded(const Strategy& strategy) {
   // Every rank's pieces of every matrix, in buffer order per holder.
   std::vector<std::vector<Piece>> held(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) {
-    const ShardPlan plan = r == rank_ ? mine
-                                      : make_shard_plan(mine.strategy, mine.total,
-                                                        strategy.units(), r, world_);
+    const ShardPlan plan =
+        r == rank_ ? mine : make_shard_plan(mine.strategy, mine.total, strategy.units(), r, world_);
     for (const OwnedRange& o : plan.owned)
       for (size_t j = 0; j < matrices_.size(); ++j) {
         const MuonMatrix& m = matrices_[j];
         const int64_t b = std::max(o.begin, m.offset);
         const int64_t e = std::min(o.end, m.offset + m.rows * m.cols);
         if (b < e)
-          held[static_cast<size_t>(r)].push_back(
-              {b, e - b, o.local + b - o.begin, 0, packed_at_[j] + b - m.offset,
-               static_cast<int>(j)});
+          held[static_cast<size_t>(r)].push_back({b, e - b, o.local + b - o.begin, 0,
+                                                  packed_at_[j] + b - m.offset,
+                                                  static_cast<int>(j)});
       }
   }
   // Rank h sends owner d its pieces of d's matrices, in buffer order, block d of its send
@@ -181,8 +181,8 @@ void Muon::plan(Arena& arena) {
   auto at_least_one = [](int64_t n) { return std::max<int64_t>(n, 1); };
   arena.plan(&work_, "muon.newton_schulz", {at_least_one(work_size_)}, DType::f32);
   if (sharded_) {
-    arena.plan(&send_, "muon.exchange.held",
-               {at_least_one(std::max(send_size_, packed_size_))}, DType::f32);
+    arena.plan(&send_, "muon.exchange.held", {at_least_one(std::max(send_size_, packed_size_))},
+               DType::f32);
     arena.plan(&recv_, "muon.exchange.owned", {at_least_one(recv_size_)}, DType::f32);
   } else if (world_ > 1) {
     arena.plan(&packed_, "muon.packed", {slot_}, DType::f32);
@@ -240,8 +240,7 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
     for (size_t j = 0; j < matrices_.size(); ++j) {
       const MuonMatrix& m = matrices_[j];
       const int64_t n = m.rows * m.cols;
-      momentum(local_at_[j], n,
-               m.owner == rank_ ? packed_.slice(packed_at_[j], {n}) : Tensor{});
+      momentum(local_at_[j], n, m.owner == rank_ ? packed_.slice(packed_at_[j], {n}) : Tensor{});
     }
     iterate_all(packed_);
     comm_->all_gather(gathered_, packed_);

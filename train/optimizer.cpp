@@ -1,5 +1,7 @@
 #include "train/optimizer.h"
 
+#include <spdlog/spdlog.h>
+
 namespace kiln {
 
 void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<AdamWPiece>& pieces,
@@ -26,10 +28,22 @@ OptimizerStep optimizer_step(const OptimSection& optim, int world) {
   return s;
 }
 
-void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicator* data) {
+void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicator* data, bool log) {
   if (optim_.name != "muon") return;
   muon_ = std::make_unique<Muon>(optim_, local, strategy, data);
   strategy.keep_one_moment(muon_->ranges());
+  if (!log) return;
+  int64_t values = 0;
+  for (const MuonMatrix& m : muon_->matrices()) values += m.rows * m.cols;
+  const ShardPlan& plan = strategy.plan();
+  spdlog::info(
+      "optim.name=muon: {} matrices ({} of the rank's {} parameters) by Muon, {} Newton-Schulz "
+      "steps, lr scaled {}, their iteration spread over {} rank{} ({}); AdamW for the rest",
+      muon_->matrices().size(), values, local.total, optim_.muon_ns_steps, optim_.muon_lr_scale,
+      plan.world, plan.world > 1 ? "s" : "",
+      plan.world == 1         ? "alone"
+      : strategy.replicated() ? "all-gathered"
+                              : "pieces to owners and back by all-to-all");
 }
 
 void Optimizer::plan(Arena& arena, const ParamLayout& local) {
@@ -52,8 +66,7 @@ void Optimizer::upload(Backend& k, const ParamLayout& local) {
 void Optimizer::step(Backend& k, Strategy& strategy, const Nvtx& nvtx) {
   strategy.reduce_grads(sumsq_);
   Nvtx::Range range = nvtx.range("optimizer");
-  clip_and_adamw(k, strategy.shard(), strategy.adamw_pieces(), sched_, sumsq_, decay_spans_,
-                 step_);
+  clip_and_adamw(k, strategy.shard(), strategy.adamw_pieces(), sched_, sumsq_, decay_spans_, step_);
   if (muon_) muon_->step(k, strategy.shard(), sched_);
   range.end();
   strategy.after_update();

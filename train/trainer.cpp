@@ -183,7 +183,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
     parallelize_experts(*model_, layout_, mesh_, *comms_.expert, is_main());
   if (mesh_.has_context_split()) parallelize_context(*model_, mesh_, *comms_.context, is_main());
   strategy_ = make_run_strategy(cfg.dist, *backend_, mesh_, layout_, comms_, inputs_.rows());
-  optimizer_.attach(layout_.local(), *strategy_, comms_.data);
+  optimizer_.attach(layout_.local(), *strategy_, comms_.data, is_main());
   parallelize_fp8(*model_, *strategy_, cfg.fp8.all_gather, layout_.sharded(), comm_,
                   rank.world_size, is_main());
 }

@@ -64,8 +64,8 @@ void CpuBackend::run_newton_schulz(Tensor out, Tensor x, Tensor work, int steps)
         X[wide ? r * cols + c : c * rows + r] = in[r * cols + c] * inv;
     for (int s = 0; s < steps; ++s) {
       gemm(G, X, X, /*b_t=*/true, nullptr, m, m, k, 1.0f, 0.0f);  // G = X X^T
-      gemm(H, G, G, false, G, m, m, m, kNsC, kNsB);                 // H = b G + c G G
-      gemm(Xn, H, X, false, X, m, k, m, 1.0f, kNsA);                // X = a X + H X
+      gemm(H, G, G, false, G, m, m, m, kNsC, kNsB);               // H = b G + c G G
+      gemm(Xn, H, X, false, X, m, k, m, 1.0f, kNsA);              // X = a X + H X
       std::swap(X, Xn);
     }
     float* o = out.ptr<float>() + b * rows * cols;

@@ -55,7 +55,9 @@ struct NewtonSchulzPlans {
   }
 };
 
-void NewtonSchulzPlansDeleter::operator()(NewtonSchulzPlans* p) const { delete p; }
+void NewtonSchulzPlansDeleter::operator()(NewtonSchulzPlans* p) const {
+  delete p;
+}
 
 namespace {
 
@@ -65,10 +67,10 @@ cublasLtMatrixLayout_t batched_layout(int64_t rows, int64_t cols, int64_t batch)
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, CUDA_R_16BF, rows, cols, rows));
   const int32_t count = static_cast<int32_t>(batch);
   const int64_t stride = rows * cols;
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                     &count, sizeof count));
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-      l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                     sizeof count));
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                     &stride, sizeof stride));
   return l;
 }
 
@@ -110,8 +112,8 @@ void ns_gemm(NewtonSchulzPlans& plans, cublasLtHandle_t handle, void* workspace,
     it = plans.gemms.emplace(key, g).first;
   }
   const NsGemm& g = it->second;
-  KILN_CUBLAS_CHECK(cublasLtMatmul(handle, g.desc, &alpha, A, g.a, B, g.b, &beta, C ? C : D, g.c,
-                                   D, g.c, &g.algo, workspace, workspace_bytes, stream));
+  KILN_CUBLAS_CHECK(cublasLtMatmul(handle, g.desc, &alpha, A, g.a, B, g.b, &beta, C ? C : D, g.c, D,
+                                   g.c, &g.algo, workspace, workspace_bytes, stream));
 }
 
 // One block per matrix: norms[b] = 1 / max(||x[b]||_F, eps).
@@ -201,12 +203,12 @@ void CudaBackend::run_muon_update(Tensor master, Tensor working, Tensor update, 
   const int blocks = grid_for(n, threads, sm_count_);
   if (working.defined())
     muon_update_kernel<true><<<blocks, threads, 0, stream_>>>(
-        master.ptr<float>(), working.ptr<bf16>(), update.ptr<float>(), sched.ptr<float>(),
-        lr_scale, weight_decay, n);
-  else
-    muon_update_kernel<false><<<blocks, threads, 0, stream_>>>(
-        master.ptr<float>(), nullptr, update.ptr<float>(), sched.ptr<float>(), lr_scale,
+        master.ptr<float>(), working.ptr<bf16>(), update.ptr<float>(), sched.ptr<float>(), lr_scale,
         weight_decay, n);
+  else
+    muon_update_kernel<false>
+        <<<blocks, threads, 0, stream_>>>(master.ptr<float>(), nullptr, update.ptr<float>(),
+                                          sched.ptr<float>(), lr_scale, weight_decay, n);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -238,8 +240,8 @@ void CudaBackend::run_newton_schulz(Tensor out, Tensor x, Tensor work, int steps
   KILN_CUDA_LAUNCH_CHECK();
   auto gemm = [&](int64_t gm, int64_t gn, int64_t gk, bool ta, bool tb, const bf16* A,
                   const bf16* B, const bf16* C, bf16* D, float alpha, float beta) {
-    ns_gemm(*ns_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gm,
-            gn, gk, N, ta, tb, A, B, C, D, alpha, beta);
+    ns_gemm(*ns_plans_, cublaslt_, cublaslt_workspace_, cublaslt_workspace_bytes_, stream_, gm, gn,
+            gk, N, ta, tb, A, B, C, D, alpha, beta);
   };
   for (int s = 0; s < steps; ++s) {
     // Column-major: X is k x m (X^T). G[m,m] = (X^T)^T X^T.

@@ -12,7 +12,8 @@ void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_sh
   proj = b.add(name + ".experts.proj.weight", {E, C, F}, true, E);
   // Each expert's matrices are Muon's (gate and up apart); the router's [E, C] is not: its rows
   // are the experts' logits, which AdamW keeps free to differ in scale.
-  b.hidden_matrix(fc, kind == MlpKind::swiglu ? std::vector<int64_t>{F, F} : std::vector<int64_t>{});
+  b.hidden_matrix(fc,
+                  kind == MlpKind::swiglu ? std::vector<int64_t>{F, F} : std::vector<int64_t>{});
   b.hidden_matrix(proj);
   has_shared = n_shared > 0;
   if (has_shared) {
