@@ -14,6 +14,7 @@
 //    scratch is the caller's `work` (no allocation in the step).
 #include <map>
 #include <tuple>
+#include <utility>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
@@ -98,6 +99,23 @@ void ns_gemm(NewtonSchulzPlans& plans, cublasLtHandle_t handle, void* workspace,
     KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes));
+    // The scratch's pieces are 256-byte aligned; a batch's later matrices only as far as their
+    // stride in bytes allows.
+    auto aligned = [](int64_t values) {
+      const uint64_t bytes = static_cast<uint64_t>(values) * sizeof(bf16);
+      uint32_t align = 256;
+      while (bytes % align != 0) align /= 2;
+      return align;
+    };
+    const uint32_t align_a = aligned(m * k), align_b = aligned(k * n), align_d = aligned(m * n);
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, const uint32_t*> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d}};
+    for (const auto& [attribute, value] : alignments)
+      KILN_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(pref, attribute, value, sizeof *value));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, g.desc, g.a, g.b, g.c, g.c,
