@@ -75,7 +75,7 @@ struct InitSection {
 };
 
 struct OptimSection {
-  std::string name = "adamw";
+  std::string name = "adamw";  // adamw | muon (docs/optimizer.md)
   double lr = 6.0e-4;
   double min_lr = 6.0e-5;
   int warmup_steps = 100;
@@ -85,6 +85,13 @@ struct OptimSection {
   double beta2 = 0.95;
   double eps = 1.0e-8;
   double grad_clip = 1.0;  // 0: no clipping
+  // name=muon: the hidden matrices' Nesterov momentum, Newton-Schulz steps, and how a matrix's
+  // update is scaled from lr: rms_match (Moonlight: 0.2 sqrt(max(A, B)), AdamW's update RMS, so
+  // lr and weight_decay keep their AdamW meaning) | spectral (sqrt(max(1, A/B)), Keller Jordan's,
+  // torch.optim.Muon's "original"), for a matrix of A rows (outputs) and B columns (inputs).
+  double muon_momentum = 0.95;
+  int muon_ns_steps = 5;
+  std::string muon_lr_scale = "rms_match";
 };
 
 struct PrecisionSection {

@@ -223,7 +223,9 @@ const std::vector<Field>& schema() {
          "a fresh run's weights: empty (random, from train.seed), hf:DIR (a Hugging Face model "
          "directory; its config.json must match model) or a kiln run or checkpoint directory "
          "(weights only; step 0, fresh optimizer)"},
-        {KILN_FIELD(optim, name), one_of({"adamw"}), "optimizer"},
+        {KILN_FIELD(optim, name), one_of({"adamw", "muon"}),
+         "optimizer: adamw, or muon for the blocks' matrices and AdamW for the rest "
+         "(docs/optimizer.md)"},
         {KILN_FIELD(optim, lr), positive(), "peak learning rate"},
         {KILN_FIELD(optim, min_lr), non_negative(), "final learning rate; <= lr"},
         {KILN_FIELD(optim, warmup_steps), non_negative(), "linear warmup steps"},
@@ -236,6 +238,13 @@ const std::vector<Field>& schema() {
         {KILN_FIELD(optim, beta2), range(0, false, 1, true), "Adam second-moment decay"},
         {KILN_FIELD(optim, eps), positive(), "Adam denominator epsilon"},
         {KILN_FIELD(optim, grad_clip), non_negative(), "global grad-norm clip (0: none)"},
+        {KILN_FIELD(optim, muon_momentum), range(0, false, 1, true),
+         "Muon's Nesterov momentum of the hidden matrices"},
+        {KILN_FIELD(optim, muon_ns_steps), range(1, false, 20, false),
+         "Muon's Newton-Schulz steps (quintic, 3.4445, -4.7750, 2.0315)"},
+        {KILN_FIELD(optim, muon_lr_scale), one_of({"rms_match", "spectral"}),
+         "a Muon matrix's lr (A rows, B columns): rms_match 0.2 sqrt(max(A, B)) (AdamW's update "
+         "RMS: lr and weight_decay as tuned for AdamW), or spectral sqrt(max(1, A/B))"},
         {KILN_FIELD(precision, dtype), one_of({"bf16", "fp32"}),
          "compute dtype (the CPU backend always computes in fp32)"},
         {KILN_FIELD(precision, fp8), any(),

@@ -30,7 +30,29 @@ Strategy::Strategy(const StrategyOptions& options, Backend& backend, Communicato
       comm_(comm),
       plan_(make_shard_plan(options.name, total, units, rank, world)),
       units_(units),
-      reduce_dtype_(options.reduce_dtype) {}
+      reduce_dtype_(options.reduce_dtype) {
+  keep_one_moment({});
+}
+
+void Strategy::keep_one_moment(const Units& ranges) {
+  adamw_pieces_.clear();
+  v_size_ = 0;
+  for (const OwnedRange& o : plan_.owned) {
+    int64_t at = o.begin;
+    auto adamw_until = [&](int64_t end) {
+      if (end <= at) return;
+      adamw_pieces_.push_back({at, o.local + at - o.begin, v_size_, end - at});
+      v_size_ += end - at;
+    };
+    for (const auto& [begin, end] : ranges) {  // sorted and disjoint
+      const int64_t b = std::max(begin, o.begin), e = std::min(end, o.end);
+      if (b >= e) continue;
+      adamw_until(b);
+      at = e;
+    }
+    adamw_until(o.end);
+  }
+}
 
 void Strategy::plan_shard(Arena& arena, bool sharded) {
   const int64_t S = plan_.shard_size;
@@ -38,7 +60,7 @@ void Strategy::plan_shard(Arena& arena, bool sharded) {
   arena.plan(&master_, std::string("params.master") + tag, {S}, DType::f32);
   arena.plan(&grad_shard_, std::string("grads") + tag, {S}, DType::f32);
   arena.plan(&m_, std::string("adamw.m") + tag, {S}, DType::f32);
-  arena.plan(&v_, std::string("adamw.v") + tag, {S}, DType::f32);
+  arena.plan(&v_, std::string("adamw.v") + tag, {std::max<int64_t>(v_size_, 1)}, DType::f32);
   if (!extra_.empty()) {
     const int64_t classes = static_cast<int64_t>(norm_classes_.size());
     arena.plan(&class_sumsq_, "grad_sumsq (by group)", {classes}, DType::f32);
@@ -200,14 +222,19 @@ void Strategy::load_range(const OwnedRange& o, const float* master, const float*
   const Shape n{o.end - o.begin};
   backend_.copy_from_host(master_.slice(o.local, n), master);
   backend_.copy_from_host(m_.slice(o.local, n), m);
-  backend_.copy_from_host(v_.slice(o.local, n), v);
+  for (const AdamWPiece& p : adamw_pieces_)
+    if (p.begin >= o.begin && p.begin < o.end)
+      backend_.copy_from_host(v_.slice(p.v_local, {p.n}), v + (p.begin - o.begin));
 }
 
 void Strategy::read_range(const OwnedRange& o, float* master, float* m, float* v) {
   const Shape n{o.end - o.begin};
   backend_.copy_to_host(master, master_.slice(o.local, n));
   backend_.copy_to_host(m, m_.slice(o.local, n));
-  backend_.copy_to_host(v, v_.slice(o.local, n));
+  std::fill(v, v + (o.end - o.begin), 0.0f);
+  for (const AdamWPiece& p : adamw_pieces_)
+    if (p.begin >= o.begin && p.begin < o.end)
+      backend_.copy_to_host(v + (p.begin - o.begin), v_.slice(p.v_local, {p.n}));
 }
 
 }  // namespace kiln

@@ -32,10 +32,18 @@
 namespace kiln {
 
 // One rank's optimizer state over its shard: f32 master weights, gradients and moments, and
-// the working copy (activation dtype) AdamW writes, undefined where the master is the working
-// copy (the CPU).
+// the working copy (activation dtype) the optimizer writes, undefined where the master is the
+// working copy (the CPU). m holds every owned element's first moment (Muon's momentum where
+// Muon updates it); v the second moment of the elements AdamW updates alone
+// (Strategy::adamw_pieces says where).
 struct ParamShard {
   Tensor master, grads, m, v, working;
+};
+
+// An owned run of elements AdamW updates: global [begin, begin + n) of the buffer, at `local` in
+// the shard's master, grads and m, and at `v_local` in its v.
+struct AdamWPiece {
+  int64_t begin, local, v_local, n;
 };
 
 struct StrategyOptions {
@@ -65,6 +73,10 @@ class Strategy {
 
   const ShardPlan& plan() const { return plan_; }
   const Units& units() const { return units_; }
+  // optim.name=muon, before plan_memory: the buffer's ranges of one moment (Muon's momentum, in
+  // m) and no second: v holds only the rest, what adamw_pieces() lists.
+  void keep_one_moment(const Units& ranges);
+  const std::vector<AdamWPiece>& adamw_pieces() const { return adamw_pieces_; }
   // Plans every parameter/gradient/optimizer buffer into `arena`; bind() after it is allocated.
   virtual void plan_memory(Arena& arena) = 0;
   virtual void bind() {}
@@ -138,7 +150,8 @@ class Strategy {
   // needs the whole model on the host.
   using FillRange = std::function<void(int64_t begin, int64_t end, float* out)>;
   void load_parameters(const FillRange& fill);
-  // State in and out: host f32 ranges of the global buffer, one owned range at a time.
+  // State in and out: host f32 ranges of the global buffer, one owned range at a time (v read
+  // as 0 where only m is kept).
   void load_range(const OwnedRange& o, const float* master, const float* m, const float* v);
   void read_range(const OwnedRange& o, float* master, float* m, float* v);
   // After the master weights change outside an optimizer step: the working copies follow.
@@ -193,6 +206,8 @@ class Strategy {
   int micro_ = 0;
   bool last_micro_ = true;
   Tensor master_, grad_shard_, m_, v_;
+  std::vector<AdamWPiece> adamw_pieces_;  // every owned element unless keep_one_moment
+  int64_t v_size_ = 0;
   Tensor reduce_full_, reduce_shard_;  // reduce_dtype bf16: the rounded gradients and a shard
   struct PendingScatter {
     Tensor out, sum, low_out;  // low_out defined: reduced in bf16, copied into sum

@@ -47,6 +47,9 @@ constexpr int kSchedSize = 4;
 enum CrossEntropyStat : int { kCeMax = 0, kCeSumExp = 1, kCeTarget = 2 };
 constexpr int kCrossEntropyStats = 3;
 
+// newton_schulz's scratch, in f32 values, for a batch of n matrices of rows x cols.
+int64_t newton_schulz_workspace(int64_t n, int64_t rows, int64_t cols);
+
 struct AdamWHyper {
   float beta1 = 0.9f;
   float beta2 = 0.95f;

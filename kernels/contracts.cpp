@@ -691,6 +691,48 @@ void adamw_update(const OpCheck& c, Tensor master, Tensor grads, Tensor m, Tenso
   }
 }
 
+void muon_momentum(const OpCheck& c, Tensor momentum, Tensor nesterov, Tensor grads, Tensor sched,
+                   float mu) {
+  c.f32("momentum", momentum);
+  const int64_t n = momentum.numel();
+  c.f32("grads", grads);
+  c.numel("grads", grads, n);
+  if (nesterov.defined()) {
+    c.f32("nesterov", nesterov);
+    c.numel("nesterov", nesterov, n);
+  }
+  check_sched(c, sched);
+  if (!(mu >= 0.0f && mu < 1.0f)) c.fail("mu", "must be in [0, 1), got " + std::to_string(mu));
+}
+
+void newton_schulz(const OpCheck& c, Tensor out, Tensor x, Tensor work, int steps) {
+  c.f32("x", x);
+  c.ndim("x", x, 3);
+  c.f32("out", out);
+  c.ndim("out", out, 3);
+  for (int i = 0; i < 3; ++i) c.dim("out", out, i, x.dim(i));
+  c.f32("work", work);
+  const int64_t need = newton_schulz_workspace(x.dim(0), x.dim(1), x.dim(2));
+  if (work.numel() < need)
+    c.fail("work", work.str() + " is below the " + std::to_string(need) + " values " + x.str() +
+                       " needs");
+  if (steps < 1) c.fail("steps", "must be >= 1, got " + std::to_string(steps));
+}
+
+void muon_update(const OpCheck& c, Tensor master, Tensor working, Tensor update, Tensor sched,
+                 float lr_scale, float weight_decay) {
+  c.f32("master", master);
+  const int64_t n = master.numel();
+  c.f32("update", update);
+  c.numel("update", update, n);
+  check_sched(c, sched);
+  if (working.defined()) {
+    if (working.dtype != DType::f32 && working.dtype != DType::bf16)
+      c.fail("working", "expected dtype f32 or bf16, got " + working.str());
+    c.numel("working", working, n);
+  }
+}
+
 void add(const OpCheck& c, Tensor dst, Tensor src) {
   c.f32_or_activation("dst", dst);
   c.defined("src", src);

@@ -31,9 +31,26 @@ int LayoutBuilder::add(const std::string& name, Shape shape, bool decay, int64_t
   if (split.split() && !split.segments.empty() && along != shape[split.dim])
     throw std::logic_error("parameter " + name + ": segments of " + std::to_string(along) +
                            " along dim " + std::to_string(split.dim) + " of " + shape.str());
-  layout_.tensors.push_back({name, layout_.total, shape, unit, decay, experts, std::move(split)});
+  layout_.tensors.push_back(
+      {name, layout_.total, shape, unit, decay, experts, std::move(split), {}});
   layout_.total += shape.numel();
   return index;
+}
+
+void LayoutBuilder::hidden_matrix(int index, std::vector<int64_t> rows) {
+  ParamInfo& t = layout_.tensors.at(static_cast<size_t>(index));
+  const int matrix_dims = t.experts > 0 ? 3 : 2;
+  if (t.shape.ndim != matrix_dims)
+    throw std::logic_error("parameter " + t.name + " " + t.shape.str() +
+                           " is no stack of 2-D matrices");
+  const int64_t all = t.shape[t.shape.ndim - 2];
+  if (rows.empty()) rows = {all};
+  int64_t sum = 0;
+  for (int64_t r : rows) sum += r;
+  if (sum != all)
+    throw std::logic_error("parameter " + t.name + ": matrices of " + std::to_string(sum) +
+                           " rows in " + t.shape.str());
+  t.matrix_rows = std::move(rows);
 }
 
 void LayoutBuilder::close_unit() {

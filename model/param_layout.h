@@ -38,7 +38,13 @@ struct ParamInfo {
   // Under tensor parallelism: how the tensor splits (a local layout's tensors keep their global
   // tensor's split, with the global segments).
   TensorSplit split;
+  // optim.name=muon's fact (docs/optimizer.md): a hidden 2-D matrix, or a stack of them, that
+  // Muon orthogonalizes. The tensor (each expert's slab of an expert tensor) is these runs of
+  // rows, each a logical matrix of its own [rows, last dim] (a packed qkv: q, k and v); empty:
+  // not one (embeddings, the head, norms, biases, a router), which AdamW updates.
+  std::vector<int64_t> matrix_rows;
   int64_t numel() const { return shape.numel(); }
+  bool hidden_matrix() const { return !matrix_rows.empty(); }
 };
 
 struct ParamLayout {
@@ -69,6 +75,9 @@ class LayoutBuilder {
   // ParamInfo.
   int add(const std::string& name, Shape shape, bool decay, int64_t experts = 0,
           TensorSplit split = {});
+  // Marks tensor `index` (2-D, or 3-D with its experts first) as hidden matrices for Muon, of
+  // these runs of rows (ParamInfo::matrix_rows; empty: one matrix of all its rows).
+  void hidden_matrix(int index, std::vector<int64_t> rows = {});
   // Closes the open unit (every tensor added since the last close) and opens the next.
   void close_unit();
   // The finished layout, with its decay spans merged.

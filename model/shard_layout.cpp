@@ -97,7 +97,14 @@ ParamLayout shard_layout(const ParamLayout& global, const ShardCoords& c) {
       // The local tensor keeps its split, at the local size.
       if (!split.segments.empty()) split.segments = local_segments;
     }
-    b.add(t.name, shape, t.decay, experts, split);
+    const int index = b.add(t.name, shape, t.decay, experts, split);
+    if (t.hidden_matrix()) {
+      // A row split divides each matrix's rows (a column split keeps them, with fewer columns).
+      std::vector<int64_t> rows = t.matrix_rows;
+      if (t.split.split() && t.split.dim == shape.ndim - 2 && c.tensor_ranks > 1)
+        for (int64_t& r : rows) r /= c.tensor_ranks;
+      b.hidden_matrix(index, rows);
+    }
   }
   for (; unit < static_cast<int>(global.units.size()); ++unit) b.close_unit();
   ParamLayout local = b.finish();

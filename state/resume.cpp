@@ -19,6 +19,14 @@ namespace {
 int restore(const RunParts& run, const std::string& dir) {
   const bool is_main = run.rank == 0;
   CheckpointManifest manifest = read_manifest(dir);
+  // The moments mean different things under another optimizer (Muon's momentum in m, no v).
+  const std::string written =
+      parse_stored_config(manifest.config_yaml, dir + "/manifest.yaml").optim.name;
+  if (written != run.config.optim.name)
+    throw InputError("optim.name=" + run.config.optim.name + ": " + dir + " was written by " +
+                     written + ", whose state does not carry over; resume with --optim.name=" +
+                     written + ", or start afresh from its weights with init.from=" + dir +
+                     " and train.resume=none");
   const ParamLayout& global = run.model.layout();
   for (const OwnedRange& o : run.strategy.plan().owned) {
     std::vector<float> master(static_cast<size_t>(o.end - o.begin)), m(master.size()),

@@ -302,4 +302,32 @@ TEST(TrainPlan, BadFlagsExitWithStatus2) {
       << r.output;
 }
 
+// The elements of `buffer`'s row in the plan's table ("adamw.v (shard) f32 [N] ..."), or -1.
+long long planned_elements(const std::string& output, const std::string& buffer) {
+  const std::string line = line_from(output, buffer + " ");
+  const size_t open = line.find('['), close = line.find(']');
+  if (open == std::string::npos || close == std::string::npos) return -1;
+  return std::stoll(line.substr(open + 1, close - open - 1));
+}
+
+// optim.name=muon keeps one moment for the hidden matrices: the second moment is planned for the
+// AdamW parameters alone (llama-1.36b: embeddings, head and norms), under fsdp on 4 GPUs as on one.
+TEST(TrainPlan, MuonPlansOneMomentForItsMatrices) {
+  for (const std::string ranks : {"", " --nproc-per-node 4"}) {
+    const auto adamw = plan("llama-1.36b.yaml", "--plan-gpu-memory 1000GiB" + ranks);
+    const auto muon =
+        plan("llama-1.36b.yaml", "--plan-gpu-memory 1000GiB --optim.name=muon" + ranks);
+    ASSERT_EQ(adamw.status, 0) << adamw.output;
+    ASSERT_EQ(muon.status, 0) << muon.output;
+    const long long m = planned_elements(adamw.output, "adamw.m (shard)");
+    ASSERT_GT(m, 0) << adamw.output;
+    EXPECT_EQ(planned_elements(adamw.output, "adamw.v (shard)"), m) << adamw.output;
+    EXPECT_EQ(planned_elements(muon.output, "adamw.m (shard)"), m) << muon.output;
+    const long long v = planned_elements(muon.output, "adamw.v (shard)");
+    EXPECT_GT(v, 0) << muon.output;
+    EXPECT_LT(v, m / 5) << muon.output;  // the blocks' matrices are ~90% of 1.36B
+    EXPECT_NE(muon.output.find("muon.newton_schulz"), std::string::npos) << muon.output;
+  }
+}
+
 }  // namespace

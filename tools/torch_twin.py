@@ -6,7 +6,8 @@ bf16 GEMMs and attention). It is the quality reference kiln's val-loss curve is 
 It reads kiln's resolved config (`train CONFIG [--overrides] --print-config`, or a run's
 config.yaml), so every key means what it means to kiln: model.arch's layer choices (LayerNorm or
 RMSNorm, learned positions or RoPE, GELU or SwiGLU, biases, QK-norm, GQA, tied head), AdamW
-(decoupled decay on the tensors kiln decays), warm-up then cosine/linear/constant to min_lr, global
+(decoupled decay on the tensors kiln decays) or, with optim.name=muon or --optim muon,
+torch.optim.Muon for the blocks' matrices and AdamW for the rest (docs/optimizer.md), warm-up then cosine/linear/constant to min_lr, global
 norm clipping, windows of T+1 tokens in kiln's order (data/loader.cpp's seeded shuffle, or shard
 order), val loss over
 train.eval_steps batches from the start of the val split after every train.eval_every steps.
@@ -54,6 +55,11 @@ p.add_argument("--autocast", type=int, default=1, help="0: train in fp32 (checks
 p.add_argument("--log-every", type=int, default=50, help="print the train loss every N steps")
 p.add_argument("--device", default="cuda")
 p.add_argument("--compile", type=int, default=1)
+p.add_argument("--optim", choices=["adamw", "muon"], default=None,
+               help="default: the config's optim.name. muon: torch.optim.Muon for the blocks' "
+                    "matrices (q, k, v and SwiGLU's gate and up each their own, as kiln's "
+                    "ParamInfo::matrix_rows), AdamW for the rest; optim.muon_* keys as kiln reads "
+                    "them (defaults where the config is AdamW's)")
 a = p.parse_args()
 
 
@@ -83,8 +89,13 @@ if cfg.get("moe", {}).get("n_experts", 0):
 if cfg["precision"].get("fp8"):
     print(json.dumps({"note": "precision.fp8 is kiln's; the twin trains in bf16 autocast"}),
           flush=True)
-if OP["name"] != "adamw":
+if OP["name"] not in ("adamw", "muon"):
     raise SystemExit(f"torch_twin: optim.name={OP['name']} has no twin")
+if a.optim:
+    OP["name"] = a.optim
+if OP["name"] == "muon" and not hasattr(torch.optim, "Muon"):
+    raise SystemExit(f"torch_twin: --optim muon needs torch.optim.Muon (PyTorch 2.9 or newer), "
+                     f"this is {torch.__version__}")
 
 seed = TR["seed"] if a.seed is None else a.seed
 steps = TR["max_steps"] if a.steps is None else a.steps
@@ -291,13 +302,45 @@ with torch.no_grad():
 if a.init_from:
     load_kiln_checkpoint(m, a.init_from)
 m = m.to(dev)
+
+
+def matrix_rows(name, t):  # kiln's hidden matrices (model/layers/*.cpp's hidden_matrix), or None
+    if name.endswith("attn.qkv.weight"):
+        return [NH * HS, KV * HS, KV * HS]
+    if name.endswith("mlp.fc.weight") and M["mlp"] == "swiglu":
+        return [FF, FF]
+    if name.endswith(("attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")):
+        return [t.shape[0]]
+    return None
+
+
+# optim.name=muon: each logical matrix a parameter of torch.optim.Muon's of its own, a view into
+# the packed weight (its update lands there), given its slice of the packed gradient each step.
+segments = []
+if OP["name"] == "muon":
+    for n, t in m.named_parameters():
+        at = 0
+        for r in matrix_rows(n, t) or []:
+            segments.append((t, at, r, nn.Parameter(t.data[at:at + r])))
+            at += r
+hidden = {id(t) for t, *_ in segments}
 # kiln decays the linear weights, wte and an untied head; not wpe, norms, biases or QK-norm.
-decay = [t for n, t in m.named_parameters() if t.dim() >= 2 and (n != "wpe.weight" or a.decay_wpe)]
-ids = {id(t) for t in decay}
+decay = [t for n, t in m.named_parameters()
+         if t.dim() >= 2 and (n != "wpe.weight" or a.decay_wpe) and id(t) not in hidden]
+ids = {id(t) for t in decay} | hidden
 nodecay = [t for t in m.parameters() if id(t) not in ids]
-opt = torch.optim.AdamW([{"params": decay, "weight_decay": OP["weight_decay"]},
-                         {"params": nodecay, "weight_decay": 0.0}], lr=OP["lr"],
-                        betas=(OP["beta1"], OP["beta2"]), eps=OP["eps"], fused=AC == "cuda")
+opts = [torch.optim.AdamW([{"params": decay, "weight_decay": OP["weight_decay"]},
+                           {"params": nodecay, "weight_decay": 0.0}], lr=OP["lr"],
+                          betas=(OP["beta1"], OP["beta2"]), eps=OP["eps"], fused=AC == "cuda")]
+if segments:
+    # kiln's optim.muon_lr_scale: rms_match is Moonlight's 0.2 sqrt(max(A, B)), torch's
+    # "match_rms_adamw"; spectral is sqrt(max(1, A/B)), torch's "original".
+    opts.append(torch.optim.Muon(
+        [p for *_, p in segments], lr=OP["lr"], weight_decay=OP["weight_decay"],
+        momentum=OP.get("muon_momentum", 0.95), nesterov=True,
+        ns_steps=OP.get("muon_ns_steps", 5),
+        adjust_lr_fn={"rms_match": "match_rms_adamw",
+                      "spectral": "original"}[OP.get("muon_lr_scale", "rms_match")]))
 cm = torch.compile(m) if a.compile else m
 
 
@@ -471,23 +514,30 @@ for step in range(steps + 1):
     if step < 2:
         sync()
         t0 = time.perf_counter()
-    for g in opt.param_groups:
-        g["lr"] = lr_at(step)
+    for opt in opts:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
     t = next(it)
     with torch.autocast(AC, dtype=torch.bfloat16, enabled=bool(a.autocast)):
         loss = cm(t[:, :-1], t[:, 1:])
     loss.backward()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    for t_, at, r, p_ in segments:
+        p_.grad = t_.grad[at:at + r]
+    for opt in opts:
+        opt.step()
+    m.zero_grad(set_to_none=True)
+    for *_, p_ in segments:
+        p_.grad = None
     if (step + 1) % a.log_every == 0:
         losses.append((step + 1, loss.detach()))
     if step < 2:
         sync()
         first.append(time.perf_counter() - t0)
 compile_s = first[0] - first[1] if len(first) == 2 else 0.0
-print(json.dumps({"summary": {"steps": steps, "seed": seed, "kiln_numerics": sorted(emulate),
+print(json.dumps({"summary": {"steps": steps, "seed": seed, "optim": OP["name"],
+                              "kiln_numerics": sorted(emulate),
                               "decay_wpe": bool(a.decay_wpe), "train_s": train_s - compile_s,
                               "compile_s": compile_s,
                               "final_val_loss": evals[-1]["val_loss"] if evals else None,

@@ -1,17 +1,19 @@
 #include "train/optimizer.h"
 
+#include <spdlog/spdlog.h>
+
 namespace kiln {
 
-void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<OwnedRange>& owned,
+void clip_and_adamw(Backend& k, const ParamShard& shard, const std::vector<AdamWPiece>& pieces,
                     Tensor sched, Tensor sumsq, Tensor decay_spans, const OptimizerStep& s) {
   // The 1/world rides on the clip factor AdamW multiplies g by: no pass over the gradients.
   k.grad_norm_clip(sched, sumsq, s.grad_clip, s.grad_scale);
-  for (const OwnedRange& o : owned) {
-    const Shape n{o.end - o.begin};
-    const Tensor working = shard.working.defined() ? shard.working.slice(o.local, n) : Tensor{};
-    k.adamw_update(shard.master.slice(o.local, n), shard.grads.slice(o.local, n),
-                   shard.m.slice(o.local, n), shard.v.slice(o.local, n), working, decay_spans,
-                   o.begin, sched, s.hyper);
+  for (const AdamWPiece& p : pieces) {
+    const Shape n{p.n};
+    const Tensor working = shard.working.defined() ? shard.working.slice(p.local, n) : Tensor{};
+    k.adamw_update(shard.master.slice(p.local, n), shard.grads.slice(p.local, n),
+                   shard.m.slice(p.local, n), shard.v.slice(p.v_local, n), working, decay_spans,
+                   p.begin, sched, s.hyper);
   }
 }
 
@@ -26,7 +28,26 @@ OptimizerStep optimizer_step(const OptimSection& optim, int world) {
   return s;
 }
 
+void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicator* data, bool log) {
+  if (optim_.name != "muon") return;
+  muon_ = std::make_unique<Muon>(optim_, local, strategy, data);
+  strategy.keep_one_moment(muon_->ranges());
+  if (!log) return;
+  int64_t values = 0;
+  for (const MuonMatrix& m : muon_->matrices()) values += m.rows * m.cols;
+  const ShardPlan& plan = strategy.plan();
+  spdlog::info(
+      "optim.name=muon: {} matrices ({} of the rank's {} parameters) by Muon, {} Newton-Schulz "
+      "steps, lr scaled {}, their iteration spread over {} rank{} ({}); AdamW for the rest",
+      muon_->matrices().size(), values, local.total, optim_.muon_ns_steps, optim_.muon_lr_scale,
+      plan.world, plan.world > 1 ? "s" : "",
+      plan.world == 1         ? "alone"
+      : strategy.replicated() ? "all-gathered"
+                              : "pieces to owners and back by all-to-all");
+}
+
 void Optimizer::plan(Arena& arena, const ParamLayout& local) {
+  if (muon_) muon_->plan(arena);
   arena.plan(&decay_spans_, "decay_spans", {static_cast<int64_t>(local.decay_spans.size()), 2},
              DType::i64);
   arena.plan(&sched_, "sched", {kSchedSize}, DType::f32);
@@ -45,7 +66,8 @@ void Optimizer::upload(Backend& k, const ParamLayout& local) {
 void Optimizer::step(Backend& k, Strategy& strategy, const Nvtx& nvtx) {
   strategy.reduce_grads(sumsq_);
   Nvtx::Range range = nvtx.range("optimizer");
-  clip_and_adamw(k, strategy.shard(), strategy.plan().owned, sched_, sumsq_, decay_spans_, step_);
+  clip_and_adamw(k, strategy.shard(), strategy.adamw_pieces(), sched_, sumsq_, decay_spans_, step_);
+  if (muon_) muon_->step(k, strategy.shard(), sched_);
   range.end();
   strategy.after_update();
 }

@@ -161,6 +161,7 @@ CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamSynchronize(stream_);
   cudnn_.reset();
   matmul_plans_.reset();
+  ns_plans_.reset();
   if (scratch_) cudaFree(scratch_);
   if (graph_) cudaGraphExecDestroy(graph_);
   for (cudaEvent_t e : upload_done_)

@@ -6,7 +6,8 @@
 // The ops are member functions (run_<op>, called once the op's contract has checked the
 // arguments: kernels/contracts.cpp) defined next to their kernels, one file per op family
 // (encoder.cu, layernorm.cu, rmsnorm.cu, qk_norm.cu, rope.cu, matmul.cu, swiglu*.cu, fp8.cu,
-// attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, moe_*.cu, grouped_matmul*.cu);
+// attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, muon.cu, moe_*.cu,
+// grouped_matmul*.cu);
 // this header is the only one other layers (trainer, NCCL) need.
 // The Hopper-only kernels (*_sm90.cu) are built for sm_90a alone and run only where
 // sm90_kernels() says so; every other GPU, and a Hopper GPU with KILN_PORTABLE_KERNELS=1, runs
@@ -30,6 +31,7 @@ const char* attention_kind_name(AttentionKind kind);
 struct MatmulPlans;      // matmul.cu: cuBLASLt descriptors and algorithms cached per shape
 struct CudnnAttention;   // attention_cudnn.cpp: cuDNN handle and SDPA graphs cached per shape
 struct GroupedGemms;     // grouped_matmul_sm90.cu: CUTLASS grouped GEMMs per group count
+struct NewtonSchulzPlans;  // muon.cu: batched cuBLASLt GEMMs cached per shape and batch
 struct MatmulPlansDeleter {
   void operator()(MatmulPlans* p) const;
 };
@@ -38,6 +40,9 @@ struct CudnnAttentionDeleter {
 };
 struct GroupedGemmsDeleter {
   void operator()(GroupedGemms* p) const;
+};
+struct NewtonSchulzPlansDeleter {
+  void operator()(NewtonSchulzPlans* p) const;
 };
 
 class CudaBackend final : public Backend {
@@ -214,6 +219,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<MatmulPlans, MatmulPlansDeleter> matmul_plans_;
   std::unique_ptr<CudnnAttention, CudnnAttentionDeleter> cudnn_;
   std::unique_ptr<GroupedGemms, GroupedGemmsDeleter> grouped_;
+  std::unique_ptr<NewtonSchulzPlans, NewtonSchulzPlansDeleter> ns_plans_;
   std::vector<int> grouped_host_offsets_;  // group_offsets_to_host's copy
   bool grouped_fallback_logged_ = false;
 };

@@ -9,11 +9,13 @@ void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bo
                         bool bias) {
   qkv.declare(b, name + ".qkv", C, dims.qkv_dim(), qkv_bias, LinearSplit::column,
               {dims.q_dim(), dims.kv_dim(), dims.kv_dim()});
+  b.hidden_matrix(qkv.weight, {dims.q_dim(), dims.kv_dim(), dims.kv_dim()});
   if (qk_norm) {
     q_norm = b.add(name + ".q_norm.weight", {dims.head_dim}, false);
     k_norm = b.add(name + ".k_norm.weight", {dims.head_dim}, false);
   }
   proj.declare(b, name + ".proj", dims.q_dim(), C, bias, LinearSplit::row);
+  b.hidden_matrix(proj.weight);
 }
 
 void Attention::set_tensor_parallel(const TensorParallel& t) {

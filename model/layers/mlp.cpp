@@ -11,6 +11,10 @@ void Mlp::declare(LayoutBuilder& b, const std::string& name, int64_t C, bool bia
              split ? LinearSplit::column : LinearSplit::none,
              gated ? std::vector<int64_t>{ffn_dim, ffn_dim} : std::vector<int64_t>{});
   proj.declare(b, name + ".proj", ffn_dim, C, bias, split ? LinearSplit::row : LinearSplit::none);
+  // SwiGLU's gate and up are two matrices packed as one.
+  b.hidden_matrix(fc.weight,
+                  gated ? std::vector<int64_t>{ffn_dim, ffn_dim} : std::vector<int64_t>{});
+  b.hidden_matrix(proj.weight);
 }
 
 void Mlp::set_tensor_parallel(const TensorParallel& t) {

@@ -10,6 +10,11 @@ void Moe::declare(LayoutBuilder& b, const std::string& name, int64_t C, int n_sh
   router.declare(b, name + ".router", C, E, false);
   fc = b.add(name + ".experts.fc.weight", {E, kind == MlpKind::swiglu ? 2 * F : F, C}, true, E);
   proj = b.add(name + ".experts.proj.weight", {E, C, F}, true, E);
+  // Each expert's matrices are Muon's (gate and up apart); the router's [E, C] is not: its rows
+  // are the experts' logits, which AdamW keeps free to differ in scale.
+  b.hidden_matrix(fc,
+                  kind == MlpKind::swiglu ? std::vector<int64_t>{F, F} : std::vector<int64_t>{});
+  b.hidden_matrix(proj);
   has_shared = n_shared > 0;
   if (has_shared) {
     shared.kind = kind;

@@ -1232,6 +1232,39 @@ TEST_F(CudaOps, AdamW) {
     ASSERT_EQ(work[i], f32_to_bf16(master_gpu[i])) << "working copy element " << i;
 }
 
+// Muon: the momentum and update elementwise as the CPU's; the Newton-Schulz iteration in bf16
+// GEMMs against the CPU's f32, over a batch of wide matrices and one of tall ones (transposed
+// in and out), within bf16's reach of the orthogonalized values (each about 1/sqrt(min dim)).
+TEST_F(CudaOps, Muon) {
+  const int64_t n = 4099;
+  std::vector<float> grads = rand(n, 0.1f), m = rand(n, 0.01f), master = rand(n);
+  Buf cg = cpu({n}, grads), gg = gpu({n}, DType::f32, grads);
+  Buf cmm = cpu({n}, m), gmm = gpu({n}, DType::f32, m);
+  Buf cnest = cpu({n}, std::vector<float>(n)), gnest = gpu({n}, DType::f32, std::vector<float>(n));
+  Buf cm = cpu({n}, master), gm = gpu({n}, DType::f32, master);
+  const std::vector<float> sched = {2e-3f, 1.0f, 0.5f, 0.0f};
+  Buf cs = cpu({kSchedSize}, sched), gs = gpu({kSchedSize}, DType::f32, sched);
+  cpu_->muon_momentum(cmm, cnest, cg, cs, 0.95f);
+  gpu_->muon_momentum(gmm, gnest, gg, gs, 0.95f);
+  EXPECT_CLOSE(host(gmm), host(cmm), 1e-6, "muon momentum");
+  EXPECT_CLOSE(host(gnest), host(cnest), 1e-6, "muon nesterov");
+  Buf gwork = poisoned({n}, DType::bf16);
+  cpu_->muon_update(cm, Tensor{}, cnest, cs, 3.0f, 0.1f);
+  gpu_->muon_update(gm, gwork, gnest, gs, 3.0f, 0.1f);
+  EXPECT_CLOSE(host(gm), host(cm), 1e-6, "muon master");
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{64, 192}, {256, 64}}) {
+    const int64_t count = 3;
+    const std::vector<float> x = rand(count * rows * cols);
+    Buf cx = cpu({count, rows, cols}, x), gx = gpu({count, rows, cols}, DType::f32, x);
+    const int64_t w = newton_schulz_workspace(count, rows, cols);
+    Buf cw = cpu({w}, std::vector<float>(w)), gw = gpu({w}, DType::f32, std::vector<float>(w));
+    cpu_->newton_schulz(cx, cx, cw, 5);
+    gpu_->newton_schulz(gx, gx, gw, 5);
+    EXPECT_CLOSE(host(gx), host(cx), 0.05, "newton_schulz " + std::to_string(rows) + "x" +
+                                               std::to_string(cols));
+  }
+}
+
 // ---- FP8 ----------------------------------------------------------------------------------
 
 // An FP8 state of `n` tensors (history 4) on both backends, with the given scales.

@@ -207,7 +207,7 @@ struct StepRun {
     s.hyper.weight_decay = 0.1f;
     const int64_t P = model->layout().total;
     clip_and_adamw(*k, {master, grads, m, v, working.data == master.data ? Tensor{} : working},
-                   {{0, P, 0}}, sched, sumsq, spans, s);
+                   {{0, 0, 0, P}}, sched, sumsq, spans, s);
     return read(sched, kSchedGradNorm);
   }
 };

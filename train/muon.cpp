@@ -1,0 +1,270 @@
+#include "train/muon.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace kiln {
+
+namespace {
+
+// The iteration's scratch is bounded: a shape's batch runs in pieces of at most this many
+// matrices' scratch (256 MiB of f32; at least one matrix), which are still batches large enough
+// to fill a GPU with the small matrices batching is for.
+constexpr int64_t kMaxNewtonSchulzWork = int64_t{1} << 26;
+
+int64_t batch_piece(int64_t rows, int64_t cols) {
+  const int64_t one = newton_schulz_workspace(1, rows, cols);
+  return std::max<int64_t>(1, kMaxNewtonSchulzWork / one);
+}
+
+}  // namespace
+
+float muon_lr_scale(const std::string& rule, int64_t rows, int64_t cols) {
+  const double a = static_cast<double>(rows), b = static_cast<double>(cols);
+  // Moonlight: an orthogonal A x B update has RMS 1/sqrt(max(A, B)); 0.2 sqrt(max(A, B)) makes it
+  // 0.2, about AdamW's, so AdamW's lr and weight decay carry over.
+  if (rule == "rms_match") return static_cast<float>(0.2 * std::sqrt(std::max(a, b)));
+  // Keller Jordan's (torch.optim.Muon's "original"): the same spectral-norm step for any shape.
+  if (rule == "spectral") return static_cast<float>(std::sqrt(std::max(1.0, a / b)));
+  throw std::invalid_argument("optim.muon_lr_scale: unknown rule '" + rule + "'");
+}
+
+std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale) {
+  std::vector<MuonMatrix> out;
+  for (const ParamInfo& t : layout.tensors) {
+    if (!t.hidden_matrix()) continue;
+    const int64_t cols = t.shape[t.shape.ndim - 1];
+    const int64_t slabs = t.experts > 0 ? t.shape[0] : 1;
+    int64_t at = t.offset;
+    for (int64_t e = 0; e < slabs; ++e)
+      for (const int64_t rows : t.matrix_rows) {
+        out.push_back({at, rows, cols, t.decay, muon_lr_scale(lr_scale, rows, cols), 0});
+        at += rows * cols;
+      }
+  }
+  return out;
+}
+
+Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& strategy,
+           Communicator* data)
+    : momentum_(static_cast<float>(optim.muon_momentum)),
+      weight_decay_(static_cast<float>(optim.weight_decay)),
+      steps_(optim.muon_ns_steps),
+      comm_(data),
+      rank_(strategy.plan().rank),
+      world_(strategy.plan().world),
+      sharded_(!strategy.replicated() && strategy.plan().world > 1),
+      matrices_(muon_matrices(local, optim.muon_lr_scale)) {
+  // Owners: the costliest iterations first, each to the rank with the least so far (ties: the
+  // lower rank), the same on every rank. A step of an m x k iterate (m <= k) costs 4 m^2 k +
+  // 2 m^3 FLOPs.
+  std::vector<int> order(matrices_.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto cost = [this](int j) {
+    const double m = static_cast<double>(std::min(matrices_[j].rows, matrices_[j].cols));
+    const double k = static_cast<double>(std::max(matrices_[j].rows, matrices_[j].cols));
+    return 4 * m * m * k + 2 * m * m * m;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost(a) > cost(b); });
+  std::vector<double> load(static_cast<size_t>(world_), 0.0);
+  for (const int j : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    matrices_[j].owner = r;
+    load[static_cast<size_t>(r)] += cost(j);
+  }
+  // Each rank packs its matrices by shape, shapes in order of first appearance; slot_ is the
+  // largest rank's packing (the all-gather's equal pieces).
+  packed_at_.assign(matrices_.size(), 0);
+  for (int r = 0; r < world_; ++r) {
+    std::vector<std::pair<int64_t, int64_t>> shapes;
+    for (const MuonMatrix& m : matrices_)
+      if (m.owner == r &&
+          std::find(shapes.begin(), shapes.end(), std::make_pair(m.rows, m.cols)) == shapes.end())
+        shapes.emplace_back(m.rows, m.cols);
+    int64_t size = 0;
+    for (const auto& [rows, cols] : shapes) {
+      Batch b{rows, cols, 0, size, {}};
+      for (size_t j = 0; j < matrices_.size(); ++j) {
+        const MuonMatrix& m = matrices_[j];
+        if (m.owner != r || m.rows != rows || m.cols != cols) continue;
+        packed_at_[j] = size;
+        size += rows * cols;
+        ++b.count;
+        b.members.push_back(static_cast<int>(j));
+      }
+      if (r == rank_) {
+        batches_.push_back(b);
+        work_size_ = std::max(
+            work_size_,
+            newton_schulz_workspace(std::min(b.count, batch_piece(rows, cols)), rows, cols));
+      }
+    }
+    if (r == rank_) packed_size_ = size;
+    slot_ = std::max(slot_, size);
+  }
+  if (sharded_)
+    plan_sharded(strategy);
+  else
+    plan_replicated(strategy);
+}
+
+int64_t Muon::local_of(const Strategy& strategy, int64_t begin, int64_t n) const {
+  for (const OwnedRange& o : strategy.plan().owned)
+    if (o.begin <= begin && begin + n <= o.end) return o.local + begin - o.begin;
+  throw std::logic_error("muon: the matrix at " + std::to_string(begin) + " (" + std::to_string(n) +
+                         " values) is not whole in this rank's shard");
+}
+
+void Muon::plan_replicated(const Strategy& strategy) {
+  for (const MuonMatrix& m : matrices_)
+    local_at_.push_back(local_of(strategy, m.offset, m.rows * m.cols));
+}
+
+void Muon::plan_sharded(const Strategy& strategy) {
+  const ShardPlan& mine = strategy.plan();
+  // Every rank's pieces of every matrix, in buffer order per holder.
+  std::vector<std::vector<Piece>> held(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) {
+    const ShardPlan plan =
+        r == rank_ ? mine : make_shard_plan(mine.strategy, mine.total, strategy.units(), r, world_);
+    for (const OwnedRange& o : plan.owned)
+      for (size_t j = 0; j < matrices_.size(); ++j) {
+        const MuonMatrix& m = matrices_[j];
+        const int64_t b = std::max(o.begin, m.offset);
+        const int64_t e = std::min(o.end, m.offset + m.rows * m.cols);
+        if (b < e)
+          held[static_cast<size_t>(r)].push_back({b, e - b, o.local + b - o.begin, 0,
+                                                  packed_at_[j] + b - m.offset,
+                                                  static_cast<int>(j)});
+      }
+  }
+  // Rank h sends owner d its pieces of d's matrices, in buffer order, block d of its send
+  // buffer; owner d receives them as block h of its receive buffer, in the same order.
+  send_rows_.assign(static_cast<size_t>(world_), 0);
+  recv_rows_.assign(static_cast<size_t>(world_), 0);
+  for (int d = 0; d < world_; ++d)
+    for (Piece p : held[static_cast<size_t>(rank_)])
+      if (matrices_[static_cast<size_t>(p.matrix)].owner == d) {
+        p.at = send_size_;
+        send_size_ += p.n;
+        send_rows_[static_cast<size_t>(d)] += p.n;
+        held_.push_back(p);
+      }
+  for (int s = 0; s < world_; ++s)
+    for (Piece p : held[static_cast<size_t>(s)])
+      if (matrices_[static_cast<size_t>(p.matrix)].owner == rank_) {
+        p.at = recv_size_;
+        recv_size_ += p.n;
+        recv_rows_[static_cast<size_t>(s)] += p.n;
+        received_.push_back(p);
+      }
+}
+
+Strategy::Units Muon::ranges() const {
+  Strategy::Units out;
+  for (const MuonMatrix& m : matrices_) {
+    const int64_t end = m.offset + m.rows * m.cols;
+    if (!out.empty() && out.back().second == m.offset)
+      out.back().second = end;
+    else
+      out.emplace_back(m.offset, end);
+  }
+  return out;
+}
+
+void Muon::plan(Arena& arena) {
+  auto at_least_one = [](int64_t n) { return std::max<int64_t>(n, 1); };
+  arena.plan(&work_, "muon.newton_schulz", {at_least_one(work_size_)}, DType::f32);
+  if (sharded_) {
+    arena.plan(&send_, "muon.exchange.held", {at_least_one(std::max(send_size_, packed_size_))},
+               DType::f32);
+    arena.plan(&recv_, "muon.exchange.owned", {at_least_one(recv_size_)}, DType::f32);
+  } else if (world_ > 1) {
+    arena.plan(&packed_, "muon.packed", {slot_}, DType::f32);
+    arena.plan(&gathered_, "muon.gathered", {static_cast<int64_t>(world_) * slot_}, DType::f32);
+  } else {
+    int64_t piece = 1;  // alone: the largest piece of a batch
+    for (const Batch& b : batches_)
+      piece = std::max(piece, std::min(b.count, batch_piece(b.rows, b.cols)) * b.rows * b.cols);
+    arena.plan(&packed_, "muon.packed", {piece}, DType::f32);
+  }
+}
+
+void Muon::iterate(Backend& k, Tensor buf, const Batch& b, int64_t at, int64_t n) const {
+  k.newton_schulz(buf.slice(at, {n, b.rows, b.cols}), buf.slice(at, {n, b.rows, b.cols}), work_,
+                  steps_);
+}
+
+void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
+  if (matrices_.empty()) return;
+  auto momentum = [&](int64_t local, int64_t n, Tensor nesterov) {
+    k.muon_momentum(shard.m.slice(local, {n}), nesterov, shard.grads.slice(local, {n}), sched,
+                    momentum_);
+  };
+  auto update = [&](const MuonMatrix& m, int64_t local, int64_t n, Tensor o) {
+    const Tensor working = shard.working.defined() ? shard.working.slice(local, {n}) : Tensor{};
+    k.muon_update(shard.master.slice(local, {n}), working, o, sched, m.lr_scale,
+                  m.decay ? weight_decay_ : 0.0f);
+  };
+  auto iterate_all = [&](Tensor buf) {
+    for (const Batch& b : batches_) {
+      const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
+      for (int64_t i = 0; i < b.count; i += piece)
+        iterate(k, buf, b, b.packed + i * size, std::min(piece, b.count - i));
+    }
+  };
+  if (world_ == 1) {
+    // Alone: each piece of a batch packed, iterated and applied in turn.
+    for (const Batch& b : batches_) {
+      const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
+      for (int64_t i = 0; i < b.count; i += piece) {
+        const int64_t n = std::min(piece, b.count - i);
+        for (int64_t q = 0; q < n; ++q)
+          momentum(local_at_[b.members[i + q]], size, packed_.slice(q * size, {size}));
+        iterate(k, packed_, b, 0, n);
+        for (int64_t q = 0; q < n; ++q) {
+          const int j = b.members[i + q];
+          update(matrices_[j], local_at_[j], size, packed_.slice(q * size, {size}));
+        }
+      }
+    }
+    return;
+  }
+  if (!sharded_) {
+    // Every rank keeps every momentum (the state is replicated); each iterates its own.
+    for (size_t j = 0; j < matrices_.size(); ++j) {
+      const MuonMatrix& m = matrices_[j];
+      const int64_t n = m.rows * m.cols;
+      momentum(local_at_[j], n, m.owner == rank_ ? packed_.slice(packed_at_[j], {n}) : Tensor{});
+    }
+    iterate_all(packed_);
+    comm_->all_gather(gathered_, packed_);
+    comm_->wait();
+    for (size_t j = 0; j < matrices_.size(); ++j) {
+      const MuonMatrix& m = matrices_[j];
+      const int64_t n = m.rows * m.cols;
+      update(m, local_at_[j], n, gathered_.slice(m.owner * slot_ + packed_at_[j], {n}));
+    }
+    return;
+  }
+  // Sharded: the held pieces' momentum to their owners, iterated there in send_ (free until the
+  // way back), and back.
+  for (const Piece& p : held_) momentum(p.local, p.n, send_.slice(p.at, {p.n}));
+  // Whole buffers (each at least one value): a rank may send or receive nothing.
+  comm_->all_to_all_v(recv_, recv_rows_, send_, send_rows_);
+  comm_->wait();
+  for (const Piece& p : received_) k.copy(send_.slice(p.packed, {p.n}), recv_.slice(p.at, {p.n}));
+  iterate_all(send_);
+  for (const Piece& p : received_) k.copy(recv_.slice(p.at, {p.n}), send_.slice(p.packed, {p.n}));
+  comm_->all_to_all_v(send_, send_rows_, recv_, recv_rows_);
+  comm_->wait();
+  for (const Piece& p : held_)
+    update(matrices_[static_cast<size_t>(p.matrix)], p.local, p.n, send_.slice(p.at, {p.n}));
+}
+
+}  // namespace kiln

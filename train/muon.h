@@ -1,0 +1,97 @@
+// Muon (optim.name=muon, docs/optimizer.md): the blocks' hidden matrices (ParamInfo::matrix_rows:
+// each logical matrix on its own, q, k and v apart, each expert's apart) take Nesterov momentum
+// orthogonalized by the Newton-Schulz iteration; AdamW updates the rest (train/optimizer.h).
+// The iteration needs each matrix whole, while a sharded strategy cuts the flat buffer across
+// them, so every matrix has an owner rank in the data group, chosen to spread the iteration's
+// FLOPs evenly, and:
+//  - replicated state (ddp, or a group of one): every rank updates every matrix's momentum, the
+//    owner iterates it in its packed slot, and the slots are all-gathered; every rank then
+//    applies every update to its whole copy.
+//  - sharded state (zero1, fsdp): each rank updates the momentum of the pieces it holds, an
+//    all-to-all brings every matrix's pieces to its owner, which iterates it, and a second one
+//    takes the orthogonalized pieces back to their holders, which apply them to their shards.
+// A matrix's update is the same bits on any rank and beside any others (kernels/cpu/muon.cpp),
+// so every layout follows the single-process run. Expert matrices are the expert rank's own (its
+// local layout's); tensor parallelism, which would split a matrix over ranks, is refused by the
+// config (optim.name). Every buffer is planned once; the step enqueues work and collectives with
+// sizes fixed at plan time, nothing else (a CUDA graph captures it).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "config/config.h"
+#include "dist/communicator.h"
+#include "dist/strategy.h"
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "model/param_layout.h"
+
+namespace kiln {
+
+// One logical matrix of the rank's flat buffer: rows x cols values from `offset`.
+struct MuonMatrix {
+  int64_t offset = 0, rows = 0, cols = 0;
+  bool decay = true;
+  float lr_scale = 1;  // optim.muon_lr_scale's factor of lr for this shape
+  int owner = 0;       // the data-group rank that iterates it
+};
+
+// The logical matrices of `layout`'s hidden tensors, in buffer order (owner 0).
+std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale);
+
+// optim.muon_lr_scale's factor for a matrix of `rows` (outputs) x `cols` (inputs).
+float muon_lr_scale(const std::string& rule, int64_t rows, int64_t cols);
+
+class Muon {
+ public:
+  // `data`: the communicator of the strategy's group (null for a group of one).
+  Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& strategy,
+       Communicator* data);
+  // The buffer's ranges Muon updates, sorted (Strategy::keep_one_moment's).
+  Strategy::Units ranges() const;
+  void plan(Arena& arena);
+  // After clipping (sched's gradient scale and lr are set): the step over `shard`.
+  void step(Backend& k, const ParamShard& shard, Tensor sched);
+  const std::vector<MuonMatrix>& matrices() const { return matrices_; }
+
+ private:
+  // A run of a matrix's values that one rank holds: global [begin, begin + n) of the buffer, at
+  // `local` in its holder's shard, at `at` in the exchange buffer it travels in, and at `packed`
+  // in its owner's packed batches.
+  struct Piece {
+    int64_t begin, n, local, at, packed;
+    int matrix;
+  };
+  // The owner's matrices of one shape, packed [count, rows, cols] from `packed`, in the order
+  // `members` lists them (indices of matrices_).
+  struct Batch {
+    int64_t rows, cols, count, packed;
+    std::vector<int> members;
+  };
+  void plan_replicated(const Strategy& strategy);
+  void plan_sharded(const Strategy& strategy);
+  // Newton-Schulz over batch b's matrices [first, first + n), packed from `at` of `buf`.
+  void iterate(Backend& k, Tensor buf, const Batch& b, int64_t at, int64_t n) const;
+  int64_t local_of(const Strategy& strategy, int64_t begin, int64_t n) const;
+
+  float momentum_, weight_decay_;
+  int steps_;
+  Communicator* comm_;
+  int rank_ = 0, world_ = 1;
+  bool sharded_ = false;
+  std::vector<MuonMatrix> matrices_;
+  std::vector<int64_t> packed_at_;  // per matrix: where its owner packs it
+  std::vector<int64_t> local_at_;   // replicated: per matrix, its offset in the shard
+  std::vector<Batch> batches_;      // this rank's
+  int64_t packed_size_ = 0, slot_ = 0, work_size_ = 0;
+  // Sharded: the pieces this rank holds (in its send order) and those it receives as an owner.
+  std::vector<Piece> held_, received_;
+  std::vector<int64_t> send_rows_, recv_rows_;
+  int64_t send_size_ = 0, recv_size_ = 0;
+  // packed_: replicated state, the slots the all-gather reads (alone: one piece of a batch at a
+  // time). Sharded, the packed batches live in send_, free between the two exchanges.
+  Tensor packed_, gathered_, work_, send_, recv_;
+};
+
+}  // namespace kiln
