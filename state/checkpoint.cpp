@@ -11,11 +11,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <queue>
 #include <sstream>
 #include <thread>
 
@@ -31,9 +33,11 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr char kShardMagic[8] = {'K', 'I', 'L', 'N', 'S', 'H', 'R', 'D'};
-// Version 2 (written): the optimizer shards' checksum is ShardChecksum's four lanes; version 1's
-// byte-wise FNV-1a is still read.
-constexpr uint32_t kFormatVersion = 2;
+// Version 3 (written): a shard file may hold a strided piece, and its header says so (run, runs,
+// stride); a tensor-parallel rank writes a file per piece, not per run. Version 2: the optimizer
+// shards' checksum is ShardChecksum's four lanes, every file a range. Version 1: byte-wise
+// FNV-1a. All three are read.
+constexpr uint32_t kFormatVersion = 3;
 
 struct ShardHeader {
   char magic[8];
@@ -41,7 +45,13 @@ struct ShardHeader {
   uint32_t reserved;
   int64_t begin;
   int64_t end;
+  int64_t run, runs, stride;  // version 3 on
 };
+
+// The header as version `version` writes it: versions 1 and 2 end at `end`.
+size_t header_bytes(uint32_t version) {
+  return version >= 3 ? sizeof(ShardHeader) : offsetof(ShardHeader, run);
+}
 
 // The files' checksum (model/param_layout.h), continuing from `h`.
 uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
@@ -133,8 +143,21 @@ std::string rank_marker(int rank, const char* suffix) {
 std::string range_text(int64_t begin, int64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
 }
+// A file's part of the global buffer, as the manifest gives it.
+std::string part_text(int64_t begin, int64_t end, int64_t run, int64_t runs, int64_t stride) {
+  std::string text = range_text(begin, end);
+  if (runs > 1)
+    text += " in " + std::to_string(runs) + " runs of " + std::to_string(run) + " every " +
+            std::to_string(stride);
+  return text;
+}
 std::string file_range(const CheckpointFile& f) {
-  return f.file + " " + range_text(f.begin, f.end);
+  return f.file + " " + part_text(f.begin, f.end, f.run, f.runs, f.stride);
+}
+
+// Floor division for a positive divisor.
+int64_t floor_div(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
 [[noreturn]] void fail_io(const std::string& what, const std::string& path) {
@@ -145,14 +168,23 @@ std::string file_range(const CheckpointFile& f) {
 
 namespace {
 
-// Returns the file's checksum.
+// The shard as its file describes it: a range is one run of end - begin.
+OptimizerShard normalized(OptimizerShard s) {
+  if (s.runs <= 1) s.run = s.stride = s.end - s.begin, s.runs = 1;
+  return s;
+}
+
+// Returns the file's checksum. `s` is normalized.
 uint64_t write_shard(const std::string& path, const OptimizerShard& s) {
   ShardHeader h{};
   std::memcpy(h.magic, kShardMagic, sizeof kShardMagic);
   h.version = kFormatVersion;
   h.begin = s.begin;
   h.end = s.end;
-  const size_t n = static_cast<size_t>(s.end - s.begin) * sizeof(float);
+  h.run = s.run;
+  h.runs = s.runs;
+  h.stride = s.stride;
+  const size_t n = static_cast<size_t>(s.run * s.runs) * sizeof(float);
   ShardChecksum checksum(kFormatVersion);
   checksum.update(&h, sizeof h);
   for (const float* array : {s.master, s.m, s.v}) checksum.update(array, n);
@@ -161,11 +193,12 @@ uint64_t write_shard(const std::string& path, const OptimizerShard& s) {
   return sum;
 }
 
-// A .done marker: one line per file, "name begin end checksum".
+// A .done marker: one line per file, "name begin end checksum run runs stride".
 std::string marker_text(const std::vector<CheckpointFile>& files) {
   std::ostringstream out;
   for (const auto& f : files)
-    out << f.file << ' ' << f.begin << ' ' << f.end << ' ' << f.checksum << '\n';
+    out << f.file << ' ' << f.begin << ' ' << f.end << ' ' << f.checksum << ' ' << f.run << ' '
+        << f.runs << ' ' << f.stride << '\n';
   return out.str();
 }
 
@@ -178,7 +211,8 @@ std::vector<CheckpointFile> read_marker(const std::string& path) {
   std::istringstream in(read_text(path));
   std::vector<CheckpointFile> files;
   CheckpointFile f;
-  while (in >> f.file >> f.begin >> f.end >> f.checksum) files.push_back(f);
+  while (in >> f.file >> f.begin >> f.end >> f.checksum >> f.run >> f.runs >> f.stride)
+    files.push_back(f);
   if (!in.eof()) throw std::runtime_error(path + ": malformed checkpoint marker");
   return files;
 }
@@ -240,9 +274,13 @@ std::string manifest_yaml(const CheckpointManifest& m) {
   out << YAML::Key << "param_count" << YAML::Value << m.param_count;
   out << YAML::Key << "files" << YAML::Value << YAML::BeginSeq;
   for (const auto& f : m.files) {
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "file" << YAML::Value << f.file
-        << YAML::Key << "begin" << YAML::Value << f.begin << YAML::Key << "end" << YAML::Value
-        << f.end << YAML::Key << "checksum" << YAML::Value << f.checksum << YAML::EndMap;
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "file" << YAML::Value << f.file << YAML::Key
+        << "begin" << YAML::Value << f.begin << YAML::Key << "end" << YAML::Value << f.end
+        << YAML::Key << "checksum" << YAML::Value << f.checksum;
+    if (f.runs > 1)
+      out << YAML::Key << "run" << YAML::Value << f.run << YAML::Key << "runs" << YAML::Value
+          << f.runs << YAML::Key << "stride" << YAML::Value << f.stride;
+    out << YAML::EndMap;
   }
   out << YAML::EndSeq;
   out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
@@ -345,10 +383,11 @@ void write_rank_files(const std::string& out_dir, int step, int rank,
   try {
     for (size_t i = 0; i < shards.size(); ++i) {
       check_abandoned(abandoned, tmp_dir);
-      if (shards[i].end <= shards[i].begin) continue;
+      const OptimizerShard s = normalized(shards[i]);
+      if (s.end <= s.begin) continue;
       writing = shard_file(rank, i);
-      files.push_back({writing, shards[i].begin, shards[i].end,
-                       write_shard(tmp_dir + "/" + writing, shards[i])});
+      files.push_back({writing, s.begin, s.end, write_shard(tmp_dir + "/" + writing, s), s.run,
+                       s.runs, s.stride});
     }
     test_faults::checkpoint_files_written(step, rank);
     // Renamed into place whole, so rank 0 never reads half a marker.
@@ -455,6 +494,75 @@ std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {
   return root + "/" + best;
 }
 
+namespace {
+
+// The manifest's files, each within the buffer and, where strided, well formed and within one
+// tensor; together they tile [0, param_count) exactly once. The tiling is a sweep of every run in
+// global order, merged from the files' own (each in order) through a heap: O(runs log files),
+// with a strided file's runs never expanded into memory.
+void check_files(const std::string& path, const CheckpointManifest& m) {
+  std::vector<const ParamInfo*> by_offset;
+  for (const ParamInfo& t : m.tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const ParamInfo* a, const ParamInfo* b) { return a->offset < b->offset; });
+  for (const CheckpointFile& f : m.files) {
+    const std::string where = path + ": file " + file_range(f);
+    if (f.begin >= f.end) throw InputError(where + " is empty");
+    if (f.begin < 0 || f.end > m.param_count)
+      throw InputError(where + " is out of the " + std::to_string(m.param_count) + " parameters");
+    if (f.runs < 1 || f.run < 1 || (f.runs > 1 && f.stride < f.run))
+      throw InputError(where +
+                       ": runs must be at least 1 element, and their stride at least a run");
+    // end - begin = (runs - 1) x stride + run, checked without overflowing.
+    const int64_t span = f.end - f.begin - f.run;
+    if (f.runs == 1 ? span != 0 : span < 0 || span % f.stride != 0 || span / f.stride != f.runs - 1)
+      throw InputError(where + ": its last run does not end at its end, " + std::to_string(f.end));
+    if (f.runs == 1) continue;
+    // A stride is a tensor's row: a strided file lies within one tensor.
+    const auto after =
+        std::upper_bound(by_offset.begin(), by_offset.end(), f.begin,
+                         [](int64_t at, const ParamInfo* t) { return at < t->offset; });
+    const ParamInfo* t = after == by_offset.begin() ? nullptr : *(after - 1);
+    if (!t || f.end > t->offset + t->numel())
+      throw InputError(where + " leaves " +
+                       (t ? "tensor " + t->name + t->shape.str() + " " +
+                                range_text(t->offset, t->offset + t->numel())
+                          : std::string("the tensors")));
+  }
+  struct Run {
+    int64_t begin;
+    size_t file;
+    int64_t k;
+  };
+  const auto later = [](const Run& a, const Run& b) {
+    return a.begin != b.begin ? a.begin > b.begin : a.file > b.file;
+  };
+  std::priority_queue<Run, std::vector<Run>, decltype(later)> next(later);
+  for (size_t i = 0; i < m.files.size(); ++i) next.push({m.files[i].begin, i, 0});
+  int64_t covered = 0;  // [0, covered) is held by exactly one file
+  size_t last = 0;
+  while (!next.empty()) {
+    Run r = next.top();
+    next.pop();
+    const CheckpointFile& f = m.files[r.file];
+    if (r.begin < covered)
+      throw InputError(path + ": files " + file_range(m.files[last]) + " and " + file_range(f) +
+                       " overlap");
+    if (r.begin > covered)
+      throw InputError(path + ": no file holds parameters " + range_text(covered, r.begin));
+    covered = r.begin + f.run;
+    last = r.file;
+    if (++r.k < f.runs) {
+      r.begin += f.stride;
+      next.push(r);
+    }
+  }
+  if (covered < m.param_count)
+    throw InputError(path + ": no file holds parameters " + range_text(covered, m.param_count));
+}
+
+}  // namespace
+
 CheckpointManifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/manifest.yaml";
   if (!fs::exists(path)) throw InputError(path + ": no checkpoint manifest here");
@@ -467,7 +575,7 @@ CheckpointManifest read_manifest(const std::string& dir) {
     if (n["format"].as<std::string>() != "kiln-checkpoint")
       throw InputError(path + ": not a kiln checkpoint manifest");
     m.version = n["version"].as<uint32_t>();
-    if (m.version != 1 && m.version != kFormatVersion)
+    if (m.version < 1 || m.version > kFormatVersion)
       throw InputError(path + ": unsupported checkpoint version " + n["version"].as<std::string>());
     m.state.step = n["step"].as<int>();
     if (m.state.step < 0)
@@ -501,17 +609,23 @@ CheckpointManifest read_manifest(const std::string& dir) {
     }
     if (const YAML::Node f = n["moe_bias"]) m.state.moe_bias = read_floats(dir, f, "MoE bias");
     for (const auto& f : n["files"]) {
-      m.files.push_back({f["file"].as<std::string>(), f["begin"].as<int64_t>(),
-                         f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()});
-      const CheckpointFile& file = m.files.back();
-      if (file.begin >= file.end)
-        throw InputError(path + ": file " + file_range(file) + " is empty");
-      if (file.begin < 0 || file.end > m.param_count)
-        throw InputError(path + ": file " + file_range(file) + " is out of the " +
-                         std::to_string(m.param_count) + " parameters");
+      CheckpointFile file{f["file"].as<std::string>(), f["begin"].as<int64_t>(),
+                          f["end"].as<int64_t>(), f["checksum"].as<uint64_t>()};
+      // Written only for a strided file (version 3 on); a range is one run.
+      if (f["runs"]) {
+        if (m.version < 3)
+          throw InputError(path + ": file " + file.file + " is strided (runs), which version " +
+                           std::to_string(m.version) + " does not hold");
+        file.run = f["run"].as<int64_t>();
+        file.runs = f["runs"].as<int64_t>();
+        file.stride = file.runs == 1 ? file.run : f["stride"].as<int64_t>();
+      } else {
+        file.run = file.stride = file.end - file.begin;
+      }
+      m.files.push_back(file);
     }
     for (const auto& t : n["tensors"]) {
-      ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false};
+      ParamInfo info{t["name"].as<std::string>(), t["offset"].as<int64_t>(), {}, 0, false, 0, {}};
       if (!t["shape"].IsSequence() || t["shape"].size() > static_cast<size_t>(kMaxDims))
         throw InputError(path + ": tensor " + info.name + ": a shape of at most " +
                          std::to_string(kMaxDims) + " dimensions expected");
@@ -523,6 +637,7 @@ CheckpointManifest read_manifest(const std::string& dir) {
       }
       m.tensors.push_back(info);
     }
+    check_files(path, m);
   } catch (const YAML::Exception& e) {
     throw InputError(path + ": malformed checkpoint manifest: " + e.what());
   }
@@ -531,43 +646,82 @@ CheckpointManifest read_manifest(const std::string& dir) {
 
 namespace {
 
-// File f's part of [begin, end) into master, m and v (each skipped where null), streamed in
-// blocks so memory stays small whatever the file's size; its whole checksum verified. The file
-// is what the manifest says it is: its header holds f's range, and after the header come the
-// three arrays and the checksum, nothing more.
-void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int64_t begin,
-                int64_t end, float* master, float* m, float* v) {
+// One copy out of a file: `n` elements from offset `from` of each of its arrays (master, m, v)
+// to offset `at` of destination `to`'s.
+struct RunCopy {
+  int64_t from, n;
+  size_t to;
+  int64_t at;
+};
+
+// Where file f meets destination piece d (destination `to`), appended to `out`: the two sets of
+// runs intersected arithmetically, visiting d's runs within f's span and, for each, the runs of
+// f it meets.
+void add_copies(const CheckpointFile& f, LayoutPiece d, size_t to, std::vector<RunCopy>& out) {
+  if (d.runs <= 1) d.stride = d.run, d.runs = 1;
+  const int64_t fstride = f.runs > 1 ? f.stride : f.run;
+  const int64_t j0 = std::max<int64_t>(0, floor_div(f.begin - d.global - d.run, d.stride) + 1);
+  const int64_t j1 = std::min(d.runs - 1, floor_div(f.end - 1 - d.global, d.stride));
+  for (int64_t j = j0; j <= j1; ++j) {
+    const int64_t x = d.global + j * d.stride, y = x + d.run;
+    const int64_t k0 = std::max<int64_t>(0, floor_div(x - f.begin - f.run, fstride) + 1);
+    const int64_t k1 = std::min(f.runs - 1, floor_div(y - 1 - f.begin, fstride));
+    for (int64_t k = k0; k <= k1; ++k) {
+      const int64_t a = f.begin + k * fstride, lo = std::max(x, a), hi = std::min(y, a + f.run);
+      if (lo < hi) out.push_back({k * f.run + (lo - a), hi - lo, to, j * d.run + (lo - x)});
+    }
+  }
+}
+
+// File f read once, in blocks so memory stays small whatever its size, its whole checksum
+// verified, and its elements copied where `copies` (sorted by `from`, disjoint) say. The file is
+// what the manifest says it is: its header holds f's part, and after the header come the three
+// arrays and the checksum, nothing more.
+void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f,
+                const std::vector<RunCopy>& copies,
+                const std::vector<StateDestination>& destinations) {
   const std::string path = manifest.dir + "/" + f.file;
   InputFile in(path, "checkpoint shard");
-  const int64_t lo = std::max(begin, f.begin), hi = std::min(end, f.end), n = f.end - f.begin;
+  const int64_t n = f.size();
+  const size_t header = header_bytes(manifest.version);
   ShardHeader h{};
   ShardChecksum checksum(manifest.version);
-  if (!in.read(&h, sizeof h) || std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
+  if (!in.read(&h, header) || std::memcmp(h.magic, kShardMagic, sizeof kShardMagic) != 0)
     throw InputError(path + ": not a kiln checkpoint shard (no " +
                      std::string(kShardMagic, sizeof kShardMagic) + " header)");
-  if (h.begin != f.begin || h.end != f.end)
-    throw InputError(path + ": holds " + range_text(h.begin, h.end) +
-                     " by its header; the manifest says " + range_text(f.begin, f.end));
-  // Unsigned: a size computed from a range no file has wraps rather than overflows.
-  const uint64_t bytes = sizeof h + 3 * static_cast<uint64_t>(n) * sizeof(float) + sizeof(uint64_t);
+  if (manifest.version < 3) h.run = h.stride = h.end - h.begin, h.runs = 1;
+  if (h.begin != f.begin || h.end != f.end || h.run != f.run || h.runs != f.runs ||
+      (f.runs > 1 && h.stride != f.stride))
+    throw InputError(path + ": holds " + part_text(h.begin, h.end, h.run, h.runs, h.stride) +
+                     " by its header; the manifest says " +
+                     part_text(f.begin, f.end, f.run, f.runs, f.stride));
+  // Unsigned: a size computed from a part no file has wraps rather than overflows.
+  const uint64_t bytes = header + 3 * static_cast<uint64_t>(n) * sizeof(float) + sizeof(uint64_t);
   if (static_cast<uint64_t>(in.size()) != bytes)
     throw InputError(path + ": " + std::to_string(in.size()) + " bytes, but its " +
                      std::to_string(n) + " parameters take " + std::to_string(bytes) +
                      " (a header, master weights, m, v and a checksum)");
-  checksum.update(&h, sizeof h);
+  checksum.update(&h, header);
   constexpr int64_t kBlock = int64_t{1} << 20;  // floats: 4 MiB
   std::vector<float> buf(static_cast<size_t>(std::min(n, kBlock)));
-  for (float* dst : {master, m, v})
+  for (int array = 0; array < 3; ++array) {
+    size_t c = 0;  // the first copy not yet done
     for (int64_t at = 0; at < n; at += kBlock) {
       const int64_t k = std::min(kBlock, n - at);
       if (!in.read(buf.data(), static_cast<size_t>(k) * 4))
         throw InputError(path + ": truncated checkpoint shard");
       checksum.update(buf.data(), static_cast<size_t>(k) * 4);
-      const int64_t a = std::max(lo, f.begin + at), b = std::min(hi, f.begin + at + k);
-      if (dst && a < b)
-        std::copy(buf.begin() + (a - f.begin - at), buf.begin() + (b - f.begin - at),
-                  dst + (a - begin));
+      for (; c < copies.size() && copies[c].from < at + k; ++c) {
+        const RunCopy& rc = copies[c];
+        const StateDestination& d = destinations[rc.to];
+        float* dst = array == 0 ? d.master : array == 1 ? d.m : d.v;
+        const int64_t a = std::max(rc.from, at), b = std::min(rc.from + rc.n, at + k);
+        if (dst && a < b)
+          std::copy(buf.begin() + (a - at), buf.begin() + (b - at), dst + rc.at + (a - rc.from));
+        if (rc.from + rc.n > at + k) break;  // goes on in the next block
+      }
     }
+  }
   uint64_t stored = 0;
   if (!in.read(&stored, sizeof stored) || stored != checksum.value() || stored != f.checksum)
     throw InputError(path + ": checksum mismatch (corrupt or truncated checkpoint shard)");
@@ -575,8 +729,8 @@ void load_shard(const CheckpointManifest& manifest, const CheckpointFile& f, int
 
 }  // namespace
 
-void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout& layout,
-                          int64_t begin, int64_t end, float* master, float* m, float* v) {
+void load_optimizer_pieces(const CheckpointManifest& manifest, const ParamLayout& layout,
+                           const std::vector<StateDestination>& destinations) {
   const std::string where = manifest.dir + "/manifest.yaml";
   if (manifest.param_count != layout.total || manifest.tensors.size() != layout.tensors.size())
     throw InputError(where + ": checkpoint has " + std::to_string(manifest.param_count) +
@@ -590,45 +744,75 @@ void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout&
       throw InputError(where + ": tensor " + a.name + a.shape.str() + " does not match model's " +
                        b.name + b.shape.str());
   }
-  // The files that overlap [begin, end), read on threads of their own (each file's whole
-  // checksum is verified, so every byte of it is read and hashed). In order they tile it, no
-  // gap and no overlap: a sum of their lengths passed a range shifted into its neighbour's.
+  // The files by where they start, with the furthest end among those before each: the files a
+  // destination's span [lo, hi) meets lie between the first whose furthest end passes lo and
+  // the last that starts before hi.
   std::vector<const CheckpointFile*> files;
-  for (const auto& f : manifest.files)
-    if (std::max(begin, f.begin) < std::min(end, f.end)) files.push_back(&f);
-  std::stable_sort(
-      files.begin(), files.end(),
-      [](const CheckpointFile* a, const CheckpointFile* b) { return a->begin < b->begin; });
-  int64_t at = begin;
-  for (size_t i = 0; i < files.size(); ++i) {
-    const CheckpointFile& f = *files[i];
-    if (i > 0 && f.begin < files[i - 1]->end)
-      throw InputError(where + ": files " + file_range(*files[i - 1]) + " and " + file_range(f) +
-                       " overlap");
-    if (f.begin > at)
-      throw InputError(where + ": no file holds parameters " + range_text(at, f.begin));
-    at = f.end;
+  for (const auto& f : manifest.files) files.push_back(&f);
+  std::sort(files.begin(), files.end(),
+            [](const CheckpointFile* a, const CheckpointFile* b) { return a->begin < b->begin; });
+  std::vector<int64_t> furthest_end(files.size());
+  for (size_t i = 0; i < files.size(); ++i)
+    furthest_end[i] = std::max(i > 0 ? furthest_end[i - 1] : 0, files[i]->end);
+  std::vector<std::vector<RunCopy>> copies(files.size());
+  std::vector<int64_t> found(destinations.size(), 0);
+  for (size_t d = 0; d < destinations.size(); ++d) {
+    const LayoutPiece& p = destinations[d].piece;
+    if (p.size() <= 0) continue;
+    const int64_t lo = p.global, hi = p.global + (p.runs > 1 ? (p.runs - 1) * p.stride : 0) + p.run;
+    const size_t first = static_cast<size_t>(
+        std::upper_bound(furthest_end.begin(), furthest_end.end(), lo) - furthest_end.begin());
+    for (size_t i = first; i < files.size() && files[i]->begin < hi; ++i) {
+      if (files[i]->end <= lo) continue;
+      const size_t before = copies[i].size();
+      add_copies(*files[i], p, d, copies[i]);
+      for (size_t c = before; c < copies[i].size(); ++c) found[d] += copies[i][c].n;
+    }
   }
-  if (at < end) throw InputError(where + ": no file holds parameters " + range_text(at, end));
-  std::vector<std::string> errors(files.size());
+  // read_manifest holds the files to tiling the buffer once; a manifest built otherwise is
+  // checked here too, by what each destination found.
+  for (size_t d = 0; d < destinations.size(); ++d) {
+    const LayoutPiece& p = destinations[d].piece;
+    if (p.size() > 0 && found[d] != p.size())
+      throw InputError(
+          where + ": the files hold " + std::to_string(found[d]) + " of the " +
+          std::to_string(p.size()) + " parameters at " +
+          part_text(p.global, p.global + (p.runs - 1) * p.stride + p.run, p.run, p.runs, p.stride));
+  }
+  std::vector<size_t> needed;
+  for (size_t i = 0; i < files.size(); ++i)
+    if (!copies[i].empty()) {
+      std::sort(copies[i].begin(), copies[i].end(),
+                [](const RunCopy& a, const RunCopy& b) { return a.from < b.from; });
+      needed.push_back(i);
+    }
+  std::vector<std::string> errors(needed.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t i = next++; i < files.size(); i = next++) {
+    for (size_t i = next++; i < needed.size(); i = next++) {
       try {
-        load_shard(manifest, *files[i], begin, end, master, m, v);
+        load_shard(manifest, *files[needed[i]], copies[needed[i]], destinations);
       } catch (const std::exception& e) {
         errors[i] = e.what();
       }
     }
   };
   const size_t threads =
-      std::min<size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
+      std::min<size_t>(needed.size(), std::max(1u, std::thread::hardware_concurrency()));
   std::vector<std::thread> pool;
   for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
   for (const std::string& e : errors)
     if (!e.empty()) throw InputError(e);
+}
+
+void load_optimizer_range(const CheckpointManifest& manifest, const ParamLayout& layout,
+                          int64_t begin, int64_t end, float* master, float* m, float* v) {
+  LayoutPiece range;
+  range.local = range.global = begin;
+  range.run = range.stride = std::max<int64_t>(0, end - begin);
+  load_optimizer_pieces(manifest, layout, {{range, master, m, v}});
 }
 
 }  // namespace kiln

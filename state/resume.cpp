@@ -27,17 +27,26 @@ int restore(const RunParts& run, const std::string& dir) {
                      written + ", whose state does not carry over; resume with --optim.name=" +
                      written + ", or start afresh from its weights with init.from=" + dir +
                      " and train.resume=none");
-  const ParamLayout& global = run.model.layout();
-  for (const OwnedRange& o : run.strategy.plan().owned) {
-    std::vector<float> master(static_cast<size_t>(o.end - o.begin)), m(master.size()),
-        v(master.size());
-    for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end))
-      for_each_run(p, [&](int64_t local, int64_t g, int64_t n) {
-        const size_t at = static_cast<size_t>(local - o.begin);
-        load_optimizer_range(manifest, global, g, g + n, master.data() + at, m.data() + at,
-                             v.data() + at);
-      });
-    run.strategy.load_range(o, master.data(), m.data(), v.data());
+  // Every owned range at once (master, m and v of each), so that each file is read once
+  // however many of this rank's pieces it holds runs of.
+  const std::vector<OwnedRange>& owned = run.strategy.plan().owned;
+  std::vector<std::vector<float>> state(owned.size());
+  std::vector<StateDestination> destinations;
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const OwnedRange& o = owned[i];
+    const int64_t n = o.end - o.begin;
+    state[i].resize(3 * static_cast<size_t>(n));
+    float* master = state[i].data();
+    for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
+      const int64_t at = p.local - o.begin;
+      destinations.push_back({p, master + at, master + n + at, master + 2 * n + at});
+    }
+  }
+  load_optimizer_pieces(manifest, run.model.layout(), destinations);
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const size_t n = static_cast<size_t>(owned[i].end - owned[i].begin);
+    const float* master = state[i].data();
+    run.strategy.load_range(owned[i], master, master + n, master + 2 * n);
   }
   run.strategy.refresh_working();
   const TrainingState& st = manifest.state;
@@ -153,7 +162,8 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double 
         "checkpoint step {}: waited {:.1f} s for the writer thread: the previous save, or the "
         "snapshot's first allocation, takes longer than train.checkpoint_every steps",
         step, waited / 1000);
-  // Each range is copied out whole (master, m, v); each piece written at its global offset.
+  // Each range is copied out whole (master, m, v); each piece written at its global offset, one
+  // file a piece (a strided one too: a row-parallel weight's rows are runs of one file).
   const std::vector<OwnedRange> owned = ranges_to_save(run.strategy);
   std::vector<float*> host(owned.size());
   std::vector<std::vector<float>> sync_copy;  // synchronous: for this save only
@@ -184,11 +194,10 @@ double save_run(const RunParts& run, int step, AsyncCheckpointer* async, double 
     run.strategy.read_range(o, master, m, v);
     for (const LayoutPiece& p : run.layout.global_pieces(o.begin, o.end)) {
       if (!run.layout.writes(p)) continue;
-      for_each_run(p, [&](int64_t local, int64_t g, int64_t n) {
-        const int64_t at = local - o.begin;
-        shards.push_back({g, g + n, master + at, m + at, v + at});
-        bytes += 3 * static_cast<size_t>(n) * sizeof(float);
-      });
+      const int64_t at = p.local - o.begin;
+      shards.push_back({p.global, p.global + (p.runs - 1) * p.stride + p.run, master + at, m + at,
+                        v + at, p.run, p.runs, p.stride});
+      bytes += 3 * static_cast<size_t>(p.size()) * sizeof(float);
     }
   }
   const LoaderState ls = run.train_loader.state();

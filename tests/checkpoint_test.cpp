@@ -244,13 +244,16 @@ TEST(Checkpoint, VersionOneChecksumsAreStillRead) {
   const std::string out = kiln::testing::make_temp_dir("kiln_ckpt_v1_");
   const int64_t n = 1000;
   const std::string dir = one_rank_checkpoint(out, n, 5);
-  // Rewrite it as version 1 wrote it: FNV-1a over the header and the arrays, in the file and
-  // in the manifest.
+  // Rewrite it as version 1 wrote it: the 32-byte header (without version 3's run, runs and
+  // stride), and FNV-1a over the header and the arrays, in the file and in the manifest.
   YAML::Node manifest = YAML::LoadFile(dir + "/manifest.yaml");
   manifest["version"] = 1;
   for (YAML::Node f : manifest["files"]) {
     const std::string path = dir + "/" + f["file"].as<std::string>();
     std::string bytes = read_bytes(path);
+    bytes.erase(32, 24);
+    const uint32_t version = 1;
+    std::memcpy(&bytes[8], &version, 4);
     const uint64_t sum = fnv1a_bytes(bytes.data(), bytes.size() - 8);
     std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
     write_bytes(path, bytes);
@@ -310,11 +313,10 @@ TEST(Checkpoint, AManifestOutOfRangeIsRefusedNamingTheField) {
       "missing, truncated or too long (MoE bias of 2000000000 floats)");
 }
 
-
 // The manifest's file ranges are what the files hold: each agrees with its file's header, and
-// together they tile the range a load needs, no gap, no overlap. A sum of the lengths let two
-// wrong ranges pass: rank 1's file listed at [4, 9) covers 5 of [0, 10) as [5, 10) does, and
-// loaded its weights one element early.
+// together they tile the buffer, no gap, no overlap (read_manifest refuses them otherwise). A sum
+// of the lengths let two wrong ranges pass: rank 1's file listed at [4, 9) covers 5 of [0, 10)
+// as [5, 10) does, and loaded its weights one element early.
 TEST(Checkpoint, ManifestRangesMustBeTheFilesOwnAndTileTheLoad) {
   TwoRanks w;
   begin_checkpoint(w.out, 3);
@@ -372,7 +374,7 @@ TEST(Checkpoint, AShardWithTrailingBytesIsRefused) {
   std::vector<float> all(100);
   const std::string msg = kiln::testing::input_error(
       [&] { load_optimizer_range(manifest, one_tensor(100), 0, 100, all.data(), nullptr, nullptr); });
-  EXPECT_NE(msg.find(file + ": 1244 bytes, but its 100 parameters take 1240"), std::string::npos)
+  EXPECT_NE(msg.find(file + ": 1268 bytes, but its 100 parameters take 1264"), std::string::npos)
       << msg;
 }
 

@@ -481,6 +481,14 @@ TEST_F(DistTrain, TensorParallelCheckpointsResumeUnderAnotherLayoutAndLoadHfWeig
             kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=4 --train.checkpoint_every=6");
   const auto a = losses(first);
   ASSERT_EQ(a.size(), 12u);
+  // A file per piece of each rank's owned ranges: a row-parallel weight's rows are the runs of
+  // one file (a file a run made one per row).
+  const kiln::CheckpointManifest written =
+      kiln::read_manifest(first + "/checkpoints/step_00000006");
+  int64_t runs = 0;
+  for (const kiln::CheckpointFile& f : written.files) runs += f.runs;
+  EXPECT_LE(written.files.size(), 2 * written.tensors.size() * 4);
+  EXPECT_GT(runs, 4 * static_cast<int64_t>(written.files.size()));
   const auto same = losses(resume(first, "tp_ckpt_same", 4, "fsdp",
                                   kTpLlama + " --dist.tensor_parallel=2 --train.batch_size=4"));
   ASSERT_EQ(same.size(), 6u);

@@ -270,10 +270,13 @@ def load_kiln_checkpoint(model, path):
     """The fp32 master weights of a kiln checkpoint directory (state/checkpoint.h) into model."""
     man = yaml.safe_load(open(os.path.join(path, "manifest.yaml")))
     flat = np.zeros(man["param_count"], dtype=np.float32)
+    header = 56 if man["version"] >= 3 else 32  # version 3 adds run, runs and stride
     for f in man["files"]:
-        n = f["end"] - f["begin"]
-        flat[f["begin"]:f["end"]] = np.fromfile(os.path.join(path, f["file"]), dtype=np.float32,
-                                                count=n, offset=32)  # after the 32-byte header
+        # A file holds `runs` runs of `run` values, run k at begin + k * stride (one run: a range).
+        run, runs = f.get("run", f["end"] - f["begin"]), f.get("runs", 1)
+        at = f["begin"] + np.arange(runs)[:, None] * f.get("stride", run) + np.arange(run)
+        flat[at.ravel()] = np.fromfile(os.path.join(path, f["file"]), dtype=np.float32,
+                                       count=run * runs, offset=header)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for t in man["tensors"]:
