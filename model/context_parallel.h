@@ -4,25 +4,18 @@
 // r holds chunks r and 2*ranks-1-r, an early and a late one, so that under the causal mask every
 // rank has the same number of query-key pairs. Attention gathers the keys and values of the
 // whole sequence from the group, attends its own queries over them, and in backward returns
-// each rank the sum of the key and value gradients of its rows. The model knows only these two
-// exchanges, never the communicator or the device mesh (dist/device_mesh.h).
+// each rank the sum of the key and value gradients of its rows. The model knows only the group's
+// two exchanges (model/group_exchange.h).
 #pragma once
 
 #include <cstdint>
-#include <functional>
 
 #include "kernels/backend.h"
+#include "model/group_exchange.h"
 
 namespace kiln {
 
-struct ContextParallel {
-  int ranks = 1, rank = 0;
-  // all_gather(all, mine): all[q] = rank q's `mine`; reduce_scatter(mine, all): mine = the sum
-  // over ranks of their all[rank]. Each finished when it returns.
-  std::function<void(Tensor all, Tensor mine)> all_gather;
-  std::function<void(Tensor mine, Tensor all)> reduce_scatter;
-
-  bool on() const { return ranks > 1; }
+struct ContextParallel : GroupExchange {
   // Rows a rank holds of a sequence of T positions (T divisible by 2 * ranks).
   int64_t rows(int64_t T) const { return T / ranks; }
   // Where rank `r` of `ranks` holds its rows of a sequence of T positions.

@@ -132,6 +132,22 @@ RunCommunicators make_run_communicators(const DeviceMesh& mesh, Backend& backend
   return c;
 }
 
+namespace {
+
+// A layer's exchanges within a group, over the group's communicator.
+void exchange_over(Communicator& comm, GroupExchange& g) {
+  g.all_gather = [&comm](Tensor all, Tensor mine) {
+    comm.all_gather(all, mine);
+    comm.wait();
+  };
+  g.reduce_scatter = [&comm](Tensor mine, Tensor all) {
+    comm.reduce_scatter_sum(mine, all);
+    comm.wait();
+  };
+}
+
+}  // namespace
+
 ContextParallel context_split(const DeviceMesh& mesh) {
   ContextParallel cp;
   cp.ranks = mesh.context;
@@ -141,14 +157,7 @@ ContextParallel context_split(const DeviceMesh& mesh) {
 
 void parallelize_context(Model& model, const DeviceMesh& mesh, Communicator& comm, bool log) {
   ContextParallel cp = context_split(mesh);
-  cp.all_gather = [&comm](Tensor all, Tensor mine) {
-    comm.all_gather(all, mine);
-    comm.wait();
-  };
-  cp.reduce_scatter = [&comm](Tensor mine, Tensor all) {
-    comm.reduce_scatter_sum(mine, all);
-    comm.wait();
-  };
+  exchange_over(comm, cp);
   try {
     model.set_context_parallel(cp);
   } catch (const std::invalid_argument& e) {
@@ -214,14 +223,7 @@ void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm
   TensorParallel tp;
   tp.ranks = mesh.tensor;
   tp.rank = mesh.tensor_rank();
-  tp.all_gather = [&comm](Tensor all, Tensor mine) {
-    comm.all_gather(all, mine);
-    comm.wait();
-  };
-  tp.reduce_scatter = [&comm](Tensor mine, Tensor all) {
-    comm.reduce_scatter_sum(mine, all);
-    comm.wait();
-  };
+  exchange_over(comm, tp);
   try {
     model.set_tensor_parallel(tp);
   } catch (const std::invalid_argument& e) {
