@@ -121,6 +121,7 @@ struct DistSection {
   int timeout_s = 300;           // collectives and rendezvous
   // The device mesh's axes (dist/device_mesh.h); the data shard axis is the rest of the world.
   int tensor_parallel = 1;   // ranks that split each block's matrices (model/tensor_parallel.h)
+  int tensor_parallel_chunks = 4;  // async TP: most pieces a tensor group's exchange moves in
   int context_parallel = 1;  // ranks that share each sequence (model/context_parallel.h)
   int data_replicate = 1;    // HSDP: replicas of the zero1/fsdp shards
   int expert_parallel = 1;   // ranks a MoE block's experts spread over (model/expert_parallel.h)

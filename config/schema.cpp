@@ -279,6 +279,10 @@ const std::vector<Field>& schema() {
          "holding 1/N of the weights and of the residual stream's rows (tensor parallelism with "
          "sequence parallelism; consecutive ranks, best within a host; dividing the world size, "
          "model.n_head, model.n_kv_head, model.ffn_dim and train.batch_size x model.seq_len)"},
+        {KILN_FIELD(dist, tensor_parallel_chunks), range(1, false, 8, false),
+         "async TP: the tensor group's all-gathers and reduce-scatters move a rank's tokens in "
+         "this many pieces (or the most below it that divide them), each beside the GEMM on the "
+         "piece before (1: each exchange whole, before or after its GEMM)"},
         {KILN_FIELD(dist, data_replicate), positive(),
          "HSDP: replicas of the data-parallel shards; zero1/fsdp shard over world / (this x "
          "dist.context_parallel x dist.tensor_parallel) ranks and the replicas' gradients are "

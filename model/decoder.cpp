@@ -580,9 +580,15 @@ void Decoder::forward_blocks(const Acts& set, const RecomputePlan& recompute, bo
   lnf_.residual_forward(k, w, set.lnf, set.residual_out, last.residual_mid, ffn_out(L - 1, last));
   // Under tp every token's final norm, gathered, times this rank's rows of the head; the
   // gathered tokens stay for the head's backward.
-  if (tp_.on()) tp_.all_gather(set.attn.gathered, set.lnf.out);
-  k.matmul_forward(set.logits, tp_.on() ? set.attn.gathered : set.lnf.out, param(w, lm_head_),
-                   Tensor{}, Tensor{});
+  if (!tp_.on()) {
+    k.matmul_forward(set.logits, set.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
+    return;
+  }
+  const Tensor logits = set.logits.view({set.logits.numel() / set.logits.dim(-1), set.logits.dim(-1)});
+  tp_.gather_tokens(set.attn.gathered, set.lnf.out, [&](int64_t first, int64_t n) {
+    k.matmul_forward(token_rows(logits, first, n), token_rows(set.attn.gathered, first, n),
+                     param(w, lm_head_), Tensor{}, Tensor{});
+  });
 }
 
 void Decoder::plan_decode(Arena& arena) {
@@ -635,7 +641,7 @@ void Decoder::backward(Tensor tokens, const DocumentMask& docs) {
     // partial sum over this rank's vocabulary, summed into this rank's tokens.
     k.matmul_backward(acts_.attn.partial, param(g, lm_head_), Tensor{}, acts_.logits,
                       acts_.attn.gathered, param(w, lm_head_), Tensor{}, !grads_fresh(head_unit));
-    tp_.reduce_scatter(acts_.dlnf, acts_.attn.partial);
+    tp_.scatter_tokens(acts_.dlnf, acts_.attn.partial);
   }
   k.fill_zero(acts_.dresidual);
   // dbranch: each norm's backward leaves dresidual's activation copy for the branch below it.

@@ -4,6 +4,7 @@
 // communicator.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 
 #include "kernels/backend.h"
@@ -17,8 +18,16 @@ struct GroupExchange {
   // finished when it returns.
   std::function<void(Tensor all, Tensor mine)> all_gather;
   std::function<void(Tensor mine, Tensor all)> reduce_scatter;
+  // The same exchanges started only, so that they run beside the compute issued after them:
+  // their buffers may be read or written once wait_until(a mark() taken after them) returns.
+  // Unset where the group cannot overlap (then the layer uses the finished forms).
+  std::function<void(Tensor all, Tensor mine)> start_all_gather;
+  std::function<void(Tensor mine, Tensor all)> start_reduce_scatter;
+  std::function<uint64_t()> mark;
+  std::function<void(uint64_t)> wait_until;
 
   bool on() const { return ranks > 1; }
+  bool overlaps() const { return start_all_gather && start_reduce_scatter && mark && wait_until; }
 };
 
 }  // namespace kiln

@@ -462,6 +462,45 @@ TEST_F(DistTrain, TensorParallelFp8StaysOnTheSingleProcessCurve) {
   }
 }
 
+// Async TP (dist.tensor_parallel_chunks): the tensor group's exchanges move a rank's tokens in
+// pieces, each beside the GEMM on the piece before, and a rank's tokens are the pieces' runs
+// (model/tensor_parallel.h). Everything a rank computes on its tokens is per token, so the losses
+// are those of whole exchanges (chunks 1) bit for bit: GPT-2 (GELU, biases) and LLaMA (SwiGLU),
+// under fsdp and with context parallelism, and in FP8. The other TensorParallel* tests run at the
+// default (4 pieces) against one rank.
+TEST_F(DistTrain, TensorParallelOverlappedExchangesGiveThePlainLosses) {
+  const std::string fp8 = kTpLlama + " --precision.fp8=true --fp8.amax_history_len=4";
+  for (const auto& [name, nproc, strategy, extra] :
+       {std::tuple<const char*, int, const char*, std::string>{
+            "tp_async_gpt2", 2, "fsdp", "--train.max_steps=8 --train.batch_size=8"},
+        {"tp_async_llama_cp", 4, "zero1", kTpLlama + " --dist.context_parallel=2 --train.batch_size=8"},
+        {"tp_async_fp8", 2, "ddp", fp8 + " --train.batch_size=8"}}) {
+    std::string output;
+    const std::string overlapped =
+        train(std::string(name) + "_4", nproc, strategy,
+              extra + " --dist.tensor_parallel=2 --dist.tensor_parallel_chunks=4", &output);
+    EXPECT_NE(output.find("dist.tensor_parallel_chunks=4: the tensor group's exchanges move a "
+                          "rank's " + std::string(nproc == 4 ? "128" : "256") + " tokens in 4 pieces"),
+              std::string::npos)
+        << output;
+    const std::string plain =
+        train(std::string(name) + "_1", nproc, strategy,
+              extra + " --dist.tensor_parallel=2 --dist.tensor_parallel_chunks=1", &output);
+    EXPECT_NE(output.find("dist.tensor_parallel_chunks: each exchange whole"), std::string::npos)
+        << output;
+    ASSERT_FALSE(losses(plain).empty()) << name;
+    EXPECT_EQ(losses(overlapped), losses(plain)) << name;
+    expect_same_val(overlapped, plain);
+  }
+  // The most pieces up to the key's that divide a rank's tokens: 128 (4 ranks) into 3 -> 2.
+  std::string output;
+  train("tp_async_3", 4, "ddp",
+        "--train.max_steps=2 --train.batch_size=8 --dist.tensor_parallel=4 "
+        "--dist.tensor_parallel_chunks=3",
+        &output);
+  EXPECT_NE(output.find("rank's 128 tokens in 2 pieces"), std::string::npos) << output;
+}
+
 // Checkpoints hold the global tensors: a run saved by 2 x 2 ranks (tensor x fsdp) resumes bit
 // for bit on that layout, and on the curve on 1 rank and under zero1 with 2 tensor ranks; a GPT-2
 // saved under tensor parallelism 2 resumes under 4. Hugging Face weights load into a

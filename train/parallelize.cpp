@@ -134,8 +134,9 @@ RunCommunicators make_run_communicators(const DeviceMesh& mesh, Backend& backend
 
 namespace {
 
-// A layer's exchanges within a group, over the group's communicator.
-void exchange_over(Communicator& comm, GroupExchange& g) {
+// A layer's exchanges within a group, over the group's communicator; `started`: also the
+// forms that run beside the compute after them.
+void exchange_over(Communicator& comm, GroupExchange& g, bool started = false) {
   g.all_gather = [&comm](Tensor all, Tensor mine) {
     comm.all_gather(all, mine);
     comm.wait();
@@ -144,6 +145,18 @@ void exchange_over(Communicator& comm, GroupExchange& g) {
     comm.reduce_scatter_sum(mine, all);
     comm.wait();
   };
+  if (!started) return;
+  g.start_all_gather = [&comm](Tensor all, Tensor mine) { comm.all_gather(all, mine); };
+  g.start_reduce_scatter = [&comm](Tensor mine, Tensor all) { comm.reduce_scatter_sum(mine, all); };
+  g.mark = [&comm] { return comm.mark(); };
+  g.wait_until = [&comm](uint64_t m) { comm.wait_until(m); };
+}
+
+// Async TP's pieces: the most up to `most` that divide a rank's tokens of a micro-batch.
+int tensor_chunks(int most, int64_t rank_tokens) {
+  int chunks = most;
+  while (rank_tokens % chunks != 0) --chunks;
+  return chunks;
 }
 
 }  // namespace
@@ -213,7 +226,7 @@ void parallelize_fp8(Model& model, Strategy& strategy, bool all_gather, const Pa
 }
 
 void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm,
-                        int64_t micro_batch_tokens, bool log) {
+                        int64_t micro_batch_tokens, int most_chunks, bool log) {
   // Sequence parallelism: each rank holds 1/ranks of a micro-batch's tokens between the GEMMs.
   if (micro_batch_tokens % mesh.tensor != 0)
     throw InputError("dist.tensor_parallel=" + std::to_string(mesh.tensor) + ": a micro-batch of " +
@@ -223,20 +236,28 @@ void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& comm
   TensorParallel tp;
   tp.ranks = mesh.tensor;
   tp.rank = mesh.tensor_rank();
-  exchange_over(comm, tp);
+  tp.chunks = tensor_chunks(most_chunks, micro_batch_tokens / mesh.tensor);
+  exchange_over(comm, tp, tp.chunks > 1);
   try {
     model.set_tensor_parallel(tp);
   } catch (const std::invalid_argument& e) {
     throw InputError(std::string("dist.tensor_parallel=") + std::to_string(tp.ranks) + ": " +
                      e.what());
   }
-  if (log)
+  if (!log) return;
+  spdlog::info(
+      "dist.tensor_parallel={}: each block's matrices split over groups of {} ranks (q, k, v, "
+      "w1/w3 and fc by output, wo, w2 and proj by input), the vocabulary into {} slices, and "
+      "the residual stream by token (sequence parallelism): each rank holds 1/{} of a "
+      "micro-batch's tokens between the GEMMs",
+      tp.ranks, tp.ranks, tp.ranks, tp.ranks);
+  if (tp.chunks > 1)
     spdlog::info(
-        "dist.tensor_parallel={}: each block's matrices split over groups of {} ranks (q, k, v, "
-        "w1/w3 and fc by output, wo, w2 and proj by input), the vocabulary into {} slices, and "
-        "the residual stream by token (sequence parallelism): each rank holds 1/{} of a "
-        "micro-batch's tokens between the GEMMs",
-        tp.ranks, tp.ranks, tp.ranks, tp.ranks);
+        "dist.tensor_parallel_chunks={}: the tensor group's exchanges move a rank's {} tokens in "
+        "{} pieces, each beside the GEMM on the piece before (async TP)",
+        most_chunks, micro_batch_tokens / mesh.tensor, tp.chunks);
+  else
+    spdlog::info("dist.tensor_parallel_chunks: each exchange whole, before or after its GEMM");
 }
 
 std::unique_ptr<Strategy> parallelize_run(const Config& cfg, Backend& backend, Model& model,
@@ -247,7 +268,8 @@ std::unique_ptr<Strategy> parallelize_run(const Config& cfg, Backend& backend, M
     throw InputError("dist.copy_engine_gathers: true needs NCCL, a CUDA run; this one is on " +
                      backend.name());
   if (mesh.has_tensor_split())
-    parallelize_tensor(model, mesh, *comms.tensor, rows_per_micro_batch, log);
+    parallelize_tensor(model, mesh, *comms.tensor, rows_per_micro_batch,
+                       cfg.dist.tensor_parallel_chunks, log);
   if (mesh.has_experts_split()) parallelize_experts(model, layout, mesh, *comms.expert, log);
   if (mesh.has_context_split()) parallelize_context(model, mesh, *comms.context, log);
   auto strategy = make_run_strategy(cfg.dist, backend, mesh, layout, comms, rows_per_micro_batch);

@@ -88,9 +88,11 @@ void parallelize_context(Model& model, const DeviceMesh& mesh, Communicator& cp,
 
 // Tensor parallelism: the model's blocks split their matrices and the vocabulary over `tp`, the
 // communicator of the mesh's tensor group; InputError naming dist.tensor_parallel for a model it
-// cannot split, or whose micro-batch of `micro_batch_tokens` a rank does not split. `log`: say how.
+// cannot split, or whose micro-batch of `micro_batch_tokens` a rank does not split. The
+// exchanges move a rank's tokens in up to `most_chunks` pieces (dist.tensor_parallel_chunks,
+// async TP). `log`: say how.
 void parallelize_tensor(Model& model, const DeviceMesh& mesh, Communicator& tp,
-                        int64_t micro_batch_tokens, bool log);
+                        int64_t micro_batch_tokens, int most_chunks, bool log);
 
 // All of the above for a run: the model's layers split over the mesh's tensor, expert and context
 // groups, the dist section's strategy over its data group, FP8 on that strategy. Returns the

@@ -100,15 +100,24 @@ void Attention::core(Backend& k, const Acts& a, const DocumentMask& docs,
 
 void Attention::forward(Backend& k, const Params& w, const Acts& a, Tensor inp,
                         const DocumentMask& docs, const Scratch& s) const {
-  if (tp.on()) tp.all_gather(s.gathered, inp);
-  qkv.forward(k, w, qk_norm ? a.qkv_raw : a.qkv, tp.on() ? s.gathered : inp);
+  const Tensor qkv_out = qk_norm ? a.qkv_raw : a.qkv;
+  if (tp.on())
+    tp.gather_tokens(s.gathered, inp, [&](int64_t first, int64_t n) {
+      qkv.forward_rows(k, w, qkv_out, s.gathered, first, n);
+    });
+  else
+    qkv.forward(k, w, qkv_out, inp);
   if (qk_norm)
     k.qk_norm_forward(a.qkv, a.qk_rstd, a.qkv_raw, param(w, q_norm), param(w, k_norm), dims,
                       norm_eps);
   if (rope) k.rope_forward(a.qkv, a.qkv, dims, rope_params, docs.positions);
   core(k, a, docs, s);
-  proj.forward(k, w, tp.on() ? s.partial : a.out, a.y);
-  if (tp.on()) tp.reduce_scatter(a.out, s.partial);
+  if (tp.on())
+    tp.scatter_tokens(a.out, s.partial, [&](int64_t first, int64_t n) {
+      proj.forward_rows(k, w, s.partial, a.y, first, n);
+    });
+  else
+    proj.forward(k, w, a.out, a.y);
 }
 
 void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, Tensor cache,
@@ -128,11 +137,19 @@ void Attention::decode(Backend& k, const Params& w, const Acts& a, Tensor inp, T
 void Attention::backward(Backend& k, const Params& w, const Params& g, const Scratch& s,
                          Tensor dinp, Tensor dout, Tensor inp, const Acts& a,
                          const DocumentMask& docs, bool accumulate, bool kv_gathered) const {
-  // Under tp, every token's output gradient for the projection's backward, then (in the same
-  // buffer) every token's input for qkv's weight gradient, whose input gradient is summed into
-  // this rank's tokens.
-  if (tp.on()) tp.all_gather(s.gathered, dout);
-  proj.backward(k, w, g, s.dy, tp.on() ? s.gathered : dout, a.y, accumulate);
+  // Under tp, every token's output gradient for the projection's backward; then every token's
+  // input for qkv's weight gradient, gathered beside the projection's and the attention's
+  // backward; qkv's input
+  // gradient, a partial sum for every token (in the first buffer again), summed into this
+  // rank's tokens.
+  uint64_t inp_gathered = 0;
+  if (tp.on()) {
+    tp.gather_tokens(s.gathered, dout);
+    inp_gathered = tp.start_gather_tokens(s.partial, inp);
+    proj.backward(k, w, g, s.dy, s.gathered, a.y, accumulate);
+  } else {
+    proj.backward(k, w, g, s.dy, dout, a.y, accumulate);
+  }
   if (!cp.on()) {
     k.attention_backward(s.dqkv, s.dy, a.qkv, a.y, a.lse, counted(docs), docs.key_start);
   } else {
@@ -161,9 +178,9 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
     qkv.backward(k, w, g, dinp, dqkv, inp, accumulate);
     return;
   }
-  tp.all_gather(s.gathered, inp);
-  qkv.backward(k, w, g, s.partial, dqkv, s.gathered, accumulate);
-  tp.reduce_scatter(dinp, s.partial);
+  tp.finish(inp_gathered);
+  qkv.backward(k, w, g, s.gathered, dqkv, s.partial, accumulate);
+  tp.scatter_tokens(dinp, s.gathered);
 }
 
 }  // namespace kiln

@@ -33,7 +33,7 @@ void Embedding::forward(Backend& k, const Params& w, Tensor out, Tensor tokens, 
     return;
   }
   k.encoder_forward(every, tokens, param(w, wte), pos, first_row);
-  tp.reduce_scatter(out, every);
+  tp.scatter_tokens(out, every);
 }
 
 void Embedding::backward(Backend& k, const Params& g, Tensor dout, Tensor tokens,
@@ -42,7 +42,7 @@ void Embedding::backward(Backend& k, const Params& g, Tensor dout, Tensor tokens
     k.encoder_backward(param(g, wte), param(g, wpe), dout, tokens, /*first_row=*/0);
     return;
   }
-  tp.all_gather(every, dout);
+  tp.gather_tokens(every, dout);
   k.encoder_backward(param(g, wte), positions(g), every, tokens, first_row);
 }
 

@@ -1,5 +1,7 @@
 #include "model/layers/linear.h"
 
+#include "model/tensor_parallel.h"
+
 namespace kiln {
 
 void Linear::declare(LayoutBuilder& b, const std::string& name, int64_t in_features,
@@ -38,6 +40,20 @@ void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tens
     k.fp8_cast(f.weight8, Tensor{}, param(w, weight), f.state, f.layout, f.index + kFp8W);
   if (!x8_made) k.fp8_cast(f.x8, Tensor{}, inp, f.state, f.layout, f.index + kFp8X);
   k.fp8_matmul_forward(out_t, inp, param(w, weight), b, pre_gelu, f);
+}
+
+void Linear::forward_rows(Backend& k, const Params& w, Tensor out_t, Tensor inp, int64_t first,
+                          int64_t n, Tensor pre_gelu, bool x8_made) const {
+  const Tensor out_n = token_rows(out_t, first, n), inp_n = token_rows(inp, first, n);
+  const Tensor pre_n = pre_gelu.defined() ? token_rows(pre_gelu, first, n) : Tensor{};
+  if (!fp8) return forward(k, w, out_n, inp_n, pre_n, x8_made);
+  Fp8Linear piece = *fp8;
+  piece.x8 = token_rows(fp8->x8, first, n);
+  if (first > 0 && piece.weights == Fp8WeightCopies::on_use)
+    piece.weights = Fp8WeightCopies::per_step;  // made by the piece at row 0
+  Linear self = *this;
+  self.fp8 = &piece;
+  self.forward(k, w, out_n, inp_n, pre_n, x8_made);
 }
 
 void Linear::backward(Backend& k, const Params& w, const Params& g, Tensor dinp, Tensor dout,

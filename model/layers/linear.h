@@ -37,6 +37,11 @@ struct Linear {
   // (swiglu_forward_fp8), so the layer does not cast it.
   void forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tensor pre_gelu = {},
                bool x8_made = false) const;
+  // forward() on rows [first, first + n) of inp, out_t and pre_gelu (and of the FP8 input
+  // copy), for the pieces async TP runs beside its exchanges (model/tensor_parallel.h); the
+  // weight's on-use FP8 copy is made by the piece at row 0.
+  void forward_rows(Backend& k, const Params& w, Tensor out_t, Tensor inp, int64_t first,
+                    int64_t n, Tensor pre_gelu = {}, bool x8_made = false) const;
   // dinp = dout @ weight (times gelu'(inp_pre_gelu) when given); grads += dout^T @ inp, or =
   // where not `accumulate`. An undefined dout means the output gradient was made in FP8 only
   // (fp8->g8 and g8_t, by swiglu_backward_fp8), which the caller may do where the backend's

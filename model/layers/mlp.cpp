@@ -43,43 +43,47 @@ void Mlp::plan_scratch(const Planner& planner, Scratch& s, int64_t B, int64_t T,
 
 void Mlp::forward(Backend& k, const Params& w, const Acts& a, const Scratch& s, Tensor inp,
                   bool project) const {
-  if (tp.on()) {
-    tp.all_gather(s.gathered, inp);
-    inp = s.gathered;
-  }
-  // proj's output: the rank's partial sum of every token's under tp, summed into its tokens.
-  const Tensor out = tp.on() ? s.partial : a.out;
-  if (kind == MlpKind::gelu) {
-    fc.forward(k, w, a.act, inp, a.pre);
-  } else {
-    fc.forward(k, w, a.pre, inp);
-    if (project && proj.fp8) {
-      // SwiGLU writes proj's FP8 input in the same pass (the cast would read act back).
-      const Fp8Linear& f = *proj.fp8;
-      k.swiglu_forward_fp8(a.act, f.x8, a.pre, f.state, f.layout, f.index + kFp8X);
-      proj.forward(k, w, out, a.act, Tensor{}, /*x8_made=*/true);
-      if (tp.on()) tp.reduce_scatter(a.out, s.partial);
-      return;
-    }
+  const bool gelu = kind == MlpKind::gelu;
+  // Under tp, every token's input, gathered piece by piece beside fc's GEMM on the piece before.
+  if (tp.on())
+    tp.gather_tokens(s.gathered, inp, [&](int64_t first, int64_t n) {
+      fc.forward_rows(k, w, gelu ? a.act : a.pre, s.gathered, first, n,
+                      gelu ? a.pre : Tensor{});
+    });
+  else
+    fc.forward(k, w, gelu ? a.act : a.pre, inp, gelu ? a.pre : Tensor{});
+  // SwiGLU writes proj's FP8 input in the same pass (the cast would read act back).
+  const bool x8_made = !gelu && project && proj.fp8;
+  if (x8_made) {
+    const Fp8Linear& f = *proj.fp8;
+    k.swiglu_forward_fp8(a.act, f.x8, a.pre, f.state, f.layout, f.index + kFp8X);
+  } else if (!gelu) {
     k.swiglu_forward(a.act, a.pre);
   }
   if (!project) return;
-  proj.forward(k, w, out, a.act);
-  if (tp.on()) tp.reduce_scatter(a.out, s.partial);
+  // proj's output under tp: the rank's partial sum of every token's, summed into its tokens
+  // piece by piece beside proj's GEMM on the next piece.
+  if (tp.on())
+    tp.scatter_tokens(a.out, s.partial, [&](int64_t first, int64_t n) {
+      proj.forward_rows(k, w, s.partial, a.act, first, n, Tensor{}, x8_made);
+    });
+  else
+    proj.forward(k, w, a.out, a.act, Tensor{}, x8_made);
 }
 
 void Mlp::backward(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                    Tensor dout, Tensor inp, const Acts& a, bool accumulate) const {
   if (!tp.on()) return backward_local(k, w, g, s, dinp, dout, inp, a, accumulate);
-  // Every token's output gradient for proj, then (in the same buffer, once proj's backward has
-  // read it) every token's input for fc's weight gradient; fc's input gradient, a partial sum
-  // of every token's, summed into this rank's tokens.
-  tp.all_gather(s.gathered, dout);
-  backward_local(k, w, g, s, s.partial, s.gathered, inp, a, accumulate, [&] {
-    tp.all_gather(s.gathered, inp);
-    return s.gathered;
+  // Every token's output gradient for proj; every token's input for fc's weight gradient,
+  // gathered beside proj's backward; fc's input gradient, a partial sum for every token (in the
+  // first buffer again, once proj's backward has read it), summed into this rank's tokens.
+  tp.gather_tokens(s.gathered, dout);
+  const uint64_t inp_gathered = tp.start_gather_tokens(s.partial, inp);
+  backward_local(k, w, g, s, s.gathered, s.gathered, inp, a, accumulate, [&] {
+    tp.finish(inp_gathered);
+    return s.partial;
   });
-  tp.reduce_scatter(dinp, s.partial);
+  tp.scatter_tokens(dinp, s.gathered);
 }
 
 void Mlp::backward_local(Backend& k, const Params& w, const Params& g, const Scratch& s,

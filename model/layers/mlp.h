@@ -57,7 +57,7 @@ struct Mlp {
 
  private:
   // The backward over every token this rank computes; `fc_input`, where given, supplies fc's
-  // input once proj's backward no longer reads dout (tp: the gathered tokens, in dout's buffer).
+  // input once proj's backward no longer reads dout (tp: every token's, gathered beside it).
   void backward_local(Backend& k, const Params& w, const Params& g, const Scratch& s, Tensor dinp,
                       Tensor dout, Tensor inp, const Acts& a, bool accumulate,
                       const std::function<Tensor()>& fc_input = {}) const;

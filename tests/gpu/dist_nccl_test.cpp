@@ -280,7 +280,8 @@ TEST_F(DistNccl, ContextParallelFollowsTheSingleGpuCurve) {
 // heads and columns, the vocabulary-parallel loss, sequence-parallel norms) follow one GPU
 // holding the whole model, under fsdp with its step replayed from a CUDA graph, under ddp with
 // selective recomputation, and with a MoE block's experts over the other GPUs; FP8 follows one
-// GPU's FP8 run. On 4 GPUs: 4 tensor ranks, and 2 x 2 with fsdp and HSDP replicas.
+// GPU's FP8 run; async TP (the default, 4 pieces) and whole exchanges alike. On 4 GPUs: 4
+// tensor ranks, and 2 x 2 with fsdp and HSDP replicas.
 TEST_F(DistNccl, TensorParallelFollowsTheSingleGpuCurve) {
   const std::string llama = "--model.arch=llama --model.n_kv_head=2 --model.tie_embeddings=false";
   const std::string single = train("tp_single", 1, "ddp", llama);
@@ -293,6 +294,12 @@ TEST_F(DistNccl, TensorParallelFollowsTheSingleGpuCurve) {
             std::string::npos)
       << output;
   EXPECT_NE(output.find("train.cuda_graphs: step 3 captured"), std::string::npos) << output;
+  EXPECT_NE(output.find("tokens in 4 pieces, each beside the GEMM"), std::string::npos) << output;
+  // Async TP off: each exchange whole, on the same curve (its pieces' GEMMs may pick other
+  // cuBLASLt algorithms than the whole's, so not bit for bit as on the CPU).
+  expect_close(single, train("tp2_plain", 2, "fsdp",
+                             llama + " --dist.tensor_parallel=2 --train.batch_size=16 "
+                                     "--dist.tensor_parallel_chunks=1 --train.cuda_graphs=true"));
   expect_close(single, train("tp2_selective", 2, "ddp",
                              llama + " --dist.tensor_parallel=2 --train.batch_size=16 "
                                      "--train.recompute=selective"));
