@@ -393,12 +393,6 @@ struct Resolver {
     validate_restarts();
     validate_data();
     validate_metrics_address();
-    // Muon orthogonalizes each matrix whole; tensor parallelism holds a part of it on each rank.
-    if (config.optim.name == "muon" && config.dist.tensor_parallel > 1)
-      fail(field("optim.name"),
-           "muon needs each matrix whole on one rank, and dist.tensor_parallel=" +
-               std::to_string(config.dist.tensor_parallel) +
-               " splits them: use optim.name=adamw, or dist.tensor_parallel=1");
     if (config.optim.schedule != "constant" && config.optim.min_lr > config.optim.lr)
       fail(field("optim.min_lr"), "must be <= optim.lr (" + format_double(config.optim.lr) +
                                       "), got " + format_double(config.optim.min_lr));

@@ -34,16 +34,26 @@ float muon_lr_scale(const std::string& rule, int64_t rows, int64_t cols) {
   throw std::invalid_argument("optim.muon_lr_scale: unknown rule '" + rule + "'");
 }
 
-std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale) {
+std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale,
+                                      int tensor_ranks) {
   std::vector<MuonMatrix> out;
   for (const ParamInfo& t : layout.tensors) {
     if (!t.hidden_matrix()) continue;
     const int64_t cols = t.shape[t.shape.ndim - 1];
     const int64_t slabs = t.experts > 0 ? t.shape[0] : 1;
+    const int split = tensor_ranks > 1 && t.split.split() ? t.split.dim : -1;
+    // A row split cuts each of its segments: each must be one matrix, so that the rank's rows of
+    // a matrix are one block of the whole's.
+    if (split == 0 && t.matrix_rows.size() > 1 && t.split.segments != t.matrix_rows)
+      throw std::logic_error("muon: " + t.name +
+                             "'s matrices are not its tensor-parallel segments");
     int64_t at = t.offset;
     for (int64_t e = 0; e < slabs; ++e)
       for (const int64_t rows : t.matrix_rows) {
-        out.push_back({at, rows, cols, t.decay, muon_lr_scale(lr_scale, rows, cols), 0});
+        const int64_t whole_rows = split == 0 ? rows * tensor_ranks : rows;
+        const int64_t whole_cols = split == 1 ? cols * tensor_ranks : cols;
+        out.push_back({at, rows, cols, t.decay, muon_lr_scale(lr_scale, whole_rows, whole_cols), 0,
+                       split, 0, whole_rows, whole_cols});
         at += rows * cols;
       }
   }
@@ -51,47 +61,95 @@ std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::stri
 }
 
 Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& strategy,
-           Communicator* data)
+           Communicator* data, Communicator* tensor)
     : momentum_(static_cast<float>(optim.muon_momentum)),
       weight_decay_(static_cast<float>(optim.weight_decay)),
       steps_(optim.muon_ns_steps),
       comm_(data),
+      tensor_(tensor),
       rank_(strategy.plan().rank),
       world_(strategy.plan().world),
+      tensor_rank_(tensor ? tensor->rank() : 0),
+      tensor_ranks_(tensor ? tensor->world_size() : 1),
       sharded_(!strategy.replicated() && strategy.plan().world > 1),
-      matrices_(muon_matrices(local, optim.muon_lr_scale)) {
-  // Owners: the costliest iterations first, each to the rank with the least so far (ties: the
-  // lower rank), the same on every rank. A step of an m x k iterate (m <= k) costs 4 m^2 k +
-  // 2 m^3 FLOPs.
+      matrices_(muon_matrices(local, optim.muon_lr_scale, tensor_ranks_)) {
+  plan_owners();
+  plan_packing();
+  if (sharded_)
+    plan_sharded(strategy);
+  else
+    plan_replicated(strategy);
+}
+
+void Muon::plan_owners() {
+  // The costliest iterations first, each to the least-loaded place so far (ties: the lower
+  // rank), the same on every rank. A place is a (data rank, tensor rank) pair: a split matrix
+  // loads the one place that iterates it whole; one the tensor group holds whole loads each of
+  // its data owner's tensor ranks, which all iterate it. A step of an m x k iterate (m <= k)
+  // costs 4 m^2 k + 2 m^3 FLOPs.
   std::vector<int> order(matrices_.size());
   std::iota(order.begin(), order.end(), 0);
   auto cost = [this](int j) {
-    const double m = static_cast<double>(std::min(matrices_[j].rows, matrices_[j].cols));
-    const double k = static_cast<double>(std::max(matrices_[j].rows, matrices_[j].cols));
+    const MuonMatrix& w = matrices_[static_cast<size_t>(j)];
+    const double m = static_cast<double>(std::min(w.whole_rows, w.whole_cols));
+    const double k = static_cast<double>(std::max(w.whole_rows, w.whole_cols));
     return 4 * m * m * k + 2 * m * m * m;
   };
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost(a) > cost(b); });
-  std::vector<double> load(static_cast<size_t>(world_), 0.0);
+  const size_t T = static_cast<size_t>(tensor_ranks_);
+  std::vector<double> load(static_cast<size_t>(world_) * T, 0.0);
   for (const int j : order) {
-    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    matrices_[j].owner = r;
-    load[static_cast<size_t>(r)] += cost(j);
+    MuonMatrix& m = matrices_[static_cast<size_t>(j)];
+    if (m.split >= 0) {
+      const size_t at =
+          static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      m.owner = static_cast<int>(at / T);
+      m.tensor_owner = static_cast<int>(at % T);
+      load[at] += cost(j);
+      continue;
+    }
+    size_t best = 0;
+    double best_load = 0;
+    for (size_t d = 0; d < static_cast<size_t>(world_); ++d) {
+      const double most = *std::max_element(load.begin() + d * T, load.begin() + (d + 1) * T);
+      if (d == 0 || most < best_load) best = d, best_load = most;
+    }
+    m.owner = static_cast<int>(best);
+    for (size_t t = 0; t < T; ++t) load[best * T + t] += cost(j);
   }
-  // Each rank packs its matrices by shape, shapes in order of first appearance; slot_ is the
-  // largest rank's packing (the all-gather's equal pieces).
+}
+
+void Muon::plan_packing() {
+  // Each rank packs its split matrices first, by tensor owner, then the rest by shape, shapes in
+  // order of first appearance; slot_ is the largest rank's packing (the all-gather's equal
+  // pieces). Every rank of a tensor group packs alike: its parts have the same shapes.
+  const size_t T = static_cast<size_t>(tensor_ranks_);
   packed_at_.assign(matrices_.size(), 0);
   for (int r = 0; r < world_; ++r) {
+    int64_t size = 0;
+    std::vector<int64_t> split_rows(T, 0);
+    for (size_t t = 0; t < T; ++t)
+      for (size_t j = 0; j < matrices_.size(); ++j) {
+        const MuonMatrix& m = matrices_[j];
+        if (m.owner != r || m.split < 0 || m.tensor_owner != static_cast<int>(t)) continue;
+        packed_at_[j] = size;
+        size += m.rows * m.cols;
+        split_rows[t] += m.rows * m.cols;
+      }
+    if (r == rank_) {
+      split_size_ = size;
+      split_rows_ = split_rows;
+    }
     std::vector<std::pair<int64_t, int64_t>> shapes;
     for (const MuonMatrix& m : matrices_)
-      if (m.owner == r &&
+      if (m.owner == r && m.split < 0 &&
           std::find(shapes.begin(), shapes.end(), std::make_pair(m.rows, m.cols)) == shapes.end())
         shapes.emplace_back(m.rows, m.cols);
-    int64_t size = 0;
     for (const auto& [rows, cols] : shapes) {
       Batch b{rows, cols, 0, size, {}};
       for (size_t j = 0; j < matrices_.size(); ++j) {
         const MuonMatrix& m = matrices_[j];
-        if (m.owner != r || m.rows != rows || m.cols != cols) continue;
+        if (m.owner != r || m.split >= 0 || m.rows != rows || m.cols != cols) continue;
         packed_at_[j] = size;
         size += rows * cols;
         ++b.count;
@@ -107,10 +165,36 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
     if (r == rank_) packed_size_ = size;
     slot_ = std::max(slot_, size);
   }
-  if (sharded_)
-    plan_sharded(strategy);
-  else
-    plan_replicated(strategy);
+  // As a tensor owner: the parts of this rank's split matrices it iterates, each rank's in
+  // matrix order (as each packs them), and the wholes batched by shape.
+  in_block_.assign(matrices_.size(), 0);
+  whole_at_.assign(matrices_.size(), 0);
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (size_t j = 0; j < matrices_.size(); ++j) {
+    const MuonMatrix& m = matrices_[j];
+    if (m.owner != rank_ || m.split < 0 || m.tensor_owner != tensor_rank_) continue;
+    whole_members_.push_back(static_cast<int>(j));
+    in_block_[j] = tensor_block_;
+    tensor_block_ += m.rows * m.cols;
+    if (std::find(shapes.begin(), shapes.end(), std::make_pair(m.whole_rows, m.whole_cols)) ==
+        shapes.end())
+      shapes.emplace_back(m.whole_rows, m.whole_cols);
+  }
+  parts_rows_.assign(static_cast<size_t>(tensor_ranks_), tensor_block_);
+  for (const auto& [rows, cols] : shapes) {
+    Batch b{rows, cols, 0, whole_size_, {}};
+    for (const int j : whole_members_) {
+      const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
+      if (m.whole_rows != rows || m.whole_cols != cols) continue;
+      whole_at_[static_cast<size_t>(j)] = whole_size_;
+      whole_size_ += rows * cols;
+      ++b.count;
+      b.members.push_back(j);
+    }
+    whole_batches_.push_back(b);
+    work_size_ = std::max(work_size_, newton_schulz_workspace(
+                                          std::min(b.count, batch_piece(rows, cols)), rows, cols));
+  }
 }
 
 int64_t Muon::local_of(const Strategy& strategy, int64_t begin, int64_t n) const {
@@ -180,6 +264,11 @@ Strategy::Units Muon::ranges() const {
 void Muon::plan(Arena& arena) {
   auto at_least_one = [](int64_t n) { return std::max<int64_t>(n, 1); };
   arena.plan(&work_, "muon.newton_schulz", {at_least_one(work_size_)}, DType::f32);
+  if (split_size_ > 0) {
+    arena.plan(&parts_, "muon.tensor_parts",
+               {at_least_one(static_cast<int64_t>(tensor_ranks_) * tensor_block_)}, DType::f32);
+    arena.plan(&whole_, "muon.tensor_whole", {at_least_one(whole_size_)}, DType::f32);
+  }
   if (sharded_) {
     arena.plan(&send_, "muon.exchange.held", {at_least_one(std::max(send_size_, packed_size_))},
                DType::f32);
@@ -187,6 +276,8 @@ void Muon::plan(Arena& arena) {
   } else if (world_ > 1) {
     arena.plan(&packed_, "muon.packed", {slot_}, DType::f32);
     arena.plan(&gathered_, "muon.gathered", {static_cast<int64_t>(world_) * slot_}, DType::f32);
+  } else if (tensor_ranks_ > 1) {
+    arena.plan(&packed_, "muon.packed", {at_least_one(packed_size_)}, DType::f32);
   } else {
     int64_t piece = 1;  // alone: the largest piece of a batch
     for (const Batch& b : batches_)
@@ -200,6 +291,48 @@ void Muon::iterate(Backend& k, Tensor buf, const Batch& b, int64_t at, int64_t n
                   steps_);
 }
 
+void Muon::iterate_all(Backend& k, Tensor buf, const std::vector<Batch>& batches) const {
+  for (const Batch& b : batches) {
+    const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
+    for (int64_t i = 0; i < b.count; i += piece)
+      iterate(k, buf, b, b.packed + i * size, std::min(piece, b.count - i));
+  }
+}
+
+void Muon::join_parts(Backend& k, bool join) {
+  for (const int j : whole_members_) {
+    const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
+    const int64_t n = m.rows * m.cols, at = whole_at_[static_cast<size_t>(j)];
+    for (int t = 0; t < tensor_ranks_; ++t) {
+      const Tensor part =
+          parts_.slice(t * tensor_block_ + in_block_[static_cast<size_t>(j)], {m.rows, m.cols});
+      if (m.split == 0) {  // rank t's rows: one run of the whole
+        const Tensor rows = whole_.slice(at + t * n, {m.rows, m.cols});
+        join ? k.copy(rows, part) : k.copy(part, rows);
+      } else {  // rank t's columns: a run of each row
+        const Tensor whole = whole_.slice(at, {m.whole_rows, m.whole_cols});
+        join ? k.copy_columns(whole, t * m.cols, part, 0, m.cols)
+             : k.copy_columns(part, 0, whole, t * m.cols, m.cols);
+      }
+    }
+  }
+}
+
+void Muon::orthogonalize(Backend& k, Tensor packed) {
+  // The same on every rank of the tensor group: each owns the same matrices of the data group.
+  if (split_size_ > 0) {
+    const Tensor split = packed.slice(0, {split_size_});
+    tensor_->all_to_all_v(parts_, parts_rows_, split, split_rows_);
+    tensor_->wait();
+    join_parts(k, true);
+    iterate_all(k, whole_, whole_batches_);
+    join_parts(k, false);
+    tensor_->all_to_all_v(split, split_rows_, parts_, parts_rows_);
+    tensor_->wait();
+  }
+  iterate_all(k, packed, batches_);
+}
+
 void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
   if (matrices_.empty()) return;
   auto momentum = [&](int64_t local, int64_t n, Tensor nesterov) {
@@ -211,14 +344,7 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
     k.muon_update(shard.master.slice(local, {n}), working, o, sched, m.lr_scale,
                   m.decay ? weight_decay_ : 0.0f);
   };
-  auto iterate_all = [&](Tensor buf) {
-    for (const Batch& b : batches_) {
-      const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
-      for (int64_t i = 0; i < b.count; i += piece)
-        iterate(k, buf, b, b.packed + i * size, std::min(piece, b.count - i));
-    }
-  };
-  if (world_ == 1) {
+  if (world_ == 1 && tensor_ranks_ == 1) {
     // Alone: each piece of a batch packed, iterated and applied in turn.
     for (const Batch& b : batches_) {
       const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
@@ -242,13 +368,17 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
       const int64_t n = m.rows * m.cols;
       momentum(local_at_[j], n, m.owner == rank_ ? packed_.slice(packed_at_[j], {n}) : Tensor{});
     }
-    iterate_all(packed_);
-    comm_->all_gather(gathered_, packed_);
-    comm_->wait();
+    orthogonalize(k, packed_);
+    if (world_ > 1) {
+      comm_->all_gather(gathered_, packed_);
+      comm_->wait();
+    }
     for (size_t j = 0; j < matrices_.size(); ++j) {
       const MuonMatrix& m = matrices_[j];
       const int64_t n = m.rows * m.cols;
-      update(m, local_at_[j], n, gathered_.slice(m.owner * slot_ + packed_at_[j], {n}));
+      const Tensor o = world_ > 1 ? gathered_.slice(m.owner * slot_ + packed_at_[j], {n})
+                                  : packed_.slice(packed_at_[j], {n});
+      update(m, local_at_[j], n, o);
     }
     return;
   }
@@ -259,7 +389,7 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
   comm_->all_to_all_v(recv_, recv_rows_, send_, send_rows_);
   comm_->wait();
   for (const Piece& p : received_) k.copy(send_.slice(p.packed, {p.n}), recv_.slice(p.at, {p.n}));
-  iterate_all(send_);
+  orthogonalize(k, send_);
   for (const Piece& p : received_) k.copy(recv_.slice(p.at, {p.n}), send_.slice(p.packed, {p.n}));
   comm_->all_to_all_v(send_, send_rows_, recv_, recv_rows_);
   comm_->wait();

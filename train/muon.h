@@ -2,18 +2,24 @@
 // each logical matrix on its own, q, k and v apart, each expert's apart) take Nesterov momentum
 // orthogonalized by the Newton-Schulz iteration; AdamW updates the rest (train/optimizer.h).
 // The iteration needs each matrix whole, while a sharded strategy cuts the flat buffer across
-// them, so every matrix has an owner rank in the data group, chosen to spread the iteration's
-// FLOPs evenly, and:
+// them and tensor parallelism splits them over the tensor group, so every matrix has an owner:
+// a rank of the data group, and under tensor parallelism one of its tensor group too, chosen to
+// spread the iteration's FLOPs evenly, and:
 //  - replicated state (ddp, or a group of one): every rank updates every matrix's momentum, the
 //    owner iterates it in its packed slot, and the slots are all-gathered; every rank then
 //    applies every update to its whole copy.
 //  - sharded state (zero1, fsdp): each rank updates the momentum of the pieces it holds, an
 //    all-to-all brings every matrix's pieces to its owner, which iterates it, and a second one
 //    takes the orthogonalized pieces back to their holders, which apply them to their shards.
+//  - tensor parallelism: where the data owner would iterate its rank's part of a split matrix,
+//    an all-to-all over the tensor group brings the group's parts to the matrix's tensor owner,
+//    which joins them (a row split's parts are row blocks, a column split's column blocks),
+//    iterates the whole, cuts it again and sends each part back by a second all-to-all. The
+//    matrices the tensor group holds whole (MoE experts, shared experts) are iterated by each of
+//    its ranks alike, as without tensor parallelism.
 // A matrix's update is the same bits on any rank and beside any others (kernels/cpu/muon.cpp),
 // so every layout follows the single-process run. Expert matrices are the expert rank's own (its
-// local layout's); tensor parallelism, which would split a matrix over ranks, is refused by the
-// config (optim.name). Every buffer is planned once; the step enqueues work and collectives with
+// local layout's). Every buffer is planned once; the step enqueues work and collectives with
 // sizes fixed at plan time, nothing else (a CUDA graph captures it).
 #pragma once
 
@@ -29,25 +35,36 @@
 
 namespace kiln {
 
-// One logical matrix of the rank's flat buffer: rows x cols values from `offset`.
+// One logical matrix of the rank's flat buffer: rows x cols values from `offset`, the rank's
+// part of a whole_rows x whole_cols matrix (the same, but under tensor parallelism).
 struct MuonMatrix {
   int64_t offset = 0, rows = 0, cols = 0;
   bool decay = true;
-  float lr_scale = 1;  // optim.muon_lr_scale's factor of lr for this shape
+  float lr_scale = 1;  // optim.muon_lr_scale's factor of lr for the whole matrix's shape
   int owner = 0;       // the data-group rank that iterates it
+  // Under tensor parallelism: how the tensor group splits it (-1: whole on each of its ranks;
+  // 0: by rows, 1: by columns, rank t holding the t-th block), and which of its ranks iterates
+  // the whole.
+  int split = -1;
+  int tensor_owner = 0;
+  int64_t whole_rows = 0, whole_cols = 0;
 };
 
-// The logical matrices of `layout`'s hidden tensors, in buffer order (owner 0).
-std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale);
+// The logical matrices of `layout`'s hidden tensors, in buffer order (owners 0): `layout` is a
+// rank's part of the model under `tensor_ranks` (model/shard_layout.h), whose split tensors
+// hold a part of each matrix.
+std::vector<MuonMatrix> muon_matrices(const ParamLayout& layout, const std::string& lr_scale,
+                                      int tensor_ranks = 1);
 
 // optim.muon_lr_scale's factor for a matrix of `rows` (outputs) x `cols` (inputs).
 float muon_lr_scale(const std::string& rule, int64_t rows, int64_t cols);
 
 class Muon {
  public:
-  // `data`: the communicator of the strategy's group (null for a group of one).
+  // `data`: the communicator of the strategy's group, `tensor` the tensor group's (each null for
+  // a group of one).
   Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& strategy,
-       Communicator* data);
+       Communicator* data, Communicator* tensor = nullptr);
   // The buffer's ranges Muon updates, sorted (Strategy::keep_one_moment's).
   Strategy::Units ranges() const;
   void plan(Arena& arena);
@@ -69,29 +86,50 @@ class Muon {
     int64_t rows, cols, count, packed;
     std::vector<int> members;
   };
+  void plan_owners();
+  void plan_packing();
   void plan_replicated(const Strategy& strategy);
   void plan_sharded(const Strategy& strategy);
   // Newton-Schulz over batch b's matrices [first, first + n), packed from `at` of `buf`.
   void iterate(Backend& k, Tensor buf, const Batch& b, int64_t at, int64_t n) const;
+  // Every batch of `batches` in `buf`, in pieces of bounded scratch.
+  void iterate_all(Backend& k, Tensor buf, const std::vector<Batch>& batches) const;
+  // The owner's iteration of its packed matrices in `packed`: the split ones through their
+  // tensor owners, the rest here.
+  void orthogonalize(Backend& k, Tensor packed);
+  // Between the tensor exchange's buffer and the whole matrices: joins the parts (`join`), or
+  // cuts the wholes into them.
+  void join_parts(Backend& k, bool join);
   int64_t local_of(const Strategy& strategy, int64_t begin, int64_t n) const;
 
   float momentum_, weight_decay_;
   int steps_;
   Communicator* comm_;
+  Communicator* tensor_;
   int rank_ = 0, world_ = 1;
+  int tensor_rank_ = 0, tensor_ranks_ = 1;
   bool sharded_ = false;
   std::vector<MuonMatrix> matrices_;
   std::vector<int64_t> packed_at_;  // per matrix: where its owner packs it
   std::vector<int64_t> local_at_;   // replicated: per matrix, its offset in the shard
-  std::vector<Batch> batches_;      // this rank's
+  std::vector<Batch> batches_;      // this rank's, of the matrices it iterates as they are
   int64_t packed_size_ = 0, slot_ = 0, work_size_ = 0;
+  // Tensor parallelism: the owner packs its split matrices first, by tensor owner (split_rows_
+  // values for each), in matrix order; as a tensor owner it receives tensor_block_ values from
+  // each rank of the group (parts_rows_), its own split matrices' parts in matrix order (at
+  // in_block_[j]), and iterates them whole in whole_ (at whole_at_[j]), batched by shape in
+  // whole_batches_.
+  int64_t split_size_ = 0, tensor_block_ = 0, whole_size_ = 0;
+  std::vector<int64_t> split_rows_, parts_rows_, in_block_, whole_at_;
+  std::vector<int> whole_members_;
+  std::vector<Batch> whole_batches_;
   // Sharded: the pieces this rank holds (in its send order) and those it receives as an owner.
   std::vector<Piece> held_, received_;
   std::vector<int64_t> send_rows_, recv_rows_;
   int64_t send_size_ = 0, recv_size_ = 0;
   // packed_: replicated state, the slots the all-gather reads (alone: one piece of a batch at a
   // time). Sharded, the packed batches live in send_, free between the two exchanges.
-  Tensor packed_, gathered_, work_, send_, recv_;
+  Tensor packed_, gathered_, work_, send_, recv_, parts_, whole_;
 };
 
 }  // namespace kiln

@@ -1,5 +1,6 @@
 #include "train/optimizer.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 namespace kiln {
@@ -28,9 +29,10 @@ OptimizerStep optimizer_step(const OptimSection& optim, int world) {
   return s;
 }
 
-void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicator* data, bool log) {
+void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicator* data,
+                       Communicator* tensor, bool log) {
   if (optim_.name != "muon") return;
-  muon_ = std::make_unique<Muon>(optim_, local, strategy, data);
+  muon_ = std::make_unique<Muon>(optim_, local, strategy, data, tensor);
   strategy.keep_one_moment(muon_->ranges());
   if (!log) return;
   int64_t values = 0;
@@ -38,12 +40,16 @@ void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicato
   const ShardPlan& plan = strategy.plan();
   spdlog::info(
       "optim.name=muon: {} matrices ({} of the rank's {} parameters) by Muon, {} Newton-Schulz "
-      "steps, lr scaled {}, their iteration spread over {} rank{} ({}); AdamW for the rest",
+      "steps, lr scaled {}, their iteration spread over {} rank{} ({}){}; AdamW for the rest",
       muon_->matrices().size(), values, local.total, optim_.muon_ns_steps, optim_.muon_lr_scale,
       plan.world, plan.world > 1 ? "s" : "",
       plan.world == 1         ? "alone"
       : strategy.replicated() ? "all-gathered"
-                              : "pieces to owners and back by all-to-all");
+                              : "pieces to owners and back by all-to-all",
+      tensor ? fmt::format(" x {} tensor ranks (each split matrix's parts joined on one by "
+                           "all-to-all, iterated whole and sent back)",
+                           tensor->world_size())
+             : "");
 }
 
 void Optimizer::plan(Arena& arena, const ParamLayout& local) {

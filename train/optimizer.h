@@ -48,9 +48,10 @@ class Optimizer {
       : optim_(optim), step_(optimizer_step(optim, gradient_ranks)) {}
   // Once the strategy exists, before plan(): optim.name=muon takes the hidden matrices of
   // `local` (the strategy's buffer) from AdamW, over the strategy's group (`data`, its
-  // communicator; null for a group of one), and the strategy keeps one moment for them. `log`:
-  // say so.
-  void attach(const ParamLayout& local, Strategy& strategy, Communicator* data, bool log);
+  // communicator) and the tensor group (`tensor`; each null for a group of one), and the
+  // strategy keeps one moment for them. `log`: say so.
+  void attach(const ParamLayout& local, Strategy& strategy, Communicator* data,
+              Communicator* tensor, bool log);
   const Muon* muon() const { return muon_.get(); }
   // The state, for a rank whose buffer is laid out as `local`.
   void plan(Arena& arena, const ParamLayout& local);

@@ -178,7 +178,7 @@ Trainer::Trainer(const Config& cfg, const RankInfo& rank, const CommunicatorFact
   comm_ = comms_.world;
   strategy_ = parallelize_run(cfg, *backend_, *model_, mesh_, layout_, comms_, inputs_.rows(),
                               is_main());
-  optimizer_.attach(layout_.local(), *strategy_, comms_.data, is_main());
+  optimizer_.attach(layout_.local(), *strategy_, comms_.data, comms_.tensor, is_main());
 }
 
 void Trainer::plan_buffers() {
