@@ -327,17 +327,7 @@ int Trainer::run() {
                      "train.resume=none");
   report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
-  const int accum = t.grad_accum;
-  // cuDNN's document-masked attention takes each step's count of documents from the host.
-  const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn";
-  graph_.start(
-      t.cuda_graphs,
-      counted_documents
-          ? "data.document_mask on cuDNN: each step's documents are its attention's batch"
-          : model_->graph_unavailable(),
-      start_step_, t.max_steps,
-      std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
-      is_main());
+  graph_.start(cfg_, model_->graph_unavailable(), start_step_, is_main());
   if (is_main()) {
     log_run_start(cfg_, *backend_, t.max_steps - start_step_, tokens_per_step(), rank_.world_size,
                   report_->flops_per_token(), report_->peak_flops());
