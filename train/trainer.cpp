@@ -320,11 +320,6 @@ int Trainer::run() {
 
   const std::optional<int> resumed_at = start_run(parts());
   start_step_ = resumed_at.value_or(0);
-  if (start_step_ > t.max_steps)
-    throw InputError("train.max_steps=" + std::to_string(t.max_steps) + " is below step " +
-                     std::to_string(start_step_) +
-                     ", where the run resumes: raise it to train on, or start afresh with "
-                     "train.resume=none");
   report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
   graph_.start(cfg_, model_->graph_unavailable(), start_step_, is_main());
