@@ -2,7 +2,7 @@
 // fast path), on top of the device's runtime (DeviceRuntime: memory, streams, transfers, graphs).
 // The model calls only these; tests compare backends op by op. The ops are listed once, in
 // kernels/ops.def; each public op checks its arguments against the op's contract
-// (kernels/contracts.cpp, one for all backends) and then calls the backend's run_<op>.
+// (kernels/contracts.h, one for all backends) and then calls the backend's run_<op>.
 //
 // Conventions every implementation keeps:
 //  - Shapes: B batch, T sequence, C channels (n_embd), OC output channels, NH query heads, KV
@@ -160,7 +160,7 @@ class Backend : public DeviceRuntime {
   virtual bool fp8_backward_in_fp8(const Fp8Linear& f, int64_t N, int64_t C, int64_t OC) = 0;
 
   // ---- the ops (kernels/ops.def: each op's signature and contract) ----------------------
-  // Each checks its arguments against the op's contract (kernels/contracts.cpp), the same for
+  // Each checks its arguments against the op's contract (kernels/contracts.h), the same for
   // every backend, then runs the backend's run_<op>.
 #define KILN_OP(name, ...)                                      \
   void name(KILN_OP_PARAMS(__VA_ARGS__)) {                      \

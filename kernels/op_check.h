@@ -1,5 +1,5 @@
 // OpCheck: the one set of argument checks of the ops, shared by every backend. The op contracts
-// (kernels/contracts.cpp) are written with it, and so is what a backend requires beyond them.
+// (kernels/contracts.h) are written with it, and so is what a backend requires beyond them.
 // Dtypes are checked by role, so one contract serves backends of different activation dtypes:
 // `activation` is the backend's (cpu: f32, cuda: bf16). A failure throws std::invalid_argument
 // naming the backend, the op and the argument, before the op has touched anything:

@@ -114,8 +114,16 @@ void init_parameters(const RunParts& run) {
 }  // namespace
 
 std::optional<int> start_run(const RunParts& run) {
-  if (const std::optional<std::string> ckpt = checkpoint_to_resume(run.config.train))
-    return resume_run(run, *ckpt);
+  const TrainSection& t = run.config.train;
+  if (const std::optional<std::string> ckpt = checkpoint_to_resume(t)) {
+    const int step = resume_run(run, *ckpt);
+    if (step > t.max_steps)
+      throw InputError("train.max_steps=" + std::to_string(t.max_steps) + " is below step " +
+                       std::to_string(step) +
+                       ", where the run resumes: raise it to train on, or start afresh with "
+                       "train.resume=none");
+    return step;
+  }
   init_parameters(run);
   run.model.fp8().start(nullptr, "");
   return std::nullopt;

@@ -38,7 +38,8 @@ struct RunParts {
 // Once the memory is allocated: the run restored from the checkpoint train.resume names (the
 // newest in out_dir under auto, if any; none; or a path), returning its step; else the
 // parameters initialized and the FP8 scaling fresh, returning nullopt. Under
-// train.resume=auto an InputError about the checkpoint also says how to start afresh instead.
+// train.resume=auto an InputError about the checkpoint also says how to start afresh instead;
+// a checkpoint past train.max_steps is an InputError saying to raise it or start afresh.
 std::optional<int> start_run(const RunParts& run);
 
 // The host memory train.checkpoint_async's snapshot takes on this rank (0 where it is off):

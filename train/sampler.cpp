@@ -100,4 +100,16 @@ void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor
   spdlog::info("sample at step {}:\n{}", step, byte_decode(out));
 }
 
+bool sample_due(const TrainSection& train, int step) {
+  return train.sample_every > 0 && step % train.sample_every == 0;
+}
+
+void warn_no_samples(const TrainSection& t, bool sharded) {
+  if (t.sample_every > 0)
+    spdlog::warn(
+        "train.sample_every={}: no samples during this run, whose rank 0 holds only "
+        "part of the model ({}); sample from its checkpoints: sample {}",
+        t.sample_every, sharded ? "tensor or expert parallelism" : "fsdp", t.out_dir);
+}
+
 }  // namespace kiln

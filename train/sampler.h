@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "config/config.h"
 #include "model/model.h"
 
 namespace kiln {
@@ -34,6 +35,12 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
 // vocabulary logs nothing.
 void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor moe_bias,
                 int tokens, std::mt19937_64& rng, int step);
+// Whether finishing `step` (1-based) logs train.sample_every's sample.
+bool sample_due(const TrainSection& train, int step);
+// At the start of a run whose rank 0 holds only part of the model (fsdp; `sharded`: tensor or
+// expert parallelism), so samples none: where train.sample_every asks for samples, says so once,
+// and how to sample the run's checkpoints instead.
+void warn_no_samples(const TrainSection& train, bool sharded);
 
 // How many of the newest tokens the context of the next token holds when the one before it
 // had `context` (0: none yet) and the text has `length` tokens, for a model of seq_len T: one

@@ -24,13 +24,19 @@ StepGraph::~StepGraph() {
   }
 }
 
-void StepGraph::start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
-                      const std::string& what, bool log) {
-  if (!enabled) return;
-  what_ = what;
+void StepGraph::start(const Config& cfg, const std::string& model_why_not, int start_step,
+                      bool log) {
+  if (!cfg.train.cuda_graphs) return;
+  const int accum = cfg.train.grad_accum, max_steps = cfg.train.max_steps;
+  what_ = std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg.dist.strategy;
   log_ = log;
+  // cuDNN's document-masked attention takes each step's count of documents from the host.
+  const bool counted_documents = cfg.data.document_mask && backend_.attention_name() == "cudnn";
   std::string why_not = backend_.graph_unavailable();
-  if (why_not.empty()) why_not = model_why_not;
+  if (why_not.empty())
+    why_not = counted_documents
+                  ? "data.document_mask on cuDNN: each step's documents are its attention's batch"
+                  : model_why_not;
   if (!why_not.empty()) {
     if (log) spdlog::info("train.cuda_graphs: does not apply here ({}); running eagerly", why_not);
     status_ = "n/a: " + why_not;

@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "config/config.h"
 #include "kernels/backend.h"
 
 namespace kiln {
@@ -25,11 +26,10 @@ class StepGraph {
   StepGraph(const StepGraph&) = delete;
   StepGraph& operator=(const StepGraph&) = delete;
 
-  // At the run's start: whether graphs apply (`model_why_not`: Model::graph_unavailable), and
-  // which step is captured. `what` describes the captured step for the log ("1 micro-batch,
-  // ddp"); `log`: this rank speaks.
-  void start(bool enabled, const std::string& model_why_not, int start_step, int max_steps,
-             const std::string& what, bool log);
+  // At the run's start, `start_step` steps in: whether train.cuda_graphs applies (not where the
+  // backend says it cannot, nor the model (`model_why_not`: Model::graph_unavailable), nor under
+  // data.document_mask on cuDNN), and which step is captured; `log`: this rank speaks.
+  void start(const Config& cfg, const std::string& model_why_not, int start_step, bool log);
   // Step `step`'s device work: eager, captured, or replayed.
   void run(int step);
   // What train.cuda_graphs did, for summary.json: off, n/a (why), warm-up only, replayed, or

@@ -83,9 +83,6 @@ class Trainer {
   // Whether finishing `step` (1-based) needs the host right away (eval, sample, checkpoint,
   // the last step, an agreed stop, an observer), rather than one step late.
   bool host_step(int step) const;
-  bool sample_step(int step) const {
-    return cfg_.train.sample_every > 0 && step % cfg_.train.sample_every == 0;
-  }
   bool checkpoint_step(int step) const {
     const auto& t = cfg_.train;
     return t.save_checkpoints && ((t.checkpoint_every > 0 && step % t.checkpoint_every == 0) ||
@@ -259,7 +256,7 @@ void Trainer::print_sample(int step) {
 }
 
 bool Trainer::host_step(int step) const {
-  return step == cfg_.train.max_steps || evaluation_->due(step) || sample_step(step) ||
+  return step == cfg_.train.max_steps || evaluation_->due(step) || sample_due(cfg_.train, step) ||
          checkpoint_step(step) || stop_step(step) || (observer_ && observer_->on_step);
 }
 
@@ -280,7 +277,7 @@ bool Trainer::finish_step(const PendingStep& p) {
     sm.source_tokens.emplace_back(s.name, static_cast<int64_t>(s.total) * mcfg_.seq_len);
   if (evaluation_->due(sm.step)) evaluation_->run(sm);
   report_->log_line(sm, memory_bytes());
-  if (sample_step(sm.step)) print_sample(sm.step);
+  if (sample_due(cfg_.train, sm.step)) print_sample(sm.step);
   if (checkpoint_step(sm.step)) {
     progress(true);
     report_->write_pending(sm);  // what a crash right after the save must not lose
@@ -320,33 +317,14 @@ int Trainer::run() {
 
   const std::optional<int> resumed_at = start_run(parts());
   start_step_ = resumed_at.value_or(0);
-  if (start_step_ > t.max_steps)
-    throw InputError("train.max_steps=" + std::to_string(t.max_steps) + " is below step " +
-                     std::to_string(start_step_) +
-                     ", where the run resumes: raise it to train on, or start afresh with "
-                     "train.resume=none");
   report_->start(start_step_, resumed_at.has_value());
   // docs/design.md invariant 6: an optimization that cannot run says so and falls back.
-  const int accum = t.grad_accum;
-  // cuDNN's document-masked attention takes each step's count of documents from the host.
-  const bool counted_documents = cfg_.data.document_mask && backend_->attention_name() == "cudnn";
-  graph_.start(
-      t.cuda_graphs,
-      counted_documents
-          ? "data.document_mask on cuDNN: each step's documents are its attention's batch"
-          : model_->graph_unavailable(),
-      start_step_, t.max_steps,
-      std::to_string(accum) + " micro-batch" + (accum > 1 ? "es, " : ", ") + cfg_.dist.strategy,
-      is_main());
+  graph_.start(cfg_, model_->graph_unavailable(), start_step_, is_main());
   if (is_main()) {
     log_run_start(cfg_, *backend_, t.max_steps - start_step_, tokens_per_step(), rank_.world_size,
                   report_->flops_per_token(), report_->peak_flops());
     if (moe()) log_moe(cfg_, *model_);
-    if (t.sample_every > 0 && !can_sample())
-      spdlog::warn("train.sample_every={}: no samples during this run, whose rank 0 holds only "
-                   "part of the model ({}); sample from its checkpoints: sample {}",
-                   t.sample_every, layout_.sharded() ? "tensor or expert parallelism" : "fsdp",
-                   t.out_dir);
+    if (!can_sample()) warn_no_samples(t, layout_.sharded());
     log_fp8(cfg_, *model_, report_->peak_fp8_flops());
   }
 

@@ -4,7 +4,7 @@
 // matmul.cpp, grouped_matmul.cpp, fp8.cpp, swiglu.cpp, moe_router.cpp, moe_permute.cpp,
 // moe_ep.cpp, attention.cpp, attention_cp.cpp (with copy_columns), classifier.cpp,
 // optimizer.cpp) as run_<op>, called once the op's
-// contract has checked the arguments (kernels/contracts.cpp); this class only gathers them.
+// contract has checked the arguments (kernels/contracts.h); this class only gathers them.
 //
 // Determinism is part of what the reference promises: OpenMP splits work only over independent
 // output rows or elements (static schedule), and every sum runs in a fixed order that does not

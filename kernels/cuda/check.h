@@ -1,7 +1,7 @@
 // Host-side checks shared by every file of the CUDA backend (.cu and .cpp): the check macros
 // (every CUDA / cuBLASLt call is checked; a failure throws std::runtime_error naming file:line
 // and the failing call), and the small host helpers the launchers share. The ops' arguments are
-// checked before they get here, by their contracts (kernels/contracts.cpp).
+// checked before they get here, by their contracts (kernels/contracts.h).
 #pragma once
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // host (copy_to_host, read_wait and synchronize excepted), so a whole step can be captured in a
 // CUDA graph.
 // The ops are member functions (run_<op>, called once the op's contract has checked the
-// arguments: kernels/contracts.cpp) defined next to their kernels, one file per op family
+// arguments: kernels/contracts.h) defined next to their kernels, one file per op family
 // (encoder.cu, layernorm.cu, rmsnorm.cu, qk_norm.cu, rope.cu, matmul.cu, swiglu*.cu, fp8.cu,
 // attention*.cu, softmax_cross_entropy.cu, reduce.cu, adamw.cu, muon.cu, moe_*.cu,
 // grouped_matmul*.cu);

@@ -1,14 +1,11 @@
-// The ops' argument contracts, in kernels/ops.def's order: what every op requires of its
-// arguments (shapes, dtypes by role, sizes, scalars), checked by Backend before any backend runs
-// the op, so a contract is written once and both backends refuse the same calls with the same
-// message. Dtypes are roles (OpCheck): the activation dtype is f32 on the CPU and bf16 on CUDA.
-// What one backend needs beyond this stays with it: the CPU reads index and offset values
-// (its tensors are host memory), CUDA its alignment and the sizes its kernels take.
-#include <cmath>
+// The contracts of a dense transformer's ops (kernels/contracts.h says what a contract is), in
+// kernels/ops.def's order: the embedding, LayerNorm and RMSNorm (with their fused residual sums),
+// the linear layer, attention (context-parallel and decoding too), QK-norm, RoPE, SwiGLU and
+// the cross-entropy (vocabulary-parallel too).
 #include <limits>
 #include <string>
 
-#include "kernels/backend.h"
+#include "kernels/contracts.h"
 
 namespace kiln::contract {
 
@@ -76,29 +73,6 @@ int64_t check_norm_backward(const OpCheck& c, const Tensor& dinp, const Tensor& 
   return N;
 }
 
-// A linear layer's backward but for its output gradient: weight [OC,C], inp [..., C], dweight
-// like weight, and the optional dinp and inp_pre_gelu like inp.
-void check_linear_grads(const OpCheck& c, const Tensor& dinp, const Tensor& dweight,
-                        const Tensor& inp, const Tensor& weight, const Tensor& inp_pre_gelu) {
-  c.activation_dtype("weight", weight);
-  c.ndim("weight", weight, 2);
-  c.activation_dtype("inp", inp);
-  c.dim("inp", inp, -1, weight.dim(1));
-  c.f32("dweight", dweight, weight.shape);
-  if (dinp.defined()) c.activation_dtype("dinp", dinp, inp.shape);
-  if (inp_pre_gelu.defined()) c.activation_dtype("inp_pre_gelu", inp_pre_gelu, inp.shape);
-}
-
-// inp [..., 2F] (gate then up) of a SwiGLU; returns the shape of its output [..., F].
-Shape check_swiglu_inp(const OpCheck& c, const char* name, const Tensor& inp) {
-  c.activation_dtype(name, inp);
-  if (inp.ndim() == 0 || inp.dim(-1) % 2 != 0)
-    c.fail(name, "last dim must be 2*F (gate then up), got " + inp.str());
-  Shape half = inp.shape;
-  half.dims[static_cast<size_t>(half.ndim - 1)] /= 2;
-  return half;
-}
-
 // QK-norm's packed inp, its weights [hs] and rstd f32[B*T*(NH+KV)], and `out` (out or dinp)
 // shaped like inp and not in the memory of `other` (inp or dout).
 void check_qk_norm(const OpCheck& c, const Tensor& inp, const Tensor& q_weight,
@@ -125,85 +99,6 @@ void check_rope(const OpCheck& c, const char* out_name, const Tensor& out, const
   if (!why.empty()) c.fail("rope", why);
 }
 
-// The routing both router ops take: logits [N,E] (activations), scores f32[N,E], topk_idx
-// i32[N,k].
-void check_routing(const OpCheck& c, const MoeRouting& r, const Tensor& logits,
-                   const Tensor& scores, const Tensor& topk_idx) {
-  if (r.n_experts <= 0 || r.top_k <= 0 || r.top_k > r.n_experts)
-    c.fail("r", "needs 0 < top_k <= n_experts, got top_k " + std::to_string(r.top_k) + " of " +
-                    std::to_string(r.n_experts));
-  c.activation_dtype("logits", logits);
-  if (logits.ndim() != 2 || logits.dim(1) != r.n_experts)
-    c.fail("logits", "expected [N, " + std::to_string(r.n_experts) + "], got " + logits.str());
-  c.f32("scores", scores, logits.shape);
-  c.dtype("topk_idx", topk_idx, DType::i32, {logits.dim(0), r.top_k});
-}
-
-// The combine's shared arguments: tokens [N,C] (out or dout), rows yp [N*k,C] and slot_row
-// i32[N*k].
-void check_combine(const OpCheck& c, const char* tokens_name, const Tensor& tokens,
-                   const Tensor& yp, const Tensor& slot_row) {
-  c.activation_dtype(tokens_name, tokens);
-  c.min_ndim(tokens_name, tokens, 1);
-  c.activation_dtype("yp", yp);
-  c.ndim("yp", yp, 2);
-  const int64_t N = matrix_rows(tokens), M = yp.dim(0);
-  c.dim("yp", yp, 1, tokens.dim(-1));
-  if (N == 0 || M % N != 0) c.fail("yp", "rows must be a multiple of " + std::to_string(N));
-  c.dtype("slot_row", slot_row, DType::i32);
-  c.numel("slot_row", slot_row, M);
-}
-
-// The grouped GEMMs' inp [M,C], weight [E,OC,C] and offsets i32[E+1] (device or host memory).
-void check_groups(const OpCheck& c, const Tensor& inp, const Tensor& weight,
-                  const Tensor& offsets) {
-  c.activation_dtype("inp", inp);
-  c.ndim("inp", inp, 2);
-  c.activation_dtype("weight", weight);
-  c.ndim("weight", weight, 3);
-  c.dim("weight", weight, 2, inp.dim(1));
-  c.dtype_device_or_host("offsets", offsets, DType::i32);
-  c.numel("offsets", offsets, weight.dim(0) + 1);
-}
-
-// The received layout: rows [R,C] packed by source, local [R,C], counts i32[P,El].
-void check_received(const OpCheck& c, const Tensor& received, const Tensor& local,
-                    const Tensor& counts) {
-  c.activation_dtype("received", received);
-  c.ndim("received", received, 2);
-  c.activation_dtype("local", local, received.shape);
-  c.dtype("counts", counts, DType::i32);
-  c.ndim("counts", counts, 2);
-}
-
-// The FP8 state and the index of a tensor in it.
-void check_fp8_state(const OpCheck& c, const Tensor& state, const Fp8StateLayout& l, int index) {
-  c.f32("state", state);
-  c.numel("state", state, l.total());
-  if (index < 0 || index >= l.n)
-    c.fail("index",
-           std::to_string(index) + " is not one of the " + std::to_string(l.n) + " FP8 tensors");
-}
-
-// A cast's outputs, [R,C] and/or its transpose [C,R], in one FP8 format.
-void check_cast_outputs(const OpCheck& c, const char* name, const Tensor& out, const char* t_name,
-                        const Tensor& out_t, int64_t R, int64_t C) {
-  if (!out.defined() && !out_t.defined())
-    c.fail(name, std::string("neither ") + name + " nor " + t_name + " is given");
-  if (out.defined()) c.fp8(name, out, {R, C});
-  if (out_t.defined()) {
-    c.fp8(t_name, out_t, {C, R});
-    if (out.defined() && out.dtype != out_t.dtype)
-      c.fail(t_name, std::string(name) + " and " + t_name + " differ in format");
-  }
-}
-
-void check_reduction(const OpCheck& c, const Tensor& out, const Tensor& x) {
-  c.f32("out", out);
-  c.numel("out", out, 1);
-  c.f32_or_activation("x", x);
-}
-
 // A rank's slice of the vocabulary-parallel loss: logits [..., Vl] are the padded vocabulary's
 // columns [first_col, first_col + Vl), numbered in i32 as the targets are; targets i32[N].
 // Returns N.
@@ -222,12 +117,29 @@ int64_t check_vocab_slice(const OpCheck& c, const Tensor& logits, const Tensor& 
   return N;
 }
 
-void check_sched(const OpCheck& c, const Tensor& sched) {
-  c.f32("sched", sched);
-  c.numel("sched", sched, kSchedSize);
+}  // namespace
+
+// ---- shared with the FP8 contracts (kernels/contracts.h) ----------------------------------
+
+void check_linear_grads(const OpCheck& c, const Tensor& dinp, const Tensor& dweight,
+                        const Tensor& inp, const Tensor& weight, const Tensor& inp_pre_gelu) {
+  c.activation_dtype("weight", weight);
+  c.ndim("weight", weight, 2);
+  c.activation_dtype("inp", inp);
+  c.dim("inp", inp, -1, weight.dim(1));
+  c.f32("dweight", dweight, weight.shape);
+  if (dinp.defined()) c.activation_dtype("dinp", dinp, inp.shape);
+  if (inp_pre_gelu.defined()) c.activation_dtype("inp_pre_gelu", inp_pre_gelu, inp.shape);
 }
 
-}  // namespace
+Shape check_swiglu_inp(const OpCheck& c, const char* name, const Tensor& inp) {
+  c.activation_dtype(name, inp);
+  if (inp.ndim() == 0 || inp.dim(-1) % 2 != 0)
+    c.fail(name, "last dim must be 2*F (gate then up), got " + inp.str());
+  Shape half = inp.shape;
+  half.dims[static_cast<size_t>(half.ndim - 1)] /= 2;
+  return half;
+}
 
 // ---- embedding, norm, linear, attention, loss ---------------------------------------------
 
@@ -297,8 +209,9 @@ void attention_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, con
   c.f32("lse", lse, {B, a.n_head, T});
   if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, T});
   if (a.documents < 0 || a.documents > B * T || (a.documents > 0 && !key_start.defined()))
-    c.fail("a.documents", std::to_string(a.documents) +
-                              " documents: 0, or between 1 and B*T with a document mask's key_start");
+    c.fail("a.documents",
+           std::to_string(a.documents) +
+               " documents: 0, or between 1 and B*T with a document mask's key_start");
 }
 
 void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
@@ -328,8 +241,9 @@ void attention_cp_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, 
   c.f32("lse", lse, {B, a.n_head, Tq});
   if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, Tq});
   if (a.documents < 0 || a.documents > B * Tq || (a.documents > 0 && !key_start.defined()))
-    c.fail("a.documents", std::to_string(a.documents) +
-                              " entries: 0, or between 1 and B*Tq with a document mask's key_start");
+    c.fail("a.documents",
+           std::to_string(a.documents) +
+               " entries: 0, or between 1 and B*Tq with a document mask's key_start");
 }
 
 void attention_cp_backward(const OpCheck& c, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
@@ -465,280 +379,6 @@ void softmax_cross_entropy_combine(const OpCheck& c, Tensor losses, Tensor logit
     c.fail("stats_all", "must hold P >= 1 ranks' stats of " + std::to_string(N) + " rows, [P," +
                             std::to_string(N) + "," + std::to_string(kCrossEntropyStats) +
                             "], got " + stats_all.str());
-}
-
-// ---- Mixture-of-Experts ---------------------------------------------------------------------
-
-void moe_router_forward(const OpCheck& c, Tensor scores, Tensor topk_idx, Tensor topk_w,
-                        Tensor counts, Tensor stats, Tensor logits, Tensor bias,
-                        const MoeRouting& r) {
-  check_routing(c, r, logits, scores, topk_idx);
-  c.f32("topk_w", topk_w, topk_idx.shape);
-  c.f32("counts", counts);
-  c.numel("counts", counts, r.n_experts);
-  if (bias.defined()) {
-    c.f32("bias", bias);
-    c.numel("bias", bias, r.n_experts);
-  }
-  if (stats.defined()) {
-    c.f32("stats", stats);
-    c.numel("stats", stats, r.n_experts + kMoeStats);
-  }
-}
-
-void moe_router_backward(const OpCheck& c, Tensor dlogits, Tensor dtopk_w, Tensor logits,
-                         Tensor scores, Tensor topk_idx, Tensor counts, const MoeRouting& r,
-                         float loss_scale) {
-  check_routing(c, r, logits, scores, topk_idx);
-  c.activation_dtype("dlogits", dlogits, logits.shape);
-  c.f32("dtopk_w", dtopk_w, topk_idx.shape);
-  c.f32("counts", counts);
-  c.numel("counts", counts, r.n_experts);
-}
-
-void moe_permute(const OpCheck& c, Tensor xp, Tensor row_token, Tensor slot_row, Tensor offsets,
-                 Tensor x, Tensor topk_idx) {
-  c.activation_dtype("x", x);
-  c.min_ndim("x", x, 1);
-  c.dtype("topk_idx", topk_idx, DType::i32);
-  c.ndim("topk_idx", topk_idx, 2);
-  c.dtype("offsets", offsets, DType::i32);
-  const int64_t N = matrix_rows(x), C = x.dim(-1), M = N * topk_idx.dim(1);
-  c.dim("topk_idx", topk_idx, 0, N);
-  c.activation_dtype("xp", xp, {M, C});
-  c.dtype("row_token", row_token, DType::i32);
-  c.numel("row_token", row_token, M);
-  c.dtype("slot_row", slot_row, DType::i32);
-  c.numel("slot_row", slot_row, M);
-}
-
-void moe_unpermute(const OpCheck& c, Tensor out, Tensor yp, Tensor slot_row, Tensor topk_w,
-                   bool accumulate) {
-  check_combine(c, "out", out, yp, slot_row);
-  if (topk_w.defined()) {
-    c.f32("topk_w", topk_w);
-    c.numel("topk_w", topk_w, yp.dim(0));
-  }
-}
-
-void moe_unpermute_backward(const OpCheck& c, Tensor dyp, Tensor dtopk_w, Tensor dout, Tensor yp,
-                            Tensor slot_row, Tensor topk_w) {
-  check_combine(c, "dout", dout, yp, slot_row);
-  const int64_t M = yp.dim(0);
-  c.activation_dtype("dyp", dyp, yp.shape);
-  c.f32("dtopk_w", dtopk_w);
-  c.numel("dtopk_w", dtopk_w, M);
-  c.f32("topk_w", topk_w);
-  c.numel("topk_w", topk_w, M);
-}
-
-void grouped_matmul_forward(const OpCheck& c, Tensor out, Tensor inp, Tensor weight, Tensor offsets,
-                            Tensor pre_gelu) {
-  check_groups(c, inp, weight, offsets);
-  const Shape out_shape{inp.dim(0), weight.dim(1)};
-  c.activation_dtype("out", out, out_shape);
-  if (pre_gelu.defined()) c.activation_dtype("pre_gelu", pre_gelu, out_shape);
-}
-
-void grouped_matmul_backward(const OpCheck& c, Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
-                             Tensor weight, Tensor offsets, Tensor inp_pre_gelu) {
-  check_groups(c, inp, weight, offsets);
-  c.f32("dweight", dweight, weight.shape);
-  c.activation_dtype("dout", dout, {inp.dim(0), weight.dim(1)});
-  if (dinp.defined()) c.activation_dtype("dinp", dinp, inp.shape);
-  if (inp_pre_gelu.defined()) c.activation_dtype("inp_pre_gelu", inp_pre_gelu, inp.shape);
-}
-
-void moe_ep_counts(const OpCheck& c, Tensor counts, Tensor offsets) {
-  c.dtype("counts", counts, DType::i32);
-  c.dtype("offsets", offsets, DType::i32);
-  c.numel("offsets", offsets, counts.numel() + 1);
-}
-
-void moe_ep_group(const OpCheck& c, Tensor local, Tensor local_offsets, Tensor received,
-                  Tensor counts) {
-  check_received(c, received, local, counts);
-  c.dtype("local_offsets", local_offsets, DType::i32);
-  c.numel("local_offsets", local_offsets, counts.dim(1) + 1);
-}
-
-void moe_ep_ungroup(const OpCheck& c, Tensor received, Tensor local, Tensor counts) {
-  check_received(c, received, local, counts);
-}
-
-void moe_bias_update(const OpCheck& c, Tensor bias, Tensor counts, float rate) {
-  c.f32("bias", bias);
-  c.f32("counts", counts);
-  c.numel("counts", counts, bias.numel());
-}
-
-// ---- FP8 with delayed scaling ---------------------------------------------------------------
-
-void fp8_cast(const OpCheck& c, Tensor out, Tensor out_t, Tensor inp, Tensor state,
-              const Fp8StateLayout& layout, int index) {
-  if (inp.defined() && inp.dtype == DType::f32 && c.activation != DType::f32) {
-    if (matrix_rows(inp) != 1 || out_t.defined())
-      c.fail("inp", "in f32 must be a vector (one row) cast without a transpose");
-  } else {
-    c.activation_dtype("inp", inp);
-  }
-  c.min_ndim("inp", inp, 1);
-  check_fp8_state(c, state, layout, index);
-  check_cast_outputs(c, "out", out, "out_t", out_t, matrix_rows(inp), inp.dim(-1));
-}
-
-void fp8_transpose(const OpCheck& c, Tensor out_t, Tensor inp) {
-  c.ndim("inp", inp, 2);
-  c.fp8("inp", inp);
-  c.dtype("out_t", out_t, inp.dtype, {inp.dim(1), inp.dim(0)});
-}
-
-void swiglu_forward_fp8(const OpCheck& c, Tensor out, Tensor x8, Tensor inp, Tensor state,
-                        const Fp8StateLayout& layout, int index) {
-  swiglu_forward(c, out, inp);
-  check_fp8_state(c, state, layout, index);
-  c.fp8("x8", x8, {matrix_rows(out), out.dim(-1)});
-}
-
-void swiglu_backward_fp8(const OpCheck& c, Tensor g8, Tensor g8_t, Tensor dout, Tensor inp,
-                         Tensor state, const Fp8StateLayout& layout, int index) {
-  const Shape half = check_swiglu_inp(c, "inp", inp);
-  c.activation_dtype("dout", dout, half);
-  check_fp8_state(c, state, layout, index);
-  check_cast_outputs(c, "g8", g8, "g8_t", g8_t, matrix_rows(inp), inp.dim(-1));
-}
-
-// matmul_forward's contract, and the casts it multiplies: x8 [N,C] and weight8 [OC,C] in E4M3.
-void fp8_matmul_forward(const OpCheck& c, Tensor out, Tensor inp, Tensor weight, Tensor bias,
-                        Tensor pre_gelu, const Fp8Linear& f) {
-  matmul_forward(c, out, inp, weight, bias, pre_gelu);
-  check_fp8_state(c, f.state, f.layout, f.index);
-  c.dtype("x8", f.x8, DType::fp8_e4m3, {matrix_rows(inp), inp.dim(-1)});
-  c.dtype("weight8", f.weight8, DType::fp8_e4m3, weight.shape);
-}
-
-// matmul_backward's contract, save that dout may be missing (then dbias must be too), and the
-// casts of both layouts: weight8 [OC,C] and weight8_t [C,OC], x8_t [C,N] in E4M3, g8 [N,OC]
-// and g8_t [OC,N] in the gradient format.
-void fp8_matmul_backward(const OpCheck& c, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
-                         Tensor inp, Tensor weight, Tensor inp_pre_gelu, const Fp8Linear& f,
-                         bool accumulate) {
-  if (dout.defined())
-    matmul_backward(c, dinp, dweight, dbias, dout, inp, weight, inp_pre_gelu, accumulate);
-  else if (dbias.defined())
-    c.fail("dout", "is needed for dbias (the gradient exists only in FP8)");
-  else
-    check_linear_grads(c, dinp, dweight, inp, weight, inp_pre_gelu);
-  const int64_t OC = weight.dim(0), C = weight.dim(1), N = matrix_rows(inp);
-  check_fp8_state(c, f.state, f.layout, f.index);
-  c.dtype("weight8", f.weight8, DType::fp8_e4m3, {OC, C});
-  c.dtype("weight8_t", f.weight8_t, DType::fp8_e4m3, {C, OC});
-  c.dtype("x8_t", f.x8_t, DType::fp8_e4m3, {C, N});
-  c.fp8("g8", f.g8, {N, OC});
-  c.fp8("g8_t", f.g8_t, {OC, N});
-}
-
-void fp8_update_scales(const OpCheck& c, Tensor state, const Fp8StateLayout& layout,
-                       const Fp8Options& options) {
-  c.f32("state", state);
-  c.numel("state", state, layout.total());
-}
-
-// ---- reductions and the optimizer -----------------------------------------------------------
-
-void reduce_sum(const OpCheck& c, Tensor out, Tensor x, bool accumulate) {
-  check_reduction(c, out, x);
-}
-
-void sum_squares(const OpCheck& c, Tensor out, Tensor x, bool accumulate) {
-  check_reduction(c, out, x);
-}
-
-void grad_norm_clip(const OpCheck& c, Tensor sched, Tensor sumsq, float max_norm,
-                    float grad_scale) {
-  check_sched(c, sched);
-  c.f32("sumsq", sumsq);
-  c.numel("sumsq", sumsq, 1);
-}
-
-void set_schedule(const OpCheck& c, Tensor sched, float lr, int step) {
-  check_sched(c, sched);
-  if (step < 1)
-    c.fail("step", "must be >= 1 (1-based for bias correction), got " + std::to_string(step));
-}
-
-void adamw_update(const OpCheck& c, Tensor master, Tensor grads, Tensor m, Tensor v, Tensor working,
-                  Tensor decay_spans, int64_t offset, Tensor sched, const AdamWHyper& hyper) {
-  c.f32("master", master);
-  const int64_t n = master.numel();
-  c.f32("grads", grads);
-  c.numel("grads", grads, n);
-  c.f32("m", m);
-  c.numel("m", m, n);
-  c.f32("v", v);
-  c.numel("v", v, n);
-  check_sched(c, sched);
-  if (working.defined()) {
-    c.defined("working", working);
-    if (working.dtype != DType::f32 && working.dtype != DType::bf16)
-      c.fail("working", "expected dtype f32 or bf16, got " + working.str());
-    c.numel("working", working, n);
-  }
-  if (decay_spans.defined()) {
-    c.dtype("decay_spans", decay_spans, DType::i64);
-    c.ndim("decay_spans", decay_spans, 2);
-    c.dim("decay_spans", decay_spans, 1, 2);
-  }
-}
-
-void muon_momentum(const OpCheck& c, Tensor momentum, Tensor nesterov, Tensor grads, Tensor sched,
-                   float mu) {
-  c.f32("momentum", momentum);
-  const int64_t n = momentum.numel();
-  c.f32("grads", grads);
-  c.numel("grads", grads, n);
-  if (nesterov.defined()) {
-    c.f32("nesterov", nesterov);
-    c.numel("nesterov", nesterov, n);
-  }
-  check_sched(c, sched);
-  if (!(mu >= 0.0f && mu < 1.0f)) c.fail("mu", "must be in [0, 1), got " + std::to_string(mu));
-}
-
-void newton_schulz(const OpCheck& c, Tensor out, Tensor x, Tensor work, int steps) {
-  c.f32("x", x);
-  c.ndim("x", x, 3);
-  c.f32("out", out);
-  c.ndim("out", out, 3);
-  for (int i = 0; i < 3; ++i) c.dim("out", out, i, x.dim(i));
-  c.f32("work", work);
-  const int64_t need = newton_schulz_workspace(x.dim(0), x.dim(1), x.dim(2));
-  if (work.numel() < need)
-    c.fail("work", work.str() + " is below the " + std::to_string(need) + " values " + x.str() +
-                       " needs");
-  if (steps < 1) c.fail("steps", "must be >= 1, got " + std::to_string(steps));
-}
-
-void muon_update(const OpCheck& c, Tensor master, Tensor working, Tensor update, Tensor sched,
-                 float lr_scale, float weight_decay) {
-  c.f32("master", master);
-  const int64_t n = master.numel();
-  c.f32("update", update);
-  c.numel("update", update, n);
-  check_sched(c, sched);
-  if (working.defined()) {
-    if (working.dtype != DType::f32 && working.dtype != DType::bf16)
-      c.fail("working", "expected dtype f32 or bf16, got " + working.str());
-    c.numel("working", working, n);
-  }
-}
-
-void add(const OpCheck& c, Tensor dst, Tensor src) {
-  c.f32_or_activation("dst", dst);
-  c.defined("src", src);
-  c.same_dtype("src", src, dst);
-  if (dst.numel() != src.numel())
-    c.fail("src", dst.str() + " and " + src.str() + " differ in size");
 }
 
 }  // namespace kiln::contract
