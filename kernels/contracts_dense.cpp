@@ -117,6 +117,17 @@ int64_t check_vocab_slice(const OpCheck& c, const Tensor& logits, const Tensor& 
   return N;
 }
 
+// A document mask's operands for B x T query rows: key_start [B,T] i32, and a.documents (the
+// entries the kernels count) 0, or 1..B*T with key_start.
+void check_documents(const OpCheck& c, const AttentionDims& a, const Tensor& key_start, int64_t B,
+                     int64_t T) {
+  if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, T});
+  if (a.documents < 0 || a.documents > B * T || (a.documents > 0 && !key_start.defined()))
+    c.fail("a.documents", std::to_string(a.documents) +
+                              " entries: 0, or between 1 and B*T query rows with a document "
+                              "mask's key_start");
+}
+
 }  // namespace
 
 // ---- shared with the FP8 contracts (kernels/contracts.h) ----------------------------------
@@ -207,11 +218,7 @@ void attention_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, con
   const int64_t B = qkv.dim(0), T = qkv.dim(1);
   c.activation_dtype("out", out, {B, T, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, T});
-  if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, T});
-  if (a.documents < 0 || a.documents > B * T || (a.documents > 0 && !key_start.defined()))
-    c.fail("a.documents",
-           std::to_string(a.documents) +
-               " documents: 0, or between 1 and B*T with a document mask's key_start");
+  check_documents(c, a, key_start, B, T);
 }
 
 void attention_backward(const OpCheck& c, Tensor dqkv, Tensor dout, Tensor qkv, Tensor out,
@@ -239,11 +246,7 @@ void attention_cp_forward(const OpCheck& c, Tensor out, Tensor lse, Tensor qkv, 
                          std::to_string(Tk) + " keys");
   c.activation_dtype("out", out, {B, Tq, a.q_dim()});
   c.f32("lse", lse, {B, a.n_head, Tq});
-  if (key_start.defined()) c.dtype("key_start", key_start, DType::i32, {B, Tq});
-  if (a.documents < 0 || a.documents > B * Tq || (a.documents > 0 && !key_start.defined()))
-    c.fail("a.documents",
-           std::to_string(a.documents) +
-               " entries: 0, or between 1 and B*Tq with a document mask's key_start");
+  check_documents(c, a, key_start, B, Tq);
 }
 
 void attention_cp_backward(const OpCheck& c, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv,
