@@ -3,6 +3,7 @@
 # change kept the one-GPU step where it was (e.g. tensor parallelism's tp=1 path against the tree
 # before it). The other tree's source is unpacked in BASE_SRC, e.g. here:
 #   mkdir -p .base && git archive COMMIT | tar -x -C .base     # .base in .git/info/exclude
+#   echo COMMIT > .base/.commit      # its builds' name (else git names the enclosing checkout)
 # and carried with the call. Builds both (train and bench, out of the carried paths) side by side,
 # then benches each config alternately, base and this tree, ROUNDS times each, and prints a table
 # of the median tok/s of each and their ratio.
