@@ -9,7 +9,8 @@
 #  tools/python_corpus.sh's shards) under each, val losses side by side (quality.txt).
 #   bash dev/muon_share.sh                       # from the source root
 # Env: CONFIG (configs/llama-1.36b.yaml), BUILD, JOBS, QUALITY, MUON_FLAGS (extra flags for the
-# Muon runs, e.g. --optim.lr=...), CONFIG_STEPS (3; 0 skips the config's-batch runs), OUT. Output in $OUT: summary.txt, the bench JSONs.
+# Muon runs, e.g. --optim.lr=...), CONFIG_STEPS (3; 0 skips the config's-batch runs), OUT.
+# Output in $OUT: summary.txt, the bench JSONs.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/muon-share-out}
@@ -42,7 +43,8 @@ for o in muon adamw; do
     sed 's/^/  /' | tee -a "$SUMMARY"
   [ "${CONFIG_STEPS:-3}" = 0 ] && continue
   timeout 200 "$BUILD/bin/bench" "$CONFIG" --dist.strategy=ddp --train.save_checkpoints=false \
-    "${flags[@]}" --train.cuda_graphs=true --warmup 3 --steps "${CONFIG_STEPS:-3}" --json "$OUT/${o}_config.json" \
+    "${flags[@]}" --train.cuda_graphs=true --warmup 3 --steps "${CONFIG_STEPS:-3}" \
+    --json "$OUT/${o}_config.json" \
     > "/tmp/${o}_config.log" 2>&1
   note "$o, the config's micro-batches: exit $?, ms tok/s bytes $(field "$OUT/${o}_config.json")," \
     "$(grep -c 'captured' "/tmp/${o}_config.log") capture lines"
