@@ -77,6 +77,11 @@ Tensor Tensor::slice(int64_t offset, Shape s) const {
   return t;
 }
 
+Tensor Tensor::rows(int64_t first, int64_t n) const {
+  const int64_t width = dim(-1);
+  return slice(first * width, {n, width});
+}
+
 std::string Tensor::str() const {
   return std::string(dtype_name(dtype)) + shape.str() + "@" + device_name(device);
 }

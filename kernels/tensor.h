@@ -53,6 +53,8 @@ struct Tensor {
   Tensor view(Shape s) const;
   // `numel(s)` elements starting `offset` elements in, as shape `s`.
   Tensor slice(int64_t offset, Shape s) const;
+  // Rows [first, first + n) as [n, dim(-1)], the tensor read as rows of its last dimension.
+  Tensor rows(int64_t first, int64_t n) const;
   // "f32[4,64,128]@cpu"
   std::string str() const;
 };

@@ -584,9 +584,8 @@ void Decoder::forward_blocks(const Acts& set, const RecomputePlan& recompute, bo
     k.matmul_forward(set.logits, set.lnf.out, param(w, lm_head_), Tensor{}, Tensor{});
     return;
   }
-  const Tensor logits = set.logits.view({set.logits.numel() / set.logits.dim(-1), set.logits.dim(-1)});
   tp_.gather_tokens(set.attn.gathered, set.lnf.out, [&](int64_t first, int64_t n) {
-    k.matmul_forward(token_rows(logits, first, n), token_rows(set.attn.gathered, first, n),
+    k.matmul_forward(set.logits.rows(first, n), set.attn.gathered.rows(first, n),
                      param(w, lm_head_), Tensor{}, Tensor{});
   });
 }

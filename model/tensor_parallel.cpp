@@ -6,11 +6,6 @@
 
 namespace kiln {
 
-Tensor token_rows(Tensor t, int64_t first, int64_t n) {
-  const int64_t width = t.dim(-1);
-  return t.slice(first * width, {n, width});
-}
-
 namespace {
 
 // Rows of every rank's tokens (`all`) and of a piece of them, checked against the chunks.
@@ -27,10 +22,10 @@ struct Pieces {
   }
   // Piece c: all's rows [c R m, (c + 1) R m) and mine's [c m, (c + 1) m).
   Tensor all_of(const TensorParallel& tp, Tensor all, int c) const {
-    return token_rows(all, c * tp.ranks * piece, tp.ranks * piece);
+    return all.rows(c * tp.ranks * piece, tp.ranks * piece);
   }
   Tensor mine_of(Tensor mine, int c) const {
-    return token_rows(mine.view({mine.numel() / mine.dim(-1), mine.dim(-1)}), c * piece, piece);
+    return mine.rows(c * piece, piece);
   }
 };
 

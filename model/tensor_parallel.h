@@ -39,7 +39,4 @@ struct TensorParallel : GroupExchange {
   void finish(uint64_t mark) const;
 };
 
-// Rows [first, first + n) of t, whose rows are t.dim(-1) values.
-Tensor token_rows(Tensor t, int64_t first, int64_t n);
-
 }  // namespace kiln

@@ -57,6 +57,16 @@ TEST(Tensor, SliceOffsetsByElementsAndRejectsOutOfRange) {
   EXPECT_THROW(t.slice(0, {101}), std::invalid_argument);
 }
 
+TEST(Tensor, RowsAreRunsOfTheLastDimension) {
+  std::vector<uint16_t> buf(2 * 6 * 5);
+  Tensor t{buf.data(), {2, 6, 5}, DType::bf16, Device::cpu};  // 12 rows of 5
+  Tensor r = t.rows(7, 3);
+  EXPECT_EQ(r.data, static_cast<void*>(buf.data() + 35));
+  EXPECT_EQ(r.shape, (Shape{3, 5}));
+  EXPECT_NO_THROW(t.rows(11, 1));
+  EXPECT_THROW(t.rows(11, 2), std::invalid_argument);
+}
+
 TEST(Tensor, ExpectShapeAndDtypeNameTheTensor) {
   Tensor t{nullptr, {2, 3}, DType::bf16, Device::cpu};
   EXPECT_FALSE(t.defined());

@@ -1,7 +1,5 @@
 #include "model/layers/linear.h"
 
-#include "model/tensor_parallel.h"
-
 namespace kiln {
 
 void Linear::declare(LayoutBuilder& b, const std::string& name, int64_t in_features,
@@ -44,11 +42,11 @@ void Linear::forward(Backend& k, const Params& w, Tensor out_t, Tensor inp, Tens
 
 void Linear::forward_rows(Backend& k, const Params& w, Tensor out_t, Tensor inp, int64_t first,
                           int64_t n, Tensor pre_gelu, bool x8_made) const {
-  const Tensor out_n = token_rows(out_t, first, n), inp_n = token_rows(inp, first, n);
-  const Tensor pre_n = pre_gelu.defined() ? token_rows(pre_gelu, first, n) : Tensor{};
+  const Tensor out_n = out_t.rows(first, n), inp_n = inp.rows(first, n);
+  const Tensor pre_n = pre_gelu.defined() ? pre_gelu.rows(first, n) : Tensor{};
   if (!fp8) return forward(k, w, out_n, inp_n, pre_n, x8_made);
   Fp8Linear piece = *fp8;
-  piece.x8 = token_rows(fp8->x8, first, n);
+  piece.x8 = fp8->x8.rows(first, n);
   if (first > 0 && piece.weights == Fp8WeightCopies::on_use)
     piece.weights = Fp8WeightCopies::per_step;  // made by the piece at row 0
   Linear self = *this;
