@@ -139,9 +139,8 @@ void Attention::backward(Backend& k, const Params& w, const Params& g, const Scr
                          const DocumentMask& docs, bool accumulate, bool kv_gathered) const {
   // Under tp, every token's output gradient for the projection's backward; then every token's
   // input for qkv's weight gradient, gathered beside the projection's and the attention's
-  // backward; qkv's input
-  // gradient, a partial sum for every token (in the first buffer again), summed into this
-  // rank's tokens.
+  // backward; qkv's input gradient, a partial sum for every token (in the first buffer again),
+  // summed into this rank's tokens.
   uint64_t inp_gathered = 0;
   if (tp.on()) {
     tp.gather_tokens(s.gathered, dout);
