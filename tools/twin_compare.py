@@ -18,13 +18,18 @@ stretched to N): trained until the target is reached, as a user who wants that l
 to loss is read along all of its own evaluations; the final table stays at the reference's last
 step.
 
-A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). --set
-applies a config override to every run, kiln's and the twin's. With several configs each gets
---out/<config name>. --report-only re-reads --out.
+A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). ARGS may
+start with a config of the variant's own, used instead of the positional one, `{name}` in it
+standing for the positional one's base name: --kiln 'muon=configs/quality/{name}-muon.yaml'
+trains configs/quality/gpt2-bytes-muon.yaml beside gpt2-bytes.yaml (a twin variant reads it
+resolved, as the reference reads the positional one). --set applies a config override to every
+run, kiln's and the twin's. With several configs each gets --out/<config name>. --report-only
+re-reads --out.
 
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
-a one-step kiln run at a learning rate too small to move an f32 weight), so that kiln and the
-twin differ per seed only in numerics: both already read the same windows in the same order.
+a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
+a variant whose own config has another model is refused), so that kiln and the twin differ per
+seed only in numerics: both already read the same windows in the same order.
 The report then adds each variant's per-seed difference to the reference, with its mean and
 standard error, a much tighter measure of a gap than two independent sets of seeds.
 """
@@ -42,8 +47,10 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("configs", nargs="+")
 p.add_argument("--seeds", default="1,2,3")
 p.add_argument("--gpus", default="0", help="GPU indices to spread the runs over")
-p.add_argument("--kiln", action="append", default=[], help="NAME[=train overrides]")
-p.add_argument("--twin", action="append", default=[], help="NAME[=torch_twin.py flags]")
+p.add_argument("--kiln", action="append", default=[],
+               help="NAME[=[CONFIG.yaml] train overrides]")
+p.add_argument("--twin", action="append", default=[],
+               help="NAME[=[CONFIG.yaml] torch_twin.py flags]")
 p.add_argument("--set", action="append", default=[], help="section.key=value, for every run")
 p.add_argument("--train", default=os.path.join(HERE, "..", "build", "bin", "train"))
 p.add_argument("--python", default=sys.executable)
@@ -60,33 +67,50 @@ common = ["--" + s.lstrip("-") for s in a.set] + ["--train.resume=none",
 
 
 def variant(spec):
+    """(NAME, its own config or None, the rest of ARGS) from NAME[=[CONFIG.yaml] ARGS]."""
     name, _, args = spec.partition("=")
-    return name, shlex.split(args)
+    args = shlex.split(args)
+    own = args.pop(0) if args and args[0].endswith(".yaml") else None
+    return name, own, args
 
 
 kilns = [variant(v) for v in a.kiln]
 twins = [variant(v) for v in a.twin]
 
 
+def base_name(config):
+    return os.path.splitext(os.path.basename(config))[0]
+
+
 def out_dir(config):
     if len(a.configs) == 1:
         return a.out
-    return os.path.join(a.out, os.path.splitext(os.path.basename(config))[0])
+    return os.path.join(a.out, base_name(config))
 
 
-def kiln_job(config, name, args, seed):
+def config_of(config, own):
+    """The config a variant trains: its own ({name}: the positional one's base name), or that."""
+    return own.replace("{name}", base_name(config)) if own else config
+
+
+def twin_config(config, name, own):
+    # The twin reads kiln's resolved config: the same keys, defaults and validation.
+    return os.path.join(out_dir(config), f"twin-config-{name}.yaml" if own else "twin-config.yaml")
+
+
+def kiln_job(config, name, own, args, seed):
     run = os.path.join(out_dir(config), f"{name}-s{seed}")
-    cmd = [a.train, config, *common, f"--train.seed={seed}", f"--train.out_dir={run}", *args]
+    cmd = [a.train, config_of(config, own), *common, f"--train.seed={seed}",
+           f"--train.out_dir={run}", *args]
     return name, seed, cmd, run + ".log", None
 
 
-def twin_job(config, name, args, seed):
-    # The twin reads kiln's resolved config: the same keys, defaults and validation.
-    resolved = os.path.join(out_dir(config), "twin-config.yaml")
-    cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config", resolved, "--seed",
-           str(seed), *args]
-    if a.paired:
-        # The initial weights: one step at a learning rate too small to move an f32 weight.
+def twin_job(config, name, own, args, seed, paired=a.paired):
+    cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config",
+           twin_config(config, name, own), "--seed", str(seed), *args]
+    if paired:
+        # The initial weights: one step at a learning rate too small to move an f32 weight, from
+        # the positional config (a variant's own has the same model: checked before the runs).
         init = os.path.join(out_dir(config), f"init-s{seed}")
         make_init = [a.train, config, *common, f"--train.seed={seed}", "--train.max_steps=1",
                      "--optim.lr=1e-30", "--optim.min_lr=0", "--train.eval_every=0",
@@ -141,20 +165,37 @@ def run_all(jobs, gpus):
     return failed
 
 
+def resolve(config, args=()):
+    return subprocess.check_output([a.train, config, *common, *args, "--print-config"], text=True)
+
+
 if not a.report_only:
     for config in a.configs:
         os.makedirs(out_dir(config), exist_ok=True)
+        positional = resolve(config)
         if twins:
-            with open(os.path.join(out_dir(config), "twin-config.yaml"), "w") as f:
-                subprocess.check_call([a.train, config, *common, "--print-config"], stdout=f)
+            with open(twin_config(config, "", None), "w") as f:
+                f.write(positional)
+        for name, own, args, twin in [(*v, False) for v in kilns] + [(*v, True) for v in twins]:
+            if not own:
+                continue
+            resolved = resolve(config_of(config, own), [] if twin else args)
+            if twin:
+                with open(twin_config(config, name, own), "w") as f:
+                    f.write(resolved)
+            if a.paired:
+                import yaml
+                if yaml.safe_load(resolved)["model"] != yaml.safe_load(positional)["model"]:
+                    sys.exit(f"twin_compare: --paired: {name}'s model ({config_of(config, own)}) "
+                             f"differs from {config}'s, whose initial weights the twins start from")
     # Seed by seed: the reference, then kiln's variants, then the other twins, so what a
     # comparison needs most is done first if the runs are cut short.
     jobs = []
     for s in seeds:
         for config in a.configs:
             jobs += [twin_job(config, *twins[0], s)] if twins else []
-            jobs += [kiln_job(config, n, args, s) for n, args in kilns]
-            jobs += [twin_job(config, n, args, s) for n, args in twins[1:]]
+            jobs += [kiln_job(config, *v, s) for v in kilns]
+            jobs += [twin_job(config, *v, s) for v in twins[1:]]
     failed = run_all(jobs, a.gpus.split(","))
     if failed:
         print("failed (see their logs): " + " ".join(failed))
@@ -195,7 +236,7 @@ def mean(xs):
 def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
     curves = {}
-    for names, read in (([n for n, _ in twins], read_twin), ([n for n, _ in kilns], read_kiln)):
+    for names, read in (([v[0] for v in twins], read_twin), ([v[0] for v in kilns], read_kiln)):
         for n in names:
             curves[n] = {}
             for s in requested:
@@ -203,7 +244,7 @@ def report(config, requested):
                     curves[n][s] = read(out, n, s)
                 except (OSError, KeyError, ValueError) as e:
                     print(f"{config}: {n} seed {s} left out ({e})")
-    names = [n for n, _ in twins + kilns if curves[n]]
+    names = [v[0] for v in twins + kilns if curves[v[0]]]
     if not names:
         return {}
     # The seeds every variant finished (a run cut short leaves its seed out of every mean).
