@@ -16,7 +16,9 @@ between evaluations, and the speed-up over the reference.
 A kiln variant may train past the reference's last step (NAME=--train.max_steps=N, its schedule
 stretched to N): trained until the target is reached, as a user who wants that loss would. Its time
 to loss is read along all of its own evaluations; the final table stays at the reference's last
-step.
+step. A variant may also stop before it (a shorter schedule): the curve shows "-" where a variant
+did not evaluate, the final table shows such a variant at its own last step, and the target stays
+the reference's final mean.
 
 A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). ARGS may
 start with a config of the variant's own, used instead of the positional one, `{name}` in it
@@ -255,25 +257,27 @@ def report(config, requested):
     if not seeds:
         return {}
     ref = names[0]
-    # step -> [val loss per seed], at the steps every seed of every variant evaluated.
+    # variant -> step -> [row per seed], at the steps every seed of it evaluated.
     table = {}
     for n in names:
         per = [{r[0]: r for r in curves[n][s]} for s in seeds]
         table[n] = {st: [d[st] for d in per] for st in set.intersection(*(set(d) for d in per))}
-    steps = sorted(set.intersection(*(set(t) for t in table.values())))
-    if not steps:
+    if not all(table.values()):
         return {}
-    print(f"\n{config}: val loss, mean of seeds {seeds} (ratio to {ref})")
+    print(f"\n{config}: val loss, mean of seeds {seeds} (ratio to {ref}; -: not evaluated)")
     print(f"{'step':>6} " + " ".join(f"{n:>18}" for n in names))
-    for st in steps:
+    for st in sorted(set().union(*table.values())):
         cells = []
         for n in names:
+            if st not in table[n]:
+                cells.append("-")
+                continue
             m = mean([r[1] for r in table[n][st]])
-            r = m / mean([r[1] for r in table[ref][st]])
-            cells.append(f"{m:.4f}" + ("" if n == ref else f" ({r:.4f})"))
+            of_ref = mean([r[1] for r in table[ref][st]]) if n != ref and st in table[ref] else 0
+            cells.append(f"{m:.4f}" + (f" ({m / of_ref:.4f})" if of_ref else ""))
         print(f"{st:>6} " + " ".join(f"{c:>18}" for c in cells))
 
-    final = steps[-1]
+    final = max(table[ref])
     target = a.to_loss if a.to_loss is not None else mean([r[1] for r in table[ref][final]])
 
     def reach(n):
@@ -291,24 +295,31 @@ def report(config, requested):
             prev = row
         return None
 
-    print(f"\n{config}: final (step {final}); time to val loss {target:.4f}")
-    print(f"{'variant':>12} {'val loss per seed':>26} {'mean':>7} {'spread':>7} {'vs ref':>7} "
-          f"{'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
+    def shown(n):
+        """The step n's final values are read at: `final`, or its own last if it has none there
+        (a shorter schedule)."""
+        return final if final in table[n] else max(table[n])
+
+    print(f"\n{config}: final (step {final}, or a variant's own last); "
+          f"time to val loss {target:.4f}")
+    print(f"{'variant':>12} {'step':>6} {'val loss per seed':>26} {'mean':>7} {'spread':>7} "
+          f"{'vs ref':>7} {'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
     summary = {"config": config, "seeds": seeds, "target": target, "variants": {}}
     ref_time = reach(ref)
     nan = float("nan")
     for n in names:
-        finals = [r[1] for r in table[n][final]]
-        total_s = mean([r[2] for r in table[n][final]])
+        st = shown(n)
+        finals = [r[1] for r in table[n][st]]
+        total_s = mean([r[2] for r in table[n][st]])
         hit = reach(n)
         speed = ref_time[0] / hit[0] if ref_time and hit else None
-        summary["variants"][n] = {"final": finals, "mean": mean(finals), "train_s": total_s,
-                                  "time_to_loss_s": hit[0] if hit else None,
+        summary["variants"][n] = {"step": st, "final": finals, "mean": mean(finals),
+                                  "train_s": total_s, "time_to_loss_s": hit[0] if hit else None,
                                   "tokens_to_loss": hit[1] if hit else None,
                                   "speedup_vs_ref": speed}
         vs_ref = mean(finals) / summary["variants"][ref]["mean"]
-        print(f"{n:>12} {' / '.join(f'{v:.4f}' for v in finals):>26} {mean(finals):>7.4f} "
-              f"{max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
+        print(f"{n:>12} {st:>6} {' / '.join(f'{v:.4f}' for v in finals):>26} "
+              f"{mean(finals):>7.4f} {max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
               f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
               f"{speed if speed else nan:>8.3f}")
     for n in names:
@@ -323,6 +334,8 @@ def report(config, requested):
         print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%)")
         ref_finals = [r[1] for r in table[ref][final]]
         for n in names[1:]:
+            if final not in table[n]:
+                continue
             d = [100 * (r[1] / f - 1) for r, f in zip(table[n][final], ref_finals)]
             m = mean(d)
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
