@@ -2,7 +2,8 @@
 // the reference's final val loss is read along each variant's mean curve, linear between
 // evaluations, in training seconds; a kiln variant that trains past the reference's last step
 // (trained until the target is reached) is read along all of its own evaluations, and one that
-// never reaches the target has none; one that stops earlier is shown at its own last step.
+// never reaches the target has none; one that stops earlier is shown at its own last step, and
+// compared seed by seed (--paired) with an earlier variant that stopped there too.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -111,6 +112,43 @@ TEST(TwinCompare, AShorterRunIsShownAtItsOwnLastStepAgainstTheReferencesFinal) {
   EXPECT_NEAR(v["short"]["mean"].get<double>(), 0.88, 1e-12);
   EXPECT_NEAR(v["short"]["train_s"].get<double>(), 6.0, 1e-9);
   EXPECT_NEAR(v["short"]["time_to_loss_s"].get<double>(), 5.0 + 5.0 / 6.0, 1e-9) << r.output;
+}
+
+TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  // Per seed, kiln's Muon against the Muon twin: +3% and -1%, mean +1 +- 2 (standard error).
+  const std::map<int, std::pair<double, double>> at60 = {{1, {0.95, 0.95 * 1.03}},
+                                                         {2, {0.90, 0.90 * 0.99}}};
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    write_twin_run(out / ("twin-muon" + s + ".jsonl"),
+                   {{50, {1.0, 10.0}}, {60, {at60.at(seed).first, 12.0}}});
+    write_kiln_run(out / ("muon" + s), 60, {{50, 1.0}, {60, at60.at(seed).second}});
+  }
+  const auto r =
+      twin_compare(out,
+                   "--paired --twin twin --twin 'twin-muon=configs/quality/{name}-muon.yaml' "
+                   "--kiln 'muon=configs/quality/{name}-muon.yaml'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (vs twin-muon, step 60)"),
+            std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  const auto& v = summary["variants"];
+  const auto& vs = v["muon"]["paired_vs"]["twin-muon"];
+  EXPECT_EQ(vs["step"].get<int>(), 60);
+  EXPECT_NEAR(vs["per_seed"][0].get<double>(), 3.0, 1e-9);
+  EXPECT_NEAR(vs["per_seed"][1].get<double>(), -1.0, 1e-9);
+  EXPECT_NEAR(vs["mean"].get<double>(), 1.0, 1e-9);
+  EXPECT_NEAR(vs["stderr"].get<double>(), 2.0, 1e-9);
+  // Neither reached the reference's final step: no comparison with it, and the reference is
+  // never an "earlier variant".
+  EXPECT_FALSE(v["muon"].contains("paired_pct"));
+  EXPECT_FALSE(v["twin-muon"].contains("paired_pct"));
+  EXPECT_FALSE(v["twin-muon"].contains("paired_vs"));
+  EXPECT_EQ(v["muon"]["paired_vs"].size(), 1u);
 }
 
 }  // namespace

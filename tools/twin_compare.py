@@ -33,7 +33,9 @@ a one-step kiln run of the positional config at a learning rate too small to mov
 a variant whose own config has another model is refused), so that kiln and the twin differ per
 seed only in numerics: both already read the same windows in the same order.
 The report then adds each variant's per-seed difference to the reference, with its mean and
-standard error, a much tighter measure of a gap than two independent sets of seeds.
+standard error, a much tighter measure of a gap than two independent sets of seeds; and to each
+earlier variant but the reference that ended at the same step (a kiln and a twin run of one
+shorter recipe), at that step.
 """
 import argparse
 import json
@@ -330,20 +332,32 @@ def report(config, requested):
                   f"train s {mean([r[2] for r in rows]):.1f}")
     if a.paired and len(seeds) > 1:
         # Seed s of each variant started from the same weights and read the same windows as the
-        # reference's seed s: the per-seed ratios hold the numerics' effect alone.
-        print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%)")
-        ref_finals = [r[1] for r in table[ref][final]]
-        for n in names[1:]:
-            if final not in table[n]:
-                continue
-            d = [100 * (r[1] / f - 1) for r, f in zip(table[n][final], ref_finals)]
+        # reference's seed s: the per-seed ratios hold the variants' difference alone.
+        def paired(b, a_, st):
+            d = [100 * (rb[1] / ra[1] - 1) for rb, ra in zip(table[b][st], table[a_][st])]
             m = mean(d)
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
-            summary["variants"][n]["paired_pct"] = {"per_seed": d, "mean": m, "stderr": se}
-            # A variant that ran past `final` had a stretched schedule: not numerics alone.
-            longer = " (its schedule stretched)" if max(table[n]) > final else ""
-            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d)}  mean {m:+.3f} +- {se:.3f}"
-                  f"{longer}")
+            return {"per_seed": d, "mean": m, "stderr": se}
+
+        def line(n, d, note):
+            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d['per_seed'])}  "
+                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f}{note}")
+
+        print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%), and / an "
+              "earlier variant's that ended at the same step")
+        for i, n in enumerate(names[1:], 1):
+            v = summary["variants"][n]
+            if final in table[n]:
+                v["paired_pct"] = paired(n, ref, final)
+                # A variant that ran past `final` had a stretched schedule: not numerics alone.
+                line(n, v["paired_pct"], " (its schedule stretched)" if max(table[n]) > final
+                     else "")
+            last = max(table[n])
+            for e in names[1:i]:
+                if max(table[e]) == last:
+                    d = {"step": last, **paired(n, e, last)}
+                    v.setdefault("paired_vs", {})[e] = d
+                    line(n, d, f" (vs {e}, step {last})")
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
     return summary
 
