@@ -3,7 +3,8 @@
 // evaluations, in training seconds; a kiln variant that trains past the reference's last step
 // (trained until the target is reached) is read along all of its own evaluations, and one that
 // never reaches the target has none; one that stops earlier is shown at its own last step, and
-// compared seed by seed (--paired) with an earlier variant that stopped there too.
+// compared seed by seed (--paired) with an earlier variant that stopped there too. timing.json
+// (--time-alone) replaces the runs' clocks with steps x a step's time alone.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -149,6 +150,33 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   EXPECT_FALSE(v["twin-muon"].contains("paired_pct"));
   EXPECT_FALSE(v["twin-muon"].contains("paired_vs"));
   EXPECT_EQ(v["muon"]["paired_vs"].size(), 1u);
+}
+
+TEST(TwinCompare, TimingJsonReplacesTheRunsClocks) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    // 0.9 halfway between steps 100 and 150: step 125.
+    write_kiln_run(out / ("kiln" + s), 150, {{50, 1.0}, {100, 0.95}, {150, 0.85}});
+    write_kiln_run(out / ("other" + s), 100, {{50, 1.0}, {100, 0.92}});
+  }
+  std::ofstream(out / "timing.json") << R"({"twin": 0.3, "kiln": 0.04})";
+  const auto r = twin_compare(out, "--twin twin --kiln 'kiln=--train.max_steps=150' --kiln other");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("times: steps x the per-step time of a run alone (--time-alone); their "
+                          "own clocks: other"),
+            std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  const auto& v = summary["variants"];
+  EXPECT_NEAR(v["twin"]["train_s"].get<double>(), 30.0, 1e-9);
+  EXPECT_NEAR(v["twin"]["time_to_loss_s"].get<double>(), 30.0, 1e-9);
+  EXPECT_NEAR(v["kiln"]["time_to_loss_s"].get<double>(), 125 * 0.04, 1e-9) << r.output;
+  EXPECT_NEAR(v["kiln"]["speedup_vs_ref"].get<double>(), 6.0, 1e-9);
+  // Not in timing.json: its own clock, 100 steps of 100 ms.
+  EXPECT_NEAR(v["other"]["train_s"].get<double>(), 10.0, 1e-9);
 }
 
 }  // namespace

@@ -28,6 +28,12 @@ resolved, as the reference reads the positional one). --set applies a config ove
 run, kiln's and the twin's. With several configs each gets --out/<config name>. --report-only
 re-reads --out.
 
+--gpus 0,0,0 runs three at a time on GPU 0: their val-loss curves are exact, but they slow each
+other's steps. --time-alone N then runs each variant once more alone (the first seed, one run per
+distinct GPU at a time) for N steps without evaluations and writes --out/timing.json, {variant:
+seconds a step, start-up left out}; where it exists, the report's times are steps x those (a
+variant missing from it keeps its own clock).
+
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
 a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
 a variant whose own config has another model is refused), so that kiln and the twin differ per
@@ -50,7 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("configs", nargs="+")
 p.add_argument("--seeds", default="1,2,3")
-p.add_argument("--gpus", default="0", help="GPU indices to spread the runs over")
+p.add_argument("--gpus", default="0",
+               help="GPU indices to spread the runs over; 0,0,0: three runs share GPU 0")
 p.add_argument("--kiln", action="append", default=[],
                help="NAME[=[CONFIG.yaml] train overrides]")
 p.add_argument("--twin", action="append", default=[],
@@ -62,6 +69,8 @@ p.add_argument("--out", default="runs/twin-compare")
 p.add_argument("--to-loss", type=float, default=None)
 p.add_argument("--report-only", action="store_true")
 p.add_argument("--paired", action="store_true", help="the twin starts from kiln's initial weights")
+p.add_argument("--time-alone", type=int, default=0, metavar="N",
+               help="after the runs, time each variant alone for N steps (timing.json)")
 a = p.parse_args()
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
@@ -169,6 +178,27 @@ def run_all(jobs, gpus):
     return failed
 
 
+def kiln_steps(run):
+    """A kiln run's step lines (metrics.jsonl) and each step's seconds, evaluations not in them.
+    The first step (cuDNN plans, GEMM algorithm choice) counts at the median of the next ten:
+    its excess is one-off start-up, left out as the twin's compilation is."""
+    steps = [m for m in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "step" in m]
+    ms = [m["ms"] for m in steps]
+    if len(ms) > 2:
+        ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]
+    return steps, [x / 1e3 for x in ms]
+
+
+def seconds_per_step(out, name, kiln):
+    """A variant's seconds a step in its run alone (--time-alone), start-up left out."""
+    if kiln:
+        secs = kiln_steps(os.path.join(out, f"{name}-time"))[1]
+        return sum(secs) / len(secs)
+    lines = open(os.path.join(out, f"{name}-time.jsonl")).read().splitlines()
+    summary = [json.loads(l)["summary"] for l in lines if l.startswith('{"summary"')][-1]
+    return summary["train_s"] / summary["steps"]
+
+
 def resolve(config, args=()):
     return subprocess.check_output([a.train, config, *common, *args, "--print-config"], text=True)
 
@@ -201,23 +231,42 @@ if not a.report_only:
             jobs += [kiln_job(config, *v, s) for v in kilns]
             jobs += [twin_job(config, *v, s) for v in twins[1:]]
     failed = run_all(jobs, a.gpus.split(","))
+    if a.time_alone:
+        # Runs sharing a GPU evaluate exactly but slow each other's steps: each variant once more,
+        # alone on its GPU (one run per distinct GPU at a time), to time a step.
+        jobs = []
+        for config in a.configs:
+            for name, own, args in kilns:
+                run = os.path.join(out_dir(config), f"{name}-time")
+                cmd = kiln_job(config, name, own, args, seeds[0])[2] + [
+                    f"--train.max_steps={a.time_alone}", "--train.eval_every=0",
+                    f"--train.out_dir={run}"]
+                jobs.append((name, seeds[0], cmd, run + ".log", None))
+            for name, own, args in twins:
+                cmd = twin_job(config, name, own, args, seeds[0], paired=False)[2]
+                jobs.append((name, seeds[0], cmd + ["--steps", str(a.time_alone)],
+                             os.path.join(out_dir(config), f"{name}-time.jsonl"), None))
+        failed += run_all(jobs, list(dict.fromkeys(a.gpus.split(","))))
+        for config in a.configs:
+            timing = {}
+            for (name, *_), kiln in [(v, False) for v in twins] + [(v, True) for v in kilns]:
+                try:
+                    timing[name] = seconds_per_step(out_dir(config), name, kiln)
+                except (OSError, KeyError, ValueError, IndexError, ZeroDivisionError) as e:
+                    print(f"{config}: {name} not timed alone ({e})")
+            with open(os.path.join(out_dir(config), "timing.json"), "w") as f:
+                json.dump(timing, f, indent=1)
     if failed:
         print("failed (see their logs): " + " ".join(failed))
 
 
 def read_kiln(out, name, seed):
-    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json.
-    The first step (cuDNN plans, GEMM algorithm choice) counts at the median of the next ten:
-    its excess is one-off start-up, left out as the twin's compilation is."""
+    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
     run = os.path.join(out, f"{name}-s{seed}")
     tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
-    steps = [m for m in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "step" in m]
-    ms = [m["ms"] for m in steps]  # each step's time; evaluations are not in it
-    if len(ms) > 2:
-        ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]
     t, rows = 0.0, []
-    for m, step_ms in zip(steps, ms):
-        t += step_ms / 1e3
+    for m, step_s in zip(*kiln_steps(run)):
+        t += step_s
         if "val_loss" in m:
             rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
     return rows
@@ -239,6 +288,8 @@ def mean(xs):
 
 def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
+    timing = os.path.join(out, "timing.json")
+    alone = json.load(open(timing)) if os.path.exists(timing) else None
     curves = {}
     for names, read in (([v[0] for v in twins], read_twin), ([v[0] for v in kilns], read_kiln)):
         for n in names:
@@ -248,6 +299,8 @@ def report(config, requested):
                     curves[n][s] = read(out, n, s)
                 except (OSError, KeyError, ValueError) as e:
                     print(f"{config}: {n} seed {s} left out ({e})")
+                if alone and n in alone and curves[n].get(s):
+                    curves[n][s] = [(st, v, st * alone[n], tok) for st, v, _, tok in curves[n][s]]
     names = [v[0] for v in twins + kilns if curves[v[0]]]
     if not names:
         return {}
@@ -304,9 +357,15 @@ def report(config, requested):
 
     print(f"\n{config}: final (step {final}, or a variant's own last); "
           f"time to val loss {target:.4f}")
+    if alone is not None:
+        own = [n for n in names if n not in alone]
+        span = f", {a.time_alone} steps" if a.time_alone else ""
+        print(f"times: steps x the per-step time of a run alone{span} (--time-alone)"
+              + (f"; their own clocks: {', '.join(own)}" if own else ""))
     print(f"{'variant':>12} {'step':>6} {'val loss per seed':>26} {'mean':>7} {'spread':>7} "
           f"{'vs ref':>7} {'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
-    summary = {"config": config, "seeds": seeds, "target": target, "variants": {}}
+    summary = {"config": config, "seeds": seeds, "target": target,
+               "seconds_per_step_alone": alone, "variants": {}}
     ref_time = reach(ref)
     nan = float("nan")
     for n in names:
