@@ -2,7 +2,9 @@
 // the reference's final val loss is read along each variant's mean curve, linear between
 // evaluations, in training seconds; a kiln variant that trains past the reference's last step
 // (trained until the target is reached) is read along all of its own evaluations, and one that
-// never reaches the target has none.
+// never reaches the target has none; one that stops earlier is shown at its own last step, and
+// compared seed by seed (--paired) with an earlier variant that stopped there too. timing.json
+// (--time-alone) replaces the runs' clocks with steps x a step's time alone.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -29,6 +31,27 @@ void write_kiln_run(const fs::path& run, int steps, const std::map<int, double>&
     if (val.count(s)) line["val_loss"] = val.at(s);
     m << line.dump() << "\n";
   }
+}
+
+// A twin run: val_loss and train_s at the given steps, 1000 tokens a step.
+void write_twin_run(const fs::path& path, const std::map<int, std::pair<double, double>>& val) {
+  std::ofstream t(path);
+  t << "compiling\n";
+  for (const auto& [step, v] : val) {
+    t << nlohmann::json{{"step", step},
+                        {"val_loss", v.first},
+                        {"train_s", v.second},
+                        {"tokens", step * 1000}}
+             .dump()
+      << "\n";
+  }
+}
+
+kiln::testing::CommandResult twin_compare(const fs::path& out, const std::string& args) {
+  return kiln::testing::run_command("python3 " + kSrc +
+                                    "/tools/twin_compare.py configs/quality/gpt2-bytes.yaml "
+                                    "--report-only --seeds 1,2 --out " +
+                                    out.string() + " " + args);
 }
 
 TEST(TwinCompare, ALongerKilnRunIsReadAlongItsOwnEvaluations) {
@@ -64,6 +87,96 @@ TEST(TwinCompare, ALongerKilnRunIsReadAlongItsOwnEvaluations) {
   EXPECT_NEAR(v["long"]["speedup_vs_ref"].get<double>(), 1.6, 1e-9);
   // The final table stays at the reference's last step, where every variant evaluated.
   EXPECT_NEAR(v["long"]["mean"].get<double>(), 0.95, 1e-12);
+}
+
+TEST(TwinCompare, AShorterRunIsShownAtItsOwnLastStepAgainstTheReferencesFinal) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    // 1.0 at step 50 (5 s), 0.88 at step 60 (6 s): 0.9 at 5/6 of the way, 5.8333 s.
+    write_kiln_run(out / ("short" + s), 60, {{50, 1.0}, {60, 0.88}});
+  }
+  const auto r = twin_compare(out, "--twin twin --kiln 'short=configs/quality/{name}-short.yaml'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  // The curve is over every variant's steps, "-" where one did not evaluate.
+  EXPECT_NE(r.output.find("    60                  -             0.8800"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("   100             0.9000                  -"), std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  EXPECT_DOUBLE_EQ(summary["target"].get<double>(), 0.9);
+  const auto& v = summary["variants"];
+  EXPECT_EQ(v["twin"]["step"].get<int>(), 100);
+  EXPECT_EQ(v["short"]["step"].get<int>(), 60);
+  EXPECT_NEAR(v["short"]["mean"].get<double>(), 0.88, 1e-12);
+  EXPECT_NEAR(v["short"]["train_s"].get<double>(), 6.0, 1e-9);
+  EXPECT_NEAR(v["short"]["time_to_loss_s"].get<double>(), 5.0 + 5.0 / 6.0, 1e-9) << r.output;
+}
+
+TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  // Per seed, kiln's Muon against the Muon twin: +3% and -1%, mean +1 +- 2 (standard error).
+  const std::map<int, std::pair<double, double>> at60 = {{1, {0.95, 0.95 * 1.03}},
+                                                         {2, {0.90, 0.90 * 0.99}}};
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    write_twin_run(out / ("twin-muon" + s + ".jsonl"),
+                   {{50, {1.0, 10.0}}, {60, {at60.at(seed).first, 12.0}}});
+    write_kiln_run(out / ("muon" + s), 60, {{50, 1.0}, {60, at60.at(seed).second}});
+  }
+  const auto r =
+      twin_compare(out,
+                   "--paired --twin twin --twin 'twin-muon=configs/quality/{name}-muon.yaml' "
+                   "--kiln 'muon=configs/quality/{name}-muon.yaml'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (vs twin-muon, step 60)"),
+            std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  const auto& v = summary["variants"];
+  const auto& vs = v["muon"]["paired_vs"]["twin-muon"];
+  EXPECT_EQ(vs["step"].get<int>(), 60);
+  EXPECT_NEAR(vs["per_seed"][0].get<double>(), 3.0, 1e-9);
+  EXPECT_NEAR(vs["per_seed"][1].get<double>(), -1.0, 1e-9);
+  EXPECT_NEAR(vs["mean"].get<double>(), 1.0, 1e-9);
+  EXPECT_NEAR(vs["stderr"].get<double>(), 2.0, 1e-9);
+  // Neither reached the reference's final step: no comparison with it, and the reference is
+  // never an "earlier variant".
+  EXPECT_FALSE(v["muon"].contains("paired_pct"));
+  EXPECT_FALSE(v["twin-muon"].contains("paired_pct"));
+  EXPECT_FALSE(v["twin-muon"].contains("paired_vs"));
+  EXPECT_EQ(v["muon"]["paired_vs"].size(), 1u);
+}
+
+TEST(TwinCompare, TimingJsonReplacesTheRunsClocks) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    // 0.9 halfway between steps 100 and 150: step 125.
+    write_kiln_run(out / ("kiln" + s), 150, {{50, 1.0}, {100, 0.95}, {150, 0.85}});
+    write_kiln_run(out / ("other" + s), 100, {{50, 1.0}, {100, 0.92}});
+  }
+  std::ofstream(out / "timing.json") << R"({"twin": 0.3, "kiln": 0.04})";
+  const auto r = twin_compare(out, "--twin twin --kiln 'kiln=--train.max_steps=150' --kiln other");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("times: steps x the per-step time of a run alone (--time-alone); their "
+                          "own clocks: other"),
+            std::string::npos)
+      << r.output;
+
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  const auto& v = summary["variants"];
+  EXPECT_NEAR(v["twin"]["train_s"].get<double>(), 30.0, 1e-9);
+  EXPECT_NEAR(v["twin"]["time_to_loss_s"].get<double>(), 30.0, 1e-9);
+  EXPECT_NEAR(v["kiln"]["time_to_loss_s"].get<double>(), 125 * 0.04, 1e-9) << r.output;
+  EXPECT_NEAR(v["kiln"]["speedup_vs_ref"].get<double>(), 6.0, 1e-9);
+  // Not in timing.json: its own clock, 100 steps of 100 ms.
+  EXPECT_NEAR(v["other"]["train_s"].get<double>(), 10.0, 1e-9);
 }
 
 }  // namespace

@@ -16,17 +16,32 @@ between evaluations, and the speed-up over the reference.
 A kiln variant may train past the reference's last step (NAME=--train.max_steps=N, its schedule
 stretched to N): trained until the target is reached, as a user who wants that loss would. Its time
 to loss is read along all of its own evaluations; the final table stays at the reference's last
-step.
+step. A variant may also stop before it (a shorter schedule): the curve shows "-" where a variant
+did not evaluate, the final table shows such a variant at its own last step, and the target stays
+the reference's final mean.
 
-A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). --set
-applies a config override to every run, kiln's and the twin's. With several configs each gets
---out/<config name>. --report-only re-reads --out.
+A variant is NAME or NAME=ARGS (extra `train` overrides, or extra torch_twin.py flags). ARGS may
+start with a config of the variant's own, used instead of the positional one, `{name}` in it
+standing for the positional one's base name: --kiln 'muon=configs/quality/{name}-muon.yaml'
+trains configs/quality/gpt2-bytes-muon.yaml beside gpt2-bytes.yaml (a twin variant reads it
+resolved, as the reference reads the positional one). --set applies a config override to every
+run, kiln's and the twin's. With several configs each gets --out/<config name>. --report-only
+re-reads --out.
+
+--gpus 0,0,0 runs three at a time on GPU 0: their val-loss curves are exact, but they slow each
+other's steps. --time-alone N then runs each variant once more alone (the first seed, one run per
+distinct GPU at a time) for N steps without evaluations and writes --out/timing.json, {variant:
+seconds a step, start-up left out}; where it exists, the report's times are steps x those (a
+variant missing from it keeps its own clock).
 
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
-a one-step kiln run at a learning rate too small to move an f32 weight), so that kiln and the
-twin differ per seed only in numerics: both already read the same windows in the same order.
+a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
+a variant whose own config has another model is refused), so that kiln and the twin differ per
+seed only in numerics: both already read the same windows in the same order.
 The report then adds each variant's per-seed difference to the reference, with its mean and
-standard error, a much tighter measure of a gap than two independent sets of seeds.
+standard error, a much tighter measure of a gap than two independent sets of seeds; and to each
+earlier variant but the reference that ended at the same step (a kiln and a twin run of one
+shorter recipe), at that step.
 """
 import argparse
 import json
@@ -41,9 +56,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("configs", nargs="+")
 p.add_argument("--seeds", default="1,2,3")
-p.add_argument("--gpus", default="0", help="GPU indices to spread the runs over")
-p.add_argument("--kiln", action="append", default=[], help="NAME[=train overrides]")
-p.add_argument("--twin", action="append", default=[], help="NAME[=torch_twin.py flags]")
+p.add_argument("--gpus", default="0",
+               help="GPU indices to spread the runs over; 0,0,0: three runs share GPU 0")
+p.add_argument("--kiln", action="append", default=[],
+               help="NAME[=[CONFIG.yaml] train overrides]")
+p.add_argument("--twin", action="append", default=[],
+               help="NAME[=[CONFIG.yaml] torch_twin.py flags]")
 p.add_argument("--set", action="append", default=[], help="section.key=value, for every run")
 p.add_argument("--train", default=os.path.join(HERE, "..", "build", "bin", "train"))
 p.add_argument("--python", default=sys.executable)
@@ -51,6 +69,8 @@ p.add_argument("--out", default="runs/twin-compare")
 p.add_argument("--to-loss", type=float, default=None)
 p.add_argument("--report-only", action="store_true")
 p.add_argument("--paired", action="store_true", help="the twin starts from kiln's initial weights")
+p.add_argument("--time-alone", type=int, default=0, metavar="N",
+               help="after the runs, time each variant alone for N steps (timing.json)")
 a = p.parse_args()
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
@@ -60,33 +80,50 @@ common = ["--" + s.lstrip("-") for s in a.set] + ["--train.resume=none",
 
 
 def variant(spec):
+    """(NAME, its own config or None, the rest of ARGS) from NAME[=[CONFIG.yaml] ARGS]."""
     name, _, args = spec.partition("=")
-    return name, shlex.split(args)
+    args = shlex.split(args)
+    own = args.pop(0) if args and args[0].endswith(".yaml") else None
+    return name, own, args
 
 
 kilns = [variant(v) for v in a.kiln]
 twins = [variant(v) for v in a.twin]
 
 
+def base_name(config):
+    return os.path.splitext(os.path.basename(config))[0]
+
+
 def out_dir(config):
     if len(a.configs) == 1:
         return a.out
-    return os.path.join(a.out, os.path.splitext(os.path.basename(config))[0])
+    return os.path.join(a.out, base_name(config))
 
 
-def kiln_job(config, name, args, seed):
+def config_of(config, own):
+    """The config a variant trains: its own ({name}: the positional one's base name), or that."""
+    return own.replace("{name}", base_name(config)) if own else config
+
+
+def twin_config(config, name, own):
+    # The twin reads kiln's resolved config: the same keys, defaults and validation.
+    return os.path.join(out_dir(config), f"twin-config-{name}.yaml" if own else "twin-config.yaml")
+
+
+def kiln_job(config, name, own, args, seed):
     run = os.path.join(out_dir(config), f"{name}-s{seed}")
-    cmd = [a.train, config, *common, f"--train.seed={seed}", f"--train.out_dir={run}", *args]
+    cmd = [a.train, config_of(config, own), *common, f"--train.seed={seed}",
+           f"--train.out_dir={run}", *args]
     return name, seed, cmd, run + ".log", None
 
 
-def twin_job(config, name, args, seed):
-    # The twin reads kiln's resolved config: the same keys, defaults and validation.
-    resolved = os.path.join(out_dir(config), "twin-config.yaml")
-    cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config", resolved, "--seed",
-           str(seed), *args]
-    if a.paired:
-        # The initial weights: one step at a learning rate too small to move an f32 weight.
+def twin_job(config, name, own, args, seed, paired=a.paired):
+    cmd = [a.python, os.path.join(HERE, "torch_twin.py"), "--config",
+           twin_config(config, name, own), "--seed", str(seed), *args]
+    if paired:
+        # The initial weights: one step at a learning rate too small to move an f32 weight, from
+        # the positional config (a variant's own has the same model: checked before the runs).
         init = os.path.join(out_dir(config), f"init-s{seed}")
         make_init = [a.train, config, *common, f"--train.seed={seed}", "--train.max_steps=1",
                      "--optim.lr=1e-30", "--optim.min_lr=0", "--train.eval_every=0",
@@ -141,38 +178,95 @@ def run_all(jobs, gpus):
     return failed
 
 
+def kiln_steps(run):
+    """A kiln run's step lines (metrics.jsonl) and each step's seconds, evaluations not in them.
+    The first step (cuDNN plans, GEMM algorithm choice) counts at the median of the next ten:
+    its excess is one-off start-up, left out as the twin's compilation is."""
+    steps = [m for m in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "step" in m]
+    ms = [m["ms"] for m in steps]
+    if len(ms) > 2:
+        ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]
+    return steps, [x / 1e3 for x in ms]
+
+
+def seconds_per_step(out, name, kiln):
+    """A variant's seconds a step in its run alone (--time-alone), start-up left out."""
+    if kiln:
+        secs = kiln_steps(os.path.join(out, f"{name}-time"))[1]
+        return sum(secs) / len(secs)
+    lines = open(os.path.join(out, f"{name}-time.jsonl")).read().splitlines()
+    summary = [json.loads(l)["summary"] for l in lines if l.startswith('{"summary"')][-1]
+    return summary["train_s"] / summary["steps"]
+
+
+def resolve(config, args=()):
+    return subprocess.check_output([a.train, config, *common, *args, "--print-config"], text=True)
+
+
 if not a.report_only:
     for config in a.configs:
         os.makedirs(out_dir(config), exist_ok=True)
+        positional = resolve(config)
         if twins:
-            with open(os.path.join(out_dir(config), "twin-config.yaml"), "w") as f:
-                subprocess.check_call([a.train, config, *common, "--print-config"], stdout=f)
+            with open(twin_config(config, "", None), "w") as f:
+                f.write(positional)
+        for name, own, args, twin in [(*v, False) for v in kilns] + [(*v, True) for v in twins]:
+            if not own:
+                continue
+            resolved = resolve(config_of(config, own), [] if twin else args)
+            if twin:
+                with open(twin_config(config, name, own), "w") as f:
+                    f.write(resolved)
+            if a.paired:
+                import yaml
+                if yaml.safe_load(resolved)["model"] != yaml.safe_load(positional)["model"]:
+                    sys.exit(f"twin_compare: --paired: {name}'s model ({config_of(config, own)}) "
+                             f"differs from {config}'s, whose initial weights the twins start from")
     # Seed by seed: the reference, then kiln's variants, then the other twins, so what a
     # comparison needs most is done first if the runs are cut short.
     jobs = []
     for s in seeds:
         for config in a.configs:
             jobs += [twin_job(config, *twins[0], s)] if twins else []
-            jobs += [kiln_job(config, n, args, s) for n, args in kilns]
-            jobs += [twin_job(config, n, args, s) for n, args in twins[1:]]
+            jobs += [kiln_job(config, *v, s) for v in kilns]
+            jobs += [twin_job(config, *v, s) for v in twins[1:]]
     failed = run_all(jobs, a.gpus.split(","))
+    if a.time_alone:
+        # Runs sharing a GPU evaluate exactly but slow each other's steps: each variant once more,
+        # alone on its GPU (one run per distinct GPU at a time), to time a step.
+        jobs = []
+        for config in a.configs:
+            for name, own, args in kilns:
+                run = os.path.join(out_dir(config), f"{name}-time")
+                cmd = kiln_job(config, name, own, args, seeds[0])[2] + [
+                    f"--train.max_steps={a.time_alone}", "--train.eval_every=0",
+                    f"--train.out_dir={run}"]
+                jobs.append((name, seeds[0], cmd, run + ".log", None))
+            for name, own, args in twins:
+                cmd = twin_job(config, name, own, args, seeds[0], paired=False)[2]
+                jobs.append((name, seeds[0], cmd + ["--steps", str(a.time_alone)],
+                             os.path.join(out_dir(config), f"{name}-time.jsonl"), None))
+        failed += run_all(jobs, list(dict.fromkeys(a.gpus.split(","))))
+        for config in a.configs:
+            timing = {}
+            for (name, *_), kiln in [(v, False) for v in twins] + [(v, True) for v in kilns]:
+                try:
+                    timing[name] = seconds_per_step(out_dir(config), name, kiln)
+                except (OSError, KeyError, ValueError, IndexError, ZeroDivisionError) as e:
+                    print(f"{config}: {name} not timed alone ({e})")
+            with open(os.path.join(out_dir(config), "timing.json"), "w") as f:
+                json.dump(timing, f, indent=1)
     if failed:
         print("failed (see their logs): " + " ".join(failed))
 
 
 def read_kiln(out, name, seed):
-    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json.
-    The first step (cuDNN plans, GEMM algorithm choice) counts at the median of the next ten:
-    its excess is one-off start-up, left out as the twin's compilation is."""
+    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
     run = os.path.join(out, f"{name}-s{seed}")
     tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
-    steps = [m for m in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "step" in m]
-    ms = [m["ms"] for m in steps]  # each step's time; evaluations are not in it
-    if len(ms) > 2:
-        ms[0] = sorted(ms[1:11])[len(ms[1:11]) // 2]
     t, rows = 0.0, []
-    for m, step_ms in zip(steps, ms):
-        t += step_ms / 1e3
+    for m, step_s in zip(*kiln_steps(run)):
+        t += step_s
         if "val_loss" in m:
             rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
     return rows
@@ -194,8 +288,10 @@ def mean(xs):
 
 def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
+    timing = os.path.join(out, "timing.json")
+    alone = json.load(open(timing)) if os.path.exists(timing) else None
     curves = {}
-    for names, read in (([n for n, _ in twins], read_twin), ([n for n, _ in kilns], read_kiln)):
+    for names, read in (([v[0] for v in twins], read_twin), ([v[0] for v in kilns], read_kiln)):
         for n in names:
             curves[n] = {}
             for s in requested:
@@ -203,7 +299,9 @@ def report(config, requested):
                     curves[n][s] = read(out, n, s)
                 except (OSError, KeyError, ValueError) as e:
                     print(f"{config}: {n} seed {s} left out ({e})")
-    names = [n for n, _ in twins + kilns if curves[n]]
+                if alone and n in alone and curves[n].get(s):
+                    curves[n][s] = [(st, v, st * alone[n], tok) for st, v, _, tok in curves[n][s]]
+    names = [v[0] for v in twins + kilns if curves[v[0]]]
     if not names:
         return {}
     # The seeds every variant finished (a run cut short leaves its seed out of every mean).
@@ -214,25 +312,27 @@ def report(config, requested):
     if not seeds:
         return {}
     ref = names[0]
-    # step -> [val loss per seed], at the steps every seed of every variant evaluated.
+    # variant -> step -> [row per seed], at the steps every seed of it evaluated.
     table = {}
     for n in names:
         per = [{r[0]: r for r in curves[n][s]} for s in seeds]
         table[n] = {st: [d[st] for d in per] for st in set.intersection(*(set(d) for d in per))}
-    steps = sorted(set.intersection(*(set(t) for t in table.values())))
-    if not steps:
+    if not all(table.values()):
         return {}
-    print(f"\n{config}: val loss, mean of seeds {seeds} (ratio to {ref})")
+    print(f"\n{config}: val loss, mean of seeds {seeds} (ratio to {ref}; -: not evaluated)")
     print(f"{'step':>6} " + " ".join(f"{n:>18}" for n in names))
-    for st in steps:
+    for st in sorted(set().union(*table.values())):
         cells = []
         for n in names:
+            if st not in table[n]:
+                cells.append("-")
+                continue
             m = mean([r[1] for r in table[n][st]])
-            r = m / mean([r[1] for r in table[ref][st]])
-            cells.append(f"{m:.4f}" + ("" if n == ref else f" ({r:.4f})"))
+            of_ref = mean([r[1] for r in table[ref][st]]) if n != ref and st in table[ref] else 0
+            cells.append(f"{m:.4f}" + (f" ({m / of_ref:.4f})" if of_ref else ""))
         print(f"{st:>6} " + " ".join(f"{c:>18}" for c in cells))
 
-    final = steps[-1]
+    final = max(table[ref])
     target = a.to_loss if a.to_loss is not None else mean([r[1] for r in table[ref][final]])
 
     def reach(n):
@@ -250,24 +350,37 @@ def report(config, requested):
             prev = row
         return None
 
-    print(f"\n{config}: final (step {final}); time to val loss {target:.4f}")
-    print(f"{'variant':>12} {'val loss per seed':>26} {'mean':>7} {'spread':>7} {'vs ref':>7} "
-          f"{'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
-    summary = {"config": config, "seeds": seeds, "target": target, "variants": {}}
+    def shown(n):
+        """The step n's final values are read at: `final`, or its own last if it has none there
+        (a shorter schedule)."""
+        return final if final in table[n] else max(table[n])
+
+    print(f"\n{config}: final (step {final}, or a variant's own last); "
+          f"time to val loss {target:.4f}")
+    if alone is not None:
+        own = [n for n in names if n not in alone]
+        span = f", {a.time_alone} steps" if a.time_alone else ""
+        print(f"times: steps x the per-step time of a run alone{span} (--time-alone)"
+              + (f"; their own clocks: {', '.join(own)}" if own else ""))
+    print(f"{'variant':>12} {'step':>6} {'val loss per seed':>26} {'mean':>7} {'spread':>7} "
+          f"{'vs ref':>7} {'train s':>8} {'to loss s':>10} {'tokens':>12} {'speed-up':>8}")
+    summary = {"config": config, "seeds": seeds, "target": target,
+               "seconds_per_step_alone": alone, "variants": {}}
     ref_time = reach(ref)
     nan = float("nan")
     for n in names:
-        finals = [r[1] for r in table[n][final]]
-        total_s = mean([r[2] for r in table[n][final]])
+        st = shown(n)
+        finals = [r[1] for r in table[n][st]]
+        total_s = mean([r[2] for r in table[n][st]])
         hit = reach(n)
         speed = ref_time[0] / hit[0] if ref_time and hit else None
-        summary["variants"][n] = {"final": finals, "mean": mean(finals), "train_s": total_s,
-                                  "time_to_loss_s": hit[0] if hit else None,
+        summary["variants"][n] = {"step": st, "final": finals, "mean": mean(finals),
+                                  "train_s": total_s, "time_to_loss_s": hit[0] if hit else None,
                                   "tokens_to_loss": hit[1] if hit else None,
                                   "speedup_vs_ref": speed}
         vs_ref = mean(finals) / summary["variants"][ref]["mean"]
-        print(f"{n:>12} {' / '.join(f'{v:.4f}' for v in finals):>26} {mean(finals):>7.4f} "
-              f"{max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
+        print(f"{n:>12} {st:>6} {' / '.join(f'{v:.4f}' for v in finals):>26} "
+              f"{mean(finals):>7.4f} {max(finals) - min(finals):>7.4f} {vs_ref:>7.4f} "
               f"{total_s:>8.1f} {hit[0] if hit else nan:>10.1f} {hit[1] if hit else nan:>12.4g} "
               f"{speed if speed else nan:>8.3f}")
     for n in names:
@@ -278,18 +391,32 @@ def report(config, requested):
                   f"train s {mean([r[2] for r in rows]):.1f}")
     if a.paired and len(seeds) > 1:
         # Seed s of each variant started from the same weights and read the same windows as the
-        # reference's seed s: the per-seed ratios hold the numerics' effect alone.
-        print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%)")
-        ref_finals = [r[1] for r in table[ref][final]]
-        for n in names[1:]:
-            d = [100 * (r[1] / f - 1) for r, f in zip(table[n][final], ref_finals)]
+        # reference's seed s: the per-seed ratios hold the variants' difference alone.
+        def paired(b, a_, st):
+            d = [100 * (rb[1] / ra[1] - 1) for rb, ra in zip(table[b][st], table[a_][st])]
             m = mean(d)
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
-            summary["variants"][n]["paired_pct"] = {"per_seed": d, "mean": m, "stderr": se}
-            # A variant that ran past `final` had a stretched schedule: not numerics alone.
-            longer = " (its schedule stretched)" if max(table[n]) > final else ""
-            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d)}  mean {m:+.3f} +- {se:.3f}"
-                  f"{longer}")
+            return {"per_seed": d, "mean": m, "stderr": se}
+
+        def line(n, d, note):
+            print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d['per_seed'])}  "
+                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f}{note}")
+
+        print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%), and / an "
+              "earlier variant's that ended at the same step")
+        for i, n in enumerate(names[1:], 1):
+            v = summary["variants"][n]
+            if final in table[n]:
+                v["paired_pct"] = paired(n, ref, final)
+                # A variant that ran past `final` had a stretched schedule: not numerics alone.
+                line(n, v["paired_pct"], " (its schedule stretched)" if max(table[n]) > final
+                     else "")
+            last = max(table[n])
+            for e in names[1:i]:
+                if max(table[e]) == last:
+                    d = {"step": last, **paired(n, e, last)}
+                    v.setdefault("paired_vs", {})[e] = d
+                    line(n, d, f" (vs {e}, step {last})")
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
     return summary
 
