@@ -33,8 +33,10 @@ void write_kiln_run(const fs::path& run, int steps, const std::map<int, double>&
   }
 }
 
-// A twin run: val_loss and train_s at the given steps, 1000 tokens a step.
-void write_twin_run(const fs::path& path, const std::map<int, std::pair<double, double>>& val) {
+// A twin run: val_loss and train_s at the given steps, 1000 tokens a step; and, unless it was cut
+// short, the summary line it ends with.
+void write_twin_run(const fs::path& path, const std::map<int, std::pair<double, double>>& val,
+                    bool finished = true) {
   std::ofstream t(path);
   t << "compiling\n";
   for (const auto& [step, v] : val) {
@@ -45,6 +47,7 @@ void write_twin_run(const fs::path& path, const std::map<int, std::pair<double, 
              .dump()
       << "\n";
   }
+  if (finished) t << R"({"summary": {"steps": )" << val.rbegin()->first << "}}\n";
 }
 
 kiln::testing::CommandResult twin_compare(const fs::path& out, const std::string& args) {
@@ -58,12 +61,8 @@ TEST(TwinCompare, ALongerKilnRunIsReadAlongItsOwnEvaluations) {
   const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
   for (int seed : {1, 2}) {
     // The reference: 0.9 at its last step (100), reached at 20 s.
-    std::ofstream t(out / ("twin-s" + std::to_string(seed) + ".jsonl"));
-    t << "compiling\n"
-      << R"({"step": 50, "val_loss": 1.0, "train_s": 10.0, "tokens": 50000})"
-      << "\n"
-      << R"({"step": 100, "val_loss": 0.9, "train_s": 20.0, "tokens": 100000})"
-      << "\n";
+    write_twin_run(out / ("twin-s" + std::to_string(seed) + ".jsonl"),
+                   {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
     const std::string s = "-s" + std::to_string(seed);
     write_kiln_run(out / ("short" + s), 100, {{50, 1.0}, {100, 0.92}});
     // 0.95 at step 100 (10 s), 0.85 at step 150 (15 s): 0.9 halfway, at 12.5 s.
@@ -150,6 +149,33 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   EXPECT_FALSE(v["twin-muon"].contains("paired_pct"));
   EXPECT_FALSE(v["twin-muon"].contains("paired_vs"));
   EXPECT_EQ(v["muon"]["paired_vs"].size(), 1u);
+}
+
+TEST(TwinCompare, ATwinRunCutShortLeavesItsSeedOut) {
+  const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  for (int seed : {1, 2}) {
+    const std::string s = "-s" + std::to_string(seed);
+    write_twin_run(out / ("twin" + s + ".jsonl"), {{50, {1.0, 10.0}}, {100, {0.9, 20.0}}});
+    write_kiln_run(out / ("muon" + s), 60, {{50, 1.0}, {60, seed == 1 ? 0.95 : 0.85}});
+    // Seed 2 of the Muon twin died after step 50: its curve is no 50-step recipe.
+    write_twin_run(out / ("twin-muon" + s + ".jsonl"),
+                   seed == 1 ? std::map<int, std::pair<double, double>>{{50, {1.0, 10.0}},
+                                                                        {60, {0.95, 12.0}}}
+                             : std::map<int, std::pair<double, double>>{{50, {1.2, 10.0}}},
+                   seed == 1);
+  }
+  const auto r =
+      twin_compare(out,
+                   "--twin twin --twin 'twin-muon=configs/quality/{name}-muon.yaml' "
+                   "--kiln 'muon=configs/quality/{name}-muon.yaml'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("twin-muon seed 2 left out (the run did not finish"), std::string::npos)
+      << r.output;
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  EXPECT_EQ(summary["seeds"], nlohmann::json::array({1}));
+  const auto& v = summary["variants"];
+  EXPECT_EQ(v["twin-muon"]["step"].get<int>(), 60);
+  EXPECT_NEAR(v["muon"]["mean"].get<double>(), 0.95, 1e-12);
 }
 
 TEST(TwinCompare, TimingJsonReplacesTheRunsClocks) {

@@ -167,6 +167,10 @@ def run_all(jobs, gpus):
                     rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             print(f"  {log}: GPU {gpu}, rc {rc}, {time.time() - start:.0f} s", flush=True)
             if rc != 0:
+                # The reason, here too: a remote call may bring back this output but not the log.
+                with open(log, errors="replace") as f:
+                    print("".join("    " + l for l in f.readlines()[-5:]), end="", flush=True)
+            if rc != 0:
                 with lock:
                     failed.append(log)
 
@@ -273,12 +277,16 @@ def read_kiln(out, name, seed):
 
 
 def read_twin(out, name, seed):
-    rows = []
+    rows, finished = [], False
     for line in open(os.path.join(out, f"{name}-s{seed}.jsonl")):
         if line.startswith("{"):
             m = json.loads(line)
+            finished |= "summary" in m
             if "val_loss" in m:
                 rows.append((m["step"], m["val_loss"], m["train_s"], m["tokens"]))
+    # A run cut short has no summary: its curve would end early and pass for a shorter recipe.
+    if not finished:
+        raise ValueError("the run did not finish (no summary line)")
     return rows
 
 
