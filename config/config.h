@@ -92,6 +92,10 @@ struct OptimSection {
   double muon_momentum = 0.95;
   int muon_ns_steps = 5;
   std::string muon_lr_scale = "rms_match";
+  // Under zero1/fsdp the matrices travel to their owners and back in rounds whose exchange
+  // buffers hold at most about this many MiB of f32 each (0: one round); a float, so that a
+  // test's tiny matrices can go one a round.
+  double muon_exchange_mb = 256;
 };
 
 struct PrecisionSection {

@@ -245,6 +245,10 @@ const std::vector<Field>& schema() {
         {KILN_FIELD(optim, muon_lr_scale), one_of({"rms_match", "spectral"}),
          "a Muon matrix's lr (A rows, B columns): rms_match 0.2 sqrt(max(A, B)) (AdamW's update "
          "RMS: lr and weight_decay as tuned for AdamW), or spectral sqrt(max(1, A/B))"},
+        {KILN_FIELD(optim, muon_exchange_mb), non_negative(),
+         "zero1/fsdp: Muon's matrices go to their owners and back in rounds whose exchange "
+         "buffers hold at most about this many MiB of f32 each (a matrix larger is a round of its "
+         "own); 0: one round, buffers of a rank's share of every matrix"},
         {KILN_FIELD(precision, dtype), one_of({"bf16", "fp32"}),
          "compute dtype (the CPU backend always computes in fp32)"},
         {KILN_FIELD(precision, fp8), any(),

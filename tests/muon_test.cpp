@@ -2,8 +2,9 @@
 // double-precision reference and the orthogonalization they promise; the model's layout naming
 // each logical matrix (q, k, v apart, each expert's apart, no router or embeddings); the owners
 // spread; and through the real launcher on Gloo, every strategy, expert, context and tensor
-// parallelism following the single-process Muon run, resumes bit for bit and across layouts, a
-// change of optimizer on resume refused by name, and Muon ahead of AdamW on the tiny model.
+// parallelism following the single-process Muon run, zero1 and fsdp exchanging in rounds bit for
+// bit as in one, resumes bit for bit and across layouts, a change of optimizer on resume refused
+// by name, and Muon ahead of AdamW on the tiny model.
 #include "train/muon.h"
 
 #include <gtest/gtest.h>
@@ -326,6 +327,41 @@ TEST_F(MuonTrain, EveryStrategyFollowsTheSingleProcessRun) {
       expect_same_run(
           single,
           train(std::string(strategy) + "_" + std::to_string(nproc), nproc, strategy, steps), 1e-5);
+}
+
+// Under zero1 and fsdp the matrices go to their owners and back in rounds of bounded buffers
+// (optim.muon_exchange_mb): at 0.01 MiB (2,621 values, below any of the model's matrices but k
+// and v) a round takes one or two of its 14 matrices (12 rounds on 4 ranks), at 0.03 a few (8
+// rounds, fsdp on 4 ranks); each matrix's iteration sees the same values as in one round, so the
+// run is one round's bit for bit, at 2 and 4 ranks, and at tensor parallelism 2 (whose tensor
+// exchange goes round by round too).
+TEST_F(MuonTrain, ExchangeRoundsAreOneRoundBitForBit) {
+  const std::string steps = "--train.max_steps=6";
+  const std::string single = train("rounds_single", 1, "ddp", steps);
+  struct Layout {
+    const char* strategy;
+    int nproc;
+    std::string extra;
+  };
+  for (const Layout& l : {Layout{"zero1", 2, ""}, Layout{"zero1", 4, ""}, Layout{"fsdp", 2, ""},
+                          Layout{"fsdp", 4, ""},
+                          Layout{"fsdp", 4, " --dist.tensor_parallel=2 --train.batch_size=4"}}) {
+    const std::string name = std::string("rounds_") + l.strategy + "_" + std::to_string(l.nproc) +
+                             (l.extra.empty() ? "" : "_tp2");
+    const std::string one =
+        train(name + "_one", l.nproc, l.strategy, steps + l.extra + " --optim.muon_exchange_mb=0");
+    expect_same_run(single, one, 1e-5);
+    for (const std::string mb : {"0.01", "0.03"}) {
+      const std::string cmd = command(name + "_" + mb, l.nproc, l.strategy,
+                                      steps + l.extra + " --optim.muon_exchange_mb=" + mb);
+      const auto r = testing::run_command(cmd);
+      ASSERT_EQ(r.status, 0) << cmd << "\n" << r.output;
+      EXPECT_NE(r.output.find("rounds of at most " + mb + " MiB"), std::string::npos) << r.output;
+      const std::string many = (dir_ / (name + "_" + mb)).string();
+      EXPECT_EQ(losses(many), losses(one)) << many;
+      expect_same_run(one, many, 0.0);
+    }
+  }
 }
 
 // A MoE whose experts' matrices are Muon's, each expert apart: under zero1 on 2 ranks, and with

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "tests/test_process.h"
 
@@ -327,6 +328,34 @@ TEST(TrainPlan, MuonPlansOneMomentForItsMatrices) {
     EXPECT_GT(v, 0) << muon.output;
     EXPECT_LT(v, m / 5) << muon.output;  // the blocks' matrices are ~90% of 1.36B
     EXPECT_NE(muon.output.find("muon.newton_schulz"), std::string::npos) << muon.output;
+  }
+}
+
+// Under fsdp, Muon's matrices go to their owners and back in rounds (optim.muon_exchange_mb, 256
+// MiB by default): llama3-8b on 8 ranks plans its exchange buffers, and at tensor parallelism 2
+// its tensor group's too, at most that, not a rank's share of every matrix as in one round.
+TEST(TrainPlan, MuonExchangesInRoundsOfBoundedBuffers) {
+  const std::string muon =
+      "--nproc-per-node 8 --plan-gpu-memory 1000GiB --dist.strategy=fsdp --optim.name=muon";
+  const long long bound = (256LL << 20) / 4;  // f32 values
+  for (const std::string tp : {"", " --dist.tensor_parallel=2"}) {
+    const auto one = plan("llama3-8b.yaml", muon + tp + " --optim.muon_exchange_mb=0");
+    const auto rounds = plan("llama3-8b.yaml", muon + tp);
+    ASSERT_EQ(one.status, 0) << one.output;
+    ASSERT_EQ(rounds.status, 0) << rounds.output;
+    std::vector<std::string> buffers = {"muon.exchange.held", "muon.exchange.owned"};
+    if (!tp.empty()) buffers.insert(buffers.end(), {"muon.tensor_parts", "muon.tensor_whole"});
+    for (const std::string& b : buffers) {
+      const long long whole = planned_elements(one.output, b);
+      const long long bounded = planned_elements(rounds.output, b);
+      EXPECT_GT(whole, 8 * bound) << b << tp << "\n" << one.output;  // 3.25 GiB
+      EXPECT_GT(bounded, 0) << b << tp << "\n" << rounds.output;
+      EXPECT_LE(bounded, bound) << b << tp << "\n" << rounds.output;
+    }
+    EXPECT_NE(rounds.output.find("pieces to owners and back by all-to-all, in 18 rounds of at most "
+                                 "256 MiB"),
+              std::string::npos)
+        << rounds.output;
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <stdexcept>
@@ -65,6 +66,9 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
     : momentum_(static_cast<float>(optim.muon_momentum)),
       weight_decay_(static_cast<float>(optim.weight_decay)),
       steps_(optim.muon_ns_steps),
+      exchange_values_(optim.muon_exchange_mb > 0
+                           ? static_cast<int64_t>(optim.muon_exchange_mb * 1024 * 1024 / 4)
+                           : std::numeric_limits<int64_t>::max()),
       comm_(data),
       tensor_(tensor),
       rank_(strategy.plan().rank),
@@ -73,8 +77,10 @@ Muon::Muon(const OptimSection& optim, const ParamLayout& local, const Strategy& 
       tensor_ranks_(tensor ? tensor->world_size() : 1),
       sharded_(!strategy.replicated() && strategy.plan().world > 1),
       matrices_(muon_matrices(local, optim.muon_lr_scale, tensor_ranks_)) {
+  packed_at_.assign(matrices_.size(), 0);
+  in_block_.assign(matrices_.size(), 0);
+  whole_at_.assign(matrices_.size(), 0);
   plan_owners();
-  plan_packing();
   if (sharded_)
     plan_sharded(strategy);
   else
@@ -119,82 +125,83 @@ void Muon::plan_owners() {
   }
 }
 
-void Muon::plan_packing() {
+Muon::Packing Muon::plan_packing(const std::vector<int>& members) {
   // Each rank packs its split matrices first, by tensor owner, then the rest by shape, shapes in
-  // order of first appearance; slot_ is the largest rank's packing (the all-gather's equal
+  // order of first appearance; the slot is the largest rank's packing (the all-gather's equal
   // pieces). Every rank of a tensor group packs alike: its parts have the same shapes.
+  Packing p;
   const size_t T = static_cast<size_t>(tensor_ranks_);
-  packed_at_.assign(matrices_.size(), 0);
   for (int r = 0; r < world_; ++r) {
     int64_t size = 0;
     std::vector<int64_t> split_rows(T, 0);
     for (size_t t = 0; t < T; ++t)
-      for (size_t j = 0; j < matrices_.size(); ++j) {
-        const MuonMatrix& m = matrices_[j];
+      for (const int j : members) {
+        const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
         if (m.owner != r || m.split < 0 || m.tensor_owner != static_cast<int>(t)) continue;
-        packed_at_[j] = size;
+        packed_at_[static_cast<size_t>(j)] = size;
         size += m.rows * m.cols;
         split_rows[t] += m.rows * m.cols;
       }
     if (r == rank_) {
-      split_size_ = size;
-      split_rows_ = split_rows;
+      p.split_size = size;
+      p.split_rows = split_rows;
     }
     std::vector<std::pair<int64_t, int64_t>> shapes;
-    for (const MuonMatrix& m : matrices_)
+    for (const int j : members) {
+      const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
       if (m.owner == r && m.split < 0 &&
           std::find(shapes.begin(), shapes.end(), std::make_pair(m.rows, m.cols)) == shapes.end())
         shapes.emplace_back(m.rows, m.cols);
+    }
     for (const auto& [rows, cols] : shapes) {
       Batch b{rows, cols, 0, size, {}};
-      for (size_t j = 0; j < matrices_.size(); ++j) {
-        const MuonMatrix& m = matrices_[j];
+      for (const int j : members) {
+        const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
         if (m.owner != r || m.split >= 0 || m.rows != rows || m.cols != cols) continue;
-        packed_at_[j] = size;
+        packed_at_[static_cast<size_t>(j)] = size;
         size += rows * cols;
         ++b.count;
-        b.members.push_back(static_cast<int>(j));
+        b.members.push_back(j);
       }
       if (r == rank_) {
-        batches_.push_back(b);
+        p.batches.push_back(b);
         work_size_ = std::max(
             work_size_,
             newton_schulz_workspace(std::min(b.count, batch_piece(rows, cols)), rows, cols));
       }
     }
-    if (r == rank_) packed_size_ = size;
-    slot_ = std::max(slot_, size);
+    if (r == rank_) p.size = size;
+    p.slot = std::max(p.slot, size);
   }
   // As a tensor owner: the parts of this rank's split matrices it iterates, each rank's in
   // matrix order (as each packs them), and the wholes batched by shape.
-  in_block_.assign(matrices_.size(), 0);
-  whole_at_.assign(matrices_.size(), 0);
   std::vector<std::pair<int64_t, int64_t>> shapes;
-  for (size_t j = 0; j < matrices_.size(); ++j) {
-    const MuonMatrix& m = matrices_[j];
+  for (const int j : members) {
+    const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
     if (m.owner != rank_ || m.split < 0 || m.tensor_owner != tensor_rank_) continue;
-    whole_members_.push_back(static_cast<int>(j));
-    in_block_[j] = tensor_block_;
-    tensor_block_ += m.rows * m.cols;
+    p.whole_members.push_back(j);
+    in_block_[static_cast<size_t>(j)] = p.tensor_block;
+    p.tensor_block += m.rows * m.cols;
     if (std::find(shapes.begin(), shapes.end(), std::make_pair(m.whole_rows, m.whole_cols)) ==
         shapes.end())
       shapes.emplace_back(m.whole_rows, m.whole_cols);
   }
-  parts_rows_.assign(static_cast<size_t>(tensor_ranks_), tensor_block_);
+  p.parts_rows.assign(T, p.tensor_block);
   for (const auto& [rows, cols] : shapes) {
-    Batch b{rows, cols, 0, whole_size_, {}};
-    for (const int j : whole_members_) {
+    Batch b{rows, cols, 0, p.whole_size, {}};
+    for (const int j : p.whole_members) {
       const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
       if (m.whole_rows != rows || m.whole_cols != cols) continue;
-      whole_at_[static_cast<size_t>(j)] = whole_size_;
-      whole_size_ += rows * cols;
+      whole_at_[static_cast<size_t>(j)] = p.whole_size;
+      p.whole_size += rows * cols;
       ++b.count;
       b.members.push_back(j);
     }
-    whole_batches_.push_back(b);
+    p.whole_batches.push_back(b);
     work_size_ = std::max(work_size_, newton_schulz_workspace(
                                           std::min(b.count, batch_piece(rows, cols)), rows, cols));
   }
+  return p;
 }
 
 int64_t Muon::local_of(const Strategy& strategy, int64_t begin, int64_t n) const {
@@ -205,8 +212,50 @@ int64_t Muon::local_of(const Strategy& strategy, int64_t begin, int64_t n) const
 }
 
 void Muon::plan_replicated(const Strategy& strategy) {
+  std::vector<int> all(matrices_.size());
+  std::iota(all.begin(), all.end(), 0);
+  packing_ = plan_packing(all);
   for (const MuonMatrix& m : matrices_)
     local_at_.push_back(local_of(strategy, m.offset, m.rows * m.cols));
+}
+
+std::vector<std::vector<int>> Muon::plan_rounds(const std::vector<std::vector<Piece>>& held) const {
+  // First fit in buffer order: a round takes the first matrix left, then every later one that
+  // keeps each rank's buffers within the bound: its pieces to send, what it owns (received and
+  // packed), and as a tensor owner the parts it joins. Filling every rank's share of a round,
+  // not the round's total, keeps the rounds few under any sharding.
+  const size_t T = static_cast<size_t>(tensor_ranks_);
+  std::vector<std::vector<std::pair<int, int64_t>>> holders(matrices_.size());
+  for (int r = 0; r < world_; ++r)
+    for (const Piece& p : held[static_cast<size_t>(r)])
+      holders[static_cast<size_t>(p.matrix)].emplace_back(r, p.n);
+  std::vector<int> left(matrices_.size());
+  std::iota(left.begin(), left.end(), 0);
+  std::vector<std::vector<int>> rounds;
+  while (!left.empty()) {
+    std::vector<int64_t> sent(static_cast<size_t>(world_), 0), owned(sent), joined(sent.size() * T);
+    std::vector<int> round, rest;
+    for (const int j : left) {
+      const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
+      const int64_t n = m.rows * m.cols, whole = m.split >= 0 ? n * tensor_ranks_ : 0;
+      const size_t d = static_cast<size_t>(m.owner),
+                   place = d * T + static_cast<size_t>(m.tensor_owner);
+      bool fits = owned[d] + n <= exchange_values_ && joined[place] + whole <= exchange_values_;
+      for (const auto& [r, v] : holders[static_cast<size_t>(j)])
+        fits = fits && sent[static_cast<size_t>(r)] + v <= exchange_values_;
+      if (!round.empty() && !fits) {
+        rest.push_back(j);
+        continue;
+      }
+      round.push_back(j);
+      owned[d] += n;
+      joined[place] += whole;
+      for (const auto& [r, v] : holders[static_cast<size_t>(j)]) sent[static_cast<size_t>(r)] += v;
+    }
+    rounds.push_back(std::move(round));
+    left.swap(rest);
+  }
+  return rounds;
 }
 
 void Muon::plan_sharded(const Strategy& strategy) {
@@ -222,31 +271,55 @@ void Muon::plan_sharded(const Strategy& strategy) {
         const int64_t b = std::max(o.begin, m.offset);
         const int64_t e = std::min(o.end, m.offset + m.rows * m.cols);
         if (b < e)
-          held[static_cast<size_t>(r)].push_back({b, e - b, o.local + b - o.begin, 0,
-                                                  packed_at_[j] + b - m.offset,
-                                                  static_cast<int>(j)});
+          held[static_cast<size_t>(r)].push_back(
+              {b, e - b, o.local + b - o.begin, 0, 0, static_cast<int>(j)});
       }
   }
-  // Rank h sends owner d its pieces of d's matrices, in buffer order, block d of its send
-  // buffer; owner d receives them as block h of its receive buffer, in the same order.
-  send_rows_.assign(static_cast<size_t>(world_), 0);
-  recv_rows_.assign(static_cast<size_t>(world_), 0);
-  for (int d = 0; d < world_; ++d)
-    for (Piece p : held[static_cast<size_t>(rank_)])
-      if (matrices_[static_cast<size_t>(p.matrix)].owner == d) {
-        p.at = send_size_;
-        send_size_ += p.n;
-        send_rows_[static_cast<size_t>(d)] += p.n;
-        held_.push_back(p);
-      }
-  for (int s = 0; s < world_; ++s)
-    for (Piece p : held[static_cast<size_t>(s)])
-      if (matrices_[static_cast<size_t>(p.matrix)].owner == rank_) {
-        p.at = recv_size_;
-        recv_size_ += p.n;
-        recv_rows_[static_cast<size_t>(s)] += p.n;
-        received_.push_back(p);
-      }
+  const std::vector<std::vector<int>> rounds = plan_rounds(held);
+  // Each round's pieces, in each holder's buffer order.
+  std::vector<int> round_of(matrices_.size());
+  for (size_t i = 0; i < rounds.size(); ++i)
+    for (const int j : rounds[i]) round_of[static_cast<size_t>(j)] = static_cast<int>(i);
+  std::vector<std::vector<std::vector<Piece>>> by_round(
+      rounds.size(), std::vector<std::vector<Piece>>(static_cast<size_t>(world_)));
+  for (size_t r = 0; r < held.size(); ++r)
+    for (const Piece& p : held[r]) {
+      const size_t i = static_cast<size_t>(round_of[static_cast<size_t>(p.matrix)]);
+      by_round[i][r].push_back(p);
+    }
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    Round round;
+    round.packing = plan_packing(rounds[i]);
+    const std::vector<std::vector<Piece>>& pieces = by_round[i];
+    auto packed = [this](Piece p) {
+      const MuonMatrix& m = matrices_[static_cast<size_t>(p.matrix)];
+      p.packed = packed_at_[static_cast<size_t>(p.matrix)] + p.begin - m.offset;
+      return p;
+    };
+    // Rank h sends owner d its pieces of d's matrices, in buffer order, block d of its send
+    // buffer; owner d receives them as block h of its receive buffer, in the same order.
+    round.send_rows.assign(static_cast<size_t>(world_), 0);
+    round.recv_rows.assign(static_cast<size_t>(world_), 0);
+    for (int d = 0; d < world_; ++d)
+      for (Piece p : pieces[static_cast<size_t>(rank_)])
+        if (matrices_[static_cast<size_t>(p.matrix)].owner == d) {
+          p = packed(p);
+          p.at = round.send_size;
+          round.send_size += p.n;
+          round.send_rows[static_cast<size_t>(d)] += p.n;
+          round.held.push_back(p);
+        }
+    for (int s = 0; s < world_; ++s)
+      for (Piece p : pieces[static_cast<size_t>(s)])
+        if (matrices_[static_cast<size_t>(p.matrix)].owner == rank_) {
+          p = packed(p);
+          p.at = round.recv_size;
+          round.recv_size += p.n;
+          round.recv_rows[static_cast<size_t>(s)] += p.n;
+          round.received.push_back(p);
+        }
+    rounds_.push_back(std::move(round));
+  }
 }
 
 Strategy::Units Muon::ranges() const {
@@ -264,23 +337,38 @@ Strategy::Units Muon::ranges() const {
 void Muon::plan(Arena& arena) {
   auto at_least_one = [](int64_t n) { return std::max<int64_t>(n, 1); };
   arena.plan(&work_, "muon.newton_schulz", {at_least_one(work_size_)}, DType::f32);
-  if (split_size_ > 0) {
-    arena.plan(&parts_, "muon.tensor_parts",
-               {at_least_one(static_cast<int64_t>(tensor_ranks_) * tensor_block_)}, DType::f32);
-    arena.plan(&whole_, "muon.tensor_whole", {at_least_one(whole_size_)}, DType::f32);
+  std::vector<const Packing*> packings{&packing_};
+  if (sharded_) {
+    packings.clear();
+    for (const Round& r : rounds_) packings.push_back(&r.packing);
+  }
+  int64_t split = 0, parts = 0, whole = 0;
+  for (const Packing* p : packings) {
+    split = std::max(split, p->split_size);
+    parts = std::max(parts, static_cast<int64_t>(tensor_ranks_) * p->tensor_block);
+    whole = std::max(whole, p->whole_size);
+  }
+  if (split > 0) {
+    arena.plan(&parts_, "muon.tensor_parts", {at_least_one(parts)}, DType::f32);
+    arena.plan(&whole_, "muon.tensor_whole", {at_least_one(whole)}, DType::f32);
   }
   if (sharded_) {
-    arena.plan(&send_, "muon.exchange.held", {at_least_one(std::max(send_size_, packed_size_))},
-               DType::f32);
-    arena.plan(&recv_, "muon.exchange.owned", {at_least_one(recv_size_)}, DType::f32);
+    int64_t send = 0, recv = 0;
+    for (const Round& r : rounds_) {
+      send = std::max({send, r.send_size, r.packing.size});
+      recv = std::max(recv, r.recv_size);
+    }
+    arena.plan(&send_, "muon.exchange.held", {at_least_one(send)}, DType::f32);
+    arena.plan(&recv_, "muon.exchange.owned", {at_least_one(recv)}, DType::f32);
   } else if (world_ > 1) {
-    arena.plan(&packed_, "muon.packed", {slot_}, DType::f32);
-    arena.plan(&gathered_, "muon.gathered", {static_cast<int64_t>(world_) * slot_}, DType::f32);
+    arena.plan(&packed_, "muon.packed", {packing_.slot}, DType::f32);
+    arena.plan(&gathered_, "muon.gathered", {static_cast<int64_t>(world_) * packing_.slot},
+               DType::f32);
   } else if (tensor_ranks_ > 1) {
-    arena.plan(&packed_, "muon.packed", {at_least_one(packed_size_)}, DType::f32);
+    arena.plan(&packed_, "muon.packed", {at_least_one(packing_.size)}, DType::f32);
   } else {
     int64_t piece = 1;  // alone: the largest piece of a batch
-    for (const Batch& b : batches_)
+    for (const Batch& b : packing_.batches)
       piece = std::max(piece, std::min(b.count, batch_piece(b.rows, b.cols)) * b.rows * b.cols);
     arena.plan(&packed_, "muon.packed", {piece}, DType::f32);
   }
@@ -299,13 +387,13 @@ void Muon::iterate_all(Backend& k, Tensor buf, const std::vector<Batch>& batches
   }
 }
 
-void Muon::join_parts(Backend& k, bool join) {
-  for (const int j : whole_members_) {
+void Muon::join_parts(Backend& k, bool join, const Packing& p) {
+  for (const int j : p.whole_members) {
     const MuonMatrix& m = matrices_[static_cast<size_t>(j)];
     const int64_t n = m.rows * m.cols, at = whole_at_[static_cast<size_t>(j)];
     for (int t = 0; t < tensor_ranks_; ++t) {
       const Tensor part =
-          parts_.slice(t * tensor_block_ + in_block_[static_cast<size_t>(j)], {m.rows, m.cols});
+          parts_.slice(t * p.tensor_block + in_block_[static_cast<size_t>(j)], {m.rows, m.cols});
       if (m.split == 0) {  // rank t's rows: one run of the whole
         const Tensor rows = whole_.slice(at + t * n, {m.rows, m.cols});
         join ? k.copy(rows, part) : k.copy(part, rows);
@@ -318,19 +406,19 @@ void Muon::join_parts(Backend& k, bool join) {
   }
 }
 
-void Muon::orthogonalize(Backend& k, Tensor packed) {
+void Muon::orthogonalize(Backend& k, Tensor packed, const Packing& p) {
   // The same on every rank of the tensor group: each owns the same matrices of the data group.
-  if (split_size_ > 0) {
-    const Tensor split = packed.slice(0, {split_size_});
-    tensor_->all_to_all_v(parts_, parts_rows_, split, split_rows_);
+  if (p.split_size > 0) {
+    const Tensor split = packed.slice(0, {p.split_size});
+    tensor_->all_to_all_v(parts_, p.parts_rows, split, p.split_rows);
     tensor_->wait();
-    join_parts(k, true);
-    iterate_all(k, whole_, whole_batches_);
-    join_parts(k, false);
-    tensor_->all_to_all_v(split, split_rows_, parts_, parts_rows_);
+    join_parts(k, true, p);
+    iterate_all(k, whole_, p.whole_batches);
+    join_parts(k, false, p);
+    tensor_->all_to_all_v(split, p.split_rows, parts_, p.parts_rows);
     tensor_->wait();
   }
-  iterate_all(k, packed, batches_);
+  iterate_all(k, packed, p.batches);
 }
 
 void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
@@ -346,7 +434,7 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
   };
   if (world_ == 1 && tensor_ranks_ == 1) {
     // Alone: each piece of a batch packed, iterated and applied in turn.
-    for (const Batch& b : batches_) {
+    for (const Batch& b : packing_.batches) {
       const int64_t piece = batch_piece(b.rows, b.cols), size = b.rows * b.cols;
       for (int64_t i = 0; i < b.count; i += piece) {
         const int64_t n = std::min(piece, b.count - i);
@@ -368,7 +456,7 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
       const int64_t n = m.rows * m.cols;
       momentum(local_at_[j], n, m.owner == rank_ ? packed_.slice(packed_at_[j], {n}) : Tensor{});
     }
-    orthogonalize(k, packed_);
+    orthogonalize(k, packed_, packing_);
     if (world_ > 1) {
       comm_->all_gather(gathered_, packed_);
       comm_->wait();
@@ -376,25 +464,29 @@ void Muon::step(Backend& k, const ParamShard& shard, Tensor sched) {
     for (size_t j = 0; j < matrices_.size(); ++j) {
       const MuonMatrix& m = matrices_[j];
       const int64_t n = m.rows * m.cols;
-      const Tensor o = world_ > 1 ? gathered_.slice(m.owner * slot_ + packed_at_[j], {n})
+      const Tensor o = world_ > 1 ? gathered_.slice(m.owner * packing_.slot + packed_at_[j], {n})
                                   : packed_.slice(packed_at_[j], {n});
       update(m, local_at_[j], n, o);
     }
     return;
   }
-  // Sharded: the held pieces' momentum to their owners, iterated there in send_ (free until the
-  // way back), and back.
-  for (const Piece& p : held_) momentum(p.local, p.n, send_.slice(p.at, {p.n}));
-  // Whole buffers (each at least one value): a rank may send or receive nothing.
-  comm_->all_to_all_v(recv_, recv_rows_, send_, send_rows_);
-  comm_->wait();
-  for (const Piece& p : received_) k.copy(send_.slice(p.packed, {p.n}), recv_.slice(p.at, {p.n}));
-  orthogonalize(k, send_);
-  for (const Piece& p : received_) k.copy(recv_.slice(p.at, {p.n}), send_.slice(p.packed, {p.n}));
-  comm_->all_to_all_v(send_, send_rows_, recv_, recv_rows_);
-  comm_->wait();
-  for (const Piece& p : held_)
-    update(matrices_[static_cast<size_t>(p.matrix)], p.local, p.n, send_.slice(p.at, {p.n}));
+  // Sharded, round by round: the held pieces' momentum to their owners, iterated there in send_
+  // (free until the way back), and back.
+  for (const Round& r : rounds_) {
+    for (const Piece& p : r.held) momentum(p.local, p.n, send_.slice(p.at, {p.n}));
+    // Whole buffers (each at least one value): a rank may send or receive nothing.
+    comm_->all_to_all_v(recv_, r.recv_rows, send_, r.send_rows);
+    comm_->wait();
+    for (const Piece& p : r.received)
+      k.copy(send_.slice(p.packed, {p.n}), recv_.slice(p.at, {p.n}));
+    orthogonalize(k, send_, r.packing);
+    for (const Piece& p : r.received)
+      k.copy(recv_.slice(p.at, {p.n}), send_.slice(p.packed, {p.n}));
+    comm_->all_to_all_v(send_, r.send_rows, recv_, r.recv_rows);
+    comm_->wait();
+    for (const Piece& p : r.held)
+      update(matrices_[static_cast<size_t>(p.matrix)], p.local, p.n, send_.slice(p.at, {p.n}));
+  }
 }
 
 }  // namespace kiln

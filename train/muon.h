@@ -11,6 +11,9 @@
 //  - sharded state (zero1, fsdp): each rank updates the momentum of the pieces it holds, an
 //    all-to-all brings every matrix's pieces to its owner, which iterates it, and a second one
 //    takes the orthogonalized pieces back to their holders, which apply them to their shards.
+//    The matrices go in rounds (optim.muon_exchange_mb) so that the exchange buffers hold a
+//    round's pieces, not a rank's share of every matrix: planned from every rank's pieces and
+//    the owners, the same on every rank.
 //  - tensor parallelism: where the data owner would iterate its rank's part of a split matrix,
 //    an all-to-all over the tensor group brings the group's parts to the matrix's tensor owner,
 //    which joins them (a row split's parts are row blocks, a column split's column blocks),
@@ -71,6 +74,8 @@ class Muon {
   // After clipping (sched's gradient scale and lr are set): the step over `shard`.
   void step(Backend& k, const ParamShard& shard, Tensor sched);
   const std::vector<MuonMatrix>& matrices() const { return matrices_; }
+  // Sharded: the exchanges to owners and back a step (optim.muon_exchange_mb); else 0.
+  int rounds() const { return static_cast<int>(rounds_.size()); }
 
  private:
   // A run of a matrix's values that one rank holds: global [begin, begin + n) of the buffer, at
@@ -86,49 +91,67 @@ class Muon {
     int64_t rows, cols, count, packed;
     std::vector<int> members;
   };
+  // How this rank packs and iterates a set of matrices (all of them, or a round's). Each rank
+  // packs its split matrices first, by tensor owner (split_rows values for each), then the rest
+  // in `batches` by shape; `size` is its packing, `slot` the largest rank's. As a tensor owner it
+  // receives tensor_block values from each rank of the group (parts_rows), its own split
+  // matrices' parts in matrix order, and iterates them whole (whole_size values), batched by
+  // shape in whole_batches.
+  struct Packing {
+    std::vector<Batch> batches;
+    int64_t size = 0, slot = 0;
+    int64_t split_size = 0, tensor_block = 0, whole_size = 0;
+    std::vector<int64_t> split_rows, parts_rows;
+    std::vector<int> whole_members;
+    std::vector<Batch> whole_batches;
+  };
+  // Sharded: one exchange of some matrices to their owners and back. held: the pieces this rank
+  // sends (in its send order), received: those it receives as an owner.
+  struct Round {
+    Packing packing;
+    std::vector<Piece> held, received;
+    std::vector<int64_t> send_rows, recv_rows;
+    int64_t send_size = 0, recv_size = 0;
+  };
   void plan_owners();
-  void plan_packing();
+  // Sets packed_at_, in_block_ and whole_at_ of `members` (indices of matrices_, ascending).
+  Packing plan_packing(const std::vector<int>& members);
   void plan_replicated(const Strategy& strategy);
+  // Every rank's pieces (`held`, by holder) into rounds: the same on every rank.
+  std::vector<std::vector<int>> plan_rounds(const std::vector<std::vector<Piece>>& held) const;
   void plan_sharded(const Strategy& strategy);
   // Newton-Schulz over batch b's matrices [first, first + n), packed from `at` of `buf`.
   void iterate(Backend& k, Tensor buf, const Batch& b, int64_t at, int64_t n) const;
   // Every batch of `batches` in `buf`, in pieces of bounded scratch.
   void iterate_all(Backend& k, Tensor buf, const std::vector<Batch>& batches) const;
-  // The owner's iteration of its packed matrices in `packed`: the split ones through their
-  // tensor owners, the rest here.
-  void orthogonalize(Backend& k, Tensor packed);
+  // The owner's iteration of `p`'s matrices in `packed`: the split ones through their tensor
+  // owners, the rest here.
+  void orthogonalize(Backend& k, Tensor packed, const Packing& p);
   // Between the tensor exchange's buffer and the whole matrices: joins the parts (`join`), or
   // cuts the wholes into them.
-  void join_parts(Backend& k, bool join);
+  void join_parts(Backend& k, bool join, const Packing& p);
   int64_t local_of(const Strategy& strategy, int64_t begin, int64_t n) const;
 
   float momentum_, weight_decay_;
   int steps_;
+  // optim.muon_exchange_mb in f32 values: a round's bound on each exchange buffer.
+  int64_t exchange_values_;
   Communicator* comm_;
   Communicator* tensor_;
   int rank_ = 0, world_ = 1;
   int tensor_rank_ = 0, tensor_ranks_ = 1;
   bool sharded_ = false;
   std::vector<MuonMatrix> matrices_;
-  std::vector<int64_t> packed_at_;  // per matrix: where its owner packs it
-  std::vector<int64_t> local_at_;   // replicated: per matrix, its offset in the shard
-  std::vector<Batch> batches_;      // this rank's, of the matrices it iterates as they are
-  int64_t packed_size_ = 0, slot_ = 0, work_size_ = 0;
-  // Tensor parallelism: the owner packs its split matrices first, by tensor owner (split_rows_
-  // values for each), in matrix order; as a tensor owner it receives tensor_block_ values from
-  // each rank of the group (parts_rows_), its own split matrices' parts in matrix order (at
-  // in_block_[j]), and iterates them whole in whole_ (at whole_at_[j]), batched by shape in
-  // whole_batches_.
-  int64_t split_size_ = 0, tensor_block_ = 0, whole_size_ = 0;
-  std::vector<int64_t> split_rows_, parts_rows_, in_block_, whole_at_;
-  std::vector<int> whole_members_;
-  std::vector<Batch> whole_batches_;
-  // Sharded: the pieces this rank holds (in its send order) and those it receives as an owner.
-  std::vector<Piece> held_, received_;
-  std::vector<int64_t> send_rows_, recv_rows_;
-  int64_t send_size_ = 0, recv_size_ = 0;
+  // Per matrix: where its owner packs it, and as a tensor owner, where its parts arrive in the
+  // tensor block and where it is joined whole (in its packing: all, or its round's).
+  std::vector<int64_t> packed_at_, in_block_, whole_at_;
+  std::vector<int64_t> local_at_;  // replicated: per matrix, its offset in the shard
+  Packing packing_;                // replicated: every matrix's
+  std::vector<Round> rounds_;      // sharded
+  int64_t work_size_ = 0;
   // packed_: replicated state, the slots the all-gather reads (alone: one piece of a batch at a
-  // time). Sharded, the packed batches live in send_, free between the two exchanges.
+  // time). Sharded, a round's packed batches live in send_, free between its two exchanges.
+  // Each buffer is the largest round's (or packing's) need.
   Tensor packed_, gathered_, work_, send_, recv_, parts_, whole_;
 };
 

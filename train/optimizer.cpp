@@ -45,7 +45,10 @@ void Optimizer::attach(const ParamLayout& local, Strategy& strategy, Communicato
       plan.world, plan.world > 1 ? "s" : "",
       plan.world == 1         ? "alone"
       : strategy.replicated() ? "all-gathered"
-                              : "pieces to owners and back by all-to-all",
+      : muon_->rounds() > 1
+          ? fmt::format("pieces to owners and back by all-to-all, in {} rounds of at most {} MiB",
+                        muon_->rounds(), optim_.muon_exchange_mb)
+          : std::string("pieces to owners and back by all-to-all"),
       tensor ? fmt::format(" x {} tensor ranks (each split matrix's parts joined on one by "
                            "all-to-all, iterated whole and sent back)",
                            tensor->world_size())
