@@ -2,7 +2,7 @@
 // gives the eager run's losses and final parameters bit for bit. The graph holds the same
 // kernels with the same arguments in the same order, and lr, the step number and the batch are
 // read from device memory, so nothing may differ. Checked with grad_accum > 1, an eval in the
-// middle, a checkpoint and resume, every strategy, recomputation, FP8 and document masking; a
+// middle, a checkpoint and resume, every strategy, recomputation, FP8, Muon and document masking; a
 // capture forced to fail falls back with the eager losses; and the NCCL communicator's
 // collectives replay from a graph (a one-rank communicator: several ranks wait for a machine
 // with several GPUs).
@@ -151,6 +151,27 @@ TEST_F(CudaGraphRun, Fp8ReplayMatchesEagerBitForBit) {
   expect_identical("eager", "graph");
   EXPECT_TRUE(read_file(out("eager") + "/checkpoints/step_00000012/fp8_state.bin") ==
               read_file(out("graph") + "/checkpoints/step_00000012/fp8_state.bin"));
+}
+
+// Muon's step (momentum, Newton-Schulz's batched GEMMs and their norms, the update) is in the
+// captured graph like AdamW's: its scratch is planned, nothing is allocated or read back inside.
+// The final state holds the momentum in m.
+TEST_F(CudaGraphRun, MuonReplaysBitForBit) {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  std::vector<std::string> runs = {"--optim.name=muon",
+                                   "--optim.name=muon --model.arch=llama --model.n_kv_head=2 "
+                                   "--dist.strategy=fsdp"};
+  if (major >= 9) runs.push_back("--optim.name=muon --precision.fp8=true --model.n_layer=3");
+  for (const std::string& extra : runs) {
+    SCOPED_TRACE(extra);
+    const std::string eager = train("eager", extra + " --train.resume=none");
+    EXPECT_NE(eager.find("optim.name=muon:"), std::string::npos) << eager;
+    const std::string log = train("graph", extra + " --train.resume=none --train.cuda_graphs=true");
+    EXPECT_NE(log.find(kCaptured), std::string::npos) << log;
+    EXPECT_EQ(log.find("could not be captured"), std::string::npos) << log;
+    expect_identical("eager", "graph");
+  }
 }
 
 // FP8 under fsdp casts each weight where it is used (no copies kept), before its forward and
