@@ -393,9 +393,9 @@ TEST_F(MuonTrain, MoeFollowsTheSingleProcessRunWithExpertParallelism) {
 TEST_F(MuonTrain, ContextParallelFollowsTheSingleProcessRun) {
   const std::string steps = "--train.max_steps=8";
   const std::string single = train("cp_single", 1, "ddp", steps);
-  expect_same_run(single,
-                  train("cp_2", 2, "ddp", steps + " --dist.context_parallel=2 --train.batch_size=8"),
-                  1e-5);
+  expect_same_run(
+      single, train("cp_2", 2, "ddp", steps + " --dist.context_parallel=2 --train.batch_size=8"),
+      1e-5);
   expect_same_run(
       single,
       train("cp_2x2_fsdp", 4, "fsdp", steps + " --dist.context_parallel=2 --train.batch_size=4"),
@@ -452,6 +452,19 @@ TEST_F(MuonTrain, ResumesBitForBitAndAcrossLayouts) {
     for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[5 + i]) << s;
   }
   const std::string from = (dir_ / "resume_full_fsdp").string();
+  // Written in one round, resumed in several (optim.muon_exchange_mb): the momentum is the
+  // shard's, whatever the rounds, so still bit for bit.
+  const std::string rounds = (dir_ / "resume_rounds").string();
+  fs::create_directories(rounds + "/checkpoints");
+  fs::copy(from + "/checkpoints/step_00000005", rounds + "/checkpoints/step_00000005",
+           fs::copy_options::recursive);
+  const auto r = testing::run_command(
+      command("resume_rounds", 2, "fsdp", args + " --optim.muon_exchange_mb=0.01"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(" rounds of at most 0.01 MiB"), std::string::npos) << r.output;
+  const auto full = losses(from), resumed = losses(rounds);
+  ASSERT_EQ(resumed.size(), 5u);
+  for (size_t i = 0; i < resumed.size(); ++i) EXPECT_EQ(resumed[i], full[5 + i]);
   const std::string other = (dir_ / "resume_zero1_4").string();
   fs::create_directories(other + "/checkpoints");
   fs::copy(from + "/checkpoints/step_00000005", other + "/checkpoints/step_00000005",
