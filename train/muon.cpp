@@ -298,26 +298,25 @@ void Muon::plan_sharded(const Strategy& strategy) {
     };
     // Rank h sends owner d its pieces of d's matrices, in buffer order, block d of its send
     // buffer; owner d receives them as block h of its receive buffer, in the same order.
+    auto lay_out = [&](const std::vector<Piece>& from, int owner, size_t block, int64_t& size,
+                       std::vector<int64_t>& rows, std::vector<Piece>& out) {
+      for (Piece p : from)
+        if (matrices_[static_cast<size_t>(p.matrix)].owner == owner) {
+          p = packed(p);
+          p.at = size;
+          size += p.n;
+          rows[block] += p.n;
+          out.push_back(p);
+        }
+    };
     round.send_rows.assign(static_cast<size_t>(world_), 0);
     round.recv_rows.assign(static_cast<size_t>(world_), 0);
     for (int d = 0; d < world_; ++d)
-      for (Piece p : pieces[static_cast<size_t>(rank_)])
-        if (matrices_[static_cast<size_t>(p.matrix)].owner == d) {
-          p = packed(p);
-          p.at = round.send_size;
-          round.send_size += p.n;
-          round.send_rows[static_cast<size_t>(d)] += p.n;
-          round.held.push_back(p);
-        }
-    for (int s = 0; s < world_; ++s)
-      for (Piece p : pieces[static_cast<size_t>(s)])
-        if (matrices_[static_cast<size_t>(p.matrix)].owner == rank_) {
-          p = packed(p);
-          p.at = round.recv_size;
-          round.recv_size += p.n;
-          round.recv_rows[static_cast<size_t>(s)] += p.n;
-          round.received.push_back(p);
-        }
+      lay_out(pieces[static_cast<size_t>(rank_)], d, static_cast<size_t>(d), round.send_size,
+              round.send_rows, round.held);
+    for (int h = 0; h < world_; ++h)
+      lay_out(pieces[static_cast<size_t>(h)], rank_, static_cast<size_t>(h), round.recv_size,
+              round.recv_rows, round.received);
     rounds_.push_back(std::move(round));
   }
 }
