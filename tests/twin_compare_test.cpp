@@ -68,10 +68,7 @@ TEST(TwinCompare, ALongerKilnRunIsReadAlongItsOwnEvaluations) {
     // 0.95 at step 100 (10 s), 0.85 at step 150 (15 s): 0.9 halfway, at 12.5 s.
     write_kiln_run(out / ("long" + s), 150, {{50, 1.0}, {100, 0.95}, {150, 0.85}});
   }
-  const auto r = kiln::testing::run_command(
-      "python3 " + kSrc + "/tools/twin_compare.py configs/quality/llama-bytes.yaml --report-only " +
-      "--seeds 1,2 --twin twin --kiln short --kiln 'long=--train.max_steps=150' --out " +
-      out.string());
+  const auto r = twin_compare(out, "--twin twin --kiln short --kiln 'long=--train.max_steps=150'");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("long ran to step 150: val mean 0.8500, train s 15.0"), std::string::npos)
       << r.output;
