@@ -3,7 +3,9 @@
 # there: build-dist/bin (TARGETS, stripped) and build-dist/lib (the libraries they load from
 # outside the CUDA toolkit and libc). On the host: LD_LIBRARY_PATH=$PWD/build-dist/lib, then
 # BIN=build-dist/bin for the scripts that take it (muon_share.sh, muon_sweep.sh) or
-# tools/twin_compare.py --train build-dist/bin/train.
+# tools/twin_compare.py --train build-dist/bin/train. kiln_gpu_tests (TARGETS) runs train and
+# prepare_data from the bin directory it was built for, $BUILD/bin, and reads configs from this
+# source root: where the host's copy is at the same path, `ln -sfn build-dist build` there.
 #   bash dev/carry_binaries.sh                    # from the source root, after `make build`
 # Env: BUILD (build), TARGETS ("train bench prepare_data").
 set -euo pipefail
