@@ -4,7 +4,8 @@
 // (trained until the target is reached) is read along all of its own evaluations, and one that
 // never reaches the target has none; one that stops earlier is shown at its own last step, and
 // compared seed by seed (--paired) with an earlier variant that stopped there too. timing.json
-// (--time-alone) replaces the runs' clocks with steps x a step's time alone.
+// (--time-alone) replaces the runs' clocks with steps x a step's time alone. With --retries, a run
+// that fails is run again, its failed try's log kept.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -200,6 +201,47 @@ TEST(TwinCompare, TimingJsonReplacesTheRunsClocks) {
   EXPECT_NEAR(v["kiln"]["speedup_vs_ref"].get<double>(), 6.0, 1e-9);
   // Not in timing.json: its own clock, 100 steps of 100 ms.
   EXPECT_NEAR(v["other"]["train_s"].get<double>(), 10.0, 1e-9);
+}
+
+// A run that fails its first try (as on a launch failure while runs share a GPU) is run again
+// under --retries 1, the failed try's log kept beside; without --retries it stays failed.
+TEST(TwinCompare, AFailedRunIsRunAgainUnderRetries) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  // A stand-in for `train`: prints the config back to --print-config; a run fails the first time
+  // its out_dir is given, then writes two steps and one evaluation.
+  const fs::path fake = dir / "train.sh";
+  std::ofstream(fake) << R"(#!/bin/sh
+for a in "$@"; do [ "$a" = --print-config ] && { cat "$1"; exit 0; }; done
+for a in "$@"; do case $a in --train.out_dir=*) run=${a#--train.out_dir=};; esac; done
+if [ ! -e "$run.tried" ]; then touch "$run.tried"; echo "unspecified launch failure"; exit 1; fi
+mkdir -p "$run"
+echo '{"tokens_per_step": 1000}' > "$run/summary.json"
+printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$run/metrics.jsonl"
+)";
+  fs::permissions(fake, fs::perms::owner_all);
+  const auto run = [&](const fs::path& out, const std::string& args) {
+    return kiln::testing::run_command("cd " + kSrc + " && python3 tools/twin_compare.py " +
+                                      "configs/quality/gpt2-bytes.yaml --seeds 1 --train " +
+                                      fake.string() + " --kiln kiln --out " + out.string() + " " +
+                                      args);
+  };
+
+  const auto once = run(dir / "once", "");
+  EXPECT_NE(once.output.find("failed (see their logs): " + (dir / "once" / "kiln-s1.log").string()),
+            std::string::npos)
+      << once.output;
+
+  const auto again = run(dir / "again", "--retries 1");
+  ASSERT_EQ(again.status, 0) << again.output;
+  const size_t retried = again.output.find("kiln-s1.log: GPU 0, rc 0, ");
+  ASSERT_NE(retried, std::string::npos) << again.output;
+  EXPECT_NE(again.output.find(" s (try 2)\n", retried), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("failed (see"), std::string::npos) << again.output;
+  std::ifstream failed(dir / "again" / "kiln-s1.log.failed-1");
+  std::string first((std::istreambuf_iterator<char>(failed)), {});
+  EXPECT_EQ(first, "unspecified launch failure\n");
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "again" / "summary.json"));
+  EXPECT_DOUBLE_EQ(summary["variants"]["kiln"]["mean"].get<double>(), 1.0);
 }
 
 }  // namespace

@@ -32,7 +32,9 @@ re-reads --out.
 other's steps. --time-alone N then runs each variant once more alone (the first seed, one run per
 distinct GPU at a time) for N steps without evaluations and writes --out/timing.json, {variant:
 seconds a step, start-up left out}; where it exists, the report's times are steps x those (a
-variant missing from it keeps its own clock).
+variant missing from it keeps its own clock). --retries N runs a failed run again, up to N
+times, keeping each failed try's log as LOG.failed-K: on one H100 (2026-12-07) runs sharing the
+GPU sometimes stopped on a CUDA launch failure that a run alone did not meet.
 
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
 a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
@@ -69,6 +71,9 @@ p.add_argument("--out", default="runs/twin-compare")
 p.add_argument("--to-loss", type=float, default=None)
 p.add_argument("--report-only", action="store_true")
 p.add_argument("--paired", action="store_true", help="the twin starts from kiln's initial weights")
+p.add_argument("--retries", type=int, default=0, metavar="N",
+               help="run a failed run again, up to N times (its failed try's log kept as "
+                    "LOG.failed-K)")
 p.add_argument("--time-alone", type=int, default=0, metavar="N",
                help="after the runs, time each variant alone for N steps (timing.json)")
 a = p.parse_args()
@@ -158,15 +163,22 @@ def run_all(jobs, gpus):
                     return
                 name, seed, cmd, log, init = queue.pop(0)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1")
-            start = time.time()
-            with open(log, "w") as f:
-                rc = make_init(init, env) if init else 0
-                if rc != 0:
-                    f.write(f"twin_compare: the initial weights were not made (see {init[1]}.log)\n")
-                else:
-                    rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            print(f"  {log}: GPU {gpu}, rc {rc}, {time.time() - start:.0f} s", flush=True)
-            if rc != 0:
+            for attempt in range(1, a.retries + 2):
+                if attempt > 1:
+                    os.replace(log, f"{log}.failed-{attempt - 1}")
+                start = time.time()
+                with open(log, "w") as f:
+                    rc = make_init(init, env) if init else 0
+                    if rc != 0:
+                        f.write(f"twin_compare: the initial weights were not made "
+                                f"(see {init[1]}.log)\n")
+                    else:
+                        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+                tried = f" (try {attempt})" if attempt > 1 else ""
+                print(f"  {log}: GPU {gpu}, rc {rc}, {time.time() - start:.0f} s{tried}",
+                      flush=True)
+                if rc == 0:
+                    break
                 # The reason, here too: a remote call may bring back this output but not the log.
                 with open(log, errors="replace") as f:
                     print("".join("    " + l for l in f.readlines()[-5:]), end="", flush=True)
