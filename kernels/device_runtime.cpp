@@ -11,7 +11,7 @@ void* DeviceRuntime::allocate_host(size_t bytes) {
   return p;
 }
 
-void DeviceRuntime::release_host(void* p) {
+void DeviceRuntime::release_host(void* p) noexcept {
   std::free(p);
 }
 

@@ -24,7 +24,9 @@ class DeviceRuntime {
 
   // ---- memory and transfers -------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled; throws std::bad_alloc with context
-  virtual void release(void* p) = 0;
+  // release and release_host never throw: destructors call them, also while an error unwinds,
+  // and after a device error (sticky on CUDA) the memory goes with the process.
+  virtual void release(void* p) noexcept = 0;
   virtual void copy_from_host(Tensor dst, const void* src) = 0;  // src holds dst.nbytes()
   virtual void copy_to_host(void* dst, Tensor src) = 0;          // waits for src to be ready
   // dst = src elementwise; converts between f32 and bf16 when dtypes differ.
@@ -67,7 +69,7 @@ class DeviceRuntime {
   // Host memory that copy_from_host_async can copy from without the host waiting: page-locked
   // on CUDA, plain elsewhere. Zero-filled; throws std::bad_alloc.
   virtual void* allocate_host(size_t bytes);
-  virtual void release_host(void* p);
+  virtual void release_host(void* p) noexcept;
   // Enqueues dst <- src and returns at once (the CPU copies now). src is memory of
   // allocate_host and must not change until the stream has passed this copy: upload_done(slot)
   // after the copies, upload_wait(slot) on the host before src is written again.

@@ -18,7 +18,7 @@ class PlanBackend final : public Backend {
   Device device() const override { return Device::cuda; }
   std::string name() const override { return "plan for " + gpu_; }
   void* allocate(size_t) override { unplanned("allocate"); }
-  void release(void*) override {}
+  void release(void*) noexcept override {}
   void copy_from_host(Tensor, const void*) override { unplanned("copy_from_host"); }
   void copy_to_host(void*, Tensor) override { unplanned("copy_to_host"); }
   void copy(Tensor, Tensor) override { unplanned("copy"); }

@@ -50,7 +50,7 @@ class OpTimer final : public Backend {
   std::string name() const override { return inner_.name(); }
   void* native_stream() override { return inner_.native_stream(); }
   void* allocate(size_t bytes) override { return inner_.allocate(bytes); }
-  void release(void* p) override { inner_.release(p); }
+  void release(void* p) noexcept override { inner_.release(p); }
   void copy_from_host(Tensor dst, const void* src) override;
   void copy_to_host(void* dst, Tensor src) override { inner_.copy_to_host(dst, src); }
   void copy(Tensor dst, Tensor src) override;
@@ -64,7 +64,7 @@ class OpTimer final : public Backend {
   void mark_step_start(int slot) override { inner_.mark_step_start(slot); }
   double step_ms(int slot) override { return inner_.step_ms(slot); }
   void* allocate_host(size_t bytes) override { return inner_.allocate_host(bytes); }
-  void release_host(void* p) override { inner_.release_host(p); }
+  void release_host(void* p) noexcept override { inner_.release_host(p); }
   void copy_from_host_async(Tensor dst, const void* src) override {
     inner_.copy_from_host_async(dst, src);
   }

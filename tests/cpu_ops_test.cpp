@@ -20,6 +20,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -1592,6 +1593,13 @@ TEST(CpuBackend, AllocateIsZeroFilledAndAligned) {
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(bytes[i], 0) << i;
   cpu().release(p);
 }
+
+// Destructors release (Arena, the staging of a step's inputs, the checkpoint writer's buffers),
+// also while an error unwinds: a release that threw there would end the run in std::terminate
+// instead of its one-line error (seen on a CUDA launch failure, 2026-12-07).
+static_assert(noexcept(std::declval<DeviceRuntime&>().release(nullptr)) &&
+                  noexcept(std::declval<DeviceRuntime&>().release_host(nullptr)),
+              "a backend's release and release_host must not throw");
 
 TEST(CpuBackend, ReadAsyncStagesValuesPerSlotAndChecksItsArguments) {
   std::vector<float> x = {1.5f, -2.0f, 7.0f}, y = {4.0f, 5.0f};

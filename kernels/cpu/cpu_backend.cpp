@@ -38,7 +38,7 @@ void* CpuBackend::allocate(size_t bytes) {
   return p;
 }
 
-void CpuBackend::release(void* p) {
+void CpuBackend::release(void* p) noexcept {
   std::free(p);
 }
 

@@ -23,7 +23,7 @@ class CpuBackend final : public Backend {
   DType activation_dtype() const override { return DType::f32; }
 
   void* allocate(size_t bytes) override;
-  void release(void* p) override;
+  void release(void* p) noexcept override;
   void copy_from_host(Tensor dst, const void* src) override;
   void copy_to_host(void* dst, Tensor src) override;
   void copy(Tensor dst, Tensor src) override;

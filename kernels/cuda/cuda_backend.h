@@ -93,7 +93,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return name_; }
 
   void* allocate(size_t bytes) override;
-  void release(void* p) override;
+  void release(void* p) noexcept override;
   void copy_from_host(Tensor dst, const void* src) override;
   void copy_to_host(void* dst, Tensor src) override;
   void copy(Tensor dst, Tensor src) override;
@@ -105,7 +105,7 @@ class CudaBackend final : public Backend {
   void mark_step_start(int slot) override;
   double step_ms(int slot) override;
   void* allocate_host(size_t bytes) override;  // cudaMallocHost
-  void release_host(void* p) override;
+  void release_host(void* p) noexcept override;
   void copy_from_host_async(Tensor dst, const void* src) override;
   void upload_done(int slot) override;
   void upload_wait(int slot) override;
