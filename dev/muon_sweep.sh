@@ -5,7 +5,8 @@
 # tools/twin_compare.py. The runs share the GPU (WORKERS at a time): the losses are exact, the
 # clocks are not, so only losses and steps are read here.
 #   bash dev/muon_sweep.sh                        # from the source root
-# Env: BIN (build/bin), SHAPES ("gpt2-bytes llama-bytes"), WORKERS (4), SEED (1), OUT, and
+# Env: BIN (build/bin), SHAPES ("gpt2-bytes llama-bytes"), WORKERS (4), SEED (1), OUT, RETRIES (1:
+# runs sharing a GPU have stopped on CUDA launch failures, twin_compare.py --retries), and
 # GRID: the Muon variants, NAME:LR:MOMENTUM:STEPS:WARMUP each (min_lr is lr/10).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -28,4 +29,4 @@ gpus=$(python3 -c "print(','.join(['0'] * $WORKERS))")
 configs=()
 for s in $SHAPES; do configs+=("configs/quality/$s.yaml"); done
 python3 tools/twin_compare.py "${configs[@]}" --seeds "${SEED:-1}" --gpus "$gpus" \
-  --train "$BIN/train" "${variants[@]}" --out "$OUT"
+  --train "$BIN/train" "${variants[@]}" --retries "${RETRIES:-1}" --out "$OUT"
