@@ -242,6 +242,13 @@ printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$r
   EXPECT_EQ(first, "unspecified launch failure\n");
   const auto summary = nlohmann::json::parse(std::ifstream(dir / "again" / "summary.json"));
   EXPECT_DOUBLE_EQ(summary["variants"]["kiln"]["mean"].get<double>(), 1.0);
+
+  const auto negative = run(dir / "negative", "--retries -1");
+  EXPECT_EQ(negative.status, 2);
+  EXPECT_NE(negative.output.find("--retries -1: the number of runs again after a failure is 0 or "
+                                 "more"),
+            std::string::npos)
+      << negative.output;
 }
 
 }  // namespace

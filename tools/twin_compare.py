@@ -77,6 +77,8 @@ p.add_argument("--retries", type=int, default=0, metavar="N",
 p.add_argument("--time-alone", type=int, default=0, metavar="N",
                help="after the runs, time each variant alone for N steps (timing.json)")
 a = p.parse_args()
+if a.retries < 0:
+    p.error(f"--retries {a.retries}: the number of runs again after a failure is 0 or more")
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
 seeds = [int(s) for s in a.seeds.split(",")]
