@@ -5,7 +5,8 @@
 // never reaches the target has none; one that stops earlier is shown at its own last step, and
 // compared seed by seed (--paired) with an earlier variant that stopped there too. timing.json
 // (--time-alone) replaces the runs' clocks with steps x a step's time alone. With --retries, a run
-// that fails is run again, its failed try's log kept.
+// that fails is run again, its failed try's log kept; with --resume, only the runs that did not end
+// run.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -249,6 +250,66 @@ printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$r
                                  "more"),
             std::string::npos)
       << negative.output;
+}
+
+// --resume reads the runs under --out that ended and runs the rest: a kiln run cut short (no
+// summary.json) and a twin variant named only now run, the others not again, and timing.json keeps
+// the times measured before beside the new variant's.
+TEST(TwinCompare, AResumedComparisonRunsOnlyWhatDidNotEnd) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  const fs::path calls = dir / "calls";
+  // Stand-ins for `train` and for the twin's python, each logging its runs to `calls`.
+  const fs::path train = dir / "train.sh", python = dir / "python.sh";
+  std::ofstream(train) << R"sh(#!/bin/sh
+for a in "$@"; do [ "$a" = --print-config ] && { cat "$1"; exit 0; }; done
+for a in "$@"; do case $a in --train.out_dir=*) run=${a#--train.out_dir=};; esac; done
+echo "kiln $(basename "$run")" >> )sh" << calls.string() << R"sh(
+mkdir -p "$run"
+echo '{"tokens_per_step": 1000}' > "$run/summary.json"
+printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$run/metrics.jsonl"
+)sh";
+  std::ofstream(python) << R"sh(#!/bin/sh
+shift
+echo "twin $*" >> )sh" << calls.string() << R"sh(
+echo '{"step": 2, "val_loss": 1.1, "train_s": 0.3, "tokens": 2000}'
+echo '{"summary": {"steps": 2, "train_s": 0.3}}'
+)sh";
+  fs::permissions(train, fs::perms::owner_all);
+  fs::permissions(python, fs::perms::owner_all);
+  const fs::path out = dir / "out";
+  const auto run = [&](const std::string& args) {
+    fs::remove(calls);
+    const auto r = kiln::testing::run_command(
+        "cd " + kSrc + " && python3 tools/twin_compare.py configs/quality/gpt2-bytes.yaml " +
+        "--seeds 1 --time-alone 2 --train " + train.string() + " --python " + python.string() +
+        " --out " + out.string() + " --kiln kiln --twin twin " + args);
+    std::ifstream f(calls);
+    return std::make_pair(r, std::string((std::istreambuf_iterator<char>(f)), {}));
+  };
+
+  const auto [first, all] = run("");
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_EQ(all,
+            "twin --config " + (out / "twin-config.yaml").string() + " --seed 1\n"
+            "kiln kiln-s1\nkiln kiln-time\n"
+            "twin --config " + (out / "twin-config.yaml").string() + " --seed 1 --steps 2\n")
+      << first.output;
+
+  fs::remove(out / "kiln-s1" / "summary.json");  // cut short
+  const auto [resumed, rest] = run("--resume --twin 'other=--other'");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(rest,
+            "kiln kiln-s1\n"
+            "twin --config " + (out / "twin-config.yaml").string() + " --seed 1 --other\n"
+            "twin --config " + (out / "twin-config.yaml").string() + " --seed 1 --other --steps 2\n")
+      << resumed.output;
+  const auto timing = nlohmann::json::parse(std::ifstream(out / "timing.json"));
+  EXPECT_DOUBLE_EQ(timing["twin"].get<double>(), 0.15);
+  EXPECT_DOUBLE_EQ(timing["other"].get<double>(), 0.15);
+  EXPECT_DOUBLE_EQ(timing["kiln"].get<double>(), 0.1);
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  EXPECT_DOUBLE_EQ(summary["variants"]["kiln"]["mean"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(summary["variants"]["other"]["mean"].get<double>(), 1.1);
 }
 
 }  // namespace

@@ -34,7 +34,10 @@ distinct GPU at a time) for N steps without evaluations and writes --out/timing.
 seconds a step, start-up left out}; where it exists, the report's times are steps x those (a
 variant missing from it keeps its own clock). --retries N runs a failed run again, up to N
 times, keeping each failed try's log as LOG.failed-K: on one H100 (2026-12-07) runs sharing the
-GPU sometimes stopped on a CUDA launch failure that a run alone did not meet.
+GPU sometimes stopped on a CUDA launch failure that a run alone did not meet. --resume reads
+the runs under --out that ended (kiln's with its summary.json, the twin's with its summary line,
+a time-alone run likewise) instead of running them again: a comparison cut short by a time limit
+goes on where it stopped, and one given another variant runs that variant's runs alone.
 
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
 a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
@@ -74,6 +77,8 @@ p.add_argument("--paired", action="store_true", help="the twin starts from kiln'
 p.add_argument("--retries", type=int, default=0, metavar="N",
                help="run a failed run again, up to N times (its failed try's log kept as "
                     "LOG.failed-K)")
+p.add_argument("--resume", action="store_true",
+               help="read the runs under --out that ended instead of running them again")
 p.add_argument("--time-alone", type=int, default=0, metavar="N",
                help="after the runs, time each variant alone for N steps (timing.json)")
 a = p.parse_args()
@@ -208,13 +213,56 @@ def kiln_steps(run):
 
 
 def seconds_per_step(out, name, kiln):
-    """A variant's seconds a step in its run alone (--time-alone), start-up left out."""
+    """A variant's seconds a step in its run alone (--time-alone), start-up left out; a run cut
+    short (no summary) raises."""
     if kiln:
-        secs = kiln_steps(os.path.join(out, f"{name}-time"))[1]
+        run = os.path.join(out, f"{name}-time")
+        json.load(open(os.path.join(run, "summary.json")))
+        secs = kiln_steps(run)[1]
         return sum(secs) / len(secs)
     lines = open(os.path.join(out, f"{name}-time.jsonl")).read().splitlines()
     summary = [json.loads(l)["summary"] for l in lines if l.startswith('{"summary"')][-1]
     return summary["train_s"] / summary["steps"]
+
+
+def read_kiln(out, name, seed):
+    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
+    run = os.path.join(out, f"{name}-s{seed}")
+    tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
+    t, rows = 0.0, []
+    for m, step_s in zip(*kiln_steps(run)):
+        t += step_s
+        if "val_loss" in m:
+            rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
+    return rows
+
+
+def read_twin(out, name, seed):
+    rows, finished = [], False
+    for line in open(os.path.join(out, f"{name}-s{seed}.jsonl")):
+        if line.startswith("{"):
+            m = json.loads(line)
+            finished |= "summary" in m
+            if "val_loss" in m:
+                rows.append((m["step"], m["val_loss"], m["train_s"], m["tokens"]))
+    # A run cut short has no summary: its curve would end early and pass for a shorter recipe.
+    if not finished:
+        raise ValueError("the run did not finish (no summary line)")
+    return rows
+
+
+# What reading a run's files raises where the run is missing, cut short or malformed.
+UNREADABLE = (OSError, KeyError, ValueError, IndexError, ZeroDivisionError)
+
+
+def ended(read, *args):
+    """Whether a run under --out ended (read_kiln, read_twin or seconds_per_step reads it whole):
+    --resume reads it instead of running it again."""
+    try:
+        read(*args)
+        return True
+    except UNREADABLE:
+        return False
 
 
 def resolve(config, args=()):
@@ -245,63 +293,50 @@ if not a.report_only:
     jobs = []
     for s in seeds:
         for config in a.configs:
-            jobs += [twin_job(config, *twins[0], s)] if twins else []
-            jobs += [kiln_job(config, *v, s) for v in kilns]
-            jobs += [twin_job(config, *v, s) for v in twins[1:]]
+            o = out_dir(config)
+            jobs += [twin_job(config, *v, s) for v in twins[:1]
+                     if not (a.resume and ended(read_twin, o, v[0], s))]
+            jobs += [kiln_job(config, *v, s) for v in kilns
+                     if not (a.resume and ended(read_kiln, o, v[0], s))]
+            jobs += [twin_job(config, *v, s) for v in twins[1:]
+                     if not (a.resume and ended(read_twin, o, v[0], s))]
     failed = run_all(jobs, a.gpus.split(","))
     if a.time_alone:
         # Runs sharing a GPU evaluate exactly but slow each other's steps: each variant once more,
         # alone on its GPU (one run per distinct GPU at a time), to time a step.
         jobs = []
         for config in a.configs:
+            o = out_dir(config)
             for name, own, args in kilns:
-                run = os.path.join(out_dir(config), f"{name}-time")
+                if a.resume and ended(seconds_per_step, o, name, True):
+                    continue
+                run = os.path.join(o, f"{name}-time")
                 cmd = kiln_job(config, name, own, args, seeds[0])[2] + [
                     f"--train.max_steps={a.time_alone}", "--train.eval_every=0",
                     f"--train.out_dir={run}"]
                 jobs.append((name, seeds[0], cmd, run + ".log", None))
             for name, own, args in twins:
+                if a.resume and ended(seconds_per_step, o, name, False):
+                    continue
                 cmd = twin_job(config, name, own, args, seeds[0], paired=False)[2]
                 jobs.append((name, seeds[0], cmd + ["--steps", str(a.time_alone)],
                              os.path.join(out_dir(config), f"{name}-time.jsonl"), None))
         failed += run_all(jobs, list(dict.fromkeys(a.gpus.split(","))))
         for config in a.configs:
+            timing_json = os.path.join(out_dir(config), "timing.json")
+            # Resumed, the variants timed before and not named now keep their times.
             timing = {}
+            if a.resume and os.path.exists(timing_json):
+                timing = json.load(open(timing_json))
             for (name, *_), kiln in [(v, False) for v in twins] + [(v, True) for v in kilns]:
                 try:
                     timing[name] = seconds_per_step(out_dir(config), name, kiln)
-                except (OSError, KeyError, ValueError, IndexError, ZeroDivisionError) as e:
+                except UNREADABLE as e:
                     print(f"{config}: {name} not timed alone ({e})")
-            with open(os.path.join(out_dir(config), "timing.json"), "w") as f:
+            with open(timing_json, "w") as f:
                 json.dump(timing, f, indent=1)
     if failed:
         print("failed (see their logs): " + " ".join(failed))
-
-
-def read_kiln(out, name, seed):
-    """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
-    run = os.path.join(out, f"{name}-s{seed}")
-    tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
-    t, rows = 0.0, []
-    for m, step_s in zip(*kiln_steps(run)):
-        t += step_s
-        if "val_loss" in m:
-            rows.append((m["step"], m["val_loss"], t, m["step"] * tokens_per_step))
-    return rows
-
-
-def read_twin(out, name, seed):
-    rows, finished = [], False
-    for line in open(os.path.join(out, f"{name}-s{seed}.jsonl")):
-        if line.startswith("{"):
-            m = json.loads(line)
-            finished |= "summary" in m
-            if "val_loss" in m:
-                rows.append((m["step"], m["val_loss"], m["train_s"], m["tokens"]))
-    # A run cut short has no summary: its curve would end early and pass for a shorter recipe.
-    if not finished:
-        raise ValueError("the run did not finish (no summary line)")
-    return rows
 
 
 def mean(xs):
