@@ -265,6 +265,22 @@ def ended(read, *args):
         return False
 
 
+def write_json(path, obj):
+    """path <- obj, replaced only once the whole new text is on disk (a full disk keeps the old:
+    under --resume, timing.json holds the times of variants not run again)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+
+
 def resolve(config, args=()):
     return subprocess.check_output([a.train, config, *common, *args, "--print-config"], text=True)
 
@@ -293,13 +309,11 @@ if not a.report_only:
     jobs = []
     for s in seeds:
         for config in a.configs:
-            o = out_dir(config)
-            jobs += [twin_job(config, *v, s) for v in twins[:1]
-                     if not (a.resume and ended(read_twin, o, v[0], s))]
-            jobs += [kiln_job(config, *v, s) for v in kilns
-                     if not (a.resume and ended(read_kiln, o, v[0], s))]
-            jobs += [twin_job(config, *v, s) for v in twins[1:]
-                     if not (a.resume and ended(read_twin, o, v[0], s))]
+            for v, twin in ([(v, True) for v in twins[:1]] + [(v, False) for v in kilns] +
+                            [(v, True) for v in twins[1:]]):
+                if not (a.resume and ended(read_twin if twin else read_kiln, out_dir(config),
+                                           v[0], s)):
+                    jobs.append((twin_job if twin else kiln_job)(config, *v, s))
     failed = run_all(jobs, a.gpus.split(","))
     if a.time_alone:
         # Runs sharing a GPU evaluate exactly but slow each other's steps: each variant once more,
@@ -320,7 +334,7 @@ if not a.report_only:
                     continue
                 cmd = twin_job(config, name, own, args, seeds[0], paired=False)[2]
                 jobs.append((name, seeds[0], cmd + ["--steps", str(a.time_alone)],
-                             os.path.join(out_dir(config), f"{name}-time.jsonl"), None))
+                             os.path.join(o, f"{name}-time.jsonl"), None))
         failed += run_all(jobs, list(dict.fromkeys(a.gpus.split(","))))
         for config in a.configs:
             timing_json = os.path.join(out_dir(config), "timing.json")
@@ -333,8 +347,7 @@ if not a.report_only:
                     timing[name] = seconds_per_step(out_dir(config), name, kiln)
                 except UNREADABLE as e:
                     print(f"{config}: {name} not timed alone ({e})")
-            with open(timing_json, "w") as f:
-                json.dump(timing, f, indent=1)
+            write_json(timing_json, timing)
     if failed:
         print("failed (see their logs): " + " ".join(failed))
 
@@ -474,7 +487,7 @@ def report(config, requested):
                     d = {"step": last, **paired(n, e, last)}
                     v.setdefault("paired_vs", {})[e] = d
                     line(n, d, f" (vs {e}, step {last})")
-    json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+    write_json(os.path.join(out, "summary.json"), summary)
     return summary
 
 
