@@ -24,7 +24,7 @@ Output, one JSON object per line: {"step", "val_loss", "train_s", "tokens"} at e
 (train_s: wall time spent in training steps so far, evaluations and step 0's compilation left
 out), {"step", "loss"} every --log-every steps, and last {"summary": {...}}. With --autocast 0
 and --init-from a kiln checkpoint, on the CPU, its losses are kiln's CPU reference's to ~1e-7
-(tests/twin_parity_test.cpp).
+(tests/twin_parity_test.cpp); under optim.name=muon, with --muon-ns-f32 1 as well.
 
 usage: python3 tools/torch_twin.py --config RUN/config.yaml [--seed S] [--kiln-numerics LIST]
 """
@@ -52,6 +52,9 @@ p.add_argument("--init-from", default="",
                help="a kiln checkpoint directory: start from its weights")
 p.add_argument("--autocast", type=int, default=1, help="0: train in fp32 (checks the twin "
                "against kiln's CPU reference)")
+p.add_argument("--muon-ns-f32", type=int, default=0,
+               help="1: torch.optim.Muon's Newton-Schulz in f32, as kiln's CPU reference, instead "
+                    "of its bf16 (with --autocast 0: checks Muon's update exactly)")
 p.add_argument("--log-every", type=int, default=50, help="print the train loss every N steps")
 p.add_argument("--device", default="cuda")
 p.add_argument("--compile", type=int, default=1)
@@ -344,6 +347,25 @@ if segments:
         ns_steps=OP.get("muon_ns_steps", 5),
         adjust_lr_fn={"rms_match": "match_rms_adamw",
                       "spectral": "original"}[OP.get("muon_lr_scale", "rms_match")]))
+if a.muon_ns_f32:
+    import torch.optim._muon as torch_muon
+    if not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
+        raise SystemExit(f"torch_twin: --muon-ns-f32: torch {torch.__version__} has no "
+                 "torch.optim._muon._zeropower_via_newtonschulz to replace")
+
+    def zeropower_f32(grad, ns_coefficients, ns_steps, eps):
+        """torch's iteration (the same ops in the same order) on f32 rather than bf16."""
+        a_, b_, c_ = ns_coefficients
+        x = grad.float()
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b_, alpha=c_), x, beta=a_)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    torch_muon._zeropower_via_newtonschulz = zeropower_f32
 cm = torch.compile(m) if a.compile else m
 
 
