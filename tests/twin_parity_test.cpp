@@ -136,6 +136,12 @@ TEST_P(TwinParity, MuonFollowsTorchOptimMuon) {
                       std::string("--optim.name=muon --optim.lr=0.01 --optim.muon_lr_scale=") +
                           (arch == "gpt2" ? "spectral" : "rms_match"),
                       40, 1e-5, "--muon-ns-f32 1");
+  // The flag would do nothing under AdamW: refused by name.
+  const auto r = run_command(python() + " " + kSrc + "/tools/torch_twin.py --config " + dir_ +
+                             "/" + arch + "_extra/config.yaml --device cpu --compile 0" +
+                             " --optim adamw --muon-ns-f32 1 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--muon-ns-f32"), std::string::npos) << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, TwinParity, ::testing::Values("gpt2", "llama", "qwen3"));

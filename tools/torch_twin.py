@@ -99,6 +99,9 @@ if a.optim:
 if OP["name"] == "muon" and not hasattr(torch.optim, "Muon"):
     raise SystemExit(f"torch_twin: --optim muon needs torch.optim.Muon (PyTorch 2.9 or newer), "
                      f"this is {torch.__version__}")
+if a.muon_ns_f32 and OP["name"] != "muon":
+    p.error(f"--muon-ns-f32 applies to Muon's iteration; this run is optim.name={OP['name']} "
+            "(add --optim muon or drop it)")
 
 seed = TR["seed"] if a.seed is None else a.seed
 steps = TR["max_steps"] if a.steps is None else a.steps
@@ -351,7 +354,7 @@ if a.muon_ns_f32:
     import torch.optim._muon as torch_muon
     if not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
         raise SystemExit(f"torch_twin: --muon-ns-f32: torch {torch.__version__} has no "
-                 "torch.optim._muon._zeropower_via_newtonschulz to replace")
+                         "torch.optim._muon._zeropower_via_newtonschulz to replace")
 
     def zeropower_f32(grad, ns_coefficients, ns_steps, eps):
         """torch's iteration (the same ops in the same order) on f32 rather than bf16."""
