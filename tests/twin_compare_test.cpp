@@ -22,6 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::string kSrc = KILN_SOURCE_DIR;
+const std::string kBin = KILN_BIN_DIR;
 
 // A kiln run: every step takes 100 ms; val_loss at the given steps.
 void write_kiln_run(const fs::path& run, int steps, const std::map<int, double>& val) {
@@ -205,7 +206,8 @@ TEST(TwinCompare, TimingJsonReplacesTheRunsClocks) {
 }
 
 // A run that fails its first try (as on a launch failure while runs share a GPU) is run again
-// under --retries 1, the failed try's log kept beside; without --retries it stays failed.
+// under --retries 1, the failed try's log kept beside; without --retries it stays failed, and one
+// that refused its input (exit status 2) is not run again.
 TEST(TwinCompare, AFailedRunIsRunAgainUnderRetries) {
   const fs::path dir = kiln::testing::make_temp_dir("kiln_twin_compare_");
   // A stand-in for `train`: prints the config back to --print-config; a run fails the first time
@@ -214,6 +216,7 @@ TEST(TwinCompare, AFailedRunIsRunAgainUnderRetries) {
   std::ofstream(fake) << R"(#!/bin/sh
 for a in "$@"; do [ "$a" = --print-config ] && { cat "$1"; exit 0; }; done
 for a in "$@"; do case $a in --train.out_dir=*) run=${a#--train.out_dir=};; esac; done
+for a in "$@"; do [ "$a" = --train.bogus=1 ] && { echo "train.bogus: unknown key"; exit 2; }; done
 if [ ! -e "$run.tried" ]; then touch "$run.tried"; echo "unspecified launch failure"; exit 1; fi
 mkdir -p "$run"
 echo '{"tokens_per_step": 1000}' > "$run/summary.json"
@@ -244,12 +247,56 @@ printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$r
   const auto summary = nlohmann::json::parse(std::ifstream(dir / "again" / "summary.json"));
   EXPECT_DOUBLE_EQ(summary["variants"]["kiln"]["mean"].get<double>(), 1.0);
 
+  // Exit status 2 is a refused input: it would fail again, so it is not run again.
+  const auto refused = run(dir / "refused", "--retries 1 --kiln 'bogus=--train.bogus=1'");
+  const size_t once_only = refused.output.find("bogus-s1.log: GPU 0, rc 2, ");
+  ASSERT_NE(once_only, std::string::npos) << refused.output;
+  EXPECT_EQ(refused.output.find("bogus-s1.log: GPU 0", once_only + 1), std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("train.bogus: unknown key"), std::string::npos) << refused.output;
+  EXPECT_FALSE(fs::exists(dir / "refused" / "bogus-s1.log.failed-1"));
+  EXPECT_NE(refused.output.find("failed (see their logs): " +
+                                (dir / "refused" / "bogus-s1.log").string()),
+            std::string::npos)
+      << refused.output;
+
   const auto negative = run(dir / "negative", "--retries -1");
   EXPECT_EQ(negative.status, 2);
   EXPECT_NE(negative.output.find("--retries -1: the number of runs again after a failure is 0 or "
                                  "more"),
             std::string::npos)
       << negative.output;
+}
+
+// --paired starts every variant from the positional config's initial weights: a variant with a
+// config of another model is refused before anything runs, by name, exit status 2.
+TEST(TwinCompare, APairedVariantOfAnotherModelIsRefused) {
+  const fs::path dir = kiln::testing::make_temp_dir("kiln_twin_compare_");
+  const fs::path fake = dir / "train.sh";  // prints the config back to --print-config, else fails
+  std::ofstream(fake) << R"(#!/bin/sh
+for a in "$@"; do [ "$a" = --print-config ] && { cat "$1"; exit 0; }; done
+exit 1
+)";
+  fs::permissions(fake, fs::perms::owner_all);
+  const auto r = kiln::testing::run_command(
+      "cd " + kSrc + " && python3 tools/twin_compare.py configs/quality/gpt2-bytes.yaml --seeds 1 " +
+      "--paired --train " + fake.string() + " --kiln kiln --kiln " +
+      "'llama=configs/quality/llama-bytes.yaml' --out " + (dir / "out").string() + " 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--paired: llama's model (configs/quality/llama-bytes.yaml) differs "
+                          "from configs/quality/gpt2-bytes.yaml's"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out" / "kiln-s1.log")) << r.output;
+
+  // A config that train refuses: its one line and its exit status, not a traceback.
+  const auto bad = kiln::testing::run_command(
+      "cd " + kSrc + " && python3 tools/twin_compare.py configs/quality/gpt2-bytes.yaml --seeds 1 " +
+      "--train " + kBin + "/train --kiln kiln --set train.bogus=1 --out " + (dir / "bad").string() +
+      " 2>&1");
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("train.bogus"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.output.find("Traceback"), std::string::npos) << bad.output;
 }
 
 // --resume reads the runs under --out that ended and runs the rest: a kiln run cut short (no

@@ -9,6 +9,7 @@
 // KILN_PYTHON names the interpreter (default python3).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -145,5 +146,47 @@ TEST_P(TwinParity, MuonFollowsTorchOptimMuon) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, TwinParity, ::testing::Values("gpt2", "llama", "qwen3"));
+
+// Bad input to the twin (its config, a flag, the shards, --init-from) is one line naming the thing
+// at fault and exit status 2, as kiln's own, which twin_compare.py does not run again.
+TEST(TwinInput, BadInputIsOneLineAndExitStatus2) {
+  if (run_command(python() + " -c 'import torch, numpy, yaml'").status != 0) {
+    GTEST_SKIP() << "torch, numpy or yaml missing for " << python();
+  }
+  const std::string dir = kiln::testing::make_temp_dir("kiln_twin_input_");
+  auto r = run_command("head -c 3000 " + kSrc + "/README.md > " + dir + "/text.txt && " + kBin +
+                       "/prepare_data --out " + dir + "/data --val-fraction 0.1 " + dir +
+                       "/text.txt");
+  ASSERT_EQ(r.status, 0) << r.output;
+  // A config whose train shards match nothing, one whose train shard lost its end.
+  const std::string base = kBin + "/train " + kSrc +
+                           "/configs/quality/gpt2-bytes.yaml --train.device=cpu "
+                           "--model.n_layer=1 --model.n_embd=32 --model.n_head=2 "
+                           "--model.seq_len=16 --data.val='" +
+                           dir + "/data/val_*.bin' --print-config";
+  r = run_command(base + " --data.train='" + dir + "/none/train_*.bin' > " + dir + "/none.yaml");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_command("cp " + dir + "/data/train_000000.bin " + dir + "/cut.bin && truncate -s 1500 " +
+                  dir + "/cut.bin && " + base + " --data.train='" + dir + "/cut.bin' > " + dir +
+                  "/cut.yaml");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string twin = python() + " " + kSrc + "/tools/torch_twin.py --device cpu --compile 0 ";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--config " + dir + "/missing.yaml", "torch_twin: --config " + dir + "/missing.yaml: "},
+      {"--config " + dir + "/none.yaml --kiln-numerics bogus",
+       "torch_twin: --kiln-numerics: unknown ['bogus']"},
+      {"--config " + dir + "/none.yaml", "torch_twin: data.train: no shards match " + dir + "/none/"},
+      {"--config " + dir + "/cut.yaml",
+       "torch_twin: data.train: " + dir + "/cut.bin holds 238 tokens, its header says 2700"},
+      {"--config " + dir + "/cut.yaml --init-from " + dir,
+       "torch_twin: --init-from " + dir + ": no manifest.yaml"},
+  };
+  for (const auto& [args, message] : cases) {
+    r = run_command(twin + args + " 2>&1");
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind(message, 0), 0u) << args << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << args << "\n" << r.output;
+  }
+}
 
 }  // namespace

@@ -24,7 +24,8 @@ Output, one JSON object per line: {"step", "val_loss", "train_s", "tokens"} at e
 (train_s: wall time spent in training steps so far, evaluations and step 0's compilation left
 out), {"step", "loss"} every --log-every steps, and last {"summary": {...}}. With --autocast 0
 and --init-from a kiln checkpoint, on the CPU, its losses are kiln's CPU reference's to ~1e-7
-(tests/twin_parity_test.cpp); under optim.name=muon, with --muon-ns-f32 1 as well.
+(tests/twin_parity_test.cpp); under optim.name=muon, with --muon-ns-f32 1 as well. Bad input
+(the config, a flag, a shard, --init-from) is one line naming it on stderr, exit status 2.
 
 usage: python3 tools/torch_twin.py --config RUN/config.yaml [--seed S] [--kiln-numerics LIST]
 """
@@ -33,6 +34,7 @@ import glob
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -66,6 +68,13 @@ p.add_argument("--optim", choices=["adamw", "muon"], default=None,
 a = p.parse_args()
 
 
+def fail(message):
+    """Bad input (a flag, the config, the shards, a checkpoint): one line naming it, exit status
+    2, as kiln's own InputError; twin_compare.py does not run such a run again."""
+    print(f"torch_twin: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 
 def numbers(x):
     """PyYAML reads 1e-08 (no dot, YAML 1.1) as a string: such scalars back to floats."""
@@ -79,29 +88,33 @@ def numbers(x):
     return x
 
 
-cfg = numbers(yaml.safe_load(open(a.config)))
+try:
+    with open(a.config) as f:
+        cfg = numbers(yaml.safe_load(f))
+except (OSError, yaml.YAMLError) as e:
+    fail(f"--config {a.config}: {str(e).splitlines()[0]}")
 M, TR, OP, D = cfg["model"], cfg["train"], cfg["optim"], cfg["data"]
 KNOWN = {"resid_fwd", "resid_bwd", "norm_params", "embed"}
 emulate = set(x for x in a.kiln_numerics.split(",") if x)
 if "all" in emulate:
     emulate = set(KNOWN)
 if emulate - KNOWN:
-    raise SystemExit(f"--kiln-numerics: unknown {sorted(emulate - KNOWN)}")
+    fail(f"--kiln-numerics: unknown {sorted(emulate - KNOWN)}")
 if cfg.get("moe", {}).get("n_experts", 0):
-    raise SystemExit("torch_twin: MoE models have no twin")
+    fail(f"{a.config}: MoE models have no twin")
 if cfg["precision"].get("fp8"):
     print(json.dumps({"note": "precision.fp8 is kiln's; the twin trains in bf16 autocast"}),
           flush=True)
 if OP["name"] not in ("adamw", "muon"):
-    raise SystemExit(f"torch_twin: optim.name={OP['name']} has no twin")
+    fail(f"{a.config}: optim.name={OP['name']} has no twin")
 if a.optim:
     OP["name"] = a.optim
 if OP["name"] == "muon" and not hasattr(torch.optim, "Muon"):
     raise SystemExit(f"torch_twin: --optim muon needs torch.optim.Muon (PyTorch 2.9 or newer), "
                      f"this is {torch.__version__}")
 if a.muon_ns_f32 and OP["name"] != "muon":
-    p.error(f"--muon-ns-f32 applies to Muon's iteration; this run is optim.name={OP['name']} "
-            "(add --optim muon or drop it)")
+    fail(f"--muon-ns-f32 applies to Muon's iteration; this run is optim.name={OP['name']} "
+         "(add --optim muon or drop it)")
 
 seed = TR["seed"] if a.seed is None else a.seed
 steps = TR["max_steps"] if a.steps is None else a.steps
@@ -274,15 +287,23 @@ class Twin(nn.Module):  # parameter names are kiln's (model/decoder.cpp), "wte" 
 
 def load_kiln_checkpoint(model, path):
     """The fp32 master weights of a kiln checkpoint directory (state/checkpoint.h) into model."""
-    man = yaml.safe_load(open(os.path.join(path, "manifest.yaml")))
+    manifest = os.path.join(path, "manifest.yaml")
+    if not os.path.isfile(manifest):
+        fail(f"--init-from {path}: no manifest.yaml, not a kiln checkpoint directory")
+    with open(manifest) as f:
+        man = yaml.safe_load(f)
     flat = np.zeros(man["param_count"], dtype=np.float32)
     header = 56 if man["version"] >= 3 else 32  # version 3 adds run, runs and stride
     for f in man["files"]:
         # A file holds `runs` runs of `run` values, run k at begin + k * stride (one run: a range).
         run, runs = f.get("run", f["end"] - f["begin"]), f.get("runs", 1)
         at = f["begin"] + np.arange(runs)[:, None] * f.get("stride", run) + np.arange(run)
-        flat[at.ravel()] = np.fromfile(os.path.join(path, f["file"]), dtype=np.float32,
-                                       count=run * runs, offset=header)
+        values = np.fromfile(os.path.join(path, f["file"]), dtype=np.float32, count=run * runs,
+                             offset=header)
+        if values.size != run * runs:
+            fail(f"--init-from {os.path.join(path, f['file'])}: {values.size} values, the manifest "
+                 f"says {run * runs}")
+        flat[at.ravel()] = values
     params = dict(model.named_parameters())
     with torch.no_grad():
         for t in man["tensors"]:
@@ -291,7 +312,7 @@ def load_kiln_checkpoint(model, path):
             values = torch.from_numpy(flat[t["offset"]:t["offset"] + n]).view(t["shape"])
             params.pop(name).copy_(values)
     if params:
-        raise SystemExit(f"torch_twin: {path} has no {sorted(params)}")
+        fail(f"--init-from {path} has no {sorted(params)}")
 
 
 # kiln's init (model/decoder.cpp): N(0, 0.02) for matrices and embeddings, the residual
@@ -382,18 +403,21 @@ def lr_at(step):  # train/schedule.cpp
     return OP["min_lr"] + coeff * (OP["lr"] - OP["min_lr"])
 
 
-def load(pattern):
-    out = []
+def load(key):
+    """The token shards data.<key> matches (kiln's format: a 1 KiB header, 16- or 32-bit tokens)."""
+    pattern, out = D[key], []
     for f in sorted(glob.glob(pattern)):
         h = np.fromfile(f, dtype=np.int32, count=256)
-        if h[0] == 20240520:
-            out.append(np.fromfile(f, dtype=np.uint16, offset=1024, count=int(h[2])))
-        elif h[0] == 20240801:
-            out.append(np.fromfile(f, dtype=np.uint32, offset=1024, count=int(h[2])))
+        if h.size == 256 and h[0] in (20240520, 20240801):
+            tokens = np.fromfile(f, dtype=np.uint16 if h[0] == 20240520 else np.uint32,
+                                 offset=1024, count=int(h[2]))
+            if tokens.size != h[2]:
+                fail(f"data.{key}: {f} holds {tokens.size} tokens, its header says {h[2]}")
+            out.append(tokens)
         else:
             out.append(np.fromfile(f, dtype=np.uint16))
     if not out:
-        raise SystemExit(f"torch_twin: no shards match {pattern}")
+        fail(f"data.{key}: no shards match {pattern}")
     return out
 
 
@@ -454,7 +478,7 @@ class Loader:
         s.windows = [(len(x) - 1) // T for x in shards]
         s.total = sum(s.windows)
         if s.total < size:
-            raise SystemExit(f"torch_twin: {s.total} windows, fewer than a batch of {size}")
+            fail(f"{s.total} windows of {T + 1} tokens, fewer than a batch of {size}")
         s.epoch, s.cursor, s.orders_epoch = 0, 0, None
 
     def rng(s, stream):
@@ -513,7 +537,7 @@ def sync():
         torch.cuda.synchronize()
 
 
-train, val = load(D["train"]), load(D["val"]) if D["val"] else []
+train, val = load("train"), load("val") if D["val"] else []
 it = batches(Loader(train, TR["batch_size"], D["shuffle"], seed), TR["grad_accum"])
 grad_clip = OP["grad_clip"]
 # The clock is read only where the host waits anyway (evaluations) and around steps 0 and 1:

@@ -34,7 +34,8 @@ distinct GPU at a time) for N steps without evaluations and writes --out/timing.
 seconds a step, start-up left out}; where it exists, the report's times are steps x those (a
 variant missing from it keeps its own clock). --retries N runs a failed run again, up to N
 times, keeping each failed try's log as LOG.failed-K: on one H100 (2026-12-07) runs sharing the
-GPU sometimes stopped on a CUDA launch failure that a run alone did not meet. --resume reads
+GPU sometimes stopped on a CUDA launch failure that a run alone did not meet. A run that exited
+2 refused its input (kiln's config or shards, the twin's flags) and is not run again. --resume reads
 the runs under --out that ended (kiln's with its summary.json, the twin's with its summary line,
 a time-alone run likewise) instead of running them again: a comparison cut short by a time limit
 goes on where it stopped, and one given another variant runs that variant's runs alone.
@@ -189,6 +190,9 @@ def run_all(jobs, gpus):
                 # The reason, here too: a remote call may bring back this output but not the log.
                 with open(log, errors="replace") as f:
                     print("".join("    " + l for l in f.readlines()[-5:]), end="", flush=True)
+                # Exit status 2 is bad input, kiln's InputError or the twin's: it fails again.
+                if rc == 2:
+                    break
             if rc != 0:
                 with lock:
                     failed.append(log)
@@ -282,7 +286,13 @@ def write_json(path, obj):
 
 
 def resolve(config, args=()):
-    return subprocess.check_output([a.train, config, *common, *args, "--print-config"], text=True)
+    """`train`'s resolved config; where train refuses it, its own words and exit status."""
+    r = subprocess.run([a.train, config, *common, *args, "--print-config"], text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr or r.stdout)
+        sys.exit(r.returncode)
+    return r.stdout
 
 
 if not a.report_only:
@@ -302,8 +312,8 @@ if not a.report_only:
             if a.paired:
                 import yaml
                 if yaml.safe_load(resolved)["model"] != yaml.safe_load(positional)["model"]:
-                    sys.exit(f"twin_compare: --paired: {name}'s model ({config_of(config, own)}) "
-                             f"differs from {config}'s, whose initial weights the twins start from")
+                    p.error(f"--paired: {name}'s model ({config_of(config, own)}) differs from "
+                            f"{config}'s, whose initial weights the twins start from")
     # Seed by seed: the reference, then kiln's variants, then the other twins, so what a
     # comparison needs most is done first if the runs are cut short.
     jobs = []
