@@ -184,5 +184,29 @@ TEST_F(PrepareDataHf, BadEosOrTokenizerExitsTwo) {
   std::filesystem::remove(config);
 }
 
+// tools/train_bpe.py keeps what is there: a tokenizer.json or tokenizer_config.json already at
+// --out's place is refused by name (a model's own tokenizer_config.json is not overwritten), as
+// is an input it cannot read; each one line, exit status 2, the files untouched.
+TEST_F(PrepareDataHf, TrainBpeKeepsExistingFilesAndNamesBadInput) {
+  const std::string tok = train_tokenizer("keep", 300, 0);
+  const std::string config = dir_ + "/keep/tokenizer_config.json";
+  std::ofstream(config) << "{\"eos_token\": \"<|endoftext|>\", \"mine\": 1}";
+  const std::string bpe = "python3 " + kSrc + "/tools/train_bpe.py --vocab-size 300 --out ";
+  auto r = run_command(bpe + tok + join(corpus()) + " 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "train_bpe: " + tok + " exists; give --out a new directory\n");
+  std::filesystem::remove(tok);
+  r = run_command(bpe + tok + join(corpus()) + " 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "train_bpe: " + config + " exists; give --out a new directory\n");
+  std::ifstream in(config);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}),
+            "{\"eos_token\": \"<|endoftext|>\", \"mine\": 1}");
+  EXPECT_FALSE(std::filesystem::exists(tok));
+  r = run_command(bpe + dir_ + "/new/tokenizer.json " + dir_ + "/absent.txt 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "train_bpe: " + dir_ + "/absent.txt: not a readable file\n");
+}
+
 }  // namespace
 }  // namespace kiln

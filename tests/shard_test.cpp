@@ -49,6 +49,29 @@ TEST(ShardTest, LlmcRoundTrip) {
   EXPECT_EQ(std::vector<uint16_t>(shard.tokens(), shard.tokens() + shard.size()), tokens);
 }
 
+// tools/random_shard.py (throughput runs without a dataset) writes a shard TokenShard reads, every
+// token below its vocabulary; a second call keeps the shard; a bad count is one line, exit 2.
+TEST(ShardTest, RandomShardPyWritesAShardThatOpens) {
+  if (kiln::testing::run_command("python3 -c 'import numpy'").status != 0) {
+    GTEST_SKIP() << "numpy missing for python3";
+  }
+  const std::string dir = make_temp_dir(), path = dir + "/random/train_000000.bin";
+  const std::string tool = "python3 " + std::string(KILN_SOURCE_DIR) + "/tools/random_shard.py ";
+  auto r = kiln::testing::run_command(tool + path + " 5000 300");
+  ASSERT_EQ(r.status, 0) << r.output;
+  TokenShard shard = TokenShard::open(path, 300);
+  EXPECT_TRUE(shard.llmc_format());
+  ASSERT_EQ(shard.size(), 5000);
+  r = kiln::testing::run_command(tool + path + " 10 7");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("exists, kept"), std::string::npos) << r.output;
+  EXPECT_EQ(TokenShard::open(path, 300).size(), 5000);
+  r = kiln::testing::run_command(tool + dir + "/b.bin 10 70000 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "random_shard: vocab '70000': a whole number from 1 to 65536\n");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/b.bin"));
+}
+
 TEST(ShardTest, RawRoundTrip) {
   const std::string path = make_temp_dir() + "/raw.bin";
   const std::vector<uint16_t> tokens = iota_tokens(777, 256);

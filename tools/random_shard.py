@@ -3,20 +3,56 @@ format, for throughput runs on machines without a dataset (the PyTorch reference
 random tokens).
 
     python3 tools/random_shard.py data/random/train_000000.bin [tokens, default 24M] [vocab, default 50257]
+
+A shard already at the path is kept (scripts call this before every run). The shard is written
+beside it and renamed into place once whole, so a full disk leaves no truncated shard behind.
+Bad arguments are one line naming them, exit status 2.
 """
 import os
 import sys
 
 import numpy as np
 
+
+def fail(message):
+    print(f"random_shard: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def count(i, name, default, top):
+    if len(sys.argv) <= i:
+        return default
+    try:
+        value = int(sys.argv[i])
+    except ValueError:
+        value = 0
+    if not 1 <= value <= top:
+        fail(f"{name} {sys.argv[i]!r}: a whole number from 1 to {top}")
+    return value
+
+
+if len(sys.argv) < 2 or len(sys.argv) > 4:
+    fail("usage: random_shard.py PATH [tokens] [vocab]")
 path = sys.argv[1]
-n = int(sys.argv[2]) if len(sys.argv) > 2 else 24_000_000
-vocab = int(sys.argv[3]) if len(sys.argv) > 3 else 50257
-if not os.path.exists(path):
+n = count(2, "tokens", 24_000_000, 2**31 - 1)
+vocab = count(3, "vocab", 50257, 65536)  # 16-bit tokens (the shard's version 1)
+if os.path.exists(path):
+    print(f"random_shard: {path} exists, kept")
+    sys.exit(0)
+header = np.zeros(256, dtype=np.int32)
+header[:3] = [20240520, 1, n]
+tokens = np.random.default_rng(0).integers(0, vocab, n, dtype=np.uint16)
+tmp = f"{path}.tmp-{os.getpid()}"
+try:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = [20240520, 1, n]
-    tokens = np.random.default_rng(0).integers(0, vocab, n, dtype=np.uint16)
-    with open(path, "wb") as f:
+    with open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+except OSError as e:
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    fail(f"{path}: {e.strerror or e}")
+print(f"random_shard: wrote {path} ({n} tokens below {vocab})")

@@ -12,8 +12,30 @@ texts every Debian system ships will do) and writes a tokenizer.json that prepar
 import argparse
 import json
 import os
+import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+
+def fail(message):
+    """Bad input: one line naming it, exit status 2."""
+    print(f"train_bpe: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def write_new(path, text):
+    """path holds text, written beside it and renamed into place once whole."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        fail(f"{path}: {e.strerror or e}")
 
 
 def main():
@@ -23,6 +45,18 @@ def main():
     parser.add_argument("--extra-special", type=int, default=0)
     parser.add_argument("files", nargs="+")
     args = parser.parse_args()
+    for f in args.files:
+        if not os.path.isfile(f) or not os.access(f, os.R_OK):
+            fail(f"{f}: not a readable file")
+    if args.vocab_size < 257:
+        fail(f"--vocab-size {args.vocab_size}: at least 257 (the 256 bytes and <|endoftext|>)")
+    if args.extra_special < 0:
+        fail(f"--extra-special {args.extra_special}: 0 or more")
+    # Both files are new: a tokenizer (or a model's tokenizer_config.json) already there is kept.
+    config = os.path.join(os.path.dirname(os.path.abspath(args.out)), "tokenizer_config.json")
+    for path in (args.out, config):
+        if os.path.exists(path):
+            fail(f"{path} exists; give --out a new directory")
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -33,10 +67,8 @@ def main():
     if args.extra_special:
         tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(args.extra_special)])
     tokenizer.add_special_tokens(["<|endoftext|>"])
-    tokenizer.save(args.out)
-    with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "tokenizer_config.json"),
-              "w", encoding="utf-8") as f:
-        json.dump({"eos_token": "<|endoftext|>"}, f)
+    write_new(args.out, tokenizer.to_str(pretty=True))
+    write_new(config, json.dumps({"eos_token": "<|endoftext|>"}))
     print(json.dumps({"out": args.out, "vocab_size": tokenizer.get_vocab_size()}))
 
 
