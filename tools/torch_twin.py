@@ -473,12 +473,12 @@ class Loader:
     windows in each) in seeded order per epoch when shuffling; an epoch's remainder that
     cannot fill a batch is dropped."""
 
-    def __init__(s, shards, size, shuffle, seed):
+    def __init__(s, key, shards, size, shuffle, seed):
         s.shards, s.size, s.shuffle, s.seed = shards, size, shuffle, seed
         s.windows = [(len(x) - 1) // T for x in shards]
         s.total = sum(s.windows)
         if s.total < size:
-            fail(f"{s.total} windows of {T + 1} tokens, fewer than a batch of {size}")
+            fail(f"data.{key}: {s.total} windows of {T + 1} tokens, fewer than a batch of {size}")
         s.epoch, s.cursor, s.orders_epoch = 0, 0, None
 
     def rng(s, stream):
@@ -523,7 +523,7 @@ def batches(loader, micro_batches=1):
 
 def evaluate():
     m.eval()
-    total, vb = 0.0, batches(Loader(val, TR["batch_size"], False, 0))
+    total, vb = 0.0, batches(Loader("val", val, TR["batch_size"], False, 0))
     with torch.no_grad(), torch.autocast(AC, dtype=torch.bfloat16, enabled=bool(a.autocast)):
         for _ in range(TR["eval_steps"]):
             t = next(vb)
@@ -538,7 +538,7 @@ def sync():
 
 
 train, val = load("train"), load("val") if D["val"] else []
-it = batches(Loader(train, TR["batch_size"], D["shuffle"], seed), TR["grad_accum"])
+it = batches(Loader("train", train, TR["batch_size"], D["shuffle"], seed), TR["grad_accum"])
 grad_clip = OP["grad_clip"]
 # The clock is read only where the host waits anyway (evaluations) and around steps 0 and 1:
 # step 0 compiles, so it is counted at step 1's time and its excess reported apart.

@@ -289,8 +289,8 @@ def resolve(config, args=()):
     """`train`'s resolved config; where train refuses it, its own words and exit status."""
     r = subprocess.run([a.train, config, *common, *args, "--print-config"], text=True,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sys.stderr.write(r.stderr)  # its warnings, or why it refused
     if r.returncode != 0:
-        sys.stderr.write(r.stderr or r.stdout)
         sys.exit(r.returncode)
     return r.stdout
 
