@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from write_whole import write_whole
+
 
 def fail(message):
     print(f"random_shard: {message}", file=sys.stderr)
@@ -42,17 +44,9 @@ if os.path.exists(path):
 header = np.zeros(256, dtype=np.int32)
 header[:3] = [20240520, 1, n]
 tokens = np.random.default_rng(0).integers(0, vocab, n, dtype=np.uint16)
-tmp = f"{path}.tmp-{os.getpid()}"
 try:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole(path, header.tobytes() + tokens.tobytes())
 except OSError as e:
-    if os.path.exists(tmp):
-        os.remove(tmp)
     fail(f"{path}: {e.strerror or e}")
 print(f"random_shard: wrote {path} ({n} tokens below {vocab})")

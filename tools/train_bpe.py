@@ -16,6 +16,8 @@ import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from write_whole import write_whole
+
 
 def fail(message):
     """Bad input: one line naming it, exit status 2."""
@@ -24,17 +26,10 @@ def fail(message):
 
 
 def write_new(path, text):
-    """path holds text, written beside it and renamed into place once whole."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """path holds text, renamed into place once whole; a failed write is one line."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_whole(path, text)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         fail(f"{path}: {e.strerror or e}")
 
 

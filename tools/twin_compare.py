@@ -58,6 +58,8 @@ import sys
 import threading
 import time
 
+from write_whole import write_whole
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("configs", nargs="+")
@@ -270,19 +272,9 @@ def ended(read, *args):
 
 
 def write_json(path, obj):
-    """path <- obj, replaced only once the whole new text is on disk (a full disk keeps the old:
-    under --resume, timing.json holds the times of variants not run again)."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+    """path <- obj, replaced only once whole (a full disk keeps the old: under --resume,
+    timing.json holds the times of variants not run again)."""
+    write_whole(path, json.dumps(obj, indent=1))
 
 
 def resolve(config, args=()):
@@ -300,15 +292,13 @@ if not a.report_only:
         os.makedirs(out_dir(config), exist_ok=True)
         positional = resolve(config)
         if twins:
-            with open(twin_config(config, "", None), "w") as f:
-                f.write(positional)
+            write_whole(twin_config(config, "", None), positional)
         for name, own, args, twin in [(*v, False) for v in kilns] + [(*v, True) for v in twins]:
             if not own:
                 continue
             resolved = resolve(config_of(config, own), [] if twin else args)
             if twin:
-                with open(twin_config(config, name, own), "w") as f:
-                    f.write(resolved)
+                write_whole(twin_config(config, name, own), resolved)
             if a.paired:
                 import yaml
                 if yaml.safe_load(resolved)["model"] != yaml.safe_load(positional)["model"]:
