@@ -9,6 +9,7 @@
 // run.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -116,7 +117,8 @@ TEST(TwinCompare, AShorterRunIsShownAtItsOwnLastStepAgainstTheReferencesFinal) {
 
 TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
-  // Per seed, kiln's Muon against the Muon twin: +3% and -1%, mean +1 +- 2 (standard error).
+  // Per seed, kiln's Muon against the Muon twin: +3% and -1%, mean +1 +- 2 (standard error),
+  // t = 0.5 on 1 degree of freedom: p = 1 - 2 atan(0.5) / pi = 0.7048.
   const std::map<int, std::pair<double, double>> at60 = {{1, {0.95, 0.95 * 1.03}},
                                                          {2, {0.90, 0.90 * 0.99}}};
   for (int seed : {1, 2}) {
@@ -131,7 +133,7 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
                    "--paired --twin twin --twin 'twin-muon=configs/quality/{name}-muon.yaml' "
                    "--kiln 'muon=configs/quality/{name}-muon.yaml'");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (vs twin-muon, step 60)"),
+  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (t +0.50, p 0.705) (vs twin-muon, step 60)"),
             std::string::npos)
       << r.output;
 
@@ -143,6 +145,8 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   EXPECT_NEAR(vs["per_seed"][1].get<double>(), -1.0, 1e-9);
   EXPECT_NEAR(vs["mean"].get<double>(), 1.0, 1e-9);
   EXPECT_NEAR(vs["stderr"].get<double>(), 2.0, 1e-9);
+  EXPECT_NEAR(vs["t"].get<double>(), 0.5, 1e-9);
+  EXPECT_NEAR(vs["p"].get<double>(), 1.0 - 2.0 * std::atan(0.5) / M_PI, 1e-9);
   // Neither reached the reference's final step: no comparison with it, and the reference is
   // never an "earlier variant".
   EXPECT_FALSE(v["muon"].contains("paired_pct"));

@@ -45,12 +45,15 @@ a one-step kiln run of the positional config at a learning rate too small to mov
 a variant whose own config has another model is refused), so that kiln and the twin differ per
 seed only in numerics: both already read the same windows in the same order.
 The report then adds each variant's per-seed difference to the reference, with its mean and
-standard error, a much tighter measure of a gap than two independent sets of seeds; and to each
-earlier variant but the reference that ended at the same step (a kiln and a twin run of one
-shorter recipe), at that step.
+standard error, a much tighter measure of a gap than two independent sets of seeds, and Student's
+t (mean / standard error) with its two-sided p on n - 1 degrees of freedom; and to each earlier
+variant but the reference that ended at the same step (a kiln and a twin run of one shorter
+recipe), at that step. Two engines of identical quality still land outside one standard error
+(|t| > 1) about a third of the time, with any number of seeds: p says how surprising a gap is.
 """
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -356,6 +359,39 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
+def incomplete_beta(x, a, b):
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified
+    Lentz), on the side of x where that converges fast. CI has no scipy."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - incomplete_beta(1 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) +
+                     b * math.log1p(-x)) / a
+    tiny = 1e-300
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 + num * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + num / (c if abs(c) > tiny else tiny)
+        f *= c * d
+        if abs(1 - c * d) < 1e-14:
+            break
+    return front * (f - 1)
+
+
+def two_sided_p(t, df):
+    """P(|T| >= |t|) for Student's t with df degrees of freedom."""
+    return incomplete_beta(df / (df + t * t), df / 2, 0.5)
+
+
 def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
     timing = os.path.join(out, "timing.json")
@@ -466,11 +502,16 @@ def report(config, requested):
             d = [100 * (rb[1] / ra[1] - 1) for rb, ra in zip(table[b][st], table[a_][st])]
             m = mean(d)
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
-            return {"per_seed": d, "mean": m, "stderr": se}
+            # Student's t on the per-seed differences: |t| < 1 is "inside one standard error",
+            # which two identical engines miss about a third of the time whatever the seeds.
+            t = m / se if se > 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
+            return {"per_seed": d, "mean": m, "stderr": se, "t": t,
+                    "p": two_sided_p(t, len(d) - 1) if math.isfinite(t) else 0.0}
 
         def line(n, d, note):
             print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d['per_seed'])}  "
-                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f}{note}")
+                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f} (t {d['t']:+.2f}, p {d['p']:.3f})"
+                  f"{note}")
 
         print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%), and / an "
               "earlier variant's that ended at the same step")
