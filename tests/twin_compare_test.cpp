@@ -118,7 +118,8 @@ TEST(TwinCompare, AShorterRunIsShownAtItsOwnLastStepAgainstTheReferencesFinal) {
 TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   const fs::path out = kiln::testing::make_temp_dir("kiln_twin_compare_");
   // Per seed, kiln's Muon against the Muon twin: +3% and -1%, mean +1 +- 2 (standard error),
-  // t = 0.5 on 1 degree of freedom: p = 1 - 2 atan(0.5) / pi = 0.7048.
+  // t = 0.5 on 1 degree of freedom: p = 1 - 2 atan(0.5) / pi = 0.7048, and the 95% interval
+  // 1 +- 2 tan(0.475 pi) (t's 97.5% point on 1 degree of freedom: a Cauchy's).
   const std::map<int, std::pair<double, double>> at60 = {{1, {0.95, 0.95 * 1.03}},
                                                          {2, {0.90, 0.90 * 0.99}}};
   for (int seed : {1, 2}) {
@@ -133,7 +134,8 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
                    "--paired --twin twin --twin 'twin-muon=configs/quality/{name}-muon.yaml' "
                    "--kiln 'muon=configs/quality/{name}-muon.yaml'");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (t +0.50, p 0.705) (vs twin-muon, step 60)"),
+  EXPECT_NE(r.output.find("muon +3.000 / -1.000  mean +1.000 +- 2.000 (t +0.50, p 0.705, 95% in "
+                           "[-24.412, +26.412]) (vs twin-muon, step 60)"),
             std::string::npos)
       << r.output;
 
@@ -147,6 +149,9 @@ TEST(TwinCompare, TwoRunsEndingAtTheSameEarlierStepArePaired) {
   EXPECT_NEAR(vs["stderr"].get<double>(), 2.0, 1e-9);
   EXPECT_NEAR(vs["t"].get<double>(), 0.5, 1e-9);
   EXPECT_NEAR(vs["p"].get<double>(), 1.0 - 2.0 * std::atan(0.5) / M_PI, 1e-9);
+  const double half = 2.0 * std::tan(0.475 * M_PI);
+  EXPECT_NEAR(vs["ci95"][0].get<double>(), 1.0 - half, 1e-6);
+  EXPECT_NEAR(vs["ci95"][1].get<double>(), 1.0 + half, 1e-6);
   // Neither reached the reference's final step: no comparison with it, and the reference is
   // never an "earlier variant".
   EXPECT_FALSE(v["muon"].contains("paired_pct"));

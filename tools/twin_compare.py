@@ -46,9 +46,9 @@ a variant whose own config has another model is refused), so that kiln and the t
 seed only in numerics: both already read the same windows in the same order.
 The report then adds each variant's per-seed difference to the reference, with its mean and
 standard error, a much tighter measure of a gap than two independent sets of seeds, and Student's
-t (mean / standard error) with its two-sided p on n - 1 degrees of freedom; and to each earlier
-variant but the reference that ended at the same step (a kiln and a twin run of one shorter
-recipe), at that step. Two engines of identical quality still land outside one standard error
+t (mean / standard error) with its two-sided p on n - 1 degrees of freedom and the gap's 95%
+confidence interval; and to each earlier variant but the reference that ended at the same step
+(a kiln and a twin run of one shorter recipe), at that step. Two engines of identical quality still land outside one standard error
 (|t| > 1) about a third of the time, with any number of seeds: p says how surprising a gap is.
 """
 import argparse
@@ -392,6 +392,15 @@ def two_sided_p(t, df):
     return incomplete_beta(df / (df + t * t), df / 2, 0.5)
 
 
+def t_critical(p, df):
+    """The t with two_sided_p(t, df) = p, by bisection (p falls as t grows)."""
+    lo, hi = 0.0, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if two_sided_p(mid, df) > p else (lo, mid)
+    return (lo + hi) / 2
+
+
 def report(config, requested):
     out = os.path.dirname(os.path.join(out_dir(config), "x"))
     timing = os.path.join(out, "timing.json")
@@ -504,14 +513,18 @@ def report(config, requested):
             se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
             # Student's t on the per-seed differences: |t| < 1 is "inside one standard error",
             # which two identical engines miss about a third of the time whatever the seeds.
+            # The 95% interval is the equivalence reading: the gap lies inside it at that
+            # confidence, whatever t says about zero.
             t = m / se if se > 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
+            half = t_critical(0.05, len(d) - 1) * se
             return {"per_seed": d, "mean": m, "stderr": se, "t": t,
-                    "p": two_sided_p(t, len(d) - 1) if math.isfinite(t) else 0.0}
+                    "p": two_sided_p(t, len(d) - 1) if math.isfinite(t) else 0.0,
+                    "ci95": [m - half, m + half]}
 
         def line(n, d, note):
             print(f"{n:>12} {' / '.join(f'{x:+.3f}' for x in d['per_seed'])}  "
-                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f} (t {d['t']:+.2f}, p {d['p']:.3f})"
-                  f"{note}")
+                  f"mean {d['mean']:+.3f} +- {d['stderr']:.3f} (t {d['t']:+.2f}, p {d['p']:.3f}, "
+                  f"95% in [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]){note}")
 
         print(f"\n{config}: paired, final val loss / {ref}'s of the same seed - 1 (%), and / an "
               "earlier variant's that ended at the same step")
