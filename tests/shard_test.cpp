@@ -70,6 +70,16 @@ TEST(ShardTest, RandomShardPyWritesAShardThatOpens) {
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_EQ(r.output, "random_shard: vocab '70000': a whole number from 1 to 65536\n");
   EXPECT_FALSE(std::filesystem::exists(dir + "/b.bin"));
+  // A flag is never taken for the shard's path (it once wrote 48 MB to a file named --help).
+  r = kiln::testing::run_command("cd " + dir + " && " + tool + "--help");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("usage"), std::string::npos) << r.output;
+  r = kiln::testing::run_command("cd " + dir + " && " + tool + "--tokens 10 2>&1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output, "random_shard: unknown option '--tokens'; usage: random_shard.py PATH "
+                      "[tokens] [vocab]\n");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/--help"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/--tokens"));
 }
 
 TEST(ShardTest, RawRoundTrip) {

@@ -33,9 +33,15 @@ def count(i, name, default, top):
     return value
 
 
+USAGE = "usage: random_shard.py PATH [tokens] [vocab]"
+if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+    print(f"{USAGE}\n\n{__doc__}")
+    sys.exit(0)
 if len(sys.argv) < 2 or len(sys.argv) > 4:
-    fail("usage: random_shard.py PATH [tokens] [vocab]")
+    fail(USAGE)
 path = sys.argv[1]
+if path.startswith("-"):  # a flag is never a shard's path: writing 48 MB to "--help" helps no one
+    fail(f"unknown option {path!r}; {USAGE}")
 n = count(2, "tokens", 24_000_000, 2**31 - 1)
 vocab = count(3, "vocab", 50257, 65536)  # 16-bit tokens (the shard's version 1)
 if os.path.exists(path):
