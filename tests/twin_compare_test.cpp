@@ -366,6 +366,14 @@ echo '{"summary": {"steps": 2, "train_s": 0.3}}'
   const auto summary = nlohmann::json::parse(std::ifstream(out / "summary.json"));
   EXPECT_DOUBLE_EQ(summary["variants"]["kiln"]["mean"].get<double>(), 1.0);
   EXPECT_DOUBLE_EQ(summary["variants"]["other"]["mean"].get<double>(), 1.1);
+
+  // A kiln run a signal stopped (a time limit's SIGTERM) writes a summary that says so: it did
+  // not end, and runs again.
+  std::ofstream(out / "kiln-s1" / "summary.json")
+      << R"({"tokens_per_step": 1000, "stopped": {"signal": "SIGTERM", "step": 1}})";
+  const auto [again, stopped] = run("--resume");
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_EQ(stopped, "kiln kiln-s1\n") << again.output;
 }
 
 }  // namespace

@@ -36,9 +36,10 @@ variant missing from it keeps its own clock). --retries N runs a failed run agai
 times, keeping each failed try's log as LOG.failed-K: on one H100 (2026-12-07) runs sharing the
 GPU sometimes stopped on a CUDA launch failure that a run alone did not meet. A run that exited
 2 refused its input (kiln's config or shards, the twin's flags) and is not run again. --resume reads
-the runs under --out that ended (kiln's with its summary.json, the twin's with its summary line,
-a time-alone run likewise) instead of running them again: a comparison cut short by a time limit
-goes on where it stopped, and one given another variant runs that variant's runs alone.
+the runs under --out that ended (kiln's with a summary.json that no signal stopped, the twin's
+with its summary line, a time-alone run likewise) instead of running them again: a comparison cut
+short by a time limit goes on where it stopped, and one given another variant runs that variant's
+runs alone.
 
 --paired starts each twin run from the weights kiln's run of the same seed starts from (written by
 a one-step kiln run of the positional config at a learning rate too small to move an f32 weight;
@@ -221,12 +222,23 @@ def kiln_steps(run):
     return steps, [x / 1e3 for x in ms]
 
 
+def kiln_summary(run):
+    """A kiln run's summary.json, raising where the run did not end: no summary (cut short), or
+    one that says a signal stopped it before its last step (its curve would pass for a shorter
+    recipe's, and --resume would keep it)."""
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    if "stopped" in summary:
+        stop = summary["stopped"]
+        raise ValueError(f"the run was stopped by {stop.get('signal')} at step {stop.get('step')}")
+    return summary
+
+
 def seconds_per_step(out, name, kiln):
     """A variant's seconds a step in its run alone (--time-alone), start-up left out; a run cut
     short (no summary) raises."""
     if kiln:
         run = os.path.join(out, f"{name}-time")
-        json.load(open(os.path.join(run, "summary.json")))
+        kiln_summary(run)
         secs = kiln_steps(run)[1]
         return sum(secs) / len(secs)
     lines = open(os.path.join(out, f"{name}-time.jsonl")).read().splitlines()
@@ -237,7 +249,7 @@ def seconds_per_step(out, name, kiln):
 def read_kiln(out, name, seed):
     """[(step, val_loss, train_s, tokens)] from a kiln run's metrics.jsonl and summary.json."""
     run = os.path.join(out, f"{name}-s{seed}")
-    tokens_per_step = json.load(open(os.path.join(run, "summary.json")))["tokens_per_step"]
+    tokens_per_step = kiln_summary(run)["tokens_per_step"]
     t, rows = 0.0, []
     for m, step_s in zip(*kiln_steps(run)):
         t += step_s
