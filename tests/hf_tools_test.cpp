@@ -333,7 +333,8 @@ TEST_F(HfTools, ToolsRefuseBadNumbersAndUnwritableOutputsAtOnce) {
            {"--top-k 1e10", "--top-k must be >= 0 and a whole number, got '1e10'"},
            {"--temperature inf", "--temperature must be a finite number, got 'inf'"},
            {"--no-kv-cache=maybe", "--no-kv-cache: expected no value, true or false, got 'maybe'"},
-           {"--bogus 1", "unknown flag '--bogus' (sample --help lists them)"}}) {
+           {"--bogus 1", "unknown flag '--bogus' (sample --help lists them)"},
+           {"--bogus", "--bogus: missing value (or an unknown flag: --help lists them)"}}) {
     const auto r = run_command(kBin + "/sample " + d + "/run --device cpu " + flags);
     EXPECT_EQ(r.status, 2) << flags << ": " << r.output;
     EXPECT_EQ(r.output, "sample: " + expect + "\n") << flags;

@@ -102,7 +102,8 @@ Options parse_args(int argc, char** argv) {
           "  --timeout S         collectives and rendezvous (default 300)\n");
       std::exit(0);
     }
-    if (i + 1 >= argc) throw InputError(flag + ": missing value (or unknown flag)");
+    if (i + 1 >= argc)
+      throw InputError(flag + ": missing value (or an unknown flag: --help lists them)");
     std::string v = argv[++i];
     if (flag == "--backend")
       o.backend = v;

@@ -56,7 +56,8 @@ inline std::optional<ToolArgs> parse_tool_args(int argc, char** argv, const char
     } else if (i + 1 < argc) {
       value = argv[++i];
     } else {
-      throw InputError(arg + ": missing value");
+      // Flags are known only to the tool that reads them: a last `--flag` may be a typo.
+      throw InputError(arg + ": missing value (or an unknown flag: --help lists them)");
     }
     args.flags.emplace_back(arg, value);
   }
