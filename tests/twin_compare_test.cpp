@@ -15,6 +15,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "tests/test_process.h"
 
@@ -243,6 +245,7 @@ printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$r
   EXPECT_NE(once.output.find("failed (see their logs): " + (dir / "once" / "kiln-s1.log").string()),
             std::string::npos)
       << once.output;
+  EXPECT_EQ(once.status, 1) << once.output;  // a comparison missing a run does not pass for whole
 
   const auto again = run(dir / "again", "--retries 1");
   ASSERT_EQ(again.status, 0) << again.output;
@@ -268,6 +271,21 @@ printf '{"step": 1, "ms": 100}\n{"step": 2, "ms": 100, "val_loss": 1.0}\n' > "$r
                                 (dir / "refused" / "bogus-s1.log").string()),
             std::string::npos)
       << refused.output;
+  EXPECT_EQ(refused.status, 2) << refused.output;
+
+  // Flags that name no run are refused before any: one line, exit status 2.
+  for (const auto& [flags, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--seeds a", "--seeds 'a': a comma list of distinct whole numbers, 0 or more"},
+           {"--seeds 1,1", "--seeds '1,1': a comma list of distinct whole numbers, 0 or more"},
+           {"--seeds=-1", "--seeds '-1': a comma list of distinct whole numbers, 0 or more"},
+           {"--gpus 0,", "--gpus '0,': a comma list of GPUs (CUDA_VISIBLE_DEVICES values) with "
+                         "none empty"}}) {
+    const auto bad = run(dir / "bad", flags);
+    EXPECT_EQ(bad.status, 2) << flags << ": " << bad.output;
+    EXPECT_NE(bad.output.find("twin_compare.py: error: " + expect + "\n"), std::string::npos)
+        << flags << ": " << bad.output;
+    EXPECT_FALSE(fs::exists(dir / "bad")) << flags;
+  }
 
   const auto negative = run(dir / "negative", "--retries -1");
   EXPECT_EQ(negative.status, 2);

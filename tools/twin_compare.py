@@ -35,7 +35,9 @@ seconds a step, start-up left out}; where it exists, the report's times are step
 variant missing from it keeps its own clock). --retries N runs a failed run again, up to N
 times, keeping each failed try's log as LOG.failed-K: on one H100 (2026-12-07) runs sharing the
 GPU sometimes stopped on a CUDA launch failure that a run alone did not meet. A run that exited
-2 refused its input (kiln's config or shards, the twin's flags) and is not run again. --resume reads
+2 refused its input (kiln's config or shards, the twin's flags) and is not run again. The report
+covers the runs that ended; the exit status is then 1 where a run failed, 2 where one refused its
+input. Bad flags (--seeds, --gpus, --retries) are refused before any run, exit 2. --resume reads
 the runs under --out that ended (kiln's with a summary.json that no signal stopped, the twin's
 with its summary line, a time-alone run likewise) instead of running them again: a comparison cut
 short by a time limit goes on where it stopped, and one given another variant runs that variant's
@@ -93,7 +95,15 @@ if a.retries < 0:
     p.error(f"--retries {a.retries}: the number of runs again after a failure is 0 or more")
 if not a.kiln and not a.twin:
     a.kiln, a.twin = ["kiln"], ["twin"]
-seeds = [int(s) for s in a.seeds.split(",")]
+try:
+    seeds = [int(s) for s in a.seeds.split(",")]
+except ValueError:
+    seeds = []
+if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+    p.error(f"--seeds {a.seeds!r}: a comma list of distinct whole numbers, 0 or more")
+if not all(g.strip() for g in a.gpus.split(",")):
+    p.error(f"--gpus {a.gpus!r}: a comma list of GPUs (CUDA_VISIBLE_DEVICES values) with none "
+            "empty")
 common = ["--" + s.lstrip("-") for s in a.set] + ["--train.resume=none",
                                                   "--train.save_checkpoints=false"]
 
@@ -201,7 +211,7 @@ def run_all(jobs, gpus):
                     break
             if rc != 0:
                 with lock:
-                    failed.append(log)
+                    failed.append((log, rc))
 
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
@@ -364,7 +374,7 @@ if not a.report_only:
                     print(f"{config}: {name} not timed alone ({e})")
             write_json(timing_json, timing)
     if failed:
-        print("failed (see their logs): " + " ".join(failed))
+        print("failed (see their logs): " + " ".join(log for log, _ in failed))
 
 
 def mean(xs):
@@ -559,3 +569,7 @@ def report(config, requested):
 
 for config in a.configs:
     report(config, seeds)
+# What ended is reported either way; the status says a run did not: 2 where one refused its input
+# (kiln's config or shards, the twin's flags), 1 where one failed otherwise.
+if not a.report_only and failed:
+    sys.exit(2 if any(rc == 2 for _, rc in failed) else 1)
