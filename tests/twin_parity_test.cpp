@@ -189,4 +189,17 @@ TEST(TwinInput, BadInputIsOneLineAndExitStatus2) {
   }
 }
 
+// A Python without the twin's packages is named in one line, exit status 2 (every run would
+// fail alike). `-S` leaves site-packages out, so this runs wherever python3 does, CI included.
+TEST(TwinInput, APythonWithoutItsPackagesIsOneLine) {
+  const auto r = run_command("python3 -S " + kSrc + "/tools/torch_twin.py --config x.yaml");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output.rfind("torch_twin: ", 0), 0u) << r.output;
+  EXPECT_NE(r.output.find(" has no numpy (the twin needs PyTorch, numpy and PyYAML; "
+                          "twin_compare.py --python names another Python)\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
 }  // namespace

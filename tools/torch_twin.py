@@ -37,11 +37,16 @@ import os
 import sys
 import time
 
-import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import yaml
+try:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import yaml
+except ImportError as e:  # a Python without the twin's packages: no run of it can go on
+    print(f"torch_twin: {sys.executable} has no {e.name} (the twin needs PyTorch, numpy and "
+          "PyYAML; twin_compare.py --python names another Python)", file=sys.stderr)
+    sys.exit(2)
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--config", required=True, help="kiln's resolved config (YAML)")
