@@ -51,8 +51,9 @@ The report then adds each variant's per-seed difference to the reference, with i
 standard error, a much tighter measure of a gap than two independent sets of seeds, and Student's
 t (mean / standard error) with its two-sided p on n - 1 degrees of freedom and the gap's 95%
 confidence interval; and to each earlier variant but the reference that ended at the same step
-(a kiln and a twin run of one shorter recipe), at that step. Two engines of identical quality still land outside one standard error
-(|t| > 1) about a third of the time, with any number of seeds: p says how surprising a gap is.
+(a kiln and a twin run of one shorter recipe), at that step. Two engines of identical quality
+still land outside one standard error (|t| > 1) about a third of the time, with any number of
+seeds: p says how surprising a gap is, the interval how large it can be.
 """
 import argparse
 import json
