@@ -1,8 +1,17 @@
 # Run at every build (not at configure time), so a binary names the tree it was built from:
-# `git describe --always --dirty` ("26cfa85", or "26cfa85-dirty" with uncommitted changes), or
-# the .commit file of a tree exported without .git. Rewrites OUT only when the name changes, so
-# an unchanged tree relinks nothing.
-if(EXISTS ${SRC}/.commit)
+# `git describe --always --dirty` ("26cfa85", or "26cfa85-dirty" with uncommitted changes) where
+# SRC is a git checkout's top, else the .commit file of a tree exported without its .git (one
+# inside another checkout, as dev/bench_two_trees.sh's .base, would otherwise take that
+# checkout's name). A checkout's own name wins over a .commit left in it (dev/carry_binaries.sh
+# writes one), which would name every later build after the commit it was written at. Rewrites
+# OUT only when the name changes, so an unchanged tree relinks nothing.
+execute_process(COMMAND git rev-parse --show-toplevel WORKING_DIRECTORY ${SRC}
+                OUTPUT_VARIABLE top OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(top)
+  file(REAL_PATH ${top} top)
+endif()
+file(REAL_PATH ${SRC} src)
+if(NOT "${top}" STREQUAL "${src}" AND EXISTS ${SRC}/.commit)
   file(STRINGS ${SRC}/.commit commit LIMIT_COUNT 1)
 else()
   execute_process(COMMAND git describe --always --dirty --abbrev=7 WORKING_DIRECTORY ${SRC}
