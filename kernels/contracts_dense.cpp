@@ -32,13 +32,14 @@ void check_embedding(const OpCheck& c, const Tensor& tokens, DType tables, const
 }
 
 // The norms' forward: inp [..., C] (the residual stream), out like inp (activations), weight [C]
-// and the f32 row statistic rstd [N].
+// (f32 or the activation dtype: the trainer reads norm gains in f32, as autocast does) and the
+// f32 row statistic rstd [N].
 void check_norm_forward(const OpCheck& c, const Tensor& out, const Tensor& rstd, const Tensor& inp,
                         const Tensor& weight) {
   c.f32_or_activation("inp", inp);
   c.min_ndim("inp", inp, 1);
   c.activation_dtype("out", out, inp.shape);
-  c.activation_dtype("weight", weight, {inp.dim(-1)});
+  c.f32_or_activation("weight", weight, {inp.dim(-1)});
   c.f32("rstd", rstd);
   c.numel("rstd", rstd, matrix_rows(inp));
 }
@@ -54,7 +55,8 @@ void check_residual_sum(const OpCheck& c, const Tensor& residual, const Tensor& 
 }
 
 // The norms' backward: inp [..., C] and dinp (the residual stream's gradient) of one dtype, dout
-// an activation like inp, weight and dweight [C], rstd f32[N], dinp_act optional. Returns N.
+// an activation like inp, weight [C] as the forward's, dweight f32[C], rstd f32[N], dinp_act
+// optional. Returns N.
 int64_t check_norm_backward(const OpCheck& c, const Tensor& dinp, const Tensor& dweight,
                             const Tensor& dout, const Tensor& inp, const Tensor& weight,
                             const Tensor& rstd, const Tensor& dinp_act) {
@@ -65,7 +67,7 @@ int64_t check_norm_backward(const OpCheck& c, const Tensor& dinp, const Tensor& 
   c.same_dtype("dinp", dinp, inp);
   c.shape("dinp", dinp, inp.shape);
   c.activation_dtype("dout", dout, inp.shape);
-  c.activation_dtype("weight", weight, {C});
+  c.f32_or_activation("weight", weight, {C});
   c.f32("dweight", dweight, {C});
   c.f32("rstd", rstd);
   c.numel("rstd", rstd, N);
@@ -73,8 +75,9 @@ int64_t check_norm_backward(const OpCheck& c, const Tensor& dinp, const Tensor& 
   return N;
 }
 
-// QK-norm's packed inp, its weights [hs] and rstd f32[B*T*(NH+KV)], and `out` (out or dinp)
-// shaped like inp and not in the memory of `other` (inp or dout).
+// QK-norm's packed inp, its weights [hs] (f32 or the activation dtype, as the norms' weight; the
+// two of one dtype) and rstd f32[B*T*(NH+KV)], and `out` (out or dinp) shaped like inp and not in
+// the memory of `other` (inp or dout).
 void check_qk_norm(const OpCheck& c, const Tensor& inp, const Tensor& q_weight,
                    const Tensor& k_weight, const Tensor& rstd, const AttentionDims& a,
                    const char* out_name, const Tensor& out, const char* other_name,
@@ -82,8 +85,9 @@ void check_qk_norm(const OpCheck& c, const Tensor& inp, const Tensor& q_weight,
   c.packed_qkv("inp", inp, a);
   c.activation_dtype(out_name, out, inp.shape);
   if (out.data == other.data) c.fail(out_name, std::string("must not alias ") + other_name);
-  c.activation_dtype("q_weight", q_weight, {a.head_dim});
-  c.activation_dtype("k_weight", k_weight, {a.head_dim});
+  c.f32_or_activation("q_weight", q_weight, {a.head_dim});
+  c.f32_or_activation("k_weight", k_weight, {a.head_dim});
+  c.same_dtype("k_weight", k_weight, q_weight);
   c.f32("rstd", rstd);
   c.numel("rstd", rstd, inp.dim(0) * inp.dim(1) * (a.n_head + a.n_kv_head));
 }
@@ -169,7 +173,8 @@ void encoder_backward(const OpCheck& c, Tensor dwte, Tensor dwpe, Tensor dout, T
 void layernorm_forward(const OpCheck& c, Tensor out, Tensor mean, Tensor rstd, Tensor inp,
                        Tensor weight, Tensor bias) {
   check_norm_forward(c, out, rstd, inp, weight);
-  c.activation_dtype("bias", bias, weight.shape);
+  c.f32_or_activation("bias", bias, weight.shape);
+  c.same_dtype("bias", bias, weight);
   c.f32("mean", mean);
   c.numel("mean", mean, matrix_rows(inp));
 }

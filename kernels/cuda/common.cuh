@@ -1,6 +1,7 @@
 // Device-side pieces shared by the CUDA kernels: bf16 conversion, 16-byte packed loads, and
-// warp/block reductions. The reductions combine in a fixed tree order, which is what makes every
-// deterministic op here bit-reproducible run to run. nvcc only; .cpp files include check.h.
+// warp/block reductions; and the launchers' dispatch from a dtype to a kernel's element type. The
+// reductions combine in a fixed tree order, which is what makes every deterministic op here
+// bit-reproducible run to run. nvcc only; .cpp files include check.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -108,6 +109,23 @@ __device__ inline void store_vec(T* p, const float (&src)[kVec]) {
 template <class T>
 __device__ inline float round_to(float x) {
   return to_float(from_float<T>(x));
+}
+
+// Calls f(T{}) with T the element type of dtype d, float for f32 and bf16 otherwise: for a
+// tensor whose contract admits f32 or the activation dtype. The two-dtype form calls f(T1{}, T2{})
+// (the norms: the residual stream's type R and the weights' W). A launcher reads the types as
+//   with_f32_or_bf16(inp.dtype, weight.dtype, [&](auto r, auto w) {
+//     launch<decltype(r), decltype(w)>(...); });
+template <class F>
+inline void with_f32_or_bf16(DType d, F&& f) {
+  if (d == DType::f32)
+    f(float{});
+  else
+    f(bf16{});
+}
+template <class F>
+inline void with_f32_or_bf16(DType d1, DType d2, F&& f) {
+  with_f32_or_bf16(d1, [&](auto t1) { with_f32_or_bf16(d2, [&](auto t2) { f(t1, t2); }); });
 }
 
 __device__ inline float warp_sum(float x) {

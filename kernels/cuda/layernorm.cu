@@ -2,7 +2,8 @@
 // The residual stream (the norm's input, the fused add's sum, and backward's dinp) is f32 or bf16
 // (precision.residual, template R); the branch added, the output and dout are bf16. Backward can
 // also write a bf16 copy of the updated dinp (dinp_act), the gradient the GEMMs of the branch
-// before the norm read, so an f32 stream costs no extra pass.
+// before the norm read, so an f32 stream costs no extra pass. weight and bias are f32 or bf16
+// (template W): the trainer reads norm gains in f32, as autocast does; other callers pass bf16.
 // Forward: one warp per row, f32 math, 16-byte loads when C % 8 == 0; mean and variance in two
 // passes over the row (it stays in L1), so no catastrophic cancellation.
 // Backward design choice: deterministic without float atomics. dinp is per row (one warp per
@@ -27,10 +28,10 @@ constexpr float kLayerNormEps = 1e-5f;
 constexpr int kWarpsPerBlock = 4;
 
 // With kResidual: residual = a + b (rounded to R) is written and normalized; else a is.
-template <int kVec, bool kResidual, class R>
+template <int kVec, bool kResidual, class R, class W>
 __global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd_out, R* residual,
-                                         const R* a, const bf16* b, const bf16* weight,
-                                         const bf16* bias, int64_t N, int C) {
+                                         const R* a, const bf16* b, const W* weight, const W* bias,
+                                         int64_t N, int C) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
@@ -82,9 +83,9 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean_out, float* rstd
 
 // dinp[row] += (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight;
 // dinp_act (when not null) = the updated dinp in bf16.
-template <int kVec, class R>
+template <int kVec, class R, class W>
 __global__ void layernorm_dinp_kernel(R* dinp, bf16* dinp_act, const bf16* dout, const R* inp,
-                                      const bf16* weight, const float* mean, const float* rstd,
+                                      const W* weight, const float* mean, const float* rstd,
                                       int64_t N, int C) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
@@ -161,10 +162,10 @@ constexpr int kFusedBackwardWarps = 8;
 // C == kIters * 256: lane `l` of a warp owns columns (i * 32 + l) * 8 + [0, 8) for i < kIters.
 // Dynamic shared memory: f32 [kFusedBackwardWarps][2][C], each warp's running dweight/dbias
 // sums (kept there, not in registers, so two blocks fit per SM).
-template <int kIters, class R>
+template <int kIters, class R, class W>
 __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
     layernorm_backward_fused_kernel(R* dinp, bf16* dinp_act, float* partials, const bf16* dout,
-                                    const R* inp, const bf16* weight, const float* mean,
+                                    const R* inp, const W* weight, const float* mean,
                                     const float* rstd, int64_t N, int64_t rows_per_block) {
   constexpr int C = kIters * 256;
   extern __shared__ float4 fused_smem[];
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int c = (i * 32 + lane) * 8;
-      const Packed128<bf16> w = load128(weight + c);
+      const Vec8<W> w = load8(weight + c);
       float dw[8], db[8];
       *reinterpret_cast<float4*>(dw) = *reinterpret_cast<float4*>(my_dw + c);
       *reinterpret_cast<float4*>(dw + 4) = *reinterpret_cast<float4*>(my_dw + c + 4);
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int c = (i * 32 + lane) * 8;
-      const Packed128<bf16> w = load128(weight + c);
+      const Vec8<W> w = load8(weight + c);
       Packed128<bf16> copy;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -246,28 +247,28 @@ __global__ void __launch_bounds__(32 * kFusedBackwardWarps, 2)
   }
 }
 
-template <int kIters, class R>
+template <int kIters, class R, class W>
 void layernorm_backward_fused(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
                               Tensor dbias, Tensor dout, Tensor inp, Tensor weight, Tensor mean,
                               Tensor rstd, int64_t N) {
   constexpr int C = kIters * 256;
   const int threads = 32 * kFusedBackwardWarps;
   const size_t smem = static_cast<size_t>(kFusedBackwardWarps) * 2 * C * sizeof(float);
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_fused_kernel<kIters, R>,
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_fused_kernel<kIters, R, W>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   int per_sm = 0;
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, layernorm_backward_fused_kernel<kIters, R>, threads, smem));
+      &per_sm, layernorm_backward_fused_kernel<kIters, R, W>, threads, smem));
   // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
   const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
   const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
   const int blocks = static_cast<int>(ceil_div(N, rows_per_block));
   float* partials =
       static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * 2 * C * sizeof(float)));
-  layernorm_backward_fused_kernel<kIters, R><<<blocks, threads, smem, backend.stream()>>>(
+  layernorm_backward_fused_kernel<kIters, R, W><<<blocks, threads, smem, backend.stream()>>>(
       dinp.ptr<R>(), dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr, partials,
-      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), N,
+      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), mean.ptr<float>(), rstd.ptr<float>(), N,
       rows_per_block);
   KILN_CUDA_LAUNCH_CHECK();
   layernorm_dparams_final_kernel<<<ceil_div(C, 128), 128, 0, backend.stream()>>>(
@@ -275,7 +276,7 @@ void layernorm_backward_fused(CudaBackend& backend, Tensor dinp, Tensor dinp_act
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <class R>
+template <class R, class W>
 void launch_layernorm_forward(cudaStream_t stream, Tensor out, Tensor mean, Tensor rstd,
                               Tensor residual, Tensor a, Tensor b, Tensor weight, Tensor bias) {
   const int C = static_cast<int>(a.dim(-1));
@@ -285,10 +286,10 @@ void launch_layernorm_forward(cudaStream_t stream, Tensor out, Tensor mean, Tens
       vec8_ok(C, {residual.data, out.data, a.data, b.data, weight.data, bias.data});
   R* res = residual.defined() ? residual.ptr<R>() : nullptr;
   const bf16* bp = b.defined() ? b.ptr<bf16>() : nullptr;
-#define KILN_LAYERNORM_FWD(vec, fused)                                                         \
-  layernorm_forward_kernel<vec, fused, R><<<blocks, threads, 0, stream>>>(                     \
-      out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), res, a.ptr<R>(), bp,              \
-      weight.ptr<bf16>(), bias.ptr<bf16>(), N, C)
+#define KILN_LAYERNORM_FWD(vec, fused)                                                             \
+  layernorm_forward_kernel<vec, fused, R, W>                                                       \
+      <<<blocks, threads, 0, stream>>>(out.ptr<bf16>(), mean.ptr<float>(), rstd.ptr<float>(), res, \
+                                       a.ptr<R>(), bp, weight.ptr<W>(), bias.ptr<W>(), N, C)
   if (res && vec8)
     KILN_LAYERNORM_FWD(8, true);
   else if (res)
@@ -301,7 +302,7 @@ void launch_layernorm_forward(cudaStream_t stream, Tensor out, Tensor mean, Tens
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <class R>
+template <class R, class W>
 void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
                                Tensor dbias, Tensor dout, Tensor inp, Tensor weight, Tensor mean,
                                Tensor rstd) {
@@ -311,8 +312,9 @@ void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_ac
   if (C % 256 == 0 && C <= 1024 && vec8) {
     using Fused = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                            Tensor, Tensor, int64_t);
-    constexpr Fused kFused[] = {&layernorm_backward_fused<1, R>, &layernorm_backward_fused<2, R>,
-                                &layernorm_backward_fused<3, R>, &layernorm_backward_fused<4, R>};
+    constexpr Fused kFused[] = {
+        &layernorm_backward_fused<1, R, W>, &layernorm_backward_fused<2, R, W>,
+        &layernorm_backward_fused<3, R, W>, &layernorm_backward_fused<4, R, W>};
     return kFused[C / 256 - 1](backend, dinp, dinp_act, dweight, dbias, dout, inp, weight, mean,
                                rstd, N);
   }
@@ -333,13 +335,13 @@ void launch_layernorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_ac
   const int blocks = ceil_div(N, kWarpsPerBlock);
   bf16* copy = dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr;
   if (vec8)
-    layernorm_dinp_kernel<8, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
-        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+    layernorm_dinp_kernel<8, R, W><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), mean.ptr<float>(),
+        rstd.ptr<float>(), N, C);
   else
-    layernorm_dinp_kernel<1, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
-        mean.ptr<float>(), rstd.ptr<float>(), N, C);
+    layernorm_dinp_kernel<1, R, W><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), mean.ptr<float>(),
+        rstd.ptr<float>(), N, C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -350,10 +352,10 @@ void CudaBackend::run_layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Te
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   if (N == 0) return;
-  if (inp.dtype == DType::f32)
-    launch_layernorm_forward<float>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
-  else
-    launch_layernorm_forward<bf16>(stream_, out, mean, rstd, {}, inp, {}, weight, bias);
+  with_f32_or_bf16(inp.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_layernorm_forward<decltype(r), decltype(w)>(stream_, out, mean, rstd, {}, inp, {},
+                                                       weight, bias);
+  });
 }
 
 void CudaBackend::run_residual_layernorm_forward(Tensor residual, Tensor out, Tensor mean,
@@ -362,10 +364,10 @@ void CudaBackend::run_residual_layernorm_forward(Tensor residual, Tensor out, Te
   const int C = static_cast<int>(a.dim(-1));
   const int64_t N = a.numel() / C;
   if (N == 0) return;
-  if (a.dtype == DType::f32)
-    launch_layernorm_forward<float>(stream_, out, mean, rstd, residual, a, b, weight, bias);
-  else
-    launch_layernorm_forward<bf16>(stream_, out, mean, rstd, residual, a, b, weight, bias);
+  with_f32_or_bf16(a.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_layernorm_forward<decltype(r), decltype(w)>(stream_, out, mean, rstd, residual, a, b,
+                                                       weight, bias);
+  });
 }
 
 void CudaBackend::run_layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout,
@@ -374,12 +376,10 @@ void CudaBackend::run_layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbi
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   if (N == 0) return;
-  if (inp.dtype == DType::f32)
-    launch_layernorm_backward<float>(*this, dinp, dinp_act, dweight, dbias, dout, inp, weight,
-                                     mean, rstd);
-  else
-    launch_layernorm_backward<bf16>(*this, dinp, dinp_act, dweight, dbias, dout, inp, weight,
-                                    mean, rstd);
+  with_f32_or_bf16(inp.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_layernorm_backward<decltype(r), decltype(w)>(*this, dinp, dinp_act, dweight, dbias, dout,
+                                                        inp, weight, mean, rstd);
+  });
 }
 
 }  // namespace kiln

@@ -3,7 +3,8 @@
 // value heads are copied through. A head is a unit of hs/8 lanes (16 bytes each: hs = 128 is
 // half a warp), so a warp covers 2-4 consecutive heads of the row with full 16-byte accesses and
 // the head's sum of squares is a shuffle within the unit (its own lane mask: units of one warp
-// may take different branches, q/k vs v).
+// may take different branches, q/k vs v). q_weight and k_weight are f32 or bf16 (template W; the
+// trainer reads norm gains in f32, as autocast does): 8 weights are one 16-byte load, or two.
 // Backward design choice: deterministic column sums without atomics. A persistent grid (one
 // wave: a fixed number of blocks on a given GPU) walks the units in a fixed assignment; each lane
 // keeps its 8 columns' dq_weight and dk_weight sums in registers across all the heads it visits,
@@ -48,10 +49,10 @@ struct QkShape {
 };
 
 // One unit (kLanes = hs/8 lanes) per head of a token; unit u starts at element u * hs.
-template <int kLanes>
+template <int kLanes, class W>
 __global__ void __launch_bounds__(kThreads)
-    qk_norm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* q_weight,
-                           const bf16* k_weight, QkShape s) {
+    qk_norm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const W* q_weight,
+                           const W* k_weight, QkShape s) {
   constexpr int hs = kLanes * 8;
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t unit = tid / kLanes;
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
     sumsq += v[k] * v[k];
   }
   const float rs = rsqrtf(unit_sum<kLanes>(sumsq, unit_mask<kLanes>()) / hs + s.eps);
-  const Packed128<bf16> w = load128((head < s.nh ? q_weight : k_weight) + part * 8);
+  const Vec8<W> w = load8((head < s.nh ? q_weight : k_weight) + part * 8);
   Packed128<bf16> o;
 #pragma unroll
   for (int k = 0; k < 8; ++k) o[k] = __float2bfloat16_rn(v[k] * rs * to_float(w[k]));
@@ -83,17 +84,17 @@ __global__ void __launch_bounds__(kThreads)
 // Block b walks units [b * units_per_block, ...), its unit-slot j (kThreads / kLanes of them)
 // the units j, j + slots, ... of that range. partials[b][0][c] / [1][c]: the block's dq_weight /
 // dk_weight sums.
-template <int kLanes>
+template <int kLanes, class W>
 __global__ void __launch_bounds__(kThreads)
     qk_norm_backward_kernel(bf16* dinp, float* partials, const bf16* dout, const bf16* inp,
-                            const bf16* q_weight, const bf16* k_weight, const float* rstd,
-                            QkShape s, int64_t units_per_block) {
+                            const W* q_weight, const W* k_weight, const float* rstd, QkShape s,
+                            int64_t units_per_block) {
   constexpr int hs = kLanes * 8;
   constexpr int kSlots = kThreads / kLanes;
   __shared__ float sums[kSlots][2][hs];
   const int slot = threadIdx.x / kLanes, part = threadIdx.x % kLanes;
   const unsigned mask = unit_mask<kLanes>();
-  const Packed128<bf16> wq = load128(q_weight + part * 8), wk = load128(k_weight + part * 8);
+  const Vec8<W> wq = load8(q_weight + part * 8), wk = load8(k_weight + part * 8);
   float dwq[8] = {}, dwk[8] = {};
   const int64_t u0 = blockIdx.x * units_per_block;
   const int64_t u1 = min(s.units, u0 + units_per_block);
@@ -176,21 +177,14 @@ QkShape qk_shape(const OpCheck& c, const Tensor& inp, const AttentionDims& a, in
   return s;
 }
 
-}  // namespace
-
-void CudaBackend::run_qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
-                                      Tensor k_weight, const AttentionDims& a, float eps) {
-  int64_t N = 0;
-  QkShape s = qk_shape(op_check("qk_norm_forward"), inp, a, N,
-                       {out.data, inp.data, q_weight.data, k_weight.data});
-  s.eps = eps;
-  if (N == 0) return;
-  const int lanes = a.head_dim / 8;
+template <class W>
+void launch_qk_norm_forward(cudaStream_t stream, Tensor out, Tensor rstd, Tensor inp,
+                            Tensor q_weight, Tensor k_weight, const QkShape& s, int lanes) {
   const int blocks = ceil_div(s.units * lanes, kThreads);
-#define KILN_QK_FWD(L)                                                                        \
-  qk_norm_forward_kernel<L>                                                                   \
-      <<<blocks, kThreads, 0, stream_>>>(out.ptr<bf16>(), rstd.ptr<float>(), inp.ptr<bf16>(), \
-                                         q_weight.ptr<bf16>(), k_weight.ptr<bf16>(), s)
+#define KILN_QK_FWD(L)                                                                       \
+  qk_norm_forward_kernel<L, W>                                                               \
+      <<<blocks, kThreads, 0, stream>>>(out.ptr<bf16>(), rstd.ptr<float>(), inp.ptr<bf16>(), \
+                                        q_weight.ptr<W>(), k_weight.ptr<W>(), s)
   switch (lanes) {
     case 4:
       KILN_QK_FWD(4);
@@ -209,19 +203,17 @@ void CudaBackend::run_qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tenso
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void CudaBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
-                                       Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
-                                       const AttentionDims& a) {
-  int64_t N = 0;
-  const QkShape s = qk_shape(op_check("qk_norm_backward"), inp, a, N,
-                             {dinp.data, dout.data, inp.data, q_weight.data, k_weight.data});
-  if (N == 0) return;
-  const int hs = a.head_dim, lanes = hs / 8, slots = kThreads / lanes;
+template <class W>
+void launch_qk_norm_backward(CudaBackend& backend, Tensor dinp, Tensor dq_weight, Tensor dk_weight,
+                             Tensor dout, Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                             const QkShape& s, int hs) {
+  const int lanes = hs / 8, slots = kThreads / lanes;
+  const cudaStream_t stream = backend.stream();
   // One full wave: the grid depends only on the GPU (and the kernel), so does the sum order.
   int per_sm = 0;
 #define KILN_QK_OCCUPANCY(L)                                     \
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor( \
-      &per_sm, qk_norm_backward_kernel<L>, kThreads, 0))
+      &per_sm, qk_norm_backward_kernel<L, W>, kThreads, 0))
   switch (lanes) {
     case 4:
       KILN_QK_OCCUPANCY(4);
@@ -237,16 +229,16 @@ void CudaBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_
       break;
   }
 #undef KILN_QK_OCCUPANCY
-  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count_;
+  const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
   const int64_t units_per_block =
       std::max<int64_t>(ceil_div(s.units, std::min<int64_t>(want, ceil_div(s.units, slots))), 1);
   const int blocks = ceil_div(s.units, units_per_block);
   float* partials =
-      static_cast<float*>(scratch(static_cast<size_t>(blocks) * 2 * hs * sizeof(float)));
-#define KILN_QK_BWD(L)                                                                     \
-  qk_norm_backward_kernel<L><<<blocks, kThreads, 0, stream_>>>(                            \
-      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), q_weight.ptr<bf16>(), \
-      k_weight.ptr<bf16>(), rstd.ptr<float>(), s, units_per_block)
+      static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * 2 * hs * sizeof(float)));
+#define KILN_QK_BWD(L)                                                                  \
+  qk_norm_backward_kernel<L, W><<<blocks, kThreads, 0, stream>>>(                       \
+      dinp.ptr<bf16>(), partials, dout.ptr<bf16>(), inp.ptr<bf16>(), q_weight.ptr<W>(), \
+      k_weight.ptr<W>(), rstd.ptr<float>(), s, units_per_block)
   switch (lanes) {
     case 4:
       KILN_QK_BWD(4);
@@ -263,9 +255,37 @@ void CudaBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_
   }
 #undef KILN_QK_BWD
   KILN_CUDA_LAUNCH_CHECK();
-  qk_norm_dweight_final_kernel<<<ceil_div(2 * hs, 128), 128, 0, stream_>>>(
+  qk_norm_dweight_final_kernel<<<ceil_div(2 * hs, 128), 128, 0, stream>>>(
       dq_weight.ptr<float>(), dk_weight.ptr<float>(), partials, blocks, hs);
   KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void CudaBackend::run_qk_norm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor q_weight,
+                                      Tensor k_weight, const AttentionDims& a, float eps) {
+  int64_t N = 0;
+  QkShape s = qk_shape(op_check("qk_norm_forward"), inp, a, N,
+                       {out.data, inp.data, q_weight.data, k_weight.data});
+  s.eps = eps;
+  if (N == 0) return;
+  with_f32_or_bf16(q_weight.dtype, [&](auto w) {
+    launch_qk_norm_forward<decltype(w)>(stream_, out, rstd, inp, q_weight, k_weight, s,
+                                        a.head_dim / 8);
+  });
+}
+
+void CudaBackend::run_qk_norm_backward(Tensor dinp, Tensor dq_weight, Tensor dk_weight, Tensor dout,
+                                       Tensor inp, Tensor q_weight, Tensor k_weight, Tensor rstd,
+                                       const AttentionDims& a) {
+  int64_t N = 0;
+  const QkShape s = qk_shape(op_check("qk_norm_backward"), inp, a, N,
+                             {dinp.data, dout.data, inp.data, q_weight.data, k_weight.data});
+  if (N == 0) return;
+  with_f32_or_bf16(q_weight.dtype, [&](auto w) {
+    launch_qk_norm_backward<decltype(w)>(*this, dinp, dq_weight, dk_weight, dout, inp, q_weight,
+                                         k_weight, rstd, s, a.head_dim);
+  });
 }
 
 }  // namespace kiln

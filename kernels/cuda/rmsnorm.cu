@@ -1,7 +1,8 @@
 // RMSNorm forward (plain and fused with the residual add) and backward: LayerNorm without the
 // mean and the bias (LLaMA, Qwen3). out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
 // The residual stream (input, the fused add's sum, backward's dinp) is f32 or bf16 (template R),
-// and backward can write the updated dinp's bf16 copy (dinp_act), as in layernorm.cu.
+// and backward can write the updated dinp's bf16 copy (dinp_act), as in layernorm.cu. weight is
+// f32 or bf16 (template W), as layernorm.cu's.
 // Structure and speed tricks as in layernorm.cu: one warp per row, f32 math, 16-byte loads when
 // C % 8 == 0; up to C = 2048 the forward holds the row in registers (read once, all of it in
 // flight). The fused residual form normalizes the residual as it stores it (rounded to R), and
@@ -29,9 +30,9 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 
 // With kResidual: residual = a + b (rounded to R) is written and normalized; else a is.
-template <int kVec, bool kResidual, class R>
+template <int kVec, bool kResidual, class R, class W>
 __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, R* residual, const R* a,
-                                       const bf16* b, const bf16* weight, int64_t N, int C,
+                                       const bf16* b, const W* weight, int64_t N, int C,
                                        float eps) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
@@ -79,10 +80,10 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd_out, R* residual, 
 // registers than occupancy allows), with the row held in registers: lane l owns the 16-byte
 // chunks (i * 32 + l) * 8 (those below C), all loaded before any is used, so a warp has its whole
 // row in flight and HBM is read once (the loop above waits on each load).
-template <int kMaxIters, bool kResidual, class R>
+template <int kMaxIters, bool kResidual, class R, class W>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rmsnorm_forward_rows_kernel(bf16* out, float* rstd_out, R* residual, const R* a,
-                                const bf16* b, const bf16* weight, int64_t N, int C, float eps) {
+    rmsnorm_forward_rows_kernel(bf16* out, float* rstd_out, R* residual, const R* a, const bf16* b,
+                                const W* weight, int64_t N, int C, float eps) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   for (int i = 0; i < kMaxIters; ++i) {
     const int c = (i * 32 + lane) * 8;
     if (c >= C) continue;
-    const Packed128<bf16> w = load128(weight + c);
+    const Vec8<W> w = load8(weight + c);
     Packed128<bf16> o;
 #pragma unroll
     for (int k = 0; k < 8; ++k)
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 }
 
 // Both forward ops: residual undefined is the plain one (a normalized), else residual = a + b.
-template <class R>
+template <class R, class W>
 void launch_rmsnorm_forward(cudaStream_t stream, Tensor out, Tensor rstd_t, Tensor residual_t,
                             Tensor a_t, Tensor b_t, Tensor weight_t, float eps) {
   const int C = static_cast<int>(a_t.dim(-1));
@@ -137,16 +138,16 @@ void launch_rmsnorm_forward(cudaStream_t stream, Tensor out, Tensor rstd_t, Tens
   R* residual = residual_t.defined() ? residual_t.ptr<R>() : nullptr;
   const R* a = a_t.ptr<R>();
   const bf16* b = b_t.defined() ? b_t.ptr<bf16>() : nullptr;
-  const bf16* weight = weight_t.ptr<bf16>();
+  const W* weight = weight_t.ptr<W>();
   const int blocks = ceil_div(N, kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
-#define KILN_RMSNORM_FWD(kernel, first)                                                         \
-  do {                                                                                          \
-    if (residual)                                                                               \
-      kernel<first, true, R>                                                                    \
-          <<<blocks, threads, 0, stream>>>(o, rstd, residual, a, b, weight, N, C, eps);         \
-    else                                                                                        \
-      kernel<first, false, R>                                                                   \
-          <<<blocks, threads, 0, stream>>>(o, rstd, nullptr, a, nullptr, weight, N, C, eps);    \
+#define KILN_RMSNORM_FWD(kernel, first)                                                      \
+  do {                                                                                       \
+    if (residual)                                                                            \
+      kernel<first, true, R, W>                                                              \
+          <<<blocks, threads, 0, stream>>>(o, rstd, residual, a, b, weight, N, C, eps);      \
+    else                                                                                     \
+      kernel<first, false, R, W>                                                             \
+          <<<blocks, threads, 0, stream>>>(o, rstd, nullptr, a, nullptr, weight, N, C, eps); \
   } while (0)
   if (vec8 && C <= 4 * 256)
     KILN_RMSNORM_FWD(rmsnorm_forward_rows_kernel, 4);
@@ -162,9 +163,9 @@ void launch_rmsnorm_forward(cudaStream_t stream, Tensor out, Tensor rstd_t, Tens
 
 // dinp[row] += (dnorm - xhat * mean(dnorm * xhat)) * rstd, dnorm = dout * weight, xhat = x * rstd;
 // dinp_act (when not null) = the updated dinp in bf16.
-template <int kVec, class R>
+template <int kVec, class R, class W>
 __global__ void rmsnorm_dinp_kernel(R* dinp, bf16* dinp_act, const bf16* dout, const R* inp,
-                                    const bf16* weight, const float* rstd, int64_t N, int C) {
+                                    const W* weight, const float* rstd, int64_t N, int C) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   if (row >= N) return;
@@ -250,17 +251,17 @@ void launch_dweight_final(cudaStream_t stream, float* dweight, const float* part
 // partials' order, and with it dweight, is bit-identical run to run on one GPU model.
 // At most 64 registers, so that 1024 threads (two rows each in flight) fit on an SM; an f32 stream
 // holds twice the bytes a row, and gets 128 (at 64 it spills).
-template <int kThreads, class R>
+template <int kThreads, class R, class W>
 __global__ void __launch_bounds__(kThreads, (sizeof(R) == 2 ? 1024 : 512) / kThreads)
     rmsnorm_backward_rows_kernel(R* dinp, bf16* dinp_act, float* partials, const bf16* dout,
-                                 const R* inp, const bf16* weight, const float* rstd, int64_t N,
+                                 const R* inp, const W* weight, const float* rstd, int64_t N,
                                  int64_t rows_per_block) {
   constexpr int C = kThreads * 8, kWarps = kThreads / 32;
   __shared__ float row_sums[2][kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = threadIdx.x * 8;
   float w[8], dw[8];
   {
-    const Packed128<bf16> wp = load128(weight + c);
+    const Vec8<W> wp = load8(weight + c);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       w[k] = to_float(wp[k]);
@@ -322,22 +323,22 @@ __global__ void __launch_bounds__(kThreads, (sizeof(R) == 2 ? 1024 : 512) / kThr
   *reinterpret_cast<float4*>(out + 4) = make_float4(dw[4], dw[5], dw[6], dw[7]);
 }
 
-template <int kThreads, class R>
+template <int kThreads, class R, class W>
 void rmsnorm_backward_rows(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
                            Tensor dout, Tensor inp, Tensor weight, Tensor rstd, int64_t N) {
   constexpr int C = kThreads * 8;
   int per_sm = 0;
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, rmsnorm_backward_rows_kernel<kThreads, R>, kThreads, 0));
+      &per_sm, rmsnorm_backward_rows_kernel<kThreads, R, W>, kThreads, 0));
   // One full wave; the grid depends only on the GPU, so the partial sums' order is fixed on it.
   const int64_t want = static_cast<int64_t>(std::max(per_sm, 1)) * backend.sm_count();
   const int64_t rows_per_block = ceil_div(N, std::min<int64_t>(want, N));
   const int blocks = ceil_div(N, rows_per_block);
   float* partials =
       static_cast<float*>(backend.scratch(static_cast<size_t>(blocks) * C * sizeof(float)));
-  rmsnorm_backward_rows_kernel<kThreads, R><<<blocks, kThreads, 0, backend.stream()>>>(
+  rmsnorm_backward_rows_kernel<kThreads, R, W><<<blocks, kThreads, 0, backend.stream()>>>(
       dinp.ptr<R>(), dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr, partials,
-      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(), rstd.ptr<float>(), N, rows_per_block);
+      dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), rstd.ptr<float>(), N, rows_per_block);
   KILN_CUDA_LAUNCH_CHECK();
   launch_dweight_final(backend.stream(), dweight.ptr<float>(), partials, blocks, C);
 }
@@ -345,22 +346,22 @@ void rmsnorm_backward_rows(CudaBackend& backend, Tensor dinp, Tensor dinp_act, T
 // rmsnorm_backward_rows for C = 256, 512, ..., 4096 (index C / 256 - 1).
 using BackwardRows = void (*)(CudaBackend&, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                               int64_t);
-template <class R, int... k>
+template <class R, class W, int... k>
 constexpr std::array<BackwardRows, sizeof...(k)> backward_rows(std::integer_sequence<int, k...>) {
-  return {&rmsnorm_backward_rows<(k + 1) * 32, R>...};
+  return {&rmsnorm_backward_rows<(k + 1) * 32, R, W>...};
 }
-template <class R>
-constexpr auto kBackwardRows = backward_rows<R>(std::make_integer_sequence<int, 16>{});
+template <class R, class W>
+constexpr auto kBackwardRows = backward_rows<R, W>(std::make_integer_sequence<int, 16>{});
 
-template <class R>
+template <class R, class W>
 void launch_rmsnorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act, Tensor dweight,
                              Tensor dout, Tensor inp, Tensor weight, Tensor rstd) {
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   const bool vec8 = vec8_ok(C, {dinp.data, dinp_act.data, dout.data, inp.data, weight.data});
   if (C % 256 == 0 && C <= 4096 && vec8)
-    return kBackwardRows<R>[C / 256 - 1](backend, dinp, dinp_act, dweight, dout, inp, weight,
-                                         rstd, N);
+    return kBackwardRows<R, W>[C / 256 - 1](backend, dinp, dinp_act, dweight, dout, inp, weight,
+                                            rstd, N);
   const cudaStream_t stream = backend.stream();
   const RowChunks chunks = row_chunks(N);
   float* partials =
@@ -375,13 +376,13 @@ void launch_rmsnorm_backward(CudaBackend& backend, Tensor dinp, Tensor dinp_act,
   const int blocks = ceil_div(N, kWarpsPerBlock);
   bf16* copy = dinp_act.defined() ? dinp_act.ptr<bf16>() : nullptr;
   if (vec8)
-    rmsnorm_dinp_kernel<8, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
-        rstd.ptr<float>(), N, C);
+    rmsnorm_dinp_kernel<8, R, W><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), rstd.ptr<float>(), N,
+        C);
   else
-    rmsnorm_dinp_kernel<1, R><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<bf16>(),
-        rstd.ptr<float>(), N, C);
+    rmsnorm_dinp_kernel<1, R, W><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        dinp.ptr<R>(), copy, dout.ptr<bf16>(), inp.ptr<R>(), weight.ptr<W>(), rstd.ptr<float>(), N,
+        C);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
@@ -392,10 +393,9 @@ void CudaBackend::run_rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tenso
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   if (N == 0) return;
-  if (inp.dtype == DType::f32)
-    launch_rmsnorm_forward<float>(stream_, out, rstd, {}, inp, {}, weight, eps);
-  else
-    launch_rmsnorm_forward<bf16>(stream_, out, rstd, {}, inp, {}, weight, eps);
+  with_f32_or_bf16(inp.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_rmsnorm_forward<decltype(r), decltype(w)>(stream_, out, rstd, {}, inp, {}, weight, eps);
+  });
 }
 
 void CudaBackend::run_residual_rmsnorm_forward(Tensor residual, Tensor out, Tensor rstd, Tensor a,
@@ -403,10 +403,10 @@ void CudaBackend::run_residual_rmsnorm_forward(Tensor residual, Tensor out, Tens
   const int C = static_cast<int>(a.dim(-1));
   const int64_t N = a.numel() / C;
   if (N == 0) return;
-  if (a.dtype == DType::f32)
-    launch_rmsnorm_forward<float>(stream_, out, rstd, residual, a, b, weight, eps);
-  else
-    launch_rmsnorm_forward<bf16>(stream_, out, rstd, residual, a, b, weight, eps);
+  with_f32_or_bf16(a.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_rmsnorm_forward<decltype(r), decltype(w)>(stream_, out, rstd, residual, a, b, weight,
+                                                     eps);
+  });
 }
 
 void CudaBackend::run_rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp,
@@ -414,10 +414,10 @@ void CudaBackend::run_rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout,
   const int C = static_cast<int>(inp.dim(-1));
   const int64_t N = inp.numel() / C;
   if (N == 0) return;
-  if (inp.dtype == DType::f32)
-    launch_rmsnorm_backward<float>(*this, dinp, dinp_act, dweight, dout, inp, weight, rstd);
-  else
-    launch_rmsnorm_backward<bf16>(*this, dinp, dinp_act, dweight, dout, inp, weight, rstd);
+  with_f32_or_bf16(inp.dtype, weight.dtype, [&](auto r, auto w) {
+    launch_rmsnorm_backward<decltype(r), decltype(w)>(*this, dinp, dinp_act, dweight, dout, inp,
+                                                      weight, rstd);
+  });
 }
 
 }  // namespace kiln

@@ -87,6 +87,22 @@ TEST_F(CudaOps, RejectsF32Activations) {
   EXPECT_THROW(gpu_->layernorm_forward(x, m, r, x, w, w), std::invalid_argument);
 }
 
+// Norm weights may be f32 or bf16, but an op's weights are of one dtype.
+TEST_F(CudaOps, RejectsNormWeightsOfTwoDtypes) {
+  Buf x = act({4, 64}, rand(256)), out = poisoned({4, 64}, DType::bf16);
+  Buf w = gpu({64}, DType::f32, rand(64)), bias = act({64}, rand(64));
+  Buf m = poisoned({4}, DType::f32), r = poisoned({4}, DType::f32);
+  EXPECT_THROW(gpu_->layernorm_forward(out, m, r, x, w, bias), std::invalid_argument);
+  EXPECT_THROW(gpu_->layernorm_forward(out, m, r, x, bias, w), std::invalid_argument);
+  EXPECT_NO_THROW(gpu_->layernorm_forward(out, m, r, x, w, w));
+  const AttentionDims a{2, 1, 32};
+  Buf qkv = act({1, 4, a.qkv_dim()}, rand(4 * a.qkv_dim()));
+  Buf qkv_out = poisoned({1, 4, a.qkv_dim()}, DType::bf16), qr = poisoned({12}, DType::f32);
+  Buf qw = gpu({32}, DType::f32, rand(32)), kw = act({32}, rand(32));
+  EXPECT_THROW(gpu_->qk_norm_forward(qkv_out, qr, qkv, qw, kw, a, 1e-6f), std::invalid_argument);
+  EXPECT_NO_THROW(gpu_->qk_norm_forward(qkv_out, qr, qkv, qw, qw, a, 1e-6f));
+}
+
 // ---- the residual stream: encoder and norms, with it in bf16 or f32 (precision.residual) ----
 
 // The residual stream's dtype is a parameter of these tests; rounding to it is exact for f32.
@@ -96,10 +112,12 @@ std::string residual_name(const ::testing::TestParamInfo<ResidualCase>& info) {
          dtype_name(std::get<1>(info.param));
 }
 
-class CudaResidual : public CudaOps, public ::testing::WithParamInterface<ResidualCase> {
+// Case: a tuple (width C, the residual stream's dtype, ...).
+template <class Case>
+class CudaResidualOps : public CudaOps, public ::testing::WithParamInterface<Case> {
  protected:
-  int width() const { return std::get<0>(GetParam()); }
-  DType res() const { return std::get<1>(GetParam()); }
+  int width() const { return std::get<0>(this->GetParam()); }
+  DType res() const { return std::get<1>(this->GetParam()); }
   // An output of the stream's dtype from bf16-exact inputs: f32 sums agree to f32 rounding.
   double res_tol() const { return res() == DType::f32 ? kF32Tol : kBf16Tol; }
   Buf stream(Shape s, const std::vector<float>& v) { return gpu(s, res(), v); }
@@ -109,6 +127,44 @@ class CudaResidual : public CudaOps, public ::testing::WithParamInterface<Residu
     for (size_t i = 0; i < dinp.size(); ++i)
       ASSERT_EQ(c[i], bf16_to_f32(f32_to_bf16(dinp[i]))) << what << " element " << i;
   }
+};
+using CudaResidual = CudaResidualOps<ResidualCase>;
+
+// ---- the norms' weights: bf16, or f32 (the trainer's gains, read as autocast reads them) ----
+
+// Norm weights of dtype d, uniform in [-1, 1]: bf16-exact for bf16 (as CudaOps::rand), off the
+// bf16 grid for f32, so that a kernel reading f32 weights as bf16 changes the result.
+std::vector<float> norm_weights(std::mt19937& rng, DType d, int64_t n) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d == DType::f32 ? u(rng) : bf16_to_f32(f32_to_bf16(u(rng)));
+  return v;
+}
+
+// Of a norm fed f32 weights: `got` must be nearer the CPU's `ref` than `rounded`, the same op fed
+// the weights rounded to bf16. Rounding to nearest makes that hold element by element (f32 noise
+// aside); a kernel that reads the weights as bf16 gives equality, which a bf16 output's
+// tolerance, wider than bf16's rounding, would let pass.
+void expect_nearer_than_rounded(const std::vector<float>& got, const std::vector<float>& rounded,
+                                const std::vector<float>& ref, const char* what) {
+  const double err = rel_l2(got, ref), err_rounded = rel_l2(rounded, ref);
+  EXPECT_LT(err, err_rounded) << what << ": f32 weights no nearer the CPU than bf16 ones";
+  std::cout << "  " << what << ": rel L2 " << err << " (" << err_rounded
+            << " with the weights in bf16)\n";
+}
+
+using NormCase = std::tuple<int, DType, DType>;  // width C, the residual stream's, the weights'
+std::string norm_name(const ::testing::TestParamInfo<NormCase>& info) {
+  return "C" + std::to_string(std::get<0>(info.param)) + "_" + dtype_name(std::get<1>(info.param)) +
+         "_w" + dtype_name(std::get<2>(info.param));
+}
+
+class CudaNorm : public CudaResidualOps<NormCase> {
+ protected:
+  DType weight_dtype() const { return std::get<2>(GetParam()); }
+  bool f32_weights() const { return weight_dtype() == DType::f32; }
+  std::vector<float> weights(int64_t n) { return norm_weights(rng_, weight_dtype(), n); }
+  Buf weight(Shape s, const std::vector<float>& v) { return gpu(s, weight_dtype(), v); }
 };
 
 class CudaEncoder : public CudaResidual {};
@@ -216,15 +272,17 @@ INSTANTIATE_TEST_SUITE_P(Residual, CudaEncoder,
 
 // ---- layernorm ----------------------------------------------------------------------------
 
-class CudaLayerNorm : public CudaResidual {};
+class CudaLayerNorm : public CudaNorm {};
 
 TEST_P(CudaLayerNorm, ForwardBackward) {
-  // 768, 1024: one-pass backward (several rows per warp at N = 2500); 100: scalar path
+  // 768, 1024: one-pass backward (several rows per warp at N = 2500); 1536: the two-pass
+  // backward with 16-byte loads; 100: scalar path
   const int N = 2500, C = width();
-  std::vector<float> x = rand(N * C, 2.0f), w = rand(C), b = rand(C);
+  std::vector<float> x = rand(N * C, 2.0f), w = weights(C), b = weights(C);
   for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));  // a nonzero mean, still bf16-exact
   Buf cx = cpu({N, C}, x), cw = cpu({C}, w), cb = cpu({C}, b);
-  Buf gx = stream({N, C}, x), gw = act({C}, w), gb = act({C}, b);
+  Buf gx = stream({N, C}, x), gw = weight({C}, w), gb = weight({C}, b);
+  Buf gw16 = act({C}, w), gb16 = act({C}, b);  // the weights rounded to bf16
   Buf co = cpu({N, C}, std::vector<float>(N * C)), cm = cpu({N}, std::vector<float>(N)),
       cr = cpu({N}, std::vector<float>(N));
   Buf go = poisoned({N, C}, DType::bf16), gm = poisoned({N}, DType::f32),
@@ -234,6 +292,11 @@ TEST_P(CudaLayerNorm, ForwardBackward) {
   EXPECT_CLOSE(host(go), host(co), kBf16Tol, "layernorm out");
   EXPECT_CLOSE(host(gm), host(cm), kF32Tol, "layernorm mean");
   EXPECT_CLOSE(host(gr), host(cr), kF32Tol, "layernorm rstd");
+  if (f32_weights()) {
+    Buf go16 = poisoned({N, C}, DType::bf16);
+    gpu_->layernorm_forward(go16, gm, gr, gx, gw16, gb16);
+    expect_nearer_than_rounded(host(go), host(go16), host(co), "layernorm out");
+  }
 
   // Backward from the CPU's mean/rstd so both see identical statistics.
   std::vector<float> dout = rand(N * C), dinp0 = rand(N * C), dw0 = rand(C), db0 = rand(C);
@@ -250,6 +313,12 @@ TEST_P(CudaLayerNorm, ForwardBackward) {
   EXPECT_CLOSE(dw1, host(cdw), kF32Tol, "layernorm dweight (+=)");
   EXPECT_CLOSE(db1, host(cdb), kF32Tol, "layernorm dbias (+=)");
   expect_copy(di1, gcopy, "layernorm dinp_act");
+  if (f32_weights()) {
+    Buf gdi16 = stream({N, C}, dinp0), gdw16 = gpu({C}, DType::f32, dw0),
+        gdb16 = gpu({C}, DType::f32, db0);
+    gpu_->layernorm_backward(gdi16, gdw16, gdb16, gdo, gx, gw16, gm2, gr2, Tensor{});
+    expect_nearer_than_rounded(di1, host(gdi16), host(cdi), "layernorm dinp");
+  }
 
   upload(*gpu_, gdi, dinp0);
   upload(*gpu_, gdw, dw0);
@@ -262,9 +331,9 @@ TEST_P(CudaLayerNorm, ForwardBackward) {
 
 TEST_P(CudaLayerNorm, ResidualForward) {
   const int N = 64, C = width();
-  std::vector<float> a = rand(N * C), b = rand(N * C), w = rand(C), bias = rand(C);
+  std::vector<float> a = rand(N * C), b = rand(N * C), w = weights(C), bias = weights(C);
   Buf ca = cpu({N, C}, a), cb = cpu({N, C}, b), cw = cpu({C}, w), cbias = cpu({C}, bias);
-  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = act({C}, w), gbias = act({C}, bias);
+  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = weight({C}, w), gbias = weight({C}, bias);
   Buf cres = cpu({N, C}, std::vector<float>(N * C)), co = cpu({N, C}, std::vector<float>(N * C));
   Buf cm = cpu({N}, std::vector<float>(N)), cr = cpu({N}, std::vector<float>(N));
   Buf gres = poisoned({N, C}, res()), go = poisoned({N, C}, DType::bf16);
@@ -276,30 +345,43 @@ TEST_P(CudaLayerNorm, ResidualForward) {
   // The GPU normalizes the residual as stored (rounded, in bf16): statistics agree to that.
   EXPECT_CLOSE(host(gm), host(cm), res_tol(), "residual layernorm mean");
   EXPECT_CLOSE(host(gr), host(cr), res_tol(), "residual layernorm rstd");
+  if (f32_weights()) {
+    Buf gw16 = act({C}, w), gbias16 = act({C}, bias), gres16 = poisoned({N, C}, res()),
+        go16 = poisoned({N, C}, DType::bf16);
+    gpu_->residual_layernorm_forward(gres16, go16, gm, gr, ga, gb, gw16, gbias16);
+    expect_nearer_than_rounded(host(go), host(go16), host(co), "residual layernorm out");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Residual, CudaLayerNorm,
-                         ::testing::Combine(::testing::Values(768, 1024, 100),
+                         ::testing::Combine(::testing::Values(768, 1024, 1536, 100),
+                                            ::testing::Values(DType::bf16, DType::f32),
                                             ::testing::Values(DType::bf16, DType::f32)),
-                         residual_name);
+                         norm_name);
 
 // ---- rmsnorm ------------------------------------------------------------------------------
 
-class CudaRmsNorm : public CudaResidual {};
+class CudaRmsNorm : public CudaNorm {};
 
 TEST_P(CudaRmsNorm, ForwardBackward) {
   // 2048 (LLaMA 1.36B), 768 and 4096: one-pass backward; 8192: the two-pass path; 100: scalar
   const int C = width(), N = C >= 8192 ? 600 : 2500;
   const float eps = 1e-5f;
-  std::vector<float> x = rand(N * C, 2.0f), w = rand(C);
+  std::vector<float> x = rand(N * C, 2.0f), w = weights(C);
   for (auto& v : x) v = bf16_to_f32(f32_to_bf16(v + 0.5f));
-  Buf cx = cpu({N, C}, x), cw = cpu({C}, w), gx = stream({N, C}, x), gw = act({C}, w);
+  Buf cx = cpu({N, C}, x), cw = cpu({C}, w), gx = stream({N, C}, x), gw = weight({C}, w);
+  Buf gw16 = act({C}, w);  // the weights rounded to bf16
   Buf co = cpu({N, C}, std::vector<float>(N * C)), cr = cpu({N}, std::vector<float>(N));
   Buf go = poisoned({N, C}, DType::bf16), gr = poisoned({N}, DType::f32);
   cpu_->rmsnorm_forward(co, cr, cx, cw, eps);
   gpu_->rmsnorm_forward(go, gr, gx, gw, eps);
   EXPECT_CLOSE(host(go), host(co), kBf16Tol, "rmsnorm out");
   EXPECT_CLOSE(host(gr), host(cr), kF32Tol, "rmsnorm rstd");
+  if (f32_weights()) {
+    Buf go16 = poisoned({N, C}, DType::bf16);
+    gpu_->rmsnorm_forward(go16, gr, gx, gw16, eps);
+    expect_nearer_than_rounded(host(go), host(go16), host(co), "rmsnorm out");
+  }
 
   // Backward from the CPU's rstd so both see identical statistics; dinp and dweight accumulate.
   std::vector<float> dout = rand(N * C), dinp0 = rand(N * C), dw0 = rand(C);
@@ -314,6 +396,11 @@ TEST_P(CudaRmsNorm, ForwardBackward) {
   EXPECT_CLOSE(di1, host(cdi), res_tol(), "rmsnorm dinp (+=)");
   EXPECT_CLOSE(dw1, host(cdw), kF32Tol, "rmsnorm dweight (+=)");
   expect_copy(di1, gcopy, "rmsnorm dinp_act");
+  if (f32_weights()) {
+    Buf gdi16 = stream({N, C}, dinp0), gdw16 = gpu({C}, DType::f32, dw0);
+    gpu_->rmsnorm_backward(gdi16, gdw16, gdo, gx, gw16, gr2, Tensor{});
+    expect_nearer_than_rounded(di1, host(gdi16), host(cdi), "rmsnorm dinp");
+  }
 
   upload(*gpu_, gdi, dinp0);
   upload(*gpu_, gdw, dw0);
@@ -327,9 +414,9 @@ TEST_P(CudaRmsNorm, ForwardBackward) {
 TEST_P(CudaRmsNorm, ResidualForward) {
   const int N = 64, C = width();
   const float eps = 1e-6f;
-  std::vector<float> a = rand(N * C), b = rand(N * C), w = rand(C);
+  std::vector<float> a = rand(N * C), b = rand(N * C), w = weights(C);
   Buf ca = cpu({N, C}, a), cb = cpu({N, C}, b), cw = cpu({C}, w);
-  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = act({C}, w);
+  Buf ga = stream({N, C}, a), gb = act({N, C}, b), gw = weight({C}, w);
   Buf cres = cpu({N, C}, std::vector<float>(N * C)), co = cpu({N, C}, std::vector<float>(N * C));
   Buf cr = cpu({N}, std::vector<float>(N));
   Buf gres = poisoned({N, C}, res()), go = poisoned({N, C}, DType::bf16);
@@ -340,12 +427,18 @@ TEST_P(CudaRmsNorm, ResidualForward) {
   EXPECT_CLOSE(host(go), host(co), kBf16Tol, "residual rmsnorm out");
   // The GPU normalizes the residual as stored: rstd agrees to its rounding.
   EXPECT_CLOSE(host(gr), host(cr), res_tol(), "residual rmsnorm rstd");
+  if (f32_weights()) {
+    Buf gw16 = act({C}, w), gres16 = poisoned({N, C}, res()), go16 = poisoned({N, C}, DType::bf16);
+    gpu_->residual_rmsnorm_forward(gres16, go16, gr, ga, gb, gw16, eps);
+    expect_nearer_than_rounded(host(go), host(go16), host(co), "residual rmsnorm out");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Residual, CudaRmsNorm,
                          ::testing::Combine(::testing::Values(2048, 768, 4096, 8192, 100),
+                                            ::testing::Values(DType::bf16, DType::f32),
                                             ::testing::Values(DType::bf16, DType::f32)),
-                         residual_name);
+                         norm_name);
 
 // ---- qk_norm, rope (packed qkv, GQA head layouts) ------------------------------------------
 
@@ -356,17 +449,21 @@ std::string heads_name(const HeadsCase& h) {
   return "NH" + std::to_string(h.NH) + "_KV" + std::to_string(h.KV) + "_hs" + std::to_string(h.hs);
 }
 
-class CudaQkNorm : public CudaOps, public ::testing::WithParamInterface<HeadsCase> {};
+using QkNormCase = std::tuple<HeadsCase, DType>;  // the heads, the weights' dtype
+class CudaQkNorm : public CudaOps, public ::testing::WithParamInterface<QkNormCase> {};
 
 TEST_P(CudaQkNorm, ForwardBackward) {
-  const HeadsCase hc = GetParam();
+  const HeadsCase hc = std::get<0>(GetParam());
+  const DType wd = std::get<1>(GetParam());
   const AttentionDims a{hc.NH, hc.KV, hc.hs};
   const int B = 3, T = 37, hs = hc.hs;
   const int64_t D = a.qkv_dim(), n = B * T * D, nr = int64_t{B} * T * (hc.NH + hc.KV);
   const float eps = 1e-6f;
-  std::vector<float> x = rand(n, 2.0f), wq = rand(hs), wk = rand(hs);
+  std::vector<float> x = rand(n, 2.0f), wq = norm_weights(rng_, wd, hs),
+                     wk = norm_weights(rng_, wd, hs);
   Buf cx = cpu({B, T, D}, x), cwq = cpu({hs}, wq), cwk = cpu({hs}, wk);
-  Buf gx = act({B, T, D}, x), gwq = act({hs}, wq), gwk = act({hs}, wk);
+  Buf gx = act({B, T, D}, x), gwq = gpu({hs}, wd, wq), gwk = gpu({hs}, wd, wk);
+  Buf gwq16 = act({hs}, wq), gwk16 = act({hs}, wk);  // the weights rounded to bf16
   Buf co = cpu({B, T, D}, std::vector<float>(n)), cr = cpu({nr}, std::vector<float>(nr));
   Buf go = poisoned({B, T, D}, DType::bf16), gr = poisoned({nr}, DType::f32);
   cpu_->qk_norm_forward(co, cr, cx, cwq, cwk, a, eps);
@@ -377,6 +474,11 @@ TEST_P(CudaQkNorm, ForwardBackward) {
   for (int64_t t = 0; t < B * T; ++t)  // value heads: copied bit for bit
     for (int64_t i = (hc.NH + hc.KV) * hs; i < D; ++i)
       ASSERT_EQ(out[t * D + i], x[t * D + i]) << "value element " << i << " of token " << t;
+  if (wd == DType::f32) {
+    Buf go16 = poisoned({B, T, D}, DType::bf16);
+    gpu_->qk_norm_forward(go16, gr, gx, gwq16, gwk16, a, eps);
+    expect_nearer_than_rounded(out, host(go16), host(co), "qk_norm out");
+  }
 
   // Backward from the CPU's rstd; dinp is overwritten (poisoned), the weight grads accumulate.
   std::vector<float> dout = rand(n), dwq0 = rand(hs), dwk0 = rand(hs);
@@ -391,6 +493,12 @@ TEST_P(CudaQkNorm, ForwardBackward) {
   EXPECT_CLOSE(di1, host(cdi), kBf16Tol, "qk_norm dinp (=)");
   EXPECT_CLOSE(dwq1, host(cdwq), kF32Tol, "qk_norm dq_weight (+=)");
   EXPECT_CLOSE(dwk1, host(cdwk), kF32Tol, "qk_norm dk_weight (+=)");
+  if (wd == DType::f32) {
+    Buf gdi16 = poisoned({B, T, D}, DType::bf16);
+    Buf gdwq16 = gpu({hs}, DType::f32, dwq0), gdwk16 = gpu({hs}, DType::f32, dwk0);
+    gpu_->qk_norm_backward(gdi16, gdwq16, gdwk16, gdo, gx, gwq16, gwk16, gr2, a);
+    expect_nearer_than_rounded(di1, host(gdi16), host(cdi), "qk_norm dinp");
+  }
 
   upload(*gpu_, gdwq, dwq0);
   upload(*gpu_, gdwk, dwk0);
@@ -404,12 +512,16 @@ TEST_P(CudaQkNorm, ForwardBackward) {
       << "dk_weight not deterministic";
 }
 
-INSTANTIATE_TEST_SUITE_P(Heads, CudaQkNorm,
-                         ::testing::Values(HeadsCase{8, 2, 64}, HeadsCase{16, 8, 128},
-                                           HeadsCase{4, 1, 128}),
-                         [](const ::testing::TestParamInfo<HeadsCase>& i) {
-                           return heads_name(i.param);
-                         });
+// hs 32, 64, 128, 256: a head is 4, 8, 16 or 32 lanes.
+INSTANTIATE_TEST_SUITE_P(
+    Heads, CudaQkNorm,
+    ::testing::Combine(::testing::Values(HeadsCase{8, 2, 64}, HeadsCase{16, 8, 128},
+                                         HeadsCase{4, 1, 128}, HeadsCase{4, 2, 32},
+                                         HeadsCase{2, 1, 256}),
+                       ::testing::Values(DType::bf16, DType::f32)),
+    [](const ::testing::TestParamInfo<QkNormCase>& i) {
+      return heads_name(std::get<0>(i.param)) + "_w" + dtype_name(std::get<1>(i.param));
+    });
 
 struct RopeCase {
   HeadsCase heads;
