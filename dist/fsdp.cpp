@@ -87,6 +87,7 @@ class Fsdp final : public Strategy {
     finish_reduce(sumsq, /*sharded=*/true);
   }
   void after_update() override {
+    refresh_f32_reads();
     pack_rest();
     forget_placement();
     // The next forward starts with unit 0: its gather runs now, beside the FP8 shard's casts

@@ -54,10 +54,49 @@ void Strategy::keep_one_moment(const Units& ranges) {
   }
 }
 
+void Strategy::read_in_f32(const Units& ranges) {
+  f32_ranges_.clear();
+  f32_pieces_.clear();
+  int64_t at = 0;
+  for (const auto& [begin, end] : ranges) {
+    f32_ranges_.push_back({begin, end, at});
+    for (const OwnedRange& o : plan_.owned) {
+      const int64_t b = std::max(begin, o.begin), e = std::min(end, o.end);
+      if (b < e) f32_pieces_.push_back({at + b - begin, o.local + b - o.begin, e - b});
+    }
+    at += end - begin;
+  }
+}
+
+Tensor Strategy::f32_params(int64_t begin, const Shape& shape) const {
+  const int64_t end = begin + shape.numel();
+  for (const F32Range& r : f32_ranges_) {
+    if (begin < r.begin || end > r.end) continue;
+    if (f32_copy_.defined()) return f32_copy_.slice(r.at + begin - r.begin, shape);
+    // The master is whole: the one owned range holding it.
+    for (const OwnedRange& o : plan_.owned)
+      if (begin >= o.begin && end <= o.end) return master_.slice(o.local + begin - o.begin, shape);
+  }
+  throw std::logic_error("f32_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                         ") is no range read in f32 here");
+}
+
+void Strategy::refresh_f32_reads() {
+  if (!f32_copy_.defined()) return;
+  backend_.fill_zero(f32_copy_);
+  for (const auto& [at, local, n] : f32_pieces_)
+    backend_.copy(f32_copy_.slice(at, {n}), master_.slice(local, {n}));
+  all_reduce(f32_copy_);
+}
+
 void Strategy::plan_shard(Arena& arena, bool sharded) {
   const int64_t S = plan_.shard_size;
   const char* tag = sharded ? " (shard)" : "";
   arena.plan(&master_, std::string("params.master") + tag, {S}, DType::f32);
+  if (sharded && plan_.world > 1 && !f32_ranges_.empty())
+    arena.plan(&f32_copy_, "params.f32 reads (whole)",
+               {f32_ranges_.back().at + f32_ranges_.back().end - f32_ranges_.back().begin},
+               DType::f32);
   arena.plan(&grad_shard_, std::string("grads") + tag, {S}, DType::f32);
   arena.plan(&m_, std::string("adamw.m") + tag, {S}, DType::f32);
   arena.plan(&v_, std::string("adamw.v") + tag, {std::max<int64_t>(v_size_, 1)}, DType::f32);

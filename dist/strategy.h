@@ -17,6 +17,7 @@
 // summed result is widened back to f32 for the norm and AdamW. Accumulation stays f32.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -77,6 +78,13 @@ class Strategy {
   // m) and no second: v holds only the rest, what adamw_pieces() lists.
   void keep_one_moment(const Units& ranges);
   const std::vector<AdamWPiece>& adamw_pieces() const { return adamw_pieces_; }
+  // Before plan_memory: the buffer's ranges (sorted, disjoint) that the forward reads in f32
+  // rather than the working dtype (norm gains and biases, model/param_layout.h's f32_read).
+  // Every rank holds them whole: views of the master where it is whole (ddp, a world of one),
+  // else a copy that after_update fills from the ranks' shards.
+  void read_in_f32(const Units& ranges);
+  // The f32 parameters [begin, begin + numel(shape)) of the buffer, inside one of those ranges.
+  Tensor f32_params(int64_t begin, const Shape& shape) const;
   // Plans every parameter/gradient/optimizer buffer into `arena`; bind() after it is allocated.
   virtual void plan_memory(Arena& arena) = 0;
   virtual void bind() {}
@@ -191,8 +199,12 @@ class Strategy {
     const auto& [begin, end] = units_[static_cast<size_t>(unit)];
     return flat.slice(begin, {end - begin});
   }
-  // The shard buffers every strategy has: master, grad shard and moments (ddp: everything).
+  // The shard buffers every strategy has: master, grad shard and moments (ddp: everything),
+  // and the whole copy of read_in_f32's ranges where the master is not whole.
   void plan_shard(Arena& arena, bool sharded);
+  // Sharded strategies, in after_update: that copy from the updated shards (one all-reduce of
+  // the copy, each rank's owned pieces in place and zeros elsewhere: the sum is exact).
+  void refresh_f32_reads();
   // sumsq (f32[1]) = the squared norm of the whole gradient, from the reduced grad shard, which
   // each rank holds a part of (`sharded`: summed over comm_) or all of; first the sums over the
   // groups reduce_over named.
@@ -207,6 +219,14 @@ class Strategy {
   bool last_micro_ = true;
   Tensor master_, grad_shard_, m_, v_;
   std::vector<AdamWPiece> adamw_pieces_;  // every owned element unless keep_one_moment
+  // read_in_f32: each range with its offset in f32_copy_, and the owned pieces refresh_f32_reads
+  // copies (offset in the copy, offset in the shard, size).
+  struct F32Range {
+    int64_t begin, end, at;
+  };
+  std::vector<F32Range> f32_ranges_;
+  std::vector<std::array<int64_t, 3>> f32_pieces_;
+  Tensor f32_copy_;
   int64_t v_size_ = 0;
   Tensor reduce_full_, reduce_shard_;  // reduce_dtype bf16: the rounded gradients and a shard
   struct PendingScatter {

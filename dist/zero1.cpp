@@ -35,7 +35,10 @@ class Zero1 final : public Strategy {
     reduce_scatter_grads(grad_shard_, grads_, /*accumulate=*/false, Tensor{});
     finish_reduce(sumsq, /*sharded=*/true);
   }
-  void after_update() override { all_gather(working_, gather_src_); }
+  void after_update() override {
+    all_gather(working_, gather_src_);
+    refresh_f32_reads();
+  }
   void refresh_working() override {
     if (working_shard_.defined()) backend_.copy(working_shard_, master_);
     after_update();

@@ -43,6 +43,11 @@ struct ParamInfo {
   // rows, each a logical matrix of its own [rows, last dim] (a packed qkv: q, k and v); empty:
   // not one (embeddings, the head, norms, biases, a router), which AdamW updates.
   std::vector<int64_t> matrix_rows;
+  // Read by the forward in f32, not the working dtype (norm gains and biases, as autocast reads
+  // them): a gain sits near 1, where bf16's spacing (2^-7) is some 13 times AdamW's largest
+  // step at lr 6e-4, so a bf16 copy would move once in many updates. Every rank holds such
+  // tensors whole in f32 (Strategy::read_in_f32).
+  bool f32_read = false;
   int64_t numel() const { return shape.numel(); }
   bool hidden_matrix() const { return !matrix_rows.empty(); }
 };
@@ -78,6 +83,8 @@ class LayoutBuilder {
   // Marks tensor `index` (2-D, or 3-D with its experts first) as hidden matrices for Muon, of
   // these runs of rows (ParamInfo::matrix_rows; empty: one matrix of all its rows).
   void hidden_matrix(int index, std::vector<int64_t> rows = {});
+  // Marks tensor `index` as read in f32 (ParamInfo::f32_read).
+  void read_in_f32(int index) { layout_.tensors.at(static_cast<size_t>(index)).f32_read = true; }
   // Closes the open unit (every tensor added since the last close) and opens the next.
   void close_unit();
   // The finished layout, with its decay spans merged.

@@ -98,6 +98,7 @@ ParamLayout shard_layout(const ParamLayout& global, const ShardCoords& c) {
       if (!split.segments.empty()) split.segments = local_segments;
     }
     const int index = b.add(t.name, shape, t.decay, experts, split);
+    if (t.f32_read) b.read_in_f32(index);
     if (t.hidden_matrix()) {
       // A row split divides each matrix's rows (a column split keeps them, with fewer columns).
       std::vector<int64_t> rows = t.matrix_rows;

@@ -605,6 +605,24 @@ TEST(DecoderInit, NormGainsOnesBiasesZeroForEveryArch) {
   }
 }
 
+// The forward reads norm gains and biases in f32 (ParamInfo::f32_read), and nothing else: not
+// the embeddings, the matmul weights or their biases, which autocast reads in bf16 too.
+TEST(DecoderLayout, NormGainsAndBiasesAloneAreReadInF32) {
+  for (const ModelConfig& c : {gpt2_124m(), llama_tiny(), qwen3_tiny()}) {
+    const ParamLayout layout = layout_of(c);
+    int f32_reads = 0;
+    for (const ParamInfo& t : layout.tensors) {
+      const bool norm = t.name.find("ln") != std::string::npos ||
+                        t.name.find("_norm.") != std::string::npos;
+      EXPECT_EQ(t.f32_read, norm) << c.arch << " " << t.name;
+      f32_reads += t.f32_read;
+    }
+    const int per_block = (c.norm == NormKind::layernorm ? 4 : 2) + (c.qk_norm ? 2 : 0);
+    EXPECT_EQ(f32_reads, c.n_layer * per_block + (c.norm == NormKind::layernorm ? 2 : 1))
+        << c.arch;
+  }
+}
+
 TEST(DecoderConfig, InconsistentShapesAreRefused) {
   ModelConfig c = llama_tiny();
   c.n_kv_head = 3;  // does not divide 2

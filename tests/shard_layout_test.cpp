@@ -23,7 +23,7 @@ ParamLayout test_layout() {
   LayoutBuilder b;
   b.add("wte", {V, C}, true, 0, {0, {}});
   b.close_unit();
-  b.add("ln1", {C}, false);
+  b.read_in_f32(b.add("ln1", {C}, false));
   b.add("qkv", {Q + 2 * KV, C}, true, 0, {0, {Q, KV, KV}});
   b.add("qkv_bias", {Q + 2 * KV}, false, 0, {0, {Q, KV, KV}});
   b.add("proj", {C, Q}, true, 0, {1, {}});
@@ -32,7 +32,7 @@ ParamLayout test_layout() {
   b.add("down", {C, F}, true, 0, {1, {}});
   b.add("experts", {E, F, C}, true, E);
   b.close_unit();
-  b.add("lnf", {C}, false);
+  b.read_in_f32(b.add("lnf", {C}, false));
   b.close_unit();
   return b.finish();
 }
@@ -86,6 +86,7 @@ TEST(ShardLayout, EachRankHoldsItsPartOfEveryTensor) {
             const ParamInfo &l = local.tensors[i], &g = global.tensors[i];
             const std::vector<int64_t> want = expected_part(g, T, t, P, e);
             ASSERT_EQ(static_cast<int64_t>(want.size()), l.numel()) << g.name << " T" << T;
+            EXPECT_EQ(l.f32_read, g.f32_read) << g.name;  // what the forward reads in f32 stays
             for (int64_t k = 0; k < l.numel(); ++k)
               ASSERT_EQ(mine[static_cast<size_t>(l.offset + k)], static_cast<float>(want[k]))
                   << g.name << " T" << T << " t" << t << " P" << P << " e" << e << " at " << k;

@@ -25,6 +25,16 @@ Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(in
   };
 }
 
+// The weights' Locate: unit_locator's, but the tensors read in f32 (ParamInfo::f32_read) at the
+// strategy's f32 copy of them.
+Locate weight_locator(const Strategy& strategy, const ParamLayout* local) {
+  const Locate in_unit = unit_locator(strategy, &Strategy::unit_params, local);
+  return [&strategy, in_unit, local](const ParamInfo& model_info) {
+    const ParamInfo& info = local ? local->find(model_info.name) : model_info;
+    return info.f32_read ? strategy.f32_params(info.offset, info.shape) : in_unit(model_info);
+  };
+}
+
 }  // namespace
 
 MeshShape mesh_shape(const DistSection& dist) {
@@ -51,6 +61,7 @@ std::unique_ptr<Strategy> make_run_strategy(const DistSection& dist, Backend& ba
   o.first_unit_rows = mesh.has_tensor_split() ? 0 : flat.first_unit_rows;
   o.rows_per_micro_batch = rows_per_micro_batch;
   auto strategy = make_strategy(o, backend, comms.data, mesh.data_group(), flat.total, flat.units);
+  strategy->read_in_f32(ranges_where(flat, [](const ParamInfo& t) { return t.f32_read; }));
   if (mesh.has_tensor_split())
     strategy->reduce_over(comms.tensor,
                           ranges_where(flat, [](const ParamInfo& t) { return !t.split.split(); }));
@@ -89,7 +100,7 @@ void parallelize_experts(Model& model, const RankLayout& layout, const DeviceMes
 
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const ParamLayout* local) {
   auto bind = [&model, &strategy, local] {
-    model.bind_weights(unit_locator(strategy, &Strategy::unit_params, local));
+    model.bind_weights(weight_locator(strategy, local));
     model.bind_grads(unit_locator(strategy, &Strategy::unit_grads, local));
     const Locate fp8 = unit_locator(strategy, &Strategy::unit_fp8, local);
     model.fp8().point_gathered([&model, &fp8](int param) {

@@ -13,6 +13,8 @@ void Attention::declare(LayoutBuilder& b, const std::string& name, int64_t C, bo
   if (qk_norm) {
     q_norm = b.add(name + ".q_norm.weight", {dims.head_dim}, false);
     k_norm = b.add(name + ".k_norm.weight", {dims.head_dim}, false);
+    b.read_in_f32(q_norm);
+    b.read_in_f32(k_norm);
   }
   proj.declare(b, name + ".proj", dims.q_dim(), C, bias, LinearSplit::row);
   b.hidden_matrix(proj.weight);

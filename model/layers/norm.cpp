@@ -4,7 +4,9 @@ namespace kiln {
 
 void Norm::declare(LayoutBuilder& b, const std::string& name, int64_t C) {
   weight = b.add(name + ".weight", {C}, false);
+  b.read_in_f32(weight);
   bias = kind == NormKind::layernorm ? b.add(name + ".bias", {C}, false) : -1;
+  if (bias >= 0) b.read_in_f32(bias);
 }
 
 void Norm::plan(const Planner& planner, const std::string& name, Acts& a, int64_t B, int64_t T,
