@@ -158,7 +158,7 @@ TEST(TrainPlan, APlanTooCloseToTheGpusMemoryIsRefused) {
                       "--fp8.all_gather=false");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("a plan leaves 512.0 MiB of the GPU spare for what grows during the run "
-                          "(now 74.4 MiB)"),
+                          "(now 73.2 MiB)"),
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("train.recompute_full_blocks=2 (the fewest that fit; now 0)"),
@@ -186,8 +186,28 @@ TEST(TrainPlan, Fp8AllGatherKeepsNoWorkingShard) {
       << gathered.output;
   EXPECT_NE(line_from(gathered.output, "fsdp.gather.a.fp8").find("[218112000]"), std::string::npos)
       << gathered.output;
+  // The f32 copy of the norm gains every rank reads (Strategy::read_in_f32): 32 blocks' two
+  // gains and the final one.
+  EXPECT_NE(line_from(gathered.output, "params.f32 reads (whole)").find("[266240]"),
+            std::string::npos)
+      << gathered.output;
   EXPECT_NE(line_from(gathered.output, "plan: 72.01 GiB"), "") << gathered.output;
   EXPECT_NE(line_from(bf16.output, "plan: 73.34 GiB"), "") << bf16.output;
+}
+
+// The norm gains the forward reads in f32 are views of the master where it is whole (ddp, one
+// rank) and a copy of their own where it is sharded: 32 blocks' two gains and the final one.
+TEST(TrainPlan, NormGainsReadInF32AreCopiedOnlyWhereTheMasterIsSharded) {
+  const std::string gpu = " --plan-gpu-memory h200";
+  for (const std::string& flags : {std::string("--nproc-per-node 1"),
+                                   std::string("--nproc-per-node 4 --dist.strategy=ddp")}) {
+    const auto r = plan("llama3-8b.yaml", flags + gpu);
+    EXPECT_EQ(line_from(r.output, "params.f32 reads"), "") << flags << "\n" << r.output;
+  }
+  const auto zero1 = plan("llama3-8b.yaml", "--nproc-per-node 4 --dist.strategy=zero1" + gpu);
+  EXPECT_NE(line_from(zero1.output, "params.f32 reads (whole)").find("[266240]"),
+            std::string::npos)
+      << zero1.output;
 }
 
 // fsdp's rotating gather buffers are as wide as a block: the untied head (128256 x 4096) takes
