@@ -14,8 +14,10 @@ train.eval_steps batches from the start of the val split after every train.eval_
 
 --kiln-numerics emulates kiln's bf16 choices inside the twin, one switch at a time, for ablation:
   resid_fwd    the residual stream (embedding output, every x + branch) rounded to bf16
+               (precision.residual=bf16)
   resid_bwd    the residual stream's gradient rounded to bf16 wherever kiln holds it
-  norm_params  norm weights and biases used as bf16 (kiln's working copy), fp32 master kept
+  norm_params  norm weights and biases used as bf16, fp32 master kept (kiln read them from its
+               bf16 working copy before 33bc371; it reads them in f32 now, as the twin does)
   embed        wte/wpe looked up from their bf16 copies
   all          the four
 --decay-wpe 1 decays the learned position table too (kiln: wpe is not decayed).
