@@ -6,8 +6,10 @@
 
 namespace kiln {
 
-Locate flat_params(Tensor flat) {
-  return [flat](const ParamInfo& info) { return flat.slice(info.offset, info.shape); };
+Locate flat_params(Tensor flat, Tensor f32) {
+  return [flat, f32](const ParamInfo& info) {
+    return (info.f32_read && f32.defined() ? f32 : flat).slice(info.offset, info.shape);
+  };
 }
 
 std::unique_ptr<Model> make_model(const ModelConfig& cfg, Backend& backend) {

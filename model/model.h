@@ -123,8 +123,10 @@ struct RecomputePlan {
 // Where a parameter tensor lives (an undefined Tensor: not present now, as for an FSDP unit
 // that is not gathered).
 using Locate = std::function<Tensor(const ParamInfo&)>;
-// Views into one flat buffer (any dtype) laid out as the layout.
-Locate flat_params(Tensor flat);
+// Views into one flat buffer (any dtype) laid out as the layout; where `f32` (an f32 buffer of
+// the same layout: the master weights) is given, the tensors read in f32 (ParamInfo::f32_read,
+// the norm gains) are views of it instead, as the trainer reads them.
+Locate flat_params(Tensor flat, Tensor f32 = {});
 
 // Called at unit boundaries so a sharding strategy (FSDP) can gather a unit's parameters before
 // it is used and reduce its gradients after. Units are numbered as in ParamInfo::unit; each hook

@@ -623,6 +623,21 @@ TEST(DecoderLayout, NormGainsAndBiasesAloneAreReadInF32) {
   }
 }
 
+// flat_params with the master beside the working copy: what evaluation and sampling bind, so
+// that they read the norm gains as training does.
+TEST(DecoderLayout, FlatParamsTakeTheF32ReadsFromTheMaster) {
+  const ParamLayout layout = layout_of(llama_tiny());
+  std::vector<float> working(static_cast<size_t>(layout.total)),
+      master(static_cast<size_t>(layout.total));
+  const Tensor w{working.data(), {layout.total}}, m{master.data(), {layout.total}};
+  const Locate both = flat_params(w, m), alone = flat_params(w);
+  for (const ParamInfo& t : layout.tensors) {
+    EXPECT_EQ(both(t).data, (t.f32_read ? master : working).data() + t.offset) << t.name;
+    EXPECT_EQ(both(t).shape, t.shape) << t.name;
+    EXPECT_EQ(alone(t).data, working.data() + t.offset) << t.name;
+  }
+}
+
 TEST(DecoderConfig, InconsistentShapesAreRefused) {
   ModelConfig c = llama_tiny();
   c.n_kv_head = 3;  // does not divide 2

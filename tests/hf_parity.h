@@ -60,7 +60,7 @@ inline KilnScore kiln_score(Backend& backend, const std::string& hf_dir,
   greedy.max_new_tokens = new_tokens;
   greedy.temperature = 0.0f;
   std::mt19937_64 rng(0);
-  out.greedy = generate(backend, m.config, weights, prompt, greedy, rng);
+  out.greedy = generate(backend, m.config, flat_params(weights), prompt, greedy, rng);
   return out;
 }
 

@@ -137,7 +137,7 @@ TEST_P(Sampling, CacheGivesTheRecomputedTokens) {
     for (const bool cache : {true, false}) {
       opts.kv_cache = cache;
       std::mt19937_64 rng(11);
-      out.push_back(generate(cpu(), w.config, w.weights(), {1, 2, 3}, opts, rng, w.bias()));
+      out.push_back(generate(cpu(), w.config, flat_params(w.weights()), {1, 2, 3}, opts, rng, w.bias()));
     }
     EXPECT_EQ(out[0], out[1]);
     EXPECT_EQ(out[0].size(), static_cast<size_t>(kSeqLen));
@@ -157,7 +157,7 @@ TEST_P(Sampling, PastTheWindowTheCacheKeepsTheNewestHalf) {
   opts.max_new_tokens = 3 * T;
   opts.temperature = 0.0f;
   std::mt19937_64 rng(0);
-  const std::vector<int> out = generate(cpu(), c, w.weights(), prompt, opts, rng, w.bias());
+  const std::vector<int> out = generate(cpu(), c, flat_params(w.weights()), prompt, opts, rng, w.bias());
   ASSERT_EQ(out.size(), prompt.size() + 3 * T);
 
   const std::unique_ptr<Model> model = make_model(c, cpu());

@@ -117,7 +117,7 @@ int run(int argc, char** argv) {
   arena.allocate();
   backend->copy_from_host(master, model.params.data());
   backend->copy(weights, master);
-  net->bind_weights(flat_params(weights));
+  net->bind_weights(flat_params(weights, master));  // norm gains in f32, as training reads them
   if (!model.moe_bias.empty()) backend->copy_from_host(net->moe_bias(), model.moe_bias.data());
 
   std::vector<float> losses(static_cast<size_t>(B) * T);

@@ -157,7 +157,7 @@ int run(int argc, char** argv) {
 
   std::mt19937_64 rng(seed);
   const std::vector<int> out =
-      generate(*backend, mc, weights, tokens, opts, rng, moe_bias);  // the prompt too
+      generate(*backend, mc, flat_params(weights, master), tokens, opts, rng, moe_bias);  // the prompt too
   if (bytes) {
     std::printf("%s\n", byte_decode(out).c_str());
   } else {

@@ -25,16 +25,6 @@ Locate unit_locator(const Strategy& strategy, Tensor (Strategy::*unit_tensor)(in
   };
 }
 
-// The weights' Locate: unit_locator's, but the tensors read in f32 (ParamInfo::f32_read) at the
-// strategy's f32 copy of them.
-Locate weight_locator(const Strategy& strategy, const ParamLayout* local) {
-  const Locate in_unit = unit_locator(strategy, &Strategy::unit_params, local);
-  return [&strategy, in_unit, local](const ParamInfo& model_info) {
-    const ParamInfo& info = local ? local->find(model_info.name) : model_info;
-    return info.f32_read ? strategy.f32_params(info.offset, info.shape) : in_unit(model_info);
-  };
-}
-
 }  // namespace
 
 MeshShape mesh_shape(const DistSection& dist) {
@@ -96,6 +86,14 @@ void parallelize_experts(Model& model, const RankLayout& layout, const DeviceMes
       "over {} replica{}",
       P, E, P, El, El, P, layout.local().total, model.layout().total, replicas,
       replicas > 1 ? "s" : "");
+}
+
+Locate weight_locator(const Strategy& strategy, const ParamLayout* local) {
+  const Locate in_unit = unit_locator(strategy, &Strategy::unit_params, local);
+  return [&strategy, in_unit, local](const ParamInfo& model_info) {
+    const ParamInfo& info = local ? local->find(model_info.name) : model_info;
+    return info.f32_read ? strategy.f32_params(info.offset, info.shape) : in_unit(model_info);
+  };
 }
 
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks, const ParamLayout* local) {

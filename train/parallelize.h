@@ -54,6 +54,10 @@ RunCommunicators make_run_communicators(const DeviceMesh& mesh, Backend& backend
 // same tensors as the model's layout; each is found by name.
 void parallelize(Model& model, Strategy& strategy, UnitHooks& hooks,
                  const ParamLayout* local = nullptr);
+// Where the forward reads each parameter now (`local` as parallelize's): its unit's working
+// copy, or the strategy's f32 copy for a tensor read in f32 (ParamInfo::f32_read). What
+// parallelize binds, and what sampling reads.
+Locate weight_locator(const Strategy& strategy, const ParamLayout* local = nullptr);
 
 // precision.fp8 on the strategy: under one that never holds the whole model (fsdp) the FP8
 // linears' weights are gathered in FP8 with their units (`all_gather`, fp8.all_gather; `local`

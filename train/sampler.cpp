@@ -40,7 +40,7 @@ int next_context(int context, int64_t length, int T, bool kv_cache) {
   return static_cast<int>(std::min<int64_t>(length, fit));
 }
 
-std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
+std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Locate& weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng, Tensor moe_bias) {
   if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
@@ -58,7 +58,7 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
   arena.plan(&token, "token", {1, 1}, DType::i32);
   arena.plan(&row, "logits_row", {Vp}, DType::f32);
   arena.allocate();
-  model->bind_weights(flat_params(weights));
+  model->bind_weights(weights);
   if (moe_bias.defined()) backend.copy(model->moe_bias(), moe_bias);
 
   std::vector<int32_t> window(static_cast<size_t>(T), 0);
@@ -89,7 +89,7 @@ std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weigh
   return prompt;
 }
 
-void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor moe_bias,
+void log_sample(Backend& backend, const ModelConfig& cfg, const Locate& weights, Tensor moe_bias,
                 int tokens, std::mt19937_64& rng, int step) {
   if (cfg.vocab_size > 256) return;
   SamplingOptions opts;

@@ -24,16 +24,17 @@ struct SamplingOptions {
   bool kv_cache = true;
 };
 
-// `weights`: the flat parameter buffer in the backend's working dtype. Returns prompt +
-// generated tokens. moe_bias: a MoE run's balancing bias (Model::moe_bias), which routing uses.
-std::vector<int> generate(Backend& backend, const ModelConfig& cfg, Tensor weights,
+// `weights`: where the model's parameters are, as the trainer reads them (flat_params of the
+// working copy and the master, model/model.h). Returns prompt + generated tokens. moe_bias: a
+// MoE run's balancing bias (Model::moe_bias), which routing uses.
+std::vector<int> generate(Backend& backend, const ModelConfig& cfg, const Locate& weights,
                           std::vector<int> prompt, const SamplingOptions& opts,
                           std::mt19937_64& rng, Tensor moe_bias = {});
 
 // train.sample_every's sample at step `step`: `tokens` tokens after a newline, at temperature
 // 0.8 and top-k 40, logged as text. Only the byte tokenizer decodes here: a model of a larger
 // vocabulary logs nothing.
-void log_sample(Backend& backend, const ModelConfig& cfg, Tensor weights, Tensor moe_bias,
+void log_sample(Backend& backend, const ModelConfig& cfg, const Locate& weights, Tensor moe_bias,
                 int tokens, std::mt19937_64& rng, int step);
 // Whether finishing `step` (1-based) logs train.sample_every's sample.
 bool sample_due(const TrainSection& train, int step);

@@ -251,7 +251,7 @@ void Trainer::step_work() {
 
 void Trainer::print_sample(int step) {
   if (is_main() && can_sample())
-    log_sample(*backend_, mcfg_, strategy_->full_working(), model_->moe_bias(),
+    log_sample(*backend_, mcfg_, weight_locator(*strategy_), model_->moe_bias(),
                cfg_.train.sample_tokens, rng_, step);
 }
 
