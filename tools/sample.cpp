@@ -156,8 +156,9 @@ int run(int argc, char** argv) {
   if (!bias.empty()) backend->copy_from_host(moe_bias, bias.data());
 
   std::mt19937_64 rng(seed);
+  // The prompt too; the norm gains in f32, as training reads them.
   const std::vector<int> out =
-      generate(*backend, mc, flat_params(weights, master), tokens, opts, rng, moe_bias);  // the prompt too
+      generate(*backend, mc, flat_params(weights, master), tokens, opts, rng, moe_bias);
   if (bytes) {
     std::printf("%s\n", byte_decode(out).c_str());
   } else {
