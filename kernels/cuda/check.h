@@ -54,8 +54,9 @@ void gelu_forward(Tensor out, Tensor pre, int sm_count, cudaStream_t stream);
 inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
-// True when rows of C bf16 values can be read 8 at a time (16 bytes) from every pointer given
-// (null pointers, absent tensors, are skipped).
+// True when rows of C values can be read 8 at a time from every pointer given (null pointers,
+// absent tensors, are skipped): one 16-byte load of bf16, or two of f32 (norm weights read in
+// f32), each aligned where the base is.
 inline bool vec8_ok(int64_t C, std::initializer_list<const void*> ptrs) {
   if (C % 8 != 0) return false;
   for (const void* p : ptrs)
